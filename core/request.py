@@ -1,0 +1,92 @@
+"""Request and its state machine: WAITING → RUNNING ⇄ PREEMPTED(→ WAITING) → FINISHED_*."""
+from __future__ import annotations
+
+import enum
+
+from ipc import EngineCoreRequest, FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+_ALLOWED = {
+    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
+    RequestStatus.RUNNING: {RequestStatus.PREEMPTED, *_FINISH_REASONS},
+    RequestStatus.PREEMPTED: {RequestStatus.WAITING, RequestStatus.FINISHED_ABORTED},
+}
+
+
+class Request:
+    """The scheduler's view of one request: its tokens, how many are computed, and its state."""
+
+    def __init__(self, core_request: EngineCoreRequest, arrival_index: int, max_tokens: int) -> None:
+        self.request_id = core_request.request_id
+        self.prompt_token_ids = core_request.prompt_token_ids
+        self.sampling_params: SamplingParams = core_request.sampling_params
+        self.eos_token_id = core_request.eos_token_id
+        self.priority = core_request.priority
+        self.arrival_index = arrival_index
+        self.max_tokens = max_tokens
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        # Tokens sampled since the workers last saw this request (sent in the next SchedulerOutput).
+        self.unsent_token_ids: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs first; the highest is preempted first (FCFS is priority 0 for everyone)."""
+        return self.priority, self.arrival_index
+
+    def set_status(self, status: RequestStatus) -> None:
+        if status not in _ALLOWED.get(self.status, set()):
+            raise RuntimeError(f"request {self.request_id}: illegal transition {self.status.name} → {status.name}")
+        self.status = status
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.unsent_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finished status the last sampled token leads to, if any."""
+        params, token = self.sampling_params, self.output_token_ids[-1]
+        num_out = len(self.output_token_ids)
+        if num_out >= params.min_tokens:
+            if token == self.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if params.stop_token_ids and token in params.stop_token_ids:
+                self.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if num_out >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

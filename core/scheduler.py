@@ -1,0 +1,188 @@
+"""Scheduler: gives each request tokens to compute under the step's budget; preempts by recompute."""
+from __future__ import annotations
+
+import bisect
+import heapq
+
+from core.kv_cache_manager import KVCacheManager
+from core.request import Request, RequestStatus
+from ipc import (
+    CachedRequestData,
+    EngineConfig,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+class Scheduler:
+    """No prefill or decode phases: each request computes `num_tokens - num_computed_tokens` tokens, capped."""
+
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[tuple[tuple[int, int], Request]] = []  # heap by sort_key
+        # Kept sorted by sort_key, so the preemption victim is always the last one (never one already
+        # scheduled in this step, since running requests are scheduled front to back).
+        self.running: list[Request] = []
+        self.finished_req_ids: list[str] = []  # not yet told to the workers
+        self.num_preemptions = 0
+        self.peak_kv_usage = 0.0
+        self.kv_utilization_at_peak = 1.0
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        heapq.heappush(self.waiting, (request.sort_key, request))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted = self._schedule_running(num_scheduled, cached_reqs, budget)
+        budget -= sum(num_scheduled.values())
+        if not preempted:
+            self._schedule_waiting(num_scheduled, new_reqs, cached_reqs, budget)
+        finished, self.finished_req_ids = self.finished_req_ids, []
+        self._record_peak()
+        return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+                               num_scheduled_tokens=num_scheduled,
+                               total_num_scheduled_tokens=sum(num_scheduled.values()), finished_req_ids=finished)
+
+    def _schedule_running(self, num_scheduled: dict[str, int], cached_reqs: list[CachedRequestData],
+                          budget: int) -> bool:
+        """Running requests first, in order; preempt from the back when blocks run out. True if any preempted."""
+        preempted_any = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # waiting for the token its last step samples
+                index += 1
+                continue
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted_any = True
+                if victim is request:
+                    break
+                new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                continue  # `request` itself was preempted; the next one now sits at `index`
+            cached_reqs.append(self._cached_data(request, new_blocks, resumed=False))
+            self._commit(request, num_new, num_scheduled)
+            budget -= num_new
+            index += 1
+        return preempted_any
+
+    def _schedule_waiting(self, num_scheduled: dict[str, int], new_reqs: list[NewRequestData],
+                          cached_reqs: list[CachedRequestData], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0][1]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            heapq.heappop(self.waiting)
+            resumed = request.status == RequestStatus.PREEMPTED
+            if resumed:
+                request.set_status(RequestStatus.WAITING)
+                cached_reqs.append(self._cached_data(request, self.kv.block_ids(request), resumed=True))
+            else:
+                new_reqs.append(NewRequestData(
+                    req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
+                    block_ids=list(new_blocks), num_computed_tokens=request.num_computed_tokens))
+            request.set_status(RequestStatus.RUNNING)
+            bisect.insort(self.running, request, key=lambda r: r.sort_key)
+            self._commit(request, num_new, num_scheduled)
+            budget -= num_new
+
+    def _cached_data(self, request: Request, new_blocks: list[int], resumed: bool) -> CachedRequestData:
+        data = CachedRequestData(req_id=request.request_id, new_token_ids=request.unsent_token_ids,
+                                 new_block_ids=list(new_blocks), num_computed_tokens=request.num_computed_tokens,
+                                 resumed_from_preemption=resumed)
+        request.unsent_token_ids = []
+        return data
+
+    @staticmethod
+    def _commit(request: Request, num_new: int, num_scheduled: dict[str, int]) -> None:
+        # Counted as computed when scheduled, so a request is never scheduled twice for the same tokens.
+        request.num_computed_tokens += num_new
+        num_scheduled[request.request_id] = num_new
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop its blocks, start over from token 0 when rescheduled."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.set_status(RequestStatus.PREEMPTED)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        heapq.heappush(self.waiting, (request.sort_key, request))
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+                           ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, finish requests that stop, and report new tokens."""
+        outputs = []
+        for req_id, token_id in runner_output.sampled_token_ids.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while its step ran
+            request.append_output_token(token_id)
+            stopped = request.check_stop(self.max_model_len)
+            if stopped is not None:
+                self._finish(request, stopped)
+            outputs.append(self._output(request, token_id, runner_output))
+        return outputs
+
+    def _output(self, request: Request, token_id: int, runner_output: ModelRunnerOutput) -> EngineCoreOutput:
+        req_id = request.request_id
+        output = EngineCoreOutput(request_id=req_id, new_token_ids=[token_id],
+                                  finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
+                                  num_cached_tokens=request.num_cached_tokens)
+        if req_id in runner_output.logprobs:
+            output.new_logprob_token_ids = [runner_output.logprob_token_ids[req_id]]
+            output.new_logprobs = [runner_output.logprobs[req_id]]
+            output.new_sampled_ranks = [runner_output.sampled_ranks[req_id]]
+        return output
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
+        """Finish requests from outside the step (aborts); unknown or finished ids are ignored."""
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is not None:
+                self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting = [(key, r) for key, r in self.waiting if r is not request]
+            heapq.heapify(self.waiting)
+        request.set_status(status)
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.append(request.request_id)
+
+    def _record_peak(self) -> None:
+        """At the step with the most blocks in use: tokens held in KV blocks / slots in allocated blocks."""
+        usage = self.kv.usage
+        if usage > self.peak_kv_usage:
+            slots = self.kv.num_allocated_slots()
+            self.peak_kv_usage = usage
+            self.kv_utilization_at_peak = sum(r.num_computed_tokens for r in self.running) / slots
+
+    def stats(self) -> dict[str, float]:
+        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
+                "kv_usage": self.kv.usage, "num_free_blocks": self.kv.num_free_blocks,
+                "peak_kv_usage": self.peak_kv_usage, "kv_utilization_at_peak": self.kv_utilization_at_peak,
+                "num_preemptions": self.num_preemptions}

@@ -1,0 +1,42 @@
+"""Incremental detokenization (multi-byte safe) and stop-string matching for one request."""
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+from transformers import PreTrainedTokenizerBase
+
+from ipc import SamplingParams
+
+
+class IncrementalDetokenizer:
+    """Turns token ids into text as they arrive; a partial UTF-8 character is held back until complete
+    (and dropped if generation ends inside it, where decode() would show U+FFFD)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, params: SamplingParams,
+                 prompt_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer._tokenizer
+        # Seeding the stream with the prompt's tail lets tokenizers that strip a leading space decode correctly.
+        self.stream = DecodeStream(ids=prompt_token_ids[-4:], skip_special_tokens=params.skip_special_tokens)
+        self.stop = params.stop or []
+        self.include_stop = params.include_stop_str_in_output
+        self.text = ""
+
+    def add_token(self, token_id: int) -> str | None:
+        """Append one token's text; return the stop string if the text now contains one (text is cut there)."""
+        piece = self.stream.step(self.tokenizer, token_id)
+        if not piece:
+            return None
+        self.text += piece
+        return self._check_stop(len(piece))
+
+    def _check_stop(self, new_chars: int) -> str | None:
+        """The earliest stop string that overlaps the new text; the text is cut at it."""
+        found = []
+        for stop in self.stop:
+            index = self.text.find(stop, max(0, len(self.text) - new_chars - len(stop) + 1))
+            if index != -1:
+                found.append((index, stop))
+        if not found:
+            return None
+        index, stop = min(found)
+        self.text = self.text[:index + len(stop)] if self.include_stop else self.text[:index]
+        return stop

@@ -1,0 +1,91 @@
+"""Turn engine-core outputs (token ids) into RequestOutputs: detokenize, apply stop strings, track logprobs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from frontend.detokenizer import IncrementalDetokenizer
+from frontend.outputs import CompletionOutput, Logprob, RequestOutput
+from ipc import EngineCoreOutput, FinishReason, SamplingParams
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    num_cached_tokens: int = 0
+
+    def to_output(self, finish_reason: str | None, stop_reason: int | str | None) -> RequestOutput:
+        completion = CompletionOutput(0, self.detokenizer.text, list(self.token_ids), self.cumulative_logprob,
+                                      self.logprobs, finish_reason, stop_reason)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
+                             finish_reason is not None, self.num_cached_tokens)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params, prompt_token_ids)
+        state = RequestState(request_id, prompt, prompt_token_ids, params, detokenizer)
+        if params.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        self.states[request_id] = state
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """(outputs of requests that finished, request ids the engine must abort because a stop string hit)."""
+        finished, to_abort = [], []
+        for output in outputs:
+            state = self.states.get(output.request_id)
+            if state is None:
+                continue  # finished here already (stop string) while the engine was still running it
+            result = self._process(state, output)
+            if result is not None:
+                finished.append(result)
+                del self.states[output.request_id]
+                if output.finish_reason is None:
+                    to_abort.append(output.request_id)
+        return finished, to_abort
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self.states.pop(request_id, None)
+        return state.to_output(FinishReason.ABORT.value, None) if state is not None else None
+
+    def _process(self, state: RequestState, output: EngineCoreOutput) -> RequestOutput | None:
+        state.num_cached_tokens = output.num_cached_tokens
+        for i, token_id in enumerate(output.new_token_ids):
+            state.token_ids.append(token_id)
+            self._add_logprobs(state, output, i)
+            is_last = i == len(output.new_token_ids) - 1
+            stopped_by_token = is_last and output.finish_reason == FinishReason.STOP
+            if stopped_by_token and not state.params.include_stop_str_in_output:
+                continue  # the EOS / stop token's own text is not part of the output
+            stop = state.detokenizer.add_token(token_id)
+            if stop is not None:
+                return state.to_output(FinishReason.STOP.value, stop)
+        if output.finish_reason is None:
+            return None
+        return state.to_output(output.finish_reason.value, output.stop_reason)
+
+    def _add_logprobs(self, state: RequestState, output: EngineCoreOutput, i: int) -> None:
+        if state.logprobs is None or output.new_logprobs is None:
+            return
+        ids, values = output.new_logprob_token_ids[i], output.new_logprobs[i]
+        entry = {tid: Logprob(lp, rank, self.tokenizer.decode([tid]))
+                 for rank, (tid, lp) in enumerate(zip(ids[1:], values[1:]), start=1)}
+        entry[ids[0]] = Logprob(values[0], output.new_sampled_ranks[i], self.tokenizer.decode([ids[0]]))
+        state.logprobs.append(entry)
+        state.cumulative_logprob += values[0]

@@ -1,0 +1,57 @@
+"""EngineConfig: the engine's knobs (vLLM's names), validated on construction, sent to every worker."""
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    """Engine-wide settings; `None` fields are resolved from the model or the machine at start-up."""
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    scheduling_policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_memory, str):
+            self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
+        _require(self.block_size & (self.block_size - 1) == 0, "block_size",
+                 f"must be a power of two, got {self.block_size}")
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, name, f"must be >= 1, got {value}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            _require(getattr(self, name) == 1, name,
+                     f"must be 1 for now (distributed execution is not supported yet), got {getattr(self, name)}")
+        _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
+                 f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+
+
+def parse_memory_size(text: str) -> int:
+    """'4GiB', '512 MiB', '1e9' or '2048' (bytes) → bytes."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"kv_cache_memory: cannot parse {text!r}; use bytes or a size like '4GiB'")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field} {message}")

@@ -1,0 +1,73 @@
+"""SamplingParams: how one request is sampled and when it stops, validated on construction."""
+from __future__ import annotations
+
+import msgspec
+
+_MAX_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """vLLM-compatible sampling parameters; invalid values raise ValueError naming the field."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self._check_types()
+        self._check_ranges()
+
+    def _check_types(self) -> None:
+        ints = {"n": self.n, "top_k": self.top_k, "min_tokens": self.min_tokens}
+        for name, value in ints.items():
+            _require(isinstance(value, int) and not isinstance(value, bool), name, "must be an int")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            _require(isinstance(value, (int, float)) and not isinstance(value, bool), name, "must be a number")
+        for name in ("max_tokens", "seed", "logprobs"):
+            value = getattr(self, name)
+            ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
+            _require(ok, name, "must be an int or None")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _require(isinstance(getattr(self, name), bool), name, "must be a bool")
+        _require(self.stop is None or all(isinstance(s, str) for s in self.stop), "stop", "must be strings")
+        ids = self.stop_token_ids
+        _require(ids is None or all(isinstance(t, int) and t >= 0 for t in ids), "stop_token_ids",
+                 "must be non-negative ints")
+
+    def _check_ranges(self) -> None:
+        _require(self.n == 1, "n", f"must be 1 (parallel sampling is not supported yet), got {self.n}")
+        _require(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.top_k >= 0 or self.top_k == -1, "top_k", f"must be 0 or -1 (off) or >= 1, got {self.top_k}")
+        _require(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+                 f"must be >= 1, got {self.max_tokens}")
+        _require(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
+        _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+                 f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _require(self.logprobs is None or 0 <= self.logprobs <= _MAX_LOGPROBS, "logprobs",
+                 f"must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
+        _require(not self.stop or all(self.stop), "stop", "must not contain empty strings")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5 or self.top_k == 1
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{field} {message}")

@@ -1,0 +1,49 @@
+"""SchedulerOutput (the per-step diff the scheduler sends every worker) and ModelRunnerOutput (the reply)."""
+from __future__ import annotations
+
+import msgspec
+
+from ipc.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, kw_only=True):
+    """A request a worker has not seen before: everything it must keep for it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, kw_only=True):
+    """A request the worker already holds: what changed since its last step."""
+
+    req_id: str
+    # Tokens sampled since this request was last scheduled (all ranks learn them from the scheduler).
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    # After preemption the request restarts from token 0 in fresh blocks: new_block_ids replace the old.
+    resumed_from_preemption: bool = False
+
+
+class SchedulerOutput(msgspec.Struct, kw_only=True):
+    """One step: which requests compute how many tokens, and the block-table changes."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str]
+
+
+class ModelRunnerOutput(msgspec.Struct, kw_only=True):
+    """Sampled tokens for the requests whose scheduled tokens reached their end."""
+
+    sampled_token_ids: dict[str, int]
+    # Only for requests that asked for logprobs: [sampled, top-N ...] ids and logprobs, sampled rank.
+    logprob_token_ids: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
+    sampled_ranks: dict[str, int] = {}

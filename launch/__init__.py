@@ -1,0 +1,1 @@
+"""Command-line launcher: start the engine, make the demo model."""

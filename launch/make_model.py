@@ -1,0 +1,278 @@
+"""The model maker: random-weight HuggingFace model folders with a locally trained BPE tokenizer."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+MAKER_VERSION = 1
+MARKER_FILE = "pagedserve_model.json"
+ARCHS = ("llama", "qwen2", "mistral", "opt")
+
+# One token serves as bos, eos and pad, for plain and chat prompts alike: a single stop id keeps
+# HF `generate` and the engine stopping at the same place, and random weights give <|im_end|> no
+# meaning that would be worth a second stop token.
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+ENDOFTEXT_ID = 0
+CHAT_TEMPLATE = (
+    r"{% for message in messages %}"
+    r"{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    r"{% endfor %}"
+    r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Far wider than HF's 0.02: with tied embeddings (qwen2, opt) a tiny random model at <= 0.1 tends to
+# repeat one token greedily; 0.15 gives varied continuations for every arch and size.
+INIT_STD = 0.15
+ROPE_PARAMETERS = {"rope_theta": 10000.0, "rope_type": "default"}
+
+CORPUS_BYTES = 3_000_000
+SKIPPED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
+MULTILINGUAL_REPEATS = 100
+MULTILINGUAL_TEXT = """\
+Le café de l'hôtel était déjà fermé ; où est passé le garçon ? Élève, façade, naïve, cœur.
+Müller aß größere Brötchen über dem Fluss. ¿Dónde está la niña? Añadir, canción, pingüino.
+Привет, как дела? Это простой пример текста на русском языке. Ελληνικά: καλημέρα κόσμε.
+日本語のテキストです。東京は大きな都市で、今日は天気がいいです。ひらがな、カタカナ、漢字。
+我们今天学习中文。这是一个简单的例子，用来训练分词器。你好，世界！
+한국어 문장입니다. 안녕하세요, 만나서 반갑습니다. العربية: مرحبا بالعالم. हिन्दी: नमस्ते दुनिया।
+Emoji: 😀 😂 🎉 👍 🚀 ❤️ 🌍 🐍 ✨ 🤖 — “quotes” ‘single’ … € £ ¥ © ® ™ ° ± × ÷ → ← ≤ ≥ ∞.
+"""
+
+
+@dataclass(frozen=True)
+class SizeSpec:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    max_positions: int
+    vocab: int
+    sliding_window: int
+
+
+SIZES = {
+    "tiny": SizeSpec(64, 2, 4, 2, 128, 1024, vocab=1024, sliding_window=64),
+    "30m": SizeSpec(512, 8, 8, 4, 1408, 2048, vocab=8192, sliding_window=512),
+}
+
+
+def make_model(
+    out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0, **config_overrides: Any
+) -> Path:
+    """Write a random-weight model folder at `out_dir`, or reuse the one already made from this spec."""
+    _check_choice("arch", arch, ARCHS)
+    _check_choice("size", size, tuple(SIZES))
+    out = Path(out_dir).expanduser().resolve()
+    spec = _spec(arch, size, seed, config_overrides)
+    if _read_marker(out) == spec:
+        return out
+    _check_replaceable(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the finished folder should not be
+    try:
+        _write_model(tmp, spec)
+        _move_into_place(tmp, out, spec)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with ChatML template; training runs once per vocab size per process."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=_trained_bpe(vocab_size),
+        bos_token=ENDOFTEXT,
+        eos_token=ENDOFTEXT,
+        pad_token=ENDOFTEXT,
+        additional_special_tokens=[IM_START, IM_END],
+        chat_template=CHAT_TEMPLATE,
+        add_bos_token=False,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def default_demo_model_dir() -> Path:
+    """Where the built-in demo model lives: $PAGEDSERVE_CACHE/demo-model, else ~/.cache/pagedserve/."""
+    cache = os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve"
+    return Path(cache).expanduser() / "demo-model"
+
+
+def ensure_demo_model() -> Path:
+    """Make the demo model (a ~30M-parameter llama) unless it is already on disk."""
+    return make_model(default_demo_model_dir(), "llama", "30m")
+
+
+def _check_choice(field: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {field} {value!r}; choose one of: {', '.join(allowed)}")
+
+
+def _spec(arch: str, size: str, seed: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    spec = {"maker_version": MAKER_VERSION, "arch": arch, "size": size, "seed": seed, "overrides": overrides}
+    # Round-trip through JSON so the spec compares equal to the marker read back from disk.
+    return json.loads(json.dumps(spec, sort_keys=True))
+
+
+def _read_marker(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / MARKER_FILE).read_text())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError):
+        return {}
+
+
+def _check_replaceable(out: Path) -> None:
+    """Only an empty folder or one of our own model folders may be replaced."""
+    if out.exists() and _read_marker(out) is None and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not a pagedserve model folder; choose a new or empty one")
+
+
+def _move_into_place(tmp: Path, out: Path, spec: dict[str, Any]) -> None:
+    if _read_marker(out) == spec:
+        return  # another process made the same model meanwhile
+    if out.exists():
+        shutil.rmtree(out)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if _read_marker(out) != spec:
+            raise
+
+
+def _write_model(folder: Path, spec: dict[str, Any]) -> None:
+    size = SIZES[spec["size"]]
+    tokenizer = train_tokenizer(size.vocab)
+    tokenizer.model_max_length = size.max_positions
+    kwargs = _config_kwargs(spec["arch"], size, len(tokenizer)) | spec["overrides"]
+    config = AutoConfig.for_model(spec["arch"], **kwargs)
+    with _quiet_transformers(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec["seed"])
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.generation_config = GenerationConfig(
+            bos_token_id=ENDOFTEXT_ID, eos_token_id=ENDOFTEXT_ID, pad_token_id=ENDOFTEXT_ID
+        )
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder, save_jinja_files=False)
+    (folder / MARKER_FILE).write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+
+
+def _config_kwargs(arch: str, size: SizeSpec, tokenizer_vocab: int) -> dict[str, Any]:
+    common = {
+        "vocab_size": -(-tokenizer_vocab // 64) * 64,
+        "hidden_size": size.hidden,
+        "num_hidden_layers": size.layers,
+        "num_attention_heads": size.heads,
+        "max_position_embeddings": size.max_positions,
+        "bos_token_id": ENDOFTEXT_ID,
+        "eos_token_id": ENDOFTEXT_ID,
+        "pad_token_id": ENDOFTEXT_ID,
+        "dtype": "float32",
+    }
+    if arch == "opt":
+        return common | {
+            "ffn_dim": size.intermediate,
+            "word_embed_proj_dim": size.hidden,
+            "do_layer_norm_before": True,
+            "tie_word_embeddings": True,
+            "init_std": INIT_STD,
+        }
+    decoder = common | {
+        "num_key_value_heads": size.kv_heads,
+        "intermediate_size": size.intermediate,
+        "initializer_range": INIT_STD,
+        "rope_parameters": dict(ROPE_PARAMETERS),
+        "tie_word_embeddings": arch == "qwen2",
+    }
+    return decoder | ({"sliding_window": size.sliding_window} if arch == "mistral" else {})
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    previous = transformers.logging.get_verbosity()
+    had_progress_bars = transformers.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(previous)
+        if had_progress_bars:
+            transformers.logging.enable_progress_bar()
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_bpe(vocab_size: int) -> Tokenizer:
+    # AutoTokenizer rebuilds a qwen2 tokenizer with Qwen2's own normalizer and pre-tokenizer, ignoring
+    # tokenizer.json; using that same pipeline for every arch keeps all four tokenizing alike.
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(_training_texts(), trainer=trainer)
+    return bpe
+
+
+def _training_texts() -> Iterator[str]:
+    """The first few MB of the running Python's stdlib sources, then a multilingual paragraph."""
+    budget = CORPUS_BYTES
+    for path in _stdlib_sources():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        yield text
+        budget -= len(text)
+        if budget <= 0:
+            break
+    yield from [MULTILINGUAL_TEXT] * MULTILINGUAL_REPEATS
+
+
+def _stdlib_sources() -> Iterator[Path]:
+    for dirpath, dirnames, filenames in os.walk(sysconfig.get_paths()["stdlib"]):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_STDLIB_DIRS)
+        yield from (Path(dirpath, name) for name in sorted(filenames) if name.endswith(".py"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.make_model", description=__doc__)
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
+    parser.add_argument("--out", type=Path, required=True, help="folder to write the model to")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(make_model(args.out, args.arch, args.size, args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The torch paged-attention and KV-write kernels against a dense, unpaged attention reference."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import paged_attention, write_kv_cache
+
+
+def dense_attention(q, k, v, scale, window):
+    """q: [new, heads, dim] at the end of k/v: [ctx, kv_heads, dim]; plain softmax attention, float64."""
+    new, heads, _ = q.shape
+    ctx, kv_heads, _ = k.shape
+    k = k.repeat_interleave(heads // kv_heads, dim=1).double()
+    v = v.repeat_interleave(heads // kv_heads, dim=1).double()
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    q_pos = torch.arange(ctx - new, ctx)[:, None]
+    k_pos = torch.arange(ctx)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def build_batch(seqs, block_size, kv_heads, head_dim, heads, generator):
+    """seqs: (context_len, new_tokens). Writes every context token through write_kv_cache in shuffled blocks."""
+    max_blocks = max(math.ceil(ctx / block_size) for ctx, _ in seqs)
+    num_blocks = len(seqs) * max_blocks + 3
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+    contexts, queries = [], []
+    for i, (ctx, new) in enumerate(seqs):
+        blocks = [free.pop() for _ in range(math.ceil(ctx / block_size))]
+        block_tables[i, :len(blocks)] = torch.tensor(blocks)
+        k = torch.randn(ctx, kv_heads, head_dim, generator=generator)
+        v = torch.randn(ctx, kv_heads, head_dim, generator=generator)
+        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(ctx)])
+        write_kv_cache(k, v, k_cache, v_cache, slots)
+        contexts.append((k, v))
+        queries.append(torch.randn(new, heads, head_dim, generator=generator))
+    return k_cache, v_cache, block_tables, contexts, queries
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("gqa", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_attention_matches_dense(block_size, gqa, window):
+    generator = torch.Generator().manual_seed(block_size * 10 + gqa)
+    kv_heads, head_dim = 2, 16
+    heads = kv_heads * gqa
+    # Decode sequences first (one new token each), then prefill chunks, some after a cached prefix.
+    seqs = [(1, 1), (block_size, 1), (block_size + 1, 1), (3 * block_size - 1, 1),
+            (5, 5), (2 * block_size + 3, 2 * block_size + 3), (3 * block_size + 2, 7)]
+    k_cache, v_cache, tables, contexts, queries = build_batch(seqs, block_size, kv_heads, head_dim, heads, generator)
+    query = torch.cat(queries)
+    starts = [0]
+    for q in queries:
+        starts.append(starts[-1] + q.shape[0])
+    scale = head_dim**-0.5
+    out = paged_attention(query, k_cache, v_cache, tables, starts, [c for c, _ in seqs], 4, scale, window)
+    for i, ((k, v), q) in enumerate(zip(contexts, queries)):
+        expected = dense_attention(q, k, v, scale, window).float()
+        torch.testing.assert_close(out[starts[i]:starts[i + 1]], expected, atol=2e-5, rtol=2e-5)
+
+
+def test_write_kv_cache_skips_padded_slots():
+    k_cache = torch.zeros(4, 8, 1, 2)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.arange(6, dtype=torch.float32).view(3, 1, 2) + 1
+    value = -key
+    write_kv_cache(key, value, k_cache, v_cache, torch.tensor([9, -1, 31]))
+    flat_k, flat_v = k_cache.view(32, 1, 2), v_cache.view(32, 1, 2)
+    assert torch.equal(flat_k[9], key[0]) and torch.equal(flat_k[31], key[2])
+    assert torch.equal(flat_v[31], value[2])
+    assert int((flat_k != 0).any(-1).sum()) == 2, "the padded token (slot -1) must not be written"
+
+
+def test_paged_attention_bfloat16_close_to_float32():
+    generator = torch.Generator().manual_seed(0)
+    seqs = [(40, 1), (33, 9)]
+    k_cache, v_cache, tables, _, queries = build_batch(seqs, 16, 2, 16, 4, generator)
+    query = torch.cat(queries)
+    args = (tables, [0, 1, 10], [40, 33], 1, 0.25)
+    reference = paged_attention(query, k_cache, v_cache, *args)
+    low = paged_attention(query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), *args)
+    torch.testing.assert_close(low.float(), reference, atol=3e-2, rtol=3e-2)

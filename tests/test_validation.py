@@ -1,0 +1,69 @@
+"""Bad input raises ValueError naming the field, before anything is queued."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import assert_all_blocks_free
+from frontend import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("max_tokens", 0),
+    ("min_tokens", -1), ("n", 2), ("logprobs", 100), ("stop", [""]), ("seed", "7"), ("stop_token_ids", [-1]),
+    ("temperature", "hot"), ("ignore_eos", None),
+])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=10, max_tokens=5)
+
+
+@pytest.fixture(scope="module")
+def llm(llama_model):
+    return LLM(llama_model, dtype="float32", max_model_len=64)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("", "prompt is empty"),
+    ({"prompt_token_ids": []}, "prompt is empty"),
+    ({"prompt_token_ids": list(range(64))}, "max_model_len is 64"),
+    ({"prompt_token_ids": [1, 99999]}, "outside the vocabulary"),
+    ({"prompt_token_ids": "abc"}, "prompt_token_ids"),
+    (42, "prompt must be"),
+])
+def test_bad_prompts_raise_and_queue_nothing(llm, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["fine prompt", prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert_all_blocks_free(llm)
+    assert not llm.engine_core.has_unfinished_requests()
+    assert not llm.output_processor.has_unfinished_requests()
+
+
+def test_prompt_at_limit_is_accepted_and_stops_at_max_model_len(llm):
+    [output] = llm.generate({"prompt_token_ids": list(range(60))}, SamplingParams(max_tokens=50, ignore_eos=True),
+                            use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 4 and output.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+    ({"max_model_len": 100000}, "max_model_len"),
+    ({"dtype": "int3"}, "dtype"),
+    ({"block_size": 12}, "block_size"),
+    ({"num_kv_blocks": 2, "max_model_len": 512}, "max_model_len"),
+    ({"kv_cache_memory": "lots"}, "kv_cache_memory"),
+    ({"max_num_seq": 4}, "max_num_seq"),
+])
+def test_bad_engine_arguments(llama_model, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(llama_model, **kwargs)
+
+
+def test_unknown_model_folder(tmp_path):
+    with pytest.raises(ValueError, match="model .* is not a model folder"):
+        LLM(str(tmp_path / "no-such-model"))

@@ -1,0 +1,1 @@
+"""Executors, workers, model runners, models and layers: everything that runs the model."""

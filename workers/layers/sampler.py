@@ -1,0 +1,90 @@
+"""Batched sampling from the last-token logits: greedy, temperature, top-k, top-p, min-p, per-request seeds."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    """One row per request being sampled this step."""
+
+    temperature: torch.Tensor  # [rows]; 0 → greedy
+    top_k: torch.Tensor | None  # [rows]; 0 → off; None when no row uses it
+    top_p: torch.Tensor | None  # [rows]; 1.0 → off
+    min_p: torch.Tensor | None  # [rows]; 0.0 → off
+    generators: dict[int, torch.Generator]  # row → its request's seeded generator
+    banned_token_ids: dict[int, list[int]]  # row → tokens not allowed yet (EOS/stop ids under min_tokens)
+    num_logprobs: dict[int, int]  # row → how many top logprobs the request asked for
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # row → ([sampled, top-N ...] ids, their logprobs, rank of the sampled token)
+    logprobs: dict[int, tuple[list[int], list[float], int]]
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator  # for rows without a seed of their own
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits: [rows, vocab] float32."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
+        for row, token_ids in meta.banned_token_ids.items():
+            logits[row, token_ids] = float("-inf")
+        greedy_tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens if meta.all_greedy else self._random_sample(logits, meta, greedy_tokens)
+        token_list = tokens.tolist()
+        logprobs = {row: _top_logprobs(raw_logprobs[row], token_list[row], n)
+                    for row, n in meta.num_logprobs.items()} if raw_logprobs is not None else {}
+        return SamplerOutput(token_list, logprobs)
+
+    def _random_sample(self, logits: torch.Tensor, meta: SamplingMetadata, greedy_tokens: torch.Tensor
+                       ) -> torch.Tensor:
+        greedy = meta.temperature == 0
+        logits = logits / torch.where(greedy, 1.0, meta.temperature).unsqueeze(1)
+        if meta.top_k is not None:
+            logits = _apply_top_k(logits, meta.top_k)
+        if meta.top_p is not None:
+            logits = _apply_top_p(logits, meta.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if meta.min_p is not None:
+            probs = probs.masked_fill(probs < meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), 0.0)
+        # Gumbel-max in its exponential form: argmax(p / q), q ~ Exp(1), samples from p without a sync.
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, generator in meta.generators.items():
+            noise[row].exponential_(generator=generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, greedy_tokens, sampled)
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    k = torch.where(top_k <= 0, vocab, top_k.clamp(max=vocab))
+    kth_largest = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the tokens ranked above it already reach top_p (the top token always stays).
+    drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p.unsqueeze(1)
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> tuple[list[int], list[float], int]:
+    sampled = logprobs[token]
+    rank = int((logprobs > sampled).sum()) + 1
+    top = logprobs.topk(n) if n else None
+    ids = [token] + (top.indices.tolist() if top is not None else [])
+    values = [float(sampled)] + (top.values.tolist() if top is not None else [])
+    return ids, values, rank

@@ -1,0 +1,71 @@
+"""Build a model in the target dtype and fill it from the folder's safetensors files."""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import PretrainedConfig
+
+from workers.models import get_model_class
+
+
+def load_model(model_dir: str, config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    with _default_dtype(dtype), torch.device(device):
+        model = get_model_class(config)(config)
+    load_weights(model, model_dir)
+    return model.eval()
+
+
+def load_weights(model: nn.Module, model_dir: str) -> None:
+    """Copy each checkpoint tensor into its parameter (merged projections take their shard)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model {model_dir!r} has no *.safetensors weight files")
+    params = dict(model.named_parameters())
+    missing = set(params)
+    for file in files:
+        with safe_open(str(file), framework="pt") as reader:
+            for name in reader.keys():
+                target = _target_of(name, params, getattr(model, "packed_modules", {}))
+                if target is None:
+                    continue
+                param_name, shard_id = target
+                _load_into(params[param_name], reader.get_tensor(name), shard_id)
+                missing.discard(param_name)
+    if missing:
+        raise ValueError(f"model {model_dir!r}: checkpoint lacks weights for {sorted(missing)[:8]}")
+
+
+def _load_into(param: nn.Parameter, tensor: torch.Tensor, shard_id: int | None) -> None:
+    loader = getattr(param, "weight_loader", None)
+    if loader is not None:
+        loader(param, tensor, shard_id)
+    elif param.shape != tensor.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
+    else:
+        param.data.copy_(tensor)
+
+
+def _target_of(name: str, params: dict, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None] | None:
+    """Checkpoint name → (parameter name, shard id); None for tensors we do not use (e.g. rotary buffers)."""
+    for candidate in (name, "model." + name):
+        for source, (merged, shard_id) in packed.items():
+            renamed = candidate.replace(f".{source}.", f".{merged}.")
+            if renamed != candidate and renamed in params:
+                return renamed, shard_id
+        if candidate in params:
+            return candidate, None
+    return None
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,127 @@
+"""ModelRunner: keeps per-request state, flattens one mixed prefill/decode batch, runs the model, samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import PretrainedConfig
+
+from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
+from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.sampler import Sampler, SamplingMetadata
+from workers.model_loader import load_model
+from workers.request_state import CachedRequestState
+
+
+@dataclass
+class ModelInputs:
+    req_ids: list[str]  # batch order: single-token (decode) requests first
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # last token of each request whose scheduled tokens reach its end
+    sampled_req_ids: list[str]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.config, self.dtype, self.device = config, dtype, device
+        self.block_size = config.block_size
+        self.model = load_model(config.model, hf_config, dtype, device)
+        self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed))
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per attention layer."""
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in layers:
+            # Zeroed: never-written slots are masked out, but garbage there could hold NaN, and 0 * NaN = NaN.
+            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
+                                dtype=self.dtype, device=self.device)
+            layer.kv_cache = (cache[0], cache[1])
+            self.kv_caches.append(cache)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(sampled_token_ids={})
+        inputs = self._prepare_inputs(scheduler_output)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        if not inputs.sampled_req_ids:
+            return ModelRunnerOutput(sampled_token_ids={})
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return self._sample(logits, inputs.sampled_req_ids)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState.from_new(new)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.token_ids.extend(cached.new_token_ids)
+            if cached.resumed_from_preemption:
+                state.block_ids = list(cached.new_block_ids)
+            else:
+                state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> ModelInputs:
+        counts = so.num_scheduled_tokens
+        req_ids = sorted(counts, key=lambda r: counts[r] != 1)  # stable: decodes first
+        states = [self.requests[r] for r in req_ids]
+        num_tokens = np.array([counts[r] for r in req_ids], dtype=np.int64)
+        starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        query_start_loc = np.concatenate(([0], np.cumsum(num_tokens)))
+        seq_lens = starts + num_tokens
+        row_of_token = np.repeat(np.arange(len(req_ids)), num_tokens)
+        positions = np.repeat(starts - query_start_loc[:-1], num_tokens) + np.arange(query_start_loc[-1])
+        input_ids = np.concatenate([s.token_ids[a:b] for s, a, b in zip(states, starts, seq_lens)])
+        block_table = self._block_table(states)
+        slot_mapping = block_table[row_of_token, positions // self.block_size] * self.block_size \
+            + positions % self.block_size
+        sampled = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        metadata = AttentionMetadata(
+            slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(block_table),
+            query_start_loc=query_start_loc.tolist(), seq_lens=seq_lens.tolist(),
+            num_decodes=int((num_tokens == 1).sum()))
+        return ModelInputs(req_ids, self._tensor(input_ids), self._tensor(positions), metadata,
+                           self._tensor(query_start_loc[1:][sampled] - 1), [req_ids[i] for i in sampled])
+
+    def _block_table(self, states: list[CachedRequestState]) -> np.ndarray:
+        table = np.zeros((len(states), max(len(s.block_ids) for s in states)), dtype=np.int64)
+        for row, state in enumerate(states):
+            table[row, :len(state.block_ids)] = state.block_ids
+        return table
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
+
+    def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> ModelRunnerOutput:
+        states = [self.requests[r] for r in req_ids]
+        out = self.sampler(logits, self._sampling_metadata(states))
+        logprobs = {req_ids[row]: value for row, value in out.logprobs.items()}
+        return ModelRunnerOutput(
+            sampled_token_ids=dict(zip(req_ids, out.token_ids)),
+            logprob_token_ids={r: ids for r, (ids, _, _) in logprobs.items()},
+            logprobs={r: values for r, (_, values, _) in logprobs.items()},
+            sampled_ranks={r: rank for r, (_, _, rank) in logprobs.items()})
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        params = [s.sampling_params for s in states]
+        temperature = torch.tensor([0.0 if p.temperature < 1e-5 else p.temperature for p in params])
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        min_p = [p.min_p for p in params]
+        return SamplingMetadata(
+            temperature=temperature,
+            top_k=torch.tensor(top_k) if any(k > 0 for k in top_k) else None,
+            top_p=torch.tensor(top_p) if any(p < 1.0 for p in top_p) else None,
+            min_p=torch.tensor(min_p) if any(p > 0.0 for p in min_p) else None,
+            generators={row: s.generator for row, s in enumerate(states) if s.generator is not None},
+            banned_token_ids={row: ids for row, s in enumerate(states) if (ids := s.banned_token_ids())},
+            num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None})

@@ -1,0 +1,41 @@
+"""What a worker keeps about each request across steps (the scheduler sends only diffs)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ipc import NewRequestData, SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + every sampled token the scheduler has reported back
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_new(cls, data: NewRequestData) -> CachedRequestState:
+        params = data.sampling_params
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        return cls(data.req_id, list(data.prompt_token_ids), len(data.prompt_token_ids), params,
+                   data.eos_token_id, list(data.block_ids), data.num_computed_tokens, generator)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def banned_token_ids(self) -> list[int]:
+        """Stop tokens are masked until min_tokens outputs exist."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            return []
+        banned = list(params.stop_token_ids or [])
+        if self.eos_token_id is not None and not params.ignore_eos:
+            banned.append(self.eos_token_id)
+        return banned

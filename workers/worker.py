@@ -1,0 +1,50 @@
+"""Worker: one rank's device, model runner and KV cache shard; sizes the cache from its memory budget."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
+from workers.model_config import kv_cache_shape, load_hf_config, resolve_dtype
+from workers.model_runner import ModelRunner
+
+_DEFAULT_CPU_KV_BYTES = 2 * 2**30
+_DEFAULT_CPU_KV_FRACTION = 0.25
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device("cpu")
+        self.hf_config = load_hf_config(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_runner = ModelRunner(config, self.hf_config, self.dtype, self.device)
+
+    def block_bytes(self) -> int:
+        num_layers, kv_heads, head_dim = kv_cache_shape(self.hf_config)
+        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * num_layers * self.config.block_size * kv_heads * head_dim * element_bytes
+
+    def determine_num_kv_blocks(self) -> int:
+        """Explicit num_kv_blocks wins; else kv_cache_memory bytes; else min(2 GiB, 25% of free memory),
+        capped at what max_num_seqs sequences of max_model_len tokens could ever hold."""
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        budget = config.kv_cache_memory
+        if budget is None:
+            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+            most_useful = config.max_num_seqs * -(-config.max_model_len // config.block_size) * self.block_bytes()
+            budget = min(_DEFAULT_CPU_KV_BYTES, int(available * _DEFAULT_CPU_KV_FRACTION), most_useful)
+        num_blocks = budget // self.block_bytes()
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block "
+                             f"(one block takes {self.block_bytes()} bytes)")
+        return num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
