@@ -29,7 +29,7 @@ def build_batch(seqs, block_size, kv_heads, head_dim, heads, generator):
     """seqs: (context_len, new_tokens). Writes every context token through write_kv_cache in shuffled blocks."""
     max_blocks = max(math.ceil(ctx / block_size) for ctx, _ in seqs)
     num_blocks = len(seqs) * max_blocks + 3
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.zeros(num_blocks, kv_heads, block_size, head_dim)
     v_cache = torch.zeros_like(k_cache)
     free = torch.randperm(num_blocks, generator=generator).tolist()
     block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
@@ -68,8 +68,22 @@ def test_paged_attention_matches_dense(block_size, gqa, window):
         torch.testing.assert_close(out[starts[i]:starts[i + 1]], expected, atol=2e-5, rtol=2e-5)
 
 
+def test_long_decode_batches_split_into_groups_and_stay_exact():
+    """Decode contexts long enough that the batch is split into several gathered groups."""
+    generator = torch.Generator().manual_seed(3)
+    seqs = [(900 - 7 * i, 1) for i in range(6)] + [(40, 1), (70, 12)]
+    k_cache, v_cache, tables, contexts, queries = build_batch(seqs, 16, 2, 16, 4, generator)
+    starts = [0]
+    for q in queries:
+        starts.append(starts[-1] + q.shape[0])
+    out = paged_attention(torch.cat(queries), k_cache, v_cache, tables, starts, [c for c, _ in seqs], 7, 0.25)
+    for i, ((k, v), q) in enumerate(zip(contexts, queries)):
+        torch.testing.assert_close(out[starts[i]:starts[i + 1]], dense_attention(q, k, v, 0.25, None).float(),
+                                   atol=2e-5, rtol=2e-5)
+
+
 def test_write_kv_cache_skips_padded_slots():
-    k_cache = torch.zeros(4, 8, 1, 2)
+    k_cache = torch.zeros(4, 1, 8, 2)
     v_cache = torch.zeros_like(k_cache)
     key = torch.arange(6, dtype=torch.float32).view(3, 1, 2) + 1
     value = -key

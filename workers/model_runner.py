@@ -35,11 +35,11 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per attention layer."""
+        """One [2, num_blocks, kv_heads, block_size, head_dim] tensor per attention layer."""
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in layers:
             # Zeroed: never-written slots are masked out, but garbage there could hold NaN, and 0 * NaN = NaN.
-            cache = torch.zeros(2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
+            cache = torch.zeros(2, num_blocks, layer.num_kv_heads, self.block_size, layer.head_dim,
                                 dtype=self.dtype, device=self.device)
             layer.kv_cache = (cache[0], cache[1])
             self.kv_caches.append(cache)
