@@ -79,7 +79,7 @@ def main() -> int:
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--input-len", type=int, nargs=2, default=(32, 512))
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
-    parser.add_argument("--dtype", default="bfloat16", help="auto picks float32 on CPUs without native bf16")
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--hf-batch-size", type=int, default=32,

@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=T
 # Each variant must leave outputs unchanged: batched (default), chunked, preempted, other block sizes.
 VARIANTS = {
     "batched": {},
-    "chunked": {"max_num_batched_tokens": 24},
+    "chunked": {"max_num_batched_tokens": 5},  # every prompt over 5 tokens is split across steps
     "preempted": {"num_kv_blocks": 24, "max_model_len": 384},
     "block_size_8": {"block_size": 8},
     "block_size_32": {"block_size": 32},

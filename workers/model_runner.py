@@ -8,6 +8,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
+from kernels import plan_decode_groups
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.sampler import Sampler, SamplingMetadata
 from workers.model_loader import load_model
@@ -72,7 +73,8 @@ class ModelRunner:
 
     def _prepare_inputs(self, so: SchedulerOutput) -> ModelInputs:
         counts = so.num_scheduled_tokens
-        req_ids = sorted(counts, key=lambda r: counts[r] != 1)  # stable: decodes first
+        # Decodes first, longest context first: attention batches decode rows of similar length together.
+        req_ids = sorted(counts, key=lambda r: (counts[r] != 1, -self.requests[r].num_computed_tokens))
         states = [self.requests[r] for r in req_ids]
         num_tokens = np.array([counts[r] for r in req_ids], dtype=np.int64)
         starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
@@ -85,10 +87,12 @@ class ModelRunner:
         slot_mapping = block_table[row_of_token, positions // self.block_size] * self.block_size \
             + positions % self.block_size
         sampled = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        num_decodes = int((num_tokens == 1).sum())
+        block_tables = self._tensor(block_table)
         metadata = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(block_table),
-            query_start_loc=query_start_loc.tolist(), seq_lens=seq_lens.tolist(),
-            num_decodes=int((num_tokens == 1).sum()))
+            slot_mapping=self._tensor(slot_mapping), block_tables=block_tables,
+            query_start_loc=query_start_loc.tolist(), seq_lens=seq_lens.tolist(), num_decodes=num_decodes,
+            decode_groups=plan_decode_groups(seq_lens[:num_decodes].tolist(), block_tables, self.block_size))
         return ModelInputs(req_ids, self._tensor(input_ids), self._tensor(positions), metadata,
                            self._tensor(query_start_loc[1:][sampled] - 1), [req_ids[i] for i in sampled])
 

@@ -20,7 +20,7 @@ class Worker:
         self.device = torch.device("cpu")
         keep_freed_memory_in_heap()
         self.hf_config = load_hf_config(config.model)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype)
         self.model_runner = ModelRunner(config, self.hf_config, self.dtype, self.device)
 
     def block_bytes(self) -> int:

@@ -1,0 +1,27 @@
+"""Which dtype CPU matmuls should run in: bfloat16 only where the CPU has bf16 instructions."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """float32 for bfloat16 data on a CPU that would emulate bf16 GEMMs (about 5x slower than float32).
+
+    bf16 x bf16 products are exact in float32 and bf16 GEMMs accumulate in float32, so the float32 GEMM
+    computes what a native bf16 one does.
+    """
+    if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_has_native_bf16():
+        return torch.float32
+    return dtype
