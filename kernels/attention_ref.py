@@ -56,6 +56,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     decode_groups: list[DecodeGroup] | None = None,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole context in the paged cache.
 
@@ -64,7 +66,9 @@ def paged_attention(
     block_tables: [num_seqs, max_blocks] block ids. seq_lens[i]: context length of sequence i including its
     new tokens (whose K/V are already written). sliding_window: a query at position p sees keys at
     positions p - sliding_window < j <= p. decode_groups: plan_decode_groups' result, when the caller
-    shares one plan across layers. Returns [num_tokens, num_heads, head_dim].
+    shares one plan across layers. key/value: this step's new K/V ([num_tokens, num_kv_heads, head_dim],
+    already written to the cache), which a prefill without cached prefix attends over directly.
+    Returns [num_tokens, num_heads, head_dim].
     """
     out = torch.empty_like(query)
     if decode_groups is None:
@@ -74,8 +78,12 @@ def paged_attention(
                                              sliding_window)
     for i in range(num_decodes, len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
-        out[start:end] = _prefill(query[start:end], key_cache, value_cache, block_tables[i], seq_lens[i],
-                                  scale, sliding_window)
+        if end - start == seq_lens[i] and key is not None:  # no cached prefix: attend over the fresh K/V
+            context = (key[start:end].transpose(0, 1).unsqueeze(0), value[start:end].transpose(0, 1).unsqueeze(0))
+        else:
+            context = (_context(key_cache, block_tables[i], seq_lens[i]),
+                       _context(value_cache, block_tables[i], seq_lens[i]))
+        out[start:end] = _prefill(query[start:end], *context, scale, sliding_window)
     return out
 
 
@@ -118,17 +126,18 @@ def _decode_mask(seq_lens: torch.Tensor, padded_len: int, sliding_window: int | 
     return masked[:, None, None, :]
 
 
-def _prefill(query, key_cache, value_cache, block_table, seq_len, scale, sliding_window) -> torch.Tensor:
-    """A chunk of new tokens at the end of a context of seq_len tokens (cached prefix + chunk)."""
-    num_new = query.shape[0]
-    key, value = (_context(cache, block_table, seq_len).to(query.dtype) for cache in (key_cache, value_cache))
+def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+             sliding_window: int | None) -> torch.Tensor:
+    """A chunk of new tokens at the end of its context; key/value: [1, kv_heads, context_len, head_dim]."""
+    num_new, seq_len = query.shape[0], key.shape[2]
     q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, new, dim]
     q_pos = torch.arange(seq_len - num_new, seq_len, device=query.device).unsqueeze(1)
     k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, key.to(q.dtype), value.to(q.dtype), attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
     return out[0].transpose(0, 1)
 
 

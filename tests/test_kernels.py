@@ -49,7 +49,8 @@ def build_batch(seqs, block_size, kv_heads, head_dim, heads, generator):
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("gqa", [1, 2, 4])
 @pytest.mark.parametrize("window", [None, 20])
-def test_paged_attention_matches_dense(block_size, gqa, window):
+@pytest.mark.parametrize("pass_new_kv", [False, True])
+def test_paged_attention_matches_dense(block_size, gqa, window, pass_new_kv):
     generator = torch.Generator().manual_seed(block_size * 10 + gqa)
     kv_heads, head_dim = 2, 16
     heads = kv_heads * gqa
@@ -62,7 +63,11 @@ def test_paged_attention_matches_dense(block_size, gqa, window):
     for q in queries:
         starts.append(starts[-1] + q.shape[0])
     scale = head_dim**-0.5
-    out = paged_attention(query, k_cache, v_cache, tables, starts, [c for c, _ in seqs], 4, scale, window)
+    # This step's K/V (the last `new` tokens of each context); prefills without a cached prefix use them directly.
+    new_k = torch.cat([k[ctx - new:] for (k, _), (ctx, new) in zip(contexts, seqs)]) if pass_new_kv else None
+    new_v = torch.cat([v[ctx - new:] for (_, v), (ctx, new) in zip(contexts, seqs)]) if pass_new_kv else None
+    out = paged_attention(query, k_cache, v_cache, tables, starts, [c for c, _ in seqs], 4, scale, window,
+                          key=new_k, value=new_v)
     for i, ((k, v), q) in enumerate(zip(contexts, queries)):
         expected = dense_attention(q, k, v, scale, window).float()
         torch.testing.assert_close(out[starts[i]:starts[i + 1]], expected, atol=2e-5, rtol=2e-5)

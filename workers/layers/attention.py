@@ -41,5 +41,5 @@ class Attention(nn.Module):
         write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         out = paged_attention(query, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
                               metadata.seq_lens, metadata.num_decodes, self.scale, self.sliding_window,
-                              metadata.decode_groups)
+                              metadata.decode_groups, key, value)
         return out.flatten(1)
