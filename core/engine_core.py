@@ -42,6 +42,9 @@ class EngineCore:
         if bad is not None:
             raise ValueError(f"request {request.request_id}: prompt token id {bad} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        if request.priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"request {request.request_id}: priority={request.priority} needs "
+                             "scheduling_policy='priority' (the engine runs first-come first-served)")
         if request.request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
 

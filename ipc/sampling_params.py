@@ -4,6 +4,7 @@ from __future__ import annotations
 import msgspec
 
 _MAX_LOGPROBS = 20
+_GREEDY_TEMPERATURE = 1e-5
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -65,7 +66,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < 1e-5 or self.top_k == 1
+        """Temperature ~0 means argmax (vLLM's rule); top_k=1 reaches the same token through the sampler."""
+        return self.temperature < _GREEDY_TEMPERATURE
 
 
 def _require(ok: bool, field: str, message: str) -> None:

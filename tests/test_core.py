@@ -101,12 +101,15 @@ def test_preemption_recomputes_latest_and_sends_full_block_table():
 
 
 def test_priority_policy_runs_lowest_value_first_and_preempts_highest():
-    scheduler = make_scheduler(num_blocks=2, block_size=4, max_model_len=8, max_num_batched_tokens=4,
-                               scheduling_policy="priority")
-    scheduler.add_request(make_request(0, prompt_len=4, priority=5))
-    scheduler.add_request(make_request(1, prompt_len=4, priority=1))
-    out, _ = run_step(scheduler)
-    assert list(out.num_scheduled_tokens) == ["r1"]
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, scheduling_policy="priority")
+    scheduler.add_request(make_request(0, prompt_len=4, priority=5, max_tokens=8))
+    run_step(scheduler)  # r0 alone: 1 block
+    scheduler.add_request(make_request(1, prompt_len=8, priority=1, max_tokens=8))
+    run_step(scheduler)  # r0 grows to 2 blocks, r1's prompt takes the last 2
+    assert [r.request_id for r in scheduler.running] == ["r1", "r0"]  # ordered by priority, not arrival
+    out, _ = run_step(scheduler)  # r1 needs a third block: r0 (priority 5) is preempted, though it came first
+    assert scheduler.requests["r0"].status == RequestStatus.PREEMPTED
+    assert "r1" in out.num_scheduled_tokens and "r0" not in out.num_scheduled_tokens
 
 
 def test_finished_and_aborted_requests_return_blocks_and_reach_workers():

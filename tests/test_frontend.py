@@ -65,7 +65,8 @@ def test_stop_token_ids(llm):
     assert decoded.startswith(completion.text) and set(decoded[len(completion.text):]) <= {"\ufffd"}
 
 
-def test_outputs_keep_input_order_and_fields(llm):
+def test_outputs_keep_input_order_and_fields(llama_model):
+    llm = LLM(llama_model, dtype="float32", scheduling_policy="priority")
     prompts = ["Hello, my name is", {"prompt_token_ids": [1, 2, 3]}, {"prompt": "def f(x):"}]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (9, 3, 6)]
     outputs = llm.generate(prompts, params, use_tqdm=False, priority=[2, 1, 0])

@@ -43,6 +43,12 @@ def test_bad_prompts_raise_and_queue_nothing(llm, prompt, message):
     assert not llm.output_processor.has_unfinished_requests()
 
 
+def test_priority_needs_the_priority_policy(llm):
+    with pytest.raises(ValueError, match="scheduling_policy='priority'"):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=2), use_tqdm=False, priority=[0, 1])
+    assert_all_blocks_free(llm)
+
+
 def test_prompt_at_limit_is_accepted_and_stops_at_max_model_len(llm):
     [output] = llm.generate({"prompt_token_ids": list(range(60))}, SamplingParams(max_tokens=50, ignore_eos=True),
                             use_tqdm=False)

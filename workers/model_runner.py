@@ -83,12 +83,12 @@ class ModelRunner:
         row_of_token = np.repeat(np.arange(len(req_ids)), num_tokens)
         positions = np.repeat(starts - query_start_loc[:-1], num_tokens) + np.arange(query_start_loc[-1])
         input_ids = np.concatenate([s.token_ids[a:b] for s, a, b in zip(states, starts, seq_lens)])
-        block_table = self._block_table(states)
-        slot_mapping = block_table[row_of_token, positions // self.block_size] * self.block_size \
+        table = self._block_table(states)
+        slot_mapping = table[row_of_token, positions // self.block_size] * self.block_size \
             + positions % self.block_size
         sampled = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
         num_decodes = int((num_tokens == 1).sum())
-        block_tables = self._tensor(block_table)
+        block_tables = self._tensor(table)
         metadata = AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping), block_tables=block_tables,
             query_start_loc=query_start_loc.tolist(), seq_lens=seq_lens.tolist(), num_decodes=num_decodes,
@@ -117,7 +117,7 @@ class ModelRunner:
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]
-        temperature = torch.tensor([0.0 if p.temperature < 1e-5 else p.temperature for p in params])
+        temperature = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params])
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
