@@ -28,8 +28,7 @@ class DecodeGroup:
 def plan_decode_groups(seq_lens: list[int], block_tables: torch.Tensor, block_size: int) -> list[DecodeGroup]:
     """Split the decode rows (the first len(seq_lens) rows) into groups of consecutive rows.
 
-    Rows sorted by descending context length group best; any order is correct. Computed once per step
-    and shared by every layer.
+    Rows sorted by descending context length group best; any order is correct.
     """
     bounds: list[list[int]] = []  # [start, end, longest, shortest]
     for row, length in enumerate(seq_lens):
@@ -55,7 +54,6 @@ def paged_attention(
     num_decodes: int,
     scale: float,
     sliding_window: int | None = None,
-    decode_groups: list[DecodeGroup] | None = None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -65,17 +63,35 @@ def paged_attention(
     sequences have exactly one query token. Caches: [num_blocks, num_kv_heads, block_size, head_dim].
     block_tables: [num_seqs, max_blocks] block ids. seq_lens[i]: context length of sequence i including its
     new tokens (whose K/V are already written). sliding_window: a query at position p sees keys at
-    positions p - sliding_window < j <= p. decode_groups: plan_decode_groups' result, when the caller
-    shares one plan across layers. key/value: this step's new K/V ([num_tokens, num_kv_heads, head_dim],
-    already written to the cache), which a prefill without cached prefix attends over directly.
+    positions p - sliding_window < j <= p. key/value: this step's new K/V ([num_tokens, num_kv_heads,
+    head_dim], already written to the cache), which a prefill without cached prefix attends over directly.
     Returns [num_tokens, num_heads, head_dim].
     """
     out = torch.empty_like(query)
-    if decode_groups is None:
-        decode_groups = plan_decode_groups(seq_lens[:num_decodes], block_tables, key_cache.shape[2])
-    for group in decode_groups:
+    if num_decodes:
+        out[:num_decodes] = decode_attention(query[:num_decodes], key_cache, value_cache, block_tables,
+                                             seq_lens[:num_decodes], scale, sliding_window)
+    prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, num_decodes, scale,
+                      sliding_window, key, value, out)
+    return out
+
+
+def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: list[int], scale: float,
+                     sliding_window: int | None) -> torch.Tensor:
+    """The decode rows (one query token each, the first len(seq_lens) rows of block_tables), in groups."""
+    out = torch.empty_like(query)
+    for group in plan_decode_groups(seq_lens, block_tables, key_cache.shape[2]):
         out[group.start:group.end] = _decode(query[group.start:group.end], key_cache, value_cache, group, scale,
                                              sliding_window)
+    return out
+
+
+def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], num_decodes: int,
+                      scale: float, sliding_window: int | None, key: torch.Tensor | None,
+                      value: torch.Tensor | None, out: torch.Tensor) -> None:
+    """The prefill chunks (sequences num_decodes onward), written into their rows of `out`."""
     for i in range(num_decodes, len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         if end - start == seq_lens[i] and key is not None:  # no cached prefix: attend over the fresh K/V
@@ -84,7 +100,6 @@ def paged_attention(
             context = (_context(key_cache, block_tables[i], seq_lens[i]),
                        _context(value_cache, block_tables[i], seq_lens[i]))
         out[start:end] = _prefill(query[start:end], *context, scale, sliding_window)
-    return out
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The torch paged-attention and KV-write kernels against a dense, unpaged attention reference."""
+"""Paged attention (the dispatched path: fused CPU decode + torch prefill, and the pure torch reference) and
+the KV write, against a dense, unpaged float64 attention."""
 from __future__ import annotations
 
 import math
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from kernels import paged_attention, write_kv_cache
+from kernels.attention_ref import paged_attention as paged_attention_ref
 
 
 def dense_attention(q, k, v, scale, window):
@@ -50,7 +52,8 @@ def build_batch(seqs, block_size, kv_heads, head_dim, heads, generator):
 @pytest.mark.parametrize("gqa", [1, 2, 4])
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("pass_new_kv", [False, True])
-def test_paged_attention_matches_dense(block_size, gqa, window, pass_new_kv):
+@pytest.mark.parametrize("attention", [paged_attention, paged_attention_ref], ids=["dispatch", "reference"])
+def test_paged_attention_matches_dense(block_size, gqa, window, pass_new_kv, attention):
     generator = torch.Generator().manual_seed(block_size * 10 + gqa)
     kv_heads, head_dim = 2, 16
     heads = kv_heads * gqa
@@ -66,14 +69,15 @@ def test_paged_attention_matches_dense(block_size, gqa, window, pass_new_kv):
     # This step's K/V (the last `new` tokens of each context); prefills without a cached prefix use them directly.
     new_k = torch.cat([k[ctx - new:] for (k, _), (ctx, new) in zip(contexts, seqs)]) if pass_new_kv else None
     new_v = torch.cat([v[ctx - new:] for (_, v), (ctx, new) in zip(contexts, seqs)]) if pass_new_kv else None
-    out = paged_attention(query, k_cache, v_cache, tables, starts, [c for c, _ in seqs], 4, scale, window,
-                          key=new_k, value=new_v)
+    out = attention(query, k_cache, v_cache, tables, starts, [c for c, _ in seqs], 4, scale, window,
+                    key=new_k, value=new_v)
     for i, ((k, v), q) in enumerate(zip(contexts, queries)):
         expected = dense_attention(q, k, v, scale, window).float()
         torch.testing.assert_close(out[starts[i]:starts[i + 1]], expected, atol=2e-5, rtol=2e-5)
 
 
-def test_long_decode_batches_split_into_groups_and_stay_exact():
+@pytest.mark.parametrize("attention", [paged_attention, paged_attention_ref], ids=["dispatch", "reference"])
+def test_long_decode_batches_split_into_groups_and_stay_exact(attention):
     """Decode contexts long enough that the batch is split into several gathered groups."""
     generator = torch.Generator().manual_seed(3)
     seqs = [(900 - 7 * i, 1) for i in range(6)] + [(40, 1), (70, 12)]
@@ -81,7 +85,7 @@ def test_long_decode_batches_split_into_groups_and_stay_exact():
     starts = [0]
     for q in queries:
         starts.append(starts[-1] + q.shape[0])
-    out = paged_attention(torch.cat(queries), k_cache, v_cache, tables, starts, [c for c, _ in seqs], 7, 0.25)
+    out = attention(torch.cat(queries), k_cache, v_cache, tables, starts, [c for c, _ in seqs], 7, 0.25)
     for i, ((k, v), q) in enumerate(zip(contexts, queries)):
         torch.testing.assert_close(out[starts[i]:starts[i + 1]], dense_attention(q, k, v, 0.25, None).float(),
                                    atol=2e-5, rtol=2e-5)

@@ -8,7 +8,6 @@ import torch
 from transformers import PretrainedConfig
 
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
-from kernels import plan_decode_groups
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.sampler import Sampler, SamplingMetadata
 from workers.model_loader import load_model
@@ -73,7 +72,7 @@ class ModelRunner:
 
     def _prepare_inputs(self, so: SchedulerOutput) -> ModelInputs:
         counts = so.num_scheduled_tokens
-        # Decodes first, longest context first: attention batches decode rows of similar length together.
+        # Decodes first, longest context first (the torch decode path batches rows of similar length).
         req_ids = sorted(counts, key=lambda r: (counts[r] != 1, -self.requests[r].num_computed_tokens))
         states = [self.requests[r] for r in req_ids]
         num_tokens = np.array([counts[r] for r in req_ids], dtype=np.int64)
@@ -88,11 +87,9 @@ class ModelRunner:
             + positions % self.block_size
         sampled = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
         num_decodes = int((num_tokens == 1).sum())
-        block_tables = self._tensor(table)
         metadata = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping), block_tables=block_tables,
-            query_start_loc=query_start_loc.tolist(), seq_lens=seq_lens.tolist(), num_decodes=num_decodes,
-            decode_groups=plan_decode_groups(seq_lens[:num_decodes].tolist(), block_tables, self.block_size))
+            slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(table),
+            query_start_loc=query_start_loc.tolist(), seq_lens=seq_lens.tolist(), num_decodes=num_decodes)
         return ModelInputs(req_ids, self._tensor(input_ids), self._tensor(positions), metadata,
                            self._tensor(query_start_loc[1:][sampled] - 1), [req_ids[i] for i in sampled])
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import DecodeGroup, paged_attention, write_kv_cache
+from kernels import paged_attention, write_kv_cache
 
 
 @dataclass
@@ -18,7 +18,6 @@ class AttentionMetadata:
     query_start_loc: list[int]  # [num_seqs + 1]
     seq_lens: list[int]  # [num_seqs] context length after this step
     num_decodes: int  # sequences with a single new token, placed first
-    decode_groups: list[DecodeGroup]  # how the decode rows are batched, planned once for all layers
 
 
 class Attention(nn.Module):
@@ -40,6 +39,5 @@ class Attention(nn.Module):
         key_cache, value_cache = self.kv_cache
         write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         out = paged_attention(query, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
-                              metadata.seq_lens, metadata.num_decodes, self.scale, self.sliding_window,
-                              metadata.decode_groups, key, value)
+                              metadata.seq_lens, metadata.num_decodes, self.scale, self.sliding_window, key, value)
         return out.flatten(1)

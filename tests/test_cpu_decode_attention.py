@@ -1,0 +1,117 @@
+"""The fused CPU decode-attention kernel against the torch reference decode path."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import cpu_decode_attention
+from kernels.attention_ref import paged_attention
+
+LENGTHS = [1, 2, 7, 8, 9, 15, 16, 17, 19, 20, 21, 31, 32, 33, 63, 64, 65, 100, 257, 511, 640, 899]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    if cpu_decode_attention.load() is None:
+        pytest.fail("the extension did not build")
+
+
+def build_caches(lengths, block_size, kv_heads, head_dim, generator, pad=0):
+    """Random K/V for each context in randomly permuted blocks; unused block-table entries hold `pad`."""
+    needed = [math.ceil(n / block_size) for n in lengths]
+    num_blocks = sum(needed) + 5
+    k_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=generator)
+    v_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=generator)
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = torch.full((len(lengths), max(needed)), pad, dtype=torch.long)
+    for row, count in enumerate(needed):
+        tables[row, :count] = torch.tensor([free.pop() for _ in range(count)])
+    return k_cache, v_cache, tables
+
+
+def reference(query, k_cache, v_cache, tables, lengths, scale, window):
+    n = len(lengths)
+    return paged_attention(query, k_cache, v_cache, tables, list(range(n + 1)), lengths, n, scale, window)
+
+
+def fused(query, k_cache, v_cache, tables, lengths, scale, window):
+    return cpu_decode_attention.decode_attention(query, k_cache, v_cache, tables, torch.tensor(lengths), scale,
+                                                 window)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("gqa", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference(block_size, gqa, window, dtype):
+    generator = torch.Generator().manual_seed(block_size * 100 + gqa * 10 + (window or 0))
+    kv_heads, head_dim = 2, 64
+    lengths = LENGTHS[::-1] if gqa == 2 else LENGTHS  # either row order
+    k_cache, v_cache, tables = build_caches(lengths, block_size, kv_heads, head_dim, generator)
+    query = torch.randn(len(lengths), kv_heads * gqa, head_dim, generator=generator)
+    scale = head_dim**-0.5
+    if dtype == torch.float32:
+        expected = reference(query, k_cache, v_cache, tables, lengths, scale, window)
+        out = fused(query, k_cache, v_cache, tables, lengths, scale, window)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    else:
+        query, k_cache, v_cache = query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+        expected = reference(query.float(), k_cache.float(), v_cache.float(), tables, lengths, scale, window)
+        out = fused(query, k_cache, v_cache, tables, lengths, scale, window)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [16, 40, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_other_head_dims(head_dim, dtype):
+    generator = torch.Generator().manual_seed(head_dim)
+    lengths = [1, 17, 130, 333]
+    k_cache, v_cache, tables = build_caches(lengths, 16, 2, head_dim, generator)
+    query = torch.randn(len(lengths), 8, head_dim, generator=generator)
+    q, k, v = (t.to(dtype) for t in (query, k_cache, v_cache))
+    expected = reference(q.float(), k.float(), v.float(), tables, lengths, 0.3, 50)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused(q, k, v, tables, lengths, 0.3, 50).float(), expected, atol=tol, rtol=tol)
+
+
+def test_only_valid_block_table_entries_are_read():
+    generator = torch.Generator().manual_seed(1)
+    lengths = [5, 40, 900]
+    k_cache, v_cache, tables = build_caches(lengths, 16, 2, 64, generator, pad=-(1 << 40))
+    query = torch.randn(3, 4, 64, generator=generator)
+    expected = reference(query, k_cache, v_cache, tables.clamp(min=0), lengths, 0.125, None)
+    torch.testing.assert_close(fused(query, k_cache, v_cache, tables, lengths, 0.125, None), expected,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_window_of_zero_or_less_means_none():
+    generator = torch.Generator().manual_seed(2)
+    lengths = [70, 3]
+    k_cache, v_cache, tables = build_caches(lengths, 8, 1, 64, generator)
+    query = torch.randn(2, 2, 64, generator=generator)
+    expected = fused(query, k_cache, v_cache, tables, lengths, 0.125, None)
+    for window in (0, -5):
+        assert torch.equal(fused(query, k_cache, v_cache, tables, lengths, 0.125, window), expected)
+
+
+def test_bfloat16_output_rounds_like_torch():
+    """A zero query weighs two keys equally: the output is their float32 mean, which must round exactly as torch's."""
+    generator = torch.Generator().manual_seed(3)
+    k_cache, v_cache, tables = build_caches([2], 8, 1, 64, generator)
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    out = fused(torch.zeros(1, 1, 64, dtype=torch.bfloat16), k_cache, v_cache, tables, [2], 1.0, None)
+    rows = v_cache[tables[0, 0], 0, :2].float()
+    assert torch.equal(out[0, 0], ((rows[0] + rows[1]) * 0.5).bfloat16())
+
+
+def test_build_failure_yields_none(monkeypatch):
+    import torch.utils.cpp_extension
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", broken)
+    assert cpu_decode_attention._build(None) is None
