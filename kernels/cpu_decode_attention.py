@@ -6,10 +6,14 @@ Block ids are trusted (the scheduler made them); only each row's first ceil(seq_
 """
 from __future__ import annotations
 
+import hashlib
+import logging
 import threading
 from types import ModuleType
 
 import torch
+
+from kernels.cpu_features import cpu_flags
 
 _SOURCE = r"""
 #include <pybind11/pybind11.h>
@@ -143,7 +147,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
-_EXTENSION_NAME = "pagedserve_cpu_decode_attention"
+def _extension_name() -> str:
+    """Built with -march=native: a cached build must never be loaded on a CPU with other instructions."""
+    flags = " ".join(sorted(cpu_flags()))
+    return "pagedserve_cpu_decode_attention_" + hashlib.sha1(flags.encode()).hexdigest()[:12]
 
 
 _lock = threading.Lock()
@@ -168,9 +175,10 @@ def _build(build_directory: str | None) -> ModuleType | None:
         from torch.utils.cpp_extension import load_inline
 
         kwargs = {"build_directory": build_directory} if build_directory else {}
-        return load_inline(_EXTENSION_NAME, cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        return load_inline(_extension_name(), cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fopenmp"],
                            extra_ldflags=["-fopenmp"], no_implicit_headers=True, **kwargs)
-    except Exception:  # a missing or broken toolchain must only disable the fused path
+    except Exception as exc:  # a missing or broken toolchain must only disable the fused path
+        logging.getLogger(__name__).warning("fused CPU decode attention unavailable, using the torch path: %s", exc)
         return None
 
 

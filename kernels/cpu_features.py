@@ -1,4 +1,4 @@
-"""Which dtype CPU matmuls should run in: bfloat16 only where the CPU has bf16 instructions."""
+"""What the CPU can do: its instruction-set flags, and which dtype its matmuls should run in."""
 from __future__ import annotations
 
 import functools
@@ -8,12 +8,18 @@ import torch
 
 
 @functools.cache
-def cpu_has_native_bf16() -> bool:
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags (empty where /proc/cpuinfo is unavailable)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_has_native_bf16() -> bool:
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -6,6 +6,7 @@ import os
 import torch
 
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
+from kernels import load_cpu_decode_kernel
 from workers.cpu_allocator import keep_freed_memory_in_heap
 from workers.model_config import kv_cache_shape, load_hf_config, resolve_dtype
 from workers.model_runner import ModelRunner
@@ -19,6 +20,7 @@ class Worker:
         self.config = config
         self.device = torch.device("cpu")
         keep_freed_memory_in_heap()
+        load_cpu_decode_kernel()  # build (first time only) now, not in the middle of the first decode step
         self.hf_config = load_hf_config(config.model)
         self.dtype = resolve_dtype(config.dtype)
         self.model_runner = ModelRunner(config, self.hf_config, self.dtype, self.device)
