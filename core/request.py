@@ -51,17 +51,12 @@ class Request:
         self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
-        self.num_preemptions = 0
         # Tokens sampled since the workers last saw this request (sent in the next SchedulerOutput).
         self.unsent_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -125,7 +125,6 @@ class Scheduler:
         self.kv.free(request)
         request.set_status(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         self.num_preemptions += 1
         heapq.heappush(self.waiting, (request.sort_key, request))
 

@@ -1,7 +1,7 @@
 """User-facing results: RequestOutput and CompletionOutput with vLLM's field names."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -33,4 +33,3 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)

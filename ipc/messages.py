@@ -37,7 +37,3 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     new_logprobs: list[list[float]] | None = None
     new_sampled_ranks: list[int] | None = None
     num_cached_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None

@@ -16,7 +16,6 @@ from workers.request_state import CachedRequestState
 
 @dataclass
 class ModelInputs:
-    req_ids: list[str]  # batch order: single-token (decode) requests first
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
@@ -90,7 +89,7 @@ class ModelRunner:
         metadata = AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(table),
             query_start_loc=query_start_loc.tolist(), seq_lens=seq_lens.tolist(), num_decodes=num_decodes)
-        return ModelInputs(req_ids, self._tensor(input_ids), self._tensor(positions), metadata,
+        return ModelInputs(self._tensor(input_ids), self._tensor(positions), metadata,
                            self._tensor(query_start_loc[1:][sampled] - 1), [req_ids[i] for i in sampled])
 
     def _block_table(self, states: list[CachedRequestState]) -> np.ndarray:
