@@ -1,7 +1,20 @@
 """Contracts between processes: every msgspec Struct that crosses a process boundary."""
 from ipc.config import EngineConfig, parse_memory_size
-from ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from ipc.messages import (
+    AbortRequests,
+    EngineCoreInput,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    FinishReason,
+    RequestError,
+    SchedulerStats,
+    UtilityCall,
+    UtilityResult,
+)
 from ipc.sampling_params import SamplingParams
+from ipc.serialization import Decoder, Encoder
 from ipc.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -10,7 +23,17 @@ from ipc.scheduler_output import (
 )
 
 __all__ = [
+    "AbortRequests",
     "CachedRequestData",
+    "Decoder",
+    "Encoder",
+    "EngineCoreInput",
+    "EngineCoreOutputs",
+    "EngineDead",
+    "RequestError",
+    "SchedulerStats",
+    "UtilityCall",
+    "UtilityResult",
     "EngineConfig",
     "EngineCoreOutput",
     "EngineCoreRequest",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -14,7 +15,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-class EngineCoreRequest(msgspec.Struct, kw_only=True):
+class EngineCoreRequest(msgspec.Struct, kw_only=True, tag="add"):
     """A tokenized request: the engine core only ever sees token ids."""
 
     request_id: str
@@ -37,3 +38,58 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     new_logprobs: list[list[float]] | None = None
     new_sampled_ranks: list[int] | None = None
     num_cached_tokens: int = 0
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    """Stop these requests and free their blocks (a stop string, a disconnect, a cancelled task)."""
+
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="utility"):
+    """Call an engine-core method by name (stats, reset prefix cache, profiler, health); answered by call_id."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+# Everything a client may send to the engine core; the tag field tells them apart on the wire.
+EngineCoreInput = EngineCoreRequest | AbortRequests | UtilityCall
+
+
+class UtilityResult(msgspec.Struct, omit_defaults=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class RequestError(msgspec.Struct):
+    """A request the engine could not take (bad input, malformed frame): it ends here, with this message."""
+
+    request_id: str
+    message: str
+
+
+class EngineDead(msgspec.Struct):
+    reason: str
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
+    """One message from the engine core to one client: its requests' new tokens and any replies."""
+
+    outputs: list[EngineCoreOutput] = []
+    errors: list[RequestError] = []
+    utility_result: UtilityResult | None = None
+    scheduler_stats: SchedulerStats | None = None
+    engine_dead: EngineDead | None = None
+    timestamp: float = 0.0
