@@ -18,6 +18,7 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+@functools.cache
 def cpu_has_native_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
