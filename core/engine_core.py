@@ -2,15 +2,21 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import msgspec
 
 from core.kv_cache_manager import KVCacheManager
-from core.request import Request, RequestStatus
+from core.profiler import EngineProfiler
+from core.request import Request
 from core.scheduler import Scheduler
-from ipc import EngineConfig, EngineCoreOutput, EngineCoreRequest
+from ipc import EngineConfig, EngineCoreOutput, EngineCoreRequest, EngineInfo, SchedulerStats
 from workers.executor import InProcessExecutor
 from workers.model_config import load_hf_config, model_max_len
+
+
+UTILITY_METHODS = frozenset({"get_info", "get_stats", "reset_prefix_cache", "check_health", "start_profile",
+                             "stop_profile"})
 
 
 class EngineCore:
@@ -25,6 +31,10 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager)
         self._arrivals = itertools.count()
+        self.profiler = EngineProfiler()
+        self.info = EngineInfo(model=self.config.model, max_model_len=self.config.max_model_len,
+                               vocab_size=self.vocab_size, num_kv_blocks=self.num_kv_blocks,
+                               block_size=self.config.block_size, scheduling_policy=self.config.scheduling_policy)
 
     @property
     def max_model_len(self) -> int:
@@ -32,30 +42,49 @@ class EngineCore:
 
     def validate_request(self, request: EngineCoreRequest) -> None:
         """Raise ValueError naming what is wrong; nothing is queued."""
-        prompt, limit = request.prompt_token_ids, self.config.max_model_len
-        if not prompt:
-            raise ValueError(f"request {request.request_id}: the prompt is empty")
-        if len(prompt) >= limit:
-            raise ValueError(f"request {request.request_id}: the prompt has {len(prompt)} tokens, but "
-                             f"max_model_len is {limit} (prompt tokens must be fewer, to leave room to generate)")
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"request {request.request_id}: prompt token id {bad} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        if request.priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(f"request {request.request_id}: priority={request.priority} needs "
-                             "scheduling_policy='priority' (the engine runs first-come first-served)")
-        if request.request_id in self.scheduler.requests:
+        self.info.validate_request(request)
+        if self.has_request(request.request_id):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.scheduler.requests
+
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.validate_request(request)
+        """Queue a request that passed validate_request."""
         room = self.config.max_model_len - len(request.prompt_token_ids)
         max_tokens = min(request.sampling_params.max_tokens or room, room)
         self.scheduler.add_request(Request(request, next(self._arrivals), max_tokens))
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """Finish these requests and free their blocks; a final ABORT output for each one still running."""
+        return self.scheduler.abort_requests(request_ids)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def call_utility(self, method: str, args: list) -> Any:
+        """Run one of UTILITY_METHODS by name (never an arbitrary attribute); errors raise."""
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"unknown utility method {method!r}; known: {sorted(UTILITY_METHODS)}")
+        return getattr(self, method)(*args)
+
+    def get_info(self) -> EngineInfo:
+        return self.info
+
+    def check_health(self) -> bool:
+        """The in-process executor has nothing that can fail apart from this process; Ray workers will."""
+        return True
+
+    def start_profile(self, trace_dir: str | None = None) -> str:
+        return self.profiler.start(trace_dir)
+
+    def stop_profile(self) -> str:
+        return self.profiler.stop()
+
+    def reset_prefix_cache(self) -> bool:
+        """True when no KV block is kept for reuse. Nothing is cached by content yet (prefix caching is a
+        later issue), so there is nothing to drop."""
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

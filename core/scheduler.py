@@ -10,9 +10,11 @@ from ipc import (
     CachedRequestData,
     EngineConfig,
     EngineCoreOutput,
+    FinishReason,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    SchedulerStats,
 )
 
 
@@ -31,6 +33,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: list[str] = []  # not yet told to the workers
         self.num_preemptions = 0
+        self.num_aborted_requests = 0
         self.peak_kv_usage = 0.0
         self.kv_utilization_at_peak = 1.0
 
@@ -154,12 +157,17 @@ class Scheduler:
             output.new_sampled_ranks = [runner_output.sampled_ranks[req_id]]
         return output
 
-    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
-        """Finish requests from outside the step (aborts); unknown or finished ids are ignored."""
+    def abort_requests(self, req_ids: list[str]) -> list[EngineCoreOutput]:
+        """Abort from outside the step; unknown or finished ids are ignored. One final output per abort."""
+        outputs = []
         for req_id in req_ids:
             request = self.requests.get(req_id)
             if request is not None:
-                self._finish(request, status)
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                self.num_aborted_requests += 1
+                outputs.append(EngineCoreOutput(request_id=req_id, new_token_ids=[],
+                                                finish_reason=FinishReason.ABORT))
+        return outputs
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status == RequestStatus.RUNNING:
@@ -180,8 +188,9 @@ class Scheduler:
             self.peak_kv_usage = usage
             self.kv_utilization_at_peak = sum(r.num_computed_tokens for r in self.running) / slots
 
-    def stats(self) -> dict[str, float]:
-        return {"num_running": len(self.running), "num_waiting": len(self.waiting),
-                "kv_usage": self.kv.usage, "num_free_blocks": self.kv.num_free_blocks,
-                "peak_kv_usage": self.peak_kv_usage, "kv_utilization_at_peak": self.kv_utilization_at_peak,
-                "num_preemptions": self.num_preemptions}
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                              kv_cache_usage=self.kv.usage, num_free_blocks=self.kv.num_free_blocks,
+                              num_preemptions=self.num_preemptions, num_aborted_requests=self.num_aborted_requests,
+                              peak_kv_cache_usage=self.peak_kv_usage,
+                              kv_utilization_at_peak=self.kv_utilization_at_peak)

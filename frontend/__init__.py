@@ -1,6 +1,9 @@
-"""Front end: LLM, tokenizer and detokenizer, outputs (and later AsyncLLM and the OpenAI gateway)."""
+"""Front end: LLM and AsyncLLM, the engine-core client library, tokenizer and detokenizer, outputs."""
+from frontend.async_llm import AsyncLLM
+from frontend.core_client import AsyncEngineCoreClient, EngineCoreClient, EngineDeadError
 from frontend.llm import LLM
 from frontend.outputs import CompletionOutput, Logprob, RequestOutput
-from ipc import SamplingParams
+from ipc import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncEngineCoreClient", "AsyncLLM", "CompletionOutput", "EngineCoreClient", "EngineDeadError", "LLM",
+           "Logprob", "RequestOutput", "RequestOutputKind", "SamplingParams"]

@@ -28,6 +28,14 @@ class IncrementalDetokenizer:
         self.text += piece
         return self._check_stop(len(piece))
 
+    def output_text(self, finished: bool) -> str:
+        """The text a stream may show now: while running, the tail that could still begin a stop string is
+        held back, since it would be cut if the stop string completes."""
+        if finished or not self.stop or self.include_stop:
+            return self.text
+        hold = max(len(stop) for stop in self.stop) - 1
+        return self.text[:max(0, len(self.text) - hold)]
+
     def _check_stop(self, new_chars: int) -> str | None:
         """The earliest stop string that overlaps the new text; the text is cut at it."""
         found = []

@@ -2,30 +2,32 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 
+import msgspec
 from tqdm.auto import tqdm
 
-from core import EngineCore
+from frontend.connect import connect_engine
 from frontend.output_processor import OutputProcessor
 from frontend.outputs import RequestOutput
+from frontend.prompts import PromptType, prompt_text, tokenize_prompt
 from frontend.tokenizer import apply_chat_template, load_tokenizer
-from ipc import EngineConfig, EngineCoreRequest, SamplingParams
-
-PromptType = str | dict
+from ipc import EngineCoreRequest, RequestOutputKind, SamplingParams, SchedulerStats
 
 
 class LLM:
-    """`LLM(model=folder, dtype=..., max_model_len=..., ...)`; keyword names as in vLLM."""
+    """`LLM(model=folder, dtype=..., max_model_len=..., ...)`; engine keyword names as in vLLM."""
 
-    def __init__(self, model: str, **engine_args) -> None:
-        unknown = set(engine_args) - set(EngineConfig.__struct_fields__)
-        if unknown:
-            raise ValueError(f"unknown LLM arguments {sorted(unknown)}; "
-                             f"known: {sorted(set(EngineConfig.__struct_fields__) - {'model'})}")
-        self.config = EngineConfig(model=str(model), **engine_args)
-        self.engine_core = EngineCore(self.config)
-        self.tokenizer = load_tokenizer(self.config.model)
+    def __init__(self, model: str | None = None, *, in_process: bool = False, engine_address: str | None = None,
+                 curve_key_file: str | None = None, **engine_args) -> None:
+        """Starts a private engine-core process, or runs the engine here (`in_process=True`, for debugging),
+        or attaches to a running engine core (`engine_address`, with `curve_key_file` if it uses CURVE)."""
+        self.client = connect_engine(model, engine_args, in_process=in_process, engine_address=engine_address,
+                                     curve_key_file=curve_key_file)
+        self._shutdown = weakref.finalize(self, self.client.shutdown)
+        self.info = self.client.info
+        self.tokenizer = load_tokenizer(model or self.info.model)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 
@@ -38,9 +40,9 @@ class LLM:
         priorities = _per_prompt(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)
         requests = [self._make_request(p, sp, prio) for p, sp, prio in zip(prompts, params, priorities)]
         for request, prompt in zip(requests, prompts):
-            self.output_processor.add_request(request.request_id, _prompt_text(prompt), request.prompt_token_ids,
+            self.output_processor.add_request(request.request_id, prompt_text(prompt), request.prompt_token_ids,
                                               request.sampling_params)
-            self.engine_core.add_request(request)
+            self.client.add_request(request)
         return self._run([r.request_id for r in requests], use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -50,53 +52,46 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conversation in conversations:
-            text = apply_chat_template(self.tokenizer, conversation, self.config.model, add_generation_prompt)
+            text = apply_chat_template(self.tokenizer, conversation, self.info.model, add_generation_prompt)
             # The template already wrote its special tokens; do not let the tokenizer add a second BOS.
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def get_stats(self) -> dict[str, float]:
-        return self.engine_core.scheduler.stats()
+    def get_stats(self) -> SchedulerStats:
+        return self.client.get_stats()
+
+    def shutdown(self) -> None:
+        """Stop the engine core this LLM started (also done when the LLM is garbage collected or at exit)."""
+        self._shutdown()
 
     def _make_request(self, prompt: PromptType, params: SamplingParams, priority: int) -> EngineCoreRequest:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        # Only final outputs are needed here: skip building per-step ones.
+        params = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         request = EngineCoreRequest(request_id=str(next(self._request_counter)),
-                                    prompt_token_ids=self._tokenize(prompt), sampling_params=params,
+                                    prompt_token_ids=tokenize_prompt(self.tokenizer, prompt), sampling_params=params,
                                     eos_token_id=self.tokenizer.eos_token_id, priority=int(priority))
-        self.engine_core.validate_request(request)
+        self.info.validate_request(request)
         return request
-
-    def _tokenize(self, prompt: PromptType) -> list[int]:
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of ints")
-            return ids
-        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
-        if not isinstance(text, str):
-            raise ValueError(f"prompt must be a str, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
-                             f"got {type(prompt).__name__}")
-        if not text:
-            raise ValueError("prompt is empty")
-        return self.tokenizer.encode(text)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         try:
             with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
                 while self.output_processor.has_unfinished_requests():
-                    if not self.engine_core.has_unfinished_requests():
-                        raise RuntimeError("the engine finished requests without reporting them (a bug)")
-                    finished, to_abort = self.output_processor.process_outputs(self.engine_core.step())
-                    self.engine_core.abort_requests(to_abort)
+                    batch = self.client.get_outputs()
+                    if batch.errors:
+                        raise ValueError(batch.errors[0].message)
+                    finished, to_abort = self.output_processor.process_outputs(batch.outputs)
+                    self.client.abort_requests(to_abort)
                     for output in finished:
                         results[output.request_id] = output
                     bar.update(len(finished))
         finally:
             unfinished = [r for r in request_ids if r not in results]
-            self.engine_core.abort_requests(unfinished)
+            self.client.abort_requests(unfinished)
             for request_id in unfinished:
                 self.output_processor.abort(request_id)
         return [results[r] for r in request_ids]
@@ -108,7 +103,3 @@ def _per_prompt(value, count: int, name: str) -> list:
             raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
         return list(value)
     return [value] * count
-
-
-def _prompt_text(prompt: PromptType) -> str | None:
-    return prompt if isinstance(prompt, str) else prompt.get("prompt")

@@ -7,7 +7,7 @@ from transformers import PreTrainedTokenizerBase
 
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.outputs import CompletionOutput, Logprob, RequestOutput
-from ipc import EngineCoreOutput, FinishReason, SamplingParams
+from ipc import EngineCoreOutput, FinishReason, RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -21,10 +21,23 @@ class RequestState:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     num_cached_tokens: int = 0
+    # How much a DELTA stream has already shown.
+    sent_text_len: int = 0
+    sent_tokens: int = 0
 
     def to_output(self, finish_reason: str | None, stop_reason: int | str | None) -> RequestOutput:
-        completion = CompletionOutput(0, self.detokenizer.text, list(self.token_ids), self.cumulative_logprob,
-                                      self.logprobs, finish_reason, stop_reason)
+        """Everything so far (CUMULATIVE, FINAL_ONLY) or only what is new since the last output (DELTA)."""
+        text = self.detokenizer.output_text(finished=finish_reason is not None)
+        token_ids, logprobs = self.token_ids, self.logprobs
+        if self.params.output_kind == RequestOutputKind.DELTA:
+            text, token_ids = text[self.sent_text_len:], token_ids[self.sent_tokens:]
+            logprobs = logprobs[self.sent_tokens:] if logprobs is not None else None
+            self.sent_text_len += len(text)
+            self.sent_tokens += len(token_ids)
+        else:
+            token_ids, logprobs = list(token_ids), list(logprobs) if logprobs is not None else None
+        completion = CompletionOutput(0, text, token_ids, self.cumulative_logprob, logprobs, finish_reason,
+                                      stop_reason)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
                              finish_reason is not None, self.num_cached_tokens)
 
@@ -46,25 +59,29 @@ class OutputProcessor:
         return bool(self.states)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """(outputs of requests that finished, request ids the engine must abort because a stop string hit)."""
-        finished, to_abort = [], []
+        """(RequestOutputs to deliver: final ones, plus per-step ones for streaming output kinds;
+        request ids the engine must abort because a stop string ended them here)."""
+        results, to_abort = [], []
         for output in outputs:
             state = self.states.get(output.request_id)
             if state is None:
-                continue  # finished here already (stop string) while the engine was still running it
-            result = self._process(state, output)
-            if result is not None:
-                finished.append(result)
+                continue  # finished here already (stop string, abort) while the engine was still running it
+            finish_reason, stop_reason = self._process(state, output)
+            if finish_reason is not None:
                 del self.states[output.request_id]
                 if output.finish_reason is None:
                     to_abort.append(output.request_id)
-        return finished, to_abort
+            elif state.params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue
+            results.append(state.to_output(finish_reason, stop_reason))
+        return results, to_abort
 
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self.states.pop(request_id, None)
         return state.to_output(FinishReason.ABORT.value, None) if state is not None else None
 
-    def _process(self, state: RequestState, output: EngineCoreOutput) -> RequestOutput | None:
+    def _process(self, state: RequestState, output: EngineCoreOutput) -> tuple[str | None, int | str | None]:
+        """Take in the new tokens; (finish_reason, stop_reason) if the request ended, else (None, None)."""
         state.num_cached_tokens = output.num_cached_tokens
         for i, token_id in enumerate(output.new_token_ids):
             state.token_ids.append(token_id)
@@ -75,10 +92,10 @@ class OutputProcessor:
                 continue  # the EOS / stop token's own text is not part of the output
             stop = state.detokenizer.add_token(token_id)
             if stop is not None:
-                return state.to_output(FinishReason.STOP.value, stop)
+                return FinishReason.STOP.value, stop
         if output.finish_reason is None:
-            return None
-        return state.to_output(output.finish_reason.value, output.stop_reason)
+            return None, None
+        return output.finish_reason.value, output.stop_reason
 
     def _add_logprobs(self, state: RequestState, output: EngineCoreOutput, i: int) -> None:
         if state.logprobs is None or output.new_logprobs is None:

@@ -33,3 +33,14 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+
+
+def merge_delta(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One delta output covering both (when a stream's consumer fell behind by a step)."""
+    merged = []
+    for old, new in zip(older.outputs, newer.outputs):
+        logprobs = old.logprobs + new.logprobs if old.logprobs is not None and new.logprobs is not None else None
+        merged.append(CompletionOutput(new.index, old.text + new.text, old.token_ids + new.token_ids,
+                                       new.cumulative_logprob, logprobs, new.finish_reason, new.stop_reason))
+    return RequestOutput(newer.request_id, newer.prompt, newer.prompt_token_ids, merged, newer.finished,
+                         newer.num_cached_tokens)

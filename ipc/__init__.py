@@ -7,13 +7,15 @@ from ipc.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineDead,
+    EngineInfo,
+    EngineStartup,
     FinishReason,
     RequestError,
     SchedulerStats,
     UtilityCall,
     UtilityResult,
 )
-from ipc.sampling_params import SamplingParams
+from ipc.sampling_params import RequestOutputKind, SamplingParams
 from ipc.serialization import Decoder, Encoder
 from ipc.scheduler_output import (
     CachedRequestData,
@@ -30,6 +32,8 @@ __all__ = [
     "EngineCoreInput",
     "EngineCoreOutputs",
     "EngineDead",
+    "EngineInfo",
+    "EngineStartup",
     "RequestError",
     "SchedulerStats",
     "UtilityCall",
@@ -40,6 +44,7 @@ __all__ = [
     "FinishReason",
     "ModelRunnerOutput",
     "NewRequestData",
+    "RequestOutputKind",
     "SamplingParams",
     "SchedulerOutput",
     "parse_memory_size",

@@ -64,13 +64,52 @@ class UtilityResult(msgspec.Struct, omit_defaults=True):
     error: str | None = None
 
 
-class SchedulerStats(msgspec.Struct):
+class SchedulerStats(msgspec.Struct, kw_only=True):
     num_running: int
     num_waiting: int
     kv_cache_usage: float
+    num_free_blocks: int
     num_preemptions: int
+    num_aborted_requests: int = 0  # since start: aborted by a client (stop string, disconnect, cancel)
+    peak_kv_cache_usage: float = 0.0
+    kv_utilization_at_peak: float = 1.0  # tokens held / slots allocated, at the step of peak usage
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+
+
+class EngineInfo(msgspec.Struct, kw_only=True):
+    """What an engine core tells a client at the handshake: its model, limits and KV capacity."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    scheduling_policy: str
+
+    def validate_request(self, request: EngineCoreRequest) -> None:
+        """Raise ValueError naming what is wrong with a request this engine would refuse."""
+        prompt, limit = request.prompt_token_ids, self.max_model_len
+        if not prompt:
+            raise ValueError(f"request {request.request_id}: the prompt is empty")
+        if len(prompt) >= limit:
+            raise ValueError(f"request {request.request_id}: the prompt has {len(prompt)} tokens, but "
+                             f"max_model_len is {limit} (prompt tokens must be fewer, to leave room to generate)")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"request {request.request_id}: prompt token id {bad} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if request.priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(f"request {request.request_id}: priority={request.priority} needs "
+                             "scheduling_policy='priority' (the engine runs first-come first-served)")
+
+
+class EngineStartup(msgspec.Struct, omit_defaults=True):
+    """The one line an engine-core process writes to its parent when start-up ends: ready, or why not."""
+
+    info: EngineInfo | None = None
+    error: str | None = None
+    error_type: str = "RuntimeError"
 
 
 class RequestError(msgspec.Struct):
@@ -81,6 +120,8 @@ class RequestError(msgspec.Struct):
 
 
 class EngineDead(msgspec.Struct):
+    """Sent to every client when the engine core fails and is about to exit."""
+
     reason: str
 
 
@@ -90,6 +131,5 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     errors: list[RequestError] = []
     utility_result: UtilityResult | None = None
-    scheduler_stats: SchedulerStats | None = None
     engine_dead: EngineDead | None = None
     timestamp: float = 0.0

@@ -1,10 +1,20 @@
 """SamplingParams: how one request is sampled and when it stops, validated on construction."""
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 _MAX_LOGPROBS = 20
 _GREEDY_TEMPERATURE = 1e-5
+
+
+class RequestOutputKind(str, enum.Enum):
+    """What a streaming front end emits per step: everything so far, only what is new, or only the end."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -24,6 +34,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +55,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             _require(ok, name, "must be an int or None")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _require(isinstance(getattr(self, name), bool), name, "must be a bool")
+        kinds = [kind.value for kind in RequestOutputKind]
+        _require(self.output_kind in kinds, "output_kind", f"must be one of {kinds}, got {self.output_kind!r}")
+        self.output_kind = RequestOutputKind(self.output_kind)
         _require(self.stop is None or all(isinstance(s, str) for s in self.stop), "stop", "must be strings")
         ids = self.stop_token_ids
         _require(ids is None or all(isinstance(t, int) and t >= 0 for t in ids), "stop_token_ids",

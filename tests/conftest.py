@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,33 @@ def llama_model() -> str:
 
 def assert_all_blocks_free(llm) -> None:
     stats = llm.get_stats()
-    assert stats["num_free_blocks"] == llm.engine_core.num_kv_blocks, stats
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0, stats
+    assert stats.num_free_blocks == llm.info.num_kv_blocks, stats
+    assert stats.num_running == 0 and stats.num_waiting == 0, stats
 
 
 def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def child_pids() -> list[int]:
+    """Live (not zombie) processes whose parent is this test process."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

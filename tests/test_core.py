@@ -119,7 +119,9 @@ def test_finished_and_aborted_requests_return_blocks_and_reach_workers():
     run_step(scheduler)
     _, outputs = run_step(scheduler)
     assert [o.finish_reason.value for o in outputs if o.request_id == "r0"] == ["length"]
-    scheduler.finish_requests(["r1", "unknown"], RequestStatus.FINISHED_ABORTED)
+    aborted = scheduler.abort_requests(["r1", "unknown", "r0"])
+    assert [(o.request_id, o.finish_reason.value) for o in aborted] == [("r1", "abort")]
+    assert scheduler.stats().num_aborted_requests == 1
     out = scheduler.schedule()
     assert sorted(out.finished_req_ids) == ["r0", "r1"]
     assert scheduler.kv.num_free_blocks == 16 and not scheduler.has_unfinished_requests()

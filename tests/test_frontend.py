@@ -101,21 +101,22 @@ def test_chat_without_template_is_a_clear_error(llama_model, tmp_path):
         llm.chat([{"role": "user", "content": "hi"}])
 
 
-def test_an_error_mid_generation_returns_every_block(llama_model, monkeypatch):
-    llm = LLM(llama_model, dtype="float32")
-    real_step, calls = llm.engine_core.step, []
+@pytest.mark.parametrize("in_process", [False, True])
+def test_an_error_mid_generation_returns_every_block(llama_model, monkeypatch, in_process):
+    llm = LLM(llama_model, dtype="float32", in_process=in_process)
+    real_get_outputs, calls = llm.client.get_outputs, []
 
-    def failing_step():
+    def failing_get_outputs():
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt  # e.g. Ctrl-C while the batch is half done
-        return real_step()
+        return real_get_outputs()
 
-    monkeypatch.setattr(llm.engine_core, "step", failing_step)
+    monkeypatch.setattr(llm.client, "get_outputs", failing_get_outputs)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(["one", "two", "three"], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert_all_blocks_free(llm)
-    assert not llm.engine_core.has_unfinished_requests() and not llm.output_processor.has_unfinished_requests()
+    assert not llm.output_processor.has_unfinished_requests()
     monkeypatch.undo()
     [again] = llm.generate("one", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(again.outputs[0].token_ids) == 3

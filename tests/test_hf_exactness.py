@@ -47,7 +47,7 @@ def test_greedy_equals_hf(arch_model, variant):
     for length, ours, theirs in zip(PROMPT_LENGTHS, outputs, hf_outputs):
         assert ours == theirs, f"{arch}/{variant}: prompt of {length} tokens diverges from HF"
     if variant == "preempted":
-        assert llm.get_stats()["num_preemptions"] > 0
+        assert llm.get_stats().num_preemptions > 0
 
 
 def test_each_prompt_alone_equals_hf(arch_model):

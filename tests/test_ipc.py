@@ -19,7 +19,6 @@ from ipc import (
     RequestError,
     SamplingParams,
     SchedulerOutput,
-    SchedulerStats,
     UtilityCall,
     UtilityResult,
 )
@@ -45,7 +44,6 @@ def test_engine_outputs_round_trip():
                                   new_sampled_ranks=[1], num_cached_tokens=16)],
         errors=[RequestError(request_id="b", message="prompt is empty")],
         utility_result=UtilityResult(call_id=7, result={"num_running": 1}),
-        scheduler_stats=SchedulerStats(num_running=1, num_waiting=0, kv_cache_usage=0.25, num_preemptions=0),
         engine_dead=EngineDead(reason="worker died"), timestamp=3.25)
     assert Decoder(EngineCoreOutputs).decode(Encoder().encode(outputs)) == outputs
 

@@ -1,0 +1,257 @@
+"""The engine-core process: requests in over ZMQ, a busy loop (drain inputs → step → outputs), outputs out.
+
+A reader thread decodes what clients send and a writer thread encodes and sends outputs, so (de)serialization
+overlaps the model's forward pass (torch releases the GIL). The main thread alone touches the EngineCore.
+Request ids are scoped per client, so clients may reuse each other's ids and each sees only its own outputs.
+
+Run as `python -m core.engine_process --config-json '{"model": ...}' --address ipc:///path` (front ends and
+the launcher do this for you).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import msgspec
+import zmq
+
+from core.engine_core import EngineCore
+from ipc import (
+    AbortRequests,
+    Decoder,
+    Encoder,
+    EngineConfig,
+    EngineCoreInput,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    EngineStartup,
+    RequestError,
+    UtilityCall,
+    UtilityResult,
+)
+from ipc.sockets import CurveKeys, EngineEndpoints, bind_router, check_binding_is_safe, start_authenticator
+
+logger = logging.getLogger("pagedserve.engine_core")
+_STOP = None  # on the input queue: leave the loop
+_SIGNAL_CHECK_S = 0.2
+
+
+class EngineCoreProc:
+    def __init__(self, engine: EngineCore, endpoints: EngineEndpoints, keys: CurveKeys | None = None) -> None:
+        check_binding_is_safe(endpoints, keys)
+        self.engine = engine
+        self.endpoints = endpoints
+        self.context = zmq.Context()
+        self.authenticator = start_authenticator(self.context, keys) if keys is not None else None
+        self.input_socket = bind_router(self.context, endpoints.input, keys)
+        self.output_socket = bind_router(self.context, endpoints.output, keys)
+        self.inputs: queue.SimpleQueue = queue.SimpleQueue()  # (client identity, message) or _STOP
+        self.outputs: queue.SimpleQueue = queue.SimpleQueue()  # (client identity, EngineCoreOutputs) or _STOP
+        self.client_identities: list[bytes] = []
+        self.client_index: dict[bytes, int] = {}
+        self.stop_reason = "the engine core shut down"
+        self.reader = threading.Thread(target=self._read_loop, name="engine-core-reader", daemon=True)
+        self.writer = threading.Thread(target=self._write_loop, name="engine-core-writer", daemon=True)
+        self.reader.start()
+        self.writer.start()
+
+    def request_stop(self, reason: str) -> None:
+        """Safe from signal handlers and other threads: the loop ends after the current step."""
+        self.stop_reason = reason
+        self.inputs.put(_STOP)
+
+    def run(self) -> None:
+        """The busy loop; blocks on the input queue while there is nothing to compute."""
+        try:
+            while self._drain_inputs(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    self._send_outputs(self.engine.step())
+        except Exception as error:
+            logger.exception("the engine core failed")
+            self.stop_reason = f"the engine core failed: {type(error).__name__}: {error}"
+            raise
+        finally:
+            self._shutdown()
+
+    def _drain_inputs(self, block: bool) -> bool:
+        """Handle every queued input (waiting for the first if `block`); False when asked to stop."""
+        try:
+            item = self._wait_for_input() if block else self.inputs.get_nowait()
+            while item is not _STOP:
+                self._handle(*item)
+                item = self.inputs.get_nowait()
+            return False
+        except queue.Empty:
+            return True
+
+    def _wait_for_input(self) -> Any:
+        # A signal that lands on another thread (zmq's, torch's) cannot wake a main thread blocked on a lock,
+        # and Python runs handlers only on the main thread: wake up now and then to let SIGTERM through.
+        while True:
+            try:
+                return self.inputs.get(timeout=_SIGNAL_CHECK_S)
+            except queue.Empty:
+                pass
+
+    def _handle(self, identity: bytes, message: Any) -> None:
+        if isinstance(message, EngineCoreRequest):
+            self._add_request(identity, message)
+        elif isinstance(message, AbortRequests):
+            scoped = [self._scope(identity, request_id) for request_id in message.request_ids]
+            self._send_outputs(self.engine.abort_requests(scoped))
+        elif isinstance(message, UtilityCall):
+            self.outputs.put((identity, EngineCoreOutputs(utility_result=self._call_utility(message))))
+        else:  # an error found by the reader: pass it on in order with the client's other replies
+            self.outputs.put((identity, message))
+
+    def _add_request(self, identity: bytes, request: EngineCoreRequest) -> None:
+        client_request_id = request.request_id
+        try:
+            self.engine.info.validate_request(request)
+            request.request_id = self._scope(identity, client_request_id)
+            if self.engine.has_request(request.request_id):
+                raise ValueError(f"request_id {client_request_id!r} is already in use")
+        except ValueError as error:
+            errors = [RequestError(request_id=client_request_id, message=str(error))]
+            self.outputs.put((identity, EngineCoreOutputs(errors=errors)))
+            return
+        self.engine.add_request(request)
+
+    def _call_utility(self, call: UtilityCall) -> UtilityResult:
+        try:
+            return UtilityResult(call.call_id, result=self.engine.call_utility(call.method, call.args))
+        except Exception as error:  # a bad method or argument must not take the engine down
+            return UtilityResult(call.call_id, error=f"{call.method} failed: {type(error).__name__}: {error}")
+
+    def _scope(self, identity: bytes, request_id: str) -> str:
+        index = self.client_index.get(identity)
+        if index is None:
+            index = self.client_index[identity] = len(self.client_identities)
+            self.client_identities.append(identity)
+        return f"{index}:{request_id}"
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        if not outputs:
+            return
+        by_client: dict[int, list[EngineCoreOutput]] = defaultdict(list)
+        for output in outputs:
+            index, _, output.request_id = output.request_id.partition(":")
+            by_client[int(index)].append(output)
+        now = time.time()
+        for index, client_outputs in by_client.items():
+            self.outputs.put((self.client_identities[index], EngineCoreOutputs(outputs=client_outputs,
+                                                                               timestamp=now)))
+
+    def _read_loop(self) -> None:
+        decoder = Decoder(EngineCoreInput)
+        while True:
+            try:
+                frames = self.input_socket.recv_multipart(copy=False)
+            except zmq.ContextTerminated:
+                self.input_socket.close()
+                return
+            identity, body = frames[0].bytes, [frame.buffer for frame in frames[1:]]
+            try:
+                self.inputs.put((identity, decoder.decode(body)))
+            except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                logger.warning("malformed message from client %s: %s", identity.hex(), error)
+                self.inputs.put((identity, _rejection(body, error)))
+
+    def _write_loop(self) -> None:
+        encoder = Encoder()
+        while (item := self.outputs.get()) is not _STOP:
+            identity, message = item
+            self.output_socket.send_multipart([identity, *encoder.encode(message)], copy=False)
+        self.output_socket.close()
+
+    def _shutdown(self) -> None:
+        dead = EngineCoreOutputs(engine_dead=EngineDead(reason=self.stop_reason))
+        for identity in self.client_identities:
+            self.outputs.put((identity, dead))
+        self.outputs.put(_STOP)
+        self.writer.join(timeout=5)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+        self.context.term()  # wakes the reader, which closes its socket
+        self.reader.join(timeout=5)
+        self.engine.shutdown()
+
+
+def _rejection(body: list[memoryview], error: Exception) -> EngineCoreOutputs:
+    """The error reply for an undecodable message, addressed to its request or call when that can be read."""
+    message = f"malformed message: {error}"
+    try:
+        fields = msgspec.msgpack.decode(body[0]) if body else None
+    except msgspec.DecodeError:
+        fields = None
+    fields = fields if isinstance(fields, dict) else {}
+    call_id = fields.get("call_id")
+    if isinstance(call_id, int) and not isinstance(call_id, bool):
+        return EngineCoreOutputs(utility_result=UtilityResult(call_id, error=message))
+    request_id = fields.get("request_id")
+    request_id = request_id if isinstance(request_id, str) else ""
+    return EngineCoreOutputs(errors=[RequestError(request_id=request_id, message=message)])
+
+
+def _watch_parent(fd: int, proc: EngineCoreProc) -> None:
+    """The parent holds the write end of this pipe and never writes: EOF means it is gone."""
+    with os.fdopen(fd, "rb", buffering=0) as pipe:
+        while pipe.read(1):
+            pass
+    proc.request_stop("the front end that started the engine core exited")
+
+
+def _report(status_fd: int | None, status: EngineStartup) -> None:
+    if status_fd is not None:
+        os.write(status_fd, msgspec.json.encode(status) + b"\n")
+        os.close(status_fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m core.engine_process", description=__doc__)
+    parser.add_argument("--config-json", required=True, help="the EngineConfig as JSON")
+    parser.add_argument("--address", required=True, help="tcp://HOST:PORT or ipc://PATH to listen on")
+    parser.add_argument("--curve-key-file", help="CURVE key file (required beyond loopback)")
+    parser.add_argument("--status-fd", type=int, help="write the start-up result here (set by a parent)")
+    parser.add_argument("--parent-fd", type=int, help="exit when this pipe closes (set by a parent)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = msgspec.json.decode(args.config_json, type=EngineConfig)
+        keys = CurveKeys.load(args.curve_key_file) if args.curve_key_file else None
+        proc = EngineCoreProc(EngineCore(config), EngineEndpoints.from_address(args.address), keys)
+    except Exception as error:
+        logger.exception("the engine core failed to start")
+        _report(args.status_fd, EngineStartup(error=str(error), error_type=type(error).__name__))
+        return 1
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda signum, frame: proc.request_stop(f"the engine core got signal {signum}"))
+    if args.parent_fd is not None:
+        threading.Thread(target=_watch_parent, args=(args.parent_fd, proc), daemon=True).start()
+    _report(args.status_fd, EngineStartup(info=proc.engine.info))
+    logger.info("engine core ready: requests at %s, outputs at %s, %d KV blocks of %d tokens", proc.endpoints.input,
+                proc.endpoints.output, proc.engine.num_kv_blocks, proc.engine.config.block_size)
+    try:
+        proc.run()
+    except Exception:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    exit_code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is closed and joined; skip the interpreter's teardown of torch (most of a second).
+    os._exit(exit_code)

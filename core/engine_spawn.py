@@ -1,0 +1,86 @@
+"""Start an engine-core process from a front end (or the launcher) and wait until it is ready.
+
+The child is a fresh interpreter (`python -m core.engine_process`, never a fork), configured with msgspec
+JSON on its command line. Two pipes link it to the parent: it reports start-up (ready, or the error) on one,
+and it exits when the other closes, which happens when the parent exits or is killed: no orphans.
+"""
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from ipc import EngineConfig, EngineInfo, EngineStartup
+
+_START_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_ENGINE_START_TIMEOUT", "600"))
+_ERROR_TYPES = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "PermissionError": PermissionError}
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+class EngineProcess:
+    def __init__(self, config: EngineConfig, address: str, curve_key_file: str | None = None) -> None:
+        status_read, status_write = os.pipe()
+        watch_read, self._watch_write = os.pipe()
+        command = [sys.executable, "-m", "core.engine_process", "--config-json", msgspec.json.encode(config).decode(),
+                   "--address", address, "--status-fd", str(status_write), "--parent-fd", str(watch_read)]
+        if curve_key_file:
+            command += ["--curve-key-file", str(curve_key_file)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
+        try:
+            self.process = subprocess.Popen(command, pass_fds=(status_write, watch_read), env=env)
+        finally:
+            os.close(status_write)
+            os.close(watch_read)
+        self._status = os.fdopen(status_read, "rb")
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait_exit(self, timeout: float) -> bool:
+        """True once the process has exited (waiting up to `timeout`)."""
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def wait_ready(self, timeout: float = _START_TIMEOUT_S) -> EngineInfo:
+        """The engine's info once it listens; raises the engine's own start-up error (ValueError for bad config)."""
+        deadline = time.monotonic() + timeout
+        with self._status:
+            while not select.select([self._status], [], [], 0.5)[0]:
+                if time.monotonic() > deadline:
+                    self.shutdown()
+                    raise TimeoutError(f"the engine core did not start within {timeout:.0f} s "
+                                       "(PAGEDSERVE_ENGINE_START_TIMEOUT)")
+            line = self._status.readline()
+        if not line:
+            self.process.wait()
+            raise RuntimeError(f"the engine core exited during start-up (exit code {self.process.returncode})")
+        status = msgspec.json.decode(line, type=EngineStartup)
+        if status.info is None:
+            self.process.wait()
+            raise _ERROR_TYPES.get(status.error_type, RuntimeError)(status.error)
+        return status.info
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within `timeout`."""
+        if self.is_alive():
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._watch_write is not None:
+            os.close(self._watch_write)
+            self._watch_write = None

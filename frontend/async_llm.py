@@ -1,0 +1,166 @@
+"""AsyncLLM: the asyncio front end for servers; streams each request's outputs from an engine-core process."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+import weakref
+from collections.abc import AsyncGenerator
+
+from frontend.connect import connect_engine
+from frontend.core_client import AsyncEngineCoreClient, EngineDeadError
+from frontend.output_processor import OutputProcessor
+from frontend.outputs import RequestOutput, merge_delta
+from frontend.prompts import PromptType, prompt_text, tokenize_prompt
+from frontend.tokenizer import load_tokenizer
+from ipc import EngineCoreOutputs, EngineCoreRequest, RequestOutputKind, SamplingParams, SchedulerStats
+
+logger = logging.getLogger("pagedserve.async_llm")
+# Outputs of one engine step are turned into RequestOutputs this many at a time, yielding to the event loop
+# in between, so a step with hundreds of requests does not stall other coroutines (e.g. HTTP handlers).
+OUTPUT_CHUNK_SIZE = 128
+
+
+class RequestOutputCollector:
+    """One request's outputs waiting for its consumer. A consumer that falls behind gets one merged output:
+    DELTA outputs are concatenated, CUMULATIVE ones replaced by the newest."""
+
+    def __init__(self, output_kind: RequestOutputKind) -> None:
+        self.output_kind = output_kind
+        self.item: RequestOutput | Exception | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        if isinstance(self.item, RequestOutput) and isinstance(item, RequestOutput):
+            item = merge_delta(self.item, item) if self.output_kind == RequestOutputKind.DELTA else item
+        elif isinstance(self.item, RequestOutput) and self.item.finished:
+            return  # the final output is already waiting; a later error (engine death) changes nothing
+        self.item = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self.item is None:
+            await self.ready.wait()
+        item, self.item = self.item, None
+        self.ready.clear()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+class AsyncLLM:
+    """`AsyncLLM(model, **engine_args)` starts a private engine core; `AsyncLLM(engine_address=..., model=...)`
+    attaches to a running one (the model folder is then only for the tokenizer; default: the engine's)."""
+
+    def __init__(self, model: str | None = None, *, engine_address: str | None = None,
+                 curve_key_file: str | None = None, handshake_timeout: float = 30.0, **engine_args) -> None:
+        self.client: AsyncEngineCoreClient = connect_engine(
+            model, engine_args, engine_address=engine_address, curve_key_file=curve_key_file,
+            handshake_timeout=handshake_timeout, asynchronous=True)
+        self._shutdown = weakref.finalize(self, self.client.shutdown)
+        self.info = self.client.info
+        self.tokenizer = load_tokenizer(model or self.info.model)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.collectors: dict[str, RequestOutputCollector] = {}
+        self.output_handler: asyncio.Task | None = None
+
+    @property
+    def errored(self) -> bool:
+        return self.client.dead_reason is not None
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, *, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+        """Stream the request's outputs (each step's, as sampling_params.output_kind says); the last one has
+        finished=True. Closing or cancelling the stream aborts the request in the engine."""
+        request_id = uuid.uuid4().hex if request_id is None else request_id
+        collector = self._add_request(request_id, prompt, sampling_params or SamplingParams(), priority)
+        finished = False
+        try:
+            while not finished:
+                output = await collector.get()
+                finished = output.finished
+                yield output
+        finally:
+            if self.collectors.get(request_id) is collector:
+                del self.collectors[request_id]
+                if not finished:  # cancelled, closed early, or failed: nothing more is wanted
+                    self.output_processor.abort(request_id)
+                    self.client.abort_requests([request_id])
+
+    async def abort(self, request_id: str) -> None:
+        """End the request now; its stream yields a final output with finish_reason "abort"."""
+        output = self.output_processor.abort(request_id)
+        collector = self.collectors.get(request_id)
+        if output is not None and collector is not None:
+            collector.put(output)
+        self.client.abort_requests([request_id])
+
+    async def get_stats(self) -> SchedulerStats:
+        return await self.client.get_stats_async()
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.client.call_utility_async("reset_prefix_cache")
+
+    async def start_profile(self, trace_dir: str | None = None) -> str:
+        return await self.client.call_utility_async("start_profile", trace_dir)
+
+    async def stop_profile(self) -> str:
+        return await self.client.call_utility_async("stop_profile")
+
+    async def check_health(self) -> None:
+        """Raises EngineDeadError if the engine core is gone."""
+        await self.client.call_utility_async("check_health")
+
+    def shutdown(self) -> None:
+        """Stop the engine core this AsyncLLM started (also done when it is garbage collected or at exit)."""
+        if self.output_handler is not None:
+            self.output_handler.cancel()
+        self._shutdown()
+
+    def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                     priority: int) -> RequestOutputCollector:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.collectors:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        request = EngineCoreRequest(request_id=request_id, prompt_token_ids=tokenize_prompt(self.tokenizer, prompt),
+                                    sampling_params=params, eos_token_id=self.tokenizer.eos_token_id,
+                                    priority=int(priority))
+        self.info.validate_request(request)
+        self.client.add_request(request)  # raises EngineDeadError before anything is registered
+        collector = self.collectors[request_id] = RequestOutputCollector(params.output_kind)
+        self.output_processor.add_request(request_id, prompt_text(prompt), request.prompt_token_ids, params)
+        if self.output_handler is None or self.output_handler.done():
+            self.output_handler = asyncio.get_running_loop().create_task(self._handle_outputs())
+        return collector
+
+    async def _handle_outputs(self) -> None:
+        try:
+            while True:
+                await self._deliver(await self.client.get_outputs_async())
+        except EngineDeadError as error:
+            for collector in self.collectors.values():
+                collector.put(error)
+        except Exception as error:  # a bug here must fail the streams, not leave them waiting forever
+            logger.exception("the output handler failed")
+            for collector in self.collectors.values():
+                collector.put(EngineDeadError(f"the output handler failed: {error}"))
+
+    async def _deliver(self, batch: EngineCoreOutputs) -> None:
+        for error in batch.errors:
+            collector = self.collectors.get(error.request_id)
+            if collector is None:
+                logger.warning("engine error for no request of ours: %s", error.message)
+                continue
+            self.output_processor.abort(error.request_id)
+            collector.put(ValueError(error.message))
+        outputs = batch.outputs
+        for start in range(0, len(outputs), OUTPUT_CHUNK_SIZE):
+            if start:
+                await asyncio.sleep(0)
+            results, to_abort = self.output_processor.process_outputs(outputs[start:start + OUTPUT_CHUNK_SIZE])
+            for result in results:
+                collector = self.collectors.get(result.request_id)
+                if collector is not None:
+                    collector.put(result)
+            self.client.abort_requests(to_abort)

@@ -1,0 +1,300 @@
+"""Engine-core clients: the ZMQ client library (sync and asyncio) and an in-process stand-in for debugging.
+
+A client connects two DEALER sockets, both carrying its random routing id, to an engine core's input and
+output endpoints (see ipc.sockets), so the engine routes this client's outputs to it alone. It learns that
+the engine is gone from an EngineDead notice, from the output connection dropping, or (for an engine it
+started) from the process exiting, and then every pending and later call raises EngineDeadError.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
+
+from core.engine_spawn import EngineProcess
+from ipc import (
+    AbortRequests,
+    Decoder,
+    Encoder,
+    EngineConfig,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    SchedulerStats,
+    UtilityCall,
+    UtilityResult,
+)
+from ipc.sockets import CurveKeys, EngineEndpoints, connect_dealer, private_ipc_address, remove_ipc_files
+
+_POLL_MS = 100  # how often a waiting client checks that the engine process it started is alive
+_HANDSHAKE_RETRY_S = 0.2
+_EXIT_GRACE_S = 0.3  # after a disconnect, how long to wait for the engine's exit code (for the error message)
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is gone: this request, and every later one, cannot complete."""
+
+
+class EngineCoreClient:
+    """Sync client of an engine core at `address` (tcp://HOST:PORT or ipc://PATH).
+
+    `EngineCoreClient.start(config)` starts a private engine core and connects to it; the client then owns it.
+    """
+
+    def __init__(self, address: str, curve_key_file: str | None = None, handshake_timeout: float = 30.0,
+                 process: EngineProcess | None = None) -> None:
+        self.endpoints = EngineEndpoints.from_address(address)
+        self.process = process
+        keys = CurveKeys.load(curve_key_file) if curve_key_file else None
+        self.identity = uuid.uuid4().bytes
+        self.context = zmq.Context()
+        self.input = connect_dealer(self.context, self.endpoints.input, self.identity, keys)
+        self.output = connect_dealer(self.context, self.endpoints.output, self.identity, keys)
+        events = zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+        self.monitors = [self.input.get_monitor_socket(events), self.output.get_monitor_socket(events)]
+        self.encoder, self.decoder = Encoder(), Decoder(EngineCoreOutputs)
+        self.poller = zmq.Poller()
+        for sock in (self.output, *self.monitors):
+            self.poller.register(sock, zmq.POLLIN)
+        self.call_ids = itertools.count()
+        self.awaited_calls: set[int] = set()
+        self.utility_results: dict[int, UtilityResult] = {}
+        self.pending: collections.deque[EngineCoreOutputs] = collections.deque()
+        self.dead_reason: str | None = None
+        self.connected = self.closed = False
+        try:
+            self.info = self._handshake(handshake_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> EngineCoreClient:
+        address = private_ipc_address()
+        process = EngineProcess(config, address)
+        process.wait_ready()
+        return cls(address, process=process)
+
+    # -- sending --------------------------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead_reason is None:
+            self._send(AbortRequests(request_ids))
+
+    def _send(self, message: Any) -> None:
+        self._raise_if_dead()
+        self.input.send_multipart(self.encoder.encode(message), copy=False)
+
+    def _send_utility_call(self, method: str, args: tuple) -> int:
+        call_id = next(self.call_ids)
+        self._send(UtilityCall(call_id, method, list(args)))
+        self.awaited_calls.add(call_id)
+        return call_id
+
+    # -- receiving ------------------------------------------------------------------------------------------
+    def get_outputs(self) -> EngineCoreOutputs:
+        """The next batch of this client's outputs (and request errors); EngineDeadError once those received
+        before the engine died are consumed."""
+        while not self.pending:
+            self._poll(_POLL_MS)
+        return self.pending.popleft()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """Run an engine utility (get_stats, reset_prefix_cache, start_profile, stop_profile, check_health)."""
+        call_id = self._send_utility_call(method, args)
+        while call_id not in self.utility_results:
+            self._poll(_POLL_MS)
+        return _unwrap(self.utility_results.pop(call_id))
+
+    def _poll(self, timeout_ms: int) -> None:
+        self._raise_if_dead()
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.output in ready:
+            self._accept(self.decoder.decode(self.output.recv_multipart(copy=False)))
+        for monitor in self.monitors:
+            if monitor in ready:
+                self._on_monitor_event(recv_monitor_message(monitor))
+        if not ready:
+            self._check_process()
+        self._raise_if_dead()
+
+    def _accept(self, message: EngineCoreOutputs) -> None:
+        if message.utility_result is not None:
+            self._on_utility_result(message.utility_result)
+        if message.outputs or message.errors:
+            self.pending.append(message)
+        if message.engine_dead is not None:
+            self._mark_dead(message.engine_dead.reason)
+
+    def _on_utility_result(self, result: UtilityResult) -> None:
+        if result.call_id in self.awaited_calls:  # not a late duplicate of a handshake reply
+            self.awaited_calls.discard(result.call_id)
+            self.utility_results[result.call_id] = result
+
+    # -- liveness -------------------------------------------------------------------------------------------
+    def _handshake(self, timeout: float) -> EngineInfo:
+        """Ask for the engine's info until it answers: the answer proves the output route to us exists (the
+        engine's ROUTER drops outputs for a client whose output connection is not up yet)."""
+        deadline, next_try, call_ids = time.monotonic() + timeout, 0.0, []
+        while time.monotonic() < deadline:
+            if time.monotonic() >= next_try:
+                call_ids.append(self._send_utility_call("get_info", ()))
+                next_try = time.monotonic() + _HANDSHAKE_RETRY_S
+            self._poll(50)
+            answered = [call_id for call_id in call_ids if call_id in self.utility_results]
+            if answered:
+                self.awaited_calls.difference_update(call_ids)
+                self.connected = True
+                return msgspec.convert(_unwrap(self.utility_results.pop(answered[0])), EngineInfo)
+        raise ConnectionError(f"no engine core answered at {self.endpoints.input} within {timeout:.0f} s")
+
+    def _on_monitor_event(self, event: dict) -> None:
+        if event["event"] & _HANDSHAKE_FAILED:
+            raise PermissionError(f"the engine core at {self.endpoints.input} refused this client: its CURVE key "
+                                  "does not match (event "
+                                  f"{event['event']}); give the engine's key file as curve_key_file")
+        if event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
+            self._drain_output()  # an EngineDead notice sent just before the close says why
+            if self.process is not None and self.process.wait_exit(_EXIT_GRACE_S):
+                self._check_process()
+            self._mark_dead(f"lost the connection to the engine core at {self.endpoints.input}")
+
+    def _drain_output(self) -> None:
+        while self.output.poll(0):
+            self._accept(self.decoder.decode(self.output.recv_multipart(copy=False)))
+
+    def _check_process(self) -> None:
+        if self.process is not None and not self.process.is_alive():
+            self._mark_dead(f"the engine core process exited (exit code {self.process.process.returncode})")
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+
+    def _raise_if_dead(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    # -- typed utilities ------------------------------------------------------------------------------------
+    def get_stats(self) -> SchedulerStats:
+        return msgspec.convert(self.call_utility("get_stats"), SchedulerStats)
+
+    def shutdown(self) -> None:
+        """Close the sockets; stop the engine process if this client started it."""
+        if self.closed:
+            return
+        self.closed = True
+        for monitor in self.monitors:
+            monitor.close(linger=0)
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        self.context.term()
+        if self.process is not None:
+            self.process.shutdown()
+            remove_ipc_files(self.endpoints)
+
+
+class AsyncEngineCoreClient(EngineCoreClient):
+    """The asyncio client: connects (and handshakes) synchronously, then a receiver task on the running loop
+    reads outputs, resolves utility calls and wakes `get_outputs_async`."""
+
+    def __init__(self, address: str, curve_key_file: str | None = None, handshake_timeout: float = 30.0,
+                 process: EngineProcess | None = None) -> None:
+        self.futures: dict[int, asyncio.Future] = {}
+        self.outputs_ready: asyncio.Event | None = None
+        self.receiver: asyncio.Task | None = None
+        super().__init__(address, curve_key_file, handshake_timeout, process)  # handshakes synchronously
+        self.async_output = zmq.asyncio.Socket.from_socket(self.output)
+        self.async_monitors = [zmq.asyncio.Socket.from_socket(monitor) for monitor in self.monitors]
+        self.async_poller = zmq.asyncio.Poller()
+        for sock in (self.async_output, *self.async_monitors):
+            self.async_poller.register(sock, zmq.POLLIN)
+
+    @classmethod
+    def start(cls, config: EngineConfig) -> AsyncEngineCoreClient:
+        address = private_ipc_address()
+        process = EngineProcess(config, address)
+        process.wait_ready()
+        return cls(address, process=process)
+
+    async def get_outputs_async(self) -> EngineCoreOutputs:
+        self._ensure_receiver()
+        while not self.pending:
+            self._raise_if_dead()
+            self.outputs_ready.clear()
+            await self.outputs_ready.wait()
+        return self.pending.popleft()
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        self._ensure_receiver()
+        call_id = self._send_utility_call(method, args)
+        future = self.futures[call_id] = asyncio.get_running_loop().create_future()
+        return _unwrap(await future)
+
+    async def get_stats_async(self) -> SchedulerStats:
+        return msgspec.convert(await self.call_utility_async("get_stats"), SchedulerStats)
+
+    def _ensure_receiver(self) -> None:
+        # A new receiver when the loop that ran the last one has ended (asyncio.run cancels leftover tasks).
+        if self.receiver is None or self.receiver.done():
+            self.outputs_ready = asyncio.Event()
+            self.receiver = asyncio.get_running_loop().create_task(self._receive_loop())
+
+    async def _receive_loop(self) -> None:
+        try:
+            while self.dead_reason is None:
+                ready = dict(await self.async_poller.poll(_POLL_MS))
+                if self.async_output in ready:
+                    self._accept(self.decoder.decode(await self.async_output.recv_multipart(copy=False)))
+                for monitor in self.async_monitors:
+                    if monitor in ready:
+                        self._on_monitor_event(parse_monitor_message(await monitor.recv_multipart()))
+                if not ready:
+                    self._check_process()
+        except Exception as error:  # a failing receiver must not leave callers waiting forever
+            self._mark_dead(f"the client's receiver failed: {type(error).__name__}: {error}")
+            raise
+
+    def _accept(self, message: EngineCoreOutputs) -> None:
+        super()._accept(message)
+        if self.pending:
+            self.outputs_ready.set()
+
+    def _on_utility_result(self, result: UtilityResult) -> None:
+        future = self.futures.pop(result.call_id, None)
+        if future is None:
+            super()._on_utility_result(result)
+        elif not future.done():
+            future.set_result(result)
+
+    def _mark_dead(self, reason: str) -> None:
+        super()._mark_dead(reason)
+        for future in self.futures.values():
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
+        self.futures.clear()
+        if self.outputs_ready is not None:
+            self.outputs_ready.set()
+
+    def shutdown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.cancel()
+        super().shutdown()
+
+
+def _unwrap(result: UtilityResult) -> Any:
+    if result.error is not None:
+        raise RuntimeError(result.error)
+    return result.result
