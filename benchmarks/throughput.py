@@ -1,8 +1,15 @@
 """Offline throughput: this engine vs HF transformers `generate` on padded static batches, same requests, one run.
 
 Random-token prompts (input 32-512, output 16-256 tokens, ignore_eos), bfloat16, on the model maker's ~30M
-llama. Prints output tokens/s for each, their ratio, and the engine's KV memory utilization at peak
-(tokens held / slots in allocated blocks). Targets (issue 2): ratio >= 5x, KV utilization >= 95%.
+llama. The engine is the default `LLM`, its engine core in a separate process. Prints output tokens/s for
+each, their ratio, and the engine's KV memory utilization at peak (tokens held / slots in allocated blocks).
+Targets (issue 2): ratio >= 5x, KV utilization >= 95%.
+
+--compare-in-process also runs the same requests through the in-process engine (`LLM(in_process=True)`) and
+prints the ratio process / in-process (target, issue 3: >= 95%). The two kinds run one at a time, alternating
+(process, in-process, process, ... for --compare-rounds rounds) so that slow drift on the machine hits both
+alike; each run is printed, and the ratio is of total output tokens over total seconds per kind. The first
+process run is also the engine figure compared with HF.
 """
 from __future__ import annotations
 
@@ -21,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from frontend import LLM, SamplingParams  # noqa: E402
 from launch.make_model import ensure_demo_model  # noqa: E402
 
+PROCESS_RATIO_TARGET = 0.95  # issue 3: the engine-core process keeps >= 95% of in-process throughput
+_TORCH_THREADS = torch.get_num_threads()  # before an engine process lowers it
+
 
 def make_requests(n: int, vocab: int, seed: int, input_range, output_range) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
@@ -29,20 +39,39 @@ def make_requests(n: int, vocab: int, seed: int, input_range, output_range) -> l
             for _ in range(n)]
 
 
-def run_engine(model: str, requests, args) -> dict:
-    llm = LLM(model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+def run_engine(model: str, requests, args, in_process: bool = False) -> dict:
+    llm = LLM(model, in_process=in_process, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
-    prompts = [{"prompt_token_ids": p} for p, _ in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    try:
+        prompts = [{"prompt_token_ids": p} for p, _ in requests]
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        stats = llm.get_stats()
+    finally:
+        llm.shutdown()
+        # Starting an engine process drops this process to one torch thread; later in-process and HF runs
+        # get back the threads they would have had.
+        torch.set_num_threads(_TORCH_THREADS)
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert generated == sum(n for _, n in requests), "every request must produce exactly max_tokens tokens"
-    stats = llm.get_stats()
     return {"seconds": elapsed, "output_tokens": generated, "output_tokens_per_s": generated / elapsed,
-            "kv_utilization_at_peak": stats["kv_utilization_at_peak"], "peak_kv_usage": stats["peak_kv_usage"],
-            "num_preemptions": stats["num_preemptions"]}
+            "kv_utilization_at_peak": stats.kv_utilization_at_peak, "peak_kv_cache_usage": stats.peak_kv_cache_usage,
+            "num_preemptions": stats.num_preemptions}
+
+
+def compare_in_process(model: str, requests, args) -> dict:
+    """Alternating runs through the engine-core process and the in-process engine, one at a time."""
+    runs: dict[str, list[dict]] = {"process": [], "in_process": []}
+    for _ in range(args.compare_rounds):
+        runs["process"].append(run_engine(model, requests, args))
+        runs["in_process"].append(run_engine(model, requests, args, in_process=True))
+    rates = {kind: sum(r["output_tokens"] for r in kind_runs) / sum(r["seconds"] for r in kind_runs)
+             for kind, kind_runs in runs.items()}
+    return {**runs, "process_output_tokens_per_s": rates["process"],
+            "in_process_output_tokens_per_s": rates["in_process"],
+            "ratio": rates["process"] / rates["in_process"], "target_ratio": PROCESS_RATIO_TARGET}
 
 
 @torch.inference_mode()
@@ -85,19 +114,33 @@ def main() -> int:
     parser.add_argument("--hf-batch-size", type=int, default=32,
                         help="static batch size for HF (32 was its best of 8/16/32/96 here)")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--compare-in-process", action="store_true",
+                        help="also run the in-process engine and report process / in-process throughput")
+    parser.add_argument("--compare-rounds", type=int, default=2,
+                        help="alternating (process, in-process) pairs for --compare-in-process")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
+    if args.compare_rounds < 1:
+        parser.error("--compare-rounds must be >= 1")
 
     model = args.model or str(ensure_demo_model())
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(model).vocab_size
     requests = make_requests(args.num_requests, vocab, args.seed, args.input_len, args.output_len)
-    results = {"model": model, "num_requests": len(requests), "engine": run_engine(model, requests, args)}
-    engine = results["engine"]
+    comparison = compare_in_process(model, requests, args) if args.compare_in_process else None
+    engine = comparison["process"][0] if comparison else run_engine(model, requests, args)
+    results = {"model": model, "num_requests": len(requests), "engine": engine}
     print(f"pagedserve: {engine['output_tokens_per_s']:.1f} output tok/s ({engine['seconds']:.1f} s); "
           f"KV utilization at peak {engine['kv_utilization_at_peak']:.1%} "
-          f"(peak KV usage {engine['peak_kv_usage']:.1%}, {engine['num_preemptions']} preemptions)")
+          f"(peak KV usage {engine['peak_kv_cache_usage']:.1%}, {engine['num_preemptions']} preemptions)")
+    if comparison:
+        results["compare_in_process"] = comparison
+        for kind, label in (("process", "engine-core process"), ("in_process", "in-process engine")):
+            each = ", ".join(f"{r['output_tokens_per_s']:.1f}" for r in comparison[kind])
+            print(f"{label}: {comparison[f'{kind}_output_tokens_per_s']:.1f} output tok/s overall (runs: {each})")
+        print(f"ratio process / in-process: {comparison['ratio']:.1%} over {args.compare_rounds} rounds "
+              f"(target >= {PROCESS_RATIO_TARGET:.0%})")
     if not args.skip_hf:
         hf = results["hf"] = run_hf(model, requests, args)
         results["ratio"] = engine["output_tokens_per_s"] / hf["output_tokens_per_s"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import time
 from pathlib import Path
@@ -13,6 +14,14 @@ from launch.make_model import make_model
 
 ARCHS = ("llama", "qwen2", "mistral", "opt")
 _MODEL_ROOT = Path(os.environ.get("PAGEDSERVE_TEST_MODELS", Path.home() / ".cache" / "pagedserve" / "test-models"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind():
+    """After all tests, every engine-core process the tests started has exited."""
+    yield
+    gc.collect()  # runs the finalizers of LLMs that tests did not shut down explicitly
+    assert wait_until(lambda: not child_pids(), timeout=10), f"processes left behind: {child_pids()}"
 
 
 @functools.cache
