@@ -42,6 +42,10 @@ class EngineProcess:
     def pid(self) -> int:
         return self.process.pid
 
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
     def is_alive(self) -> bool:
         return self.process.poll() is None
 
@@ -55,22 +59,28 @@ class EngineProcess:
 
     def wait_ready(self, timeout: float = _START_TIMEOUT_S) -> EngineInfo:
         """The engine's info once it listens; raises the engine's own start-up error (ValueError for bad config)."""
+        try:
+            status = self._read_status(timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+        if status.info is None:
+            self.shutdown()
+            raise _ERROR_TYPES.get(status.error_type, RuntimeError)(status.error)
+        return status.info
+
+    def _read_status(self, timeout: float) -> EngineStartup:
         deadline = time.monotonic() + timeout
         with self._status:
             while not select.select([self._status], [], [], 0.5)[0]:
                 if time.monotonic() > deadline:
-                    self.shutdown()
                     raise TimeoutError(f"the engine core did not start within {timeout:.0f} s "
                                        "(PAGEDSERVE_ENGINE_START_TIMEOUT)")
             line = self._status.readline()
         if not line:
             self.process.wait()
             raise RuntimeError(f"the engine core exited during start-up (exit code {self.process.returncode})")
-        status = msgspec.json.decode(line, type=EngineStartup)
-        if status.info is None:
-            self.process.wait()
-            raise _ERROR_TYPES.get(status.error_type, RuntimeError)(status.error)
-        return status.info
+        return msgspec.json.decode(line, type=EngineStartup)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """SIGTERM, then SIGKILL if it has not exited within `timeout`."""

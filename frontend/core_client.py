@@ -80,6 +80,7 @@ class EngineCoreClient:
 
     @classmethod
     def start(cls, config: EngineConfig) -> EngineCoreClient:
+        """A client of a new private engine core (ipc:// in a directory only this user can enter)."""
         address = private_ipc_address()
         process = EngineProcess(config, address)
         process.wait_ready()
@@ -177,7 +178,7 @@ class EngineCoreClient:
 
     def _check_process(self) -> None:
         if self.process is not None and not self.process.is_alive():
-            self._mark_dead(f"the engine core process exited (exit code {self.process.process.returncode})")
+            self._mark_dead(f"the engine core process exited (exit code {self.process.returncode})")
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:
@@ -221,13 +222,6 @@ class AsyncEngineCoreClient(EngineCoreClient):
         self.async_poller = zmq.asyncio.Poller()
         for sock in (self.async_output, *self.async_monitors):
             self.async_poller.register(sock, zmq.POLLIN)
-
-    @classmethod
-    def start(cls, config: EngineConfig) -> AsyncEngineCoreClient:
-        address = private_ipc_address()
-        process = EngineProcess(config, address)
-        process.wait_ready()
-        return cls(address, process=process)
 
     async def get_outputs_async(self) -> EngineCoreOutputs:
         self._ensure_receiver()

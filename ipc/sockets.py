@@ -7,6 +7,7 @@ is `ipc://path.out`.
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
@@ -19,6 +20,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+_PRIVATE_DIR_PREFIX = "pagedserve-"
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class EngineEndpoints:
 
 def private_ipc_address() -> str:
     """An ipc:// address in a fresh directory only this user can enter."""
-    return f"ipc://{tempfile.mkdtemp(prefix='pagedserve-')}/engine"
+    return f"ipc://{tempfile.mkdtemp(prefix=_PRIVATE_DIR_PREFIX)}/engine"
 
 
 def free_tcp_address(host: str = "127.0.0.1") -> str:
@@ -78,9 +80,14 @@ def _port_is_free(host: str, port: int) -> bool:
 
 
 def remove_ipc_files(endpoints: EngineEndpoints) -> None:
+    """Remove an engine's ipc:// socket files, and the directory private_ipc_address made for them."""
     for endpoint in (endpoints.input, endpoints.output):
         if endpoint.startswith("ipc://"):
-            Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
+            path = Path(endpoint[len("ipc://"):])
+            path.unlink(missing_ok=True)
+            if path.parent.name.startswith(_PRIVATE_DIR_PREFIX):
+                with contextlib.suppress(OSError):  # not empty yet: the other endpoint's file
+                    path.parent.rmdir()
 
 
 @dataclass(frozen=True)
