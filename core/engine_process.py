@@ -162,10 +162,11 @@ class EngineCoreProc:
                 return
             identity, body = frames[0].bytes, [frame.buffer for frame in frames[1:]]
             try:
-                self.inputs.put((identity, decoder.decode(body)))
-            except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                message = decoder.decode(body)
+            except Exception as error:  # whatever a hostile frame provokes, this thread must live on
                 logger.warning("malformed message from client %s: %s", identity.hex(), error)
-                self.inputs.put((identity, _rejection(body, error)))
+                message = _rejection(body, error)
+            self.inputs.put((identity, message))
 
     def _write_loop(self) -> None:
         encoder = Encoder()
@@ -192,7 +193,7 @@ def _rejection(body: list[memoryview], error: Exception) -> EngineCoreOutputs:
     message = f"malformed message: {error}"
     try:
         fields = msgspec.msgpack.decode(body[0]) if body else None
-    except msgspec.DecodeError:
+    except Exception:  # not even msgpack (or not valid UTF-8 inside): nothing to attribute it to
         fields = None
     fields = fields if isinstance(fields, dict) else {}
     call_id = fields.get("call_id")

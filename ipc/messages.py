@@ -99,6 +99,12 @@ class EngineInfo(msgspec.Struct, kw_only=True):
         if bad is not None:
             raise ValueError(f"request {request.request_id}: prompt token id {bad} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        params = request.sampling_params
+        special = [*(params.stop_token_ids or []), *([request.eos_token_id] if request.eos_token_id is not None else [])]
+        bad = next((t for t in special if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"request {request.request_id}: stop/eos token id {bad} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         if request.priority != 0 and self.scheduling_policy != "priority":
             raise ValueError(f"request {request.request_id}: priority={request.priority} needs "
                              "scheduling_policy='priority' (the engine runs first-come first-served)")

@@ -74,6 +74,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _require(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                  f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _require(self.seed is None or -2**63 <= self.seed < 2**64, "seed", f"must fit in 64 bits, got {self.seed}")
         _require(self.logprobs is None or 0 <= self.logprobs <= _MAX_LOGPROBS, "logprobs",
                  f"must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
         _require(not self.stop or all(self.stop), "stop", "must not contain empty strings")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
 import subprocess
 import sys
 import textwrap
@@ -96,6 +97,9 @@ def test_malformed_frames_are_answered_and_the_engine_keeps_serving(engine_addre
                 [msgspec.msgpack.encode({"type": "add", "request_id": "ext", "prompt_token_ids":
                                          msgspec.msgpack.Ext(1, msgspec.msgpack.encode(("int64", [2], 7))),
                                          "sampling_params": {}})]]
+        rng = random.Random(0)
+        junk += [[rng.randbytes(rng.randrange(1, 200))] for _ in range(300)]  # random bytes trip many paths
+        junk += [[msgspec.msgpack.encode(bad_params), rng.randbytes(16)]]  # an extra frame nobody refers to
         for frames in junk:
             sock_in.send_multipart(frames)
         replies = _replies(sock_out, len(junk))

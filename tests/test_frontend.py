@@ -13,7 +13,9 @@ from frontend.detokenizer import IncrementalDetokenizer
 
 @pytest.fixture(scope="module")
 def llm(llama_model):
-    return LLM(llama_model, dtype="float32")
+    llm = LLM(llama_model, dtype="float32")
+    yield llm
+    llm.shutdown()
 
 
 TEXT = "Grüße aus Köln — 日本語のテキスト, emoji 😀🚀 and ascii."

@@ -13,7 +13,9 @@ PROMPTS = [{"prompt_token_ids": p} for p in random_prompts([5, 40, 90], vocab=10
 
 @pytest.fixture(scope="module")
 def llm(llama_model):
-    return LLM(llama_model, dtype="float32")
+    llm = LLM(llama_model, dtype="float32")
+    yield llm
+    llm.shutdown()
 
 
 def texts(llm, params):

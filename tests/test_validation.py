@@ -10,7 +10,7 @@ from frontend import LLM, SamplingParams
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("max_tokens", 0),
     ("min_tokens", -1), ("n", 2), ("logprobs", 100), ("stop", [""]), ("seed", "7"), ("stop_token_ids", [-1]),
-    ("temperature", "hot"), ("ignore_eos", None),
+    ("temperature", "hot"), ("ignore_eos", None), ("seed", 2**64), ("output_kind", "streaming"),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -24,7 +24,9 @@ def test_min_tokens_above_max_tokens():
 
 @pytest.fixture(scope="module")
 def llm(llama_model):
-    return LLM(llama_model, dtype="float32", max_model_len=64)
+    llm = LLM(llama_model, dtype="float32", max_model_len=64)
+    yield llm
+    llm.shutdown()
 
 
 @pytest.mark.parametrize("prompt, message", [
@@ -72,3 +74,11 @@ def test_bad_engine_arguments(llama_model, kwargs, field):
 def test_unknown_model_folder(tmp_path):
     with pytest.raises(ValueError, match="model .* is not a model folder"):
         LLM(str(tmp_path / "no-such-model"))
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(llm):
+    with pytest.raises(ValueError, match="stop/eos token id 99999 is outside the vocabulary"):
+        llm.generate("hi", SamplingParams(stop_token_ids=[99999], min_tokens=2), use_tqdm=False)
+    assert_all_blocks_free(llm)
+    assert len(llm.generate("hi", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+               .outputs[0].token_ids) == 3
