@@ -46,6 +46,11 @@ class EngineCore:
         if self.has_request(request.request_id):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
 
+    def is_overloaded(self) -> bool:
+        """The waiting queue is at max_waiting_requests: new requests are refused until it drains."""
+        limit = self.config.max_waiting_requests
+        return limit is not None and len(self.scheduler.waiting) >= limit
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self.scheduler.requests
 

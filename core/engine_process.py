@@ -39,6 +39,7 @@ from ipc import (
     UtilityCall,
     UtilityResult,
 )
+from ipc.lifeline import watch_lifeline
 from ipc.sockets import CurveKeys, EngineEndpoints, bind_router, check_binding_is_safe, start_authenticator
 
 logger = logging.getLogger("pagedserve.engine_core")
@@ -122,10 +123,17 @@ class EngineCoreProc:
             if self.engine.has_request(request.request_id):
                 raise ValueError(f"request_id {client_request_id!r} is already in use")
         except ValueError as error:
-            errors = [RequestError(request_id=client_request_id, message=str(error))]
-            self.outputs.put((identity, EngineCoreOutputs(errors=errors)))
+            self._refuse(identity, RequestError(request_id=client_request_id, message=str(error)))
+            return
+        if self.engine.is_overloaded():
+            self._refuse(identity, RequestError(
+                request_id=client_request_id, kind="overloaded", message="the engine's waiting queue is full "
+                f"({self.engine.config.max_waiting_requests} requests); retry later"))
             return
         self.engine.add_request(request)
+
+    def _refuse(self, identity: bytes, error: RequestError) -> None:
+        self.outputs.put((identity, EngineCoreOutputs(errors=[error])))
 
     def _call_utility(self, call: UtilityCall) -> UtilityResult:
         try:
@@ -204,14 +212,6 @@ def _rejection(body: list[memoryview], error: Exception) -> EngineCoreOutputs:
     return EngineCoreOutputs(errors=[RequestError(request_id=request_id, message=message)])
 
 
-def _watch_parent(fd: int, proc: EngineCoreProc) -> None:
-    """The parent holds the write end of this pipe and never writes: EOF means it is gone."""
-    with os.fdopen(fd, "rb", buffering=0) as pipe:
-        while pipe.read(1):
-            pass
-    proc.request_stop("the front end that started the engine core exited")
-
-
 def _report(status_fd: int | None, status: EngineStartup) -> None:
     if status_fd is not None:
         os.write(status_fd, msgspec.json.encode(status) + b"\n")
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: proc.request_stop(f"the engine core got signal {signum}"))
     if args.parent_fd is not None:
-        threading.Thread(target=_watch_parent, args=(args.parent_fd, proc), daemon=True).start()
+        watch_lifeline(args.parent_fd, lambda: proc.request_stop("the process that started the engine core exited"))
     _report(args.status_fd, EngineStartup(info=proc.engine.info))
     logger.info("engine core ready: requests at %s, outputs at %s, %d KV blocks of %d tokens", proc.endpoints.input,
                 proc.endpoints.output, proc.engine.num_kv_blocks, proc.engine.config.block_size)

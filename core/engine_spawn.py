@@ -16,23 +16,32 @@ from pathlib import Path
 import msgspec
 
 from ipc import EngineConfig, EngineInfo, EngineStartup
+from ipc.lifeline import make_lifeline
 
 _START_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_ENGINE_START_TIMEOUT", "600"))
 _ERROR_TYPES = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "PermissionError": PermissionError}
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child `python -m ...` of ours: this checkout importable even when not installed."""
+    path = os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 class EngineProcess:
     def __init__(self, config: EngineConfig, address: str, curve_key_file: str | None = None) -> None:
         status_read, status_write = os.pipe()
-        watch_read, self._watch_write = os.pipe()
+        watch_read, self._watch_write = make_lifeline()
         command = [sys.executable, "-m", "core.engine_process", "--config-json", msgspec.json.encode(config).decode(),
                    "--address", address, "--status-fd", str(status_write), "--parent-fd", str(watch_read)]
         if curve_key_file:
             command += ["--curve-key-file", str(curve_key_file)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
+        env = child_env()
         try:
-            self.process = subprocess.Popen(command, pass_fds=(status_write, watch_read), env=env)
+            # Its own session: a terminal's Ctrl-C goes to the front end or launcher, which stops it in order.
+            self.process = subprocess.Popen(command, pass_fds=(status_write, watch_read), env=env,
+                                            start_new_session=True)
         finally:
             os.close(status_write)
             os.close(watch_read)

@@ -8,7 +8,7 @@ import weakref
 from collections.abc import AsyncGenerator
 
 from frontend.connect import connect_engine
-from frontend.core_client import AsyncEngineCoreClient, EngineDeadError
+from frontend.core_client import AsyncEngineCoreClient, EngineDeadError, request_error
 from frontend.output_processor import OutputProcessor
 from frontend.outputs import RequestOutput, merge_delta
 from frontend.prompts import PromptType, prompt_text, tokenize_prompt
@@ -153,7 +153,7 @@ class AsyncLLM:
                 logger.warning("engine error for no request of ours: %s", error.message)
                 continue
             self.output_processor.abort(error.request_id)
-            collector.put(ValueError(error.message))
+            collector.put(request_error(error))
         outputs = batch.outputs
         for start in range(0, len(outputs), OUTPUT_CHUNK_SIZE):
             if start:

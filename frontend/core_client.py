@@ -28,6 +28,7 @@ from ipc import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
+    RequestError,
     SchedulerStats,
     UtilityCall,
     UtilityResult,
@@ -43,6 +44,15 @@ _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILE
 
 class EngineDeadError(RuntimeError):
     """The engine core is gone: this request, and every later one, cannot complete."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The engine refused the request because its waiting queue is full; retrying later may succeed."""
+
+
+def request_error(error: RequestError) -> Exception:
+    """The exception a refused request raises in the front end."""
+    return EngineOverloadedError(error.message) if error.kind == "overloaded" else ValueError(error.message)
 
 
 class EngineCoreClient:

@@ -9,6 +9,7 @@ import msgspec
 from tqdm.auto import tqdm
 
 from frontend.connect import connect_engine
+from frontend.core_client import request_error
 from frontend.output_processor import OutputProcessor
 from frontend.outputs import RequestOutput
 from frontend.prompts import PromptType, prompt_text, tokenize_prompt
@@ -83,7 +84,7 @@ class LLM:
                 while self.output_processor.has_unfinished_requests():
                     batch = self.client.get_outputs()
                     if batch.errors:
-                        raise ValueError(batch.errors[0].message)
+                        raise request_error(batch.errors[0])
                     finished, to_abort = self.output_processor.process_outputs(batch.outputs)
                     self.client.abort_requests(to_abort)
                     for output in finished:

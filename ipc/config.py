@@ -24,6 +24,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     scheduling_policy: str = "fcfs"
+    # Past this many waiting requests the engine refuses new ones (HTTP 429); None: no limit (offline use).
+    max_waiting_requests: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
@@ -33,7 +35,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _require(self.block_size & (self.block_size - 1) == 0, "block_size",
                  f"must be a power of two, got {self.block_size}")
-        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory", "max_waiting_requests"):
             value = getattr(self, name)
             _require(value is None or value >= 1, name, f"must be >= 1, got {value}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

@@ -118,11 +118,13 @@ class EngineStartup(msgspec.Struct, omit_defaults=True):
     error_type: str = "RuntimeError"
 
 
-class RequestError(msgspec.Struct):
-    """A request the engine could not take (bad input, malformed frame): it ends here, with this message."""
+class RequestError(msgspec.Struct, omit_defaults=True):
+    """A request the engine could not take: it ends here, with this message. kind "invalid" (bad input,
+    malformed frame) or "overloaded" (the waiting queue is full: retry later)."""
 
     request_id: str
     message: str
+    kind: str = "invalid"
 
 
 class EngineDead(msgspec.Struct):

@@ -1,50 +1,179 @@
-"""The `pagedserve` command: generate text from a model folder (the built-in demo model when none is given)."""
+"""`pagedserve` / `python -m launch`: serve a model over an OpenAI-compatible HTTP API (the built-in demo model
+when none is given). Starts one engine core and --api-server-count gateway processes sharing one port,
+supervises them, and takes everything down on Ctrl-C / SIGTERM (in-flight requests get --shutdown-timeout).
+"""
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import select
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
+import time
 
-_DEFAULT_PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
+from core.engine_spawn import EngineProcess, child_env
+from ipc import EngineConfig
+from ipc.lifeline import make_lifeline
+from ipc.sockets import EngineEndpoints, private_ipc_address, remove_ipc_files
+
+logger = logging.getLogger("pagedserve.launch")
+_GATEWAY_START_TIMEOUT_S = 120.0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     parser.add_argument("--model", help="HF-format model folder (default: build and use the demo model)")
-    parser.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", help="bytes or a size like 4GiB")
-    parser.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
-    parser.add_argument("--pp", "--pipeline-parallel-size", dest="pipeline_parallel_size", type=int, default=1)
+    parser.add_argument("--served-model-name", help="the model id clients use (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP host (default loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)")
+    parser.add_argument("--api-server-count", type=int, default=1, help="gateway processes sharing the port")
+    parser.add_argument("--engine-address", help="also expose the engine core here for the ZMQ client library "
+                                                 "(tcp://HOST:PORT or ipc://PATH)")
+    parser.add_argument("--curve-key-file", help="CURVE key file for an engine address beyond loopback")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish on shutdown")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto")
+    engine.add_argument("--max-model-len", type=int)
+    engine.add_argument("--max-num-seqs", type=int, default=256)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    engine.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="past this many waiting requests new ones get HTTP 429")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--kv-cache-memory", help="bytes or a size like 4GiB")
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
+    engine.add_argument("--pp", "--pipeline-parallel-size", dest="pipeline_parallel_size", type=int, default=1)
+    limits = parser.add_argument_group("request limits")
+    limits.add_argument("--max-n", type=int, default=16)
+    limits.add_argument("--max-stop", type=int, default=16)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from frontend import LLM, SamplingParams
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from launch.make_model import ensure_demo_model
 
     model = args.model or str(ensure_demo_model())
     try:
-        llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                  kv_cache_memory=args.kv_cache_memory, seed=args.seed,
-                  tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        outputs = llm.generate(args.prompt or _DEFAULT_PROMPTS, params, use_tqdm=False)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        config = EngineConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_waiting_requests=args.max_waiting_requests, block_size=args.block_size,
+                              kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+                              tensor_parallel_size=args.tensor_parallel_size,
+                              pipeline_parallel_size=args.pipeline_parallel_size)
+        return Launcher(args, config).run()
+    except (ValueError, TimeoutError) as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
-    for output in outputs:
-        completion = output.outputs[0]
-        print(f"{output.prompt!r} -> {completion.text!r} [{completion.finish_reason}]")
-    return 0
+
+
+class Launcher:
+    def __init__(self, args: argparse.Namespace, config: EngineConfig) -> None:
+        self.args, self.config = args, config
+        self.stop = threading.Event()
+        self.gateways: list[subprocess.Popen] = []
+        self.lifelines: list[int] = []
+        self.metrics_dir: str | None = None
+
+    def run(self) -> int:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: self.stop.set())
+        address = self.args.engine_address or private_ipc_address()
+        engine = EngineProcess(self.config, address, self.args.curve_key_file)
+        try:
+            engine.wait_ready()
+            self._start_gateways(address)
+            logger.info("serving %s at http://%s:%d/v1 (%d gateway process(es)); engine core at %s",
+                        self.args.served_model_name or self.config.model, self.args.host, self.args.port,
+                        len(self.gateways), address)
+            crashed = self._supervise(engine)
+        finally:
+            self._stop_gateways()
+            engine.shutdown()
+            if self.args.engine_address is None:
+                remove_ipc_files(EngineEndpoints.from_address(address))
+            if self.metrics_dir is not None:
+                shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        return 1 if crashed else 0
+
+    def _start_gateways(self, address: str) -> None:
+        count = self.args.api_server_count
+        if count < 1:
+            raise ValueError(f"--api-server-count must be >= 1, got {count}")
+        extra = {}
+        if count > 1:  # the gateways' request metrics are summed through files in this directory
+            self.metrics_dir = extra["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="pagedserve-metrics-")
+        api_key = self.args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
+        if api_key:
+            extra["PAGEDSERVE_API_KEY"] = api_key  # not on the command line, where `ps` would show it
+        statuses = [self._start_gateway(address, count > 1, child_env(**extra)) for _ in range(count)]
+        for status in statuses:
+            self._wait_gateway_ready(status)
+
+    def _start_gateway(self, address: str, reuse_port: bool, env: dict[str, str]) -> int:
+        status_read, status_write = os.pipe()
+        lifeline_read, lifeline_write = make_lifeline()
+        args = self.args
+        command = [sys.executable, "-m", "frontend.api.server", "--engine-address", address,
+                   "--model", self.config.model, "--host", args.host, "--port", str(args.port),
+                   "--shutdown-timeout", str(args.shutdown_timeout), "--max-n", str(args.max_n),
+                   "--max-stop", str(args.max_stop), "--status-fd", str(status_write),
+                   "--parent-fd", str(lifeline_read)]
+        command += ["--served-model-name", args.served_model_name] if args.served_model_name else []
+        command += ["--curve-key-file", args.curve_key_file] if args.curve_key_file else []
+        command += ["--reuse-port"] if reuse_port else []
+        self.gateways.append(subprocess.Popen(command, pass_fds=(status_write, lifeline_read), env=env,
+                                              start_new_session=True))
+        os.close(status_write)
+        os.close(lifeline_read)
+        self.lifelines.append(lifeline_write)
+        return status_read
+
+    def _wait_gateway_ready(self, status_fd: int) -> None:
+        with os.fdopen(status_fd, "rb") as status:
+            ready, _, _ = select.select([status], [], [], _GATEWAY_START_TIMEOUT_S)
+            if not ready or not status.readline():
+                raise TimeoutError("a gateway process did not start (see its log above)")
+
+    def _supervise(self, engine: EngineProcess) -> bool:
+        """Until a signal or a gateway's death (then everything is taken down). True if a child died.
+
+        A dead engine core does not take the gateways down: they answer /health with 503 and requests with
+        errors, which is what a load balancer or orchestrator needs to see to restart this server."""
+        engine_reported = False
+        while not self.stop.wait(0.2):
+            if not engine.is_alive() and not engine_reported:
+                logger.error("the engine core exited (code %s); the gateways now answer 503", engine.returncode)
+                engine_reported = True
+            for gateway in self.gateways:
+                if gateway.poll() is not None:
+                    logger.error("gateway %d exited (code %s); shutting down", gateway.pid, gateway.returncode)
+                    return True
+        logger.info("shutting down: in-flight requests get up to %.0f s", self.args.shutdown_timeout)
+        return engine_reported
+
+    def _stop_gateways(self) -> None:
+        for gateway in self.gateways:
+            if gateway.poll() is None:
+                gateway.terminate()  # uvicorn stops accepting and lets in-flight requests finish
+        deadline = time.monotonic() + self.args.shutdown_timeout + 5
+        for gateway in self.gateways:
+            try:
+                gateway.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                gateway.kill()
+                gateway.wait()
+        for fd in self.lifelines:
+            os.close(fd)
+        self.lifelines = []
 
 
 if __name__ == "__main__":

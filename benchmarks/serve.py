@@ -1,0 +1,317 @@
+"""Serving benchmark against a running OpenAI-compatible gateway, in the manner of `vllm bench serve`.
+
+Sends --num-prompts streaming `POST /v1/completions` requests made of random token ids (--input-len ids from
+[3, --vocab), --output-len tokens each with ignore_eos, greedy), either all at once (--request-rate inf) or as
+a seeded Poisson process of --request-rate requests/s, optionally capped at --max-concurrency in flight. Per
+request it measures TTFT (first chunk carrying text), every inter-token latency (between successive chunks
+carrying text; a chunk with several tokens counts as one gap), end-to-end latency and output tokens (from the
+`usage` chunk that `stream_options.include_usage` asks for). Prints request and token throughput and mean /
+p50 / p99 of TTFT, TPOT ((e2e - ttft) / (output tokens - 1)), ITL and E2E in ms; --json writes them with every
+request's measurements, --plot draws each request's TTFT and E2E latency against its send time.
+
+The core is importable: `make_requests` builds the workload, `run_benchmark` runs it and returns the results.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+READ_TIMEOUT_S = 6 * 3600.0  # a loaded engine may take long to start a request's stream
+CONNECT_TIMEOUT_S = 60.0
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
+METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+                 "itl": "Inter-token Latency", "e2e": "End-to-end Latency"}
+
+
+@dataclass
+class RequestSpec:
+    prompt: list[int]
+    output_len: int
+
+
+@dataclass
+class RequestResult:
+    """One request's measurements; times in seconds, send_time from the benchmark's start."""
+    send_time: float = 0.0
+    success: bool = False
+    error: str = ""
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    e2e: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+def make_requests(num_prompts: int, input_len: int, output_len: int, vocab: int, seed: int) -> list[RequestSpec]:
+    rng = random.Random(seed)
+    # Ids from 3 up: the demo model's tokenizer keeps 0-2 for special tokens.
+    return [RequestSpec([rng.randrange(3, vocab) for _ in range(input_len)], output_len) for _ in range(num_prompts)]
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def first_model(base_url: str, api_key: str | None) -> str:
+    """The first model id that the gateway's `GET /v1/models` lists."""
+    response = httpx.get(f"{base_url}/v1/models", headers=auth_headers(api_key), timeout=CONNECT_TIMEOUT_S)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def completion_body(model: str, spec: RequestSpec) -> dict[str, Any]:
+    return {"model": model, "prompt": spec.prompt, "max_tokens": spec.output_len, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def stream_events(response: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
+    """The JSON payloads of a Server-Sent Events stream's `data:` lines, up to `data: [DONE]` (then None)."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, `event:` lines
+        payload = line[len("data:"):].strip()
+        if payload == "[DONE]":
+            yield None
+            return
+        yield json.loads(payload)
+
+
+async def read_stream(response: httpx.Response, result: RequestResult, start: float) -> None:
+    """Fills `result` from a 200 response's event stream; `start` is the request's perf_counter send time."""
+    text_times: list[float] = []
+    first_choice_time: float | None = None
+    usage: dict[str, int] | None = None
+    done = False
+    async for event in stream_events(response):
+        now = time.perf_counter()
+        if event is None:
+            done = True
+        elif "error" in event:
+            result.error = f"error event: {event['error']}"
+            return
+        elif event.get("choices"):
+            first_choice_time = first_choice_time or now
+            if event["choices"][0].get("text"):
+                text_times.append(now)
+        if event and event.get("usage"):
+            usage = event["usage"]
+    result.e2e = time.perf_counter() - start
+    if not done:
+        result.error = "stream ended without data: [DONE]"
+    elif usage is None:
+        result.error = "no usage chunk (stream_options.include_usage)"
+    elif first_choice_time is None:
+        result.error = "no chunk with a choice"
+    else:
+        # A first token that decodes to no text yet still counts as the first token.
+        result.ttft = (text_times[0] if text_times else first_choice_time) - start
+        result.itl = [later - earlier for earlier, later in zip(text_times, text_times[1:])]
+        result.prompt_tokens = usage["prompt_tokens"]
+        result.output_tokens = usage["completion_tokens"]
+        result.success = True
+
+
+async def send_request(client: httpx.AsyncClient, url: str, headers: dict[str, str], body: dict[str, Any],
+                       bench_start: float) -> RequestResult:
+    start = time.perf_counter()
+    result = RequestResult(send_time=start - bench_start)
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:500]
+                result.error = f"HTTP {response.status_code}: {detail}"
+            else:
+                await read_stream(response, result, start)
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    if result.e2e is None:
+        result.e2e = time.perf_counter() - start
+    return result
+
+
+async def scheduled_request(client: httpx.AsyncClient, url: str, headers: dict[str, str], body: dict[str, Any],
+                            bench_start: float, offset: float, gate: asyncio.Semaphore | None) -> RequestResult:
+    """Waits until `offset` seconds after `bench_start` and for a free slot under `gate`, then sends."""
+    await asyncio.sleep(max(0.0, bench_start + offset - time.perf_counter()))
+    async with gate or contextlib.nullcontext():
+        return await send_request(client, url, headers, body, bench_start)
+
+
+def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
+    """Send times in seconds from the start: all 0 for an infinite rate, else a Poisson process."""
+    if math.isinf(request_rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in range(n):
+        offsets.append(t)
+        t += rng.expovariate(request_rate)
+    return offsets
+
+
+async def run_benchmark(base_url: str, model: str, requests: list[RequestSpec], request_rate: float = math.inf,
+                        *, api_key: str | None = None, max_concurrency: int | None = None, seed: int = 0,
+                        progress: bool = False) -> dict[str, Any]:
+    """Sends `requests` to the gateway at `base_url` and returns {"config", "metrics", "requests"}."""
+    url = f"{base_url.rstrip('/')}/v1/completions"
+    headers = auth_headers(api_key)
+    connections = max_concurrency or len(requests)
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S, pool=None)
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    offsets = arrival_offsets(len(requests), request_rate, seed)
+    with tqdm(total=len(requests), disable=not progress) as bar:
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            bench_start = time.perf_counter()
+            tasks = [asyncio.create_task(scheduled_request(client, url, headers, completion_body(model, spec),
+                                                           bench_start, offset, gate))
+                     for spec, offset in zip(requests, offsets)]
+            for task in tasks:
+                task.add_done_callback(lambda _: bar.update())
+            results = await asyncio.gather(*tasks)
+            duration = time.perf_counter() - bench_start
+    # JSON has no infinity: an all-at-once run's rate is written as the string "inf".
+    config = {"base_url": base_url, "model": model, "num_prompts": len(requests),
+              "request_rate": "inf" if math.isinf(request_rate) else request_rate,
+              "max_concurrency": max_concurrency, "seed": seed}
+    return {"config": config, "metrics": compute_metrics(results, duration),
+            "requests": [asdict(r) for r in results]}
+
+
+def summarize(values_s: list[float]) -> dict[str, float | None]:
+    """Mean, p50 and p99 in milliseconds of values in seconds (None when there are none)."""
+    if not values_s:
+        return {"mean_ms": None, "p50_ms": None, "p99_ms": None}
+    ms = np.asarray(values_s) * 1000.0
+    return {"mean_ms": float(ms.mean()), "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99))}
+
+
+def compute_metrics(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    input_tokens = sum(r.prompt_tokens for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    latencies = {
+        "ttft": [r.ttft for r in ok if r.ttft is not None],
+        "tpot": [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
+        "itl": [gap for r in ok for gap in r.itl],
+        "e2e": [r.e2e for r in ok],
+    }
+    errors = Counter(r.error for r in results if not r.success)
+    return {"duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
+            "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+            "request_throughput": len(ok) / duration,
+            "output_token_throughput": output_tokens / duration,
+            "total_token_throughput": (input_tokens + output_tokens) / duration,
+            **{name: summarize(values) for name, values in latencies.items()},
+            "errors": dict(errors.most_common())}
+
+
+def format_report(metrics: dict[str, Any]) -> str:
+    def row(label: str, value: Any) -> str:
+        shown = "n/a" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
+        return f"{label:<40}{shown:>12}"
+
+    lines = ["{:=^52}".format(" Serving Benchmark Result "),
+             row("Successful requests:", metrics["completed"]),
+             row("Failed requests:", metrics["failed"]),
+             row("Benchmark duration (s):", metrics["duration_s"]),
+             row("Total input tokens:", metrics["total_input_tokens"]),
+             row("Total generated tokens:", metrics["total_output_tokens"]),
+             row("Request throughput (req/s):", metrics["request_throughput"]),
+             row("Output token throughput (tok/s):", metrics["output_token_throughput"]),
+             row("Total token throughput (tok/s):", metrics["total_token_throughput"])]
+    for name in LATENCY_METRICS:
+        short = name.upper()
+        lines += ["{:-^52}".format(METRIC_TITLES[name]),
+                  row(f"Mean {short} (ms):", metrics[name]["mean_ms"]),
+                  row(f"Median {short} (ms):", metrics[name]["p50_ms"]),
+                  row(f"P99 {short} (ms):", metrics[name]["p99_ms"])]
+    lines.append("=" * 52)
+    lines += [f"{count} failed: {error}" for error, count in metrics["errors"].items()]
+    return "\n".join(lines)
+
+
+def plot_latencies(results: dict[str, Any], path: Path) -> None:
+    """PNG of each request's TTFT and E2E latency (ms) against its send time (s); failures as red crosses."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    requests = results["requests"]
+    ok = [r for r in requests if r["success"]]
+    failed = [r for r in requests if not r["success"]]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    ax.scatter([r["send_time"] for r in ok], [r["e2e"] * 1000 for r in ok], s=10, label="E2E latency")
+    ax.scatter([r["send_time"] for r in ok if r["ttft"] is not None],
+               [r["ttft"] * 1000 for r in ok if r["ttft"] is not None], s=10, label="TTFT")
+    if failed:
+        ax.scatter([r["send_time"] for r in failed], [r["e2e"] * 1000 for r in failed], s=20, c="red", marker="x",
+                   label="failed (time to failure)")
+    config = results["config"]
+    title = f"{config['model']}: {config['num_prompts']} requests, rate {config['request_rate']} req/s"
+    if config["max_concurrency"]:
+        title += f", at most {config['max_concurrency']} in flight"
+    ax.set(xlabel="send time (s)", ylabel="latency (ms)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", help="model id (default: the first that GET /v1/models lists)")
+    parser.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                        help="sent as 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)")
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="requests/s as a Poisson process (default inf: all at once)")
+    parser.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=8192, help="prompt ids are drawn from [3, vocab)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="write config, metrics and per-request results here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of per-request latency vs send time here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    base_url = args.base_url.rstrip("/")
+    model = args.model or first_model(base_url, args.api_key)
+    requests = make_requests(args.num_prompts, args.input_len, args.output_len, args.vocab, args.seed)
+    results = asyncio.run(run_benchmark(base_url, model, requests, args.request_rate, api_key=args.api_key,
+                                        max_concurrency=args.max_concurrency, seed=args.seed,
+                                        progress=not args.no_progress))
+    results["config"].update(input_len=args.input_len, output_len=args.output_len, vocab=args.vocab)
+    print(format_report(results["metrics"]))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    if args.plot:
+        plot_latencies(results, args.plot)
+    return 0 if results["metrics"]["completed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

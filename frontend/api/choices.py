@@ -1,0 +1,66 @@
+"""Run the choices of one OpenAI request (n per prompt) as engine requests and merge their streams, recording
+metrics (TTFT, inter-token latency, end-to-end, token counts) as outputs arrive."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from frontend.api.metrics import ServerMetrics
+from frontend.async_llm import AsyncLLM
+from frontend.outputs import RequestOutput
+from frontend.prompts import PromptType
+from ipc import SamplingParams
+
+_DONE = object()
+
+
+@dataclass
+class Choice:
+    """One engine request behind a choice; its token count grows as the stream goes."""
+
+    prompt: PromptType
+    params: SamplingParams
+    num_prompt_tokens: int
+    num_completion_tokens: int = 0
+
+
+async def stream_choices(engine: AsyncLLM, choices: list[Choice], request_id: str, metrics: ServerMetrics
+                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, delta output) as they come; closing the iterator aborts every unfinished choice."""
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(_pump(engine, choice.prompt, choice.params, f"{request_id}-{index}", index, queue))
+             for index, choice in enumerate(choices)]
+    start, last = time.monotonic(), [None] * len(choices)
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            now = time.monotonic()
+            metrics.observe_token_times(now - start if last[index] is None else None,
+                                        now - last[index] if last[index] is not None else None)
+            last[index] = now
+            choices[index].num_completion_tokens += len(item.outputs[0].token_ids)
+            yield index, item
+        metrics.observe_request(sum(c.num_prompt_tokens for c in choices),
+                                sum(c.num_completion_tokens for c in choices), time.monotonic() - start)
+    finally:
+        for task in tasks:
+            task.cancel()  # aborts the choices still running (AsyncLLM aborts on cancellation)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _pump(engine: AsyncLLM, prompt: PromptType, params: SamplingParams, request_id: str, index: int,
+                queue: asyncio.Queue) -> None:
+    try:
+        async for output in engine.generate(prompt, params, request_id):
+            queue.put_nowait((index, output))
+        queue.put_nowait((index, _DONE))
+    except Exception as error:
+        queue.put_nowait((index, error))

@@ -1,0 +1,34 @@
+"""OpenAI-style errors: every failure is `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status."""
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi.responses import JSONResponse
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param,
+                      "code": code if code is not None else HTTPStatus(status).phrase}}
+
+
+def from_pydantic(errors: list[dict]) -> APIError:
+    """The first validation problem, named by its JSON path (e.g. messages.0.role)."""
+    first = errors[0]
+    param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+    return APIError(400, f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", ""), param)

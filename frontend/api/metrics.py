@@ -1,0 +1,78 @@
+"""Prometheus metrics of a gateway: request latencies and token counts here, scheduler state from the engine.
+
+With several gateway processes (`--api-server-count`) the launcher sets PROMETHEUS_MULTIPROC_DIR, and every
+gateway's /metrics then sums the request metrics of all of them (prometheus_client's multiprocess mode).
+"""
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from ipc import SchedulerStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"labelnames": ["model_name"], "registry": self.registry}
+        self.prompt_tokens = Counter("pagedserve:prompt_tokens", "Prompt tokens of finished requests", **labels)
+        self.generation_tokens = Counter("pagedserve:generation_tokens", "Generated tokens", **labels)
+        self.requests = Counter("pagedserve:request_success", "Requests that ended normally", **labels)
+        self.ttft = Histogram("pagedserve:time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, **labels)
+        self.itl = Histogram("pagedserve:inter_token_latency_seconds", "Time between tokens of a stream",
+                             buckets=_LATENCY_BUCKETS, **labels)
+        self.e2e = Histogram("pagedserve:e2e_request_latency_seconds", "Request latency, arrival to end",
+                             buckets=_LATENCY_BUCKETS, **labels)
+        self.model_name = model_name
+
+    def observe_token_times(self, ttft: float | None, itl: float | None) -> None:
+        if ttft is not None:
+            self.ttft.labels(self.model_name).observe(ttft)
+        if itl is not None:
+            self.itl.labels(self.model_name).observe(itl)
+
+    def observe_request(self, num_prompt_tokens: int, num_generated_tokens: int, e2e: float) -> None:
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+        self.generation_tokens.labels(self.model_name).inc(num_generated_tokens)
+        self.requests.labels(self.model_name).inc()
+        self.e2e.labels(self.model_name).observe(e2e)
+
+    def render(self, stats: SchedulerStats) -> bytes:
+        """The Prometheus text exposition: this process's (or all gateways') request metrics + engine state."""
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            requests = CollectorRegistry()
+            MultiProcessCollector(requests)
+        else:
+            requests = self.registry
+        engine = CollectorRegistry()
+        engine.register(_EngineCollector(stats, self.model_name))
+        return generate_latest(requests) + generate_latest(engine)
+
+
+class _EngineCollector:
+    def __init__(self, stats: SchedulerStats, model_name: str) -> None:
+        self.stats, self.model_name = stats, model_name
+
+    def collect(self):
+        stats, labels = self.stats, [self.model_name]
+        for name, doc, value in (("num_requests_running", "Requests running in the engine", stats.num_running),
+                                 ("num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting),
+                                 ("kv_cache_usage_perc", "Fraction of KV cache blocks in use", stats.kv_cache_usage)):
+            gauge = GaugeMetricFamily(f"pagedserve:{name}", doc, labels=["model_name"])
+            gauge.add_metric(labels, value)
+            yield gauge
+        for name, doc, value in (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  stats.prefix_cache_queries),
+                                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  stats.prefix_cache_hits),
+                                 ("num_preemptions", "Requests preempted", stats.num_preemptions)):
+            counter = CounterMetricFamily(f"pagedserve:{name}", doc, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter

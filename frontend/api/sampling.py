@@ -1,0 +1,66 @@
+"""From an OpenAI request to SamplingParams, with the server's limits checked (context length, n, stop)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from frontend.api.errors import APIError
+from frontend.api.protocol import ChatCompletionRequest, SamplingFields
+from ipc import RequestOutputKind, SamplingParams
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_model_len: int
+    max_n: int = 16
+    max_stop: int = 16
+    max_logprobs: int = 20
+
+
+def sampling_params(request: SamplingFields, num_prompt_tokens: int, limits: ServerLimits,
+                    seed_offset: int = 0) -> SamplingParams:
+    """One choice's params (the n choices are separate engine requests, seeds offset by choice index)."""
+    check_limits(request, limits)
+    max_tokens = _max_tokens(request, num_prompt_tokens, limits.max_model_len)
+    fields = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
+                  stop=request.stop, stop_token_ids=request.stop_token_ids, min_tokens=request.min_tokens,
+                  ignore_eos=request.ignore_eos, skip_special_tokens=request.skip_special_tokens,
+                  include_stop_str_in_output=request.include_stop_str_in_output)
+    fields = {name: value for name, value in fields.items() if value is not None}
+    seed = None if request.seed is None else request.seed + seed_offset
+    try:
+        return SamplingParams(max_tokens=max_tokens, seed=seed, output_kind=RequestOutputKind.DELTA, **fields)
+    except ValueError as error:
+        param = str(error).removeprefix("SamplingParams.").split(" ", 1)[0]
+        raise APIError(400, str(error).removeprefix("SamplingParams."), param) from error
+
+
+def check_limits(request: SamplingFields, limits: ServerLimits) -> None:
+    if not 1 <= request.n <= limits.max_n:
+        raise APIError(400, f"n must be between 1 and {limits.max_n}, got {request.n}", "n")
+    stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    if len(stops) > limits.max_stop:
+        raise APIError(400, f"at most {limits.max_stop} stop strings, got {len(stops)}", "stop")
+
+
+def _max_tokens(request: SamplingFields, num_prompt_tokens: int, max_model_len: int) -> int:
+    requested = request.max_tokens
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        requested = request.max_completion_tokens
+    room = max_model_len - num_prompt_tokens
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but this model's context length is "
+                            f"{max_model_len}; shorten the prompt", "messages" if _is_chat(request) else "prompt")
+    if requested is None:
+        return room
+    if requested < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {requested}", "max_tokens")
+    if num_prompt_tokens + requested > max_model_len:
+        raise APIError(400, f"this model's context length is {max_model_len} tokens, but the request asks for "
+                            f"{num_prompt_tokens + requested} ({num_prompt_tokens} in the prompt + {requested} "
+                            "max_tokens); reduce the prompt or max_tokens", "max_tokens")
+    return requested
+
+
+def _is_chat(request: SamplingFields) -> bool:
+    return isinstance(request, ChatCompletionRequest)
+

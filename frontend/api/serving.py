@@ -1,0 +1,212 @@
+"""/v1/completions and /v1/chat/completions: requests to engine choices, outputs to JSON or SSE chunks."""
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from frontend.api.choices import Choice, stream_choices
+from frontend.api.errors import APIError, error_body
+from frontend.api.metrics import ServerMetrics
+from frontend.api.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    SamplingFields,
+    UsageInfo,
+)
+from frontend.api.sampling import ServerLimits, check_limits, sampling_params
+from frontend.async_llm import AsyncLLM
+from frontend.core_client import EngineDeadError, EngineOverloadedError
+from frontend.tokenizer import apply_chat_template
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, model_name: str, limits: ServerLimits, metrics: ServerMetrics) -> None:
+        self.engine, self.model_name, self.limits, self.metrics = engine, model_name, limits, metrics
+
+    async def completions(self, body: CompletionRequest):
+        self._check_model(body.model)
+        check_limits(body, self.limits)
+        if body.echo:
+            raise APIError(400, "echo is not supported", "echo")
+        prompts = [self._completion_prompt(p) for p in _prompt_list(body.prompt)]
+        choices = self._choices(body, prompts)
+        num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        stream = await _started(stream_choices(self.engine, choices, uuid.uuid4().hex, self.metrics))
+        if body.stream:
+            return _sse(self._completion_chunks(stream, body, choices, num_prompt_tokens))
+        texts, finish = await _collect(stream, len(choices))
+        response = CompletionResponse(model=self.model_name, usage=_usage(num_prompt_tokens, choices), choices=[
+            CompletionChoice(index=i, text=texts[i], finish_reason=finish[i][0], stop_reason=finish[i][1])
+            for i in range(len(choices))])
+        return JSONResponse(response.model_dump())
+
+    async def chat(self, body: ChatCompletionRequest):
+        self._check_model(body.model)
+        check_limits(body, self.limits)
+        if body.chat_template is not None:
+            raise APIError(400, "chat_template is not accepted: the server uses the model's own template",
+                           "chat_template")
+        prompt = self._chat_prompt(body)
+        choices = self._choices(body, [prompt])
+        num_prompt_tokens = len(prompt["prompt_token_ids"])
+        stream = await _started(stream_choices(self.engine, choices, uuid.uuid4().hex, self.metrics))
+        if body.stream:
+            return _sse(self._chat_chunks(stream, body, choices, num_prompt_tokens))
+        texts, finish = await _collect(stream, len(choices))
+        response = ChatCompletionResponse(model=self.model_name, usage=_usage(num_prompt_tokens, choices), choices=[
+            ChatChoice(index=i, message=ChatResponseMessage(content=texts[i]), finish_reason=finish[i][0],
+                       stop_reason=finish[i][1]) for i in range(len(choices))])
+        return JSONResponse(response.model_dump())
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server has {self.model_name!r}", "model",
+                           "model_not_found")
+
+    def _completion_prompt(self, prompt: str | list[int]) -> dict:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "prompt is empty", "prompt")
+            return {"prompt": prompt, "prompt_token_ids": self.engine.tokenizer.encode(prompt)}
+        if not prompt:
+            raise APIError(400, "prompt is empty", "prompt")
+        return {"prompt_token_ids": prompt}
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> dict:
+        messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
+        try:
+            text = apply_chat_template(self.engine.tokenizer, messages, self.model_name, body.add_generation_prompt)
+        except ValueError as error:
+            raise APIError(400, str(error), "messages") from error
+        return {"prompt": text, "prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)}
+
+    def _choices(self, body: SamplingFields, prompts: list[dict]) -> list[Choice]:
+        return [Choice(prompt, sampling_params(body, len(prompt["prompt_token_ids"]), self.limits, seed_offset=i),
+                       len(prompt["prompt_token_ids"]))
+                for prompt in prompts for i in range(body.n)]
+
+    async def _completion_chunks(self, stream, body: CompletionRequest, choices: list[Choice],
+                                 num_prompt_tokens: int) -> AsyncIterator[dict]:
+        template = CompletionResponse(model=self.model_name, choices=[])
+        async for index, output in stream:
+            completion = output.outputs[0]
+            yield _chunk(template, choices=[CompletionChoice(index=index, text=completion.text,
+                                                             finish_reason=completion.finish_reason,
+                                                             stop_reason=completion.stop_reason).model_dump()])
+        if body.stream_options and body.stream_options.include_usage:
+            yield _chunk(template, choices=[], usage=_usage(num_prompt_tokens, choices).model_dump())
+
+    async def _chat_chunks(self, stream, body: ChatCompletionRequest, choices: list[Choice],
+                           num_prompt_tokens: int) -> AsyncIterator[dict]:
+        template = ChatCompletionChunk(id=f"chatcmpl-{uuid.uuid4().hex}", created=CompletionResponse(
+            model="", choices=[]).created, model=self.model_name, choices=[])
+        for index in range(len(choices)):
+            yield _chunk(template, choices=[ChatStreamChoice(index=index, delta=DeltaMessage(
+                role="assistant", content="")).model_dump()])
+        async for index, output in stream:
+            completion = output.outputs[0]
+            yield _chunk(template, choices=[ChatStreamChoice(index=index, delta=DeltaMessage(content=completion.text),
+                                                             finish_reason=completion.finish_reason).model_dump()])
+        if body.stream_options and body.stream_options.include_usage:
+            yield _chunk(template, choices=[], usage=_usage(num_prompt_tokens, choices).model_dump())
+
+
+def api_error_from(error: Exception) -> APIError | None:
+    """The HTTP error an engine-side failure maps to (None: not one of ours, a bug)."""
+    if isinstance(error, EngineOverloadedError):
+        return APIError(429, str(error), code="overloaded")
+    if isinstance(error, EngineDeadError):
+        return APIError(503, f"the engine is not available: {error}", code="engine_dead")
+    if isinstance(error, ValueError):
+        return APIError(400, str(error))
+    return None
+
+
+async def _started(stream: AsyncIterator) -> AsyncIterator:
+    """Wait for the first output before answering, so a refused request (full queue, bad input) gets its status
+    code instead of a 200 stream that fails."""
+    try:
+        first = await anext(stream)
+    except StopAsyncIteration:
+        first = None
+    except Exception as error:
+        await stream.aclose()
+        mapped = api_error_from(error)
+        raise mapped if mapped is not None else error
+
+    async def resumed():
+        try:
+            if first is not None:
+                yield first
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()
+    return resumed()
+
+
+async def _collect(stream: AsyncIterator, num_choices: int) -> tuple[list[str], list[tuple]]:
+    texts, finish = [""] * num_choices, [(None, None)] * num_choices
+    try:
+        async for index, output in stream:
+            completion = output.outputs[0]
+            texts[index] += completion.text
+            finish[index] = (completion.finish_reason, completion.stop_reason)
+    except Exception as error:
+        mapped = api_error_from(error)
+        raise mapped if mapped is not None else error
+    return texts, finish
+
+
+def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except Exception as error:  # headers are sent: the error goes in the stream, as OpenAI does
+            mapped = api_error_from(error) or APIError(500, f"internal error: {type(error).__name__}")
+            yield f"data: {json.dumps(error_body(mapped.status, mapped.message, mapped.param, mapped.code))}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _chunk(template, **fields) -> dict:
+    return {**template.model_dump(exclude={"choices", "usage"}), "choices": fields["choices"],
+            "usage": fields.get("usage")}
+
+
+def _usage(num_prompt_tokens: int, choices: list[Choice]) -> UsageInfo:
+    completion = sum(c.num_completion_tokens for c in choices)
+    return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion,
+                     total_tokens=num_prompt_tokens + completion)
+
+
+def _prompt_list(prompt: str | list) -> list[str | list[int]]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty", "prompt")
+    return list(prompt)
+
+
+def _message_text(content: str | list[dict] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, "only text content parts are supported", "messages")
+        parts.append(part["text"])
+    return "\n".join(parts)
+

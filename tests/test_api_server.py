@@ -1,0 +1,210 @@
+"""The OpenAI-compatible gateway, through the launcher, with the official openai client and raw HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import wait_until
+from frontend import LLM, SamplingParams
+from launcher import descendants, start_launcher, stop_launcher
+
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(llama_model):
+    process, base_url = start_launcher(["--model", llama_model, "--dtype", "float32", "--max-model-len", "256",
+                                        "--api-key", API_KEY, "--api-server-count", "2", "--max-n", "4",
+                                        "--max-stop", "4"])
+    yield process, base_url
+    stop_launcher(process)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[1]}/v1", api_key=API_KEY, max_retries=0)
+
+
+def _metric(base_url: str, name: str) -> float:
+    text = httpx.get(f"{base_url}/metrics", headers=AUTH).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_openai_client_end_to_end(client, llama_model):
+    [model] = [m.id for m in client.models.list().data]
+    assert model == llama_model
+    plain = client.completions.create(model=model, prompt="Hello there", max_tokens=12, temperature=0)
+    [expected] = LLM(llama_model, dtype="float32", in_process=True).generate(
+        "Hello there", SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
+    assert plain.choices[0].text == expected.outputs[0].text
+    assert plain.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert plain.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    streamed = list(client.completions.create(model=model, prompt="Hello there", max_tokens=12, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == plain.choices[0].text
+    assert streamed[-1].usage.completion_tokens == plain.usage.completion_tokens and not streamed[-1].choices
+
+
+def test_chat_plain_streamed_and_n(client, llama_model):
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    plain = client.chat.completions.create(model=llama_model, messages=messages, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model=llama_model, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == plain.usage.total_tokens
+    two = client.chat.completions.create(model=llama_model, messages=messages, max_tokens=10, n=2, temperature=1.0,
+                                         seed=1, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert two.choices[0].message.content != two.choices[1].message.content
+    assert two.usage.completion_tokens == 20 and two.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_stop_strings_and_seeds(client, llama_model):
+    base = client.completions.create(model=llama_model, prompt="Once upon", max_tokens=30, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stopped = client.completions.create(model=llama_model, prompt="Once upon", max_tokens=30, temperature=0,
+                                        stop=[stop], extra_body={"ignore_eos": True})
+    assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
+    assert text.startswith(stopped.choices[0].text)
+    sampled = [client.completions.create(model=llama_model, prompt="Once upon", max_tokens=20, temperature=1.0,
+                                         seed=seed).choices[0].text for seed in (7, 7, 8)]
+    assert sampled[0] == sampled[1] != sampled[2]
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 300}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "top_p": 2.0}, 400, "top_p"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "n": 5}, 400, "n"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"model": "M", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "M", "prompt": [1, 10**7]}, 400, None),
+    ("/v1/completions", {"model": "M"}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": "M", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
+     400, "chat_template"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 3},
+     400, "presence_penalty"),
+])
+def test_bad_requests_get_openai_errors(server, llama_model, path, body, status, param):
+    body = {**body, "model": llama_model} if body.get("model") == "M" else body
+    response = httpx.post(server[1] + path, json=body, headers=AUTH)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    if status == 400 and param == "max_tokens" and body.get("max_tokens") == 300:
+        assert "256 tokens" in error["message"] and "300 max_tokens" in error["message"]  # both numbers
+
+
+def test_malformed_json_and_oversized_bodies(server):
+    response = httpx.post(f"{server[1]}/v1/completions", content=b"{not json", headers=AUTH)
+    assert response.status_code == 400 and "error" in response.json()
+    huge = httpx.post(f"{server[1]}/v1/completions", content=b"x" * (11 * 2**20), headers=AUTH)
+    assert huge.status_code == 413 and huge.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/completions"),
+                                          ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+                                          ("POST", "/detokenize"), ("GET", "/metrics"), ("GET", "/version")])
+def test_every_route_but_health_needs_the_key(server, method, path):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        response = httpx.request(method, server[1] + path, json={}, headers=headers)
+        assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server[1]}/health").status_code == 200
+
+
+def test_tokenize_detokenize_version(server):
+    tokens = httpx.post(f"{server[1]}/tokenize", json={"prompt": "Hello world"}, headers=AUTH).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 256
+    text = httpx.post(f"{server[1]}/detokenize", json={"tokens": tokens["tokens"]}, headers=AUTH).json()
+    assert text["prompt"].endswith("Hello world")
+    bad = httpx.post(f"{server[1]}/detokenize", json={"tokens": [10**8]}, headers=AUTH)
+    assert bad.status_code == 400
+
+
+def test_two_gateway_processes_serve(server):
+    def one_pid() -> int:
+        with httpx.Client() as fresh:  # a new connection each time, so the kernel may pick either process
+            return fresh.get(f"{server[1]}/version", headers=AUTH).json()["gateway_pid"]
+
+    gateway_pids = {pid for pid, command in descendants(server[0].pid) if "frontend.api.server" in command}
+    assert len(gateway_pids) == 2
+    assert wait_until(lambda: {one_pid() for _ in range(20)} == gateway_pids, timeout=30)
+
+
+def test_a_disconnected_stream_is_aborted_and_its_blocks_freed(server, llama_model):
+    assert _metric(server[1], "pagedserve:num_requests_running") == 0
+    body = {"model": llama_model, "prompt": "go on", "max_tokens": 240, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server[1]}/v1/completions", json=body, headers=AUTH) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    assert wait_until(lambda: _metric(server[1], "pagedserve:num_requests_running") == 0
+                      and _metric(server[1], "pagedserve:kv_cache_usage_perc") == 0.0, timeout=5)
+    metrics = httpx.get(f"{server[1]}/metrics", headers=AUTH).text
+    for name in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_count",
+                 "e2e_request_latency_seconds_sum", "prompt_tokens_total", "generation_tokens_total",
+                 "num_requests_waiting", "prefix_cache_hits"):
+        assert f"pagedserve:{name}" in metrics, name
+
+
+def test_sigterm_stops_everything(server):
+    process, _ = server
+    children = [pid for pid, _ in descendants(process.pid)]
+    assert len(children) >= 3  # the engine core and two gateways
+    assert stop_launcher(process) == 0
+    assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in children), timeout=10)
+
+
+def test_back_pressure_and_engine_death(llama_model):
+    process, base_url = start_launcher(["--model", llama_model, "--dtype", "float32", "--max-num-seqs", "1",
+                                        "--max-waiting-requests", "1"])
+    try:
+        body = {"model": llama_model, "prompt": "slow", "max_tokens": 500, "ignore_eos": True, "stream": True}
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+                running = await _open_stream(http, body)  # runs
+                waiting = asyncio.create_task(http.post("/v1/completions", json=body))  # waits in the queue
+                await asyncio.sleep(0.5)
+                refused = await http.post("/v1/completions", json=body)
+                engine_pid = next(pid for pid, command in descendants(process.pid) if "core.engine_process" in command)
+                os.kill(engine_pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+                events = [line async for line in running.aiter_lines() if line.startswith("data: ")]
+                while (await http.get("/health")).status_code != 503:
+                    await asyncio.sleep(0.05)
+                unhealthy_after = time.monotonic() - killed_at
+                waiting_response = await waiting
+                later = await http.post("/v1/completions", json={**body, "stream": False})
+                return refused, events, unhealthy_after, waiting_response, later
+
+        refused, events, unhealthy_after, waiting_response, later = asyncio.run(scenario())
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "overloaded"
+        assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2].removeprefix("data: "))
+        assert unhealthy_after < 2.0
+        assert waiting_response.status_code in (200, 503)  # its stream started, or it never did
+        assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"
+    finally:
+        stop_launcher(process)
+
+
+async def _open_stream(http: httpx.AsyncClient, body: dict) -> httpx.Response:
+    response = await http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+    assert response.status_code == 200
+    return response
