@@ -9,6 +9,14 @@ carrying text; a chunk with several tokens counts as one gap), end-to-end latenc
 p50 / p99 of TTFT, TPOT ((e2e - ttft) / (output tokens - 1)), ITL and E2E in ms; --json writes them with every
 request's measurements, --plot draws each request's TTFT and E2E latency against its send time.
 
+--compare-offline needs no running server (issue 4's benchmark). On --model-path (default: the demo model) it
+runs the requests through offline `LLM.generate` (greedy, ignore_eos), starts `python -m launch` on a free
+loopback port with the same engine settings, sends them all at once (saturation; target: output tokens/s
+through HTTP >= 90% of offline), sends them again as a Poisson process at half the saturation request
+throughput (TTFT and TPOT there), and stops the launcher with SIGTERM. Prompt ids come from the model's
+vocabulary unless --vocab is given; --plot draws the half-rate run; the exit status is 1 on a failed request
+or a launcher exit other than 0.
+
 The core is importable: `make_requests` builds the workload, `run_benchmark` runs it and returns the results.
 """
 from __future__ import annotations
@@ -36,6 +44,9 @@ CONNECT_TIMEOUT_S = 60.0
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
 METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
                  "itl": "Inter-token Latency", "e2e": "End-to-end Latency"}
+DEFAULT_VOCAB = 8192
+DEFAULT_MAX_WAITING_REQUESTS = 1024  # the launcher's
+HTTP_OFFLINE_TARGET = 0.90  # issue 4: all-at-once output tokens/s through HTTP over offline LLM.generate
 
 
 @dataclass
@@ -222,11 +233,12 @@ def compute_metrics(results: list[RequestResult], duration: float) -> dict[str, 
             "errors": dict(errors.most_common())}
 
 
-def format_report(metrics: dict[str, Any]) -> str:
-    def row(label: str, value: Any) -> str:
-        shown = "n/a" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
-        return f"{label:<40}{shown:>12}"
+def row(label: str, value: Any) -> str:
+    shown = "n/a" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
+    return f"{label:<40}{shown:>12}"
 
+
+def format_report(metrics: dict[str, Any]) -> str:
     lines = ["{:=^52}".format(" Serving Benchmark Result "),
              row("Successful requests:", metrics["completed"]),
              row("Failed requests:", metrics["failed"]),
@@ -276,6 +288,62 @@ def plot_latencies(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def benchmark_launched(base_url: str, requests: list[RequestSpec], request_rate: float,
+                       args: argparse.Namespace) -> dict[str, Any]:
+    """The requests against a server that --compare-offline launched, under the model id it serves."""
+    return asyncio.run(run_benchmark(base_url, first_model(base_url, args.api_key), requests, request_rate,
+                                     api_key=args.api_key, seed=args.seed, progress=not args.no_progress))
+
+
+def compare_offline(args: argparse.Namespace) -> dict[str, Any]:
+    """Offline LLM.generate, then a launched server at saturation and at half its request throughput there."""
+    import serve_compare  # the engine and torch: only this mode needs them
+
+    model = serve_compare.model_folder(args.model_path)
+    settings = serve_compare.EngineSettings(
+        args.dtype, args.max_num_seqs, args.max_num_batched_tokens,
+        args.max_waiting_requests or max(DEFAULT_MAX_WAITING_REQUESTS, args.num_prompts))
+    vocab = serve_compare.model_vocab(model) if args.vocab is None else args.vocab
+    requests = make_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
+    offline = serve_compare.run_offline(model, settings, [r.prompt for r in requests],
+                                        [r.output_len for r in requests])
+    with serve_compare.launched_server(model, settings) as server:
+        saturation = benchmark_launched(server.base_url, requests, math.inf, args)
+        if not saturation["metrics"]["completed"]:
+            raise RuntimeError(f"no request completed at saturation: {saturation['metrics']['errors']}")
+        half_rate = saturation["metrics"]["request_throughput"] / 2
+        half_saturation = benchmark_launched(server.base_url, requests, half_rate, args)
+    config = {"model_path": model, **asdict(settings), "num_prompts": args.num_prompts,
+              "input_len": args.input_len, "output_len": args.output_len, "vocab": vocab, "seed": args.seed}
+    return {"config": config, "offline": offline, "saturation": saturation, "half_saturation": half_saturation,
+            "http_offline_ratio": saturation["metrics"]["output_token_throughput"]
+            / offline["output_token_throughput"],
+            "target_ratio": HTTP_OFFLINE_TARGET, "launcher_exit_code": server.exit_code}
+
+
+def format_comparison(results: dict[str, Any]) -> str:
+    saturation, half = results["saturation"]["metrics"], results["half_saturation"]["metrics"]
+    ratio, target = results["http_offline_ratio"], results["target_ratio"]
+    verdict = "met" if ratio >= target else "NOT met"
+    lines = ["{:=^52}".format(" HTTP vs offline LLM.generate "),
+             row("Offline output throughput (tok/s):", results["offline"]["output_token_throughput"]),
+             row("HTTP all at once, output (tok/s):", saturation["output_token_throughput"]),
+             row("HTTP all at once, requests (req/s):", saturation["request_throughput"]),
+             row(f"HTTP / offline (target >= {target:.0%}: {verdict}):", f"{ratio:.1%}"),
+             "{:-^52}".format(f" Poisson at {results['half_saturation']['config']['request_rate']:.2f} req/s "
+                              "(half saturation) "),
+             row("Median TTFT (ms):", half["ttft"]["p50_ms"]),
+             row("P99 TTFT (ms):", half["ttft"]["p99_ms"]),
+             row("Median TPOT (ms):", half["tpot"]["p50_ms"]),
+             row("P99 TPOT (ms):", half["tpot"]["p99_ms"]),
+             "=" * 52,
+             row("Failed requests (saturation / half):", f"{saturation['failed']} / {half['failed']}"),
+             row("Launcher exit code (SIGTERM):", results["launcher_exit_code"])]
+    lines += [f"{count} failed: {error}"
+              for metrics in (saturation, half) for error, count in metrics["errors"].items()]
+    return "\n".join(lines)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -288,29 +356,60 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=8192, help="prompt ids are drawn from [3, vocab)")
+    parser.add_argument("--vocab", type=int, help=f"prompt ids are drawn from [3, vocab) (default: {DEFAULT_VOCAB}; "
+                                                  "with --compare-offline the model's vocabulary size)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write config, metrics and per-request results here")
     parser.add_argument("--plot", type=Path, help="write a PNG of per-request latency vs send time here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser.parse_args()
+    compare = parser.add_argument_group("offline comparison", "a launched server instead of --base-url")
+    compare.add_argument("--compare-offline", action="store_true",
+                         help="HTTP vs offline LLM.generate on the same requests (see above)")
+    compare.add_argument("--model-path", help="model folder (default: the demo model)")
+    compare.add_argument("--dtype", default="bfloat16")
+    compare.add_argument("--max-num-seqs", type=int, default=256)
+    compare.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    compare.add_argument("--max-waiting-requests", type=int, help="the server's limit, more get HTTP 429 "
+                         f"(default: the larger of {DEFAULT_MAX_WAITING_REQUESTS} and --num-prompts)")
+    args = parser.parse_args()
+    if args.compare_offline and (args.model or args.max_concurrency or not math.isinf(args.request_rate)):
+        parser.error("--compare-offline chooses the model id and request rates itself and caps no concurrency: "
+                     "drop --model (see --model-path), --request-rate and --max-concurrency")
+    if args.max_waiting_requests is not None and args.max_waiting_requests < args.num_prompts:
+        parser.error("--max-waiting-requests must be >= --num-prompts: more waiting requests get HTTP 429")
+    return args
+
+
+def benchmark_gateway(args: argparse.Namespace) -> dict[str, Any]:
+    """The requests against the running gateway at --base-url."""
+    base_url = args.base_url.rstrip("/")
+    model = args.model or first_model(base_url, args.api_key)
+    vocab = DEFAULT_VOCAB if args.vocab is None else args.vocab
+    requests = make_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
+    results = asyncio.run(run_benchmark(base_url, model, requests, args.request_rate, api_key=args.api_key,
+                                        max_concurrency=args.max_concurrency, seed=args.seed,
+                                        progress=not args.no_progress))
+    results["config"].update(input_len=args.input_len, output_len=args.output_len, vocab=vocab)
+    return results
 
 
 def main() -> int:
     args = parse_args()
-    base_url = args.base_url.rstrip("/")
-    model = args.model or first_model(base_url, args.api_key)
-    requests = make_requests(args.num_prompts, args.input_len, args.output_len, args.vocab, args.seed)
-    results = asyncio.run(run_benchmark(base_url, model, requests, args.request_rate, api_key=args.api_key,
-                                        max_concurrency=args.max_concurrency, seed=args.seed,
-                                        progress=not args.no_progress))
-    results["config"].update(input_len=args.input_len, output_len=args.output_len, vocab=args.vocab)
-    print(format_report(results["metrics"]))
+    if args.compare_offline:
+        results = compare_offline(args)
+        latency_run = results["half_saturation"]
+        print(format_comparison(results))
+        ok = (results["launcher_exit_code"] == 0 and not results["saturation"]["metrics"]["failed"]
+              and not latency_run["metrics"]["failed"])
+    else:
+        results = latency_run = benchmark_gateway(args)
+        print(format_report(results["metrics"]))
+        ok = results["metrics"]["completed"] > 0
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     if args.plot:
-        plot_latencies(results, args.plot)
-    return 0 if results["metrics"]["completed"] else 1
+        plot_latencies(latency_run, args.plot)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def server(llama_model):
-    process, base_url = start_launcher(["--model", llama_model, "--dtype", "float32", "--max-model-len", "256",
+    process, base_url = start_launcher(["--model", llama_model, "--dtype", "float32", "--max-model-len", "1024",
                                         "--api-key", API_KEY, "--api-server-count", "2", "--max-n", "4",
                                         "--max-stop", "4"])
     yield process, base_url
@@ -84,7 +84,7 @@ def test_stop_strings_and_seeds(client, llama_model):
 
 @pytest.mark.parametrize("path, body, status, param", [
     ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 300}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 1100}, 400, "max_tokens"),
     ("/v1/completions", {"model": "M", "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": "M", "prompt": "hi", "top_p": 2.0}, 400, "top_p"),
     ("/v1/completions", {"model": "M", "prompt": "hi", "n": 5}, 400, "n"),
@@ -108,15 +108,27 @@ def test_bad_requests_get_openai_errors(server, llama_model, path, body, status,
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     if param is not None:
         assert error["param"] == param, error
-    if status == 400 and param == "max_tokens" and body.get("max_tokens") == 300:
-        assert "256 tokens" in error["message"] and "300 max_tokens" in error["message"]  # both numbers
+    if status == 400 and param == "max_tokens" and body.get("max_tokens") == 1100:
+        assert "1024 tokens" in error["message"] and "1100 max_tokens" in error["message"]  # both numbers
 
 
-def test_malformed_json_and_oversized_bodies(server):
+def test_malformed_json_and_oversized_requests(server):
     response = httpx.post(f"{server[1]}/v1/completions", content=b"{not json", headers=AUTH)
     assert response.status_code == 400 and "error" in response.json()
     huge = httpx.post(f"{server[1]}/v1/completions", content=b"x" * (11 * 2**20), headers=AUTH)
     assert huge.status_code == 413 and huge.json()["error"]["type"] == "invalid_request_error"
+    big_header = httpx.get(f"{server[1]}/v1/models", headers={**AUTH, "X-Padding": "x" * 64 * 2**10})
+    assert big_header.status_code == 431 and big_header.json()["error"]["message"]
+
+
+def test_a_disconnected_plain_request_is_aborted(server, llama_model):
+    aborted = _metric(server[1], "pagedserve:num_aborted_requests_total")
+    body = {"model": llama_model, "prompt": "go on", "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server[1]}/v1/completions", json=body, headers=AUTH, timeout=0.2)  # gives up, hangs up
+    assert wait_until(lambda: _metric(server[1], "pagedserve:num_aborted_requests_total") == aborted + 1, timeout=5)
+    assert _metric(server[1], "pagedserve:num_requests_running") == 0
+    assert _metric(server[1], "pagedserve:kv_cache_usage_perc") == 0.0
 
 
 @pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/completions"),
@@ -131,7 +143,7 @@ def test_every_route_but_health_needs_the_key(server, method, path):
 
 def test_tokenize_detokenize_version(server):
     tokens = httpx.post(f"{server[1]}/tokenize", json={"prompt": "Hello world"}, headers=AUTH).json()
-    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 256
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 1024
     text = httpx.post(f"{server[1]}/detokenize", json={"tokens": tokens["tokens"]}, headers=AUTH).json()
     assert text["prompt"].endswith("Hello world")
     bad = httpx.post(f"{server[1]}/detokenize", json={"tokens": [10**8]}, headers=AUTH)
@@ -149,13 +161,14 @@ def test_two_gateway_processes_serve(server):
 
 
 def test_a_disconnected_stream_is_aborted_and_its_blocks_freed(server, llama_model):
-    assert _metric(server[1], "pagedserve:num_requests_running") == 0
-    body = {"model": llama_model, "prompt": "go on", "max_tokens": 240, "stream": True, "ignore_eos": True}
+    aborted = _metric(server[1], "pagedserve:num_aborted_requests_total")
+    body = {"model": llama_model, "prompt": "go on", "max_tokens": 1000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server[1]}/v1/completions", json=body, headers=AUTH) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-    assert wait_until(lambda: _metric(server[1], "pagedserve:num_requests_running") == 0
-                      and _metric(server[1], "pagedserve:kv_cache_usage_perc") == 0.0, timeout=5)
+    assert wait_until(lambda: _metric(server[1], "pagedserve:num_aborted_requests_total") == aborted + 1, timeout=5)
+    assert _metric(server[1], "pagedserve:num_requests_running") == 0
+    assert _metric(server[1], "pagedserve:kv_cache_usage_perc") == 0.0
     metrics = httpx.get(f"{server[1]}/metrics", headers=AUTH).text
     for name in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_count",
                  "e2e_request_latency_seconds_sum", "prompt_tokens_total", "generation_tokens_total",

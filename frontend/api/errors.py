@@ -6,7 +6,7 @@ from http import HTTPStatus
 from fastapi.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}
+          413: "invalid_request_error", 431: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}
 
 
 class APIError(Exception):

@@ -72,7 +72,9 @@ class _EngineCollector:
                                   stats.prefix_cache_queries),
                                  ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                   stats.prefix_cache_hits),
-                                 ("num_preemptions", "Requests preempted", stats.num_preemptions)):
+                                 ("num_preemptions", "Requests preempted", stats.num_preemptions),
+                                 ("num_aborted_requests", "Requests aborted (client gone, stop string, cancel)",
+                                  stats.num_aborted_requests)):
             counter = CounterMetricFamily(f"pagedserve:{name}", doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter

@@ -36,11 +36,11 @@ API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
 def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: str | None = None,
-              max_body_bytes: int = 10 * 2**20) -> FastAPI:
+              max_body_bytes: int = 10 * 2**20, max_header_bytes: int = 32 * 2**10) -> FastAPI:
     metrics = ServerMetrics(model_name)
     serving = OpenAIServing(engine, model_name, limits, metrics)
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
     _add_error_handlers(app)
 
     @app.get("/health")
@@ -125,15 +125,18 @@ async def _cancel_on_disconnect(request: Request, handler) -> Response:
 
 
 class _Guard:
-    """ASGI middleware: the API key on every route but /health (constant-time compare), and a body size cap."""
+    """ASGI middleware: the API key on every route but /health (constant-time compare), and size caps on the
+    headers and the body (checked here, whichever HTTP parser uvicorn picked)."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.max_body_bytes = app, max_body_bytes
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, max_header_bytes: int) -> None:
+        self.app, self.max_body_bytes, self.max_header_bytes = app, max_body_bytes, max_header_bytes
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if sum(len(name) + len(value) for name, value in scope["headers"]) > self.max_header_bytes:
+            return await _send(send, 431, f"the request headers are over the limit of {self.max_header_bytes} bytes")
         headers = dict(scope["headers"])
         if self.expected is not None and scope["path"] != "/health":
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
@@ -207,10 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = AsyncLLM(args.model, engine_address=args.engine_address, curve_key_file=args.curve_key_file)
     model_name = args.served_model_name or args.model or engine.info.model
     limits = ServerLimits(max_model_len=engine.info.max_model_len, max_n=args.max_n, max_stop=args.max_stop)
-    app = build_app(engine, model_name, limits, args.api_key, args.max_body_bytes)
+    app = build_app(engine, model_name, limits, args.api_key, args.max_body_bytes, args.max_header_bytes)
     sock = listening_socket(args.host, args.port, args.reuse_port)
-    config = uvicorn.Config(app, log_level="warning", h11_max_incomplete_event_size=args.max_header_bytes,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout)
     server = uvicorn.Server(config)
     if args.parent_fd is not None:
         watch_lifeline(args.parent_fd, lambda: setattr(server, "should_exit", True))
