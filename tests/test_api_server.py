@@ -93,6 +93,7 @@ def test_stop_strings_and_seeds(client, llama_model):
     ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
     ("/v1/completions", {"model": "M", "prompt": [1, 10**7]}, 400, None),
     ("/v1/completions", {"model": "M"}, 400, "prompt"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
     ("/v1/chat/completions", {"model": "M", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},

@@ -38,12 +38,15 @@ class SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Refused with a clear 400 until the logprobs/penalties issue wires them through (not silently ignored).
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
+    logprobs: int | None = None
 
 
 class ChatMessage(_Strict):
@@ -57,6 +60,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     chat_template: str | None = None  # refused when given: templates run code-like Jinja on the server
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 class UsageInfo(BaseModel):

@@ -13,7 +13,6 @@ class ServerLimits:
     max_model_len: int
     max_n: int = 16
     max_stop: int = 16
-    max_logprobs: int = 20
 
 
 def sampling_params(request: SamplingFields, num_prompt_tokens: int, limits: ServerLimits,
@@ -35,6 +34,10 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, limits: Ser
 
 
 def check_limits(request: SamplingFields, limits: ServerLimits) -> None:
+    """Also refuses what is parsed but not served yet, rather than ignore it."""
+    for name in ("logprobs", "top_logprobs", "logit_bias"):
+        if getattr(request, name, None) not in (None, False):
+            raise APIError(400, f"{name} is not supported by this server yet", name)
     if not 1 <= request.n <= limits.max_n:
         raise APIError(400, f"n must be between 1 and {limits.max_n}, got {request.n}", "n")
     stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
