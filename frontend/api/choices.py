@@ -3,6 +3,7 @@ metrics (TTFT, inter-token latency, end-to-end, token counts) as outputs arrive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,27 +30,42 @@ class Choice:
 async def stream_choices(engine: AsyncLLM, choices: list[Choice], request_id: str, metrics: ServerMetrics
                          ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, delta output) as they come; closing the iterator aborts every unfinished choice."""
+    # One choice (the common case) needs no merging: no task and queue hop per token.
+    outputs = _single(engine, choices[0], request_id) if len(choices) == 1 else _merged(engine, choices, request_id)
+    start, last = time.monotonic(), [None] * len(choices)
+    async with contextlib.aclosing(outputs):
+        async for index, output in outputs:
+            now = time.monotonic()
+            metrics.observe_token_times(now - start if last[index] is None else None,
+                                        now - last[index] if last[index] is not None else None)
+            last[index] = now
+            choices[index].num_completion_tokens += len(output.outputs[0].token_ids)
+            yield index, output
+    metrics.observe_request(sum(c.num_prompt_tokens for c in choices),
+                            sum(c.num_completion_tokens for c in choices), time.monotonic() - start)
+
+
+async def _single(engine: AsyncLLM, choice: Choice, request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async with contextlib.aclosing(engine.generate(choice.prompt, choice.params, f"{request_id}-0")) as outputs:
+        async for output in outputs:
+            yield 0, output
+
+
+async def _merged(engine: AsyncLLM, choices: list[Choice], request_id: str
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
     queue: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.create_task(_pump(engine, choice.prompt, choice.params, f"{request_id}-{index}", index, queue))
              for index, choice in enumerate(choices)]
-    start, last = time.monotonic(), [None] * len(choices)
     try:
         remaining = len(tasks)
         while remaining:
             index, item = await queue.get()
             if item is _DONE:
                 remaining -= 1
-                continue
-            if isinstance(item, BaseException):
+            elif isinstance(item, BaseException):
                 raise item
-            now = time.monotonic()
-            metrics.observe_token_times(now - start if last[index] is None else None,
-                                        now - last[index] if last[index] is not None else None)
-            last[index] = now
-            choices[index].num_completion_tokens += len(item.outputs[0].token_ids)
-            yield index, item
-        metrics.observe_request(sum(c.num_prompt_tokens for c in choices),
-                                sum(c.num_completion_tokens for c in choices), time.monotonic() - start)
+            else:
+                yield index, item
     finally:
         for task in tasks:
             task.cancel()  # aborts the choices still running (AsyncLLM aborts on cancellation)

@@ -21,28 +21,32 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"labelnames": ["model_name"], "registry": self.registry}
-        self.prompt_tokens = Counter("pagedserve:prompt_tokens", "Prompt tokens of finished requests", **labels)
-        self.generation_tokens = Counter("pagedserve:generation_tokens", "Generated tokens", **labels)
-        self.requests = Counter("pagedserve:request_success", "Requests that ended normally", **labels)
-        self.ttft = Histogram("pagedserve:time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY_BUCKETS, **labels)
-        self.itl = Histogram("pagedserve:inter_token_latency_seconds", "Time between tokens of a stream",
-                             buckets=_LATENCY_BUCKETS, **labels)
-        self.e2e = Histogram("pagedserve:e2e_request_latency_seconds", "Request latency, arrival to end",
-                             buckets=_LATENCY_BUCKETS, **labels)
+        metrics = (
+            Counter("pagedserve:prompt_tokens", "Prompt tokens of finished requests", **labels),
+            Counter("pagedserve:generation_tokens", "Generated tokens", **labels),
+            Counter("pagedserve:request_success", "Requests that ended normally", **labels),
+            Histogram("pagedserve:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS,
+                      **labels),
+            Histogram("pagedserve:inter_token_latency_seconds", "Time between tokens of a stream",
+                      buckets=_LATENCY_BUCKETS, **labels),
+            Histogram("pagedserve:e2e_request_latency_seconds", "Request latency, arrival to end",
+                      buckets=_LATENCY_BUCKETS, **labels))
+        # Bound to the label once: these are touched for every token.
+        (self.prompt_tokens, self.generation_tokens, self.requests, self.ttft, self.itl,
+         self.e2e) = (metric.labels(model_name) for metric in metrics)
         self.model_name = model_name
 
     def observe_token_times(self, ttft: float | None, itl: float | None) -> None:
         if ttft is not None:
-            self.ttft.labels(self.model_name).observe(ttft)
+            self.ttft.observe(ttft)
         if itl is not None:
-            self.itl.labels(self.model_name).observe(itl)
+            self.itl.observe(itl)
 
     def observe_request(self, num_prompt_tokens: int, num_generated_tokens: int, e2e: float) -> None:
-        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
-        self.generation_tokens.labels(self.model_name).inc(num_generated_tokens)
-        self.requests.labels(self.model_name).inc()
-        self.e2e.labels(self.model_name).observe(e2e)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.generation_tokens.inc(num_generated_tokens)
+        self.requests.inc()
+        self.e2e.observe(e2e)
 
     def render(self, stats: SchedulerStats) -> bytes:
         """The Prometheus text exposition: this process's (or all gateways') request metrics + engine state."""

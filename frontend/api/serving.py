@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -16,11 +17,9 @@ from frontend.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatResponseMessage,
-    ChatStreamChoice,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    DeltaMessage,
     SamplingFields,
     UsageInfo,
 )
@@ -98,28 +97,29 @@ class OpenAIServing:
 
     async def _completion_chunks(self, stream, body: CompletionRequest, choices: list[Choice],
                                  num_prompt_tokens: int) -> AsyncIterator[dict]:
-        template = CompletionResponse(model=self.model_name, choices=[])
+        # Plain dicts on the per-token path: a pydantic model per chunk costs more than the rest of the chunk.
+        head = CompletionResponse(model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
         async for index, output in stream:
             completion = output.outputs[0]
-            yield _chunk(template, choices=[CompletionChoice(index=index, text=completion.text,
-                                                             finish_reason=completion.finish_reason,
-                                                             stop_reason=completion.stop_reason).model_dump()])
+            yield {**head, "choices": [{"index": index, "text": completion.text, "logprobs": None,
+                                        "finish_reason": completion.finish_reason,
+                                        "stop_reason": completion.stop_reason}], "usage": None}
         if body.stream_options and body.stream_options.include_usage:
-            yield _chunk(template, choices=[], usage=_usage(num_prompt_tokens, choices).model_dump())
+            yield {**head, "choices": [], "usage": _usage(num_prompt_tokens, choices).model_dump()}
 
     async def _chat_chunks(self, stream, body: ChatCompletionRequest, choices: list[Choice],
                            num_prompt_tokens: int) -> AsyncIterator[dict]:
-        template = ChatCompletionChunk(id=f"chatcmpl-{uuid.uuid4().hex}", created=CompletionResponse(
-            model="", choices=[]).created, model=self.model_name, choices=[])
+        head = ChatCompletionChunk(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
+                                   model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
         for index in range(len(choices)):
-            yield _chunk(template, choices=[ChatStreamChoice(index=index, delta=DeltaMessage(
-                role="assistant", content="")).model_dump()])
+            yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], "usage": None}
         async for index, output in stream:
             completion = output.outputs[0]
-            yield _chunk(template, choices=[ChatStreamChoice(index=index, delta=DeltaMessage(content=completion.text),
-                                                             finish_reason=completion.finish_reason).model_dump()])
+            yield {**head, "choices": [{"index": index, "delta": {"content": completion.text}, "logprobs": None,
+                                        "finish_reason": completion.finish_reason}], "usage": None}
         if body.stream_options and body.stream_options.include_usage:
-            yield _chunk(template, choices=[], usage=_usage(num_prompt_tokens, choices).model_dump())
+            yield {**head, "choices": [], "usage": _usage(num_prompt_tokens, choices).model_dump()}
 
 
 def api_error_from(error: Exception) -> APIError | None:
@@ -179,11 +179,6 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
             yield f"data: {json.dumps(error_body(mapped.status, mapped.message, mapped.param, mapped.code))}\n\n"
         yield "data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _chunk(template, **fields) -> dict:
-    return {**template.model_dump(exclude={"choices", "usage"}), "choices": fields["choices"],
-            "usage": fields.get("usage")}
 
 
 def _usage(num_prompt_tokens: int, choices: list[Choice]) -> UsageInfo:
