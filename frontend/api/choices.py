@@ -12,7 +12,7 @@ from frontend.api.metrics import ServerMetrics
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import RequestOutput
 from frontend.prompts import PromptType
-from ipc import SamplingParams
+from ipc import RequestOutputKind, SamplingParams
 
 _DONE = object()
 
@@ -36,8 +36,9 @@ async def stream_choices(engine: AsyncLLM, choices: list[Choice], request_id: st
     async with contextlib.aclosing(outputs):
         async for index, output in outputs:
             now = time.monotonic()
-            metrics.observe_token_times(now - start if last[index] is None else None,
-                                        now - last[index] if last[index] is not None else None)
+            if choices[index].params.output_kind == RequestOutputKind.DELTA:  # only streams have token times
+                metrics.observe_token_times(now - start if last[index] is None else None,
+                                            now - last[index] if last[index] is not None else None)
             last[index] = now
             choices[index].num_completion_tokens += len(output.outputs[0].token_ids)
             yield index, output

@@ -27,7 +27,9 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, limits: Ser
     fields = {name: value for name, value in fields.items() if value is not None}
     seed = None if request.seed is None else request.seed + seed_offset
     try:
-        return SamplingParams(max_tokens=max_tokens, seed=seed, output_kind=RequestOutputKind.DELTA, **fields)
+        # A response that is not streamed needs only the end: no per-step outputs to build in the gateway.
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        return SamplingParams(max_tokens=max_tokens, seed=seed, output_kind=kind, **fields)
     except ValueError as error:
         param = str(error).removeprefix("SamplingParams.").split(" ", 1)[0]
         raise APIError(400, str(error).removeprefix("SamplingParams."), param) from error
