@@ -25,6 +25,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -46,7 +49,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         ints = {"n": self.n, "top_k": self.top_k, "min_tokens": self.min_tokens}
         for name, value in ints.items():
             _require(isinstance(value, int) and not isinstance(value, bool), name, "must be an int")
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             _require(isinstance(value, (int, float)) and not isinstance(value, bool), name, "must be a number")
         for name in ("max_tokens", "seed", "logprobs"):
@@ -69,6 +72,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= 0 or self.top_k == -1, "top_k", f"must be 0 or -1 (off) or >= 1, got {self.top_k}")
         _require(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _require(-2.0 <= getattr(self, name) <= 2.0, name, f"must be in [-2, 2], got {getattr(self, name)}")
+        _require(self.repetition_penalty > 0.0, "repetition_penalty",
+                 f"must be > 0 (1 is off), got {self.repetition_penalty}")
         _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
                  f"must be >= 1, got {self.max_tokens}")
         _require(self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens}")
@@ -78,6 +85,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _require(self.logprobs is None or 0 <= self.logprobs <= _MAX_LOGPROBS, "logprobs",
                  f"must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
         _require(not self.stop or all(self.stop), "stop", "must not contain empty strings")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def is_greedy(self) -> bool:

@@ -77,6 +77,9 @@ def test_stop_strings_and_seeds(client, llama_model):
                                         stop=[stop], extra_body={"ignore_eos": True})
     assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
     assert text.startswith(stopped.choices[0].text)
+    penalized = client.completions.create(model=llama_model, prompt="Once upon", max_tokens=30, temperature=0,
+                                          frequency_penalty=2.0, extra_body={"ignore_eos": True})
+    assert penalized.choices[0].text != text  # penalties reach the sampler
     sampled = [client.completions.create(model=llama_model, prompt="Once upon", max_tokens=20, temperature=1.0,
                                          seed=seed).choices[0].text for seed in (7, 7, 8)]
     assert sampled[0] == sampled[1] != sampled[2]

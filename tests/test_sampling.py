@@ -6,7 +6,8 @@ import torch
 
 from conftest import assert_all_blocks_free, random_prompts
 from frontend import LLM, SamplingParams
-from workers.layers.sampler import Sampler, SamplingMetadata
+from hf_reference import hf_greedy
+from workers.layers.sampler import Penalties, Sampler, SamplingMetadata, _apply_penalties
 
 PROMPTS = [{"prompt_token_ids": p} for p in random_prompts([5, 40, 90], vocab=1000, seed=1)]
 
@@ -125,3 +126,45 @@ def test_min_tokens_holds_back_eos(llama_model):
     held, _ = run(min_tokens=3)
     assert len(held) >= 3 and eos not in held[:3]
     assert run(ignore_eos=True) == (greedy, "length")
+
+
+def test_repetition_penalty_equals_transformers_processor():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=generator)
+    seen = [[1, 2, 2, 7], [0, 49], [3]]  # prompt + generated ids per row
+    expected = torch.cat([RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([ids]), logits[i:i + 1].clone())
+                          for i, ids in enumerate(seen)])
+    penalized = logits.clone()
+    _apply_penalties(penalized, Penalties(rows=[0, 1, 2], presence=torch.zeros(3), frequency=torch.zeros(3),
+                                          repetition=torch.full((3,), 1.3), output_token_ids=[[], [], []],
+                                          seen_token_ids=seen))
+    torch.testing.assert_close(penalized, expected)
+
+
+def test_presence_and_frequency_penalties_follow_openai():
+    logits = torch.zeros(2, 10)
+    _apply_penalties(logits, Penalties(rows=[1], presence=torch.tensor([0.5]), frequency=torch.tensor([0.25]),
+                                       repetition=torch.tensor([1.0]), output_token_ids=[[4, 4, 4, 9]],
+                                       seen_token_ids=[[0, 4, 4, 4, 9]]))
+    expected = torch.zeros(2, 10)
+    expected[1, 4] = -(0.5 + 3 * 0.25)
+    expected[1, 9] = -(0.5 + 0.25)
+    assert torch.equal(logits, expected)  # row 0 untouched; the prompt token 0 is not counted
+
+
+def test_greedy_with_repetition_penalty_equals_hf(llm, llama_model):
+    prompt = PROMPTS[0]["prompt_token_ids"]
+    ours = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                                      repetition_penalty=1.5), use_tqdm=False)
+    theirs = hf_greedy(llama_model, prompt, 24, repetition_penalty=1.5)
+    assert ours[0].outputs[0].token_ids == theirs
+    assert theirs != hf_greedy(llama_model, prompt, 24)  # the penalty did change the output
+
+
+def test_frequency_penalty_discourages_repeats(llm):
+    plain = texts(llm, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    penalized = texts(llm, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, frequency_penalty=2.0))
+    repeats = [len(ids) - len(set(ids)) for ids in plain]
+    assert sum(len(ids) - len(set(ids)) for ids in penalized) < sum(repeats)

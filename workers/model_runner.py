@@ -9,7 +9,7 @@ from transformers import PretrainedConfig
 
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from workers.layers.attention import Attention, AttentionMetadata
-from workers.layers.sampler import Sampler, SamplingMetadata
+from workers.layers.sampler import Penalties, Sampler, SamplingMetadata
 from workers.model_loader import load_model
 from workers.request_state import CachedRequestState
 
@@ -124,4 +124,17 @@ class ModelRunner:
             min_p=torch.tensor(min_p) if any(p > 0.0 for p in min_p) else None,
             generators={row: s.generator for row, s in enumerate(states) if s.generator is not None},
             banned_token_ids={row: ids for row, s in enumerate(states) if (ids := s.banned_token_ids())},
-            num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None})
+            num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None},
+            penalties=_penalties(states))
+
+
+def _penalties(states: list[CachedRequestState]) -> Penalties | None:
+    rows = [row for row, state in enumerate(states) if state.sampling_params.has_penalties]
+    if not rows:
+        return None
+    params = [states[row].sampling_params for row in rows]
+    return Penalties(rows=rows, presence=torch.tensor([p.presence_penalty for p in params]),
+                     frequency=torch.tensor([p.frequency_penalty for p in params]),
+                     repetition=torch.tensor([p.repetition_penalty for p in params]),
+                     output_token_ids=[states[row].token_ids[states[row].num_prompt_tokens:] for row in rows],
+                     seen_token_ids=[states[row].token_ids for row in rows])

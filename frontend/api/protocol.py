@@ -33,6 +33,7 @@ class SamplingFields(_Strict):
     user: str | None = None
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None

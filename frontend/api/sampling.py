@@ -21,6 +21,8 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, limits: Ser
     check_limits(request, limits)
     max_tokens = _max_tokens(request, num_prompt_tokens, limits.max_model_len)
     fields = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
+                  presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+                  repetition_penalty=request.repetition_penalty,
                   stop=request.stop, stop_token_ids=request.stop_token_ids, min_tokens=request.min_tokens,
                   ignore_eos=request.ignore_eos, skip_special_tokens=request.skip_special_tokens,
                   include_stop_str_in_output=request.include_stop_str_in_output)

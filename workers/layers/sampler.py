@@ -1,9 +1,21 @@
-"""Batched sampling from the last-token logits: greedy, temperature, top-k, top-p, min-p, per-request seeds."""
+"""Batched sampling from the last-token logits: penalties, greedy, temperature, top-k, top-p, min-p, seeds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class Penalties:
+    """Rows that have any penalty, with what each penalty looks at."""
+
+    rows: list[int]
+    presence: torch.Tensor  # [len(rows)]; 0 → off
+    frequency: torch.Tensor  # [len(rows)]; 0 → off
+    repetition: torch.Tensor  # [len(rows)]; 1 → off
+    output_token_ids: list[list[int]]  # presence and frequency count the generated tokens (OpenAI's rule)
+    seen_token_ids: list[list[int]]  # repetition looks at prompt + generated tokens (transformers' rule)
 
 
 @dataclass
@@ -17,6 +29,7 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row → its request's seeded generator
     banned_token_ids: dict[int, list[int]]  # row → tokens not allowed yet (EOS/stop ids under min_tokens)
     num_logprobs: dict[int, int]  # row → how many top logprobs the request asked for
+    penalties: Penalties | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -37,6 +50,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [rows, vocab] float32."""
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
+        if meta.penalties is not None:
+            _apply_penalties(logits, meta.penalties)
         for row, token_ids in meta.banned_token_ids.items():
             logits[row, token_ids] = float("-inf")
         greedy_tokens = logits.argmax(dim=-1)
@@ -63,6 +78,23 @@ class Sampler:
             noise[row].exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
+
+
+def _apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:
+    """In place: logits -= presence * [count > 0] + frequency * count over generated tokens; then a seen
+    token's logit is divided by the repetition penalty if positive, multiplied if negative."""
+    vocab = logits.shape[-1]
+    rows = torch.tensor(penalties.rows)
+    counts = torch.stack([torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab)[:vocab]
+                          for ids in penalties.output_token_ids]).to(logits.dtype)
+    seen = torch.zeros(len(penalties.rows), vocab, dtype=torch.bool)
+    for i, ids in enumerate(penalties.seen_token_ids):
+        seen[i, ids] = True
+    selected = logits[rows]
+    selected -= penalties.presence.unsqueeze(1) * (counts > 0) + penalties.frequency.unsqueeze(1) * counts
+    repetition = penalties.repetition.unsqueeze(1)
+    selected = torch.where(seen, torch.where(selected > 0, selected / repetition, selected * repetition), selected)
+    logits[rows] = selected
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
