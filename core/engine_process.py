@@ -40,7 +40,14 @@ from ipc import (
     UtilityResult,
 )
 from ipc.lifeline import watch_lifeline
-from ipc.sockets import CurveKeys, EngineEndpoints, bind_router, check_binding_is_safe, start_authenticator
+from ipc.sockets import (
+    CurveKeys,
+    EngineEndpoints,
+    bind_router,
+    check_binding_is_safe,
+    remove_ipc_files,
+    start_authenticator,
+)
 
 logger = logging.getLogger("pagedserve.engine_core")
 _STOP = None  # on the input queue: leave the loop
@@ -193,6 +200,7 @@ class EngineCoreProc:
             self.authenticator.stop()
         self.context.term()  # wakes the reader, which closes its socket
         self.reader.join(timeout=5)
+        remove_ipc_files(self.endpoints)  # also when the front end that would have done it is gone
         self.engine.shutdown()
 
 

@@ -17,6 +17,7 @@ import msgspec
 
 from ipc import EngineConfig, EngineInfo, EngineStartup
 from ipc.lifeline import make_lifeline
+from ipc.sockets import EngineEndpoints, remove_ipc_files
 
 _START_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_ENGINE_START_TIMEOUT", "600"))
 _ERROR_TYPES = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "PermissionError": PermissionError}
@@ -31,6 +32,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 class EngineProcess:
     def __init__(self, config: EngineConfig, address: str, curve_key_file: str | None = None) -> None:
+        self.endpoints = EngineEndpoints.from_address(address)
         status_read, status_write = os.pipe()
         watch_read, self._watch_write = make_lifeline()
         command = [sys.executable, "-m", "core.engine_process", "--config-json", msgspec.json.encode(config).decode(),
@@ -92,7 +94,7 @@ class EngineProcess:
         return msgspec.json.decode(line, type=EngineStartup)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within `timeout`."""
+        """SIGTERM, then SIGKILL if it has not exited within `timeout`; then its ipc:// socket files go."""
         if self.is_alive():
             self.process.terminate()
             try:
@@ -103,3 +105,4 @@ class EngineProcess:
         if self._watch_write is not None:
             os.close(self._watch_write)
             self._watch_write = None
+        remove_ipc_files(self.endpoints)

@@ -33,7 +33,7 @@ from ipc import (
     UtilityCall,
     UtilityResult,
 )
-from ipc.sockets import CurveKeys, EngineEndpoints, connect_dealer, private_ipc_address, remove_ipc_files
+from ipc.sockets import CurveKeys, EngineEndpoints, connect_dealer, private_ipc_address
 
 _POLL_MS = 100  # how often a waiting client checks that the engine process it started is alive
 _HANDSHAKE_RETRY_S = 0.2
@@ -214,7 +214,6 @@ class EngineCoreClient:
         self.context.term()
         if self.process is not None:
             self.process.shutdown()
-            remove_ipc_files(self.endpoints)
 
 
 class AsyncEngineCoreClient(EngineCoreClient):

@@ -19,7 +19,7 @@ import time
 from core.engine_spawn import EngineProcess, child_env
 from ipc import EngineConfig
 from ipc.lifeline import make_lifeline
-from ipc.sockets import EngineEndpoints, private_ipc_address, remove_ipc_files
+from ipc.sockets import private_ipc_address
 
 logger = logging.getLogger("pagedserve.launch")
 _GATEWAY_START_TIMEOUT_S = 120.0
@@ -98,8 +98,6 @@ class Launcher:
         finally:
             self._stop_gateways()
             engine.shutdown()
-            if self.args.engine_address is None:
-                remove_ipc_files(EngineEndpoints.from_address(address))
             if self.metrics_dir is not None:
                 shutil.rmtree(self.metrics_dir, ignore_errors=True)
         return 1 if crashed else 0
