@@ -36,10 +36,6 @@ class EngineCore:
                                vocab_size=self.vocab_size, num_kv_blocks=self.num_kv_blocks,
                                block_size=self.config.block_size, scheduling_policy=self.config.scheduling_policy)
 
-    @property
-    def max_model_len(self) -> int:
-        return self.config.max_model_len
-
     def validate_request(self, request: EngineCoreRequest) -> None:
         """Raise ValueError naming what is wrong; nothing is queued."""
         self.info.validate_request(request)
