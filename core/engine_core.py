@@ -28,7 +28,8 @@ class EngineCore:
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         _check_capacity(self.config, self.num_kv_blocks)
         self.executor.initialize_kv_cache(self.num_kv_blocks)
-        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, self.config.block_size)
+        self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, self.config.block_size,
+                                               self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager)
         self._arrivals = itertools.count()
         self.profiler = EngineProfiler()
@@ -83,8 +84,8 @@ class EngineCore:
         return self.profiler.stop()
 
     def reset_prefix_cache(self) -> bool:
-        """True when no KV block is kept for reuse. Nothing is cached by content yet (prefix caching is a
-        later issue), so there is nothing to drop."""
+        """Forget every cached block, so later requests compute their prompts in full (e.g. after new weights)."""
+        self.kv_cache_manager.reset_prefix_cache()
         return True
 
     def has_unfinished_requests(self) -> bool:

@@ -1,15 +1,20 @@
-"""KVCacheManager: THE global block table (block ids per request), grown on demand from the BlockPool."""
+"""KVCacheManager: THE global block table (block ids per request), grown on demand, shared by prefix hash."""
 from __future__ import annotations
 
+from core.block_hash import extend_block_hashes
 from core.block_pool import BlockPool
 from core.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of each table already findable by hash
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
 
     @property
     def num_free_blocks(self) -> int:
@@ -19,21 +24,67 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Blocks to add so the request can hold its computed tokens plus num_new_tokens; None if too few free."""
+    def computed_blocks(self, request: Request) -> list[int]:
+        """The longest run of cached blocks that starts the request's tokens; at least one token stays to
+        compute, since the step that computes a request's last token is the one that samples from it."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position's logits, so nothing may be skipped
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.pool.cached_block(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()
+                       ) -> list[int] | None:
+        """Blocks to add so the request holds its computed tokens (+ computed_blocks, shared from the cache,
+        for a request not yet holding any) plus num_new_tokens; None, and nothing taken, if too few free."""
         table = self.block_tables.setdefault(request.request_id, [])
-        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
-        if needed > self.pool.num_free_blocks:
+        num_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        needed = -(-num_tokens // self.block_size) - len(table) - len(computed_blocks)
+        reclaimed = sum(1 for block_id in computed_blocks if self.pool.ref_counts[block_id] == 0)
+        if needed + reclaimed > self.pool.num_free_blocks:
             return None
+        self.pool.touch(computed_blocks)
+        table.extend(computed_blocks)
         new_blocks = self.pool.allocate(needed) if needed > 0 else []
         table.extend(new_blocks)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, num_tokens)
         return new_blocks
 
+    def record_lookup(self, request: Request, num_cached_tokens: int) -> None:
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_cached_tokens
+
     def free(self, request: Request) -> None:
-        self.pool.free(self.block_tables.pop(request.request_id, []))
+        """Blocks go back last first, so a request's tail (least likely shared) is evicted before its head."""
+        self.pool.free(reversed(self.block_tables.pop(request.request_id, [])))
+        self.num_cached_blocks.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_cache()
+        self.num_cached_blocks = {req_id: len(table) for req_id, table in self.block_tables.items()}
 
     def block_ids(self, request: Request) -> list[int]:
         return self.block_tables.get(request.request_id, [])
 
     def num_allocated_slots(self) -> int:
         return (self.pool.num_blocks - self.pool.num_free_blocks) * self.block_size
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the blocks this step fills; they are computed before any later step (or a later request
+        in this step, whose attention runs after this step's K/V writes) reads them."""
+        self._update_hashes(request)
+        table, start = self.block_tables[request.request_id], self.num_cached_blocks.get(request.request_id, 0)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        for index in range(start, num_full):
+            self.pool.cache_block(table[index], request.block_hashes[index])
+        self.num_cached_blocks[request.request_id] = max(start, num_full)
+
+    def _update_hashes(self, request: Request) -> None:
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)

@@ -41,6 +41,9 @@ class Request:
     def __init__(self, core_request: EngineCoreRequest, arrival_index: int, max_tokens: int) -> None:
         self.request_id = core_request.request_id
         self.prompt_token_ids = core_request.prompt_token_ids
+        self.all_token_ids = list(core_request.prompt_token_ids)  # prompt + outputs, what block hashes cover
+        self.cache_salt = core_request.cache_salt
+        self.block_hashes: list[bytes] = []  # one per full block of all_token_ids, filled in by the KV manager
         self.sampling_params: SamplingParams = core_request.sampling_params
         self.eos_token_id = core_request.eos_token_id
         self.priority = core_request.priority
@@ -48,7 +51,7 @@ class Request:
         self.max_tokens = max_tokens
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first scheduled
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         # Tokens sampled since the workers last saw this request (sent in the next SchedulerOutput).
@@ -56,7 +59,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -70,6 +73,7 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
         self.unsent_token_ids.append(token_id)
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:

@@ -90,20 +90,24 @@ class Scheduler:
                           cached_reqs: list[CachedRequestData], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0][1]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_blocks = self.kv.allocate_slots(request, num_new)
-            if new_blocks is None:
+            computed_blocks = self.kv.computed_blocks(request)
+            num_cached = len(computed_blocks) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
                 break
             heapq.heappop(self.waiting)
+            self.kv.record_lookup(request, num_cached)
+            request.num_computed_tokens = num_cached
             resumed = request.status == RequestStatus.PREEMPTED
             if resumed:
                 request.set_status(RequestStatus.WAITING)
                 cached_reqs.append(self._cached_data(request, self.kv.block_ids(request), resumed=True))
             else:
+                request.num_cached_tokens = num_cached
                 new_reqs.append(NewRequestData(
                     req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                     sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
-                    block_ids=list(new_blocks), num_computed_tokens=request.num_computed_tokens))
+                    block_ids=list(self.kv.block_ids(request)), num_computed_tokens=num_cached))
             request.set_status(RequestStatus.RUNNING)
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             self._commit(request, num_new, num_scheduled)
@@ -193,4 +197,6 @@ class Scheduler:
                               kv_cache_usage=self.kv.usage, num_free_blocks=self.kv.num_free_blocks,
                               num_preemptions=self.num_preemptions, num_aborted_requests=self.num_aborted_requests,
                               peak_kv_cache_usage=self.peak_kv_usage,
-                              kv_utilization_at_peak=self.kv_utilization_at_peak)
+                              kv_utilization_at_peak=self.kv_utilization_at_peak,
+                              prefix_cache_queries=self.kv.prefix_cache_queries,
+                              prefix_cache_hits=self.kv.prefix_cache_hits)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 import weakref
@@ -11,9 +12,11 @@ from frontend.connect import connect_engine
 from frontend.core_client import AsyncEngineCoreClient, EngineDeadError, request_error
 from frontend.output_processor import OutputProcessor
 from frontend.outputs import RequestOutput, merge_delta
-from frontend.prompts import PromptType, prompt_text, tokenize_prompt
+from frontend.parallel_sampling import child_params, child_request_id, merge_samples
+from frontend.prompts import PromptType, engine_request, prompt_text
+from frontend.stream_merge import merge_streams
 from frontend.tokenizer import load_tokenizer
-from ipc import EngineCoreOutputs, EngineCoreRequest, RequestOutputKind, SamplingParams, SchedulerStats
+from ipc import EngineCoreOutputs, RequestOutputKind, SamplingParams, SchedulerStats
 
 logger = logging.getLogger("pagedserve.async_llm")
 # Outputs of one engine step are turned into RequestOutputs this many at a time, yielding to the event loop
@@ -68,12 +71,19 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self.client.dead_reason is not None
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+    def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                 request_id: str | None = None, *, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's outputs (each step's, as sampling_params.output_kind says); the last one has
-        finished=True. Closing or cancelling the stream aborts the request in the engine."""
+        finished=True. Closing or cancelling the stream aborts the request in the engine. With n > 1 each
+        output carries the sample (CompletionOutput.index) it is about; FINAL_ONLY gives one output of all n."""
+        params = sampling_params or SamplingParams()
         request_id = uuid.uuid4().hex if request_id is None else request_id
-        collector = self._add_request(request_id, prompt, sampling_params or SamplingParams(), priority)
+        stream = self._generate_one if not isinstance(params, SamplingParams) or params.n == 1 else self._generate_n
+        return stream(prompt, params, request_id, priority)
+
+    async def _generate_one(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                            priority: int) -> AsyncGenerator[RequestOutput, None]:
+        collector = self._add_request(request_id, prompt, params, priority)
         finished = False
         try:
             while not finished:
@@ -86,6 +96,22 @@ class AsyncLLM:
                 if not finished:  # cancelled, closed early, or failed: nothing more is wanted
                     self.output_processor.abort(request_id)
                     self.client.abort_requests([request_id])
+
+    async def _generate_n(self, prompt: PromptType, params: SamplingParams, request_id: str,
+                          priority: int) -> AsyncGenerator[RequestOutput, None]:
+        samples = [self._generate_one(prompt, child_params(params, index), child_request_id(request_id, index),
+                                      priority) for index in range(params.n)]
+        finals: dict[int, RequestOutput] = {}
+        async with contextlib.aclosing(merge_streams(samples)) as outputs:
+            async for index, output in outputs:
+                if output.finished:
+                    finals[index] = output
+                if params.output_kind != RequestOutputKind.FINAL_ONLY:
+                    output.request_id, output.outputs[0].index = request_id, index
+                    output.finished = len(finals) == params.n
+                    yield output
+        if params.output_kind == RequestOutputKind.FINAL_ONLY:
+            yield merge_samples(request_id, [finals[index] for index in range(params.n)])
 
     async def abort(self, request_id: str) -> None:
         """End the request now; its stream yields a final output with finish_reason "abort"."""
@@ -119,14 +145,9 @@ class AsyncLLM:
 
     def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                      priority: int) -> RequestOutputCollector:
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.collectors:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = EngineCoreRequest(request_id=request_id, prompt_token_ids=tokenize_prompt(self.tokenizer, prompt),
-                                    sampling_params=params, eos_token_id=self.tokenizer.eos_token_id,
-                                    priority=int(priority))
-        self.info.validate_request(request)
+        request = engine_request(self.tokenizer, self.info, request_id, prompt, params, priority)
         self.client.add_request(request)  # raises EngineDeadError before anything is registered
         collector = self.collectors[request_id] = RequestOutputCollector(params.output_kind)
         self.output_processor.add_request(request_id, prompt_text(prompt), request.prompt_token_ids, params)

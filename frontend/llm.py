@@ -12,7 +12,8 @@ from frontend.connect import connect_engine
 from frontend.core_client import request_error
 from frontend.output_processor import OutputProcessor
 from frontend.outputs import RequestOutput
-from frontend.prompts import PromptType, prompt_text, tokenize_prompt
+from frontend.parallel_sampling import child_params, child_request_id, merge_samples
+from frontend.prompts import PromptType, engine_request, prompt_text
 from frontend.tokenizer import apply_chat_template, load_tokenizer
 from ipc import EngineCoreRequest, RequestOutputKind, SamplingParams, SchedulerStats
 
@@ -35,16 +36,20 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Outputs in input order. Prompts: text, {"prompt": text} or {"prompt_token_ids": [...]}."""
+        """Outputs in input order. Prompts: text, {"prompt": text} or {"prompt_token_ids": [...]}, optionally
+        with "cache_salt". With n > 1 each output holds n samples (n engine requests sharing prompt blocks)."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         priorities = _per_prompt(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)
-        requests = [self._make_request(p, sp, prio) for p, sp, prio in zip(prompts, params, priorities)]
-        for request, prompt in zip(requests, prompts):
-            self.output_processor.add_request(request.request_id, prompt_text(prompt), request.prompt_token_ids,
-                                              request.sampling_params)
-            self.client.add_request(request)
-        return self._run([r.request_id for r in requests], use_tqdm)
+        families = [self._make_requests(p, sp, prio) for p, sp, prio in zip(prompts, params, priorities)]
+        for (_, requests), prompt in zip(families, prompts):
+            for request in requests:
+                self.output_processor.add_request(request.request_id, prompt_text(prompt), request.prompt_token_ids,
+                                                  request.sampling_params)
+                self.client.add_request(request)
+        results = self._run([r.request_id for _, requests in families for r in requests], use_tqdm)
+        return [merge_samples(parent_id, [results[r.request_id] for r in requests]) if len(requests) > 1
+                else results[requests[0].request_id] for parent_id, requests in families]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -62,22 +67,28 @@ class LLM:
     def get_stats(self) -> SchedulerStats:
         return self.client.get_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block (e.g. before timing a cold run)."""
+        return self.client.call_utility("reset_prefix_cache")
+
     def shutdown(self) -> None:
         """Stop the engine core this LLM started (also done when the LLM is garbage collected or at exit)."""
         self._shutdown()
 
-    def _make_request(self, prompt: PromptType, params: SamplingParams, priority: int) -> EngineCoreRequest:
+    def _make_requests(self, prompt: PromptType, params: SamplingParams, priority: int
+                       ) -> tuple[str, list[EngineCoreRequest]]:
+        """The prompt's request id and its engine requests (one, or one per sample when n > 1)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         # Only final outputs are needed here: skip building per-step ones.
         params = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-        request = EngineCoreRequest(request_id=str(next(self._request_counter)),
-                                    prompt_token_ids=tokenize_prompt(self.tokenizer, prompt), sampling_params=params,
-                                    eos_token_id=self.tokenizer.eos_token_id, priority=int(priority))
-        self.info.validate_request(request)
-        return request
+        parent_id = str(next(self._request_counter))
+        if params.n == 1:
+            return parent_id, [engine_request(self.tokenizer, self.info, parent_id, prompt, params, priority)]
+        return parent_id, [engine_request(self.tokenizer, self.info, child_request_id(parent_id, index), prompt,
+                                          child_params(params, index), priority) for index in range(params.n)]
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         results: dict[str, RequestOutput] = {}
         try:
             with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
@@ -95,7 +106,7 @@ class LLM:
             self.client.abort_requests(unfinished)
             for request_id in unfinished:
                 self.output_processor.abort(request_id)
-        return [results[r] for r in request_ids]
+        return results
 
 
 def _per_prompt(value, count: int, name: str) -> list:

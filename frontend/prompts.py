@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+from ipc import EngineCoreRequest, EngineInfo, SamplingParams
+
 PromptType = str | dict
 
 
@@ -24,3 +26,23 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType) -> l
 
 def prompt_text(prompt: PromptType) -> str | None:
     return prompt if isinstance(prompt, str) else prompt.get("prompt")
+
+
+def prompt_cache_salt(prompt: PromptType) -> str | None:
+    """A dict prompt's optional "cache_salt": requests with different salts never share cached KV blocks."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ValueError("cache_salt must be a non-empty string")
+    return salt
+
+
+def engine_request(tokenizer: PreTrainedTokenizerBase, info: EngineInfo, request_id: str, prompt: PromptType,
+                   params: SamplingParams, priority: int = 0) -> EngineCoreRequest:
+    """The validated engine-core request for one prompt (ValueError naming what is wrong)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+    request = EngineCoreRequest(request_id=request_id, prompt_token_ids=tokenize_prompt(tokenizer, prompt),
+                                sampling_params=params, eos_token_id=tokenizer.eos_token_id, priority=int(priority),
+                                cache_salt=prompt_cache_salt(prompt))
+    info.validate_request(request)
+    return request

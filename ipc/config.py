@@ -24,6 +24,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     scheduling_policy: str = "fcfs"
+    # Share KV blocks between requests by content (block hashes); off: every request computes its whole prompt.
+    enable_prefix_caching: bool = True
     # Past this many waiting requests the engine refuses new ones (HTTP 429); None: no limit (offline use).
     max_waiting_requests: int | None = None
 

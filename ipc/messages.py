@@ -24,6 +24,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, tag="add"):
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     priority: int = 0
+    # Requests with different salts never share prefix-cache blocks (tenant isolation).
+    cache_salt: str | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -105,6 +107,9 @@ class EngineInfo(msgspec.Struct, kw_only=True):
         if bad is not None:
             raise ValueError(f"request {request.request_id}: stop/eos token id {bad} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        if params.n != 1:
+            raise ValueError(f"request {request.request_id}: an engine request samples once (n=1, got "
+                             f"{params.n}); the front end sends n > 1 as n requests")
         if request.priority != 0 and self.scheduling_policy != "priority":
             raise ValueError(f"request {request.request_id}: priority={request.priority} needs "
                              "scheduling_policy='priority' (the engine runs first-come first-served)")

@@ -35,6 +35,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -52,7 +53,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             _require(isinstance(value, (int, float)) and not isinstance(value, bool), name, "must be a number")
-        for name in ("max_tokens", "seed", "logprobs"):
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
             _require(ok, name, "must be an int or None")
@@ -67,7 +68,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                  "must be non-negative ints")
 
     def _check_ranges(self) -> None:
-        _require(self.n == 1, "n", f"must be 1 (parallel sampling is not supported yet), got {self.n}")
+        _require(self.n >= 1, "n", f"must be >= 1, got {self.n}")
         _require(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= 0 or self.top_k == -1, "top_k", f"must be 0 or -1 (off) or >= 1, got {self.top_k}")
@@ -82,8 +83,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                  f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _require(self.seed is None or -2**63 <= self.seed < 2**64, "seed", f"must fit in 64 bits, got {self.seed}")
-        _require(self.logprobs is None or 0 <= self.logprobs <= _MAX_LOGPROBS, "logprobs",
-                 f"must be in [0, {_MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(value is None or 0 <= value <= _MAX_LOGPROBS, name, f"must be in [0, {_MAX_LOGPROBS}], got {value}")
         _require(not self.stop or all(self.stop), "stop", "must not contain empty strings")
 
     @property

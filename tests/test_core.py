@@ -20,7 +20,7 @@ def make_request(i: int, prompt_len: int, max_tokens: int = 4, priority: int = 0
 def make_scheduler(num_blocks=64, block_size=4, **config) -> Scheduler:
     config = EngineConfig(model="unused", block_size=block_size, max_model_len=config.pop("max_model_len", 256),
                           **config)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size))
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, config.enable_prefix_caching))
 
 
 def run_step(scheduler: Scheduler, token: int = 7):
@@ -82,7 +82,7 @@ def test_max_num_seqs_limits_running():
 
 
 def test_preemption_recomputes_latest_and_sends_full_block_table():
-    scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=16)
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, enable_prefix_caching=False)
     scheduler.add_request(make_request(0, prompt_len=8, max_tokens=8))
     scheduler.add_request(make_request(1, prompt_len=8, max_tokens=8))
     run_step(scheduler)  # both prompts fill 2 blocks each
@@ -101,7 +101,8 @@ def test_preemption_recomputes_latest_and_sends_full_block_table():
 
 
 def test_priority_policy_runs_lowest_value_first_and_preempts_highest():
-    scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, scheduling_policy="priority")
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, scheduling_policy="priority",
+                               enable_prefix_caching=False)
     scheduler.add_request(make_request(0, prompt_len=4, priority=5, max_tokens=8))
     run_step(scheduler)  # r0 alone: 1 block
     scheduler.add_request(make_request(1, prompt_len=8, priority=1, max_tokens=8))

@@ -9,7 +9,7 @@ from frontend import LLM, SamplingParams
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("max_tokens", 0),
-    ("min_tokens", -1), ("n", 2), ("logprobs", 100), ("stop", [""]), ("seed", "7"), ("stop_token_ids", [-1]),
+    ("min_tokens", -1), ("n", 0), ("logprobs", 100), ("stop", [""]), ("seed", "7"), ("stop_token_ids", [-1]),
     ("temperature", "hot"), ("ignore_eos", None), ("seed", 2**64), ("output_kind", "streaming"),
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0),
 ])

@@ -2,7 +2,6 @@
 metrics (TTFT, inter-token latency, end-to-end, token counts) as outputs arrive."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -12,10 +11,8 @@ from frontend.api.metrics import ServerMetrics
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import RequestOutput
 from frontend.prompts import PromptType
+from frontend.stream_merge import merge_streams
 from ipc import RequestOutputKind, SamplingParams
-
-_DONE = object()
-
 
 @dataclass
 class Choice:
@@ -52,32 +49,6 @@ async def _single(engine: AsyncLLM, choice: Choice, request_id: str) -> AsyncIte
             yield 0, output
 
 
-async def _merged(engine: AsyncLLM, choices: list[Choice], request_id: str
-                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    queue: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.create_task(_pump(engine, choice.prompt, choice.params, f"{request_id}-{index}", index, queue))
-             for index, choice in enumerate(choices)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is _DONE:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()  # aborts the choices still running (AsyncLLM aborts on cancellation)
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _pump(engine: AsyncLLM, prompt: PromptType, params: SamplingParams, request_id: str, index: int,
-                queue: asyncio.Queue) -> None:
-    try:
-        async for output in engine.generate(prompt, params, request_id):
-            queue.put_nowait((index, output))
-        queue.put_nowait((index, _DONE))
-    except Exception as error:
-        queue.put_nowait((index, error))
+def _merged(engine: AsyncLLM, choices: list[Choice], request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+    return merge_streams([engine.generate(choice.prompt, choice.params, f"{request_id}-{index}")
+                          for index, choice in enumerate(choices)])

@@ -15,9 +15,8 @@ class ServerLimits:
     max_stop: int = 16
 
 
-def sampling_params(request: SamplingFields, num_prompt_tokens: int, limits: ServerLimits,
-                    seed_offset: int = 0) -> SamplingParams:
-    """One choice's params (the n choices are separate engine requests, seeds offset by choice index)."""
+def sampling_params(request: SamplingFields, num_prompt_tokens: int, limits: ServerLimits) -> SamplingParams:
+    """The request's params for one prompt (its n choices become n engine requests: parallel_sampling)."""
     check_limits(request, limits)
     max_tokens = _max_tokens(request, num_prompt_tokens, limits.max_model_len)
     fields = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
@@ -27,11 +26,10 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, limits: Ser
                   ignore_eos=request.ignore_eos, skip_special_tokens=request.skip_special_tokens,
                   include_stop_str_in_output=request.include_stop_str_in_output)
     fields = {name: value for name, value in fields.items() if value is not None}
-    seed = None if request.seed is None else request.seed + seed_offset
     try:
         # A response that is not streamed needs only the end: no per-step outputs to build in the gateway.
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        return SamplingParams(max_tokens=max_tokens, seed=seed, output_kind=kind, **fields)
+        return SamplingParams(n=request.n, max_tokens=max_tokens, seed=request.seed, output_kind=kind, **fields)
     except ValueError as error:
         param = str(error).removeprefix("SamplingParams.").split(" ", 1)[0]
         raise APIError(400, str(error).removeprefix("SamplingParams."), param) from error

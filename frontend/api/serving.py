@@ -26,6 +26,7 @@ from frontend.api.protocol import (
 from frontend.api.sampling import ServerLimits, check_limits, sampling_params
 from frontend.async_llm import AsyncLLM
 from frontend.core_client import EngineDeadError, EngineOverloadedError
+from frontend.parallel_sampling import child_params
 from frontend.tokenizer import apply_chat_template
 
 
@@ -91,9 +92,11 @@ class OpenAIServing:
         return {"prompt": text, "prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)}
 
     def _choices(self, body: SamplingFields, prompts: list[dict]) -> list[Choice]:
-        return [Choice(prompt, sampling_params(body, len(prompt["prompt_token_ids"]), self.limits, seed_offset=i),
-                       len(prompt["prompt_token_ids"]))
-                for prompt in prompts for i in range(body.n)]
+        choices = []
+        for prompt in prompts:
+            params = sampling_params(body, len(prompt["prompt_token_ids"]), self.limits)
+            choices += [Choice(prompt, child_params(params, i), len(prompt["prompt_token_ids"])) for i in range(body.n)]
+        return choices
 
     async def _completion_chunks(self, stream, body: CompletionRequest, choices: list[Choice],
                                  num_prompt_tokens: int) -> AsyncIterator[dict]:
