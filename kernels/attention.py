@@ -24,8 +24,9 @@ def paged_attention(
     """Same contract as attention_ref.paged_attention, which it equals (tests/test_cpu_decode_attention.py,
     tests/test_triton_kernels.py)."""
     if use_triton(query):
-        return _triton_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, num_decodes,
-                                 scale, sliding_window)
+        num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+        return triton_paged_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                                      num_decodes, scale, sliding_window, num_sms)
     fused = num_decodes and query.device.type == "cpu" and cpu_decode_attention.load() is not None
     if not fused:
         return attention_ref.paged_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
@@ -39,14 +40,14 @@ def paged_attention(
     return out
 
 
-def _triton_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], num_decodes: int,
-                      scale: float, sliding_window: int | None) -> torch.Tensor:
-    """Split-K decode when few long decodes leave the device idle, the mixed-batch kernel for the other rows."""
+def triton_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
+                           num_decodes: int, scale: float, sliding_window: int | None, num_sms: int) -> torch.Tensor:
+    """Split-K decode when few long decodes would leave the device's num_sms idle, the mixed-batch kernel for
+    the other rows."""
     from kernels import attention_triton, decode_split_k_triton  # lazily: see kernels.backend
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    splits = decode_split_k_triton.num_splits(seq_lens[:num_decodes], key_cache.shape[1],
-                                              torch.cuda.get_device_properties(query.device).multi_processor_count)
+    splits = decode_split_k_triton.num_splits(seq_lens[:num_decodes], key_cache.shape[1], num_sms)
     first = 0  # the first sequence left to the mixed-batch kernel
     if splits > 1:
         decode_split_k_triton.decode_attention(query[:num_decodes], key_cache, value_cache, block_tables,

@@ -94,10 +94,15 @@ def _paged_attention_kernel(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, 
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rows_per_program(queries_per_kv: int, longest_query: int) -> tuple[int, int]:
+def rows_per_program(queries_per_kv: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_Q): rows of a program (≥ 16, tl.dot's minimum) and the query tokens they cover."""
-    block_m = max(16 if longest_query == 1 else 64, triton.next_power_of_2(queries_per_kv))
+    block_m = max(16, triton.next_power_of_2(queries_per_kv))
     return block_m, block_m // queries_per_kv
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim as tl.dot takes it: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -107,8 +112,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], scale: float,
-                    sliding_window: int | None, out: torch.Tensor) -> None:
-    """attention_ref.paged_attention's contract, written into `out`; every key is read from the cache.
+                    sliding_window: int | None, out: torch.Tensor) -> torch.Tensor:
+    """attention_ref.paged_attention's contract, written into `out` and returned; every key is read from the cache.
 
     Decode rows need not come first. The last dims of query, out and caches are contiguous; both caches share
     one layout.
@@ -116,8 +121,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = len(seq_lens), key_cache.shape[1]
     device = query.device
-    block_m, block_q = rows_per_program(num_heads // num_kv_heads,
-                                        max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])))
+    block_m, block_q = rows_per_program(num_heads // num_kv_heads)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32, device=device),
@@ -125,5 +129,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         head_dim, key_cache.shape[2], query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m,
-        DIM_PADDED=max(16, triton.next_power_of_2(head_dim)), SLIDING=sliding_window is not None,
+        DIM_PADDED=padded_head_dim(head_dim), SLIDING=sliding_window is not None,
         PRECISION=dot_precision(query.dtype))
+    return out

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_triton import TILE_N, attend_keys, dot_precision
+from kernels.attention_triton import TILE_N, attend_keys, dot_precision, padded_head_dim, rows_per_program
 
 _MAX_SPLITS = 16
 _MIN_KEYS_PER_SPLIT = 256  # below this a slice's fixed cost outweighs the parallelism it adds
@@ -76,14 +76,14 @@ def _reduce_kernel(out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, h
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: list[int], scale: float, sliding_window: int | None,
-                     splits: int, out: torch.Tensor) -> None:
-    """attention_ref.decode_attention's contract (one query token per sequence), written into `out`.
+                     splits: int, out: torch.Tensor) -> torch.Tensor:
+    """attention_ref.decode_attention's contract (one query token per sequence), written into `out` and returned.
 
     The last dims of query, out and caches are contiguous; both caches share one layout.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
-    queries_per_kv, dim_padded = num_heads // num_kv_heads, max(16, triton.next_power_of_2(head_dim))
+    queries_per_kv, dim_padded = num_heads // num_kv_heads, padded_head_dim(head_dim)
     partial_out = torch.empty(num_seqs, num_heads, splits, dim_padded, dtype=torch.float32, device=query.device)
     partial_max = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=query.device)
     partial_sum = torch.empty_like(partial_max)
@@ -92,8 +92,9 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         torch.tensor(seq_lens, dtype=torch.int32, device=query.device), scale, sliding_window or 0, num_heads,
         head_dim, key_cache.shape[2], query.stride(0), query.stride(1), block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        QUERIES_PER_KV=queries_per_kv, NUM_SPLITS=splits, BLOCK_M=max(16, triton.next_power_of_2(queries_per_kv)),
+        QUERIES_PER_KV=queries_per_kv, NUM_SPLITS=splits, BLOCK_M=rows_per_program(queries_per_kv)[0],
         DIM_PADDED=dim_padded, SLIDING=sliding_window is not None, PRECISION=dot_precision(query.dtype))
     _reduce_kernel[(num_seqs, num_heads)](
         out, partial_out, partial_max, partial_sum, head_dim, out.stride(0), out.stride(1),
         NUM_SPLITS=splits, SPLITS_PADDED=triton.next_power_of_2(splits), DIM_PADDED=dim_padded)
+    return out

@@ -10,8 +10,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is defined, so before kernels/*_triton
 pytest.importorskip("triton")
 
-from kernels import (attention_ref, attention_triton, decode_split_k_triton, kv_cache_ref, kv_cache_triton,  # noqa: E402
-                     norm_ref, norm_triton, rotary_ref, rotary_triton)
+from kernels import (  # noqa: E402
+    attention_ref,
+    attention_triton,
+    decode_split_k_triton,
+    kv_cache_ref,
+    kv_cache_triton,
+    norm_ref,
+    norm_triton,
+    rotary_ref,
+    rotary_triton,
+)
+from kernels.attention import triton_paged_attention  # noqa: E402
 from test_kernels import build_batch  # noqa: E402
 from workers.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -79,6 +89,17 @@ def test_split_k_decode_and_decode_only_batch(block_size, gqa, window, splits):
     attention_triton.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 0.25, window, single)
     torch.testing.assert_close(split_k, expected, **TOLERANCE[torch.float32])
     torch.testing.assert_close(single, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("num_sms", [132, 1], ids=["split-K", "one-kernel"])
+def test_triton_dispatch_splits_long_decodes_and_keeps_prefills(num_sms):
+    """Two long decodes split (on a 132-SM device) or not, then a prefill chunk after a cached prefix."""
+    seqs = [(600, 1), (520, 1), (40, 9)]
+    query, k_cache, v_cache, tables, starts = mixed_batch(seqs, 16, 2, 4, 16, torch.float32, seed=5)
+    seq_lens = [ctx for ctx, _ in seqs]
+    expected = attention_ref.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 2, 0.25, 100)
+    out = triton_paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 2, 0.25, 100, num_sms)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
 
 
 def test_num_splits_fills_the_device_only_for_long_contexts():
