@@ -15,6 +15,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is defined, so before kernels/*_triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import triton.testing  # noqa: E402
+
 from kernels import (  # noqa: E402
     attention_ref,
     attention_triton,
@@ -44,15 +46,19 @@ GPU = Shapes(32, 8, 128, 16, [2048] * 128, [32768] * 2, [(4096, 2048), (1024, 10
 CPU = Shapes(4, 2, 32, 16, [40, 17, 64], [300], [(24, 24), (50, 9)], 64)
 
 
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+
+
 @dataclass
 class Case:
     name: str
-    torch_twin: Callable[[], torch.Tensor]
-    triton: Callable[[], torch.Tensor]
+    torch_twin: Callable[[], Outputs]
+    triton: Callable[[], Outputs]
     kv_bytes: int = 0  # K/V bytes a decode attention reads, for its bandwidth
 
 
-def paged_cache(shapes: Shapes, seq_lens: list[int], dtype: torch.dtype, device: str):
+def paged_cache(shapes: Shapes, seq_lens: list[int], dtype: torch.dtype, device: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random caches holding seq_lens contexts in shuffled blocks, and their block_tables."""
     max_blocks = -(-max(seq_lens) // shapes.block_size)
     num_blocks = len(seq_lens) * max_blocks
@@ -63,6 +69,7 @@ def paged_cache(shapes: Shapes, seq_lens: list[int], dtype: torch.dtype, device:
 
 
 def attention_cases(shapes: Shapes, dtype: torch.dtype, device: str, num_sms: int) -> list[Case]:
+    """The mixed-batch kernel on a mixed and on a decode-only batch, split-K on a few long decodes."""
     scale = shapes.head_dim**-0.5
     decodes = [(n, 1) for n in shapes.decode_lens]
     cases = []
@@ -122,26 +129,25 @@ def layer_cases(shapes: Shapes, dtype: torch.dtype, device: str) -> list[Case]:
     return [
         Case("KV cache write", lambda: _written(kv_cache_ref.write_kv_cache, key, value, caches[:2], slots),
              lambda: _written(kv_cache_triton.write_kv_cache, key, value, caches[2:], slots)),
-        Case("RMSNorm + residual", lambda: norm_ref.rms_norm(x, weight, 1e-6, residual)[0],
-             lambda: norm_triton.rms_norm(x, weight, 1e-6, residual)[0]),
-        Case("rotary embedding", lambda: rotary_ref.rotary_embedding(positions, query, key, cos, sin)[0],
+        Case("RMSNorm + residual", lambda: norm_ref.rms_norm(x, weight, 1e-6, residual),
+             lambda: norm_triton.rms_norm(x, weight, 1e-6, residual)),
+        Case("rotary embedding", lambda: rotary_ref.rotary_embedding(positions, query, key, cos, sin),
              lambda: _rotate_fresh(rotated, query, key, positions, cos, sin)),
     ]
 
 
 def _written(write: Callable[..., None], key: torch.Tensor, value: torch.Tensor, caches: list[torch.Tensor],
-             slots: torch.Tensor) -> torch.Tensor:
-    """Both caches after the write, stacked for comparison."""
+             slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
     write(key, value, *caches, slots)
-    return torch.stack(caches)
+    return tuple(caches)
 
 
 def _rotate_fresh(rotated: tuple[torch.Tensor, torch.Tensor], query: torch.Tensor, key: torch.Tensor,
-                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate the copies from the original inputs again, so repeated runs give the twin's result."""
     rotated[0].copy_(query)
     rotated[1].copy_(key)
-    return rotary_triton.rotary_embedding(positions, *rotated, cos, sin)[0]
+    return rotary_triton.rotary_embedding(positions, *rotated, cos, sin)
 
 
 def copy_bandwidth(device: str) -> float:
@@ -152,12 +158,16 @@ def copy_bandwidth(device: str) -> float:
 
 
 def _milliseconds(fn: Callable[[], object]) -> float:
-    import triton.testing  # CUDA only, and after TRITON_INTERPRET is decided
     return triton.testing.do_bench(fn)
 
 
+def max_diff(expected: Outputs, got: Outputs) -> float:
+    pairs = zip(expected, got) if isinstance(expected, tuple) else [(expected, got)]
+    return max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+
+
 def report(case: Case, on_gpu: bool, copy_bw: float) -> str:
-    diff = (case.torch_twin().float() - case.triton().float()).abs().max().item()
+    diff = max_diff(case.torch_twin(), case.triton())
     line = f"{case.name:58s} max |diff| {diff:.2e}"
     if not on_gpu:
         return line
