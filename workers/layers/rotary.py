@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from kernels import rotary_embedding
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, rope_parameters: dict) -> None:
@@ -18,15 +20,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """query: [tokens, heads, dim], key: [tokens, kv_heads, dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(query.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(query.dtype)
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        """query: [tokens, heads, dim], key: [tokens, kv_heads, dim]; on CUDA they are rotated in place."""
+        return rotary_embedding(positions, query, key, self.cos, self.sin)
 
 
 def _inv_freq(head_dim: int, rope: dict) -> torch.Tensor:

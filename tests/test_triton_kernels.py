@@ -1,0 +1,145 @@
+"""Each Triton kernel equals its torch twin: under the Triton interpreter on CPU (CI), natively on a GPU."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is defined, so before kernels/*_triton
+pytest.importorskip("triton")
+
+from kernels import (  # noqa: E402
+    attention_ref,
+    attention_triton,
+    decode_split_k_triton,
+    kv_cache_ref,
+    kv_cache_triton,
+    norm_ref,
+    norm_triton,
+    rotary_ref,
+    rotary_triton,
+)
+from kernels.attention import triton_paged_attention  # noqa: E402
+from test_kernels import build_batch  # noqa: E402
+from workers.layers.rotary import RotaryEmbedding  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# float32: both sides compute in float32 and differ only in summation order (and fused multiply-adds on a GPU).
+# bfloat16: a few bf16 ulps, because the interpreter rounds float32 to bfloat16 by truncation where torch and GPUs
+# round to nearest even, and the attention twins keep different intermediates in bfloat16.
+TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}}
+
+
+def mixed_batch(seqs, block_size, kv_heads, heads, head_dim, dtype, seed):
+    """build_batch on DEVICE in `dtype`, the query a strided view (as split from a fused QKV projection)."""
+    generator = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, tables, _, queries = build_batch(seqs, block_size, kv_heads, head_dim, heads, generator)
+    query = torch.cat(queries)
+    fused = torch.cat([query.flatten(1), torch.randn(query.shape[0], 8, generator=generator)], dim=1)
+    query = fused.to(DEVICE, dtype)[:, :heads * head_dim].view(-1, heads, head_dim)
+    starts = [0]
+    for q in queries:
+        starts.append(starts[-1] + q.shape[0])
+    return query, k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), tables.to(DEVICE), starts
+
+
+def run_mixed(block_size, gqa, window, dtype, head_dim=16):
+    kv_heads = 2
+    # Decodes first (contexts crossing block boundaries), then prefill chunks: two without a cached prefix,
+    # two after one, the last spanning more than one query tile.
+    seqs = [(1, 1), (block_size, 1), (block_size + 1, 1), (3 * block_size - 1, 1),
+            (5, 5), (2 * block_size + 3, 2 * block_size + 3), (3 * block_size + 2, 7), (2 * block_size + 71, 70)]
+    query, k_cache, v_cache, tables, starts = mixed_batch(seqs, block_size, kv_heads, kv_heads * gqa, head_dim,
+                                                          dtype, seed=block_size * 10 + gqa)
+    seq_lens = [ctx for ctx, _ in seqs]
+    expected = attention_ref.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 4, 0.25, window)
+    out = torch.empty(query.shape, dtype=dtype, device=DEVICE)
+    attention_triton.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 0.25, window, out)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("gqa", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 20])
+def test_paged_attention_mixed_batch(block_size, gqa, window):
+    run_mixed(block_size, gqa, window, torch.float32)
+
+
+def test_paged_attention_head_dim_not_a_power_of_two():
+    run_mixed(8, 4, None, torch.float32, head_dim=24)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="the interpreter's tl.dot multiplies bfloat16 bit patterns (triton-lang/triton#11584)")
+def test_paged_attention_bfloat16():
+    run_mixed(16, 2, 20, torch.bfloat16)
+
+
+@pytest.mark.parametrize(("block_size", "gqa", "window", "splits"), [(8, 1, None, 4), (16, 2, 50, 3), (32, 4, None, 8)])
+def test_split_k_decode_and_decode_only_batch(block_size, gqa, window, splits):
+    """Long decode contexts: split-K and the mixed-batch kernel (a decode-only batch) against the reference."""
+    seqs = [(1, 1), (block_size + 1, 1), (7 * block_size - 1, 1), (300, 1)]
+    query, k_cache, v_cache, tables, starts = mixed_batch(seqs, block_size, 2, 2 * gqa, 16, torch.float32, seed=7)
+    seq_lens = [ctx for ctx, _ in seqs]
+    expected = attention_ref.decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.25, window)
+    split_k, single = (torch.empty(query.shape, device=DEVICE) for _ in range(2))
+    decode_split_k_triton.decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.25, window, splits, split_k)
+    attention_triton.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 0.25, window, single)
+    torch.testing.assert_close(split_k, expected, **TOLERANCE[torch.float32])
+    torch.testing.assert_close(single, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("num_sms", [132, 1], ids=["split-K", "one-kernel"])
+def test_triton_dispatch_splits_long_decodes_and_keeps_prefills(num_sms):
+    """Two long decodes split (on a 132-SM device) or not, then a prefill chunk after a cached prefix."""
+    seqs = [(600, 1), (520, 1), (40, 9)]
+    query, k_cache, v_cache, tables, starts = mixed_batch(seqs, 16, 2, 4, 16, torch.float32, seed=5)
+    seq_lens = [ctx for ctx, _ in seqs]
+    expected = attention_ref.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 2, 0.25, 100)
+    out = triton_paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 2, 0.25, 100, num_sms)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+def test_num_splits_fills_the_device_only_for_long_contexts():
+    assert decode_split_k_triton.num_splits([], 8, 132) == 1
+    assert decode_split_k_triton.num_splits([8000] * 32, 8, 132) == 1  # 256 programs already fill 132 SMs
+    assert decode_split_k_triton.num_splits([300, 200], 8, 132) == 1  # too short to split
+    assert decode_split_k_triton.num_splits([8000], 8, 132) == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_skips_padded_slots(dtype):
+    generator = torch.Generator().manual_seed(1)
+    key, value = (torch.randn(6, 2, 16, generator=generator).to(DEVICE, dtype) for _ in range(2))
+    slot_mapping = torch.tensor([9, -1, 31, 0, -1, 17], device=DEVICE)
+    caches = [torch.zeros(4, 2, 8, 16, dtype=dtype, device=DEVICE) for _ in range(4)]
+    kv_cache_ref.write_kv_cache(key, value, caches[0], caches[1], slot_mapping)
+    kv_cache_triton.write_kv_cache(key, value, caches[2], caches[3], slot_mapping)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, with_residual):
+    generator = torch.Generator().manual_seed(2)
+    x, residual = (torch.randn(7, 48, generator=generator).to(DEVICE, dtype) for _ in range(2))
+    weight = torch.randn(48, generator=generator).to(DEVICE, dtype)
+    residual = residual if with_residual else None
+    torch.testing.assert_close(norm_triton.rms_norm(x, weight, 1e-6, residual),
+                               norm_ref.rms_norm(x, weight, 1e-6, residual), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_in_place(dtype):
+    rotary = RotaryEmbedding(16, 64, {}).to(DEVICE)
+    qkv = torch.randn(5, (4 + 2 + 2) * 16, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    query, key = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
+    positions = torch.tensor([0, 3, 7, 63, 20], device=DEVICE)
+    expected = rotary_ref.rotary_embedding(positions, query, key, rotary.cos, rotary.sin)
+    untouched_value = qkv[:, 96:].clone()
+    rotated = rotary_triton.rotary_embedding(positions, query, key, rotary.cos, rotary.sin)
+    assert rotated[0].data_ptr() == qkv.data_ptr(), "rotated in place"
+    torch.testing.assert_close(rotated, expected, **TOLERANCE[dtype])
+    assert torch.equal(qkv[:, 96:], untouched_value)
