@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import msgspec
 from tqdm.auto import tqdm
 
+from frontend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from frontend.connect import connect_engine
 from frontend.core_client import request_error
 from frontend.output_processor import OutputProcessor
@@ -63,6 +64,22 @@ class LLM:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
+                    ) -> list[BeamSearchOutput]:
+        """Beam search as transformers' `generate(num_beams=...)` does it; one output per prompt, best beam first.
+        Each step runs every live beam of every prompt as one batch of one-token requests."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        searches = [BeamSearch(tokenize_prompt(self.tokenizer, prompt), params, self.tokenizer.eos_token_id, self.info)
+                    for prompt in prompts]
+        while live := [search for search in searches if not search.done]:
+            beams = [{"prompt_token_ids": ids} for search in live for ids in search.beam_prompts()]
+            outputs = iter(self.generate(beams, params.step_sampling_params(), use_tqdm=False))
+            for search in live:
+                search.step([next(outputs).outputs[0].logprobs[0] for _ in search.running])
+        return [search.output(self.tokenizer) for search in searches]
 
     def get_stats(self) -> SchedulerStats:
         return self.client.get_stats()

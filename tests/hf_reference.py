@@ -22,3 +22,19 @@ def hf_greedy(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int, 
     output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                             min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=0, **generate_args)
     return output[0, len(prompt_token_ids):].tolist()
+
+
+@torch.inference_mode()
+def hf_beam_search(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int, num_beams: int,
+                   eos_token_id: int | None, **generate_args) -> list[tuple[list[int], float]]:
+    """All num_beams hypotheses of one prompt, best first: (generated token ids, length-penalized score)."""
+    model = _hf_model(model_dir)
+    input_ids = torch.tensor([prompt_token_ids])
+    output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                            min_new_tokens=0, num_beams=num_beams, num_return_sequences=num_beams, do_sample=False,
+                            eos_token_id=eos_token_id, pad_token_id=0, return_dict_in_generate=True,
+                            output_scores=True, **generate_args)
+    # beam_indices is -1 past each hypothesis' end: the number of others is its generated length.
+    lengths = (output.beam_indices != -1).sum(dim=1).tolist()
+    generated = output.sequences[:, len(prompt_token_ids):]
+    return [(generated[i, :n].tolist(), float(output.sequences_scores[i])) for i, n in enumerate(lengths)]
