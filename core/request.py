@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import enum
 
-from ipc import EngineCoreRequest, FinishReason, SamplingParams
+from ipc import EngineCoreRequest, FinishReason, PromptLogprobs, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -56,6 +56,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Tokens sampled since the workers last saw this request (sent in the next SchedulerOutput).
         self.unsent_token_ids: list[int] = []
+        # Prompt logprobs computed so far, chunk by chunk, until they go out with the first output.
+        self.pending_prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +77,12 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.unsent_token_ids.append(token_id)
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        if self.pending_prompt_logprobs is None:
+            self.pending_prompt_logprobs = chunk
+        else:
+            self.pending_prompt_logprobs.extend(chunk)
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finished status the last sampled token leads to, if any."""

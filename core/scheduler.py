@@ -132,12 +132,17 @@ class Scheduler:
         self.kv.free(request)
         request.set_status(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
+        request.pending_prompt_logprobs = None  # recomputed with the prompt (sent ones are not: see the runner)
         self.num_preemptions += 1
         heapq.heappush(self.waiting, (request.sort_key, request))
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
                            ) -> list[EngineCoreOutput]:
         """Append sampled tokens, finish requests that stop, and report new tokens."""
+        for req_id, chunk in runner_output.prompt_logprobs.items():
+            request = self.requests.get(req_id)
+            if request is not None:
+                request.add_prompt_logprobs(chunk)
         outputs = []
         for req_id, token_id in runner_output.sampled_token_ids.items():
             request = self.requests.get(req_id)
@@ -154,7 +159,9 @@ class Scheduler:
         req_id = request.request_id
         output = EngineCoreOutput(request_id=req_id, new_token_ids=[token_id],
                                   finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
-                                  num_cached_tokens=request.num_cached_tokens)
+                                  num_cached_tokens=request.num_cached_tokens,
+                                  prompt_logprobs=request.pending_prompt_logprobs)
+        request.pending_prompt_logprobs = None
         if req_id in runner_output.logprobs:
             output.new_logprob_token_ids = [runner_output.logprob_token_ids[req_id]]
             output.new_logprobs = [runner_output.logprobs[req_id]]

@@ -14,7 +14,7 @@ from frontend.core_client import request_error
 from frontend.output_processor import OutputProcessor
 from frontend.outputs import RequestOutput
 from frontend.parallel_sampling import child_params, child_request_id, merge_samples
-from frontend.prompts import PromptType, engine_request, prompt_text
+from frontend.prompts import PromptType, engine_request, prompt_text, tokenize_prompt
 from frontend.tokenizer import apply_chat_template, load_tokenizer
 from ipc import EngineCoreRequest, RequestOutputKind, SamplingParams, SchedulerStats
 

@@ -21,6 +21,7 @@ class RequestState:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # How much a DELTA stream has already shown.
     sent_text_len: int = 0
     sent_tokens: int = 0
@@ -39,7 +40,7 @@ class RequestState:
         completion = CompletionOutput(0, text, token_ids, self.cumulative_logprob, logprobs, finish_reason,
                                       stop_reason)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
-                             finish_reason is not None, self.num_cached_tokens)
+                             finish_reason is not None, self.num_cached_tokens, self.prompt_logprobs)
 
 
 class OutputProcessor:
@@ -83,6 +84,10 @@ class OutputProcessor:
     def _process(self, state: RequestState, output: EngineCoreOutput) -> tuple[str | None, int | str | None]:
         """Take in the new tokens; (finish_reason, stop_reason) if the request ended, else (None, None)."""
         state.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            lp = output.prompt_logprobs
+            state.prompt_logprobs = [None] + [self._logprob_entry(*entry) for entry in zip(lp.token_ids, lp.logprobs,
+                                                                                          lp.ranks)]
         for i, token_id in enumerate(output.new_token_ids):
             state.token_ids.append(token_id)
             self._add_logprobs(state, output, i)
@@ -100,9 +105,13 @@ class OutputProcessor:
     def _add_logprobs(self, state: RequestState, output: EngineCoreOutput, i: int) -> None:
         if state.logprobs is None or output.new_logprobs is None:
             return
-        ids, values = output.new_logprob_token_ids[i], output.new_logprobs[i]
-        entry = {tid: Logprob(lp, rank, self.tokenizer.decode([tid]))
-                 for rank, (tid, lp) in enumerate(zip(ids[1:], values[1:]), start=1)}
-        entry[ids[0]] = Logprob(values[0], output.new_sampled_ranks[i], self.tokenizer.decode([ids[0]]))
-        state.logprobs.append(entry)
+        values = output.new_logprobs[i]
+        state.logprobs.append(self._logprob_entry(output.new_logprob_token_ids[i], values, output.new_sampled_ranks[i]))
         state.cumulative_logprob += values[0]
+
+    def _logprob_entry(self, ids: list[int], values: list[float], rank: int) -> dict[int, Logprob]:
+        """{token id: Logprob} for [chosen, top-k ...]; the chosen token keeps its own rank."""
+        entry = {tid: Logprob(lp, top_rank, self.tokenizer.decode([tid]))
+                 for top_rank, (tid, lp) in enumerate(zip(ids[1:], values[1:]), start=1)}
+        entry[ids[0]] = Logprob(values[0], rank, self.tokenizer.decode([ids[0]]))
+        return entry

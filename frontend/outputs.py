@@ -33,6 +33,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def merge_delta(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
@@ -43,4 +45,4 @@ def merge_delta(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
         merged.append(CompletionOutput(new.index, old.text + new.text, old.token_ids + new.token_ids,
                                        new.cumulative_logprob, logprobs, new.finish_reason, new.stop_reason))
     return RequestOutput(newer.request_id, newer.prompt, newer.prompt_token_ids, merged, newer.finished,
-                         newer.num_cached_tokens)
+                         newer.num_cached_tokens, older.prompt_logprobs or newer.prompt_logprobs)

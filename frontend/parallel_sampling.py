@@ -28,4 +28,4 @@ def merge_samples(parent_id: str, samples: list[RequestOutput]) -> RequestOutput
         completion.index = index
         completions.append(completion)
     return RequestOutput(parent_id, first.prompt, first.prompt_token_ids, completions,
-                         all(s.finished for s in samples), first.num_cached_tokens)
+                         all(s.finished for s in samples), first.num_cached_tokens, first.prompt_logprobs)

@@ -1,6 +1,7 @@
 """The prompt forms a front end accepts (text, {"prompt": text}, {"prompt_token_ids": [...]}) and their token ids."""
 from __future__ import annotations
 
+import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from ipc import EngineCoreRequest, EngineInfo, SamplingParams
@@ -41,8 +42,21 @@ def engine_request(tokenizer: PreTrainedTokenizerBase, info: EngineInfo, request
     """The validated engine-core request for one prompt (ValueError naming what is wrong)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+    if params.bad_words and params.bad_words_token_ids is None:
+        params = msgspec.structs.replace(params, bad_words_token_ids=bad_words_token_ids(tokenizer, params.bad_words))
     request = EngineCoreRequest(request_id=request_id, prompt_token_ids=tokenize_prompt(tokenizer, prompt),
                                 sampling_params=params, eos_token_id=tokenizer.eos_token_id, priority=int(priority),
                                 cache_salt=prompt_cache_salt(prompt))
     info.validate_request(request)
     return request
+
+
+def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, bad_words: list[str]) -> list[list[int]]:
+    """Each bad word as it tokenizes alone and after a space (mid-sentence), without duplicates."""
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        for text in (word, " " + word):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences

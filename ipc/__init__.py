@@ -21,6 +21,7 @@ from ipc.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SchedulerOutput,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "FinishReason",
     "ModelRunnerOutput",
     "NewRequestData",
+    "PromptLogprobs",
     "RequestOutputKind",
     "SamplingParams",
     "SchedulerOutput",

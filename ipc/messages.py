@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from ipc.sampling_params import SamplingParams
+from ipc.scheduler_output import PromptLogprobs
 
 
 class FinishReason(str, enum.Enum):
@@ -40,6 +41,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     new_logprobs: list[list[float]] | None = None
     new_sampled_ranks: list[int] | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # the whole prompt's, on the request's first output
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -102,11 +104,15 @@ class EngineInfo(msgspec.Struct, kw_only=True):
             raise ValueError(f"request {request.request_id}: prompt token id {bad} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
         params = request.sampling_params
-        special = [*(params.stop_token_ids or []), *([request.eos_token_id] if request.eos_token_id is not None else [])]
-        bad = next((t for t in special if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"request {request.request_id}: stop/eos token id {bad} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        special = {"stop/eos": [*(params.stop_token_ids or []), *([request.eos_token_id]
+                                                                if request.eos_token_id is not None else [])],
+                   "logit_bias": list(params.logit_bias or ()),
+                   "bad_words": [t for word in params.bad_words_token_ids or [] for t in word]}
+        for name, token_ids in special.items():
+            bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"request {request.request_id}: {name} token id {bad} is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
         if params.n != 1:
             raise ValueError(f"request {request.request_id}: an engine request samples once (n=1, got "
                              f"{params.n}); the front end sends n > 1 as n requests")

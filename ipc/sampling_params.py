@@ -39,6 +39,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit before sampling (OpenAI's rule)
+    bad_words: list[str] | None = None  # never generated (each as it tokenizes alone and after a space)
+    # The bad words as token-id sequences: set by the front end, which owns the tokenizer.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +67,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         _require(self.output_kind in kinds, "output_kind", f"must be one of {kinds}, got {self.output_kind!r}")
         self.output_kind = RequestOutputKind(self.output_kind)
         _require(self.stop is None or all(isinstance(s, str) for s in self.stop), "stop", "must be strings")
+        _require(self.bad_words is None or all(isinstance(w, str) and w for w in self.bad_words), "bad_words",
+                 "must be non-empty strings")
+        bias = self.logit_bias
+        _require(bias is None or (isinstance(bias, dict) and all(
+            isinstance(t, int) and not isinstance(t, bool) and isinstance(v, (int, float)) and not isinstance(v, bool)
+            for t, v in bias.items())), "logit_bias", "must map token ids (ints) to numbers")
         ids = self.stop_token_ids
         _require(ids is None or all(isinstance(t, int) and t >= 0 for t in ids), "stop_token_ids",
                  "must be non-negative ints")
@@ -87,6 +97,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             value = getattr(self, name)
             _require(value is None or 0 <= value <= _MAX_LOGPROBS, name, f"must be in [0, {_MAX_LOGPROBS}], got {value}")
         _require(not self.stop or all(self.stop), "stop", "must not contain empty strings")
+        _require(not self.logit_bias or all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias",
+                 "values must be in [-100, 100]")
 
     @property
     def has_penalties(self) -> bool:

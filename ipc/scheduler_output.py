@@ -39,6 +39,20 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     finished_req_ids: list[str]
 
 
+class PromptLogprobs(msgspec.Struct):
+    """Per prompt position from the second on: [prompt token, top-k ...] ids, their logprobs, the prompt token's
+    rank. A prompt computed in chunks gets one of these per chunk, concatenated in order."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def extend(self, other: PromptLogprobs) -> None:
+        self.token_ids += other.token_ids
+        self.logprobs += other.logprobs
+        self.ranks += other.ranks
+
+
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     """Sampled tokens for the requests whose scheduled tokens reached their end."""
 
@@ -47,3 +61,4 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     logprob_token_ids: dict[str, list[int]] = {}
     logprobs: dict[str, list[float]] = {}
     sampled_ranks: dict[str, int] = {}
+    prompt_logprobs: dict[str, PromptLogprobs] = {}  # this step's chunk, for requests that asked

@@ -16,11 +16,13 @@ def _hf_model(model_dir: str):
 
 @torch.inference_mode()
 def hf_greedy(model_dir: str, prompt_token_ids: list[int], max_new_tokens: int, **generate_args) -> list[int]:
-    """Greedy continuation of one prompt (batch of one: no padding to perturb the numerics), EOS ignored."""
+    """Greedy continuation of one prompt (batch of one: no padding to perturb the numerics), EOS ignored unless
+    generate_args name one."""
     model = _hf_model(model_dir)
     input_ids = torch.tensor([prompt_token_ids])
+    generate_args = {"min_new_tokens": 0, "eos_token_id": None, **generate_args}
     output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                            min_new_tokens=0, do_sample=False, eos_token_id=None, pad_token_id=0, **generate_args)
+                            do_sample=False, pad_token_id=0, **generate_args)
     return output[0, len(prompt_token_ids):].tolist()
 
 

@@ -85,6 +85,33 @@ def test_stop_strings_and_seeds(client, llama_model):
     assert sampled[0] == sampled[1] != sampled[2]
 
 
+def test_logprobs_logit_bias_and_cache_salt(client, llama_model):
+    greedy = dict(model=llama_model, prompt="Once upon", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**greedy, logprobs=3)
+    [expected] = LLM(llama_model, dtype="float32", in_process=True).generate(
+        "Once upon", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3), use_tqdm=False)
+    logprobs = plain.choices[0].logprobs
+    completion = expected.outputs[0]
+    assert logprobs.token_logprobs == pytest.approx([e[t].logprob for t, e in zip(completion.token_ids,
+                                                                                 completion.logprobs)], abs=1e-5)
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) <= 3 and list(top.values()) == sorted(top.values(), reverse=True)
+        assert top[token] == pytest.approx(value) == pytest.approx(max(top.values()))  # greedy: the top token
+    assert "".join(logprobs.tokens).startswith(plain.choices[0].text[:1]) and logprobs.text_offset[0] == 0
+    streamed = list(client.completions.create(**greedy, logprobs=3, stream=True))
+    assert [v for c in streamed for v in c.choices[0].logprobs.token_logprobs] == pytest.approx(
+        logprobs.token_logprobs, abs=1e-5)
+    chat = client.chat.completions.create(model=llama_model, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    for item in chat.choices[0].logprobs.content:
+        assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob) and bytes(item.bytes).decode() == item.token
+    first_token = completion.token_ids[0]
+    biased = client.completions.create(**{**greedy, "extra_body": {"ignore_eos": True, "cache_salt": "tenant-1"}},
+                                       logit_bias={str(first_token): -100})
+    assert biased.choices[0].text != plain.choices[0].text
+
+
 @pytest.mark.parametrize("path, body, status, param", [
     ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
     ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 1100}, 400, "max_tokens"),
@@ -96,7 +123,13 @@ def test_stop_strings_and_seeds(client, llama_model):
     ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
     ("/v1/completions", {"model": "M", "prompt": [1, 10**7]}, 400, None),
     ("/v1/completions", {"model": "M"}, 400, "prompt"),
-    ("/v1/completions", {"model": "M", "prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "logit_bias": {"99999": 1}}, 400, None),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "M", "prompt": "hi", "cache_salt": ""}, 400, None),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     400, "top_logprobs"),
     ("/v1/chat/completions", {"model": "M", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},

@@ -7,8 +7,8 @@ from core.block_hash import extend_block_hashes, hash_block
 from core.block_pool import BlockPool
 from frontend import LLM, SamplingParams
 from ipc import ModelRunnerOutput
-from tests.conftest import assert_all_blocks_free, random_prompts
-from tests.test_core import make_request, make_scheduler
+from conftest import assert_all_blocks_free, random_prompts, tiny_model
+from test_core import make_request, make_scheduler
 
 
 def test_block_hashes_chain_on_the_parent_and_the_salt():
@@ -110,7 +110,6 @@ def _shared_prefix_prompts(vocab: int) -> list[dict]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_outputs_with_prefix_caching_equal_outputs_without(arch):
-    from tests.conftest import tiny_model
     model = tiny_model(arch)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     plain = LLM(model, dtype="float32", in_process=True, enable_prefix_caching=False)

@@ -7,9 +7,9 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
+from ipc import EngineConfig, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from workers.layers.attention import Attention, AttentionMetadata
-from workers.layers.sampler import Penalties, Sampler, SamplingMetadata
+from workers.layers.sampler import Penalties, Sampler, SamplingMetadata, gather_logprobs
 from workers.model_loader import load_model
 from workers.request_state import CachedRequestState
 
@@ -21,6 +21,17 @@ class ModelInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # last token of each request whose scheduled tokens reach its end
     sampled_req_ids: list[str]
+    prompt_logprob_jobs: list[PromptLogprobJob]
+
+
+@dataclass
+class PromptLogprobJob:
+    """The rows of one request's prompt chunk whose next token is a prompt token (whose logprob is wanted)."""
+
+    req_id: str
+    rows: np.ndarray
+    next_token_ids: list[int]
+    num_top: int
 
 
 class ModelRunner:
@@ -50,10 +61,13 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = self._prepare_inputs(scheduler_output)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        prompt_logprobs = {job.req_id: self._prompt_logprobs(hidden, job) for job in inputs.prompt_logprob_jobs}
         if not inputs.sampled_req_ids:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return self._sample(logits, inputs.sampled_req_ids)
+        output = self._sample(logits, inputs.sampled_req_ids)
+        output.prompt_logprobs = prompt_logprobs
+        return output
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -89,8 +103,14 @@ class ModelRunner:
         metadata = AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(table),
             query_start_loc=query_start_loc.tolist(), seq_lens=seq_lens.tolist(), num_decodes=num_decodes)
+        jobs = [job for i, state in enumerate(states)
+                if (job := _prompt_logprob_job(state, int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])))]
         return ModelInputs(self._tensor(input_ids), self._tensor(positions), metadata,
-                           self._tensor(query_start_loc[1:][sampled] - 1), [req_ids[i] for i in sampled])
+                           self._tensor(query_start_loc[1:][sampled] - 1), [req_ids[i] for i in sampled], jobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, job: PromptLogprobJob) -> PromptLogprobs:
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[self._tensor(job.rows)]), dim=-1)
+        return PromptLogprobs(*gather_logprobs(logprobs, torch.tensor(job.next_token_ids), job.num_top))
 
     def _block_table(self, states: list[CachedRequestState]) -> np.ndarray:
         table = np.zeros((len(states), max(len(s.block_ids) for s in states)), dtype=np.int64)
@@ -125,7 +145,19 @@ class ModelRunner:
             generators={row: s.generator for row, s in enumerate(states) if s.generator is not None},
             banned_token_ids={row: ids for row, s in enumerate(states) if (ids := s.banned_token_ids())},
             num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None},
-            penalties=_penalties(states))
+            penalties=_penalties(states),
+            logit_bias={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias} or None)
+
+
+def _prompt_logprob_job(state: CachedRequestState, start: int, end: int, first_row: int) -> PromptLogprobJob | None:
+    """Positions start..end-1 of this step; each one before the prompt's last predicts a prompt token. Once a
+    token was sampled they were all reported (a preempted request recomputes its prompt without them)."""
+    num_top = state.sampling_params.prompt_logprobs
+    last = min(end, state.num_prompt_tokens - 1)
+    if num_top is None or state.num_output_tokens or last <= start:
+        return None
+    return PromptLogprobJob(state.req_id, np.arange(first_row, first_row + last - start),
+                            state.token_ids[start + 1:last + 1], num_top)
 
 
 def _penalties(states: list[CachedRequestState]) -> Penalties | None:

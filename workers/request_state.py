@@ -31,11 +31,16 @@ class CachedRequestState:
         return len(self.token_ids) - self.num_prompt_tokens
 
     def banned_token_ids(self) -> list[int]:
-        """Stop tokens are masked until min_tokens outputs exist."""
+        """Stop tokens until min_tokens outputs exist, and the last token of any bad word that the tokens so far
+        would complete (a one-token bad word always; transformers' NoBadWordsLogitsProcessor rule)."""
         params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
-            return []
-        banned = list(params.stop_token_ids or [])
-        if self.eos_token_id is not None and not params.ignore_eos:
-            banned.append(self.eos_token_id)
+        banned = []
+        if self.num_output_tokens < params.min_tokens:
+            banned += params.stop_token_ids or []
+            if self.eos_token_id is not None and not params.ignore_eos:
+                banned.append(self.eos_token_id)
+        for word in params.bad_words_token_ids or ():
+            prefix = word[:-1]
+            if not prefix or self.token_ids[-len(prefix):] == prefix:
+                banned.append(word[-1])
         return banned

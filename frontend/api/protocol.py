@@ -39,15 +39,16 @@ class SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Refused with a clear 400 until the logprobs/penalties issue wires them through (not silently ignored).
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) → bias in [-100, 100]
+    bad_words: list[str] | None = None
+    cache_salt: str | None = None  # requests with different salts never share cached KV blocks
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class ChatMessage(_Strict):
@@ -62,7 +63,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None  # refused when given: templates run code-like Jinja on the server
     add_generation_prompt: bool = True
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class UsageInfo(BaseModel):
@@ -82,7 +83,7 @@ def _now() -> int:
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -104,7 +105,7 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -126,7 +127,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict | None = None
     finish_reason: str | None = None
 
 

@@ -1,4 +1,4 @@
-"""From an OpenAI request to SamplingParams, with the server's limits checked (context length, n, stop)."""
+"""From an OpenAI request to SamplingParams, with the server's limits checked (context length, n, stop, logprobs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,7 +24,8 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, limits: Ser
                   repetition_penalty=request.repetition_penalty,
                   stop=request.stop, stop_token_ids=request.stop_token_ids, min_tokens=request.min_tokens,
                   ignore_eos=request.ignore_eos, skip_special_tokens=request.skip_special_tokens,
-                  include_stop_str_in_output=request.include_stop_str_in_output)
+                  include_stop_str_in_output=request.include_stop_str_in_output, bad_words=request.bad_words,
+                  logprobs=num_logprobs(request), logit_bias=_logit_bias(request.logit_bias))
     fields = {name: value for name, value in fields.items() if value is not None}
     try:
         # A response that is not streamed needs only the end: no per-step outputs to build in the gateway.
@@ -36,15 +37,29 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, limits: Ser
 
 
 def check_limits(request: SamplingFields, limits: ServerLimits) -> None:
-    """Also refuses what is parsed but not served yet, rather than ignore it."""
-    for name in ("logprobs", "top_logprobs", "logit_bias"):
-        if getattr(request, name, None) not in (None, False):
-            raise APIError(400, f"{name} is not supported by this server yet", name)
     if not 1 <= request.n <= limits.max_n:
         raise APIError(400, f"n must be between 1 and {limits.max_n}, got {request.n}", "n")
     stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
     if len(stops) > limits.max_stop:
         raise APIError(400, f"at most {limits.max_stop} stop strings, got {len(stops)}", "stop")
+    if _is_chat(request) and request.top_logprobs is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+
+
+def num_logprobs(request: SamplingFields) -> int | None:
+    """Top alternatives per token: chat's top_logprobs (with logprobs: true), completions' logprobs."""
+    if _is_chat(request):
+        return (request.top_logprobs or 0) if request.logprobs else None
+    return request.logprobs
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    try:
+        return {int(token_id): value for token_id, value in bias.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
 
 
 def _max_tokens(request: SamplingFields, num_prompt_tokens: int, max_model_len: int) -> int:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from frontend.api.choices import Choice, stream_choices
 from frontend.api.errors import APIError, error_body
+from frontend.api.logprobs import chat_logprobs, completion_logprobs
 from frontend.api.metrics import ServerMetrics
 from frontend.api.protocol import (
     ChatChoice,
@@ -26,6 +27,7 @@ from frontend.api.protocol import (
 from frontend.api.sampling import ServerLimits, check_limits, sampling_params
 from frontend.async_llm import AsyncLLM
 from frontend.core_client import EngineDeadError, EngineOverloadedError
+from frontend.outputs import CompletionOutput
 from frontend.parallel_sampling import child_params
 from frontend.tokenizer import apply_chat_template
 
@@ -45,10 +47,11 @@ class OpenAIServing:
         stream = await _started(stream_choices(self.engine, choices, uuid.uuid4().hex, self.metrics))
         if body.stream:
             return _sse(self._completion_chunks(stream, body, choices, num_prompt_tokens))
-        texts, finish = await _collect(stream, len(choices))
+        finals = await _collect(stream, len(choices))
         response = CompletionResponse(model=self.model_name, usage=_usage(num_prompt_tokens, choices), choices=[
-            CompletionChoice(index=i, text=texts[i], finish_reason=finish[i][0], stop_reason=finish[i][1])
-            for i in range(len(choices))])
+            CompletionChoice(index=i, text=c.text, logprobs=completion_logprobs(c, body.logprobs or 0, 0),
+                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for i, c in enumerate(finals)])
         return JSONResponse(response.model_dump())
 
     async def chat(self, body: ChatCompletionRequest):
@@ -63,10 +66,11 @@ class OpenAIServing:
         stream = await _started(stream_choices(self.engine, choices, uuid.uuid4().hex, self.metrics))
         if body.stream:
             return _sse(self._chat_chunks(stream, body, choices, num_prompt_tokens))
-        texts, finish = await _collect(stream, len(choices))
+        finals = await _collect(stream, len(choices))
         response = ChatCompletionResponse(model=self.model_name, usage=_usage(num_prompt_tokens, choices), choices=[
-            ChatChoice(index=i, message=ChatResponseMessage(content=texts[i]), finish_reason=finish[i][0],
-                       stop_reason=finish[i][1]) for i in range(len(choices))])
+            ChatChoice(index=i, message=ChatResponseMessage(content=c.text),
+                       logprobs=chat_logprobs(c, body.top_logprobs or 0), finish_reason=c.finish_reason,
+                       stop_reason=c.stop_reason) for i, c in enumerate(finals)])
         return JSONResponse(response.model_dump())
 
     def _check_model(self, model: str) -> None:
@@ -94,6 +98,8 @@ class OpenAIServing:
     def _choices(self, body: SamplingFields, prompts: list[dict]) -> list[Choice]:
         choices = []
         for prompt in prompts:
+            if body.cache_salt is not None:
+                prompt = {**prompt, "cache_salt": body.cache_salt}
             params = sampling_params(body, len(prompt["prompt_token_ids"]), self.limits)
             choices += [Choice(prompt, child_params(params, i), len(prompt["prompt_token_ids"])) for i in range(body.n)]
         return choices
@@ -102,9 +108,12 @@ class OpenAIServing:
                                  num_prompt_tokens: int) -> AsyncIterator[dict]:
         # Plain dicts on the per-token path: a pydantic model per chunk costs more than the rest of the chunk.
         head = CompletionResponse(model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
+        text_offsets = [0] * len(choices)
         async for index, output in stream:
             completion = output.outputs[0]
-            yield {**head, "choices": [{"index": index, "text": completion.text, "logprobs": None,
+            logprobs = completion_logprobs(completion, body.logprobs or 0, text_offsets[index])
+            text_offsets[index] += len(completion.text)
+            yield {**head, "choices": [{"index": index, "text": completion.text, "logprobs": logprobs,
                                         "finish_reason": completion.finish_reason,
                                         "stop_reason": completion.stop_reason}], "usage": None}
         if body.stream_options and body.stream_options.include_usage:
@@ -119,7 +128,8 @@ class OpenAIServing:
                                         "logprobs": None, "finish_reason": None}], "usage": None}
         async for index, output in stream:
             completion = output.outputs[0]
-            yield {**head, "choices": [{"index": index, "delta": {"content": completion.text}, "logprobs": None,
+            yield {**head, "choices": [{"index": index, "delta": {"content": completion.text},
+                                        "logprobs": chat_logprobs(completion, body.top_logprobs or 0),
                                         "finish_reason": completion.finish_reason}], "usage": None}
         if body.stream_options and body.stream_options.include_usage:
             yield {**head, "choices": [], "usage": _usage(num_prompt_tokens, choices).model_dump()}
@@ -159,17 +169,16 @@ async def _started(stream: AsyncIterator) -> AsyncIterator:
     return resumed()
 
 
-async def _collect(stream: AsyncIterator, num_choices: int) -> tuple[list[str], list[tuple]]:
-    texts, finish = [""] * num_choices, [(None, None)] * num_choices
+async def _collect(stream: AsyncIterator, num_choices: int) -> list[CompletionOutput]:
+    """Each choice's final output (a response that is not streamed asks for FINAL_ONLY outputs)."""
+    finals: list[CompletionOutput | None] = [None] * num_choices
     try:
         async for index, output in stream:
-            completion = output.outputs[0]
-            texts[index] += completion.text
-            finish[index] = (completion.finish_reason, completion.stop_reason)
+            finals[index] = output.outputs[0]
     except Exception as error:
         mapped = api_error_from(error)
         raise mapped if mapped is not None else error
-    return texts, finish
+    return finals
 
 
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:

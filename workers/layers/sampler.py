@@ -1,4 +1,4 @@
-"""Batched sampling from the last-token logits: penalties, greedy, temperature, top-k, top-p, min-p, seeds."""
+"""Batched sampling from the last-token logits: bias, penalties, bans, greedy, temperature, top-k/p, min-p, seeds."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,6 +30,7 @@ class SamplingMetadata:
     banned_token_ids: dict[int, list[int]]  # row → tokens not allowed yet (EOS/stop ids under min_tokens)
     num_logprobs: dict[int, int]  # row → how many top logprobs the request asked for
     penalties: Penalties | None = None
+    logit_bias: dict[int, dict[int, float]] | None = None  # row → token id → bias
 
     @property
     def all_greedy(self) -> bool:
@@ -49,7 +50,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [rows, vocab] float32."""
+        # Logprobs are those of the model's own distribution (vLLM's default): before bias, penalties,
+        # bans and temperature, whatever the token was then sampled from.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
+        for row, bias in (meta.logit_bias or {}).items():
+            logits[row, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
         if meta.penalties is not None:
             _apply_penalties(logits, meta.penalties)
         for row, token_ids in meta.banned_token_ids.items():
@@ -113,10 +118,18 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+                    ) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    """logprobs: [rows, vocab]; per row: [token, top-k ...] ids and logprobs, and the token's rank (1 = best)."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    ids, values = token_ids.unsqueeze(1), chosen
+    if k:
+        top = logprobs.topk(k, dim=-1)
+        ids, values = torch.cat((ids, top.indices), dim=1), torch.cat((values, top.values), dim=1)
+    return ids.tolist(), values.tolist(), ranks.tolist()
+
+
 def _top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> tuple[list[int], list[float], int]:
-    sampled = logprobs[token]
-    rank = int((logprobs > sampled).sum()) + 1
-    top = logprobs.topk(n) if n else None
-    ids = [token] + (top.indices.tolist() if top is not None else [])
-    values = [float(sampled)] + (top.values.tolist() if top is not None else [])
-    return ids, values, rank
+    ids, values, ranks = gather_logprobs(logprobs.unsqueeze(0), torch.tensor([token]), n)
+    return ids[0], values[0], ranks[0]
