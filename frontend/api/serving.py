@@ -1,11 +1,11 @@
 """/v1/completions and /v1/chat/completions: requests to engine choices, outputs to JSON or SSE chunks."""
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 
+import msgspec
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from frontend.api.choices import Choice, stream_choices
@@ -181,15 +181,19 @@ async def _collect(stream: AsyncIterator, num_choices: int) -> list[CompletionOu
     return finals
 
 
+_json = msgspec.json.Encoder()  # several times faster than json.dumps on the per-token path
+
+
 def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
     async def events():
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield b"data: " + _json.encode(chunk) + b"\n\n"
         except Exception as error:  # headers are sent: the error goes in the stream, as OpenAI does
             mapped = api_error_from(error) or APIError(500, f"internal error: {type(error).__name__}")
-            yield f"data: {json.dumps(error_body(mapped.status, mapped.message, mapped.param, mapped.code))}\n\n"
-        yield "data: [DONE]\n\n"
+            body = error_body(mapped.status, mapped.message, mapped.param, mapped.code)
+            yield b"data: " + _json.encode(body) + b"\n\n"
+        yield b"data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
