@@ -35,8 +35,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
+import msgspec
 import numpy as np
+import uvloop
 from tqdm import tqdm
 
 READ_TIMEOUT_S = 6 * 3600.0  # a loaded engine may take long to start a request's stream
@@ -90,25 +93,25 @@ def completion_body(model: str, spec: RequestSpec) -> dict[str, Any]:
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
 
 
-async def stream_events(response: httpx.Response) -> AsyncIterator[dict[str, Any] | None]:
+async def stream_events(lines: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any] | None]:
     """The JSON payloads of a Server-Sent Events stream's `data:` lines, up to `data: [DONE]` (then None)."""
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
+    async for line in lines:
+        if not line.startswith(b"data:"):
             continue  # blank separators, comments, `event:` lines
-        payload = line[len("data:"):].strip()
-        if payload == "[DONE]":
+        payload = line[len(b"data:"):].strip()
+        if payload == b"[DONE]":
             yield None
             return
-        yield json.loads(payload)
+        yield msgspec.json.decode(payload)
 
 
-async def read_stream(response: httpx.Response, result: RequestResult, start: float) -> None:
+async def read_stream(lines: aiohttp.StreamReader, result: RequestResult, start: float) -> None:
     """Fills `result` from a 200 response's event stream; `start` is the request's perf_counter send time."""
     text_times: list[float] = []
     first_choice_time: float | None = None
     usage: dict[str, int] | None = None
     done = False
-    async for event in stream_events(response):
+    async for event in stream_events(lines):
         now = time.perf_counter()
         if event is None:
             done = True
@@ -137,30 +140,30 @@ async def read_stream(response: httpx.Response, result: RequestResult, start: fl
         result.success = True
 
 
-async def send_request(client: httpx.AsyncClient, url: str, headers: dict[str, str], body: dict[str, Any],
+async def send_request(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict[str, Any],
                        bench_start: float) -> RequestResult:
     start = time.perf_counter()
     result = RequestResult(send_time=start - bench_start)
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
-            if response.status_code != 200:
-                detail = (await response.aread()).decode(errors="replace")[:500]
-                result.error = f"HTTP {response.status_code}: {detail}"
+        async with session.post(url, json=body, headers=headers) as response:
+            if response.status != 200:
+                detail = (await response.read()).decode(errors="replace")[:500]
+                result.error = f"HTTP {response.status}: {detail}"
             else:
-                await read_stream(response, result, start)
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+                await read_stream(response.content, result, start)
+    except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     if result.e2e is None:
         result.e2e = time.perf_counter() - start
     return result
 
 
-async def scheduled_request(client: httpx.AsyncClient, url: str, headers: dict[str, str], body: dict[str, Any],
+async def scheduled_request(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict[str, Any],
                             bench_start: float, offset: float, gate: asyncio.Semaphore | None) -> RequestResult:
     """Waits until `offset` seconds after `bench_start` and for a free slot under `gate`, then sends."""
     await asyncio.sleep(max(0.0, bench_start + offset - time.perf_counter()))
     async with gate or contextlib.nullcontext():
-        return await send_request(client, url, headers, body, bench_start)
+        return await send_request(session, url, headers, body, bench_start)
 
 
 def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
@@ -182,14 +185,14 @@ async def run_benchmark(base_url: str, model: str, requests: list[RequestSpec], 
     url = f"{base_url.rstrip('/')}/v1/completions"
     headers = auth_headers(api_key)
     connections = max_concurrency or len(requests)
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S, pool=None)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     offsets = arrival_offsets(len(requests), request_rate, seed)
     with tqdm(total=len(requests), disable=not progress) as bar:
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        connector = aiohttp.TCPConnector(limit=connections)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             bench_start = time.perf_counter()
-            tasks = [asyncio.create_task(scheduled_request(client, url, headers, completion_body(model, spec),
+            tasks = [asyncio.create_task(scheduled_request(session, url, headers, completion_body(model, spec),
                                                            bench_start, offset, gate))
                      for spec, offset in zip(requests, offsets)]
             for task in tasks:
@@ -291,7 +294,7 @@ def plot_latencies(results: dict[str, Any], path: Path) -> None:
 def benchmark_launched(base_url: str, requests: list[RequestSpec], request_rate: float,
                        args: argparse.Namespace) -> dict[str, Any]:
     """The requests against a server that --compare-offline launched, under the model id it serves."""
-    return asyncio.run(run_benchmark(base_url, first_model(base_url, args.api_key), requests, request_rate,
+    return uvloop.run(run_benchmark(base_url, first_model(base_url, args.api_key), requests, request_rate,
                                      api_key=args.api_key, seed=args.seed, progress=not args.no_progress))
 
 
@@ -386,7 +389,7 @@ def benchmark_gateway(args: argparse.Namespace) -> dict[str, Any]:
     model = args.model or first_model(base_url, args.api_key)
     vocab = DEFAULT_VOCAB if args.vocab is None else args.vocab
     requests = make_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
-    results = asyncio.run(run_benchmark(base_url, model, requests, args.request_rate, api_key=args.api_key,
+    results = uvloop.run(run_benchmark(base_url, model, requests, args.request_rate, api_key=args.api_key,
                                         max_concurrency=args.max_concurrency, seed=args.seed,
                                         progress=not args.no_progress))
     results["config"].update(input_len=args.input_len, output_len=args.output_len, vocab=vocab)
