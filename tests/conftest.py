@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.make_model import make_model
+if not torch.cuda.is_available():
+    # Triton kernels run under the interpreter on CPU. Triton reads this when a kernel (its own standard
+    # library's included) is defined, so it must be set before anything (transformers, say) imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from launch.make_model import make_model  # noqa: E402
 
 ARCHS = ("llama", "qwen2", "mistral", "opt")
 _MODEL_ROOT = Path(os.environ.get("PAGEDSERVE_TEST_MODELS", Path.home() / ".cache" / "pagedserve" / "test-models"))
