@@ -11,7 +11,7 @@ from core.profiler import EngineProfiler
 from core.request import Request
 from core.scheduler import Scheduler
 from ipc import EngineConfig, EngineCoreOutput, EngineCoreRequest, EngineInfo, SchedulerStats
-from workers.executor import InProcessExecutor
+from workers.executor import Executor, InProcessExecutor
 from workers.model_config import load_hf_config, model_max_len
 
 
@@ -24,7 +24,7 @@ class EngineCore:
         hf_config = load_hf_config(config.model)
         self.config = _resolve_max_model_len(config, model_max_len(hf_config))
         self.vocab_size: int = hf_config.vocab_size
-        self.executor = InProcessExecutor(self.config)
+        self.executor = _make_executor(self.config)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         _check_capacity(self.config, self.num_kv_blocks)
         self.executor.initialize_kv_cache(self.num_kv_blocks)
@@ -74,7 +74,8 @@ class EngineCore:
         return self.info
 
     def check_health(self) -> bool:
-        """The in-process executor has nothing that can fail apart from this process; Ray workers will."""
+        """True, or the executor's error naming the worker rank that failed."""
+        self.executor.check_health()
         return True
 
     def start_profile(self, trace_dir: str | None = None) -> str:
@@ -101,6 +102,15 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _make_executor(config: EngineConfig) -> Executor:
+    """In-process for one rank; Ray actors for tp * pp > 1 (imported here, so Ray stays optional)."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+        return InProcessExecutor(config)
+    from workers.ray_executor import RayExecutor
+
+    return RayExecutor(config)
 
 
 def _resolve_max_model_len(config: EngineConfig, model_limit: int) -> EngineConfig:

@@ -23,6 +23,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     seed: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # tp * pp > 1 runs one Ray actor per rank: joins the Ray cluster here ("auto", "HOST:6379"), or, when None,
+    # starts a private Ray on this machine (loopback only).
+    ray_address: str | None = None
     scheduling_policy: str = "fcfs"
     # Share KV blocks between requests by content (block hashes); off: every request computes its whole prompt.
     enable_prefix_caching: bool = True
@@ -41,8 +44,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             _require(value is None or value >= 1, name, f"must be >= 1, got {value}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            _require(getattr(self, name) == 1, name,
-                     f"must be 1 for now (distributed execution is not supported yet), got {getattr(self, name)}")
+            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
                  f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
 

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
     engine.add_argument("--pp", "--pipeline-parallel-size", dest="pipeline_parallel_size", type=int, default=1)
+    engine.add_argument("--ray-address", help="with --tp/--pp > 1: join this Ray cluster ('auto' or HOST:6379; "
+                                              "default: start a private Ray on this machine)")
     limits = parser.add_argument_group("request limits")
     limits.add_argument("--max-n", type=int, default=16)
     limits.add_argument("--max-stop", type=int, default=16)
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_waiting_requests=args.max_waiting_requests, block_size=args.block_size,
                               kv_cache_memory=args.kv_cache_memory, seed=args.seed,
                               tensor_parallel_size=args.tensor_parallel_size,
-                              pipeline_parallel_size=args.pipeline_parallel_size)
+                              pipeline_parallel_size=args.pipeline_parallel_size, ray_address=args.ray_address)
         return Launcher(args, config).run()
     except (ValueError, TimeoutError) as error:
         print(f"error: {error}", file=sys.stderr)

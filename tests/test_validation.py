@@ -58,8 +58,8 @@ def test_prompt_at_limit_is_accepted_and_stops_at_max_model_len(llm):
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
-    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
     ({"max_model_len": 100000}, "max_model_len"),
     ({"dtype": "int3"}, "dtype"),
     ({"block_size": 12}, "block_size"),

@@ -1,4 +1,4 @@
-"""Read a model folder's HF config and derive what the engine needs from it (dtype, max length, KV shape)."""
+"""Read a model folder's HF config and derive what the engine needs from it (dtype, max length)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -34,10 +34,3 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     instructions its matmuls run as float32 GEMMs (see kernels.matmul_dtype), so it stays fast there too."""
     return torch.bfloat16 if dtype == "auto" else _DTYPES[dtype]
 
-
-def kv_cache_shape(config: PretrainedConfig) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of the model's KV cache."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, kv_heads, head_dim

@@ -9,6 +9,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
+from workers.layers.linear import Sliceable
 from workers.models import get_model_class
 
 
@@ -20,7 +21,8 @@ def load_model(model_dir: str, config: PretrainedConfig, dtype: torch.dtype, dev
 
 
 def load_weights(model: nn.Module, model_dir: str) -> None:
-    """Copy each checkpoint tensor into its parameter (merged projections take their shard)."""
+    """Copy each checkpoint tensor this rank holds into its parameter (merged projections take their part,
+    TP-parallel ones their rank's shard); a safetensors slice reads only the bytes a parameter indexes."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"model {model_dir!r} has no *.safetensors weight files")
@@ -29,28 +31,34 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     for file in files:
         with safe_open(str(file), framework="pt") as reader:
             for name in reader.keys():
-                target = _target_of(name, params, getattr(model, "packed_modules", {}))
+                target = _target_of(name, params, getattr(model, "packed_modules", {}),
+                                    getattr(model, "weight_aliases", {}))
                 if target is None:
                     continue
                 param_name, shard_id = target
-                _load_into(params[param_name], reader.get_tensor(name), shard_id)
+                _load_into(params[param_name], reader.get_slice(name), shard_id)
                 missing.discard(param_name)
     if missing:
         raise ValueError(f"model {model_dir!r}: checkpoint lacks weights for {sorted(missing)[:8]}")
 
 
-def _load_into(param: nn.Parameter, tensor: torch.Tensor, shard_id: int | None) -> None:
+def _load_into(param: nn.Parameter, loaded: Sliceable, shard_id: int | None) -> None:
     loader = getattr(param, "weight_loader", None)
     if loader is not None:
-        loader(param, tensor, shard_id)
-    elif param.shape != tensor.shape:
+        loader(param, loaded, shard_id)
+        return
+    tensor = loaded[:]
+    if param.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
-    else:
-        param.data.copy_(tensor)
+    param.data.copy_(tensor)
 
 
-def _target_of(name: str, params: dict, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None] | None:
-    """Checkpoint name → (parameter name, shard id); None for tensors we do not use (e.g. rotary buffers)."""
+def _target_of(name: str, params: dict, packed: dict[str, tuple[str, int]],
+               aliases: dict[str, str]) -> tuple[str, int | None] | None:
+    """Checkpoint name → (parameter name, shard id); None for tensors this rank does not use (rotary buffers,
+    other pipeline stages' layers)."""
+    if aliases.get(name) in params:
+        return aliases[name], None
     for candidate in (name, "model." + name):
         for source, (merged, shard_id) in packed.items():
             renamed = candidate.replace(f".{source}.", f".{merged}.")

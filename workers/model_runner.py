@@ -1,4 +1,5 @@
-"""ModelRunner: keeps per-request state, flattens one mixed prefill/decode batch, runs the model, samples."""
+"""ModelRunner: keeps per-request state, flattens one mixed prefill/decode batch, runs this rank's share of the
+model (receiving from / sending to neighbouring pipeline stages), and samples on the driver rank."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +9,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ipc import EngineConfig, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from workers.distributed import parallel_state, pp_recv, pp_send
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.sampler import Penalties, Sampler, SamplingMetadata, gather_logprobs
 from workers.model_loader import load_model
@@ -39,6 +41,8 @@ class ModelRunner:
                  device: torch.device) -> None:
         self.config, self.dtype, self.device = config, dtype, device
         self.block_size = config.block_size
+        self.hidden_size: int = hf_config.hidden_size
+        self.parallel = parallel_state()
         self.model = load_model(config.model, hf_config, dtype, device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed))
         self.requests: dict[str, CachedRequestState] = {}
@@ -60,14 +64,30 @@ class ModelRunner:
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = self._prepare_inputs(scheduler_output)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
-        prompt_logprobs = {job.req_id: self._prompt_logprobs(hidden, job) for job in inputs.prompt_logprob_jobs}
-        if not inputs.sampled_req_ids:
+        hidden = self._forward(inputs)
+        if not self.parallel.is_last_stage:
+            pp_send(*hidden)
+            return ModelRunnerOutput(sampled_token_ids={})
+        # Every TP rank takes part in computing logits; only the driver gets them, and samples.
+        prompt_logits = [self.model.compute_logits(hidden[self._tensor(job.rows)])
+                         for job in inputs.prompt_logprob_jobs]
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sampled_req_ids else None
+        if not self.parallel.is_driver:
+            return ModelRunnerOutput(sampled_token_ids={})
+        prompt_logprobs = {job.req_id: _prompt_logprobs(job_logits, job)
+                           for job, job_logits in zip(inputs.prompt_logprob_jobs, prompt_logits)}
+        if logits is None:
             return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
         output = self._sample(logits, inputs.sampled_req_ids)
         output.prompt_logprobs = prompt_logprobs
         return output
+
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """This stage's layers; a stage after the first starts from the previous stage's hidden states."""
+        args = (inputs.input_ids, inputs.positions, inputs.metadata)
+        if self.parallel.is_first_stage:
+            return self.model(*args)
+        return self.model(*args, pp_recv(len(inputs.input_ids), self.hidden_size, self.dtype, self.device))
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -108,10 +128,6 @@ class ModelRunner:
         return ModelInputs(self._tensor(input_ids), self._tensor(positions), metadata,
                            self._tensor(query_start_loc[1:][sampled] - 1), [req_ids[i] for i in sampled], jobs)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, job: PromptLogprobJob) -> PromptLogprobs:
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[self._tensor(job.rows)]), dim=-1)
-        return PromptLogprobs(*gather_logprobs(logprobs, torch.tensor(job.next_token_ids), job.num_top))
-
     def _block_table(self, states: list[CachedRequestState]) -> np.ndarray:
         table = np.zeros((len(states), max(len(s.block_ids) for s in states)), dtype=np.int64)
         for row, state in enumerate(states):
@@ -147,6 +163,11 @@ class ModelRunner:
             num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None},
             penalties=_penalties(states),
             logit_bias={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias} or None)
+
+
+def _prompt_logprobs(logits: torch.Tensor, job: PromptLogprobJob) -> PromptLogprobs:
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return PromptLogprobs(*gather_logprobs(logprobs, torch.tensor(job.next_token_ids), job.num_top))
 
 
 def _prompt_logprob_job(state: CachedRequestState, start: int, end: int, first_row: int) -> PromptLogprobJob | None:

@@ -8,7 +8,8 @@ import torch
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from kernels import load_cpu_decode_kernel
 from workers.cpu_allocator import keep_freed_memory_in_heap
-from workers.model_config import kv_cache_shape, load_hf_config, resolve_dtype
+from workers.layers.attention import Attention
+from workers.model_config import load_hf_config, resolve_dtype
 from workers.model_runner import ModelRunner
 
 _DEFAULT_CPU_KV_BYTES = 2 * 2**30
@@ -26,9 +27,11 @@ class Worker:
         self.model_runner = ModelRunner(config, self.hf_config, self.dtype, self.device)
 
     def block_bytes(self) -> int:
-        num_layers, kv_heads, head_dim = kv_cache_shape(self.hf_config)
+        """K and V of one block over this rank's attention layers (its pipeline stage, its TP heads)."""
+        layers = [m for m in self.model_runner.model.modules() if isinstance(m, Attention)]
         element_bytes = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * num_layers * self.config.block_size * kv_heads * head_dim * element_bytes
+        return sum(2 * self.config.block_size * layer.num_kv_heads * layer.head_dim * element_bytes
+                   for layer in layers)
 
     def determine_num_kv_blocks(self) -> int:
         """Explicit num_kv_blocks wins; else kv_cache_memory bytes; else min(2 GiB, 25% of free memory),

@@ -5,11 +5,16 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from workers.distributed import parallel_state
 from workers.layers.activation import silu_and_mul
 from workers.layers.attention import Attention, AttentionMetadata
-from workers.layers.linear import Linear, MergedLinear
+from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
+from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+
+# What a pipeline stage hands the next: (hidden states, residual).
+Intermediate = tuple[torch.Tensor, torch.Tensor]
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -33,19 +38,33 @@ def rope_parameters_of(config: PretrainedConfig) -> dict:
     return {"rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
 
 
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """The layers pipeline stage pp_rank runs: an even split, earlier stages taking the remainder."""
+    if num_layers < pp_size:
+        raise ValueError(f"pipeline_parallel_size={pp_size} exceeds the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (pp_rank < extra))
+
+
 class LlamaAttention(nn.Module):
     qkv_bias = False
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        tp_size = parallel_state().tp_size
+        if num_heads % tp_size:
+            raise ValueError(f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={tp_size}")
         self.head_dim = head_dim_of(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
         bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.qkv_proj = MergedLinear(config.hidden_size, self.split_sizes, bias=bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        heads = [(num_heads, self.head_dim), (num_kv_heads, self.head_dim), (num_kv_heads, self.head_dim)]
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, heads, bias=bias)
+        self.split_sizes = self.qkv_proj.output_sizes
+        self.num_heads, self.num_kv_heads = (size // self.head_dim for size in self.split_sizes[:2])
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size,
+                                        bias=getattr(config, "attention_bias", False))
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
                               sliding_window_of(config, layer_idx))
@@ -65,8 +84,8 @@ class LlamaMLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter])
-        self.down_proj = Linear(inter, config.hidden_size)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [(inter, 1), (inter, 1)])
+        self.down_proj = RowParallelLinear(inter, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -94,18 +113,28 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """This pipeline stage's share: embeddings on the first stage, its layers (others are placeholders, so
+    parameter names keep their checkpoint indices), the final norm on the last stage."""
+
     def __init__(self, config: PretrainedConfig, layer_class: type[LlamaDecoderLayer]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        state = parallel_state()
+        self.stage_layers = stage_layers(config.num_hidden_layers, state.pp_rank, state.pp_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) \
+            if state.is_first_stage else None
         rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters_of(config))
-        self.layers = nn.ModuleList(layer_class(config, i, rotary) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(layer_class(config, i, rotary) if i in self.stage_layers else nn.Identity()
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if state.is_last_stage else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, metadata)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        """Final hidden states on the last stage, else (hidden, residual) for the next stage."""
+        x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
+        for i in self.stage_layers:
+            x, residual = self.layers[i](positions, x, residual, metadata)
+        if self.norm is None:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
@@ -120,12 +149,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.model = LlamaModel(config, self.layer_class)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) \
+            if parallel_state().is_last_stage else None
+        # Checkpoint names loaded into another parameter: a tied head on a stage without the embeddings.
+        self.weight_aliases: dict[str, str] = {}
+        if config.tie_word_embeddings and self.lm_head is not None:
+            if self.model.embed_tokens is not None:
+                self.lm_head.weight = self.model.embed_tokens.weight
+            else:
+                self.weight_aliases["model.embed_tokens.weight"] = "lm_head.weight"
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, metadata)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        return self.model(input_ids, positions, metadata, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Last stage only; float32 logits on TP rank 0, None on the other TP ranks."""
+        return self.lm_head.compute_logits(hidden)

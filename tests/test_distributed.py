@@ -1,0 +1,140 @@
+"""tp × pp on Ray actors (gloo, loopback): greedy float32 outputs equal one rank's, also across two Ray nodes;
+a killed worker ends every pending request with an error and leaves nothing behind."""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+# Ray turns a 127.0.0.1 cluster address into this machine's outward IP unless told that the machine's IP is
+# loopback (read when ray is imported, inherited by the engine and Ray processes): all of it stays on 127.0.0.1.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from conftest import random_prompts, tiny_model, wait_until  # noqa: E402
+from frontend import LLM, EngineDeadError, SamplingParams  # noqa: E402
+from launch.make_model import make_model  # noqa: E402
+
+PROMPT_LENGTHS = [3, 20, 45, 70]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+# 16 blocks of 8 tokens hold 128 of the ~180 tokens the prompts need: requests get preempted; 16-token steps
+# split every longer prompt into chunks.
+SMALL_ENGINE = {"dtype": "float32", "block_size": 8, "num_kv_blocks": 16, "max_model_len": 128,
+                "max_num_batched_tokens": 16}
+CPUS_PER_NODE = 2
+
+
+@functools.cache
+def model_dir(name: str) -> str:
+    """'qwen2' (4 heads, 2 KV heads, tied embeddings, q/k/v biases) or 'llama-kv1' (4 heads sharing one KV
+    head: with tp=2 both ranks hold a copy of it)."""
+    if name == "qwen2":
+        return tiny_model("qwen2")
+    folder = Path(tiny_model("llama")).parent / "llama-tiny-kv1"
+    return str(make_model(folder, arch="llama", size="tiny", num_key_value_heads=1))
+
+
+@functools.cache
+def single_rank_outputs(name: str) -> tuple[list[list[int]], list[list[int]]]:
+    prompts = random_prompts(PROMPT_LENGTHS, vocab=1000)
+    return prompts, generate(LLM(model_dir(name), dtype="float32", in_process=True), prompts)
+
+
+def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two Ray "nodes" of 2 CPUs each on loopback; this process is connected to it as a driver."""
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": CPUS_PER_NODE, "include_dashboard": False, "node_ip_address": "127.0.0.1"})
+    cluster.add_node(num_cpus=CPUS_PER_NODE, node_ip_address="127.0.0.1")
+    ray.init(address=cluster.address)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def stage_nodes() -> dict[str, set[str]]:
+    """Placement group name → node ids of its bundles, for the live pipeline-stage groups."""
+    return {group["name"]: set(group["bundles_to_node_id"].values())
+            for group in ray.util.placement_group_table().values() if group["state"] == "CREATED"}
+
+
+@pytest.mark.parametrize("name", ["llama-kv1", "qwen2"])
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)])
+def test_parallel_equals_single_rank(cluster, name, tp, pp):
+    """Chunked and preempted; tp × pp runs in this process on the two-node cluster (each stage on one node)."""
+    prompts, expected = single_rank_outputs(name)
+    llm = LLM(model_dir(name), in_process=True, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              **SMALL_ENGINE)
+    try:
+        assert generate(llm, prompts) == expected
+        assert llm.get_stats().num_preemptions > 0
+        if pp == 2:
+            nodes = stage_nodes()
+            assert all(len(nodes[f"pagedserve-pp{stage}"]) == 1 for stage in range(pp)), nodes
+            if tp == 2:
+                assert nodes["pagedserve-pp0"] != nodes["pagedserve-pp1"], "stages should fill one node each"
+    finally:
+        llm.shutdown()
+
+
+def test_private_ray_when_no_address():
+    """Without ray_address the engine process starts its own loopback Ray, and stops it on shutdown."""
+    prompts, expected = single_rank_outputs("llama-kv1")
+    llm = LLM(model_dir("llama-kv1"), tensor_parallel_size=2, **SMALL_ENGINE)
+    try:
+        assert generate(llm, prompts) == expected
+    finally:
+        llm.shutdown()
+
+
+def test_killed_worker_fails_pending_requests(cluster):
+    llm = LLM(model_dir("qwen2"), dtype="float32", tensor_parallel_size=2, ray_address=cluster.address)
+    errors: list[Exception] = []
+    long_run = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+
+    def run() -> None:
+        try:
+            llm.generate([{"prompt_token_ids": p} for p in random_prompts([5] * 8, vocab=1000)], long_run,
+                         use_tqdm=False)
+        except Exception as error:
+            errors.append(error)
+
+    generating = threading.Thread(target=run)
+    generating.start()
+    try:
+        time.sleep(1.5)  # the 8 requests need 900 steps: they are mid-generation now
+        assert len(rank_pids()) == 2
+        os.kill(rank_pids()[0], signal.SIGKILL)
+        killed = time.monotonic()
+        generating.join(timeout=10)
+        assert not generating.is_alive() and time.monotonic() - killed < 5
+        assert len(errors) == 1 and isinstance(errors[0], EngineDeadError), errors
+        assert "worker rank" in str(errors[0])
+        assert wait_until(lambda: not rank_pids(), timeout=10), rank_pids()
+        assert wait_until(lambda: not stage_nodes(), timeout=10), stage_nodes()
+        assert wait_until(lambda: ray.available_resources().get("CPU") == 2 * CPUS_PER_NODE, timeout=10)
+    finally:
+        llm.shutdown()
+
+
+def rank_pids() -> list[int]:
+    """Processes whose title Ray set to a RankWorker actor's."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"ray::RankWorker"):
+                pids.append(int(entry.name))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return pids

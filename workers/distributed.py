@@ -1,0 +1,118 @@
+"""This rank's place in the tp × pp grid, its torch.distributed groups, and the collectives layers use."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_INIT_TIMEOUT = timedelta(minutes=5)
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """Rank r = pp_rank * tp_size + tp_rank; each pipeline stage's TP ranks form one group."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    tp_group: dist.ProcessGroup | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_driver(self) -> bool:
+        """The rank that samples and replies: TP rank 0 of the last stage."""
+        return self.is_last_stage and self.tp_rank == 0
+
+
+# Set once per process by init_distributed, before the model is built; single-rank until then.
+_state = ParallelState()
+
+
+def parallel_state() -> ParallelState:
+    return _state
+
+
+def free_port(host: str) -> int:
+    """A TCP port on `host` that nothing listens on right now (for the rendezvous store)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(host: str, port: int, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
+                     device: torch.device) -> ParallelState:
+    """Join the world (gloo on CPU, NCCL on CUDA) through the TCP store at host:port; build the TP groups."""
+    global _state
+    if host.startswith("127."):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo would otherwise pick the hostname's interface
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    rank = pp_rank * tp_size + tp_rank
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
+                            world_size=tp_size * pp_size, timeout=_INIT_TIMEOUT)
+    groups = [dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size))) for stage in range(pp_size)]
+    _state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, groups[pp_rank])
+    return _state
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over this stage's TP ranks, in place."""
+    if _state.tp_size > 1:
+        dist.all_reduce(x, group=_state.tp_group)
+    return x
+
+
+def tp_gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
+    """Concatenate each TP rank's x along the last dimension on TP rank 0; None on the other ranks."""
+    if _state.tp_size == 1:
+        return x
+    x = x.contiguous()
+    first = _state.pp_rank * _state.tp_size
+    parts = [torch.empty_like(x) for _ in range(_state.tp_size)] if _state.tp_rank == 0 else None
+    dist.gather(x, parts, dst=first, group=_state.tp_group)
+    return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+def pp_send(hidden: torch.Tensor, residual: torch.Tensor) -> None:
+    """Hand this stage's output to the same TP rank of the next stage."""
+    peer = _state.rank + _state.tp_size
+    dist.send(hidden.contiguous(), peer)
+    dist.send(residual.contiguous(), peer)
+
+
+def pp_recv(num_tokens: int, hidden_size: int, dtype: torch.dtype,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The previous stage's (hidden states, residual) for this step's num_tokens tokens."""
+    peer = _state.rank - _state.tp_size
+    hidden, residual = (torch.empty(num_tokens, hidden_size, dtype=dtype, device=device) for _ in range(2))
+    dist.recv(hidden, peer)
+    dist.recv(residual, peer)
+    return hidden, residual
+
+
+def shard_range(total: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """[start, end) of `total` units held by tp_rank: an even split, or, with fewer units than ranks, the one
+    unit this rank shares with tp_size / total others (replicated KV heads)."""
+    if total % tp_size == 0:
+        size = total // tp_size
+        return tp_rank * size, (tp_rank + 1) * size
+    if tp_size % total == 0:
+        unit = tp_rank * total // tp_size
+        return unit, unit + 1
+    raise ValueError(f"{total} cannot be split over tensor_parallel_size={tp_size}: "
+                     "one must divide the other")

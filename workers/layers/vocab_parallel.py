@@ -1,0 +1,46 @@
+"""Vocab-parallel embedding and LM head: each TP rank holds a contiguous slice of the vocabulary's rows."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.distributed import parallel_state, tp_all_reduce, tp_gather_last_dim
+from workers.layers.linear import Sliceable, linear
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, end) of the table; the last rank's slice is zero-padded so every rank holds the same shape."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        state = parallel_state()
+        self.vocab_size, self.tp_size = vocab_size, state.tp_size
+        rows_per_rank = -(-vocab_size // state.tp_size)
+        self.start = state.tp_rank * rows_per_rank
+        self.end = min(vocab_size, self.start + rows_per_rank)
+        self.weight = nn.Parameter(torch.zeros(rows_per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Sliceable, shard_id: int | None = None) -> None:
+        rows = loaded[self.start:self.end]
+        if rows.shape[1:] != param.shape[1:] or rows.shape[0] != self.end - self.start:
+            raise ValueError(f"checkpoint tensor rows {self.start}:{self.end} of shape {tuple(rows.shape)} do not "
+                             f"fit parameter of shape {tuple(param.shape)}")
+        param.data[:rows.shape[0]].copy_(rows)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.start) & (input_ids < self.end)
+        out = F.embedding(torch.where(mine, input_ids - self.start, 0), self.weight)
+        return tp_all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden → logits over the full vocabulary, gathered on TP rank 0 (the rank that samples)."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 [tokens, vocab] on TP rank 0; None on the other TP ranks (they only contribute)."""
+        logits = tp_gather_last_dim(linear(hidden, self.weight, None))
+        return None if logits is None else logits[:, :self.vocab_size].float()

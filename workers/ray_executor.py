@@ -1,0 +1,146 @@
+"""RayExecutor: tp × pp RankWorker actors placed by Ray; each step's SchedulerOutput is broadcast over ZMQ.
+
+Ray owns lifecycle only (start-up, placement, failure detection, teardown). The per-step control plane is a
+ZMQ XPUB socket carrying the msgpack SchedulerOutput to every rank's SUB socket, and a PULL socket where the
+last stage's TP rank 0 pushes the ModelRunnerOutput: one message out and one back per step, no Ray call.
+Pipeline stages run one batch at a time (a step returns before the next is broadcast).
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import msgspec
+import ray
+import zmq
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ipc import Decoder, EngineConfig, Encoder, ModelRunnerOutput, SchedulerOutput
+from workers.rank_worker import RankWorker
+
+_PLACEMENT_TIMEOUT_S = 60.0
+_SUBSCRIBE_TIMEOUT_S = 60.0
+_HEALTH_POLL_MS = 100  # while waiting for a step's reply, look for dead actors this often
+_REPO_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+class WorkerFailedError(RuntimeError):
+    """A rank's actor died or its step loop raised; the engine cannot continue."""
+
+
+class RayExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tp, self.pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.owns_ray = not ray.is_initialized()
+        self.placement_groups: list[PlacementGroup] = []
+        self.actors: list = []
+        self.loops: list[ray.ObjectRef] = []
+        self.context = zmq.Context()
+        try:
+            self._start_actors()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_actors(self) -> None:
+        if self.owns_ray:
+            _connect_ray(self.config.ray_address, self.tp * self.pp)
+        self.host = "127.0.0.1" if self.config.ray_address is None else ray.util.get_node_ip_address()
+        self.placement_groups = [self._place_stage(stage) for stage in range(self.pp)]
+        remote = ray.remote(num_cpus=1)(RankWorker)
+        config_json = msgspec.json.encode(self.config)
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [_REPO_ROOT, os.environ.get("PYTHONPATH")]))}
+        self.actors = [
+            remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=t),
+                           runtime_env={"env_vars": env}).remote(config_json, t, self.tp, stage, self.pp)
+            for stage, group in enumerate(self.placement_groups) for t in range(self.tp)]
+        rendezvous_host = ray.get(self.actors[0].node_ip.remote())
+        port = ray.get(self.actors[0].free_port.remote(rendezvous_host))
+        self._gather([actor.init_worker.remote(rendezvous_host, port) for actor in self.actors])
+
+    def _place_stage(self, stage: int) -> PlacementGroup:
+        """One placement group per pipeline stage, STRICT_PACK: a stage's TP ranks share a node."""
+        group = placement_group([{"CPU": 1}] * self.tp, strategy="STRICT_PACK", name=f"pagedserve-pp{stage}")
+        ready, _ = ray.wait([group.ready()], timeout=_PLACEMENT_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(group)
+            raise WorkerFailedError(
+                f"Ray could not place pipeline stage {stage}: {self.tp} ranks of 1 CPU each on one node within "
+                f"{_PLACEMENT_TIMEOUT_S:.0f} s (cluster resources: {ray.available_resources()}); add nodes or "
+                "lower tensor_parallel_size")
+        return group
+
+    def determine_num_kv_blocks(self) -> int:
+        """Every rank sizes its own KV shard; all of them hold the smallest count."""
+        return min(self._gather([actor.determine_num_kv_blocks.remote() for actor in self.actors]))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate every rank's cache, then switch the actors to the ZMQ step loop."""
+        self._gather([actor.initialize_kv_cache.remote(num_blocks) for actor in self.actors])
+        self.broadcast = self.context.socket(zmq.XPUB)
+        self.broadcast.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not just the first
+        self.replies = self.context.socket(zmq.PULL)
+        broadcast_port = self.broadcast.bind_to_random_port(f"tcp://{self.host}")
+        reply_port = self.replies.bind_to_random_port(f"tcp://{self.host}")
+        self.loops = [actor.serve.remote(f"tcp://{self.host}:{broadcast_port}", f"tcp://{self.host}:{reply_port}")
+                      for actor in self.actors]
+        self._wait_for_subscribers()
+        self.encoder, self.decoder = Encoder(), Decoder(ModelRunnerOutput)
+
+    def _wait_for_subscribers(self) -> None:
+        """A PUB socket drops messages for subscribers still connecting: wait until every rank has subscribed."""
+        deadline, subscribed = time.monotonic() + _SUBSCRIBE_TIMEOUT_S, 0
+        while subscribed < len(self.actors):
+            if time.monotonic() > deadline:
+                raise WorkerFailedError(f"only {subscribed} of {len(self.actors)} ranks connected to the step "
+                                        f"broadcast within {_SUBSCRIBE_TIMEOUT_S:.0f} s")
+            if self.broadcast.poll(_HEALTH_POLL_MS):
+                subscribed += self.broadcast.recv()[:1] == b"\x01"
+            self.check_health()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.broadcast.send_multipart(self.encoder.encode(scheduler_output), copy=False)
+        while not self.replies.poll(_HEALTH_POLL_MS):
+            self.check_health()
+        return self.decoder.decode(self.replies.recv_multipart(copy=False))
+
+    def check_health(self) -> None:
+        """Raise WorkerFailedError if any rank's step loop has ended (its actor died, or a step raised)."""
+        done, _ = ray.wait(self.loops, num_returns=1, timeout=0) if self.loops else ([], [])
+        if not done:
+            return
+        rank = self.loops.index(done[0])
+        try:
+            ray.get(done[0])
+        except Exception as error:
+            raise WorkerFailedError(f"worker rank {rank} failed: {type(error).__name__}: {error}") from error
+        raise WorkerFailedError(f"worker rank {rank} left its step loop unexpectedly")
+
+    def shutdown(self) -> None:
+        """Kill the actors, remove the placement groups, and stop Ray if this executor started it."""
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        for group in self.placement_groups:
+            remove_placement_group(group)
+        self.actors, self.placement_groups, self.loops = [], [], []
+        self.context.destroy(linger=0)
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def _gather(self, refs: list[ray.ObjectRef]) -> list:
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayError as error:
+            raise WorkerFailedError(f"a worker rank failed during start-up: {error}") from error
+
+
+def _connect_ray(address: str | None, num_ranks: int) -> None:
+    """Join the cluster at `address`, or start a private single-node Ray on loopback with a CPU per rank."""
+    if address is not None:
+        ray.init(address=address)
+        return
+    ray.init(address="local", num_cpus=max(num_ranks, os.cpu_count() or 1), include_dashboard=False,
+             _node_ip_address="127.0.0.1")
