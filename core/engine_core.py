@@ -12,7 +12,7 @@ from core.request import Request
 from core.scheduler import Scheduler
 from ipc import EngineConfig, EngineCoreOutput, EngineCoreRequest, EngineInfo, SchedulerStats
 from workers.executor import Executor, InProcessExecutor
-from workers.model_config import load_hf_config, model_max_len
+from workers.model_config import check_parallel_sizes, load_hf_config, model_max_len
 
 
 UTILITY_METHODS = frozenset({"get_info", "get_stats", "reset_prefix_cache", "check_health", "start_profile",
@@ -24,6 +24,7 @@ class EngineCore:
         hf_config = load_hf_config(config.model)
         self.config = _resolve_max_model_len(config, model_max_len(hf_config))
         self.vocab_size: int = hf_config.vocab_size
+        check_parallel_sizes(hf_config, self.config.tensor_parallel_size, self.config.pipeline_parallel_size)
         self.executor = _make_executor(self.config)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         _check_capacity(self.config, self.num_kv_blocks)

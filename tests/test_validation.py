@@ -1,9 +1,11 @@
 """Bad input raises ValueError naming the field, before anything is queued."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from conftest import assert_all_blocks_free
+from conftest import assert_all_blocks_free, tiny_model
 from frontend import LLM, SamplingParams
 
 
@@ -70,6 +72,17 @@ def test_prompt_at_limit_is_accepted_and_stops_at_max_model_len(llm):
 def test_bad_engine_arguments(llama_model, kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLM(llama_model, **kwargs)
+
+
+@pytest.mark.parametrize("arch, kwargs, message", [
+    ("llama", {"tensor_parallel_size": 3}, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
+    ("llama", {"pipeline_parallel_size": 64}, "pipeline_parallel_size=64 exceeds the model's"),
+    ("opt", {"tensor_parallel_size": 2}, "OPT models run on a single rank"),
+])
+def test_parallel_sizes_the_model_cannot_take_are_refused_before_ray_starts(arch, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model(arch), in_process=True, **kwargs)
+    assert "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
 
 
 def test_unknown_model_folder(tmp_path):

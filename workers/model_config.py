@@ -34,3 +34,17 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     instructions its matmuls run as float32 GEMMs (see kernels.matmul_dtype), so it stays fast there too."""
     return torch.bfloat16 if dtype == "auto" else _DTYPES[dtype]
 
+
+
+def check_parallel_sizes(config: PretrainedConfig, tp_size: int, pp_size: int) -> None:
+    """Refuse a tp × pp split the model cannot take, before any worker starts (ValueError naming it)."""
+    if tp_size * pp_size == 1:
+        return
+    if config.model_type == "opt":
+        raise ValueError("OPT models run on a single rank; tensor/pipeline parallelism supports the llama, "
+                         "qwen2 and mistral architectures")
+    if config.num_attention_heads % tp_size:
+        raise ValueError(f"num_attention_heads={config.num_attention_heads} is not divisible by "
+                         f"tensor_parallel_size={tp_size}")
+    if config.num_hidden_layers < pp_size:
+        raise ValueError(f"pipeline_parallel_size={pp_size} exceeds the model's {config.num_hidden_layers} layers")

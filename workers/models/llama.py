@@ -40,8 +40,6 @@ def rope_parameters_of(config: PretrainedConfig) -> dict:
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
     """The layers pipeline stage pp_rank runs: an even split, earlier stages taking the remainder."""
-    if num_layers < pp_size:
-        raise ValueError(f"pipeline_parallel_size={pp_size} exceeds the model's {num_layers} layers")
     base, extra = divmod(num_layers, pp_size)
     start = pp_rank * base + min(pp_rank, extra)
     return range(start, start + base + (pp_rank < extra))
@@ -54,9 +52,6 @@ class LlamaAttention(nn.Module):
         super().__init__()
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        tp_size = parallel_state().tp_size
-        if num_heads % tp_size:
-            raise ValueError(f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={tp_size}")
         self.head_dim = head_dim_of(config)
         bias = self.qkv_bias or getattr(config, "attention_bias", False)
         heads = [(num_heads, self.head_dim), (num_kv_heads, self.head_dim), (num_kv_heads, self.head_dim)]

@@ -6,7 +6,6 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from workers.distributed import parallel_state
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.linear import Linear, MergedLinear
 
@@ -92,10 +91,6 @@ class OPTForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        state = parallel_state()
-        if state.tp_size * state.pp_size > 1:
-            raise ValueError("OPT models run on a single rank; tensor/pipeline parallelism supports the llama, "
-                             "qwen2 and mistral architectures")
         self.model = OPTModel(config)
         self.lm_head = Linear(config.word_embed_proj_dim, config.vocab_size)
         if getattr(config, "tie_word_embeddings", True):
