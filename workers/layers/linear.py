@@ -73,22 +73,15 @@ class ColumnParallelLinear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Linear):
     """The input dimension split over the TP ranks (it takes a column-parallel output); partial products are
     summed with an all-reduce, and the bias, held whole by every rank, is added once after it."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__()
         state = parallel_state()
-        self.tp_size = state.tp_size
-        self.input_range = shard_range(input_size, state.tp_rank, state.tp_size)
-        self.weight = nn.Parameter(torch.empty(output_size, self.input_range[1] - self.input_range[0]),
-                                   requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+        input_range = shard_range(input_size, state.tp_rank, state.tp_size)
+        super().__init__(input_range[1] - input_range[0], output_size, bias)
+        self.tp_size, self.input_range = state.tp_size, input_range
 
     def weight_loader(self, param: nn.Parameter, loaded: Sliceable, shard_id: int | None = None) -> None:
         start, end = self.input_range
