@@ -77,13 +77,15 @@ SIZES = {
 
 
 def make_model(
-    out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0, **config_overrides: Any
+    out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0, random_biases: bool = False,
+    **config_overrides: Any
 ) -> Path:
-    """Write a random-weight model folder at `out_dir`, or reuse the one already made from this spec."""
+    """Write a random-weight model folder at `out_dir`, or reuse the one already made from this spec.
+    HF initialises biases to zero; `random_biases` draws them too, so a test sees how they are added."""
     _check_choice("arch", arch, ARCHS)
     _check_choice("size", size, tuple(SIZES))
     out = Path(out_dir).expanduser().resolve()
-    spec = _spec(arch, size, seed, config_overrides)
+    spec = _spec(arch, size, seed, config_overrides, random_biases)
     if _read_marker(out) == spec:
         return out
     _check_replaceable(out)
@@ -128,8 +130,10 @@ def _check_choice(field: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"unknown {field} {value!r}; choose one of: {', '.join(allowed)}")
 
 
-def _spec(arch: str, size: str, seed: int, overrides: dict[str, Any]) -> dict[str, Any]:
+def _spec(arch: str, size: str, seed: int, overrides: dict[str, Any], random_biases: bool) -> dict[str, Any]:
     spec = {"maker_version": MAKER_VERSION, "arch": arch, "size": size, "seed": seed, "overrides": overrides}
+    if random_biases:  # only when set: folders made before the option still match their markers
+        spec["random_biases"] = True
     # Round-trip through JSON so the spec compares equal to the marker read back from disk.
     return json.loads(json.dumps(spec, sort_keys=True))
 
@@ -170,12 +174,21 @@ def _write_model(folder: Path, spec: dict[str, Any]) -> None:
     with _quiet_transformers(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec["seed"])
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if spec.get("random_biases"):
+            _randomize_biases(model)
         model.generation_config = GenerationConfig(
             bos_token_id=ENDOFTEXT_ID, eos_token_id=ENDOFTEXT_ID, pad_token_id=ENDOFTEXT_ID
         )
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder, save_jinja_files=False)
     (folder / MARKER_FILE).write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+
+
+@torch.no_grad()
+def _randomize_biases(model: torch.nn.Module) -> None:
+    for name, param in model.named_parameters():
+        if name.endswith(".bias"):
+            param.normal_(0.0, INIT_STD)
 
 
 def _config_kwargs(arch: str, size: SizeSpec, tokenizer_vocab: int) -> dict[str, Any]:

@@ -32,10 +32,15 @@ CPUS_PER_NODE = 2
 
 @functools.cache
 def model_dir(name: str) -> str:
-    """'qwen2' (4 heads, 2 KV heads, tied embeddings, q/k/v biases) or 'llama-kv1' (4 heads sharing one KV
-    head: with tp=2 both ranks hold a copy of it)."""
+    """'qwen2' (4 heads, 2 KV heads, tied embeddings, q/k/v biases), 'llama-kv1' (4 heads sharing one KV
+    head: with tp=2 both ranks hold a copy of it) or 'opt-proj' (random biases on every linear and norm, learned
+    positions, tied embeddings narrower than the hidden size: project_in on the first stage, project_out on
+    the last)."""
     if name == "qwen2":
         return tiny_model("qwen2")
+    if name == "opt-proj":
+        folder = Path(tiny_model("opt")).parent / "opt-tiny-proj"
+        return str(make_model(folder, arch="opt", size="tiny", random_biases=True, word_embed_proj_dim=32))
     folder = Path(tiny_model("llama")).parent / "llama-tiny-kv1"
     return str(make_model(folder, arch="llama", size="tiny", num_key_value_heads=1))
 
@@ -69,7 +74,7 @@ def stage_nodes() -> dict[str, set[str]]:
             for group in ray.util.placement_group_table().values() if group["state"] == "CREATED"}
 
 
-@pytest.mark.parametrize("name", ["llama-kv1", "qwen2"])
+@pytest.mark.parametrize("name", ["llama-kv1", "qwen2", "opt-proj"])
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (2, 2)])
 def test_parallel_equals_single_rank(cluster, name, tp, pp):
     """Chunked and preempted; tp × pp runs in this process on the two-node cluster (each stage on one node)."""

@@ -77,7 +77,7 @@ def test_bad_engine_arguments(llama_model, kwargs, field):
 @pytest.mark.parametrize("arch, kwargs, message", [
     ("llama", {"tensor_parallel_size": 3}, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
     ("llama", {"pipeline_parallel_size": 64}, "pipeline_parallel_size=64 exceeds the model's"),
-    ("opt", {"tensor_parallel_size": 2}, "OPT models run on a single rank"),
+    ("opt", {"tensor_parallel_size": 3}, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
 ])
 def test_parallel_sizes_the_model_cannot_take_are_refused_before_ray_starts(arch, kwargs, message):
     with pytest.raises(ValueError, match=message):

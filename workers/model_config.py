@@ -40,9 +40,6 @@ def check_parallel_sizes(config: PretrainedConfig, tp_size: int, pp_size: int) -
     """Refuse a tp × pp split the model cannot take, before any worker starts (ValueError naming it)."""
     if tp_size * pp_size == 1:
         return
-    if config.model_type == "opt":
-        raise ValueError("OPT models run on a single rank; tensor/pipeline parallelism supports the llama, "
-                         "qwen2 and mistral architectures")
     if config.num_attention_heads % tp_size:
         raise ValueError(f"num_attention_heads={config.num_attention_heads} is not divisible by "
                          f"tensor_parallel_size={tp_size}")

@@ -57,9 +57,9 @@ def _target_of(name: str, params: dict, packed: dict[str, tuple[str, int]],
                aliases: dict[str, str]) -> tuple[str, int | None] | None:
     """Checkpoint name → (parameter name, shard id); None for tensors this rank does not use (rotary buffers,
     other pipeline stages' layers)."""
-    if aliases.get(name) in params:
-        return aliases[name], None
     for candidate in (name, "model." + name):
+        if aliases.get(candidate) in params:
+            return aliases[candidate], None
         for source, (merged, shard_id) in packed.items():
             renamed = candidate.replace(f".{source}.", f".{merged}.")
             if renamed != candidate and renamed in params:

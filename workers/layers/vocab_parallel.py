@@ -44,3 +44,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         """float32 [tokens, vocab] on TP rank 0; None on the other TP ranks (they only contribute)."""
         logits = tp_gather_last_dim(linear(hidden, self.weight, None))
         return None if logits is None else logits[:, :self.vocab_size].float()
+
+
+def tie_lm_head(lm_head: ParallelLMHead | None, embed_tokens: VocabParallelEmbedding | None,
+                embed_name: str) -> dict[str, str]:
+    """Share the embedding table with the head where this stage holds both. A last pipeline stage without the
+    embeddings loads them from the checkpoint instead: the alias {embed_name: "lm_head.weight"} is returned."""
+    if lm_head is None:
+        return {}
+    if embed_tokens is not None:
+        lm_head.weight = embed_tokens.weight
+        return {}
+    return {embed_name: "lm_head.weight"}

@@ -1,6 +1,8 @@
 """Llama decoder (also the base of qwen2 and mistral): RMSNorm, rotary, GQA attention, SwiGLU MLP."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -11,7 +13,7 @@ from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
-from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, tie_lm_head
 
 # What a pipeline stage hands the next: (hidden states, residual).
 Intermediate = tuple[torch.Tensor, torch.Tensor]
@@ -43,6 +45,14 @@ def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
     base, extra = divmod(num_layers, pp_size)
     start = pp_rank * base + min(pp_rank, extra)
     return range(start, start + base + (pp_rank < extra))
+
+
+def build_stage_layers(num_layers: int, build: Callable[[int], nn.Module]) -> tuple[range, nn.ModuleList]:
+    """This pipeline stage's layer indices and all layers: its own built, the others placeholders, so
+    parameter names keep their checkpoint indices."""
+    state = parallel_state()
+    layers = stage_layers(num_layers, state.pp_rank, state.pp_size)
+    return layers, nn.ModuleList(build(i) if i in layers else nn.Identity() for i in range(num_layers))
 
 
 class LlamaAttention(nn.Module):
@@ -114,12 +124,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_class: type[LlamaDecoderLayer]) -> None:
         super().__init__()
         state = parallel_state()
-        self.stage_layers = stage_layers(config.num_hidden_layers, state.pp_rank, state.pp_size)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) \
             if state.is_first_stage else None
         rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters_of(config))
-        self.layers = nn.ModuleList(layer_class(config, i, rotary) if i in self.stage_layers else nn.Identity()
-                                    for i in range(config.num_hidden_layers))
+        self.stage_layers, self.layers = build_stage_layers(config.num_hidden_layers,
+                                                            lambda i: layer_class(config, i, rotary))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if state.is_last_stage else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
@@ -147,12 +156,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) \
             if parallel_state().is_last_stage else None
         # Checkpoint names loaded into another parameter: a tied head on a stage without the embeddings.
-        self.weight_aliases: dict[str, str] = {}
-        if config.tie_word_embeddings and self.lm_head is not None:
-            if self.model.embed_tokens is not None:
-                self.lm_head.weight = self.model.embed_tokens.weight
-            else:
-                self.weight_aliases["model.embed_tokens.weight"] = "lm_head.weight"
+        self.weight_aliases = tie_lm_head(self.lm_head, self.model.embed_tokens, "model.embed_tokens.weight") \
+            if config.tie_word_embeddings else {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:

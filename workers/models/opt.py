@@ -1,4 +1,5 @@
-"""OPT decoder: learned positions (offset 2), LayerNorm, ReLU MLP, pre- or post-norm, tied LM head."""
+"""OPT decoder: learned positions (offset 2), LayerNorm, ReLU MLP, pre- or post-norm, tied LM head; tensor
+parallel over heads and the MLP, pipeline parallel over the decoder layers."""
 from __future__ import annotations
 
 import torch
@@ -6,8 +7,11 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from workers.distributed import parallel_state
 from workers.layers.attention import Attention, AttentionMetadata
-from workers.layers.linear import Linear, MergedLinear
+from workers.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
+from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, tie_lm_head
+from workers.models.llama import Intermediate, build_stage_layers
 
 # OPT's learned position table reserves its first two rows (a fairseq padding convention).
 _POSITION_OFFSET = 2
@@ -16,11 +20,12 @@ _POSITION_OFFSET = 2
 class OPTAttention(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        hidden, self.num_heads = config.hidden_size, config.num_attention_heads
-        self.head_dim = hidden // self.num_heads
+        hidden, num_heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = hidden // num_heads
         self.scaling = self.head_dim**-0.5
-        self.qkv_proj = MergedLinear(hidden, [hidden] * 3, bias=config.enable_bias)
-        self.out_proj = Linear(hidden, hidden, bias=config.enable_bias)
+        self.qkv_proj = ColumnParallelLinear(hidden, [(num_heads, self.head_dim)] * 3, bias=config.enable_bias)
+        self.num_heads = self.qkv_proj.output_sizes[0] // self.head_dim
+        self.out_proj = RowParallelLinear(hidden, hidden, bias=config.enable_bias)
         # HF scales the query before the product (scale 1.0 inside attention); matching it keeps floats equal.
         self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, scale=1.0)
 
@@ -38,8 +43,8 @@ class OPTDecoderLayer(nn.Module):
         self.pre_norm = config.do_layer_norm_before
         self.self_attn = OPTAttention(config)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
-        self.fc1 = Linear(hidden, config.ffn_dim, bias=config.enable_bias)
-        self.fc2 = Linear(config.ffn_dim, hidden, bias=config.enable_bias)
+        self.fc1 = ColumnParallelLinear(hidden, [(config.ffn_dim, 1)], bias=config.enable_bias)
+        self.fc2 = RowParallelLinear(config.ffn_dim, hidden, bias=config.enable_bias)
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.activation = ACT2FN[config.activation_function]
 
@@ -54,30 +59,48 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
+    """This pipeline stage's share: embeddings (and project_in) on the first stage, its layers, the final norm
+    (and project_out) on the last stage."""
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
+        state = parallel_state()
         hidden, proj_dim = config.hidden_size, config.word_embed_proj_dim
-        self.embed_tokens = nn.Embedding(config.vocab_size, proj_dim)
-        self.embed_positions = nn.Embedding(config.max_position_embeddings + _POSITION_OFFSET, hidden)
-        self.project_in = Linear(proj_dim, hidden) if proj_dim != hidden else None
-        self.project_out = Linear(hidden, proj_dim) if proj_dim != hidden else None
-        keep_final_norm = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
-        affine = config.layer_norm_elementwise_affine
-        self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine) if keep_final_norm else None
-        self.layers = nn.ModuleList(OPTDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.is_last_stage = state.is_last_stage
+        self.embed_tokens = self.embed_positions = self.project_in = None
+        if state.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim)
+            self.embed_positions = nn.Embedding(config.max_position_embeddings + _POSITION_OFFSET, hidden)
+            self.project_in = Linear(proj_dim, hidden) if proj_dim != hidden else None
+        self.stage_layers, self.layers = build_stage_layers(config.num_hidden_layers,
+                                                            lambda _: OPTDecoderLayer(config))
+        self.final_layer_norm = self.project_out = None
+        if state.is_last_stage:
+            keep_final_norm = config.do_layer_norm_before and not getattr(config, "_remove_final_layer_norm", False)
+            affine = config.layer_norm_elementwise_affine
+            self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine) if keep_final_norm else None
+            self.project_out = Linear(hidden, proj_dim) if proj_dim != hidden else None
         for param in self.parameters():
             param.requires_grad_(False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        if self.project_in is not None:
-            x = self.project_in(x)
-        x = x + self.embed_positions(positions + _POSITION_OFFSET)
-        for layer in self.layers:
-            x = layer(x, metadata)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        """Final hidden states on the last stage, else (hidden, residual) for the next stage."""
+        x = self._embed(input_ids, positions) if intermediate is None else intermediate[0]
+        for i in self.stage_layers:
+            x = self.layers[i](x, metadata)
+        if not self.is_last_stage:
+            # Stages hand over llama's (hidden, residual) pair; OPT keeps no separate residual, so it goes as zeros.
+            return x, torch.zeros_like(x)
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         return x if self.project_out is None else self.project_out(x)
+
+    def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.project_in is not None:
+            x = self.project_in(x)
+        return x + self.embed_positions(positions + _POSITION_OFFSET)
 
 
 class OPTModel(nn.Module):
@@ -92,12 +115,17 @@ class OPTForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.model = OPTModel(config)
-        self.lm_head = Linear(config.word_embed_proj_dim, config.vocab_size)
-        if getattr(config, "tie_word_embeddings", True):
-            self.lm_head.weight = self.model.decoder.embed_tokens.weight
+        self.lm_head = ParallelLMHead(config.vocab_size, config.word_embed_proj_dim) \
+            if parallel_state().is_last_stage else None
+        # Checkpoint names loaded into another parameter: a tied head on a stage without the embeddings.
+        self.weight_aliases = tie_lm_head(self.lm_head, self.model.decoder.embed_tokens,
+                                          "model.decoder.embed_tokens.weight") \
+            if getattr(config, "tie_word_embeddings", True) else {}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model.decoder(input_ids, positions, metadata)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        return self.model.decoder(input_ids, positions, metadata, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Last stage only; float32 logits on TP rank 0, None on the other TP ranks."""
+        return self.lm_head.compute_logits(hidden)
