@@ -91,15 +91,26 @@ class EngineCore:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or batches still executing (whose outputs must be collected even if all aborted)."""
+        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.in_flight)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, execute, and return this step's new tokens (finished requests carry a finish_reason)."""
-        if not self.scheduler.has_unfinished_requests():
+        """Keep the executor's batches in flight (pp of them under pipeline parallelism, else one), then collect
+        the oldest one's new tokens (finished requests carry a finish_reason)."""
+        self._fill_pipeline()
+        if not self.scheduler.in_flight:
             return []
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return self.scheduler.update_from_output(self.executor.collect_output())
+
+    def _fill_pipeline(self) -> None:
+        """A request in flight has no token to compute until its batch returns, so each batch holds other
+        requests (or later prompt chunks, which every stage runs after the earlier ones)."""
+        depth = self.executor.max_concurrent_batches
+        while len(self.scheduler.in_flight) < depth and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.total_num_scheduled_tokens == 0:
+                return
+            self.executor.submit_batch(scheduler_output)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -52,6 +52,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first scheduled
+        self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         # Tokens sampled since the workers last saw this request (sent in the next SchedulerOutput).

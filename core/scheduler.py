@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from collections import deque
 
 from core.kv_cache_manager import KVCacheManager
 from core.request import Request, RequestStatus
@@ -32,6 +33,10 @@ class Scheduler:
         # scheduled in this step, since running requests are scheduled front to back).
         self.running: list[Request] = []
         self.finished_req_ids: list[str] = []  # not yet told to the workers
+        # One entry per batch still executing, oldest first: who was scheduled, at which preemption count.
+        # With pipeline batches in flight, a request may be preempted (and even rescheduled, or replaced by a
+        # new request with its id) before an older batch's output comes back; that output is then stale.
+        self.in_flight: deque[dict[str, tuple[Request, int]]] = deque()
         self.num_preemptions = 0
         self.num_aborted_requests = 0
         self.peak_kv_usage = 0.0
@@ -53,8 +58,13 @@ class Scheduler:
         budget -= sum(num_scheduled.values())
         if not preempted:
             self._schedule_waiting(num_scheduled, new_reqs, cached_reqs, budget)
-        finished, self.finished_req_ids = self.finished_req_ids, []
         self._record_peak()
+        if not num_scheduled:  # nothing runs: finished ids wait for the next batch that does
+            return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[], num_scheduled_tokens={},
+                                   total_num_scheduled_tokens=0, finished_req_ids=[])
+        finished, self.finished_req_ids = self.finished_req_ids, []
+        self.in_flight.append({req_id: (self.requests[req_id], self.requests[req_id].num_preemptions)
+                               for req_id in num_scheduled})
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
                                num_scheduled_tokens=num_scheduled,
                                total_num_scheduled_tokens=sum(num_scheduled.values()), finished_req_ids=finished)
@@ -133,27 +143,34 @@ class Scheduler:
         request.set_status(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
         request.pending_prompt_logprobs = None  # recomputed with the prompt (sent ones are not: see the runner)
+        request.num_preemptions += 1
         self.num_preemptions += 1
         heapq.heappush(self.waiting, (request.sort_key, request))
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
-                           ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, finish requests that stop, and report new tokens."""
+    def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """For the oldest batch in flight: append sampled tokens, finish requests that stop, report new tokens."""
+        scheduled = self.in_flight.popleft()
         for req_id, chunk in runner_output.prompt_logprobs.items():
-            request = self.requests.get(req_id)
-            if request is not None:
+            if (request := self._still_current(scheduled, req_id)) is not None:
                 request.add_prompt_logprobs(chunk)
         outputs = []
         for req_id, token_id in runner_output.sampled_token_ids.items():
-            request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted while its step ran
+            request = self._still_current(scheduled, req_id)
+            if request is None:
+                continue
             request.append_output_token(token_id)
             stopped = request.check_stop(self.max_model_len)
             if stopped is not None:
                 self._finish(request, stopped)
             outputs.append(self._output(request, token_id, runner_output))
         return outputs
+
+    def _still_current(self, scheduled: dict[str, tuple[Request, int]], req_id: str) -> Request | None:
+        """The request this output was computed for, unless it was aborted, finished or preempted since."""
+        request, num_preemptions = scheduled[req_id]
+        if self.requests.get(req_id) is not request or request.num_preemptions != num_preemptions:
+            return None
+        return request if request.status == RequestStatus.RUNNING else None
 
     def _output(self, request: Request, token_id: int, runner_output: ModelRunnerOutput) -> EngineCoreOutput:
         req_id = request.request_id

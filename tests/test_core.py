@@ -28,7 +28,7 @@ def run_step(scheduler: Scheduler, token: int = 7):
     out = scheduler.schedule()
     done = {r.request_id: token for r in scheduler.running if r.num_computed_tokens == r.num_tokens
             and r.request_id in out.num_scheduled_tokens}
-    return out, scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=done))
+    return out, scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids=done))
 
 
 def test_block_pool_reuses_oldest_freed_first():
@@ -123,9 +123,12 @@ def test_finished_and_aborted_requests_return_blocks_and_reach_workers():
     aborted = scheduler.abort_requests(["r1", "unknown", "r0"])
     assert [(o.request_id, o.finish_reason.value) for o in aborted] == [("r1", "abort")]
     assert scheduler.stats().num_aborted_requests == 1
-    out = scheduler.schedule()
-    assert sorted(out.finished_req_ids) == ["r0", "r1"]
     assert scheduler.kv.num_free_blocks == 16 and not scheduler.has_unfinished_requests()
+    empty = scheduler.schedule()  # nothing runs, so nothing is sent: the ids wait for the next batch
+    assert empty.total_num_scheduled_tokens == 0 and empty.finished_req_ids == [] and not scheduler.in_flight
+    scheduler.add_request(make_request(2, prompt_len=5))
+    out = scheduler.schedule()
+    assert sorted(out.finished_req_ids) == ["r0", "r1"] and list(out.num_scheduled_tokens) == ["r2"]
 
 
 def test_request_state_machine_rejects_illegal_transitions():
@@ -136,3 +139,35 @@ def test_request_state_machine_rejects_illegal_transitions():
     request.set_status(RequestStatus.FINISHED_STOPPED)
     with pytest.raises(RuntimeError):
         request.set_status(RequestStatus.RUNNING)
+
+
+def test_output_of_a_batch_in_flight_is_dropped_for_a_request_replaced_since():
+    """Pipeline batches in flight: r1 is aborted and a new r1 scheduled before the old batch's output arrives."""
+    scheduler = make_scheduler(num_blocks=8)
+    scheduler.add_request(make_request(1, prompt_len=5))
+    scheduler.schedule()
+    scheduler.abort_requests(["r1"])
+    scheduler.add_request(make_request(1, prompt_len=3))
+    assert list(scheduler.schedule().num_scheduled_tokens.items()) == [("r1", 3)]
+    assert scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r1": 11})) == []
+    [output] = scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r1": 22}))
+    assert output.new_token_ids == [22] and scheduler.requests["r1"].output_token_ids == [22]
+
+
+def test_output_of_a_batch_in_flight_is_dropped_for_a_request_preempted_and_rescheduled_since():
+    scheduler = make_scheduler(num_blocks=4, enable_prefix_caching=False, max_num_batched_tokens=8)
+    scheduler.add_request(make_request(0, prompt_len=8))
+    scheduler.add_request(make_request(1, prompt_len=8))
+    assert list(scheduler.schedule().num_scheduled_tokens) == ["r0"]  # batch A
+    assert list(scheduler.schedule().num_scheduled_tokens) == ["r1"]  # batch B, while A is in flight
+    scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r0": 5}))  # A
+    batch_c = scheduler.schedule()  # r0 needs a third block: r1, still in flight in batch B, is preempted
+    assert list(batch_c.num_scheduled_tokens) == ["r0"] and scheduler.requests["r1"].status == RequestStatus.PREEMPTED
+    scheduler.abort_requests(["r0"])
+    batch_d = scheduler.schedule()  # r1 starts over while batch B is still in flight
+    assert batch_d.num_scheduled_tokens == {"r1": 8} and batch_d.scheduled_cached_reqs[0].resumed_from_preemption
+    assert scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r1": 11})) == []  # B: stale
+    assert scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r0": 6})) == []  # C: r0 aborted
+    [output] = scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r1": 22}))  # D
+    assert output.new_token_ids == [22] and scheduler.requests["r1"].output_token_ids == [22]
+    assert not scheduler.in_flight

@@ -39,11 +39,12 @@ def test_block_pool_evicts_the_least_recently_freed_cached_block():
 
 
 def _run_to_end(scheduler) -> None:
-    while scheduler.has_unfinished_requests():
-        out = scheduler.schedule()
-        # Every request whose tokens are all computed gets its next token (also those scheduled by the test).
-        done = {r.request_id: 7 for r in scheduler.running if r.num_computed_tokens == r.num_tokens}
-        scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=done))
+    """Finish the batches the test scheduled by hand (oldest first), then schedule and finish the rest."""
+    while scheduler.has_unfinished_requests() or scheduler.in_flight:
+        if not scheduler.in_flight:
+            scheduler.schedule()
+        done = {req_id: 7 for req_id, (r, _) in scheduler.in_flight[0].items() if r.num_computed_tokens == r.num_tokens}
+        scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids=done))
 
 
 def test_scheduler_shares_full_prompt_blocks_and_counts_hits():

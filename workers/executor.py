@@ -2,6 +2,7 @@
 (workers/ray_executor.py) drives tp × pp ranks."""
 from __future__ import annotations
 
+from collections import deque
 from typing import Protocol
 
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
@@ -9,11 +10,17 @@ from workers.worker import Worker
 
 
 class Executor(Protocol):
+    """Batches are submitted and their outputs collected in order; up to max_concurrent_batches at once."""
+
+    max_concurrent_batches: int
+
     def determine_num_kv_blocks(self) -> int: ...
 
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def submit_batch(self, scheduler_output: SchedulerOutput) -> None: ...
+
+    def collect_output(self) -> ModelRunnerOutput: ...
 
     def check_health(self) -> None: ...
 
@@ -21,8 +28,11 @@ class Executor(Protocol):
 
 
 class InProcessExecutor:
+    max_concurrent_batches = 1
+
     def __init__(self, config: EngineConfig) -> None:
         self.worker = Worker(config)
+        self.outputs: deque[ModelRunnerOutput] = deque()
 
     def determine_num_kv_blocks(self) -> int:
         return self.worker.determine_num_kv_blocks()
@@ -30,8 +40,12 @@ class InProcessExecutor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def submit_batch(self, scheduler_output: SchedulerOutput) -> None:
+        """Runs the step right away: one process computes one batch at a time."""
+        self.outputs.append(self.worker.execute_model(scheduler_output))
+
+    def collect_output(self) -> ModelRunnerOutput:
+        return self.outputs.popleft()
 
     def check_health(self) -> None:
         """Nothing here can fail apart from this process itself."""

@@ -3,7 +3,8 @@
 Ray owns lifecycle only (start-up, placement, failure detection, teardown). The per-step control plane is a
 ZMQ XPUB socket carrying the msgpack SchedulerOutput to every rank's SUB socket, and a PULL socket where the
 last stage's TP rank 0 pushes the ModelRunnerOutput: one message out and one back per step, no Ray call.
-Pipeline stages run one batch at a time (a step returns before the next is broadcast).
+With pp stages the engine keeps pp batches in flight: every rank runs the batches in broadcast order, so while
+the last stage computes one batch the first stage already computes the next.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class RayExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tp, self.pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.max_concurrent_batches = self.pp
         self.owns_ray = not ray.is_initialized()
         self.placement_groups: list[PlacementGroup] = []
         self.actors: list = []
@@ -101,8 +103,11 @@ class RayExecutor:
                 subscribed += self.broadcast.recv()[:1] == b"\x01"
             self.check_health()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def submit_batch(self, scheduler_output: SchedulerOutput) -> None:
         self.broadcast.send_multipart(self.encoder.encode(scheduler_output), copy=False)
+
+    def collect_output(self) -> ModelRunnerOutput:
+        """The oldest submitted batch's output (the driver rank replies in broadcast order)."""
         while not self.replies.poll(_HEALTH_POLL_MS):
             self.check_health()
         return self.decoder.decode(self.replies.recv_multipart(copy=False))
