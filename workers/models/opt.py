@@ -6,7 +6,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.attention import Attention, StepMetadata
 from workers.layers.linear import Linear, MergedLinear
 
 # OPT's learned position table reserves its first two rows (a fairseq padding convention).
@@ -24,7 +24,7 @@ class OPTAttention(nn.Module):
         # HF scales the query before the product (scale 1.0 inside attention); matching it keeps floats equal.
         self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, scale=1.0)
 
-    def forward(self, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, metadata: StepMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
         shape = (-1, self.num_heads, self.head_dim)
         out = self.attn((q * self.scaling).view(shape), k.view(shape), v.view(shape), metadata)
@@ -43,7 +43,7 @@ class OPTDecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.activation = ACT2FN[config.activation_function]
 
-    def forward(self, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, metadata: StepMetadata) -> torch.Tensor:
         x = self._sublayer(x, self.self_attn_layer_norm, lambda h: self.self_attn(h, metadata))
         return self._sublayer(x, self.final_layer_norm, lambda h: self.fc2(self.activation(self.fc1(h))))
 
@@ -68,7 +68,7 @@ class OPTDecoder(nn.Module):
         for param in self.parameters():
             param.requires_grad_(False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.project_in is not None:
             x = self.project_in(x)
@@ -96,7 +96,7 @@ class OPTForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", True):
             self.lm_head.weight = self.model.decoder.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata) -> torch.Tensor:
         return self.model.decoder(input_ids, positions, metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
