@@ -80,11 +80,12 @@ def attention_cases(shapes: Shapes, dtype: torch.dtype, device: str, num_sms: in
     k_cache, v_cache, tables = paged_cache(shapes, lens, dtype, device)
     query = torch.randn(len(lens), shapes.heads, shapes.head_dim, dtype=dtype, device=device)
     splits = max(2, decode_split_k_triton.num_splits(lens, shapes.kv_heads, num_sms))
+    device_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     out = torch.empty_like(query)
     cases.append(Case(f"split-K decode attention ({len(lens)} long, {splits} splits)",
                       lambda: attention_ref.decode_attention(query, k_cache, v_cache, tables, lens, scale, None),
-                      lambda: decode_split_k_triton.decode_attention(query, k_cache, v_cache, tables, lens, scale,
-                                                                     None, splits, out),
+                      lambda: decode_split_k_triton.decode_attention(query, k_cache, v_cache, tables, device_lens,
+                                                                     scale, None, splits, out),
                       _kv_bytes(k_cache, lens)))
     return cases
 
@@ -100,10 +101,12 @@ def _mixed_case(name: str, shapes: Shapes, seqs: list[tuple[int, int]], dtype: t
     num_decodes = sum(new == 1 for _, new in seqs)
     out = torch.empty_like(query)
     decode_only = num_decodes == len(seqs)
+    device_starts, device_lens = (torch.tensor(values, dtype=torch.int32, device=device)
+                                  for values in (query_start_loc, seq_lens))
     return Case(name,
                 lambda: attention_ref.paged_attention(query, k_cache, v_cache, tables, query_start_loc, seq_lens,
                                                       num_decodes, scale),
-                lambda: attention_triton.paged_attention(query, k_cache, v_cache, tables, query_start_loc, seq_lens,
+                lambda: attention_triton.paged_attention(query, k_cache, v_cache, tables, device_starts, device_lens,
                                                          scale, None, out),
                 _kv_bytes(k_cache, seq_lens) if decode_only else 0)
 

@@ -138,5 +138,5 @@ def _check_capacity(config: EngineConfig, num_blocks: int) -> None:
     capacity = num_blocks * config.block_size
     if capacity < config.max_model_len:
         raise ValueError(f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.block_size}), fewer "
-                         f"than max_model_len={config.max_model_len}; raise kv_cache_memory/num_kv_blocks "
-                         "or lower max_model_len")
+                         f"than max_model_len={config.max_model_len}; raise gpu_memory_utilization/kv_cache_memory/"
+                         "num_kv_blocks or lower max_model_len")

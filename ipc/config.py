@@ -6,6 +6,7 @@ import re
 import msgspec
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -31,6 +32,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     # Past this many waiting requests the engine refuses new ones (HTTP 429); None: no limit (offline use).
     max_waiting_requests: int | None = None
+    # "auto": CUDA when torch sees a GPU, else CPU (resolved by each worker, on its own machine).
+    device: str = "auto"
+    # CUDA: the fraction of the GPU's memory in use once the KV cache is allocated (weights, activations, the
+    # cache itself and anything else on the device); the KV cache gets what the profiled rest leaves.
+    gpu_memory_utilization: float = 0.9
+    # CUDA: run every step eagerly instead of replaying CUDA graphs for decode-only batches.
+    enforce_eager: bool = False
+    # CUDA: decode batch sizes to capture graphs for; None: 1, 2, 4, 8, then multiples of 8 up to
+    # min(max_num_seqs, 512). A decode batch is padded up to the next captured size.
+    cuda_graph_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
@@ -47,6 +58,21 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
                  f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        self._validate_device_fields()
+
+    def _validate_device_fields(self) -> None:
+        _require(self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}")
+        utilization = self.gpu_memory_utilization
+        _require(_is_number(utilization) and 0 < utilization <= 1, "gpu_memory_utilization",
+                 f"must be a number in (0, 1], got {utilization!r}")
+        _require(isinstance(self.enforce_eager, bool), "enforce_eager",
+                 f"must be True or False, got {self.enforce_eager!r}")
+        if isinstance(self.cuda_graph_sizes, tuple):
+            self.cuda_graph_sizes = list(self.cuda_graph_sizes)
+        sizes = self.cuda_graph_sizes
+        _require(sizes is None or (isinstance(sizes, list) and sizes != [] and all(
+            isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in sizes)),
+            "cuda_graph_sizes", f"must be a non-empty list of batch sizes >= 1 (or None), got {sizes!r}")
 
 
 def parse_memory_size(text: str) -> int:
@@ -56,6 +82,10 @@ def parse_memory_size(text: str) -> int:
     if match is None or unit not in _UNITS:
         raise ValueError(f"kv_cache_memory: cannot parse {text!r}; use bytes or a size like '4GiB'")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _require(ok: bool, field: str, message: str) -> None:

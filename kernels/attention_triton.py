@@ -111,23 +111,22 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], scale: float,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     sliding_window: int | None, out: torch.Tensor) -> torch.Tensor:
     """attention_ref.paged_attention's contract, written into `out` and returned; every key is read from the cache.
 
-    Decode rows need not come first. The last dims of query, out and caches are contiguous; both caches share
-    one layout.
+    query_start_loc and seq_lens are int32 tensors on the query's device: the launch reads nothing from the host
+    but shapes, so a CUDA graph can capture it. Decode rows need not come first. The last dims of query, out and
+    caches are contiguous; both caches share one layout.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = len(seq_lens), key_cache.shape[1]
-    device = query.device
     block_m, block_q = rows_per_program(num_heads // num_kv_heads)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        torch.tensor(query_start_loc, dtype=torch.int32, device=device), num_seqs, scale, sliding_window or 0,
-        head_dim, key_cache.shape[2], query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_seqs, scale,
+        sliding_window or 0, head_dim, key_cache.shape[2], query.stride(0), query.stride(1), out.stride(0),
+        out.stride(1), block_tables.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m,
         DIM_PADDED=padded_head_dim(head_dim), SLIDING=sliding_window is not None,
         PRECISION=dot_precision(query.dtype))

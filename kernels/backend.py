@@ -20,4 +20,9 @@ def use_triton(tensor: torch.Tensor) -> bool:
 
     Callers import them lazily: triton is optional, and it reads TRITON_INTERPRET when a kernel is defined.
     """
-    return tensor.is_cuda and _triton_imports()
+    return triton_serves(tensor.device)
+
+
+def triton_serves(device: torch.device) -> bool:
+    """use_triton for tensors on `device`."""
+    return device.type == "cuda" and _triton_imports()

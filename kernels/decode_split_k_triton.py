@@ -75,11 +75,12 @@ def _reduce_kernel(out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, h
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: list[int], scale: float, sliding_window: int | None,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
                      splits: int, out: torch.Tensor) -> torch.Tensor:
     """attention_ref.decode_attention's contract (one query token per sequence), written into `out` and returned.
 
-    The last dims of query, out and caches are contiguous; both caches share one layout.
+    seq_lens is an int32 tensor on the query's device (nothing is read from the host: a CUDA graph can capture
+    this). The last dims of query, out and caches are contiguous; both caches share one layout.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
@@ -88,9 +89,9 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     partial_max = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=query.device)
     partial_sum = torch.empty_like(partial_max)
     _split_kernel[(num_seqs, num_kv_heads, splits)](
-        partial_out, partial_max, partial_sum, query, key_cache, value_cache, block_tables,
-        torch.tensor(seq_lens, dtype=torch.int32, device=query.device), scale, sliding_window or 0, num_heads,
-        head_dim, key_cache.shape[2], query.stride(0), query.stride(1), block_tables.stride(0),
+        partial_out, partial_max, partial_sum, query, key_cache, value_cache, block_tables, seq_lens, scale,
+        sliding_window or 0, num_heads, head_dim, key_cache.shape[2], query.stride(0), query.stride(1),
+        block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         QUERIES_PER_KV=queries_per_kv, NUM_SPLITS=splits, BLOCK_M=rows_per_program(queries_per_kv)[0],
         DIM_PADDED=dim_padded, SLIDING=sliding_window is not None, PRECISION=dot_precision(query.dtype))

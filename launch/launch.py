@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--pp", "--pipeline-parallel-size", dest="pipeline_parallel_size", type=int, default=1)
     engine.add_argument("--ray-address", help="with --tp/--pp > 1: join this Ray cluster ('auto' or HOST:6379; "
                                               "default: start a private Ray on this machine)")
+    engine.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                        help="auto: CUDA when torch sees a GPU, else CPU")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="CUDA: fraction of the GPU's memory in use once the KV cache is allocated")
+    engine.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode batches")
+    engine.add_argument("--cuda-graph-sizes", type=int, nargs="+",
+                        help="CUDA: decode batch sizes to capture (default 1 2 4 8 16 ... min(max-num-seqs, 512))")
     limits = parser.add_argument_group("request limits")
     limits.add_argument("--max-n", type=int, default=16)
     limits.add_argument("--max-stop", type=int, default=16)
@@ -65,16 +72,22 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model or str(ensure_demo_model())
     try:
-        config = EngineConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
-                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                              max_waiting_requests=args.max_waiting_requests, block_size=args.block_size,
-                              kv_cache_memory=args.kv_cache_memory, seed=args.seed,
-                              tensor_parallel_size=args.tensor_parallel_size,
-                              pipeline_parallel_size=args.pipeline_parallel_size, ray_address=args.ray_address)
-        return Launcher(args, config).run()
+        return Launcher(args, engine_config(args, model)).run()
     except (ValueError, TimeoutError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+
+
+def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
+    """The engine group's flags as an EngineConfig (ValueError naming a bad one)."""
+    return EngineConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_waiting_requests=args.max_waiting_requests, block_size=args.block_size,
+                        kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        pipeline_parallel_size=args.pipeline_parallel_size, ray_address=args.ray_address,
+                        device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
+                        enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes)
 
 
 class Launcher:

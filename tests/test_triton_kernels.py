@@ -30,6 +30,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}}
 
 
+def int32(values: list[int]) -> torch.Tensor:
+    """Lengths and offsets as the kernels read them: int32 on the device."""
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
 def mixed_batch(seqs, block_size, kv_heads, heads, head_dim, dtype, seed):
     """build_batch on DEVICE in `dtype`, the query a strided view (as split from a fused QKV projection)."""
     generator = torch.Generator().manual_seed(seed)
@@ -54,7 +59,8 @@ def run_mixed(block_size, gqa, window, dtype, head_dim=16):
     seq_lens = [ctx for ctx, _ in seqs]
     expected = attention_ref.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 4, 0.25, window)
     out = torch.empty(query.shape, dtype=dtype, device=DEVICE)
-    attention_triton.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 0.25, window, out)
+    attention_triton.paged_attention(query, k_cache, v_cache, tables, int32(starts), int32(seq_lens), 0.25, window,
+                                     out)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
@@ -83,20 +89,25 @@ def test_split_k_decode_and_decode_only_batch(block_size, gqa, window, splits):
     seq_lens = [ctx for ctx, _ in seqs]
     expected = attention_ref.decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.25, window)
     split_k, single = (torch.empty(query.shape, device=DEVICE) for _ in range(2))
-    decode_split_k_triton.decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.25, window, splits, split_k)
-    attention_triton.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 0.25, window, single)
+    decode_split_k_triton.decode_attention(query, k_cache, v_cache, tables, int32(seq_lens), 0.25, window, splits,
+                                           split_k)
+    attention_triton.paged_attention(query, k_cache, v_cache, tables, int32(starts), int32(seq_lens), 0.25, window,
+                                     single)
     torch.testing.assert_close(split_k, expected, **TOLERANCE[torch.float32])
     torch.testing.assert_close(single, expected, **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("num_sms", [132, 1], ids=["split-K", "one-kernel"])
-def test_triton_dispatch_splits_long_decodes_and_keeps_prefills(num_sms):
-    """Two long decodes split (on a 132-SM device) or not, then a prefill chunk after a cached prefix."""
+@pytest.mark.parametrize("device_copies", [False, True], ids=["lists", "device-copies"])
+def test_triton_dispatch_splits_long_decodes_and_keeps_prefills(num_sms, device_copies):
+    """Two long decodes split (on a 132-SM device) or not, then a prefill chunk after a cached prefix; the
+    lengths' device copies made by the dispatcher or given by the caller (as the model runner does)."""
     seqs = [(600, 1), (520, 1), (40, 9)]
     query, k_cache, v_cache, tables, starts = mixed_batch(seqs, 16, 2, 4, 16, torch.float32, seed=5)
     seq_lens = [ctx for ctx, _ in seqs]
     expected = attention_ref.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 2, 0.25, 100)
-    out = triton_paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 2, 0.25, 100, num_sms)
+    copies = (int32(starts), int32(seq_lens)) if device_copies else ()
+    out = triton_paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 2, 0.25, 100, num_sms, *copies)
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
 
 

@@ -1,26 +1,33 @@
 """ModelRunner: keeps per-request state, flattens one mixed prefill/decode batch, runs this rank's share of the
-model (receiving from / sending to neighbouring pipeline stages), and samples on the driver rank."""
+model (receiving from / sending to neighbouring pipeline stages), and samples on the driver rank. On CUDA the
+step's index arrays go through pinned staging and decode-only batches replay CUDA graphs."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from ipc import EngineConfig, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from ipc import EngineConfig, ModelRunnerOutput, NewRequestData, PromptLogprobs, SamplingParams, SchedulerOutput
+from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.distributed import parallel_state, pp_recv, pp_send
-from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.attention import Attention, AttentionMetadata, DecodeMetadata, StepMetadata
 from workers.layers.sampler import Penalties, Sampler, SamplingMetadata, gather_logprobs
 from workers.model_loader import load_model
+from workers.pinned_staging import PinnedStaging
 from workers.request_state import CachedRequestState
+
+# The memory profile samples with the costliest options (a sort over the vocabulary for each row).
+_PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
 
 
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    metadata: AttentionMetadata
+    metadata: StepMetadata
     logits_indices: torch.Tensor  # last token of each request whose scheduled tokens reach its end
     sampled_req_ids: list[str]
     prompt_logprob_jobs: list[PromptLogprobJob]
@@ -46,17 +53,64 @@ class ModelRunner:
         self.model = load_model(config.model, hf_config, dtype, device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed))
         self.requests: dict[str, CachedRequestState] = {}
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
+        self.staging = PinnedStaging(_staging_bytes(config), device) if device.type == "cuda" else None
+        self.decode_graphs: DecodeGraphs | None = None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache, then capture the decode graphs, which write into it."""
+        self._bind_kv_cache(num_blocks)
+        sizes = capture_sizes(self.config)
+        if sizes and self._captures_cuda_graphs():
+            self.decode_graphs = DecodeGraphs(self.model, sizes, self.config.max_model_len, self.block_size,
+                                              self.attention_layers[0].num_kv_heads, self.device)
+            self.decode_graphs.capture()
+
+    def _captures_cuda_graphs(self) -> bool:
+        """On CUDA unless enforce_eager; single rank only, as the TP/PP collectives are not known to be
+        capture-safe."""
+        return (self.device.type == "cuda" and not self.config.enforce_eager
+                and self.parallel.tp_size * self.parallel.pp_size == 1)
+
+    def _bind_kv_cache(self, num_blocks: int) -> None:
         """One [2, num_blocks, kv_heads, block_size, head_dim] tensor per attention layer."""
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for layer in layers:
+        for layer in self.attention_layers:
             # Zeroed: never-written slots are masked out, but garbage there could hold NaN, and 0 * NaN = NaN.
             cache = torch.zeros(2, num_blocks, layer.num_kv_heads, self.block_size, layer.head_dim,
                                 dtype=self.dtype, device=self.device)
             layer.kv_cache = (cache[0], cache[1])
             self.kv_caches.append(cache)
+
+    def _release_kv_cache(self) -> None:
+        for layer in self.attention_layers:
+            layer.kv_cache = None
+        self.kv_caches = []
+
+    def profile_run(self) -> None:
+        """The step with the largest activations, for the memory profile: max_num_batched_tokens prompt tokens
+        over as many sequences as one step may sample (none longer than max_model_len), then sampling, on a
+        throwaway KV cache just large enough. Leaves no request, cache or sampler state behind."""
+        config = self.config
+        num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
+        num_tokens = min(config.max_num_batched_tokens, num_seqs * config.max_model_len)
+        lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        blocks = [-(-length // self.block_size) for length in lengths]
+        first_blocks = [0, *itertools.accumulate(blocks)]
+        requests = [NewRequestData(req_id=f"profile-{i}", prompt_token_ids=[0] * length,
+                                   sampling_params=_PROFILE_SAMPLING, eos_token_id=None,
+                                   block_ids=list(range(first_blocks[i], first_blocks[i + 1])), num_computed_tokens=0)
+                    for i, length in enumerate(lengths)]
+        self._bind_kv_cache(first_blocks[-1])
+        try:
+            self.execute_model(SchedulerOutput(
+                scheduled_new_reqs=requests, scheduled_cached_reqs=[], finished_req_ids=[],
+                num_scheduled_tokens={r.req_id: len(r.prompt_token_ids) for r in requests},
+                total_num_scheduled_tokens=num_tokens))
+        finally:
+            self.requests.clear()
+            self._release_kv_cache()
+            self.sampler.generator.manual_seed(config.seed)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -84,6 +138,8 @@ class ModelRunner:
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """This stage's layers; a stage after the first starts from the previous stage's hidden states."""
+        if isinstance(inputs.metadata, DecodeMetadata):
+            return self.decode_graphs.replay(len(inputs.input_ids))
         args = (inputs.input_ids, inputs.positions, inputs.metadata)
         if self.parallel.is_first_stage:
             return self.model(*args)
@@ -104,6 +160,8 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(self, so: SchedulerOutput) -> ModelInputs:
+        if self.staging is not None:
+            self.staging.begin_step()
         counts = so.num_scheduled_tokens
         # Decodes first, longest context first (the torch decode path batches rows of similar length).
         req_ids = sorted(counts, key=lambda r: (counts[r] != 1, -self.requests[r].num_computed_tokens))
@@ -120,13 +178,31 @@ class ModelRunner:
             + positions % self.block_size
         sampled = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
         num_decodes = int((num_tokens == 1).sum())
+        jobs = [job for i, state in enumerate(states)
+                if (job := _prompt_logprob_job(state, int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])))]
+        graph_size = self._graph_size(len(req_ids)) if num_decodes == len(req_ids) and not jobs else None
+        if graph_size is not None:
+            batch = DecodeBatch.padded(input_ids, positions, slot_mapping, seq_lens, table, graph_size)
+            input_ids_t, positions_t, metadata = self.decode_graphs.load(batch, self.staging)
+        else:
+            input_ids_t, positions_t = self._tensor(input_ids), self._tensor(positions)
+            metadata = self._attention_metadata(slot_mapping, table, query_start_loc, seq_lens, num_decodes)
+        return ModelInputs(input_ids_t, positions_t, metadata, self._tensor(query_start_loc[1:][sampled] - 1),
+                           [req_ids[i] for i in sampled], jobs)
+
+    def _graph_size(self, num_seqs: int) -> int | None:
+        """The captured size a decode-only batch of num_seqs replays at; None: run it eagerly."""
+        return None if self.decode_graphs is None else padded_batch_size(num_seqs, self.decode_graphs.sizes)
+
+    def _attention_metadata(self, slot_mapping: np.ndarray, table: np.ndarray, query_start_loc: np.ndarray,
+                            seq_lens: np.ndarray, num_decodes: int) -> AttentionMetadata:
         metadata = AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(table),
             query_start_loc=query_start_loc.tolist(), seq_lens=seq_lens.tolist(), num_decodes=num_decodes)
-        jobs = [job for i, state in enumerate(states)
-                if (job := _prompt_logprob_job(state, int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])))]
-        return ModelInputs(self._tensor(input_ids), self._tensor(positions), metadata,
-                           self._tensor(query_start_loc[1:][sampled] - 1), [req_ids[i] for i in sampled], jobs)
+        if self.staging is not None:  # the kernels' int32 copies, made once for every layer
+            metadata.device_query_start_loc = self.staging.to_device(query_start_loc.astype(np.int32))
+            metadata.device_seq_lens = self.staging.to_device(seq_lens.astype(np.int32))
+        return metadata
 
     def _block_table(self, states: list[CachedRequestState]) -> np.ndarray:
         table = np.zeros((len(states), max(len(s.block_ids) for s in states)), dtype=np.int64)
@@ -135,7 +211,10 @@ class ModelRunner:
         return table
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
+        """An int64 index array on this rank's device: shared with numpy on CPU, staged through pinned memory on
+        CUDA."""
+        array = np.ascontiguousarray(array, dtype=np.int64)
+        return torch.from_numpy(array) if self.staging is None else self.staging.to_device(array)
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> ModelRunnerOutput:
         states = [self.requests[r] for r in req_ids]
@@ -149,25 +228,27 @@ class ModelRunner:
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]
-        temperature = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params])
+        device = self.device
+        temperature = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params], device=device)
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         return SamplingMetadata(
             temperature=temperature,
-            top_k=torch.tensor(top_k) if any(k > 0 for k in top_k) else None,
-            top_p=torch.tensor(top_p) if any(p < 1.0 for p in top_p) else None,
-            min_p=torch.tensor(min_p) if any(p > 0.0 for p in min_p) else None,
+            top_k=torch.tensor(top_k, device=device) if any(k > 0 for k in top_k) else None,
+            top_p=torch.tensor(top_p, device=device) if any(p < 1.0 for p in top_p) else None,
+            min_p=torch.tensor(min_p, device=device) if any(p > 0.0 for p in min_p) else None,
             generators={row: s.generator for row, s in enumerate(states) if s.generator is not None},
             banned_token_ids={row: ids for row, s in enumerate(states) if (ids := s.banned_token_ids())},
             num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None},
-            penalties=_penalties(states),
+            penalties=_penalties(states, device),
             logit_bias={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias} or None)
 
 
 def _prompt_logprobs(logits: torch.Tensor, job: PromptLogprobJob) -> PromptLogprobs:
     logprobs = torch.log_softmax(logits, dim=-1)
-    return PromptLogprobs(*gather_logprobs(logprobs, torch.tensor(job.next_token_ids), job.num_top))
+    next_token_ids = torch.tensor(job.next_token_ids, device=logits.device)
+    return PromptLogprobs(*gather_logprobs(logprobs, next_token_ids, job.num_top))
 
 
 def _prompt_logprob_job(state: CachedRequestState, start: int, end: int, first_row: int) -> PromptLogprobJob | None:
@@ -181,13 +262,22 @@ def _prompt_logprob_job(state: CachedRequestState, start: int, end: int, first_r
                             state.token_ids[start + 1:last + 1], num_top)
 
 
-def _penalties(states: list[CachedRequestState]) -> Penalties | None:
+def _penalties(states: list[CachedRequestState], device: torch.device) -> Penalties | None:
     rows = [row for row, state in enumerate(states) if state.sampling_params.has_penalties]
     if not rows:
         return None
     params = [states[row].sampling_params for row in rows]
-    return Penalties(rows=rows, presence=torch.tensor([p.presence_penalty for p in params]),
-                     frequency=torch.tensor([p.frequency_penalty for p in params]),
-                     repetition=torch.tensor([p.repetition_penalty for p in params]),
+    return Penalties(rows=rows, presence=torch.tensor([p.presence_penalty for p in params], device=device),
+                     frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
+                     repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
                      output_token_ids=[states[row].token_ids[states[row].num_prompt_tokens:] for row in rows],
                      seen_token_ids=[states[row].token_ids for row in rows])
+
+
+def _staging_bytes(config: EngineConfig) -> int:
+    """Pinned bytes for the most one step stages, each array aligned: four int64 arrays indexed by token (ids,
+    positions, slots, prompt-logprob rows; a padded decode batch may exceed the token budget, never max_num_seqs),
+    the block table, the logits indices, and the int32 query starts and lengths."""
+    rows, seqs = max(config.max_num_batched_tokens, config.max_num_seqs), config.max_num_seqs
+    table = seqs * -(-config.max_model_len // config.block_size)
+    return 8 * (4 * rows + table + seqs) + 4 * (2 * seqs + 1) + 16 * (seqs + 8)

@@ -5,6 +5,7 @@ import msgspec
 import zmq
 
 from ipc import Decoder, EngineConfig, Encoder, SchedulerOutput
+from workers.device import select_device
 from workers.distributed import free_port, init_distributed, parallel_state
 from workers.worker import Worker
 
@@ -29,10 +30,9 @@ class RankWorker:
         return free_port(host)
 
     def init_worker(self, host: str, port: int) -> None:
-        """Rendezvous with every other rank at host:port, then load this rank's shard of the model."""
-        import torch
-
-        init_distributed(host, port, *self.grid, device=torch.device("cpu"))
+        """Rendezvous with every other rank at host:port (NCCL on CUDA, gloo on CPU), then load this rank's shard
+        of the model."""
+        init_distributed(host, port, *self.grid, device=select_device(self.config.device))
         self.worker = Worker(self.config)
 
     def determine_num_kv_blocks(self) -> int:

@@ -8,6 +8,8 @@ import torch
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from kernels import load_cpu_decode_kernel
 from workers.cpu_allocator import keep_freed_memory_in_heap
+from workers.device import select_device
+from workers.gpu_memory import kv_cache_budget, profile_memory
 from workers.layers.attention import Attention
 from workers.model_config import load_hf_config, resolve_dtype
 from workers.model_runner import ModelRunner
@@ -19,9 +21,10 @@ _DEFAULT_CPU_KV_FRACTION = 0.25
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = torch.device("cpu")
+        self.device = select_device(config.device)
         keep_freed_memory_in_heap()
-        load_cpu_decode_kernel()  # build (first time only) now, not in the middle of the first decode step
+        if self.device.type == "cpu":
+            load_cpu_decode_kernel()  # build (first time only) now, not in the middle of the first decode step
         self.hf_config = load_hf_config(config.model)
         self.dtype = resolve_dtype(config.dtype)
         self.model_runner = ModelRunner(config, self.hf_config, self.dtype, self.device)
@@ -34,21 +37,39 @@ class Worker:
                    for layer in layers)
 
     def determine_num_kv_blocks(self) -> int:
-        """Explicit num_kv_blocks wins; else kv_cache_memory bytes; else min(2 GiB, 25% of free memory),
-        capped at what max_num_seqs sequences of max_model_len tokens could ever hold."""
+        """Explicit num_kv_blocks wins; else kv_cache_memory bytes; else, on CUDA, what gpu_memory_utilization
+        leaves after a profiled step, and on CPU min(2 GiB, 25% of free memory), capped at what max_num_seqs
+        sequences of max_model_len tokens could ever hold."""
         config = self.config
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
-        budget = config.kv_cache_memory
-        if budget is None:
-            available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-            most_useful = config.max_num_seqs * -(-config.max_model_len // config.block_size) * self.block_bytes()
-            budget = min(_DEFAULT_CPU_KV_BYTES, int(available * _DEFAULT_CPU_KV_FRACTION), most_useful)
-        num_blocks = budget // self.block_bytes()
+        if config.kv_cache_memory is not None:
+            budget, source = config.kv_cache_memory, f"kv_cache_memory={config.kv_cache_memory} bytes"
+        elif self.device.type == "cuda":
+            budget, source = self._gpu_budget()
+        else:
+            budget = self._cpu_budget()
+            source = f"the default CPU KV budget of {budget} bytes"
+        num_blocks = max(0, budget) // self.block_bytes()
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={budget} bytes holds no KV block "
-                             f"(one block takes {self.block_bytes()} bytes)")
+            raise ValueError(f"{source} holds no KV block (one block takes {self.block_bytes()} bytes)")
         return num_blocks
+
+    def _cpu_budget(self) -> int:
+        config = self.config
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        most_useful = config.max_num_seqs * -(-config.max_model_len // config.block_size) * self.block_bytes()
+        return min(_DEFAULT_CPU_KV_BYTES, int(available * _DEFAULT_CPU_KV_FRACTION), most_useful)
+
+    def _gpu_budget(self) -> tuple[int, str]:
+        """The KV budget from profiling the largest step, and how it came about (for an error message)."""
+        utilization = self.config.gpu_memory_utilization
+        profile = profile_memory(self.model_runner.profile_run, self.device)
+        budget = kv_cache_budget(profile, utilization)
+        source = (f"gpu_memory_utilization={utilization} ({budget} bytes left of {profile.total} after a step "
+                  f"peaking at {profile.torch_peak} bytes of weights and activations, and {profile.non_torch} "
+                  "bytes in use outside torch; raise gpu_memory_utilization or lower max_num_batched_tokens)")
+        return budget, source
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)

@@ -8,7 +8,7 @@ import torch
 
 @dataclass
 class Penalties:
-    """Rows that have any penalty, with what each penalty looks at."""
+    """Rows that have any penalty, with what each penalty looks at; tensors on the logits' device."""
 
     rows: list[int]
     presence: torch.Tensor  # [len(rows)]; 0 → off
@@ -20,7 +20,7 @@ class Penalties:
 
 @dataclass
 class SamplingMetadata:
-    """One row per request being sampled this step."""
+    """One row per request being sampled this step; its tensors are on the logits' device."""
 
     temperature: torch.Tensor  # [rows]; 0 → greedy
     top_k: torch.Tensor | None  # [rows]; 0 → off; None when no row uses it
@@ -54,7 +54,7 @@ class Sampler:
         # bans and temperature, whatever the token was then sampled from.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
         for row, bias in (meta.logit_bias or {}).items():
-            logits[row, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+            logits[row, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
         if meta.penalties is not None:
             _apply_penalties(logits, meta.penalties)
         for row, token_ids in meta.banned_token_ids.items():
@@ -80,7 +80,10 @@ class Sampler:
         # Gumbel-max in its exponential form: argmax(p / q), q ~ Exp(1), samples from p without a sync.
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in meta.generators.items():
-            noise[row].exponential_(generator=generator)
+            if generator.device == noise.device:
+                noise[row].exponential_(generator=generator)
+            else:  # a request's seeded generator is a CPU one: its noise is drawn there, the same on any device
+                noise[row] = torch.empty(noise.shape[1]).exponential_(generator=generator)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
 
@@ -88,11 +91,11 @@ class Sampler:
 def _apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:
     """In place: logits -= presence * [count > 0] + frequency * count over generated tokens; then a seen
     token's logit is divided by the repetition penalty if positive, multiplied if negative."""
-    vocab = logits.shape[-1]
-    rows = torch.tensor(penalties.rows)
-    counts = torch.stack([torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab)[:vocab]
+    vocab, device = logits.shape[-1], logits.device
+    rows = torch.tensor(penalties.rows, device=device)
+    counts = torch.stack([torch.bincount(torch.tensor(ids, dtype=torch.long, device=device), minlength=vocab)[:vocab]
                           for ids in penalties.output_token_ids]).to(logits.dtype)
-    seen = torch.zeros(len(penalties.rows), vocab, dtype=torch.bool)
+    seen = torch.zeros(len(penalties.rows), vocab, dtype=torch.bool, device=device)
     for i, ids in enumerate(penalties.seen_token_ids):
         seen[i, ids] = True
     selected = logits[rows]
@@ -131,5 +134,5 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
 
 
 def _top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> tuple[list[int], list[float], int]:
-    ids, values, ranks = gather_logprobs(logprobs.unsqueeze(0), torch.tensor([token]), n)
+    ids, values, ranks = gather_logprobs(logprobs.unsqueeze(0), torch.tensor([token], device=logprobs.device), n)
     return ids[0], values[0], ranks[0]

@@ -9,7 +9,7 @@ from transformers import PretrainedConfig
 
 from workers.distributed import parallel_state
 from workers.layers.activation import silu_and_mul
-from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.attention import Attention, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
@@ -74,7 +74,7 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
                               sliding_window_of(config, layer_idx))
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: StepMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -107,7 +107,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                metadata: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -131,7 +131,7 @@ class LlamaModel(nn.Module):
                                                             lambda i: layer_class(config, i, rotary))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if state.is_last_stage else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
         """Final hidden states on the last stage, else (hidden, residual) for the next stage."""
         x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
@@ -159,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         self.weight_aliases = tie_lm_head(self.lm_head, self.model.embed_tokens, "model.embed_tokens.weight") \
             if config.tie_word_embeddings else {}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
         return self.model(input_ids, positions, metadata, intermediate)
 

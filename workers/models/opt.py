@@ -8,7 +8,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from workers.distributed import parallel_state
-from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.attention import Attention, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, tie_lm_head
 from workers.models.llama import Intermediate, build_stage_layers
@@ -29,7 +29,7 @@ class OPTAttention(nn.Module):
         # HF scales the query before the product (scale 1.0 inside attention); matching it keeps floats equal.
         self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, scale=1.0)
 
-    def forward(self, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, metadata: StepMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
         shape = (-1, self.num_heads, self.head_dim)
         out = self.attn((q * self.scaling).view(shape), k.view(shape), v.view(shape), metadata)
@@ -48,7 +48,7 @@ class OPTDecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.activation = ACT2FN[config.activation_function]
 
-    def forward(self, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, metadata: StepMetadata) -> torch.Tensor:
         x = self._sublayer(x, self.self_attn_layer_norm, lambda h: self.self_attn(h, metadata))
         return self._sublayer(x, self.final_layer_norm, lambda h: self.fc2(self.activation(self.fc1(h))))
 
@@ -83,7 +83,7 @@ class OPTDecoder(nn.Module):
         for param in self.parameters():
             param.requires_grad_(False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
         """Final hidden states on the last stage, else (hidden, residual) for the next stage."""
         x = self._embed(input_ids, positions) if intermediate is None else intermediate[0]
@@ -122,7 +122,7 @@ class OPTForCausalLM(nn.Module):
                                           "model.decoder.embed_tokens.weight") \
             if getattr(config, "tie_word_embeddings", True) else {}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
         return self.model.decoder(input_ids, positions, metadata, intermediate)
 

@@ -1,0 +1,125 @@
+"""The CUDA path end to end, skipped only where torch sees no GPU: float32 equals HF, CUDA graphs equal eager
+steps (padded and past the largest graph), the KV budget follows gpu_memory_utilization, sampling options run on
+the device, the Triton kernels serve CUDA tensors, and every KV block returns to the pool."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_all_blocks_free, random_prompts, tiny_model
+from frontend import LLM, SamplingParams
+from kernels.backend import use_triton
+from test_hf_exactness import GREEDY, MAX_NEW_TOKENS, PROMPT_LENGTHS, expected
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# A tiny model given 90% of a GPU gets millions of blocks, slow to set up: tests not about the budget fix it.
+SMALL_CACHE = {"num_kv_blocks": 1024}
+# Each leaves the outputs unchanged. Chunked: 5-token steps, so decode batches of up to 5 pad to the graph of 8,
+# and a prompt's 1-token chunk rides in a decode-only batch without being sampled.
+VARIANTS = {
+    "batched": SMALL_CACHE,
+    "chunked": {**SMALL_CACHE, "max_num_batched_tokens": 5},
+    "preempted": {"num_kv_blocks": 24, "max_model_len": 384},
+}
+
+
+def model_runner(llm: LLM):
+    """The model runner of an in-process engine."""
+    return llm.client.engine.executor.worker.model_runner
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_float32_greedy_on_cuda_equals_hf(arch, enforce_eager, variant):
+    model_dir = tiny_model(arch)
+    prompts, hf_outputs = expected(model_dir)
+    llm = LLM(model_dir, dtype="float32", device="cuda", enforce_eager=enforce_eager, **VARIANTS[variant])
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for length, output, theirs in zip(PROMPT_LENGTHS, outputs, hf_outputs):
+        assert output.outputs[0].token_ids == theirs, f"{arch}/{variant}: prompt of {length} tokens diverges from HF"
+    assert_all_blocks_free(llm)
+    if variant == "preempted":
+        assert llm.get_stats().num_preemptions > 0
+    llm.shutdown()
+
+
+def test_bfloat16_cuda_graphs_equal_eager_steps_padded_and_past_the_largest_graph(monkeypatch):
+    """11 requests finishing one after another: decode batches of 11 to 9 run eagerly (the largest graph is 8),
+    8 and below replay a graph, 7 to 5 padded to 8 and 3 to 4."""
+    model_dir = tiny_model("llama")
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5 + 9 * i for i in range(11)], vocab=1000, seed=3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(11)]
+    # Contexts under 512 tokens keep every decode on the one-pass attention kernel in both modes (split-K starts
+    # at 512), so both sum in the same order and bfloat16 rounding cannot tell them apart.
+    common = {"device": "cuda", "max_model_len": 256, "cuda_graph_sizes": [1, 2, 4, 8], "in_process": True,
+              **SMALL_CACHE}
+    eager = LLM(model_dir, enforce_eager=True, **common)
+    assert model_runner(eager).decode_graphs is None
+    assert model_runner(eager).dtype == torch.bfloat16  # dtype "auto"
+    expected_tokens = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert_all_blocks_free(eager)
+    eager.shutdown()
+
+    graphed = LLM(model_dir, **common)
+    graphs = model_runner(graphed).decode_graphs
+    assert sorted(graphs.graphs) == [1, 2, 4, 8]
+    replayed = []
+    replay = graphs.replay
+    monkeypatch.setattr(graphs, "replay", lambda size: replayed.append(size) or replay(size))
+    tokens = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
+    assert [len(t) for t in tokens] == [p.max_tokens for p in params]
+    assert tokens == expected_tokens
+    assert set(replayed) == {1, 2, 4, 8}
+    assert_all_blocks_free(graphed)
+    graphed.shutdown()
+
+
+def test_kv_budget_grows_with_gpu_memory_utilization():
+    model_dir = tiny_model("llama")
+    blocks = {}
+    for utilization in (0.04, 0.08):
+        llm = LLM(model_dir, device="cuda", gpu_memory_utilization=utilization)
+        blocks[utilization] = llm.info.num_kv_blocks
+        [output] = llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False)
+        assert len(output.outputs[0].token_ids) == MAX_NEW_TOKENS
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+    block_bytes = 2 * 16 * 2 * 16 * 2 * 2  # K and V, block size 16, 2 KV heads of 16 dims, 2 layers, bfloat16
+    growth = 0.04 * torch.cuda.mem_get_info()[1] / block_bytes
+    assert blocks[0.04] > 0
+    assert blocks[0.08] - blocks[0.04] == pytest.approx(growth, rel=0.05)
+
+
+def test_too_small_a_gpu_share_is_a_clear_error():
+    with pytest.raises(ValueError, match="gpu_memory_utilization=1e-05 .* holds no KV block"):
+        LLM(tiny_model("llama"), device="cuda", gpu_memory_utilization=1e-5)
+
+
+def test_sampling_options_run_on_cuda_and_seeds_repeat():
+    llm = LLM(tiny_model("llama"), device="cuda", **SMALL_CACHE)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 30, 70], vocab=1000, seed=4)]
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, presence_penalty=0.5,
+                            frequency_penalty=0.2, repetition_penalty=1.1, logit_bias={5: 2.0}, logprobs=2,
+                            prompt_logprobs=2, seed=11, max_tokens=16, ignore_eos=True)
+    first, second = (llm.generate(prompts, params, use_tqdm=False) for _ in range(2))
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second]
+    for prompt, output in zip(prompts, first):
+        assert len(output.outputs[0].logprobs) == 16
+        assert all(len(top) >= 2 for top in output.outputs[0].logprobs)
+        assert len(output.prompt_logprobs) == len(prompt["prompt_token_ids"])
+    unseeded = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in llm.generate(prompts, unseeded, use_tqdm=False))
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
+def test_triton_kernels_serve_cuda_tensors_and_the_auto_device_is_cuda():
+    assert use_triton(torch.empty(1, device="cuda"))
+    assert not use_triton(torch.empty(1))
+    llm = LLM(tiny_model("qwen2"), in_process=True, **SMALL_CACHE)
+    runner = model_runner(llm)
+    assert runner.device.type == "cuda" and runner.decode_graphs is not None
+    assert all(cache.is_cuda for cache in runner.kv_caches)
+    llm.shutdown()
