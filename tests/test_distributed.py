@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 # Ray turns a 127.0.0.1 cluster address into this machine's outward IP unless told that the machine's IP is
 # loopback (read when ray is imported, inherited by the engine and Ray processes): all of it stays on 127.0.0.1.
@@ -101,6 +102,15 @@ def test_private_ray_when_no_address():
         assert generate(llm, prompts) == expected
     finally:
         llm.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a cluster without GPUs")
+def test_cuda_ranks_on_a_cluster_without_gpus_are_refused_at_once(cluster):
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="needs 2 GPUs; the Ray cluster has 0"):
+        LLM(model_dir("qwen2"), device="cuda", tensor_parallel_size=2, ray_address=cluster.address)
+    assert time.monotonic() - start < 30  # not the placement timeout
+    assert wait_until(lambda: not stage_nodes(), timeout=10), stage_nodes()
 
 
 def test_killed_worker_fails_pending_requests(cluster):

@@ -50,9 +50,13 @@ class RayExecutor:
     def _start_actors(self) -> None:
         if self.owns_ray:
             _connect_ray(self.config.ray_address, self.tp * self.pp)
+        # Every rank gets the same concrete device: "auto" means GPUs when the cluster has them.
+        self.config = msgspec.structs.replace(self.config, device=_cluster_device(self.config.device,
+                                                                                 self.tp * self.pp))
+        self.rank_resources = {"CPU": 1, "GPU": 1} if self.config.device == "cuda" else {"CPU": 1}
         self.host = "127.0.0.1" if self.config.ray_address is None else ray.util.get_node_ip_address()
         self.placement_groups = [self._place_stage(stage) for stage in range(self.pp)]
-        remote = ray.remote(num_cpus=1)(RankWorker)
+        remote = ray.remote(num_cpus=1, num_gpus=self.rank_resources.get("GPU", 0))(RankWorker)
         config_json = msgspec.json.encode(self.config)
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [_REPO_ROOT, os.environ.get("PYTHONPATH")]))}
         self.actors = [
@@ -65,12 +69,14 @@ class RayExecutor:
 
     def _place_stage(self, stage: int) -> PlacementGroup:
         """One placement group per pipeline stage, STRICT_PACK: a stage's TP ranks share a node."""
-        group = placement_group([{"CPU": 1}] * self.tp, strategy="STRICT_PACK", name=f"pagedserve-pp{stage}")
+        group = placement_group([self.rank_resources] * self.tp, strategy="STRICT_PACK",
+                                name=f"pagedserve-pp{stage}")
         ready, _ = ray.wait([group.ready()], timeout=_PLACEMENT_TIMEOUT_S)
         if not ready:
             remove_placement_group(group)
             raise WorkerFailedError(
-                f"Ray could not place pipeline stage {stage}: {self.tp} ranks of 1 CPU each on one node within "
+                f"Ray could not place pipeline stage {stage}: {self.tp} ranks of {self.rank_resources} each on one "
+                f"node within "
                 f"{_PLACEMENT_TIMEOUT_S:.0f} s (cluster resources: {ray.available_resources()}); add nodes or "
                 "lower tensor_parallel_size")
         return group
@@ -140,6 +146,18 @@ class RayExecutor:
             return ray.get(refs)
         except ray.exceptions.RayError as error:
             raise WorkerFailedError(f"a worker rank failed during start-up: {error}") from error
+
+
+def _cluster_device(device: str, num_ranks: int) -> str:
+    """'auto' → 'cuda' when the cluster has GPUs, else 'cpu'; 'cuda' without a GPU per rank is refused now
+    rather than after a placement timeout."""
+    num_gpus = int(ray.cluster_resources().get("GPU", 0))
+    if device == "auto":
+        device = "cuda" if num_gpus else "cpu"
+    if device == "cuda" and num_gpus < num_ranks:
+        raise ValueError(f"device='cuda' with {num_ranks} ranks needs {num_ranks} GPUs; the Ray cluster has "
+                         f"{num_gpus}")
+    return device
 
 
 def _connect_ray(address: str | None, num_ranks: int) -> None:
