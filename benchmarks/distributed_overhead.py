@@ -1,6 +1,7 @@
 """Per-step control-plane overhead of the Ray executor: decode-only steps of 1 and 64 requests on the tiny llama,
 in-process tp=1 vs the Ray path at tp=1 (same compute: the difference is the control plane alone) and at tp=2
-(adds the gloo all-reduces and the logits gather). Target: the Ray path adds <= 1 ms per step.
+(adds the all-reduces and the logits gather, through shared memory between the two ranks). Target: the Ray path
+adds <= 1 ms per step.
 
 Every engine runs one torch thread per rank, so the in-process and Ray tp=1 engines compute alike.
 """

@@ -9,18 +9,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from workers.shm_communicator import ShmCommunicator, connect_shm
+
 _INIT_TIMEOUT = timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
 class ParallelState:
-    """Rank r = pp_rank * tp_size + tp_rank; each pipeline stage's TP ranks form one group."""
+    """Rank r = pp_rank * tp_size + tp_rank; each pipeline stage's TP ranks form one group. On CPU its
+    collectives go through shared memory (tp_comm) when the group shares this host's, else through gloo."""
 
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
     tp_group: dist.ProcessGroup | None = None
+    tp_comm: ShmCommunicator | None = None
 
     @property
     def rank(self) -> int:
@@ -66,12 +70,17 @@ def init_distributed(host: str, port: int, tp_rank: int, tp_size: int, pp_rank: 
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
                             world_size=tp_size * pp_size, timeout=_INIT_TIMEOUT)
     groups = [dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size))) for stage in range(pp_size)]
-    _state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, groups[pp_rank])
+    tp_comm = None
+    if backend == "gloo" and tp_size > 1:  # a gloo message costs milliseconds, a shared-memory round microseconds
+        tp_comm = connect_shm(groups[pp_rank], tp_rank, tp_size, f"pagedserve-{host}-{port}-stage{pp_rank}")
+    _state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, groups[pp_rank], tp_comm)
     return _state
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over this stage's TP ranks, in place."""
+    if _state.tp_comm is not None:
+        return _state.tp_comm.all_reduce(x)
     if _state.tp_size > 1:
         dist.all_reduce(x, group=_state.tp_group)
     return x
@@ -81,6 +90,8 @@ def tp_gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     """Concatenate each TP rank's x along the last dimension on TP rank 0; None on the other ranks."""
     if _state.tp_size == 1:
         return x
+    if _state.tp_comm is not None:
+        return _state.tp_comm.gather_last_dim(x)
     x = x.contiguous()
     first = _state.pp_rank * _state.tp_size
     parts = [torch.empty_like(x) for _ in range(_state.tp_size)] if _state.tp_rank == 0 else None
