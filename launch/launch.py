@@ -1,4 +1,4 @@
-"""`pagedserve` / `python -m launch`: serve a model over an OpenAI-compatible HTTP API (the built-in demo model
+"""`pagedserve` / `python -m launch` / `python launch/launch.py`: serve a model over an OpenAI-compatible HTTP API (the built-in demo model
 when none is given). Starts one engine core and --api-server-count gateway processes sharing one port,
 supervises them, and takes everything down on Ctrl-C / SIGTERM (in-flight requests get --shutdown-timeout).
 """
@@ -15,11 +15,15 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
-from core.engine_spawn import EngineProcess, child_env
-from ipc import EngineConfig
-from ipc.lifeline import make_lifeline
-from ipc.sockets import private_ipc_address
+if not __package__:  # run as `python launch/launch.py`: `launch` must be this package, not this file
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from core.engine_spawn import EngineProcess, child_env  # noqa: E402
+from ipc import EngineConfig  # noqa: E402
+from ipc.lifeline import make_lifeline  # noqa: E402
+from ipc.sockets import private_ipc_address  # noqa: E402
 
 logger = logging.getLogger("pagedserve.launch")
 _GATEWAY_START_TIMEOUT_S = 120.0

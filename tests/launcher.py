@@ -19,12 +19,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_launcher(args: list[str], env_extra: dict[str, str] | None = None,
-                   timeout: float = 180.0) -> tuple[subprocess.Popen, str]:
-    """The launcher process and its base URL, once /health answers 200."""
+def start_launcher(args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 180.0,
+                   as_script: bool = False) -> tuple[subprocess.Popen, str]:
+    """The launcher process (`python -m launch`, or `python launch/launch.py` as_script) and its base URL, once
+    /health answers 200."""
     port = free_port()
     env = {**os.environ, **(env_extra or {})}
-    process = subprocess.Popen([sys.executable, "-m", "launch", "--port", str(port), *args], cwd=REPO, env=env)
+    entry = ["launch/launch.py"] if as_script else ["-m", "launch"]
+    process = subprocess.Popen([sys.executable, *entry, "--port", str(port), *args], cwd=REPO, env=env)
     base_url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -11,7 +11,8 @@ from launcher import REPO, start_launcher, stop_launcher
 
 
 def test_launch_without_model_serves_the_demo_model(tmp_path):
-    process, base_url = start_launcher([], {"PAGEDSERVE_CACHE": str(tmp_path)})
+    """Started the way the issue writes it, `python launch/launch.py` (the other tests use `python -m launch`)."""
+    process, base_url = start_launcher([], {"PAGEDSERVE_CACHE": str(tmp_path)}, as_script=True)
     try:
         assert (tmp_path / "demo-model" / "config.json").is_file()
         [model] = httpx.get(f"{base_url}/v1/models").json()["data"]
