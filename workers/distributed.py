@@ -99,21 +99,26 @@ def tp_gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1) if parts is not None else None
 
 
-def pp_send(hidden: torch.Tensor, residual: torch.Tensor) -> None:
+# What a pipeline stage hands the next: [num_tokens, hidden_size] tensors, as many as the model says it needs
+# (llama: hidden states and residual; OPT: hidden states alone).
+Intermediate = tuple[torch.Tensor, ...]
+
+
+def pp_send(intermediate: Intermediate) -> None:
     """Hand this stage's output to the same TP rank of the next stage."""
     peer = _state.rank + _state.tp_size
-    dist.send(hidden.contiguous(), peer)
-    dist.send(residual.contiguous(), peer)
+    for tensor in intermediate:
+        dist.send(tensor.contiguous(), peer)
 
 
-def pp_recv(num_tokens: int, hidden_size: int, dtype: torch.dtype,
-            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The previous stage's (hidden states, residual) for this step's num_tokens tokens."""
+def pp_recv(num_tensors: int, num_tokens: int, hidden_size: int, dtype: torch.dtype,
+            device: torch.device) -> Intermediate:
+    """The previous stage's num_tensors tensors for this step's num_tokens tokens."""
     peer = _state.rank - _state.tp_size
-    hidden, residual = (torch.empty(num_tokens, hidden_size, dtype=dtype, device=device) for _ in range(2))
-    dist.recv(hidden, peer)
-    dist.recv(residual, peer)
-    return hidden, residual
+    intermediate = tuple(torch.empty(num_tokens, hidden_size, dtype=dtype, device=device) for _ in range(num_tensors))
+    for tensor in intermediate:
+        dist.recv(tensor, peer)
+    return intermediate
 
 
 def shard_range(total: int, tp_rank: int, tp_size: int) -> tuple[int, int]:

@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 from ipc import EngineConfig, ModelRunnerOutput, NewRequestData, PromptLogprobs, SamplingParams, SchedulerOutput
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
-from workers.distributed import parallel_state, pp_recv, pp_send
+from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
 from workers.layers.attention import Attention, AttentionMetadata, DecodeMetadata, StepMetadata
 from workers.layers.sampler import Penalties, Sampler, SamplingMetadata, gather_logprobs
 from workers.model_loader import load_model
@@ -120,7 +120,7 @@ class ModelRunner:
         inputs = self._prepare_inputs(scheduler_output)
         hidden = self._forward(inputs)
         if not self.parallel.is_last_stage:
-            pp_send(*hidden)
+            pp_send(hidden)
             return ModelRunnerOutput(sampled_token_ids={})
         # Every TP rank takes part in computing logits; only the driver gets them, and samples.
         prompt_logits = [self.model.compute_logits(hidden[self._tensor(job.rows)])
@@ -136,14 +136,15 @@ class ModelRunner:
         output.prompt_logprobs = prompt_logprobs
         return output
 
-    def _forward(self, inputs: ModelInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, inputs: ModelInputs) -> torch.Tensor | Intermediate:
         """This stage's layers; a stage after the first starts from the previous stage's hidden states."""
         if isinstance(inputs.metadata, DecodeMetadata):
             return self.decode_graphs.replay(len(inputs.input_ids))
         args = (inputs.input_ids, inputs.positions, inputs.metadata)
         if self.parallel.is_first_stage:
             return self.model(*args)
-        return self.model(*args, pp_recv(len(inputs.input_ids), self.hidden_size, self.dtype, self.device))
+        return self.model(*args, pp_recv(self.model.num_intermediate_tensors, len(inputs.input_ids), self.hidden_size,
+                                         self.dtype, self.device))
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:

@@ -30,20 +30,6 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-class MergedLinear(Linear):
-    """Several linears over the same input stacked on the output dimension (q/k/v, gate/up): one matmul."""
-
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = output_sizes
-
-    def weight_loader(self, param: nn.Parameter, loaded: Sliceable, shard_id: int | None = None) -> None:
-        if shard_id is None:
-            raise ValueError("a merged linear loads one shard at a time; the checkpoint name had no shard")
-        offset = sum(self.output_sizes[:shard_id])
-        _copy_checked(param.data.narrow(0, offset, self.output_sizes[shard_id]), loaded[:])
-
-
 class ColumnParallelLinear(nn.Module):
     """Linears over the same input stacked on the output dimension, each split over the TP ranks: shard i is
     `units` blocks of `unit_size` rows (heads of head_dim, or single rows). Outputs stay split; no communication.

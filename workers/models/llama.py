@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from workers.distributed import parallel_state
+from workers.distributed import Intermediate, parallel_state
 from workers.layers.activation import silu_and_mul
 from workers.layers.attention import Attention, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -16,7 +16,6 @@ from workers.layers.rotary import RotaryEmbedding
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, tie_lm_head
 
 # What a pipeline stage hands the next: (hidden states, residual).
-Intermediate = tuple[torch.Tensor, torch.Tensor]
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -147,6 +146,7 @@ class LlamaForCausalLM(nn.Module):
     """Checkpoint names match HF's; q/k/v and gate/up load into merged projections."""
 
     layer_class = LlamaDecoderLayer
+    num_intermediate_tensors = 2  # hidden states and residual
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 

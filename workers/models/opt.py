@@ -7,11 +7,11 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from workers.distributed import parallel_state
+from workers.distributed import Intermediate, parallel_state
 from workers.layers.attention import Attention, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, tie_lm_head
-from workers.models.llama import Intermediate, build_stage_layers
+from workers.models.llama import build_stage_layers
 
 # OPT's learned position table reserves its first two rows (a fairseq padding convention).
 _POSITION_OFFSET = 2
@@ -85,13 +85,12 @@ class OPTDecoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
-        """Final hidden states on the last stage, else (hidden, residual) for the next stage."""
+        """Final hidden states on the last stage, else (hidden states,) for the next stage."""
         x = self._embed(input_ids, positions) if intermediate is None else intermediate[0]
         for i in self.stage_layers:
             x = self.layers[i](x, metadata)
         if not self.is_last_stage:
-            # Stages hand over llama's (hidden, residual) pair; OPT keeps no separate residual, so it goes as zeros.
-            return x, torch.zeros_like(x)
+            return (x,)
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         return x if self.project_out is None else self.project_out(x)
@@ -110,6 +109,7 @@ class OPTModel(nn.Module):
 
 
 class OPTForCausalLM(nn.Module):
+    num_intermediate_tensors = 1  # no separate residual stream
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 
     def __init__(self, config: PretrainedConfig) -> None:
