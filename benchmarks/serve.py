@@ -10,12 +10,14 @@ p50 / p99 of TTFT, TPOT ((e2e - ttft) / (output tokens - 1)), ITL and E2E in ms;
 request's measurements, --plot draws each request's TTFT and E2E latency against its send time.
 
 --compare-offline needs no running server (issue 4's benchmark). On --model-path (default: the demo model) it
-runs the requests through offline `LLM.generate` (greedy, ignore_eos), starts `python -m launch` on a free
-loopback port with the same engine settings, sends them all at once (saturation; target: output tokens/s
-through HTTP >= 90% of offline), sends them again as a Poisson process at half the saturation request
-throughput (TTFT and TPOT there), and stops the launcher with SIGTERM. Prompt ids come from the model's
-vocabulary unless --vocab is given; --plot draws the half-rate run; the exit status is 1 on a failed request
-or a launcher exit other than 0.
+keeps an offline `LLM` and a launched server (`python -m launch` on a free loopback port, same engine settings)
+up side by side and warms both with every request cut to a few tokens. Then, --rounds times, it runs the
+requests through offline `LLM.generate` (greedy, ignore_eos) and sends them all at once to the server
+(saturation). Target: output tokens/s through HTTP >= 90% of offline, as the median of the rounds' ratios (this
+machine's speed drifts by more than 10% between runs, so one run misleads). It then sends the requests as a
+Poisson process at half the median saturation request throughput (TTFT and TPOT there) and stops the launcher
+with SIGTERM. Prompt ids come from the model's vocabulary unless --vocab is given; --plot draws the half-rate
+run; the exit status is 1 on a failed request or a launcher exit other than 0.
 
 The core is importable: `make_requests` builds the workload, `run_benchmark` runs it and returns the results.
 """
@@ -28,6 +30,7 @@ import json
 import math
 import os
 import random
+import statistics
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -49,6 +52,7 @@ METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (
                  "itl": "Inter-token Latency", "e2e": "End-to-end Latency"}
 DEFAULT_VOCAB = 8192
 DEFAULT_MAX_WAITING_REQUESTS = 1024  # the launcher's
+WARM_UP_OUTPUT_LEN = 16  # --compare-offline: every request, this short, untimed on each side first
 HTTP_OFFLINE_TARGET = 0.90  # issue 4: all-at-once output tokens/s through HTTP over offline LLM.generate
 
 
@@ -299,7 +303,8 @@ def benchmark_launched(base_url: str, requests: list[RequestSpec], request_rate:
 
 
 def compare_offline(args: argparse.Namespace) -> dict[str, Any]:
-    """Offline LLM.generate, then a launched server at saturation and at half its request throughput there."""
+    """Warmed offline LLM.generate and a launched server, alternately at saturation for --rounds rounds, then
+    the server at half its median request throughput there."""
     import serve_compare  # the engine and torch: only this mode needs them
 
     model = serve_compare.model_folder(args.model_path)
@@ -308,42 +313,63 @@ def compare_offline(args: argparse.Namespace) -> dict[str, Any]:
         args.max_waiting_requests or max(DEFAULT_MAX_WAITING_REQUESTS, args.num_prompts))
     vocab = serve_compare.model_vocab(model) if args.vocab is None else args.vocab
     requests = make_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
-    offline = serve_compare.run_offline(model, settings, [r.prompt for r in requests],
-                                        [r.output_len for r in requests])
-    with serve_compare.launched_server(model, settings) as server:
-        saturation = benchmark_launched(server.base_url, requests, math.inf, args)
-        if not saturation["metrics"]["completed"]:
-            raise RuntimeError(f"no request completed at saturation: {saturation['metrics']['errors']}")
-        half_rate = saturation["metrics"]["request_throughput"] / 2
+    warm_up = [RequestSpec(r.prompt, min(r.output_len, WARM_UP_OUTPUT_LEN)) for r in requests]
+    if args.engine_threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.engine_threads)  # both engine cores are child processes
+    rounds = []
+    with (serve_compare.offline_engine(model, settings) as offline,
+          serve_compare.launched_server(model, settings) as server):
+        # A first run at a new batch size is up to 40% slower (the allocators grow, fresh memory faults in; seen
+        # here): neither side times one.
+        offline.run([r.prompt for r in warm_up], [r.output_len for r in warm_up])
+        benchmark_launched(server.base_url, warm_up, math.inf, args)
+        for _ in range(args.rounds):
+            offline_run = offline.run([r.prompt for r in requests], [r.output_len for r in requests])
+            saturation = benchmark_launched(server.base_url, requests, math.inf, args)
+            if not saturation["metrics"]["completed"]:
+                raise RuntimeError(f"no request completed at saturation: {saturation['metrics']['errors']}")
+            rounds.append({"offline": offline_run, "saturation": saturation,
+                           "http_offline_ratio": saturation["metrics"]["output_token_throughput"]
+                           / offline_run["output_token_throughput"]})
+        half_rate = statistics.median(r["saturation"]["metrics"]["request_throughput"] for r in rounds) / 2
         half_saturation = benchmark_launched(server.base_url, requests, half_rate, args)
     config = {"model_path": model, **asdict(settings), "num_prompts": args.num_prompts,
-              "input_len": args.input_len, "output_len": args.output_len, "vocab": vocab, "seed": args.seed}
-    return {"config": config, "offline": offline, "saturation": saturation, "half_saturation": half_saturation,
-            "http_offline_ratio": saturation["metrics"]["output_token_throughput"]
-            / offline["output_token_throughput"],
+              "input_len": args.input_len, "output_len": args.output_len, "vocab": vocab, "seed": args.seed,
+              "rounds": args.rounds, "engine_threads": args.engine_threads}
+    return {"config": config, "rounds": rounds, "half_saturation": half_saturation,
+            "http_offline_ratio": statistics.median(r["http_offline_ratio"] for r in rounds),
             "target_ratio": HTTP_OFFLINE_TARGET, "launcher_exit_code": server.exit_code}
 
 
+def saturation_failures(results: dict[str, Any]) -> int:
+    return sum(r["saturation"]["metrics"]["failed"] for r in results["rounds"])
+
+
 def format_comparison(results: dict[str, Any]) -> str:
-    saturation, half = results["saturation"]["metrics"], results["half_saturation"]["metrics"]
+    half = results["half_saturation"]["metrics"]
     ratio, target = results["http_offline_ratio"], results["target_ratio"]
     verdict = "met" if ratio >= target else "NOT met"
-    lines = ["{:=^52}".format(" HTTP vs offline LLM.generate "),
-             row("Offline output throughput (tok/s):", results["offline"]["output_token_throughput"]),
-             row("HTTP all at once, output (tok/s):", saturation["output_token_throughput"]),
-             row("HTTP all at once, requests (req/s):", saturation["request_throughput"]),
-             row(f"HTTP / offline (target >= {target:.0%}: {verdict}):", f"{ratio:.1%}"),
-             "{:-^52}".format(f" Poisson at {results['half_saturation']['config']['request_rate']:.2f} req/s "
-                              "(half saturation) "),
-             row("Median TTFT (ms):", half["ttft"]["p50_ms"]),
-             row("P99 TTFT (ms):", half["ttft"]["p99_ms"]),
-             row("Median TPOT (ms):", half["tpot"]["p50_ms"]),
-             row("P99 TPOT (ms):", half["tpot"]["p99_ms"]),
-             "=" * 52,
-             row("Failed requests (saturation / half):", f"{saturation['failed']} / {half['failed']}"),
-             row("Launcher exit code (SIGTERM):", results["launcher_exit_code"])]
-    lines += [f"{count} failed: {error}"
-              for metrics in (saturation, half) for error, count in metrics["errors"].items()]
+    threads = results["config"]["engine_threads"] or "every core"
+    lines = ["{:=^60}".format(" HTTP all at once vs offline LLM.generate "), f"Engine threads: {threads}"]
+    for index, round_ in enumerate(results["rounds"], 1):
+        offline, http = round_["offline"], round_["saturation"]["metrics"]
+        lines.append(f"Round {index}: offline {offline['output_token_throughput']:8.2f} tok/s | HTTP "
+                     f"{http['output_token_throughput']:8.2f} tok/s, {http['request_throughput']:5.2f} req/s | "
+                     f"{round_['http_offline_ratio']:.1%}")
+    errors = Counter()
+    for metrics in [r["saturation"]["metrics"] for r in results["rounds"]] + [half]:
+        errors.update(metrics["errors"])
+    lines += [row(f"Median HTTP / offline (target >= {target:.0%}: {verdict}):", f"{ratio:.1%}"),
+              "{:-^60}".format(f" Poisson at {results['half_saturation']['config']['request_rate']:.2f} req/s "
+                               "(half saturation) "),
+              row("Median TTFT (ms):", half["ttft"]["p50_ms"]),
+              row("P99 TTFT (ms):", half["ttft"]["p99_ms"]),
+              row("Median TPOT (ms):", half["tpot"]["p50_ms"]),
+              row("P99 TPOT (ms):", half["tpot"]["p99_ms"]),
+              "=" * 60,
+              row("Failed requests (saturation / half):", f"{saturation_failures(results)} / {half['failed']}"),
+              row("Launcher exit code (SIGTERM):", results["launcher_exit_code"])]
+    lines += [f"{count} failed: {error}" for error, count in errors.items()]
     return "\n".join(lines)
 
 
@@ -368,6 +394,12 @@ def parse_args() -> argparse.Namespace:
     compare = parser.add_argument_group("offline comparison", "a launched server instead of --base-url")
     compare.add_argument("--compare-offline", action="store_true",
                          help="HTTP vs offline LLM.generate on the same requests (see above)")
+    compare.add_argument("--rounds", type=int, default=5,
+                         help="offline and HTTP runs alternate this many times; the median ratio counts")
+    compare.add_argument("--engine-threads", type=int,
+                         help="OMP_NUM_THREADS for both engine cores (default: unset, torch uses every core). On a "
+                         "small CPU host the engine's threads share cores with the gateway and this client; one core "
+                         "fewer leaves them one, as vLLM's CPU backend advises")
     compare.add_argument("--model-path", help="model folder (default: the demo model)")
     compare.add_argument("--dtype", default="bfloat16")
     compare.add_argument("--max-num-seqs", type=int, default=256)
@@ -402,7 +434,7 @@ def main() -> int:
         results = compare_offline(args)
         latency_run = results["half_saturation"]
         print(format_comparison(results))
-        ok = (results["launcher_exit_code"] == 0 and not results["saturation"]["metrics"]["failed"]
+        ok = (results["launcher_exit_code"] == 0 and not saturation_failures(results)
               and not latency_run["metrics"]["failed"])
     else:
         results = latency_run = benchmark_gateway(args)

@@ -55,24 +55,34 @@ def model_vocab(model: str) -> int:
     return AutoConfig.from_pretrained(model).vocab_size
 
 
-def run_offline(model: str, settings: EngineSettings, prompts: list[list[int]],
-                output_lens: list[int]) -> dict[str, Any]:
-    """Greedy `LLM.generate` of every prompt to exactly its output length (ignore_eos); the generate call's
-    duration and throughput."""
-    inputs = [{"prompt_token_ids": prompt} for prompt in prompts]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
-    llm = LLM(model, **dataclasses.asdict(settings))
-    try:
+class OfflineEngine:
+    """One `LLM` kept up across runs, so every timed run meets a warm engine as the launched server does."""
+
+    def __init__(self, model: str, settings: EngineSettings) -> None:
+        self.llm = LLM(model, **dataclasses.asdict(settings))
+
+    def run(self, prompts: list[list[int]], output_lens: list[int]) -> dict[str, Any]:
+        """Greedy `LLM.generate` of every prompt to exactly its output length (ignore_eos); the generate call's
+        duration and throughput."""
+        inputs = [{"prompt_token_ids": prompt} for prompt in prompts]
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
         start = time.perf_counter()
-        outputs = llm.generate(inputs, params, use_tqdm=False)
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
         duration = time.perf_counter() - start
+        generated = sum(len(output.outputs[0].token_ids) for output in outputs)
+        if generated != sum(output_lens):
+            raise RuntimeError(f"offline generate made {generated} tokens, not the {sum(output_lens)} asked for")
+        return {"duration_s": duration, "completed": len(outputs), "total_output_tokens": generated,
+                "request_throughput": len(outputs) / duration, "output_token_throughput": generated / duration}
+
+
+@contextlib.contextmanager
+def offline_engine(model: str, settings: EngineSettings) -> Iterator[OfflineEngine]:
+    engine = OfflineEngine(model, settings)
+    try:
+        yield engine
     finally:
-        llm.shutdown()
-    generated = sum(len(output.outputs[0].token_ids) for output in outputs)
-    if generated != sum(output_lens):
-        raise RuntimeError(f"offline generate made {generated} tokens, not the {sum(output_lens)} asked for")
-    return {"duration_s": duration, "completed": len(outputs), "total_output_tokens": generated,
-            "request_throughput": len(outputs) / duration, "output_token_throughput": generated / duration}
+        engine.llm.shutdown()
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Shared-memory TP collectives (no Ray): 2 and 4 spawned gloo ranks; sums in rank order, bit-identical on every
-rank, chunked past a slot, hundreds of rounds in a row; gather equals torch.cat; nothing left in /dev/shm."""
+rank, chunked past a slot, hundreds of rounds in a row, polling or blocking; gather equals torch.cat; nothing left
+in /dev/shm."""
 from __future__ import annotations
 
 import functools
@@ -44,6 +45,8 @@ def _rank_main(rank: int, tp_size: int, port: int, scratch: str) -> None:
     torch.set_num_threads(1)
     state = init_distributed(HOST, port, rank, tp_size, 0, 1, torch.device("cpu"))
     assert state.tp_comm is not None, "ranks on one host should share memory"
+    # tp=2 polls its peer on these 2 CPUs, tp=4 only blocks on its FIFO: the cases below cover both waits.
+    assert (state.tp_comm.spin_ns > 0) == (len(os.sched_getaffinity(0)) >= tp_size)
     _check_mapped_and_unlinked(f"{SHM_DIR}/pagedserve-{HOST}-{port}-stage0-slots")
     for dtype in DTYPES:
         for shape, rounds in CASES:

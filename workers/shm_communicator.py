@@ -5,7 +5,9 @@ import contextlib
 import logging
 import mmap
 import os
+import platform
 import secrets
+import time
 from dataclasses import dataclass
 
 import torch
@@ -13,8 +15,14 @@ import torch.distributed as dist
 
 SHM_DIR = "/dev/shm"
 SLOT_BYTES = 4 << 20  # per rank and buffer; larger tensors go through in chunks of this size
-_HEADER_BYTES = 64  # the token that proves a rank mapped rank 0's file, padded to keep the slots aligned
-_TOKEN_BYTES = 16
+# Waking a rank blocked on its FIFO takes 50-100 us on a shared VM, more than the ranks' usual skew at a
+# collective: a waiter polls the peers' round counters this long before it blocks.
+SPIN_US = int(os.environ.get("PAGEDSERVE_SHM_SPIN_US", "200"))
+_TOKEN_BYTES = 16  # proves a rank mapped rank 0's file; the ranks' round counters (int64) follow it
+_ALIGN = 64
+# A peer's counter is read without a memory fence, so the slot it guards must not become visible after it:
+# x86's stores are seen in program order. Other CPUs stay on gloo.
+_ORDERED_STORE_MACHINES = ("x86_64", "amd64", "i386", "i686")
 
 logger = logging.getLogger(__name__)
 
@@ -36,20 +44,23 @@ class ShmPaths:
 
 
 class ShmCommunicator:
-    """Round k: each rank copies its tensor (or the chunk of it) into slots[k % 2][rank], writes its rank as
-    one byte to every peer's FIFO and blocks reading its own until every peer's byte for round k has come;
-    then it reads the peers' slots. Two buffers make reuse safe: a peer that has signalled round k + 1 has
-    finished reading round k. The FIFOs only wake ranks up: blocking reads, no spinning on shared cores."""
+    """Round k: each rank copies its tensor (or the chunk of it) into slots[k % 2][rank], sets its round counter
+    to k + 1 and writes one byte to every peer's FIFO; it then waits until every peer's counter reaches k + 1
+    and reads the peers' slots. Two buffers make reuse safe: a peer that has published round k + 1 has
+    finished reading round k. A waiter polls the counters for up to `spin_us` (yielding the CPU each time),
+    then blocks reading its FIFO, whose bytes only wake it up. Ranks that outnumber the CPUs never poll.
+    Peers' FIFOs are written without blocking: a full FIFO already holds wake-ups enough."""
 
-    def __init__(self, region: mmap.mmap, fifos: list[int], tp_rank: int, slot_bytes: int) -> None:
+    def __init__(self, region: mmap.mmap, fifos: list[int], tp_rank: int, slot_bytes: int,
+                 spin_us: int = SPIN_US) -> None:
         self.region, self.fifos, self.tp_rank, self.slot_bytes = region, fifos, tp_rank, slot_bytes
         tp_size = len(fifos)
         data = torch.frombuffer(region, dtype=torch.uint8)
         self.slots = [[data[_slot_offset(buffer, rank, tp_size, slot_bytes):][:slot_bytes] for rank in range(tp_size)]
                       for buffer in range(2)]
+        self.counters = memoryview(region)[_TOKEN_BYTES:_TOKEN_BYTES + 8 * tp_size].cast("q")
         self.peers = [rank for rank in range(tp_size) if rank != tp_rank]
-        self.signal = bytes([tp_rank])
-        self.signals_received = [0] * tp_size
+        self.spin_ns = spin_us * 1000 if len(os.sched_getaffinity(0)) >= tp_size else 0
         self.round = 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,6 +85,7 @@ class ShmCommunicator:
     def close(self) -> None:
         for fd in self.fifos:
             os.close(fd)
+        self.counters.release()
         self.slots = []  # the views must go before the mapping can close
         self.region.close()
 
@@ -82,14 +94,24 @@ class ShmCommunicator:
         nbytes = chunk.numel() * chunk.element_size()
         slots = [slot[:nbytes].view(chunk.dtype) for slot in self.slots[self.round % 2]]
         slots[self.tp_rank].copy_(chunk)
-        for peer in self.peers:
-            os.write(self.fifos[peer], self.signal)
         self.round += 1
-        # A peer can be one round ahead (its next byte may already be here): count bytes per sender.
-        while any(self.signals_received[peer] < self.round for peer in self.peers):
-            for sender in os.read(self.fifos[self.tp_rank], 4096):
-                self.signals_received[sender] += 1
+        self.counters[self.tp_rank] = self.round  # after the copy: x86 makes stores visible in program order
+        for peer in self.peers:
+            with contextlib.suppress(BlockingIOError):
+                os.write(self.fifos[peer], b"\x01")
+        self._wait_for_peers()
         return slots
+
+    def _wait_for_peers(self) -> None:
+        deadline = time.perf_counter_ns() + self.spin_ns
+        while not self._peers_published():
+            if time.perf_counter_ns() < deadline:
+                os.sched_yield()
+            else:
+                os.read(self.fifos[self.tp_rank], 4096)  # blocks until a peer publishes (or drains stale wake-ups)
+
+    def _peers_published(self) -> bool:
+        return all(self.counters[peer] >= self.round for peer in self.peers)
 
 
 def connect_shm(group: dist.ProcessGroup, tp_rank: int, tp_size: int, name: str, directory: str = SHM_DIR,
@@ -97,10 +119,10 @@ def connect_shm(group: dist.ProcessGroup, tp_rank: int, tp_size: int, name: str,
     """Collective over `group`: TP rank 0 creates the files under a name unique to the group, every rank maps
     them and checks rank 0's random token, then rank 0 unlinks them (the mappings and open FIFOs keep them
     alive, so nothing is left behind even if a rank is SIGKILLed). None, to stay on gloo, unless every rank
-    saw the token, that is unless the whole group shares this host's shared memory."""
+    saw the token, that is unless the whole group shares this host's shared memory (and the host is x86)."""
     paths = ShmPaths.for_group(directory, name, tp_size)
     token = torch.zeros(_TOKEN_BYTES, dtype=torch.uint8)
-    if tp_rank == 0:
+    if tp_rank == 0 and platform.machine().lower() in _ORDERED_STORE_MACHINES:
         token = _create(paths, tp_size, slot_bytes)
     dist.broadcast(token, src=dist.get_global_rank(group, 0), group=group)
     communicator = _open(paths, tp_rank, slot_bytes, token.numpy().tobytes()) if token.any() else None
@@ -152,7 +174,8 @@ def _open(paths: ShmPaths, tp_rank: int, slot_bytes: int, token: bytes) -> ShmCo
         logger.warning("TP rank %d sees another %s than TP rank 0; the group uses gloo", tp_rank, paths.region)
         region.close()
         return None
-    return ShmCommunicator(region, [os.open(fifo, os.O_RDWR) for fifo in paths.fifos], tp_rank, slot_bytes)
+    fifos = [os.open(fifo, os.O_RDWR | (0 if rank == tp_rank else os.O_NONBLOCK)) for rank, fifo in enumerate(paths.fifos)]
+    return ShmCommunicator(region, fifos, tp_rank, slot_bytes)
 
 
 def _unlink(paths: ShmPaths) -> None:
@@ -166,7 +189,8 @@ def _region_bytes(tp_size: int, slot_bytes: int) -> int:
 
 
 def _slot_offset(buffer: int, rank: int, tp_size: int, slot_bytes: int) -> int:
-    return _HEADER_BYTES + (buffer * tp_size + rank) * slot_bytes
+    header_bytes = -(-(_TOKEN_BYTES + 8 * tp_size) // _ALIGN) * _ALIGN
+    return header_bytes + (buffer * tp_size + rank) * slot_bytes
 
 
 def _sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor) -> None:
