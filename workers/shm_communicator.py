@@ -174,7 +174,8 @@ def _open(paths: ShmPaths, tp_rank: int, slot_bytes: int, token: bytes) -> ShmCo
         logger.warning("TP rank %d sees another %s than TP rank 0; the group uses gloo", tp_rank, paths.region)
         region.close()
         return None
-    fifos = [os.open(fifo, os.O_RDWR | (0 if rank == tp_rank else os.O_NONBLOCK)) for rank, fifo in enumerate(paths.fifos)]
+    fifos = [os.open(fifo, os.O_RDWR | (0 if rank == tp_rank else os.O_NONBLOCK))
+             for rank, fifo in enumerate(paths.fifos)]
     return ShmCommunicator(region, fifos, tp_rank, slot_bytes)
 
 
