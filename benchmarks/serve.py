@@ -317,14 +317,15 @@ def compare_offline(args: argparse.Namespace) -> dict[str, Any]:
     if args.engine_threads:
         os.environ["OMP_NUM_THREADS"] = str(args.engine_threads)  # both engine cores are child processes
     rounds = []
-    with (serve_compare.offline_engine(model, settings) as offline,
+    prompts, output_lens = [r.prompt for r in requests], [r.output_len for r in requests]
+    with (serve_compare.OfflineEngine(model, settings) as offline,
           serve_compare.launched_server(model, settings) as server):
         # A first run at a new batch size is up to 40% slower (the allocators grow, fresh memory faults in; seen
         # here): neither side times one.
-        offline.run([r.prompt for r in warm_up], [r.output_len for r in warm_up])
+        offline.run(prompts, [r.output_len for r in warm_up])
         benchmark_launched(server.base_url, warm_up, math.inf, args)
         for _ in range(args.rounds):
-            offline_run = offline.run([r.prompt for r in requests], [r.output_len for r in requests])
+            offline_run = offline.run(prompts, output_lens)
             saturation = benchmark_launched(server.base_url, requests, math.inf, args)
             if not saturation["metrics"]["completed"]:
                 raise RuntimeError(f"no request completed at saturation: {saturation['metrics']['errors']}")

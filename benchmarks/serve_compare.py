@@ -56,10 +56,17 @@ def model_vocab(model: str) -> int:
 
 
 class OfflineEngine:
-    """One `LLM` kept up across runs, so every timed run meets a warm engine as the launched server does."""
+    """One `LLM` kept up across runs, so every timed run meets a warm engine as the launched server does; shut
+    down on leaving its `with` block."""
 
     def __init__(self, model: str, settings: EngineSettings) -> None:
         self.llm = LLM(model, **dataclasses.asdict(settings))
+
+    def __enter__(self) -> OfflineEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.llm.shutdown()
 
     def run(self, prompts: list[list[int]], output_lens: list[int]) -> dict[str, Any]:
         """Greedy `LLM.generate` of every prompt to exactly its output length (ignore_eos); the generate call's
@@ -74,15 +81,6 @@ class OfflineEngine:
             raise RuntimeError(f"offline generate made {generated} tokens, not the {sum(output_lens)} asked for")
         return {"duration_s": duration, "completed": len(outputs), "total_output_tokens": generated,
                 "request_throughput": len(outputs) / duration, "output_token_throughput": generated / duration}
-
-
-@contextlib.contextmanager
-def offline_engine(model: str, settings: EngineSettings) -> Iterator[OfflineEngine]:
-    engine = OfflineEngine(model, settings)
-    try:
-        yield engine
-    finally:
-        engine.llm.shutdown()
 
 
 @dataclass
