@@ -47,12 +47,11 @@ class ShmCommunicator:
     """Round k: each rank copies its tensor (or the chunk of it) into slots[k % 2][rank], sets its round counter
     to k + 1 and writes one byte to every peer's FIFO; it then waits until every peer's counter reaches k + 1
     and reads the peers' slots. Two buffers make reuse safe: a peer that has published round k + 1 has
-    finished reading round k. A waiter polls the counters for up to `spin_us` (yielding the CPU each time),
+    finished reading round k. A waiter polls the counters for up to SPIN_US µs (yielding the CPU each time),
     then blocks reading its FIFO, whose bytes only wake it up. Ranks that outnumber the CPUs never poll.
     Peers' FIFOs are written without blocking: a full FIFO already holds wake-ups enough."""
 
-    def __init__(self, region: mmap.mmap, fifos: list[int], tp_rank: int, slot_bytes: int,
-                 spin_us: int = SPIN_US) -> None:
+    def __init__(self, region: mmap.mmap, fifos: list[int], tp_rank: int, slot_bytes: int) -> None:
         self.region, self.fifos, self.tp_rank, self.slot_bytes = region, fifos, tp_rank, slot_bytes
         tp_size = len(fifos)
         data = torch.frombuffer(region, dtype=torch.uint8)
@@ -60,7 +59,7 @@ class ShmCommunicator:
                       for buffer in range(2)]
         self.counters = memoryview(region)[_TOKEN_BYTES:_TOKEN_BYTES + 8 * tp_size].cast("q")
         self.peers = [rank for rank in range(tp_size) if rank != tp_rank]
-        self.spin_ns = spin_us * 1000 if len(os.sched_getaffinity(0)) >= tp_size else 0
+        self.spin_ns = SPIN_US * 1000 if len(os.sched_getaffinity(0)) >= tp_size else 0
         self.round = 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
