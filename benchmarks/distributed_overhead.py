@@ -3,11 +3,14 @@ in-process tp=1 vs the Ray path at tp=1 (same compute: the difference is the con
 (adds the all-reduces and the logits gather, through shared memory between the two ranks). Target: the Ray path
 adds <= 1 ms per step.
 
-Every engine runs one torch thread per rank, so the in-process and Ray tp=1 engines compute alike.
+This VM's speed drifts by tens of percent between runs, so the three engines stay up side by side and take turns:
+each round runs `--steps` decode steps on each engine, and the figure is the median over rounds of each round's
+difference. Every engine runs one torch thread per rank, so the in-process and Ray tp=1 engines compute alike.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -19,7 +22,6 @@ import msgspec  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-import core.engine_core as engine_core  # noqa: E402
 from core.engine_core import EngineCore  # noqa: E402
 from ipc import EngineConfig, EngineCoreRequest, SamplingParams  # noqa: E402
 from launch.make_model import make_model  # noqa: E402
@@ -27,46 +29,90 @@ from workers.executor import InProcessExecutor  # noqa: E402
 from workers.ray_executor import RayExecutor  # noqa: E402
 
 TARGET_MS = 1.0
+WARM_UP_STEPS = 6  # the prefill, then decodes
 
 
-def median_step_ms(config: EngineConfig, use_ray: bool, batch: int, steps: int) -> float:
-    """Median wall time of `steps` decode-only steps after one prefill step and a few warm-up steps."""
-    engine_core._make_executor = RayExecutor if use_ray else InProcessExecutor  # tp=1 on Ray: pick it by hand
-    engine = EngineCore(config)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+class DecodeEngine:
+    """An engine core holding `batch` requests that decode for as many steps as the rounds need."""
+
+    def __init__(self, config: EngineConfig, executor: type, batch: int, total_steps: int) -> None:
+        with _executor_class(executor):
+            self.engine = EngineCore(config)
+        params = SamplingParams(temperature=0.0, max_tokens=total_steps + WARM_UP_STEPS + 1, ignore_eos=True)
         for i in range(batch):
-            engine.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=[3 + i % 100] * 8,
-                                                 sampling_params=params))
-        for _ in range(6):  # the prefill, then warm-up decodes
-            engine.step()
+            self.engine.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=[3 + i % 100] * 8,
+                                                      sampling_params=params))
+        self.median_step_ms(WARM_UP_STEPS)
+
+    def median_step_ms(self, steps: int) -> float:
         times = []
         for _ in range(steps):
             start = time.perf_counter()
-            engine.step()
+            self.engine.step()
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+@contextlib.contextmanager
+def _executor_class(executor: type):
+    """EngineCore picks Ray only for tp * pp > 1; the Ray tp=1 engine is built by hand."""
+    import core.engine_core as engine_core
+
+    default = engine_core._make_executor
+    engine_core._make_executor = executor
+    try:
+        yield
     finally:
-        engine.shutdown()
+        engine_core._make_executor = default
+
+
+def measure(model: str, batch: int, steps: int, rounds: int) -> dict[str, list[float]]:
+    """Per round, the median step time of each engine, run one after the other."""
+    base = EngineConfig(model=model, dtype="float32", num_kv_blocks=1024, max_model_len=1024)
+    setups = {"in-process tp=1": (base, InProcessExecutor), "Ray tp=1": (base, RayExecutor),
+              "Ray tp=2": (msgspec.structs.replace(base, tensor_parallel_size=2), RayExecutor)}
+    engines: dict[str, DecodeEngine] = {}
+    try:
+        for name, (config, executor) in setups.items():
+            engines[name] = DecodeEngine(config, executor, batch, steps * rounds)
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        for _ in range(rounds):
+            for name, engine in engines.items():
+                times[name].append(engine.median_step_ms(steps))
+        return times
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+
+
+def report(batch: int, times: dict[str, list[float]]) -> None:
+    local = times["in-process tp=1"]
+    print(f"batch {batch:3d}: median over {len(local)} rounds of each round's median step")
+    print(f"  in-process tp=1 {statistics.median(local):.3f} ms/step")
+    for name, note in (("Ray tp=1", "control plane alone"), ("Ray tp=2", "control plane + all-reduces")):
+        added = statistics.median(t - base for t, base in zip(times[name], local))
+        quartiles = statistics.quantiles([t - base for t, base in zip(times[name], local)], n=4)
+        verdict = "met" if added <= TARGET_MS else "not met"
+        print(f"  {name:<8} {statistics.median(times[name]):.3f} ms/step: {added:+.3f} ms added ({note}; "
+              f"target <= {TARGET_MS} ms: {verdict}); rounds' quartiles {quartiles[0]:+.3f} / {quartiles[2]:+.3f} ms")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=20, help="decode steps per engine per round")
+    parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = str(make_model(Path.home() / ".cache" / "pagedserve" / "bench-models" / "llama-tiny", size="tiny"))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    # A logical CPU for each of the three Ray ranks (tp=1 and tp=2 engines are up at once).
+    ray.init(address="local", num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         for batch in args.batches:
-            base = EngineConfig(model=model, dtype="float32", num_kv_blocks=1024, max_model_len=512)
-            local = median_step_ms(base, False, batch, args.steps)
-            ray_tp1 = median_step_ms(base, True, batch, args.steps)
-            ray_tp2 = median_step_ms(msgspec.structs.replace(base, tensor_parallel_size=2), True, batch, args.steps)
-            print(f"batch {batch:3d}: in-process tp=1 {local:.3f} ms/step | Ray tp=1 {ray_tp1:.3f} ms/step "
-                  f"(+{ray_tp1 - local:.3f} ms control plane, target <= {TARGET_MS}) | Ray tp=2 {ray_tp2:.3f} "
-                  f"ms/step (+{ray_tp2 - local:.3f} ms incl. all-reduces)")
+            report(batch, measure(model, batch, args.steps, args.rounds))
     finally:
         ray.shutdown()
 

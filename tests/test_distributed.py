@@ -69,10 +69,10 @@ def cluster():
     cluster.shutdown()
 
 
-def stage_nodes() -> dict[str, set[str]]:
-    """Placement group name → node ids of its bundles, for the live pipeline-stage groups."""
-    return {group["name"]: set(group["bundles_to_node_id"].values())
-            for group in ray.util.placement_group_table().values() if group["state"] == "CREATED"}
+def stage_nodes() -> dict[int, set[str]]:
+    """Pipeline stage → node ids of its placement group's bundles, for the one live engine's groups."""
+    groups = [group for group in ray.util.placement_group_table().values() if group["state"] == "CREATED"]
+    return {int(group["name"].rsplit("-pp", 1)[1]): set(group["bundles_to_node_id"].values()) for group in groups}
 
 
 @pytest.mark.parametrize("name", ["llama-kv1", "qwen2", "opt-proj"])
@@ -87,11 +87,28 @@ def test_parallel_equals_single_rank(cluster, name, tp, pp):
         assert llm.get_stats().num_preemptions > 0
         if pp == 2:
             nodes = stage_nodes()
-            assert all(len(nodes[f"pagedserve-pp{stage}"]) == 1 for stage in range(pp)), nodes
+            assert all(len(nodes[stage]) == 1 for stage in range(pp)), nodes
             if tp == 2:
-                assert nodes["pagedserve-pp0"] != nodes["pagedserve-pp1"], "stages should fill one node each"
+                assert nodes[0] != nodes[1], "stages should fill one node each"
     finally:
         llm.shutdown()
+
+
+def test_two_engines_share_a_cluster(cluster):
+    """Each engine's placement groups have their own names: a second engine on the cluster starts and runs."""
+    prompts, expected = single_rank_outputs("qwen2")
+    first = LLM(model_dir("qwen2"), in_process=True, tensor_parallel_size=2, **SMALL_ENGINE)
+    try:
+        second = LLM(model_dir("qwen2"), in_process=True, tensor_parallel_size=2, **SMALL_ENGINE)
+        try:
+            live = [g["name"] for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+            assert len(set(live)) == 2, live
+            assert generate(second, prompts) == expected
+            assert generate(first, prompts) == expected
+        finally:
+            second.shutdown()
+    finally:
+        first.shutdown()
 
 
 def test_private_ray_when_no_address():

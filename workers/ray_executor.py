@@ -9,6 +9,7 @@ the last stage computes one batch the first stage already computes the next.
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -37,6 +38,8 @@ class RayExecutor:
         self.tp, self.pp = config.tensor_parallel_size, config.pipeline_parallel_size
         self.max_concurrent_batches = self.pp
         self.owns_ray = not ray.is_initialized()
+        # Placement group names are global to the cluster: several engines may share one.
+        self.name = f"pagedserve-{secrets.token_hex(4)}"
         self.placement_groups: list[PlacementGroup] = []
         self.actors: list = []
         self.loops: list[ray.ObjectRef] = []
@@ -70,7 +73,7 @@ class RayExecutor:
     def _place_stage(self, stage: int) -> PlacementGroup:
         """One placement group per pipeline stage, STRICT_PACK: a stage's TP ranks share a node."""
         group = placement_group([self.rank_resources] * self.tp, strategy="STRICT_PACK",
-                                name=f"pagedserve-pp{stage}")
+                                name=f"{self.name}-pp{stage}")
         ready, _ = ray.wait([group.ready()], timeout=_PLACEMENT_TIMEOUT_S)
         if not ready:
             remove_placement_group(group)
