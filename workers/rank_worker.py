@@ -1,16 +1,22 @@
 """One rank of a tp × pp engine inside a Ray actor: joins torch.distributed, builds its Worker, runs the step loop."""
 from __future__ import annotations
 
+import os
+
 import msgspec
 import zmq
 
 from ipc import Decoder, EngineConfig, Encoder, SchedulerOutput
 from workers.device import select_device
 from workers.distributed import free_port, init_distributed, parallel_state
+from workers.polling import poll, poll_budget_ns
 from workers.worker import Worker
 
 # On the broadcast socket: a SchedulerOutput per step, or None (msgpack nil) to leave the loop.
 Broadcast = SchedulerOutput | None
+# The engine's turn between two steps (update, schedule, encode) takes 0.1-1 ms. A rank blocked in recv for it
+# wakes 50-100 us late on a shared VM, and runs its step slower on cold caches: it polls this long first.
+STEP_SPIN_US = int(os.environ.get("PAGEDSERVE_STEP_SPIN_US", "1000"))
 
 
 class RankWorker:
@@ -57,7 +63,22 @@ class RankWorker:
 
     def _step_loop(self, steps: zmq.Socket, replies: zmq.Socket | None) -> None:
         decoder, encoder = Decoder(Broadcast), Encoder()
-        while (scheduler_output := decoder.decode(steps.recv_multipart(copy=False))) is not None:
+        # Each of the engine's ranks polls, unless together they outnumber the CPUs (counting every rank: those of
+        # other stages may share this node).
+        spin_ns = poll_budget_ns(STEP_SPIN_US, self.grid[1] * self.grid[3])
+        while (scheduler_output := decoder.decode(receive(steps, spin_ns))) is not None:
             output = self.worker.execute_model(scheduler_output)
             if replies is not None:
                 replies.send_multipart(encoder.encode(output), copy=False)
+
+
+def receive(socket: zmq.Socket, spin_ns: int) -> list[zmq.Frame]:
+    """The next multipart message: polled for up to spin_ns, then waited for."""
+    return poll(lambda: _receive_now(socket), spin_ns) or socket.recv_multipart(copy=False)
+
+
+def _receive_now(socket: zmq.Socket) -> list[zmq.Frame] | None:
+    try:
+        return socket.recv_multipart(zmq.NOBLOCK, copy=False)
+    except zmq.Again:
+        return None

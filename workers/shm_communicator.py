@@ -7,11 +7,12 @@ import mmap
 import os
 import platform
 import secrets
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from workers.polling import poll, poll_budget_ns
 
 SHM_DIR = "/dev/shm"
 SLOT_BYTES = 4 << 20  # per rank and buffer; larger tensors go through in chunks of this size
@@ -59,7 +60,7 @@ class ShmCommunicator:
                       for buffer in range(2)]
         self.counters = memoryview(region)[_TOKEN_BYTES:_TOKEN_BYTES + 8 * tp_size].cast("q")
         self.peers = [rank for rank in range(tp_size) if rank != tp_rank]
-        self.spin_ns = SPIN_US * 1000 if len(os.sched_getaffinity(0)) >= tp_size else 0
+        self.spin_ns = poll_budget_ns(SPIN_US, tp_size)
         self.round = 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,12 +103,10 @@ class ShmCommunicator:
         return slots
 
     def _wait_for_peers(self) -> None:
-        deadline = time.perf_counter_ns() + self.spin_ns
+        if poll(self._peers_published, self.spin_ns):
+            return
         while not self._peers_published():
-            if time.perf_counter_ns() < deadline:
-                os.sched_yield()
-            else:
-                os.read(self.fifos[self.tp_rank], 4096)  # blocks until a peer publishes (or drains stale wake-ups)
+            os.read(self.fifos[self.tp_rank], 4096)  # blocks until a peer publishes (or drains stale wake-ups)
 
     def _peers_published(self) -> bool:
         return all(self.counters[peer] >= self.round for peer in self.peers)
