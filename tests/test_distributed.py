@@ -94,6 +94,22 @@ def test_parallel_equals_single_rank(cluster, name, tp, pp):
         llm.shutdown()
 
 
+def test_ranks_fall_back_to_zmq_without_shared_memory(cluster, monkeypatch):
+    """As for ranks on another host than the engine: steps and replies go over ZMQ instead of shared memory."""
+    import workers.ray_executor
+
+    refused = []
+    monkeypatch.setattr(workers.ray_executor, "create_channel", lambda paths: refused.append(paths) and None)
+    prompts, expected = single_rank_outputs("llama-kv1")
+    llm = LLM(model_dir("llama-kv1"), in_process=True, tensor_parallel_size=2, pipeline_parallel_size=2,
+              **SMALL_ENGINE)
+    try:
+        assert generate(llm, prompts) == expected
+        assert len(refused) == 2  # the step and the reply channel
+    finally:
+        llm.shutdown()
+
+
 def test_two_engines_share_a_cluster(cluster):
     """Each engine's placement groups have their own names: a second engine on the cluster starts and runs."""
     prompts, expected = single_rank_outputs("qwen2")

@@ -1,15 +1,20 @@
-"""One rank of a tp × pp engine inside a Ray actor: joins torch.distributed, builds its Worker, runs the step loop."""
+"""One rank of a tp × pp engine inside a Ray actor: joins torch.distributed, builds its Worker, runs the step loop
+(steps and replies through shared memory when the rank shares the engine's host, else through ZMQ)."""
 from __future__ import annotations
 
+import functools
 import os
+from typing import Callable
 
 import msgspec
 import zmq
 
 from ipc import Decoder, EngineConfig, Encoder, SchedulerOutput
+from ipc.serialization import Frame
 from workers.device import select_device
 from workers.distributed import free_port, init_distributed, parallel_state
 from workers.polling import poll, poll_budget_ns
+from workers.shm_channel import ShmChannel, attach_channel, executor_channel_paths
 from workers.worker import Worker
 
 # On the broadcast socket: a SchedulerOutput per step, or None (msgpack nil) to leave the loop.
@@ -26,6 +31,11 @@ class RankWorker:
         self.config = msgspec.json.decode(config_json, type=EngineConfig)
         self.grid = (tp_rank, tp_size, pp_rank, pp_size)
         self.worker: Worker | None = None
+        self.step_channel: ShmChannel | None = None
+        self.reply_channel: ShmChannel | None = None
+        # Each of the engine's ranks polls for its next step, unless together they outnumber the CPUs (counting
+        # every rank: those of other stages may share this node).
+        self.spin_ns = poll_budget_ns(STEP_SPIN_US, tp_size * pp_size)
 
     def node_ip(self) -> str:
         import ray
@@ -47,32 +57,54 @@ class RankWorker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
+    def attach_channels(self, name: str, step_token: bytes, reply_token: bytes) -> bool:
+        """Map the engine's shared-memory channels (workers/shm_channel.py): the steps as a reader, and on the
+        driver the replies as their writer. False when they are not there to map (another host): this rank then
+        talks ZMQ."""
+        step_paths, reply_paths = executor_channel_paths(name, self.grid[1] * self.grid[3])
+        rank = parallel_state().rank
+        self.step_channel = attach_channel(step_paths, step_token, rank, self.spin_ns)
+        if self.step_channel is not None and parallel_state().is_driver:
+            self.reply_channel = attach_channel(reply_paths, reply_token, None, 0)
+            if self.reply_channel is None:
+                self.step_channel.close()
+                self.step_channel = None
+        return self.step_channel is not None
+
     def serve(self, broadcast_address: str, reply_address: str) -> None:
-        """Execute every broadcast SchedulerOutput until None arrives; the driver rank pushes each reply."""
+        """Execute every broadcast SchedulerOutput until None arrives; the driver rank sends each reply."""
         context = zmq.Context()
         try:
-            steps = context.socket(zmq.SUB)
-            steps.setsockopt(zmq.SUBSCRIBE, b"")
-            steps.connect(broadcast_address)
-            replies = context.socket(zmq.PUSH) if parallel_state().is_driver else None
-            if replies is not None:
+            if self.step_channel is not None:
+                receive = self.step_channel.recv
+            else:
+                steps = context.socket(zmq.SUB)
+                steps.setsockopt(zmq.SUBSCRIBE, b"")
+                steps.connect(broadcast_address)
+                receive = functools.partial(receive_from, steps, self.spin_ns)
+            reply = None
+            if self.reply_channel is not None:
+                reply = self.reply_channel.send
+            elif parallel_state().is_driver:
+                replies = context.socket(zmq.PUSH)
                 replies.connect(reply_address)
-            self._step_loop(steps, replies)
+                reply = functools.partial(replies.send_multipart, copy=False)
+            self._step_loop(receive, reply)
         finally:
             context.destroy(linger=0)
+            for channel in (self.step_channel, self.reply_channel):
+                if channel is not None:
+                    channel.close()
 
-    def _step_loop(self, steps: zmq.Socket, replies: zmq.Socket | None) -> None:
+    def _step_loop(self, receive: Callable[[], list[Frame]], reply: Callable[[list[Frame]], None] | None) -> None:
         decoder, encoder = Decoder(Broadcast), Encoder()
-        # Each of the engine's ranks polls, unless together they outnumber the CPUs (counting every rank: those of
-        # other stages may share this node).
-        spin_ns = poll_budget_ns(STEP_SPIN_US, self.grid[1] * self.grid[3])
-        while (scheduler_output := decoder.decode(receive(steps, spin_ns))) is not None:
+        while (scheduler_output := decoder.decode(receive())) is not None:
             output = self.worker.execute_model(scheduler_output)
-            if replies is not None:
-                replies.send_multipart(encoder.encode(output), copy=False)
+            if reply is not None:
+                reply(encoder.encode(output))
 
 
-def receive(socket: zmq.Socket, spin_ns: int) -> list[zmq.Frame]:
+def receive_from(socket: zmq.Socket, spin_ns: int) -> list[zmq.Frame]:
     """The next multipart message: polled for up to spin_ns, then waited for."""
     return poll(lambda: _receive_now(socket), spin_ns) or socket.recv_multipart(copy=False)
 

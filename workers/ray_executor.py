@@ -1,8 +1,9 @@
-"""RayExecutor: tp × pp RankWorker actors placed by Ray; each step's SchedulerOutput is broadcast over ZMQ.
+"""RayExecutor: tp × pp RankWorker actors placed by Ray; each step's SchedulerOutput is broadcast to them.
 
-Ray owns lifecycle only (start-up, placement, failure detection, teardown). The per-step control plane is a
-ZMQ XPUB socket carrying the msgpack SchedulerOutput to every rank's SUB socket, and a PULL socket where the
-last stage's TP rank 0 pushes the ModelRunnerOutput: one message out and one back per step, no Ray call.
+Ray owns lifecycle only (start-up, placement, failure detection, teardown). The per-step control plane is one
+message out and one back per step, no Ray call: the msgpack SchedulerOutput goes to every rank, and the last
+stage's TP rank 0 (the driver) sends back the ModelRunnerOutput. Ranks on the engine's host use shared-memory
+channels (workers/shm_channel.py); ranks on other nodes a ZMQ XPUB socket out and a PULL socket back.
 With pp stages the engine keeps pp batches in flight: every rank runs the batches in broadcast order, so while
 the last stage computes one batch the first stage already computes the next.
 """
@@ -20,7 +21,9 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ipc import Decoder, EngineConfig, Encoder, ModelRunnerOutput, SchedulerOutput
+from workers import shm_region
 from workers.rank_worker import RankWorker
+from workers.shm_channel import ShmChannel, attach_channel, create_channel, executor_channel_paths
 
 _PLACEMENT_TIMEOUT_S = 60.0
 _SUBSCRIBE_TIMEOUT_S = 60.0
@@ -43,6 +46,9 @@ class RayExecutor:
         self.placement_groups: list[PlacementGroup] = []
         self.actors: list = []
         self.loops: list[ray.ObjectRef] = []
+        self.step_channel: ShmChannel | None = None
+        self.reply_channel: ShmChannel | None = None
+        self.num_remote_ranks = 0
         self.context = zmq.Context()
         try:
             self._start_actors()
@@ -89,8 +95,9 @@ class RayExecutor:
         return min(self._gather([actor.determine_num_kv_blocks.remote() for actor in self.actors]))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate every rank's cache, then switch the actors to the ZMQ step loop."""
+        """Allocate every rank's cache, then switch the actors to the step loop."""
         self._gather([actor.initialize_kv_cache.remote(num_blocks) for actor in self.actors])
+        self._open_channels()
         self.broadcast = self.context.socket(zmq.XPUB)
         self.broadcast.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not just the first
         self.replies = self.context.socket(zmq.PULL)
@@ -101,22 +108,65 @@ class RayExecutor:
         self._wait_for_subscribers()
         self.encoder, self.decoder = Encoder(), Decoder(ModelRunnerOutput)
 
+    def _open_channels(self) -> None:
+        """Shared-memory channels for the ranks on this host: every rank that maps them reads its steps there,
+        and the driver (if local) replies there. The files are unlinked once mapped, so nothing outlives us."""
+        step_paths, reply_paths = executor_channel_paths(self.name, len(self.actors))
+        try:
+            step_token, reply_token = create_channel(step_paths), create_channel(reply_paths)
+            if step_token is not None and reply_token is not None:
+                # The engine blocks for replies rather than polling: Ray runs the ranks at nice 15, so a polling
+                # engine (nice 0) would take their CPU whenever it shares one with them.
+                self.step_channel = attach_channel(step_paths, step_token, None, 0)
+                self.reply_channel = attach_channel(reply_paths, reply_token, 0, 0)
+            if self.step_channel is None or self.reply_channel is None:
+                self._close_channels()
+                self.num_remote_ranks = len(self.actors)
+                return
+            local = self._gather([actor.attach_channels.remote(self.name, step_token, reply_token)
+                                  for actor in self.actors])
+        finally:
+            for paths in (step_paths, reply_paths):
+                shm_region.unlink(paths)
+        self.step_channel.readers = [rank for rank, attached in enumerate(local) if attached]
+        self.num_remote_ranks = local.count(False)
+        if not local[self._driver_rank()]:
+            self.reply_channel.close()
+            self.reply_channel = None
+
+    def _close_channels(self) -> None:
+        for channel in (self.step_channel, self.reply_channel):
+            if channel is not None:
+                channel.close()
+        self.step_channel = self.reply_channel = None
+
+    def _driver_rank(self) -> int:
+        """TP rank 0 of the last stage."""
+        return (self.pp - 1) * self.tp
+
     def _wait_for_subscribers(self) -> None:
-        """A PUB socket drops messages for subscribers still connecting: wait until every rank has subscribed."""
+        """A PUB socket drops messages for subscribers still connecting: wait until every remote rank has
+        subscribed."""
         deadline, subscribed = time.monotonic() + _SUBSCRIBE_TIMEOUT_S, 0
-        while subscribed < len(self.actors):
+        while subscribed < self.num_remote_ranks:
             if time.monotonic() > deadline:
-                raise WorkerFailedError(f"only {subscribed} of {len(self.actors)} ranks connected to the step "
-                                        f"broadcast within {_SUBSCRIBE_TIMEOUT_S:.0f} s")
+                raise WorkerFailedError(f"only {subscribed} of {self.num_remote_ranks} remote ranks connected to "
+                                        f"the step broadcast within {_SUBSCRIBE_TIMEOUT_S:.0f} s")
             if self.broadcast.poll(_HEALTH_POLL_MS):
                 subscribed += self.broadcast.recv()[:1] == b"\x01"
             self.check_health()
 
     def submit_batch(self, scheduler_output: SchedulerOutput) -> None:
-        self.broadcast.send_multipart(self.encoder.encode(scheduler_output), copy=False)
+        frames = self.encoder.encode(scheduler_output)
+        if self.step_channel is not None and self.step_channel.readers:
+            self.step_channel.send(frames, self.check_health)
+        if self.num_remote_ranks:
+            self.broadcast.send_multipart(frames, copy=False)
 
     def collect_output(self) -> ModelRunnerOutput:
         """The oldest submitted batch's output (the driver rank replies in broadcast order)."""
+        if self.reply_channel is not None:
+            return self.decoder.decode(self.reply_channel.recv(self.check_health))
         while not self.replies.poll(_HEALTH_POLL_MS):
             self.check_health()
         return self.decoder.decode(self.replies.recv_multipart(copy=False))
@@ -140,6 +190,7 @@ class RayExecutor:
         for group in self.placement_groups:
             remove_placement_group(group)
         self.actors, self.placement_groups, self.loops = [], [], []
+        self._close_channels()
         self.context.destroy(linger=0)
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
