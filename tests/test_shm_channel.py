@@ -100,3 +100,38 @@ def test_files_of_another_creator_are_refused(tmp_path: Path) -> None:
     finally:
         unlink(paths)
     assert not list(tmp_path.iterdir())
+
+
+def test_big_steps_and_big_replies_in_flight_do_not_hang(tmp_path: Path) -> None:
+    """Two batches in flight, steps and replies each larger than their ring: the rank blocks sending a reply
+    while the engine blocks sending the next step, unless the engine reads replies ahead while it waits (as
+    RayExecutor does)."""
+    (tmp_path / "steps").mkdir()
+    (tmp_path / "replies").mkdir()
+    steps, (rank_steps,) = open_channel(tmp_path / "steps", 1, 0)
+    rank_replies, (replies,) = open_channel(tmp_path / "replies", 1, 0)
+    big = os.urandom(NUM_SLOTS * SLOT_BYTES + 1)
+
+    def rank() -> None:
+        for _ in range(4):
+            step = bytes(rank_steps.recv()[0])
+            rank_replies.send([step[:8] + big])
+
+    def engine(collected: list[bytes]) -> None:
+        def submit(index: int) -> None:
+            steps.send([b"step %03d" % index + big], on_idle=replies.read_ahead)
+
+        submit(0)
+        for index in range(1, 5):
+            if index < 4:
+                submit(index)
+            collected.append(bytes(replies.recv()[0])[:8])
+
+    collected: list[bytes] = []
+    threads = [threading.Thread(target=rank, daemon=True), threading.Thread(target=engine, args=(collected,),
+                                                                             daemon=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert collected == [b"step %03d" % index for index in range(4)]

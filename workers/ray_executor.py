@@ -159,9 +159,17 @@ class RayExecutor:
     def submit_batch(self, scheduler_output: SchedulerOutput) -> None:
         frames = self.encoder.encode(scheduler_output)
         if self.step_channel is not None and self.step_channel.readers:
-            self.step_channel.send(frames, self.check_health)
+            self.step_channel.send(frames, self._while_steps_ring_full)
         if self.num_remote_ranks:
             self.broadcast.send_multipart(frames, copy=False)
+
+    def _while_steps_ring_full(self) -> None:
+        """The ranks free the steps ring only as they reach each step. The driver may be waiting for room in the
+        replies ring before it can go on, and only we free that: read the replies ahead (both rings bounded and
+        each side waiting on the other would hang), and look for dead ranks."""
+        if self.reply_channel is not None:
+            self.reply_channel.read_ahead()
+        self.check_health()
 
     def collect_output(self) -> ModelRunnerOutput:
         """The oldest submitted batch's output (the driver rank replies in broadcast order)."""

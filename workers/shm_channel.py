@@ -7,6 +7,7 @@ import os
 import select
 import struct
 import time
+from collections import deque
 from typing import Callable
 
 from workers import shm_region
@@ -38,6 +39,8 @@ class ShmChannel:
         self.first_slot = _first_slot(len(fifos))
         self.readers = list(range(len(fifos)))  # the writer's view: who must consume a chunk before its slot is reused
         self.next_chunk = 0
+        self.partial: list[bytes] = []  # a reader's chunks of a message whose last chunk has not come yet
+        self.messages: deque[list[memoryview]] = deque()  # a reader's messages read ahead, oldest first
 
     def send(self, frames: list[Frame], on_idle: OnIdle | None = None) -> None:
         """Write one message for every reader (waiting for free slots if readers lag by NUM_SLOTS chunks)."""
@@ -56,16 +59,23 @@ class ShmChannel:
 
     def recv(self, on_idle: OnIdle | None = None) -> list[memoryview]:
         """The next message's frames."""
-        chunks = []
-        while True:
+        while not self.messages:
             self._wait(self._chunk_ready, self.fifos[self.reader], on_idle)
+            self.read_ahead()
+        return self.messages.popleft()
+
+    def read_ahead(self) -> None:
+        """Take every chunk written so far out of the ring (freeing its slot), without waiting: a writer blocked
+        on a full ring can go on even while this reader is busy elsewhere."""
+        while self._chunk_ready():
             offset = self._slot_offset()
             length, last = _SLOT_HEADER.unpack_from(self.region, offset)
-            chunks.append(self.region[offset + _SLOT_HEADER_BYTES:offset + _SLOT_HEADER_BYTES + length])
+            self.partial.append(self.region[offset + _SLOT_HEADER_BYTES:offset + _SLOT_HEADER_BYTES + length])
             self.next_chunk += 1
             self.counters[1 + self.reader] = self.next_chunk
             if last:
-                return _unpack(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+                chunks, self.partial = self.partial, []
+                self.messages.append(_unpack(chunks[0] if len(chunks) == 1 else b"".join(chunks)))
 
     def close(self) -> None:
         for fd in self.fifos:
