@@ -99,7 +99,11 @@ def test_ranks_fall_back_to_zmq_without_shared_memory(cluster, monkeypatch):
     import workers.ray_executor
 
     refused = []
-    monkeypatch.setattr(workers.ray_executor, "create_channel", lambda paths: refused.append(paths) and None)
+
+    def refuse(paths) -> None:
+        refused.append(paths)
+
+    monkeypatch.setattr(workers.ray_executor, "create_channel", refuse)
     prompts, expected = single_rank_outputs("llama-kv1")
     llm = LLM(model_dir("llama-kv1"), in_process=True, tensor_parallel_size=2, pipeline_parallel_size=2,
               **SMALL_ENGINE)

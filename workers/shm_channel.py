@@ -10,6 +10,7 @@ import time
 from collections import deque
 from typing import Callable
 
+from ipc.serialization import Frame
 from workers import shm_region
 from workers.polling import poll
 from workers.shm_region import SHM_DIR, TOKEN_BYTES, ShmPaths
@@ -22,7 +23,6 @@ _SLOT_HEADER_BYTES = 8
 _FRAME_COUNT = struct.Struct("<I")
 _FRAME_LENGTH = struct.Struct("<Q")
 
-Frame = bytes | bytearray | memoryview
 OnIdle = Callable[[], None]
 
 
@@ -111,7 +111,8 @@ class ShmChannel:
 def executor_channel_paths(name: str, num_ranks: int, directory: str = SHM_DIR) -> tuple[ShmPaths, ShmPaths]:
     """An engine's two channels: steps (the engine writes, every rank reads) and replies (the driver rank writes,
     the engine reads)."""
-    return ShmPaths.for_group(directory, f"{name}-steps", num_ranks), ShmPaths.for_group(directory, f"{name}-replies", 1)
+    return (ShmPaths.for_group(directory, f"{name}-steps", num_ranks),
+            ShmPaths.for_group(directory, f"{name}-replies", 1))
 
 
 def create_channel(paths: ShmPaths) -> bytes | None:
