@@ -78,10 +78,8 @@ class ShmChannel:
                 self.messages.append(_unpack(chunks[0] if len(chunks) == 1 else b"".join(chunks)))
 
     def close(self) -> None:
-        for fd in self.fifos:
-            os.close(fd)
         self.counters.release()
-        self.region.close()
+        shm_region.release(self.region, self.fifos)
 
     def _slot_offset(self) -> int:
         return self.first_slot + (self.next_chunk % NUM_SLOTS) * SLOT_BYTES

@@ -61,11 +61,9 @@ class ShmCommunicator:
         return torch.cat(parts, dim=-1) if parts else None
 
     def close(self) -> None:
-        for fd in self.fifos:
-            os.close(fd)
         self.counters.release()
         self.slots, self.views = [], {}  # the views must go before the mapping can close
-        self.region.close()
+        shm_region.release(self.region, self.fifos)
 
     def _chunks(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """flat in pieces that fit a slot; usually the one piece, which needs no split (a split costs ~6 us)."""
@@ -123,17 +121,11 @@ def connect_shm(group: dist.ProcessGroup, tp_rank: int, tp_size: int, name: str,
         shm_region.unlink(paths)
     if not everyone.item():
         if mapped is not None:
-            _close(*mapped)
+            shm_region.release(*mapped)
         logger.warning("TP rank %d: not every rank of the group could map its shared memory; the group uses gloo",
                        tp_rank)
         return None
     return ShmCommunicator(*mapped, tp_rank, slot_bytes)
-
-
-def _close(region: mmap.mmap, fifos: list[int]) -> None:
-    for fd in fifos:
-        os.close(fd)
-    region.close()
 
 
 def _region_bytes(tp_size: int, slot_bytes: int) -> int:

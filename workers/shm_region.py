@@ -92,6 +92,13 @@ def attach(paths: ShmPaths, region_bytes: int, token: bytes, own_fifo: int | Non
     return region, fifos
 
 
+def release(region: mmap.mmap, fifos: list[int]) -> None:
+    """Undo attach(): close the FIFOs and unmap the region (views into it must be gone)."""
+    for fd in fifos:
+        os.close(fd)
+    region.close()
+
+
 def wake(fifo: int) -> None:
     """One byte to a FIFO opened without blocking; a full FIFO already holds wake-ups enough."""
     with contextlib.suppress(BlockingIOError):
