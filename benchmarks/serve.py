@@ -33,19 +33,20 @@ import random
 import statistics
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+import httptools
 import httpx
 import msgspec
 import numpy as np
 import uvloop
 from tqdm import tqdm
 
-READ_TIMEOUT_S = 6 * 3600.0  # a loaded engine may take long to start a request's stream
+from sse_client import post_streamed
+
+RESPONSE_TIMEOUT_S = 6 * 3600.0  # a loaded engine may take long to start and finish a request's stream
 CONNECT_TIMEOUT_S = 60.0
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
 METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
@@ -97,39 +98,29 @@ def completion_body(model: str, spec: RequestSpec) -> dict[str, Any]:
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
 
 
-async def stream_events(lines: aiohttp.StreamReader) -> AsyncIterator[dict[str, Any] | None]:
-    """The JSON payloads of a Server-Sent Events stream's `data:` lines, up to `data: [DONE]` (then None)."""
-    async for line in lines:
-        if not line.startswith(b"data:"):
-            continue  # blank separators, comments, `event:` lines
-        payload = line[len(b"data:"):].strip()
-        if payload == b"[DONE]":
-            yield None
-            return
-        yield msgspec.json.decode(payload)
-
-
-async def read_stream(lines: aiohttp.StreamReader, result: RequestResult, start: float) -> None:
-    """Fills `result` from a 200 response's event stream; `start` is the request's perf_counter send time."""
+def read_stream(events: list[tuple[float, bytes]], result: RequestResult, start: float) -> None:
+    """Fills `result` from a 200 response's events ((arrival perf_counter, `data:` payload)); `start` is the
+    request's perf_counter send time."""
     text_times: list[float] = []
     first_choice_time: float | None = None
     usage: dict[str, int] | None = None
-    done = False
-    async for event in stream_events(lines):
-        now = time.perf_counter()
-        if event is None:
-            done = True
-        elif "error" in event:
+    done_time: float | None = None
+    for arrival, payload in events:
+        if payload == b"[DONE]":
+            done_time = arrival
+            break
+        event = msgspec.json.decode(payload)
+        if "error" in event:
             result.error = f"error event: {event['error']}"
             return
-        elif event.get("choices"):
-            first_choice_time = first_choice_time or now
+        if event.get("choices"):
+            first_choice_time = first_choice_time or arrival
             if event["choices"][0].get("text"):
-                text_times.append(now)
-        if event and event.get("usage"):
+                text_times.append(arrival)
+        if event.get("usage"):
             usage = event["usage"]
-    result.e2e = time.perf_counter() - start
-    if not done:
+    result.e2e = (done_time if done_time is not None else time.perf_counter()) - start
+    if done_time is None:
         result.error = "stream ended without data: [DONE]"
     elif usage is None:
         result.error = "no usage chunk (stream_options.include_usage)"
@@ -144,30 +135,28 @@ async def read_stream(lines: aiohttp.StreamReader, result: RequestResult, start:
         result.success = True
 
 
-async def send_request(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict[str, Any],
-                       bench_start: float) -> RequestResult:
+async def send_request(url: str, headers: dict[str, str], body: bytes, bench_start: float) -> RequestResult:
     start = time.perf_counter()
     result = RequestResult(send_time=start - bench_start)
     try:
-        async with session.post(url, json=body, headers=headers) as response:
-            if response.status != 200:
-                detail = (await response.read()).decode(errors="replace")[:500]
-                result.error = f"HTTP {response.status}: {detail}"
-            else:
-                await read_stream(response.content, result, start)
-    except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
+        response = await post_streamed(url, body, headers, CONNECT_TIMEOUT_S, RESPONSE_TIMEOUT_S)
+        if response.status != 200:
+            result.error = f"HTTP {response.status}: {response.body.decode(errors='replace')[:500]}"
+        else:
+            read_stream(response.events, result, start)
+    except (OSError, httptools.HttpParserError, asyncio.TimeoutError, msgspec.DecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     if result.e2e is None:
         result.e2e = time.perf_counter() - start
     return result
 
 
-async def scheduled_request(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict[str, Any],
-                            bench_start: float, offset: float, gate: asyncio.Semaphore | None) -> RequestResult:
+async def scheduled_request(url: str, headers: dict[str, str], body: bytes, bench_start: float, offset: float,
+                            gate: asyncio.Semaphore | None) -> RequestResult:
     """Waits until `offset` seconds after `bench_start` and for a free slot under `gate`, then sends."""
     await asyncio.sleep(max(0.0, bench_start + offset - time.perf_counter()))
     async with gate or contextlib.nullcontext():
-        return await send_request(session, url, headers, body, bench_start)
+        return await send_request(url, headers, body, bench_start)
 
 
 def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
@@ -188,21 +177,17 @@ async def run_benchmark(base_url: str, model: str, requests: list[RequestSpec], 
     """Sends `requests` to the gateway at `base_url` and returns {"config", "metrics", "requests"}."""
     url = f"{base_url.rstrip('/')}/v1/completions"
     headers = auth_headers(api_key)
-    connections = max_concurrency or len(requests)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     offsets = arrival_offsets(len(requests), request_rate, seed)
+    bodies = [msgspec.json.encode(completion_body(model, spec)) for spec in requests]
     with tqdm(total=len(requests), disable=not progress) as bar:
-        connector = aiohttp.TCPConnector(limit=connections)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-            bench_start = time.perf_counter()
-            tasks = [asyncio.create_task(scheduled_request(session, url, headers, completion_body(model, spec),
-                                                           bench_start, offset, gate))
-                     for spec, offset in zip(requests, offsets)]
-            for task in tasks:
-                task.add_done_callback(lambda _: bar.update())
-            results = await asyncio.gather(*tasks)
-            duration = time.perf_counter() - bench_start
+        bench_start = time.perf_counter()
+        tasks = [asyncio.create_task(scheduled_request(url, headers, body, bench_start, offset, gate))
+                 for body, offset in zip(bodies, offsets)]
+        for task in tasks:
+            task.add_done_callback(lambda _: bar.update())
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - bench_start
     # JSON has no infinity: an all-at-once run's rate is written as the string "inf".
     config = {"base_url": base_url, "model": model, "num_prompts": len(requests),
               "request_rate": "inf" if math.isinf(request_rate) else request_rate,

@@ -26,7 +26,7 @@ class IncrementalDetokenizer:
         if not piece:
             return None
         self.text += piece
-        return self._check_stop(len(piece))
+        return self._check_stop(len(piece)) if self.stop else None
 
     def output_text(self, finished: bool) -> str:
         """The text a stream may show now: while running, the tail that could still begin a stop string is

@@ -24,16 +24,23 @@ class Choice:
     num_completion_tokens: int = 0
 
 
+ChoiceOutput = tuple[int, RequestOutput]  # (choice index, its output)
+
+
 async def stream_choices(engine: AsyncLLM, choices: list[Choice], request_id: str, metrics: ServerMetrics
-                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
+                         ) -> AsyncIterator[ChoiceOutput]:
     """(choice index, delta output) as they come; closing the iterator aborts every unfinished choice."""
-    # One choice (the common case) needs no merging: no task and queue hop per token.
-    outputs = _single(engine, choices[0], request_id) if len(choices) == 1 else _merged(engine, choices, request_id)
+    # One choice (the common case) needs no merging: no task and queue hop per token, and no generator in between.
+    single = len(choices) == 1
+    outputs = (engine.generate(choices[0].prompt, choices[0].params, f"{request_id}-0") if single
+               else _merged(engine, choices, request_id))
     start, last = time.monotonic(), [None] * len(choices)
+    streamed = [choice.params.output_kind == RequestOutputKind.DELTA for choice in choices]  # only streams time tokens
     async with contextlib.aclosing(outputs):
-        async for index, output in outputs:
+        async for item in outputs:
+            index, output = (0, item) if single else item
             now = time.monotonic()
-            if choices[index].params.output_kind == RequestOutputKind.DELTA:  # only streams have token times
+            if streamed[index]:
                 metrics.observe_token_times(now - start if last[index] is None else None,
                                             now - last[index] if last[index] is not None else None)
             last[index] = now
@@ -43,12 +50,6 @@ async def stream_choices(engine: AsyncLLM, choices: list[Choice], request_id: st
                             sum(c.num_completion_tokens for c in choices), time.monotonic() - start)
 
 
-async def _single(engine: AsyncLLM, choice: Choice, request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
-    async with contextlib.aclosing(engine.generate(choice.prompt, choice.params, f"{request_id}-0")) as outputs:
-        async for output in outputs:
-            yield 0, output
-
-
-def _merged(engine: AsyncLLM, choices: list[Choice], request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+def _merged(engine: AsyncLLM, choices: list[Choice], request_id: str) -> AsyncIterator[ChoiceOutput]:
     return merge_streams([engine.generate(choice.prompt, choice.params, f"{request_id}-{index}")
                           for index, choice in enumerate(choices)])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hmac
 import logging
 import os
@@ -218,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         watch_lifeline(args.parent_fd, lambda: setattr(server, "should_exit", True))
     app.router.on_startup.append(lambda: _report_ready(args.status_fd))
     logger.info("gateway %d serving %s at http://%s:%d/v1", os.getpid(), model_name, args.host, args.port)
+    # Everything made so far (transformers, the tokenizer, the app: ~400,000 objects) lives as long as the process.
+    # Frozen, it is out of the cyclic collector's sight; otherwise every full collection walks it, stalling all
+    # streams for 0.1-0.2 s, and the gateway spent ~15% more CPU per streamed token.
+    gc.collect()
+    gc.freeze()
     server.run(sockets=[sock])
     engine.shutdown()
     return 0

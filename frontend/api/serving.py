@@ -1,14 +1,15 @@
 """/v1/completions and /v1/chat/completions: requests to engine choices, outputs to JSON or SSE chunks."""
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import msgspec
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from frontend.api.choices import Choice, stream_choices
+from frontend.api.choices import Choice, ChoiceOutput, stream_choices
 from frontend.api.errors import APIError, error_body
 from frontend.api.logprobs import chat_logprobs, completion_logprobs
 from frontend.api.metrics import ServerMetrics
@@ -27,7 +28,7 @@ from frontend.api.protocol import (
 from frontend.api.sampling import ServerLimits, check_limits, sampling_params
 from frontend.async_llm import AsyncLLM
 from frontend.core_client import EngineDeadError, EngineOverloadedError
-from frontend.outputs import CompletionOutput
+from frontend.outputs import CompletionOutput, RequestOutput
 from frontend.parallel_sampling import child_params
 from frontend.tokenizer import apply_chat_template
 
@@ -44,9 +45,13 @@ class OpenAIServing:
         prompts = [self._completion_prompt(p) for p in _prompt_list(body.prompt)]
         choices = self._choices(body, prompts)
         num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-        stream = await _started(stream_choices(self.engine, choices, uuid.uuid4().hex, self.metrics))
+        stream = stream_choices(self.engine, choices, uuid.uuid4().hex, self.metrics)
         if body.stream:
-            return _sse(self._completion_chunks(stream, body, choices, num_prompt_tokens))
+            first = await _first(stream)
+            # Plain dicts on the per-token path: a pydantic model per chunk costs more than the rest of the chunk.
+            head = CompletionResponse(model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
+            return _sse(first, stream, _completion_chunk(head, body, len(choices)),
+                        _usage_chunks(head, body, num_prompt_tokens, choices))
         finals = await _collect(stream, len(choices))
         response = CompletionResponse(model=self.model_name, usage=_usage(num_prompt_tokens, choices), choices=[
             CompletionChoice(index=i, text=c.text, logprobs=completion_logprobs(c, body.logprobs or 0, 0),
@@ -63,9 +68,16 @@ class OpenAIServing:
         prompt = self._chat_prompt(body)
         choices = self._choices(body, [prompt])
         num_prompt_tokens = len(prompt["prompt_token_ids"])
-        stream = await _started(stream_choices(self.engine, choices, uuid.uuid4().hex, self.metrics))
+        stream = stream_choices(self.engine, choices, uuid.uuid4().hex, self.metrics)
         if body.stream:
-            return _sse(self._chat_chunks(stream, body, choices, num_prompt_tokens))
+            first = await _first(stream)
+            head = ChatCompletionChunk(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
+                                       model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
+            role_chunks = [{**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}], "usage": None}
+                           for index in range(len(choices))]
+            return _sse(first, stream, _chat_chunk(head, body), _usage_chunks(head, body, num_prompt_tokens, choices),
+                        role_chunks)
         finals = await _collect(stream, len(choices))
         response = ChatCompletionResponse(model=self.model_name, usage=_usage(num_prompt_tokens, choices), choices=[
             ChatChoice(index=i, message=ChatResponseMessage(content=c.text),
@@ -104,35 +116,32 @@ class OpenAIServing:
             choices += [Choice(prompt, child_params(params, i), len(prompt["prompt_token_ids"])) for i in range(body.n)]
         return choices
 
-    async def _completion_chunks(self, stream, body: CompletionRequest, choices: list[Choice],
-                                 num_prompt_tokens: int) -> AsyncIterator[dict]:
-        # Plain dicts on the per-token path: a pydantic model per chunk costs more than the rest of the chunk.
-        head = CompletionResponse(model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
-        text_offsets = [0] * len(choices)
-        async for index, output in stream:
-            completion = output.outputs[0]
-            logprobs = completion_logprobs(completion, body.logprobs or 0, text_offsets[index])
-            text_offsets[index] += len(completion.text)
-            yield {**head, "choices": [{"index": index, "text": completion.text, "logprobs": logprobs,
-                                        "finish_reason": completion.finish_reason,
-                                        "stop_reason": completion.stop_reason}], "usage": None}
-        if body.stream_options and body.stream_options.include_usage:
-            yield {**head, "choices": [], "usage": _usage(num_prompt_tokens, choices).model_dump()}
 
-    async def _chat_chunks(self, stream, body: ChatCompletionRequest, choices: list[Choice],
-                           num_prompt_tokens: int) -> AsyncIterator[dict]:
-        head = ChatCompletionChunk(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
-                                   model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
-        for index in range(len(choices)):
-            yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], "usage": None}
-        async for index, output in stream:
-            completion = output.outputs[0]
-            yield {**head, "choices": [{"index": index, "delta": {"content": completion.text},
-                                        "logprobs": chat_logprobs(completion, body.top_logprobs or 0),
-                                        "finish_reason": completion.finish_reason}], "usage": None}
-        if body.stream_options and body.stream_options.include_usage:
-            yield {**head, "choices": [], "usage": _usage(num_prompt_tokens, choices).model_dump()}
+def _completion_chunk(head: dict, body: CompletionRequest, num_choices: int) -> Callable[[int, RequestOutput], dict]:
+    """The function that turns one choice's delta output into a completions chunk."""
+    text_offsets = [0] * num_choices
+    num_top = body.logprobs or 0
+
+    def chunk(index: int, output: RequestOutput) -> dict:
+        completion = output.outputs[0]
+        logprobs = completion_logprobs(completion, num_top, text_offsets[index])
+        text_offsets[index] += len(completion.text)
+        return {**head, "choices": [{"index": index, "text": completion.text, "logprobs": logprobs,
+                                     "finish_reason": completion.finish_reason,
+                                     "stop_reason": completion.stop_reason}], "usage": None}
+    return chunk
+
+
+def _chat_chunk(head: dict, body: ChatCompletionRequest) -> Callable[[int, RequestOutput], dict]:
+    """The function that turns one choice's delta output into a chat chunk."""
+    num_top = body.top_logprobs or 0
+
+    def chunk(index: int, output: RequestOutput) -> dict:
+        completion = output.outputs[0]
+        return {**head, "choices": [{"index": index, "delta": {"content": completion.text},
+                                     "logprobs": chat_logprobs(completion, num_top),
+                                     "finish_reason": completion.finish_reason}], "usage": None}
+    return chunk
 
 
 def api_error_from(error: Exception) -> APIError | None:
@@ -146,27 +155,17 @@ def api_error_from(error: Exception) -> APIError | None:
     return None
 
 
-async def _started(stream: AsyncIterator) -> AsyncIterator:
-    """Wait for the first output before answering, so a refused request (full queue, bad input) gets its status
-    code instead of a 200 stream that fails."""
+async def _first(stream: AsyncIterator[ChoiceOutput]) -> ChoiceOutput | None:
+    """Wait for the stream's first output before answering, so a refused request (full queue, bad input) gets its
+    status code instead of a 200 stream that fails. None: the stream ended without one."""
     try:
-        first = await anext(stream)
+        return await anext(stream)
     except StopAsyncIteration:
-        first = None
+        return None
     except Exception as error:
         await stream.aclose()
         mapped = api_error_from(error)
         raise mapped if mapped is not None else error
-
-    async def resumed():
-        try:
-            if first is not None:
-                yield first
-            async for item in stream:
-                yield item
-        finally:
-            await stream.aclose()
-    return resumed()
 
 
 async def _collect(stream: AsyncIterator, num_choices: int) -> list[CompletionOutput]:
@@ -184,17 +183,37 @@ async def _collect(stream: AsyncIterator, num_choices: int) -> list[CompletionOu
 _json = msgspec.json.Encoder()  # several times faster than json.dumps on the per-token path
 
 
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(first: ChoiceOutput | None, stream: AsyncIterator[ChoiceOutput], chunk: Callable[[int, RequestOutput], dict],
+         final_chunks: Callable[[], list[dict]], head_chunks: Sequence[dict] = ()) -> StreamingResponse:
+    """Server-sent events: head_chunks, a chunk per output of the stream (which starts with `first`), the chunks
+    final_chunks() gives once it ends, then [DONE]. One generator on the per-token path, no layers in between."""
     async def events():
         try:
-            async for chunk in chunks:
-                yield b"data: " + _json.encode(chunk) + b"\n\n"
+            async with contextlib.aclosing(stream):
+                for body in head_chunks:
+                    yield b"data: " + _json.encode(body) + b"\n\n"
+                if first is not None:
+                    yield b"data: " + _json.encode(chunk(*first)) + b"\n\n"
+                async for index, output in stream:
+                    yield b"data: " + _json.encode(chunk(index, output)) + b"\n\n"
+            for body in final_chunks():
+                yield b"data: " + _json.encode(body) + b"\n\n"
         except Exception as error:  # headers are sent: the error goes in the stream, as OpenAI does
             mapped = api_error_from(error) or APIError(500, f"internal error: {type(error).__name__}")
             body = error_body(mapped.status, mapped.message, mapped.param, mapped.code)
             yield b"data: " + _json.encode(body) + b"\n\n"
         yield b"data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _usage_chunks(head: dict, body: SamplingFields, num_prompt_tokens: int,
+                  choices: list[Choice]) -> Callable[[], list[dict]]:
+    """The usage chunk a stream ends with when stream_options.include_usage asks for it."""
+    def chunks() -> list[dict]:
+        if not (body.stream_options and body.stream_options.include_usage):
+            return []
+        return [{**head, "choices": [], "usage": _usage(num_prompt_tokens, choices).model_dump()}]
+    return chunks
 
 
 def _usage(num_prompt_tokens: int, choices: list[Choice]) -> UsageInfo:
