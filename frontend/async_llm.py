@@ -31,7 +31,7 @@ class RequestOutputCollector:
     def __init__(self, output_kind: RequestOutputKind) -> None:
         self.output_kind = output_kind
         self.item: RequestOutput | Exception | None = None
-        self.ready = asyncio.Event()
+        self.waiter: asyncio.Future[None] | None = None  # a bare future: cheaper per token than an asyncio.Event
 
     def put(self, item: RequestOutput | Exception) -> None:
         if isinstance(self.item, RequestOutput) and isinstance(item, RequestOutput):
@@ -39,13 +39,14 @@ class RequestOutputCollector:
         elif isinstance(self.item, RequestOutput) and self.item.finished:
             return  # the final output is already waiting; a later error (engine death) changes nothing
         self.item = item
-        self.ready.set()
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
     async def get(self) -> RequestOutput:
         while self.item is None:
-            await self.ready.wait()
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
         item, self.item = self.item, None
-        self.ready.clear()
         if isinstance(item, Exception):
             raise item
         return item

@@ -88,12 +88,13 @@ class OutputProcessor:
             lp = output.prompt_logprobs
             state.prompt_logprobs = [None] + [self._logprob_entry(*entry) for entry in zip(lp.token_ids, lp.logprobs,
                                                                                           lp.ranks)]
+        last = len(output.new_token_ids) - 1
+        hide_last = output.finish_reason == FinishReason.STOP and not state.params.include_stop_str_in_output
         for i, token_id in enumerate(output.new_token_ids):
             state.token_ids.append(token_id)
-            self._add_logprobs(state, output, i)
-            is_last = i == len(output.new_token_ids) - 1
-            stopped_by_token = is_last and output.finish_reason == FinishReason.STOP
-            if stopped_by_token and not state.params.include_stop_str_in_output:
+            if state.logprobs is not None:
+                self._add_logprobs(state, output, i)
+            if i == last and hide_last:
                 continue  # the EOS / stop token's own text is not part of the output
             stop = state.detokenizer.add_token(token_id)
             if stop is not None:
@@ -103,7 +104,7 @@ class OutputProcessor:
         return output.finish_reason.value, output.stop_reason
 
     def _add_logprobs(self, state: RequestState, output: EngineCoreOutput, i: int) -> None:
-        if state.logprobs is None or output.new_logprobs is None:
+        if output.new_logprobs is None:
             return
         values = output.new_logprobs[i]
         state.logprobs.append(self._logprob_entry(output.new_logprob_token_ids[i], values, output.new_sampled_ranks[i]))
