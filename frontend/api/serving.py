@@ -191,19 +191,22 @@ def _sse(first: ChoiceOutput | None, stream: AsyncIterator[ChoiceOutput], chunk:
         try:
             async with contextlib.aclosing(stream):
                 for body in head_chunks:
-                    yield b"data: " + _json.encode(body) + b"\n\n"
+                    yield _event(body)
                 if first is not None:
-                    yield b"data: " + _json.encode(chunk(*first)) + b"\n\n"
+                    yield _event(chunk(*first))
                 async for index, output in stream:
-                    yield b"data: " + _json.encode(chunk(index, output)) + b"\n\n"
+                    yield _event(chunk(index, output))
             for body in final_chunks():
-                yield b"data: " + _json.encode(body) + b"\n\n"
+                yield _event(body)
         except Exception as error:  # headers are sent: the error goes in the stream, as OpenAI does
             mapped = api_error_from(error) or APIError(500, f"internal error: {type(error).__name__}")
-            body = error_body(mapped.status, mapped.message, mapped.param, mapped.code)
-            yield b"data: " + _json.encode(body) + b"\n\n"
+            yield _event(error_body(mapped.status, mapped.message, mapped.param, mapped.code))
         yield b"data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _event(body: dict) -> bytes:
+    return b"data: " + _json.encode(body) + b"\n\n"
 
 
 def _usage_chunks(head: dict, body: SamplingFields, num_prompt_tokens: int,
