@@ -7,6 +7,7 @@ import logging
 import uuid
 import weakref
 from collections.abc import AsyncGenerator
+from typing import Protocol
 
 from frontend.connect import connect_engine
 from frontend.core_client import AsyncEngineCoreClient, EngineDeadError, request_error
@@ -24,9 +25,16 @@ logger = logging.getLogger("pagedserve.async_llm")
 OUTPUT_CHUNK_SIZE = 128
 
 
+class OutputSink(Protocol):
+    """Where the output handler hands a request's outputs."""
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        """One output, or the error that ends the request. Called on the event loop; must not block or raise."""
+
+
 class RequestOutputCollector:
-    """One request's outputs waiting for its consumer. A consumer that falls behind gets one merged output:
-    DELTA outputs are concatenated, CUMULATIVE ones replaced by the newest."""
+    """An OutputSink that holds one request's outputs until its consumer takes them. A consumer that falls behind
+    gets one merged output: DELTA outputs are concatenated, CUMULATIVE ones replaced by the newest."""
 
     def __init__(self, output_kind: RequestOutputKind) -> None:
         self.output_kind = output_kind
@@ -65,7 +73,7 @@ class AsyncLLM:
         self.info = self.client.info
         self.tokenizer = load_tokenizer(model or self.info.model)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.collectors: dict[str, RequestOutputCollector] = {}
+        self.sinks: dict[str, OutputSink] = {}
         self.output_handler: asyncio.Task | None = None
 
     @property
@@ -84,19 +92,16 @@ class AsyncLLM:
 
     async def _generate_one(self, prompt: PromptType, params: SamplingParams, request_id: str,
                             priority: int) -> AsyncGenerator[RequestOutput, None]:
-        collector = self._add_request(request_id, prompt, params, priority)
-        finished = False
+        collector = RequestOutputCollector(params.output_kind)
+        self.add_request(request_id, prompt, params, collector, priority)
         try:
-            while not finished:
+            while True:
                 output = await collector.get()
-                finished = output.finished
                 yield output
-        finally:
-            if self.collectors.get(request_id) is collector:
-                del self.collectors[request_id]
-                if not finished:  # cancelled, closed early, or failed: nothing more is wanted
-                    self.output_processor.abort(request_id)
-                    self.client.abort_requests([request_id])
+                if output.finished:
+                    return
+        finally:  # cancelled, closed early, or failed: release aborts the request if it has not finished
+            self.release(request_id, collector)
 
     async def _generate_n(self, prompt: PromptType, params: SamplingParams, request_id: str,
                           priority: int) -> AsyncGenerator[RequestOutput, None]:
@@ -117,9 +122,9 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         """End the request now; its stream yields a final output with finish_reason "abort"."""
         output = self.output_processor.abort(request_id)
-        collector = self.collectors.get(request_id)
-        if output is not None and collector is not None:
-            collector.put(output)
+        sink = self.sinks.get(request_id)
+        if output is not None and sink is not None:
+            sink.put(output)
         self.client.abort_requests([request_id])
 
     async def get_stats(self) -> SchedulerStats:
@@ -144,45 +149,57 @@ class AsyncLLM:
             self.output_handler.cancel()
         self._shutdown()
 
-    def _add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                     priority: int) -> RequestOutputCollector:
-        if request_id in self.collectors:
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, sink: OutputSink,
+                    priority: int = 0) -> None:
+        """Send one request (n=1) to the engine; the output handler hands each of its outputs, or the error that
+        ends it, to sink.put. The caller must release(request_id, sink) once it no longer wants them.
+        generate() is this with a queue in between; a server writing each output out at once needs none."""
+        if params.n != 1:
+            raise ValueError("add_request takes one sample (n=1); generate() runs n > 1")
+        if request_id in self.sinks:
             raise ValueError(f"request_id {request_id!r} is already in use")
         request = engine_request(self.tokenizer, self.info, request_id, prompt, params, priority)
         self.client.add_request(request)  # raises EngineDeadError before anything is registered
-        collector = self.collectors[request_id] = RequestOutputCollector(params.output_kind)
+        self.sinks[request_id] = sink
         self.output_processor.add_request(request_id, prompt_text(prompt), request.prompt_token_ids, params)
         if self.output_handler is None or self.output_handler.done():
             self.output_handler = asyncio.get_running_loop().create_task(self._handle_outputs())
-        return collector
+
+    def release(self, request_id: str, sink: OutputSink) -> None:
+        """Stop handing the request's outputs to sink, and abort the request if it has not finished."""
+        if self.sinks.get(request_id) is not sink:
+            return
+        del self.sinks[request_id]
+        if self.output_processor.abort(request_id) is not None:  # still running
+            self.client.abort_requests([request_id])
 
     async def _handle_outputs(self) -> None:
         try:
             while True:
                 await self._deliver(await self.client.get_outputs_async())
         except EngineDeadError as error:
-            for collector in self.collectors.values():
-                collector.put(error)
+            for sink in list(self.sinks.values()):  # a sink may release itself
+                sink.put(error)
         except Exception as error:  # a bug here must fail the streams, not leave them waiting forever
             logger.exception("the output handler failed")
-            for collector in self.collectors.values():
-                collector.put(EngineDeadError(f"the output handler failed: {error}"))
+            for sink in list(self.sinks.values()):
+                sink.put(EngineDeadError(f"the output handler failed: {error}"))
 
     async def _deliver(self, batch: EngineCoreOutputs) -> None:
         for error in batch.errors:
-            collector = self.collectors.get(error.request_id)
-            if collector is None:
+            sink = self.sinks.get(error.request_id)
+            if sink is None:
                 logger.warning("engine error for no request of ours: %s", error.message)
                 continue
             self.output_processor.abort(error.request_id)
-            collector.put(request_error(error))
+            sink.put(request_error(error))
         outputs = batch.outputs
         for start in range(0, len(outputs), OUTPUT_CHUNK_SIZE):
             if start:
                 await asyncio.sleep(0)
             results, to_abort = self.output_processor.process_outputs(outputs[start:start + OUTPUT_CHUNK_SIZE])
             for result in results:
-                collector = self.collectors.get(result.request_id)
-                if collector is not None:
-                    collector.put(result)
+                sink = self.sinks.get(result.request_id)
+                if sink is not None:
+                    sink.put(result)
             self.client.abort_requests(to_abort)

@@ -66,6 +66,14 @@ def test_chat_plain_streamed_and_n(client, llama_model):
     assert sorted(c.index for c in two.choices) == [0, 1]
     assert two.choices[0].message.content != two.choices[1].message.content
     assert two.usage.completion_tokens == 20 and two.usage.prompt_tokens == plain.usage.prompt_tokens
+    streamed_two = client.chat.completions.create(model=llama_model, messages=messages, max_tokens=10, n=2,
+                                                  temperature=1.0, seed=1, stream=True,
+                                                  extra_body={"ignore_eos": True})
+    texts = ["", ""]
+    for chunk in streamed_two:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [choice.message.content for choice in two.choices]
 
 
 def test_stop_strings_and_seeds(client, llama_model):

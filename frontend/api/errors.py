@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 from http import HTTPStatus
+from typing import NoReturn
 
 from fastapi.responses import JSONResponse
+
+from frontend.core_client import EngineDeadError, EngineOverloadedError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "invalid_request_error", 431: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}
@@ -32,3 +35,24 @@ def from_pydantic(errors: list[dict]) -> APIError:
     first = errors[0]
     param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
     return APIError(400, f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", ""), param)
+
+
+def engine_error(error: Exception) -> APIError | None:
+    """The HTTP error an engine-side failure maps to (None: not one of ours, a bug)."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, EngineOverloadedError):
+        return APIError(429, str(error), code="overloaded")
+    if isinstance(error, EngineDeadError):
+        return APIError(503, f"the engine is not available: {error}", code="engine_dead")
+    if isinstance(error, ValueError):
+        return APIError(400, str(error))
+    return None
+
+
+def raise_api_error(error: Exception) -> NoReturn:
+    """Raise the HTTP error `error` maps to, or `error` itself if it is a bug (a 500)."""
+    mapped = engine_error(error)
+    if mapped is None:
+        raise error
+    raise mapped from error

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from frontend.api.errors import APIError, error_body, from_pydantic
 from frontend.api.metrics import ServerMetrics
 from frontend.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from frontend.api.push import PushHttpToolsProtocol
 from frontend.api.sampling import ServerLimits
 from frontend.api.serving import OpenAIServing
 from frontend.async_llm import AsyncLLM
@@ -213,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     limits = ServerLimits(max_model_len=engine.info.max_model_len, max_n=args.max_n, max_stop=args.max_stop)
     app = build_app(engine, model_name, limits, args.api_key, args.max_body_bytes, args.max_header_bytes)
     sock = listening_socket(args.host, args.port, args.reuse_port)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout,
+                            http=PushHttpToolsProtocol)
     server = uvicorn.Server(config)
     if args.parent_fd is not None:
         watch_lifeline(args.parent_fd, lambda: setattr(server, "should_exit", True))

@@ -1,16 +1,14 @@
 """/v1/completions and /v1/chat/completions: requests to engine choices, outputs to JSON or SSE chunks."""
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable
 
-import msgspec
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from frontend.api.choices import Choice, ChoiceOutput, stream_choices
-from frontend.api.errors import APIError, error_body
+from frontend.api.choices import Choice, StreamedChoices, final_outputs
+from frontend.api.errors import APIError
 from frontend.api.logprobs import chat_logprobs, completion_logprobs
 from frontend.api.metrics import ServerMetrics
 from frontend.api.protocol import (
@@ -27,8 +25,7 @@ from frontend.api.protocol import (
 )
 from frontend.api.sampling import ServerLimits, check_limits, sampling_params
 from frontend.async_llm import AsyncLLM
-from frontend.core_client import EngineDeadError, EngineOverloadedError
-from frontend.outputs import CompletionOutput, RequestOutput
+from frontend.outputs import RequestOutput
 from frontend.parallel_sampling import child_params
 from frontend.tokenizer import apply_chat_template
 
@@ -45,14 +42,13 @@ class OpenAIServing:
         prompts = [self._completion_prompt(p) for p in _prompt_list(body.prompt)]
         choices = self._choices(body, prompts)
         num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-        stream = stream_choices(self.engine, choices, uuid.uuid4().hex, self.metrics)
         if body.stream:
-            first = await _first(stream)
             # Plain dicts on the per-token path: a pydantic model per chunk costs more than the rest of the chunk.
             head = CompletionResponse(model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
-            return _sse(first, stream, _completion_chunk(head, body, len(choices)),
-                        _usage_chunks(head, body, num_prompt_tokens, choices))
-        finals = await _collect(stream, len(choices))
+            return await StreamedChoices(self.engine, choices, uuid.uuid4().hex, self.metrics,
+                                         _completion_chunk(head, body, len(choices)),
+                                         _usage_chunks(head, body, num_prompt_tokens, choices)).open()
+        finals = await final_outputs(self.engine, choices, uuid.uuid4().hex, self.metrics)
         response = CompletionResponse(model=self.model_name, usage=_usage(num_prompt_tokens, choices), choices=[
             CompletionChoice(index=i, text=c.text, logprobs=completion_logprobs(c, body.logprobs or 0, 0),
                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
@@ -68,17 +64,15 @@ class OpenAIServing:
         prompt = self._chat_prompt(body)
         choices = self._choices(body, [prompt])
         num_prompt_tokens = len(prompt["prompt_token_ids"])
-        stream = stream_choices(self.engine, choices, uuid.uuid4().hex, self.metrics)
         if body.stream:
-            first = await _first(stream)
             head = ChatCompletionChunk(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
                                        model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
             role_chunks = [{**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], "usage": None}
                            for index in range(len(choices))]
-            return _sse(first, stream, _chat_chunk(head, body), _usage_chunks(head, body, num_prompt_tokens, choices),
-                        role_chunks)
-        finals = await _collect(stream, len(choices))
+            return await StreamedChoices(self.engine, choices, uuid.uuid4().hex, self.metrics, _chat_chunk(head, body),
+                                         _usage_chunks(head, body, num_prompt_tokens, choices), role_chunks).open()
+        finals = await final_outputs(self.engine, choices, uuid.uuid4().hex, self.metrics)
         response = ChatCompletionResponse(model=self.model_name, usage=_usage(num_prompt_tokens, choices), choices=[
             ChatChoice(index=i, message=ChatResponseMessage(content=c.text),
                        logprobs=chat_logprobs(c, body.top_logprobs or 0), finish_reason=c.finish_reason,
@@ -142,71 +136,6 @@ def _chat_chunk(head: dict, body: ChatCompletionRequest) -> Callable[[int, Reque
                                      "logprobs": chat_logprobs(completion, num_top),
                                      "finish_reason": completion.finish_reason}], "usage": None}
     return chunk
-
-
-def api_error_from(error: Exception) -> APIError | None:
-    """The HTTP error an engine-side failure maps to (None: not one of ours, a bug)."""
-    if isinstance(error, EngineOverloadedError):
-        return APIError(429, str(error), code="overloaded")
-    if isinstance(error, EngineDeadError):
-        return APIError(503, f"the engine is not available: {error}", code="engine_dead")
-    if isinstance(error, ValueError):
-        return APIError(400, str(error))
-    return None
-
-
-async def _first(stream: AsyncIterator[ChoiceOutput]) -> ChoiceOutput | None:
-    """Wait for the stream's first output before answering, so a refused request (full queue, bad input) gets its
-    status code instead of a 200 stream that fails. None: the stream ended without one."""
-    try:
-        return await anext(stream)
-    except StopAsyncIteration:
-        return None
-    except Exception as error:
-        await stream.aclose()
-        mapped = api_error_from(error)
-        raise mapped if mapped is not None else error
-
-
-async def _collect(stream: AsyncIterator, num_choices: int) -> list[CompletionOutput]:
-    """Each choice's final output (a response that is not streamed asks for FINAL_ONLY outputs)."""
-    finals: list[CompletionOutput | None] = [None] * num_choices
-    try:
-        async for index, output in stream:
-            finals[index] = output.outputs[0]
-    except Exception as error:
-        mapped = api_error_from(error)
-        raise mapped if mapped is not None else error
-    return finals
-
-
-_json = msgspec.json.Encoder()  # several times faster than json.dumps on the per-token path
-
-
-def _sse(first: ChoiceOutput | None, stream: AsyncIterator[ChoiceOutput], chunk: Callable[[int, RequestOutput], dict],
-         final_chunks: Callable[[], list[dict]], head_chunks: Sequence[dict] = ()) -> StreamingResponse:
-    """Server-sent events: head_chunks, a chunk per output of the stream (which starts with `first`), the chunks
-    final_chunks() gives once it ends, then [DONE]. One generator on the per-token path, no layers in between."""
-    async def events():
-        try:
-            async with contextlib.aclosing(stream):
-                for body in head_chunks:
-                    yield _event(body)
-                if first is not None:
-                    yield _event(chunk(*first))
-                async for index, output in stream:
-                    yield _event(chunk(index, output))
-            for body in final_chunks():
-                yield _event(body)
-        except Exception as error:  # headers are sent: the error goes in the stream, as OpenAI does
-            mapped = api_error_from(error) or APIError(500, f"internal error: {type(error).__name__}")
-            yield _event(error_body(mapped.status, mapped.message, mapped.param, mapped.code))
-        yield b"data: [DONE]\n\n"
-    return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _event(body: dict) -> bytes:
-    return b"data: " + _json.encode(body) + b"\n\n"
 
 
 def _usage_chunks(head: dict, body: SamplingFields, num_prompt_tokens: int,
