@@ -8,9 +8,14 @@ itself, whenever the connection takes it at once.
 """
 from __future__ import annotations
 
+import logging
+
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+logger = logging.getLogger("pagedserve.api")
 BODY_PUSH = "pagedserve.body_push"  # the key in scope["extensions"]
+# What BodyPusher reads of uvicorn's request cycle: its internals, unchanged for years, checked once at run time.
+_CYCLE_ATTRIBUTES = ("transport", "flow", "response_started", "response_complete", "chunked_encoding", "disconnected")
 
 
 class BodyPusher:
@@ -31,10 +36,20 @@ class BodyPusher:
 
 
 class PushHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a BodyPusher in each request's scope: `uvicorn.Config(app, http=this)`."""
+    """uvicorn's httptools protocol with a BodyPusher in each request's scope: `uvicorn.Config(app, http=this)`.
+    If this uvicorn's request cycle lacks what the pusher reads, no scope gets one (everything goes through ASGI)."""
+
+    compatible: bool | None = None  # known after the first request
 
     def on_headers_complete(self) -> None:
         previous = self.cycle
         super().on_headers_complete()
-        if self.cycle is not previous:  # a request cycle began (not an upgrade); its ASGI task has not run yet
+        if self.cycle is previous:  # no new request cycle (a protocol upgrade)
+            return
+        if PushHttpToolsProtocol.compatible is None:
+            PushHttpToolsProtocol.compatible = all(hasattr(self.cycle, name) for name in _CYCLE_ATTRIBUTES)
+            if not PushHttpToolsProtocol.compatible:
+                logger.warning("this uvicorn's request cycle lacks %s: streamed events go through ASGI",
+                               ", ".join(name for name in _CYCLE_ATTRIBUTES if not hasattr(self.cycle, name)))
+        if PushHttpToolsProtocol.compatible:  # the cycle's ASGI task has not run yet
             self.cycle.scope.setdefault("extensions", {})[BODY_PUSH] = BodyPusher(self.cycle)
