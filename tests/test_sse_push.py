@@ -12,6 +12,7 @@ from urllib.parse import parse_qs
 import httpx
 import pytest
 import uvicorn
+from starlette.background import BackgroundTask
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from conftest import wait_until
@@ -187,6 +188,7 @@ def test_a_push_never_overtakes_queued_pieces():
             return {"type": "http.disconnect"}
 
         response = PushedSSEResponse(on_close=lambda: None)
+        response.background = BackgroundTask(wire.received.append, b"background")  # runs after the last piece
         task = asyncio.ensure_future(response({"type": "http", "extensions": {BODY_PUSH: wire}}, receive,
                                               wire.send))
         await asyncio.sleep(0)
@@ -203,4 +205,4 @@ def test_a_push_never_overtakes_queued_pieces():
         await asyncio.wait_for(task, 5)
         return wire.received
 
-    assert asyncio.run(scenario()) == [b"12", b"3", b"4", b"5"]
+    assert asyncio.run(scenario()) == [b"12", b"3", b"4", b"5", b"background"]

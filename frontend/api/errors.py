@@ -39,8 +39,6 @@ def from_pydantic(errors: list[dict]) -> APIError:
 
 def engine_error(error: Exception) -> APIError | None:
     """The HTTP error an engine-side failure maps to (None: not one of ours, a bug)."""
-    if isinstance(error, APIError):
-        return error
     if isinstance(error, EngineOverloadedError):
         return APIError(429, str(error), code="overloaded")
     if isinstance(error, EngineDeadError):

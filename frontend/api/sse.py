@@ -52,6 +52,7 @@ class PushedSSEResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = asyncio.ensure_future(_disconnect(receive))
         disconnected.add_done_callback(lambda _: self._wake())
+        complete = False
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             self.pusher = scope.get("extensions", {}).get(BODY_PUSH)
@@ -66,7 +67,8 @@ class PushedSSEResponse(Response):
                         self.sending = False
                 elif self.tail is not None:
                     await send({"type": "http.response.body", "body": self.tail, "more_body": False})
-                    return
+                    complete = True
+                    break
                 else:
                     self.wakeup = asyncio.get_running_loop().create_future()
                     await self.wakeup
@@ -74,6 +76,8 @@ class PushedSSEResponse(Response):
             self.pusher = None
             disconnected.cancel()
             self.on_close()
+        if complete and self.background is not None:
+            await self.background()
 
     def _wake(self) -> None:
         if self.wakeup is not None and not self.wakeup.done():
