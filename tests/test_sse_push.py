@@ -71,18 +71,19 @@ class _SmallBuffersASGI(HttpToolsProtocol):
         super().connection_made(transport)
 
 
-def _slow_get(base_url: str, path: str) -> bytes:
-    """GET with a 4 KiB receive buffer, reading about 0.5 MB/s; the response body, de-chunked."""
+def _stalled_get(base_url: str, path: str) -> bytes:
+    """GET with a 16 KiB receive buffer that reads nothing for half a second, then everything; the response body,
+    de-chunked."""
     host, port = base_url.removeprefix("http://").split(":")
     with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
         sock.connect((host, int(port)))
         sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        time.sleep(0.5)
         raw = b""
         sock.settimeout(30)
-        while chunk := sock.recv(1024):
+        while chunk := sock.recv(65536):
             raw += chunk
-            time.sleep(0.002)
     head, _, chunked = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
     body = b""
@@ -136,15 +137,15 @@ def test_every_piece_arrives_in_order(server, pushes):
     assert wait_until(lambda: app.closed == 1, timeout=5)
 
 
-def test_a_slow_reader_gets_everything_in_order(pushes):
-    """Small socket buffers and a reader slower than the feeder: the connection pauses and resumes again and again
+def test_a_stalled_reader_gets_everything_in_order(pushes):
+    """Small socket buffers and a reader that stalls while the feeder goes on: the connection pauses, then resumes
     while pieces keep coming; every piece arrives once, in order."""
     for http in (_SmallBuffers, _SmallBuffersASGI):
         app = Feeder()
         base_url, server, thread = serve(app, http)
         try:
-            n, size = 600, 1000
-            body = _slow_get(base_url, f"/?n={n}&size={size}")
+            n, size = 1000, 1000  # a piece a millisecond: the feeder goes on for about as long after the stall
+            body = _stalled_get(base_url, f"/?n={n}&size={size}")
             assert body == b"".join(piece(i, size) for i in range(n)) + SSE_DONE
         finally:
             server.should_exit = True
