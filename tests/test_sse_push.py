@@ -53,22 +53,21 @@ class Feeder:
         self.closed += 1
 
 
-def _shrink_buffers(transport) -> None:
-    """Tiny socket and transport buffers, so that a slow reader pauses the writer after a few pieces."""
-    transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    transport.set_write_buffer_limits(high=4096)
+class _SmallBuffers:
+    """Mixed into a protocol: tiny socket and transport buffers, so a stalled reader pauses the writer at once."""
 
-
-class _SmallBuffers(PushHttpToolsProtocol):
     def connection_made(self, transport) -> None:
-        _shrink_buffers(transport)
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        transport.set_write_buffer_limits(high=4096)
         super().connection_made(transport)
 
 
-class _SmallBuffersASGI(HttpToolsProtocol):
-    def connection_made(self, transport) -> None:
-        _shrink_buffers(transport)
-        super().connection_made(transport)
+class _SmallBuffersPush(_SmallBuffers, PushHttpToolsProtocol):
+    pass
+
+
+class _SmallBuffersASGI(_SmallBuffers, HttpToolsProtocol):
+    pass
 
 
 def _stalled_get(base_url: str, path: str) -> bytes:
@@ -140,7 +139,7 @@ def test_every_piece_arrives_in_order(server, pushes):
 def test_a_stalled_reader_gets_everything_in_order(pushes):
     """Small socket buffers and a reader that stalls while the feeder goes on: the connection pauses, then resumes
     while pieces keep coming; every piece arrives once, in order."""
-    for http in (_SmallBuffers, _SmallBuffersASGI):
+    for http in (_SmallBuffersPush, _SmallBuffersASGI):
         app = Feeder()
         base_url, server, thread = serve(app, http)
         try:
