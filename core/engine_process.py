@@ -137,7 +137,12 @@ class EngineCoreProc:
                 request_id=client_request_id, kind="overloaded", message="the engine's waiting queue is full "
                 f"({self.engine.config.max_waiting_requests} requests); retry later"))
             return
-        self.engine.add_request(request)
+        try:
+            self.engine.add_request(request)
+        except Exception as error:  # a bug this request provokes must not take the engine down
+            logger.exception("adding request %s failed", request.request_id)
+            self._refuse(identity, RequestError(request_id=client_request_id, kind="failed",
+                                                message=f"{type(error).__name__}: {error}"))
 
     def _refuse(self, identity: bytes, error: RequestError) -> None:
         self.outputs.put((identity, EngineCoreOutputs(errors=[error])))
@@ -164,8 +169,7 @@ class EngineCoreProc:
             by_client[int(index)].append(output)
         now = time.time()
         for index, client_outputs in by_client.items():
-            self.outputs.put((self.client_identities[index], EngineCoreOutputs(outputs=client_outputs,
-                                                                               timestamp=now)))
+            self.outputs.put((self.client_identities[index], EngineCoreOutputs.of_step(client_outputs, now)))
 
     def _read_loop(self) -> None:
         decoder = Decoder(EngineCoreInput)

@@ -13,6 +13,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @property
     def is_finished(self) -> bool:
@@ -27,6 +28,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 _ALLOWED = {
     RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},

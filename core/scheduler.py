@@ -153,7 +153,8 @@ class Scheduler:
         for req_id, chunk in runner_output.prompt_logprobs.items():
             if (request := self._still_current(scheduled, req_id)) is not None:
                 request.add_prompt_logprobs(chunk)
-        outputs = []
+        outputs = [self._fail(request, message) for req_id, message in runner_output.failed.items()
+                   if (request := self._still_current(scheduled, req_id)) is not None]
         for req_id, token_id in runner_output.sampled_token_ids.items():
             request = self._still_current(scheduled, req_id)
             if request is None:
@@ -184,6 +185,12 @@ class Scheduler:
             output.new_logprobs = [runner_output.logprobs[req_id]]
             output.new_sampled_ranks = [runner_output.sampled_ranks[req_id]]
         return output
+
+    def _fail(self, request: Request, message: str) -> EngineCoreOutput:
+        """End a request the workers could not prepare or sample; its blocks go back to the pool."""
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        return EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
+                                error=message)
 
     def abort_requests(self, req_ids: list[str]) -> list[EngineCoreOutput]:
         """Abort from outside the step; unknown or finished ids are ignored. One final output per abort."""

@@ -50,9 +50,17 @@ class EngineOverloadedError(RuntimeError):
     """The engine refused the request because its waiting queue is full; retrying later may succeed."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed on this request alone (a bug it provoked); the engine and other requests go on."""
+
+
 def request_error(error: RequestError) -> Exception:
-    """The exception a refused request raises in the front end."""
-    return EngineOverloadedError(error.message) if error.kind == "overloaded" else ValueError(error.message)
+    """The exception a refused or failed request raises in the front end."""
+    if error.kind == "overloaded":
+        return EngineOverloadedError(error.message)
+    if error.kind == "failed":
+        return RequestFailedError(f"the engine failed on request {error.request_id}: {error.message}")
+    return ValueError(error.message)
 
 
 class EngineCoreClient:

@@ -24,7 +24,7 @@ class InProcessEngineCoreClient:
     def get_outputs(self) -> EngineCoreOutputs:
         if not self.engine.has_unfinished_requests():
             raise RuntimeError("the engine finished requests without reporting them (a bug)")
-        return EngineCoreOutputs(outputs=self.engine.step())
+        return EngineCoreOutputs.of_step(self.engine.step())
 
     def call_utility(self, method: str, *args: Any) -> Any:
         return self.engine.call_utility(method, list(args))

@@ -5,12 +5,13 @@ import msgspec
 
 from frontend.outputs import RequestOutput
 from ipc import SamplingParams
+from ipc.bounds import INT64_MAX
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """Sample `index` of n: n=1, and a seed of its own (seed + index) so the n samples differ reproducibly."""
     seed = None if params.seed is None else params.seed + index
-    if seed is not None and seed >= 2**64:  # wrap within SamplingParams' 64-bit range
+    if seed is not None and seed > INT64_MAX:  # wrap within SamplingParams' 64-bit range
         seed -= 2**64
     return msgspec.structs.replace(params, n=1, seed=seed)
 

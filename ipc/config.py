@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
+
+from ipc.bounds import INT32_MAX, Int64, check_fields
+
+Positive = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
@@ -15,15 +21,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     model: str
     dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
+    max_model_len: Positive | None = None
+    max_num_seqs: Positive = 256
+    max_num_batched_tokens: Positive = 2048
+    block_size: Annotated[int, Meta(ge=1, le=2**16)] = 16
+    num_kv_blocks: Positive | None = None
+    kv_cache_memory: Annotated[int, Meta(ge=1, le=2**62)] | None = None  # bytes
+    seed: Int64 = 0
+    tensor_parallel_size: Annotated[int, Meta(ge=1, le=4096)] = 1
+    pipeline_parallel_size: Annotated[int, Meta(ge=1, le=4096)] = 1
     # tp * pp > 1 runs one Ray actor per rank: joins the Ray cluster here ("auto", "HOST:6379"), or, when None,
     # starts a private Ray on this machine (loopback only).
     ray_address: str | None = None
@@ -31,48 +37,28 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Share KV blocks between requests by content (block hashes); off: every request computes its whole prompt.
     enable_prefix_caching: bool = True
     # Past this many waiting requests the engine refuses new ones (HTTP 429); None: no limit (offline use).
-    max_waiting_requests: int | None = None
+    max_waiting_requests: Positive | None = None
     # "auto": CUDA when torch sees a GPU, else CPU (resolved by each worker, on its own machine).
     device: str = "auto"
     # CUDA: the fraction of the GPU's memory in use once the KV cache is allocated (weights, activations, the
     # cache itself and anything else on the device); the KV cache gets what the profiled rest leaves.
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.9
     # CUDA: run every step eagerly instead of replaying CUDA graphs for decode-only batches.
     enforce_eager: bool = False
     # CUDA: decode batch sizes to capture graphs for; None: 1, 2, 4, 8, then multiples of 8 up to
     # min(max_num_seqs, 512). A decode batch is padded up to the next captured size.
-    cuda_graph_sizes: list[int] | None = None
+    cuda_graph_sizes: Annotated[list[Positive], Meta(min_length=1)] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        check_fields(self)
         _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _require(self.block_size & (self.block_size - 1) == 0, "block_size",
                  f"must be a power of two, got {self.block_size}")
-        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory", "max_waiting_requests"):
-            value = getattr(self, name)
-            _require(value is None or value >= 1, name, f"must be >= 1, got {value}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            _require(getattr(self, name) >= 1, name, f"must be >= 1, got {getattr(self, name)}")
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
                  f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        self._validate_device_fields()
-
-    def _validate_device_fields(self) -> None:
         _require(self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}")
-        utilization = self.gpu_memory_utilization
-        _require(_is_number(utilization) and 0 < utilization <= 1, "gpu_memory_utilization",
-                 f"must be a number in (0, 1], got {utilization!r}")
-        _require(isinstance(self.enforce_eager, bool), "enforce_eager",
-                 f"must be True or False, got {self.enforce_eager!r}")
-        if isinstance(self.cuda_graph_sizes, tuple):
-            self.cuda_graph_sizes = list(self.cuda_graph_sizes)
-        sizes = self.cuda_graph_sizes
-        _require(sizes is None or (isinstance(sizes, list) and sizes != [] and all(
-            isinstance(size, int) and not isinstance(size, bool) and size >= 1 for size in sizes)),
-            "cuda_graph_sizes", f"must be a non-empty list of batch sizes >= 1 (or None), got {sizes!r}")
 
 
 def parse_memory_size(text: str) -> int:
@@ -82,10 +68,6 @@ def parse_memory_size(text: str) -> int:
     if match is None or unit not in _UNITS:
         raise ValueError(f"kv_cache_memory: cannot parse {text!r}; use bytes or a size like '4GiB'")
     return int(float(match.group(1)) * _UNITS[unit])
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _require(ok: bool, field: str, message: str) -> None:

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
+from ipc.bounds import MAX_ID_LENGTH, MAX_PROMPT_TOKENS, Count, Fraction, Int64, RequestId, Seconds, TokenId, check_fields
 from ipc.sampling_params import SamplingParams
 from ipc.scheduler_output import PromptLogprobs
 
@@ -14,48 +16,53 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # the engine failed on this request alone (it ends with a RequestError of kind "failed")
 
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True, tag="add"):
     """A tokenized request: the engine core only ever sees token ids."""
 
-    request_id: str
-    prompt_token_ids: list[int]
+    request_id: RequestId
+    prompt_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_PROMPT_TOKENS)]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
-    arrival_time: float = 0.0
-    priority: int = 0
+    eos_token_id: TokenId | None = None
+    arrival_time: Seconds = 0.0
+    priority: Int64 = 0
     # Requests with different salts never share prefix-cache blocks (tenant isolation).
-    cache_salt: str | None = None
+    cache_salt: Annotated[str, Meta(max_length=MAX_ID_LENGTH)] | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self, "EngineCoreRequest.")
 
 
 class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     """New tokens of one request from one step; `finish_reason` set on its last output."""
 
     request_id: str
-    new_token_ids: list[int]
+    new_token_ids: list[TokenId]
     finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
+    stop_reason: TokenId | str | None = None
     # Per new token: [sampled token, top-N ...] ids, their logprobs and the sampled token's rank.
-    new_logprob_token_ids: list[list[int]] | None = None
+    new_logprob_token_ids: list[list[TokenId]] | None = None
     new_logprobs: list[list[float]] | None = None
-    new_sampled_ranks: list[int] | None = None
-    num_cached_tokens: int = 0
+    new_sampled_ranks: list[Count] | None = None
+    num_cached_tokens: Count = 0
     prompt_logprobs: PromptLogprobs | None = None  # the whole prompt's, on the request's first output
+    error: str | None = None  # why, when finish_reason is ERROR
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
     """Stop these requests and free their blocks (a stop string, a disconnect, a cancelled task)."""
 
-    request_ids: list[str]
+    request_ids: list[RequestId]
 
 
 class UtilityCall(msgspec.Struct, tag="utility"):
     """Call an engine-core method by name (stats, reset prefix cache, profiler, health); answered by call_id."""
 
-    call_id: int
-    method: str
-    args: list[Any] = []
+    call_id: Count
+    method: Annotated[str, Meta(max_length=64)]
+    args: Annotated[list[Any], Meta(max_length=8)] = []
 
 
 # Everything a client may send to the engine core; the tag field tells them apart on the wire.
@@ -63,32 +70,32 @@ EngineCoreInput = EngineCoreRequest | AbortRequests | UtilityCall
 
 
 class UtilityResult(msgspec.Struct, omit_defaults=True):
-    call_id: int
+    call_id: Count
     result: Any = None
     error: str | None = None
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True):
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_preemptions: int
-    num_aborted_requests: int = 0  # since start: aborted by a client (stop string, disconnect, cancel)
-    peak_kv_cache_usage: float = 0.0
-    kv_utilization_at_peak: float = 1.0  # tokens held / slots allocated, at the step of peak usage
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+    num_running: Count
+    num_waiting: Count
+    kv_cache_usage: Fraction
+    num_free_blocks: Count
+    num_preemptions: Count
+    num_aborted_requests: Count = 0  # since start: aborted by a client (stop string, disconnect, cancel)
+    peak_kv_cache_usage: Fraction = 0.0
+    kv_utilization_at_peak: Fraction = 1.0  # tokens held / slots allocated, at the step of peak usage
+    prefix_cache_queries: Count = 0
+    prefix_cache_hits: Count = 0
 
 
 class EngineInfo(msgspec.Struct, kw_only=True):
     """What an engine core tells a client at the handshake: its model, limits and KV capacity."""
 
     model: str
-    max_model_len: int
-    vocab_size: int
-    num_kv_blocks: int
-    block_size: int
+    max_model_len: Count
+    vocab_size: Count
+    num_kv_blocks: Count
+    block_size: Count
     scheduling_policy: str
 
     def validate_request(self, request: EngineCoreRequest) -> None:
@@ -130,8 +137,9 @@ class EngineStartup(msgspec.Struct, omit_defaults=True):
 
 
 class RequestError(msgspec.Struct, omit_defaults=True):
-    """A request the engine could not take: it ends here, with this message. kind "invalid" (bad input,
-    malformed frame) or "overloaded" (the waiting queue is full: retry later)."""
+    """A request the engine could not take or could not finish: it ends here, with this message. kind "invalid"
+    (bad input, malformed frame), "overloaded" (the waiting queue is full: retry later) or "failed" (an error
+    while preparing or sampling this request alone; the engine serves on)."""
 
     request_id: str
     message: str
@@ -152,3 +160,13 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     utility_result: UtilityResult | None = None
     engine_dead: EngineDead | None = None
     timestamp: float = 0.0
+
+    @classmethod
+    def of_step(cls, outputs: list[EngineCoreOutput], timestamp: float = 0.0) -> EngineCoreOutputs:
+        """A step's outputs as a client receives them: a request that failed ends with its error."""
+        failed = [o for o in outputs if o.finish_reason == FinishReason.ERROR]
+        if not failed:
+            return cls(outputs=outputs, timestamp=timestamp)
+        errors = [RequestError(request_id=o.request_id, message=o.error or "failed", kind="failed") for o in failed]
+        return cls(outputs=[o for o in outputs if o.finish_reason != FinishReason.ERROR], errors=errors,
+                   timestamp=timestamp)

@@ -62,3 +62,6 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     logprobs: dict[str, list[float]] = {}
     sampled_ranks: dict[str, int] = {}
     prompt_logprobs: dict[str, PromptLogprobs] = {}  # this step's chunk, for requests that asked
+    # Requests this step could not prepare or sample (why, by request id): they end with an error; the rest of
+    # the batch is unaffected.
+    failed: dict[str, str] = {}

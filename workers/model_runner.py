@@ -3,7 +3,10 @@ model (receiving from / sending to neighbouring pipeline stages), and samples on
 step's index arrays go through pinned staging and decode-only batches replay CUDA graphs."""
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +22,7 @@ from workers.model_loader import load_model
 from workers.pinned_staging import PinnedStaging
 from workers.request_state import CachedRequestState
 
+logger = logging.getLogger("pagedserve.model_runner")
 # The memory profile samples with the costliest options (a sort over the vocabulary for each row).
 _PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
 
@@ -128,12 +132,19 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sampled_req_ids else None
         if not self.parallel.is_driver:
             return ModelRunnerOutput(sampled_token_ids={})
-        prompt_logprobs = {job.req_id: _prompt_logprobs(job_logits, job)
-                           for job, job_logits in zip(inputs.prompt_logprob_jobs, prompt_logits)}
-        if logits is None:
-            return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs)
-        output = self._sample(logits, inputs.sampled_req_ids)
+        failed: dict[str, str] = {}
+        prompt_logprobs = {}
+        for job, job_logits in zip(inputs.prompt_logprob_jobs, prompt_logits):
+            with _fails_alone(job.req_id, failed):
+                prompt_logprobs[job.req_id] = _prompt_logprobs(job_logits, job)
+        rows = [row for row, req_id in enumerate(inputs.sampled_req_ids) if req_id not in failed]
+        if logits is None or not rows:
+            return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs, failed=failed)
+        if len(rows) < len(inputs.sampled_req_ids):
+            logits = logits[rows]
+        output = self._sample(logits, [inputs.sampled_req_ids[row] for row in rows])
         output.prompt_logprobs = prompt_logprobs
+        output.failed.update(failed)
         return output
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor | Intermediate:
@@ -218,6 +229,21 @@ class ModelRunner:
         return torch.from_numpy(array) if self.staging is None else self.staging.to_device(array)
 
     def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> ModelRunnerOutput:
+        """Sample the batch; if that fails, sample each request alone, so that only the one at fault fails (the
+        sampler leaves its inputs untouched when it raises)."""
+        try:
+            return self._sample_batch(logits, req_ids)
+        except Exception:
+            logger.exception("sampling %d requests together failed; sampling each alone", len(req_ids))
+        outputs = []
+        for row, req_id in enumerate(req_ids):
+            failed: dict[str, str] = {}
+            with _fails_alone(req_id, failed):
+                outputs.append(self._sample_batch(logits[row:row + 1], [req_id]))
+            outputs.append(ModelRunnerOutput(sampled_token_ids={}, failed=failed))
+        return _merged(outputs)
+
+    def _sample_batch(self, logits: torch.Tensor, req_ids: list[str]) -> ModelRunnerOutput:
         states = [self.requests[r] for r in req_ids]
         out = self.sampler(logits, self._sampling_metadata(states))
         logprobs = {req_ids[row]: value for row, value in out.logprobs.items()}
@@ -244,6 +270,24 @@ class ModelRunner:
             num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None},
             penalties=_penalties(states, device),
             logit_bias={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias} or None)
+
+
+@contextlib.contextmanager
+def _fails_alone(req_id: str, failed: dict[str, str]) -> Iterator[None]:
+    """Record an exception in the block as this request's failure instead of letting it end the step."""
+    try:
+        yield
+    except Exception as error:
+        logger.exception("request %s failed", req_id)
+        failed[req_id] = f"{type(error).__name__}: {error}"
+
+
+def _merged(outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
+    merged = ModelRunnerOutput(sampled_token_ids={})
+    for output in outputs:
+        for name in ("sampled_token_ids", "logprob_token_ids", "logprobs", "sampled_ranks", "failed"):
+            getattr(merged, name).update(getattr(output, name))
+    return merged
 
 
 def _prompt_logprobs(logits: torch.Tensor, job: PromptLogprobJob) -> PromptLogprobs:

@@ -7,6 +7,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from frontend.api.bounds import Mirrored, mirror
+from ipc.sampling_params import LogitBias, SamplingParams
+
+SP = Mirrored(SamplingParams)  # a SamplingParams field's type and bounds, for the field of the same meaning
+
 
 class _Strict(BaseModel):
     # Unknown fields are ignored, as OpenAI does; known ones must have the right JSON type.
@@ -21,34 +26,34 @@ class SamplingFields(_Strict):
     """Fields both endpoints share; top_k, min_p, min_tokens, ignore_eos... are vLLM's extra fields."""
 
     model: str
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    n: SP["n"] = 1
+    temperature: SP["temperature"] | None = None
+    top_p: SP["top_p"] | None = None
+    seed: SP["seed"] = None
+    stop: SP["stop"] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: SP["presence_penalty"] = 0.0
+    frequency_penalty: SP["frequency_penalty"] = 0.0
     user: str | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: SP["top_k"] | None = None
+    min_p: SP["min_p"] | None = None
+    repetition_penalty: SP["repetition_penalty"] | None = None
+    min_tokens: SP["min_tokens"] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: SP["stop_token_ids"] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) → bias in [-100, 100]
-    bad_words: list[str] | None = None
+    logit_bias: dict[str, mirror(LogitBias)] | None = None  # token id (as a JSON key) → bias
+    bad_words: SP["bad_words"] = None
     cache_salt: str | None = None  # requests with different salts never share cached KV blocks
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: SP["max_tokens"] = 16
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: SP["logprobs"] = None
 
 
 class ChatMessage(_Strict):
@@ -58,12 +63,12 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: SP["max_tokens"] = None
+    max_completion_tokens: SP["max_tokens"] = None
     chat_template: str | None = None  # refused when given: templates run code-like Jinja on the server
     add_generation_prompt: bool = True
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: SP["logprobs"] = None
 
 
 class UsageInfo(BaseModel):

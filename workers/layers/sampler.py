@@ -49,7 +49,16 @@ class Sampler:
         self.generator = generator  # for rows without a seed of their own
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """logits: [rows, vocab] float32."""
+        """logits: [rows, vocab] float32, changed in place. If sampling fails, the logits and every generator are
+        left as they were, so the caller can sample the rows again (e.g. one by one, to find the bad one)."""
+        saved = _SavedInputs(logits, meta, self.generator)
+        try:
+            return self._sample(logits, meta)
+        except Exception:
+            saved.restore(logits)
+            raise
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # Logprobs are those of the model's own distribution (vLLM's default): before bias, penalties,
         # bans and temperature, whatever the token was then sampled from.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
@@ -88,6 +97,23 @@ class Sampler:
         return torch.where(greedy, greedy_tokens, sampled)
 
 
+class _SavedInputs:
+    """What sampling changes in place: the rows that get a bias, penalty or ban, and the generators' states."""
+
+    def __init__(self, logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Generator) -> None:
+        rows = set(meta.logit_bias or ()) | set(meta.banned_token_ids)
+        rows.update(meta.penalties.rows if meta.penalties is not None else ())
+        self.rows = sorted(rows)
+        self.logits = logits[self.rows].clone() if self.rows else None
+        self.generators = [(g, g.get_state()) for g in (generator, *meta.generators.values())]
+
+    def restore(self, logits: torch.Tensor) -> None:
+        if self.logits is not None:
+            logits[self.rows] = self.logits
+        for generator, state in self.generators:
+            generator.set_state(state)
+
+
 def _apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:
     """In place: logits -= presence * [count > 0] + frequency * count over generated tokens; then a seen
     token's logit is divided by the repetition penalty if positive, multiplied if negative."""
@@ -124,6 +150,7 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
                     ) -> tuple[list[list[int]], list[list[float]], list[int]]:
     """logprobs: [rows, vocab]; per row: [token, top-k ...] ids and logprobs, and the token's rank (1 = best)."""
+    k = min(k, logprobs.shape[-1])  # a vocabulary smaller than the top-k asked for
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=1) + 1
     ids, values = token_ids.unsqueeze(1), chosen
