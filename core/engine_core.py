@@ -15,8 +15,10 @@ from workers.executor import Executor, InProcessExecutor
 from workers.model_config import check_parallel_sizes, load_hf_config, model_max_len
 
 
-UTILITY_METHODS = frozenset({"get_info", "get_stats", "reset_prefix_cache", "check_health", "start_profile",
-                             "stop_profile"})
+UTILITY_METHODS = frozenset({"get_info", "get_stats", "check_health"})
+# Callable only when the engine's config allows them (EngineInfo.privileged_utilities lists those it does).
+PROFILER_METHODS = frozenset({"start_profile", "stop_profile"})
+CACHE_RESET_METHODS = frozenset({"reset_prefix_cache"})
 
 
 class EngineCore:
@@ -33,10 +35,12 @@ class EngineCore:
                                                self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager)
         self._arrivals = itertools.count()
-        self.profiler = EngineProfiler()
+        self.profiler = None if config.profiler_dir is None else EngineProfiler(
+            config.profiler_dir, config.profiler_max_seconds, config.profiler_max_steps)
         self.info = EngineInfo(model=self.config.model, max_model_len=self.config.max_model_len,
                                vocab_size=self.vocab_size, num_kv_blocks=self.num_kv_blocks,
-                               block_size=self.config.block_size, scheduling_policy=self.config.scheduling_policy)
+                               block_size=self.config.block_size, scheduling_policy=self.config.scheduling_policy,
+                               privileged_utilities=sorted(self._privileged_utilities()))
 
     def validate_request(self, request: EngineCoreRequest) -> None:
         """Raise ValueError naming what is wrong; nothing is queued."""
@@ -66,10 +70,19 @@ class EngineCore:
         return self.scheduler.stats()
 
     def call_utility(self, method: str, args: list) -> Any:
-        """Run one of UTILITY_METHODS by name (never an arbitrary attribute); errors raise."""
-        if method not in UTILITY_METHODS:
-            raise ValueError(f"unknown utility method {method!r}; known: {sorted(UTILITY_METHODS)}")
+        """Run one of the utilities this engine allows by name (never an arbitrary attribute); errors raise."""
+        if method in (PROFILER_METHODS | CACHE_RESET_METHODS) - self._privileged_utilities():
+            switch = "profiler_dir (--profiler-dir DIR)" if method in PROFILER_METHODS else \
+                "enable_cache_reset (--enable-cache-reset)"
+            raise PermissionError(f"{method} is not allowed on this engine; it is enabled at start-up by {switch}")
+        if method not in UTILITY_METHODS | self._privileged_utilities():
+            raise ValueError(f"unknown utility method {method!r}; known: "
+                             f"{sorted(UTILITY_METHODS | PROFILER_METHODS | CACHE_RESET_METHODS)}")
         return getattr(self, method)(*args)
+
+    def _privileged_utilities(self) -> frozenset[str]:
+        return (PROFILER_METHODS if self.profiler is not None else frozenset()) | (
+            CACHE_RESET_METHODS if self.config.enable_cache_reset else frozenset())
 
     def get_info(self) -> EngineInfo:
         return self.info
@@ -79,8 +92,9 @@ class EngineCore:
         self.executor.check_health()
         return True
 
-    def start_profile(self, trace_dir: str | None = None) -> str:
-        return self.profiler.start(trace_dir)
+    def start_profile(self) -> str:
+        """Start the profiler; returns profiler_dir, where the trace will go."""
+        return self.profiler.start()
 
     def stop_profile(self) -> str:
         return self.profiler.stop()
@@ -98,6 +112,8 @@ class EngineCore:
         """Keep the executor's batches in flight (pp of them under pipeline parallelism, else one), then collect
         the oldest one's new tokens (finished requests carry a finish_reason)."""
         self._fill_pipeline()
+        if self.profiler is not None:
+            self.profiler.on_step()
         if not self.scheduler.in_flight:
             return []
         return self.scheduler.update_from_output(self.executor.collect_output())

@@ -35,6 +35,7 @@ from ipc import (
     EngineCoreRequest,
     EngineDead,
     EngineStartup,
+    Heartbeat,
     RequestError,
     UtilityCall,
     UtilityResult,
@@ -52,6 +53,9 @@ from ipc.sockets import (
 logger = logging.getLogger("pagedserve.engine_core")
 _STOP = None  # on the input queue: leave the loop
 _SIGNAL_CHECK_S = 0.2
+HEARTBEAT_INTERVAL_S = 0.5
+_IDLE_HEALTH_CHECK_S = 5.0  # while idle, how often the workers' health is checked (a dead rank ends the engine)
+_WARNING_INTERVAL_S = 10.0  # at most one malformed-message warning per client this often; the rest are counted
 
 
 class EngineCoreProc:
@@ -68,10 +72,15 @@ class EngineCoreProc:
         self.client_identities: list[bytes] = []
         self.client_index: dict[bytes, int] = {}
         self.stop_reason = "the engine core shut down"
+        self.peers: set[bytes] = set()  # every client that ever sent something: heartbeats go to each
+        self.last_progress = self.last_health_check = time.monotonic()
+        self.stopping = threading.Event()
         self.reader = threading.Thread(target=self._read_loop, name="engine-core-reader", daemon=True)
         self.writer = threading.Thread(target=self._write_loop, name="engine-core-writer", daemon=True)
+        self.heart = threading.Thread(target=self._heartbeat_loop, name="engine-core-heartbeat", daemon=True)
         self.reader.start()
         self.writer.start()
+        self.heart.start()
 
     def request_stop(self, reason: str) -> None:
         """Safe from signal handlers and other threads: the loop ends after the current step."""
@@ -82,6 +91,7 @@ class EngineCoreProc:
         """The busy loop; blocks on the input queue while there is nothing to compute."""
         try:
             while self._drain_inputs(block=not self.engine.has_unfinished_requests()):
+                self.last_progress = time.monotonic()
                 if self.engine.has_unfinished_requests():
                     self._send_outputs(self.engine.step())
         except Exception as error:
@@ -109,7 +119,10 @@ class EngineCoreProc:
             try:
                 return self.inputs.get(timeout=_SIGNAL_CHECK_S)
             except queue.Empty:
-                pass
+                self.last_progress = time.monotonic()
+                if self.last_progress - self.last_health_check >= _IDLE_HEALTH_CHECK_S:
+                    self.last_health_check = self.last_progress
+                    self.engine.check_health()  # raises, ending the engine, if a worker rank died
 
     def _handle(self, identity: bytes, message: Any) -> None:
         if isinstance(message, EngineCoreRequest):
@@ -173,6 +186,7 @@ class EngineCoreProc:
 
     def _read_loop(self) -> None:
         decoder = Decoder(EngineCoreInput)
+        warnings = _RateLimitedWarnings()
         while True:
             try:
                 frames = self.input_socket.recv_multipart(copy=False)
@@ -180,12 +194,19 @@ class EngineCoreProc:
                 self.input_socket.close()
                 return
             identity, body = frames[0].bytes, [frame.buffer for frame in frames[1:]]
+            self.peers.add(identity)
             try:
                 message = decoder.decode(body)
             except Exception as error:  # whatever a hostile frame provokes, this thread must live on
-                logger.warning("malformed message from client %s: %s", identity.hex(), error)
+                warnings.warn(identity, error)
                 message = _rejection(body, error)
             self.inputs.put((identity, message))
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stopping.wait(HEARTBEAT_INTERVAL_S):
+            beat = EngineCoreOutputs(heartbeat=Heartbeat(loop_age=time.monotonic() - self.last_progress))
+            for identity in list(self.peers):
+                self.outputs.put((identity, beat))
 
     def _write_loop(self) -> None:
         encoder = Encoder()
@@ -195,6 +216,8 @@ class EngineCoreProc:
         self.output_socket.close()
 
     def _shutdown(self) -> None:
+        self.stopping.set()
+        self.heart.join(timeout=5)
         dead = EngineCoreOutputs(engine_dead=EngineDead(reason=self.stop_reason))
         for identity in self.client_identities:
             self.outputs.put((identity, dead))
@@ -206,6 +229,24 @@ class EngineCoreProc:
         self.reader.join(timeout=5)
         remove_ipc_files(self.endpoints)  # also when the front end that would have done it is gone
         self.engine.shutdown()
+
+
+class _RateLimitedWarnings:
+    """One warning per client per interval for malformed messages, with a count of those not logged since."""
+
+    def __init__(self) -> None:
+        self.last_logged: dict[bytes, float] = {}
+        self.suppressed: dict[bytes, int] = {}
+
+    def warn(self, identity: bytes, error: Exception) -> None:
+        now = time.monotonic()
+        if now - self.last_logged.get(identity, -_WARNING_INTERVAL_S) < _WARNING_INTERVAL_S:
+            self.suppressed[identity] = self.suppressed.get(identity, 0) + 1
+            return
+        self.last_logged[identity] = now
+        skipped = self.suppressed.pop(identity, 0)
+        logger.warning("malformed message from client %s: %s%s", identity.hex(), error,
+                       f" ({skipped} more since the last warning)" if skipped else "")
 
 
 def _rejection(body: list[memoryview], error: Exception) -> EngineCoreOutputs:

@@ -10,7 +10,7 @@ from collections.abc import AsyncGenerator
 from typing import Protocol
 
 from frontend.connect import connect_engine
-from frontend.core_client import AsyncEngineCoreClient, EngineDeadError, request_error
+from frontend.core_client import DEFAULT_MAX_STALL_S, AsyncEngineCoreClient, EngineDeadError, request_error
 from frontend.output_processor import OutputProcessor
 from frontend.outputs import RequestOutput, merge_delta
 from frontend.parallel_sampling import child_params, child_request_id, merge_samples
@@ -133,15 +133,17 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.client.call_utility_async("reset_prefix_cache")
 
-    async def start_profile(self, trace_dir: str | None = None) -> str:
-        return await self.client.call_utility_async("start_profile", trace_dir)
+    async def start_profile(self) -> str:
+        """Start the engine's profiler (needs profiler_dir); returns the directory its trace will go to."""
+        return await self.client.call_utility_async("start_profile")
 
     async def stop_profile(self) -> str:
         return await self.client.call_utility_async("stop_profile")
 
-    async def check_health(self) -> None:
-        """Raises EngineDeadError if the engine core is gone."""
-        await self.client.call_utility_async("check_health")
+    async def check_health(self, max_stall_s: float = DEFAULT_MAX_STALL_S) -> None:
+        """Raises EngineDeadError if the engine core is gone, has sent no heartbeat for 10 s, or its loop has not
+        advanced for max_stall_s (a wedged step); answers at once, however busy the engine is."""
+        await self.client.check_health_async(max_stall_s)
 
     def shutdown(self) -> None:
         """Stop the engine core this AsyncLLM started (also done when it is garbage collected or at exit)."""

@@ -29,7 +29,8 @@ def connect_engine(model: str | None, engine_args: dict, *, in_process: bool = F
             raise ValueError(f"engine arguments {sorted(engine_args)} cannot apply to the engine core already "
                              f"running at {engine_address}; set them where it is started")
         return client_class(engine_address, curve_key_file, handshake_timeout)
-    config = engine_config(model, engine_args)
+    # A private engine's socket is in a directory only its owner can enter: the owner may reset its cache.
+    config = engine_config(model, {"enable_cache_reset": True, **engine_args})
     if in_process:
         if asynchronous:
             raise ValueError("AsyncLLM always runs its engine core in a separate process (in_process=False)")

@@ -38,6 +38,8 @@ from ipc.sockets import CurveKeys, EngineEndpoints, connect_dealer, private_ipc_
 _POLL_MS = 100  # how often a waiting client checks that the engine process it started is alive
 _HANDSHAKE_RETRY_S = 0.2
 _EXIT_GRACE_S = 0.3  # after a disconnect, how long to wait for the engine's exit code (for the error message)
+HEARTBEAT_TIMEOUT_S = 10.0  # this long without a heartbeat (sent every 0.5 s), the engine counts as gone
+DEFAULT_MAX_STALL_S = 120.0  # an engine loop that has not advanced for this long (one step) counts as wedged
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
@@ -90,6 +92,7 @@ class EngineCoreClient:
         self.pending: collections.deque[EngineCoreOutputs] = collections.deque()
         self.dead_reason: str | None = None
         self.connected = self.closed = False
+        self.last_heartbeat = (time.monotonic(), 0.0)  # when it arrived, and the loop age it reported
         try:
             self.info = self._handshake(handshake_timeout)
         except BaseException:
@@ -150,6 +153,8 @@ class EngineCoreClient:
         self._raise_if_dead()
 
     def _accept(self, message: EngineCoreOutputs) -> None:
+        if message.heartbeat is not None:
+            self.last_heartbeat = (time.monotonic(), message.heartbeat.loop_age)
         if message.utility_result is not None:
             self._on_utility_result(message.utility_result)
         if message.outputs or message.errors:
@@ -176,6 +181,7 @@ class EngineCoreClient:
             if answered:
                 self.awaited_calls.difference_update(call_ids)
                 self.connected = True
+                self.last_heartbeat = (time.monotonic(), 0.0)
                 return msgspec.convert(_unwrap(self.utility_results.pop(answered[0])), EngineInfo)
         raise ConnectionError(f"no engine core answered at {self.endpoints.input} within {timeout:.0f} s")
 
@@ -197,6 +203,19 @@ class EngineCoreClient:
     def _check_process(self) -> None:
         if self.process is not None and not self.process.is_alive():
             self._mark_dead(f"the engine core process exited (exit code {self.process.returncode})")
+
+    def health_problem(self, max_stall_s: float = DEFAULT_MAX_STALL_S) -> str | None:
+        """Why the engine is not healthy (gone, silent, or its loop stalled past max_stall_s), or None. Read from
+        its heartbeats, which a long step does not delay, so it never waits for an answer."""
+        if self.dead_reason is not None:
+            return self.dead_reason
+        received_at, loop_age = self.last_heartbeat
+        silence = time.monotonic() - received_at
+        if silence > HEARTBEAT_TIMEOUT_S:
+            return f"no heartbeat from the engine core for {silence:.0f} s"
+        if loop_age + silence > max_stall_s:
+            return f"the engine core's loop has not advanced for {loop_age + silence:.0f} s"
+        return None
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:
@@ -253,6 +272,13 @@ class AsyncEngineCoreClient(EngineCoreClient):
         call_id = self._send_utility_call(method, args)
         future = self.futures[call_id] = asyncio.get_running_loop().create_future()
         return _unwrap(await future)
+
+    async def check_health_async(self, max_stall_s: float = DEFAULT_MAX_STALL_S) -> None:
+        """Raise EngineDeadError saying why if the engine is not healthy (see health_problem); never waits."""
+        self._ensure_receiver()
+        problem = self.health_problem(max_stall_s)
+        if problem is not None:
+            raise EngineDeadError(problem)
 
     async def get_stats_async(self) -> SchedulerStats:
         return msgspec.convert(await self.call_utility_async("get_stats"), SchedulerStats)

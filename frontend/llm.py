@@ -88,6 +88,14 @@ class LLM:
         """Forget every cached KV block (e.g. before timing a cold run)."""
         return self.client.call_utility("reset_prefix_cache")
 
+    def start_profile(self) -> str:
+        """Start the engine's torch profiler (needs LLM(..., profiler_dir=DIR)); returns DIR."""
+        return self.client.call_utility("start_profile")
+
+    def stop_profile(self) -> str:
+        """Stop the profiler; returns the path of the Chrome trace it wrote."""
+        return self.client.call_utility("stop_profile")
+
     def shutdown(self) -> None:
         """Stop the engine core this LLM started (also done when the LLM is garbage collected or at exit)."""
         self._shutdown()

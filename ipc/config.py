@@ -48,6 +48,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # CUDA: decode batch sizes to capture graphs for; None: 1, 2, 4, 8, then multiples of 8 up to
     # min(max_num_seqs, 512). A decode batch is padded up to the next captured size.
     cuda_graph_sizes: Annotated[list[Positive], Meta(min_length=1)] | None = None
+    # The privileged utilities a client of the engine socket may call. start_profile/stop_profile only when
+    # profiler_dir is set: every trace goes there, and a profile stops itself (its trace written) after
+    # profiler_max_seconds or profiler_max_steps steps, which bounds its memory and its trace's size.
+    profiler_dir: str | None = None
+    profiler_max_seconds: Annotated[float, Meta(gt=0.0, le=3600.0)] = 60.0
+    profiler_max_steps: Annotated[int, Meta(ge=1, le=100_000)] = 200
+    # reset_prefix_cache only when True. LLM and AsyncLLM turn it on for the private engines they start.
+    enable_cache_reset: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):

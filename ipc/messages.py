@@ -97,6 +97,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     num_kv_blocks: Count
     block_size: Count
     scheduling_policy: str
+    privileged_utilities: list[str] = []  # those of the profiler and cache reset this engine allows
 
     def validate_request(self, request: EngineCoreRequest) -> None:
         """Raise ValueError naming what is wrong with a request this engine would refuse."""
@@ -152,6 +153,12 @@ class EngineDead(msgspec.Struct):
     reason: str
 
 
+class Heartbeat(msgspec.Struct):
+    """Sent to every client twice a second from a thread of its own, so a long step cannot delay it."""
+
+    loop_age: Seconds  # since the engine's loop last made progress (it stands still during a step)
+
+
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     """One message from the engine core to one client: its requests' new tokens and any replies."""
 
@@ -159,6 +166,7 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     errors: list[RequestError] = []
     utility_result: UtilityResult | None = None
     engine_dead: EngineDead | None = None
+    heartbeat: Heartbeat | None = None
     timestamp: float = 0.0
 
     @classmethod

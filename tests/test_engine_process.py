@@ -50,19 +50,35 @@ def test_outputs_through_the_process_equal_in_process(llama_model):
 
 
 def test_utility_calls(llama_model, tmp_path):
-    llm = LLM(llama_model, dtype="float32")
+    llm = LLM(llama_model, dtype="float32", profiler_dir=str(tmp_path / "traces"), profiler_max_steps=3)
     client = llm.client
     assert client.info.num_kv_blocks == llm.get_stats().num_free_blocks > 0
+    assert client.info.privileged_utilities == ["reset_prefix_cache", "start_profile", "stop_profile"]
     assert client.call_utility("check_health") is True
     assert client.call_utility("reset_prefix_cache") is True
-    assert client.call_utility("start_profile", str(tmp_path)) == str(tmp_path)
-    llm.generate("profile me", SamplingParams(max_tokens=4), use_tqdm=False)
-    trace = client.call_utility("stop_profile")
-    assert trace.startswith(str(tmp_path)) and os.path.getsize(trace) > 0
+    with pytest.raises(RuntimeError, match="start_profile failed"):  # the directory is fixed at start-up
+        client.call_utility("start_profile", "/tmp/elsewhere")
+    assert llm.start_profile() == str(tmp_path / "traces")
+    llm.generate("profile me", SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    trace = llm.stop_profile()  # it stopped itself after 3 of the 8 steps, and wrote its trace then
+    assert trace.startswith(str(tmp_path / "traces")) and os.path.getsize(trace) > 0
+    assert os.listdir(tmp_path / "traces") == [os.path.basename(trace)]
     with pytest.raises(RuntimeError, match="unknown utility method 'shutdown'"):
         client.call_utility("shutdown")
     with pytest.raises(RuntimeError, match="stop_profile failed.*not running"):
         client.call_utility("stop_profile")
+    assert llm.generate("still serving", SamplingParams(max_tokens=3), use_tqdm=False)[0].finished
+    llm.shutdown()
+
+
+def test_privileged_utilities_are_refused_unless_enabled_at_start_up(llama_model, tmp_path):
+    llm = LLM(llama_model, dtype="float32", enable_cache_reset=False)
+    assert llm.info.privileged_utilities == []
+    for method, switch in [("start_profile", "--profiler-dir"), ("stop_profile", "--profiler-dir"),
+                           ("reset_prefix_cache", "--enable-cache-reset")]:
+        with pytest.raises(RuntimeError, match=f"{method} failed: PermissionError.*{switch}"):
+            llm.client.call_utility(method, str(tmp_path))
+    assert not os.listdir(tmp_path)
     assert llm.generate("still serving", SamplingParams(max_tokens=3), use_tqdm=False)[0].finished
     llm.shutdown()
 

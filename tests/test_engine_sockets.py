@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 
 import msgspec
@@ -16,9 +17,10 @@ import zmq
 import zmq.auth
 
 from conftest import random_prompts
+from core import engine_process
 from core.engine_spawn import EngineProcess
 from frontend import LLM, EngineCoreClient, SamplingParams
-from ipc import Decoder, EngineConfig, EngineCoreOutputs, EngineCoreRequest, UtilityCall
+from ipc import AbortRequests, Decoder, EngineConfig, EngineCoreOutputs, EngineCoreRequest, UtilityCall
 from ipc.sockets import EngineEndpoints, check_binding_is_safe, connect_dealer, free_tcp_address, private_ipc_address
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -74,7 +76,7 @@ def _raw_dealer(address: str) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
             connect_dealer(context, endpoints.output, identity, None))
 
 
-_HELLO = 1000  # call ids of handshake calls, told apart from the test's own
+_HELLO = 2**40  # call ids of handshake calls, told apart from the test's own
 
 
 def _handshake(sock_in: zmq.Socket, sock_out: zmq.Socket) -> None:
@@ -87,14 +89,19 @@ def _handshake(sock_in: zmq.Socket, sock_out: zmq.Socket) -> None:
     raise AssertionError("the engine never answered the handshake")
 
 
-def _replies(output: zmq.Socket, count: int) -> list[EngineCoreOutputs]:
+def _replies(output: zmq.Socket, count: int, counted=lambda reply: 1) -> list[EngineCoreOutputs]:
+    """The next replies (heartbeats and handshake answers skipped) until `counted` of them adds up to count."""
     decoder = Decoder(EngineCoreOutputs)
-    replies = []
-    while len(replies) < count:
-        assert output.poll(10_000), "the engine did not answer"
+    replies, total = [], 0
+    deadline = time.monotonic() + 120
+    while total < count:
+        assert output.poll(10_000) and time.monotonic() < deadline, "the engine did not answer"
         reply = decoder.decode(output.recv_multipart())
+        if reply.heartbeat is not None:
+            continue
         if reply.utility_result is None or reply.utility_result.call_id < _HELLO:  # not a (late) handshake answer
             replies.append(reply)
+            total += counted(reply)
     return replies
 
 
@@ -130,6 +137,66 @@ def test_malformed_frames_are_answered_and_the_engine_keeps_serving(engine_addre
         assert sum(len(o.new_token_ids) for o in outputs) == 10
     finally:
         context.destroy(linger=0)
+
+
+_ABSURD = [-(2**63), -(2**31) - 1, -2, -1, 0, 1, 2**31, 2**63 - 1, 2**64 - 1, float("nan"), float("inf"),
+           float("-inf"), 1e308, -0.0, 5e-324, "", "x" * 5000, "\u00e9\u0000", [], [[]], [-1], [2**40], {}, {"1": 2},
+           {1: float("inf")}, None, True, b"\xff"]
+_REQUEST_FIELDS = ["request_id", "prompt_token_ids", "eos_token_id", "arrival_time", "priority", "cache_salt"]
+
+
+def _fuzz_message(rng: random.Random, index: int) -> tuple[list[bytes], bool, object]:
+    """One message for the engine, whether it must be answered (every kind but an abort is), and the request id
+    it may have started."""
+    kind = rng.random()
+    if kind < 0.3:
+        return [rng.randbytes(rng.randrange(0, 300))], True, None
+    if kind < 0.35:
+        return [msgspec.msgpack.encode(AbortRequests([f"f{rng.randrange(index + 1)}"]))], False, None
+    if kind < 0.45:
+        method = rng.choice(["get_stats", "get_info", "check_health", "start_profile", "stop_profile",
+                             "reset_prefix_cache", "shutdown", "__init__", "step", "x" * 100])
+        args = [rng.choice(_ABSURD) for _ in range(rng.randrange(3))]
+        body = msgspec.msgpack.encode({"type": "utility", "call_id": index, "method": method, "args": args})
+        return [body], True, None
+    params = {"max_tokens": 2, **({"temperature": 0.0} if rng.random() < 0.5 else {})}
+    request = {"type": "add", "request_id": f"f{index}", "prompt_token_ids": [1, 2, 3], "sampling_params": params}
+    for _ in range(rng.randrange(1, 4)):  # well-typed or not, in range or not
+        target, names = (request, _REQUEST_FIELDS) if rng.random() < 0.3 else (params, SamplingParams.__struct_fields__)
+        target[rng.choice(names)] = rng.choice(_ABSURD)
+    body = msgspec.msgpack.encode(request)
+    return [body[:rng.randrange(len(body))] if rng.random() < 0.1 else body], True, request["request_id"]
+
+
+def test_fuzzed_messages_never_kill_the_engine(engine_address):
+    """Random, truncated and well-typed-but-absurd messages each get their one answer; the engine serves on."""
+    count = int(os.environ.get("PAGEDSERVE_ZMQ_FUZZ_MESSAGES", "10000"))
+    context, sock_in, sock_out = _raw_dealer(engine_address)
+    try:
+        _handshake(sock_in, sock_out)
+        rng = random.Random(23)
+        messages = [_fuzz_message(rng, index) for index in range(count)]
+        for frames, _, _ in messages:
+            sock_in.send_multipart(frames)
+        # Whatever was accepted ends (some ask for 2**31 tokens): an abort for every request id the fuzz used.
+        used = sorted({request_id for _, _, request_id in messages if isinstance(request_id, str)})
+        sock_in.send(msgspec.msgpack.encode(AbortRequests(used)))
+        expected = sum(answered for _, answered, _ in messages)
+        assert sum(map(_answers, _replies(sock_out, expected, counted=_answers))) == expected
+        good = EngineCoreRequest(request_id="good", prompt_token_ids=[3, 4, 5], sampling_params=GREEDY)
+        sock_in.send(msgspec.msgpack.encode(good))
+        outputs = []
+        while not outputs or outputs[-1].finish_reason is None:
+            outputs.extend(o for o in _replies(sock_out, 1)[0].outputs if o.request_id == "good")
+        assert sum(len(o.new_token_ids) for o in outputs) == 10
+    finally:
+        context.destroy(linger=0)
+
+
+def _answers(reply: EngineCoreOutputs) -> int:
+    """Messages this reply ends: refusals, utility results and final outputs."""
+    return len(reply.errors) + (reply.utility_result is not None) + sum(
+        o.finish_reason is not None for o in reply.outputs)
 
 
 def test_curve_refuses_a_wrong_key_and_serves_the_right_one(llama_model, tmp_path):
@@ -218,3 +285,31 @@ def test_no_message_is_ever_pickled(llama_model, tmp_path, monkeypatch):
     assert llm.get_stats().num_running == 0
     llm.shutdown()
     assert not log.exists(), log.read_text()
+
+
+def test_malformed_message_warnings_are_rate_limited_per_client(monkeypatch, caplog):
+    now = [100.0]
+    monkeypatch.setattr(engine_process.time, "monotonic", lambda: now[0])
+    warnings = engine_process._RateLimitedWarnings()
+    with caplog.at_level("WARNING", logger="pagedserve.engine_core"):
+        for _ in range(500):
+            warnings.warn(b"a", ValueError("junk"))
+        warnings.warn(b"b", ValueError("junk"))
+        now[0] += engine_process._WARNING_INTERVAL_S
+        warnings.warn(b"a", ValueError("more junk"))
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+        "junk", "junk", "more junk (499 more since the last warning)"]
+
+
+def test_heartbeats_arrive_twice_a_second_and_tell_the_loop_age(engine_address):
+    context, sock_in, sock_out = _raw_dealer(engine_address)
+    decoder = Decoder(EngineCoreOutputs)
+    try:
+        _handshake(sock_in, sock_out)
+        beats, started = [], time.monotonic()
+        while time.monotonic() - started < 2.0:
+            if sock_out.poll(100) and (reply := decoder.decode(sock_out.recv_multipart())).heartbeat is not None:
+                beats.append(reply.heartbeat.loop_age)
+        assert 3 <= len(beats) <= 5 and all(0 <= age < 1.0 for age in beats)  # an idle loop wakes every 0.2 s
+    finally:
+        context.destroy(linger=0)
