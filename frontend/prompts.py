@@ -4,6 +4,7 @@ from __future__ import annotations
 import msgspec
 from transformers import PreTrainedTokenizerBase
 
+from frontend.tokenizer import check_text, encode
 from ipc import EngineCoreRequest, EngineInfo, SamplingParams
 
 PromptType = str | dict
@@ -22,7 +23,7 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType) -> l
                          f"got {type(prompt).__name__}")
     if not text:
         raise ValueError("prompt is empty")
-    return tokenizer.encode(text)
+    return encode(tokenizer, text, "prompt")
 
 
 def prompt_text(prompt: PromptType) -> str | None:
@@ -32,9 +33,11 @@ def prompt_text(prompt: PromptType) -> str | None:
 def prompt_cache_salt(prompt: PromptType) -> str | None:
     """A dict prompt's optional "cache_salt": requests with different salts never share cached KV blocks."""
     salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-    if salt is not None and not (isinstance(salt, str) and salt):
+    if salt is None:
+        return None
+    if not (isinstance(salt, str) and salt):
         raise ValueError("cache_salt must be a non-empty string")
-    return salt
+    return check_text(salt, "cache_salt")
 
 
 def engine_request(tokenizer: PreTrainedTokenizerBase, info: EngineInfo, request_id: str, prompt: PromptType,
@@ -56,7 +59,7 @@ def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, bad_words: list[str]
     sequences: list[list[int]] = []
     for word in bad_words:
         for text in (word, " " + word):
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = encode(tokenizer, text, "bad_words", add_special_tokens=False)
             if ids and ids not in sequences:
                 sequences.append(ids)
     return sequences

@@ -16,8 +16,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from launch.make_model import make_model  # noqa: E402
+from launcher import start_launcher, stop_launcher  # noqa: E402
 
 ARCHS = ("llama", "qwen2", "mistral", "opt")
+API_KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 _MODEL_ROOT = Path(os.environ.get("PAGEDSERVE_TEST_MODELS", Path.home() / ".cache" / "pagedserve" / "test-models"))
 
 
@@ -43,6 +46,16 @@ def arch_model(request) -> tuple[str, str]:
 @pytest.fixture(scope="session")
 def llama_model() -> str:
     return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def server(llama_model):
+    """(launcher process, base URL): the tiny llama served by two gateway processes, with API_KEY and small limits."""
+    process, base_url = start_launcher(["--model", llama_model, "--dtype", "float32", "--max-model-len", "1024",
+                                        "--api-key", API_KEY, "--api-server-count", "2", "--max-n", "4",
+                                        "--max-stop", "4"])
+    yield process, base_url
+    stop_launcher(process)
 
 
 def assert_all_blocks_free(llm) -> None:

@@ -1,31 +1,31 @@
-"""The OpenAI-compatible gateway, through the launcher, with the official openai client and raw HTTP."""
+"""The OpenAI-compatible gateway, through the launcher, with the official openai client and raw HTTP; and, for what
+needs no engine (a missing chat template, a bug, a client that hangs up early), in process over a stub engine."""
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
+import socket
+import threading
 import time
 
 import httpx
 import openai
 import pytest
+import uvicorn
 
-from conftest import wait_until
-from frontend import LLM, SamplingParams
+from conftest import API_KEY, AUTH, wait_until
+from frontend import LLM, RequestFailedError, SamplingParams
+from frontend.api.push import PushHttpToolsProtocol
+from frontend.api.sampling import ServerLimits
+from frontend.api.server import build_app
+from frontend.tokenizer import load_tokenizer
+from ipc import EngineInfo
 from launcher import descendants, start_launcher, stop_launcher
 
-API_KEY = "test-key"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-
-
-@pytest.fixture(scope="module")
-def server(llama_model):
-    process, base_url = start_launcher(["--model", llama_model, "--dtype", "float32", "--max-model-len", "1024",
-                                        "--api-key", API_KEY, "--api-server-count", "2", "--max-n", "4",
-                                        "--max-stop", "4"])
-    yield process, base_url
-    stop_launcher(process)
+SURROGATE = "a\ud800b"  # a lone UTF-16 surrogate: valid JSON ("a\\ud800b"), not valid Unicode
 
 
 @pytest.fixture(scope="module")
@@ -144,17 +144,60 @@ def test_logprobs_logit_bias_and_cache_salt(client, llama_model):
      400, "chat_template"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 3},
      400, "presence_penalty"),
+    ("/v1/completions", {"model": SURROGATE, "prompt": "hi"}, 404, "model"),  # the error echoes it
+    ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "prompt"),
+    # checked before any prompt is tokenized: the bad prompts never get the chance to fail
+    ("/v1/completions", {"model": "M", "prompt": [SURROGATE] * 300, "n": 4}, 400, "n"),
 ])
 def test_bad_requests_get_openai_errors(server, llama_model, path, body, status, param):
     body = {**body, "model": llama_model} if body.get("model") == "M" else body
-    response = httpx.post(server[1] + path, json=body, headers=AUTH)
+    # json.dumps writes a lone surrogate as the escape "\ud800"; httpx's json= would fail to encode it
+    response = httpx.post(server[1] + path, content=json.dumps(body),
+                          headers={**AUTH, "Content-Type": "application/json"})
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    if param is not None:
-        assert error["param"] == param, error
+    if param is not None:  # the field, or a path into it (logit_bias.5)
+        assert error["param"] == param or error["param"].startswith(f"{param}."), error
     if status == 400 and param == "max_tokens" and body.get("max_tokens") == 1100:
         assert "1024 tokens" in error["message"] and "1100 max_tokens" in error["message"]  # both numbers
+    if param == "n" and body.get("n") == 4:
+        assert "1200 choices" in error["message"] and "--max-choices-per-request" in error["message"], error
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", {"prompt": SURROGATE}, "prompt"),
+    ("/v1/completions", {"prompt": ["fine", SURROGATE]}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop": [SURROGATE]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": [SURROGATE]}, "bad_words"),
+    ("/v1/completions", {"prompt": "hi", "cache_salt": SURROGATE}, "cache_salt"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {SURROGATE: 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": SURROGATE}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}]},
+     "messages.0.content"),
+    ("/tokenize", {"prompt": SURROGATE}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "system", "content": "hi"}, {"role": "user", "content": SURROGATE}]},
+     "messages.1.content"),
+])
+def test_lone_surrogates_get_a_400_naming_the_field(server, llama_model, path, body, field):
+    response = httpx.post(server[1] + path, content=json.dumps({"model": llama_model, **body}),
+                          headers={**AUTH, "Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["message"].startswith(field), response.json()
+
+
+def test_tokenize_takes_content_parts_as_chat_does(server, llama_model):
+    def tokens(content) -> list[int]:
+        body = {"messages": [{"role": "user", "content": content}]}
+        response = httpx.post(f"{server[1]}/tokenize", json=body, headers=AUTH)
+        assert response.status_code == 200, response.text
+        return response.json()["tokens"]
+
+    assert tokens([{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]) == tokens("Hello\nworld")
+    chat = httpx.post(f"{server[1]}/v1/chat/completions", headers=AUTH, json={
+        "model": llama_model, "max_tokens": 1, "messages": [{"role": "user", "content": "Hello\nworld"}]})
+    assert chat.json()["usage"]["prompt_tokens"] == len(tokens("Hello\nworld"))
 
 
 def test_malformed_json_and_oversized_requests(server):
@@ -162,6 +205,9 @@ def test_malformed_json_and_oversized_requests(server):
     assert response.status_code == 400 and "error" in response.json()
     huge = httpx.post(f"{server[1]}/v1/completions", content=b"x" * (11 * 2**20), headers=AUTH)
     assert huge.status_code == 413 and huge.json()["error"]["type"] == "invalid_request_error"
+    chunked = httpx.post(f"{server[1]}/v1/completions", content=iter([b"x" * 2**20] * 11),  # no Content-Length
+                         headers={**AUTH, "Content-Type": "application/json"})
+    assert chunked.status_code == 413 and "10485760 bytes" in chunked.json()["error"]["message"]
     big_header = httpx.get(f"{server[1]}/v1/models", headers={**AUTH, "X-Padding": "x" * 64 * 2**10})
     assert big_header.status_code == 431 and big_header.json()["error"]["message"]
 
@@ -178,12 +224,20 @@ def test_a_disconnected_plain_request_is_aborted(server, llama_model):
 
 @pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/completions"),
                                           ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
-                                          ("POST", "/detokenize"), ("GET", "/metrics"), ("GET", "/version")])
+                                          ("POST", "/detokenize"), ("GET", "/metrics"), ("GET", "/version"),
+                                          ("GET", "/openapi.json")])
 def test_every_route_but_health_needs_the_key(server, method, path):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         response = httpx.request(method, server[1] + path, json={}, headers=headers)
         assert response.status_code == 401 and response.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{server[1]}/health").status_code == 200
+
+
+def test_the_openapi_contract_is_served_with_the_key(server):
+    schema = httpx.get(f"{server[1]}/openapi.json", headers=AUTH).json()
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize"} <= set(schema["paths"])
+    assert "CompletionRequest" in schema["components"]["schemas"]
+    assert httpx.get(f"{server[1]}/docs", headers=AUTH).status_code == 404
 
 
 def test_tokenize_detokenize_version(server):
@@ -250,14 +304,16 @@ def test_back_pressure_and_engine_death(llama_model):
                 unhealthy_after = time.monotonic() - killed_at
                 waiting_response = await waiting
                 later = await http.post("/v1/completions", json={**body, "stream": False})
-                return refused, events, unhealthy_after, waiting_response, later
+                metrics = await http.get("/metrics")
+                return refused, events, unhealthy_after, waiting_response, later, metrics
 
-        refused, events, unhealthy_after, waiting_response, later = asyncio.run(scenario())
+        refused, events, unhealthy_after, waiting_response, later, metrics = asyncio.run(scenario())
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "overloaded"
         assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2].removeprefix("data: "))
         assert unhealthy_after < 2.0
         assert waiting_response.status_code in (200, 503)  # its stream started, or it never did
         assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"
+        assert metrics.status_code == 503 and metrics.json()["error"]["code"] == "engine_dead"
     finally:
         stop_launcher(process)
 
@@ -266,3 +322,103 @@ async def _open_stream(http: httpx.AsyncClient, body: dict) -> httpx.Response:
     response = await http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
     assert response.status_code == 200
     return response
+
+
+class _StubEngine:
+    """What the gateway uses of AsyncLLM, over no engine: a real tokenizer, requests that never produce an output
+    (each one counted until it is released, as an abort does) or, with the prompt "fail", fail in the engine, and
+    stats that fail as a bug would."""
+
+    def __init__(self, model: str) -> None:
+        self.tokenizer = load_tokenizer(model)
+        self.info = EngineInfo(model=model, max_model_len=1024, vocab_size=len(self.tokenizer), num_kv_blocks=64,
+                               block_size=16, scheduling_policy="fcfs")
+        self.added = 0
+        self.running: set[str] = set()
+
+    def add_request(self, request_id: str, prompt, params, sink) -> None:
+        self.added += 1
+        self.running.add(request_id)
+
+    def release(self, request_id: str, sink) -> None:
+        self.running.discard(request_id)
+
+    def generate(self, prompt, params, request_id: str):
+        return self._never(prompt, params, request_id)
+
+    async def _never(self, prompt, params, request_id: str):
+        self.add_request(request_id, prompt, params, None)
+        try:
+            if prompt["prompt"] == "fail":
+                raise RequestFailedError(f"the engine failed on request {request_id}: injected")
+            await asyncio.Event().wait()
+            yield
+        finally:
+            self.release(request_id, None)
+
+    async def get_stats(self):
+        raise RuntimeError("a bug")
+
+
+@pytest.fixture(scope="module")
+def stub(llama_model):
+    """(stub engine, base URL): the gateway's app over a _StubEngine, served in this process by uvicorn."""
+    engine = _StubEngine(llama_model)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    # log_config=None: uvicorn's records reach the root logger, where caplog sees them
+    config = uvicorn.Config(build_app(engine, "stub", ServerLimits(max_model_len=1024)), http=PushHttpToolsProtocol,
+                            lifespan="off", log_config=None)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.started, timeout=10)
+    yield engine, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_a_model_without_a_chat_template_gets_a_400(stub, monkeypatch):
+    engine, base_url = stub
+    monkeypatch.setattr(engine.tokenizer, "chat_template", None)
+    messages = [{"role": "user", "content": "hi"}]
+    for path, body in (("/tokenize", {"messages": messages}), ("/v1/chat/completions", {"model": "stub",
+                                                                                       "messages": messages})):
+        response = httpx.post(base_url + path, json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert "no chat template" in error["message"] and error["param"] == "messages"
+
+
+def test_a_bug_in_a_route_is_a_json_500_and_its_traceback_logged(stub, caplog):
+    response = httpx.get(f"{stub[1]}/metrics")
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "RuntimeError" in error["message"]
+    assert wait_until(lambda: any(r.levelno == logging.ERROR and r.exc_info for r in caplog.records), timeout=5)
+
+
+def test_a_request_the_engine_failed_on_is_a_json_500_without_a_gateway_traceback(stub, caplog):
+    response = httpx.post(f"{stub[1]}/v1/completions", json={"model": "stub", "prompt": "fail"})
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["code"] == "request_failed" and "injected" in error["message"]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_clients_gone_before_the_first_output_are_aborted_and_logged_at_debug(stub, caplog, stream):
+    engine, base_url = stub
+    caplog.set_level(logging.DEBUG, logger="pagedserve.api")
+    body = json.dumps({"model": "stub", "prompt": "hello", "stream": stream}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    host, port = base_url.removeprefix("http://").split(":")
+    for _ in range(10):
+        added = engine.added
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(request)
+            assert wait_until(lambda: engine.added == added + 1, timeout=5)
+    assert wait_until(lambda: not engine.running, timeout=5)  # every request was aborted
+    assert wait_until(lambda: sum("went away" in r.getMessage() for r in caplog.records) == 10, timeout=5)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

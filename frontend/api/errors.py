@@ -6,10 +6,11 @@ from typing import NoReturn
 
 from fastapi.responses import JSONResponse
 
-from frontend.core_client import EngineDeadError, EngineOverloadedError
+from frontend.core_client import EngineDeadError, EngineOverloadedError, RequestFailedError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 431: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable"}
+          408: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error",
+          429: "rate_limit_exceeded", 503: "service_unavailable"}
 
 
 class APIError(Exception):
@@ -26,8 +27,15 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param,
+    return {"error": {"message": _valid_unicode(message), "type": kind,
+                      "param": None if param is None else _valid_unicode(param),
                       "code": code if code is not None else HTTPStatus(status).phrase}}
+
+
+def _valid_unicode(text: str) -> str:
+    """`text` with any lone surrogate (echoed from a client's JSON) spelled out as "\\udXXX": the JSON encoder
+    writes UTF-8, which has no encoding for one, so the error response itself would fail with a 500."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def from_pydantic(errors: list[dict]) -> APIError:
@@ -43,6 +51,8 @@ def engine_error(error: Exception) -> APIError | None:
         return APIError(429, str(error), code="overloaded")
     if isinstance(error, EngineDeadError):
         return APIError(503, f"the engine is not available: {error}", code="engine_dead")
+    if isinstance(error, RequestFailedError):  # the engine logged it; the gateway has no traceback to add
+        return APIError(500, str(error), code="request_failed")
     if isinstance(error, ValueError):
         return APIError(400, str(error))
     return None

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from frontend.api.errors import APIError
 from frontend.api.protocol import ChatCompletionRequest, SamplingFields
+from frontend.tokenizer import check_text
 from ipc import RequestOutputKind, SamplingParams
 
 
@@ -13,6 +14,9 @@ class ServerLimits:
     max_model_len: int
     max_n: int = 16
     max_stop: int = 16
+    # Prompts x n of one request: each choice is an engine request, made (and its prompt tokenized) before any
+    # runs. The default matches the engine's default --max-waiting-requests: a request with more would end in 429.
+    max_choices_per_request: int = 1024
 
 
 def sampling_params(request: SamplingFields, num_prompt_tokens: int, limits: ServerLimits) -> SamplingParams:
@@ -36,12 +40,22 @@ def sampling_params(request: SamplingFields, num_prompt_tokens: int, limits: Ser
         raise APIError(400, str(error).removeprefix("SamplingParams."), param) from error
 
 
-def check_limits(request: SamplingFields, limits: ServerLimits) -> None:
+def check_limits(request: SamplingFields, limits: ServerLimits, num_prompts: int = 1) -> None:
+    """The server's limits on a request's shape; cheap, so they run before any prompt is tokenized."""
     if not 1 <= request.n <= limits.max_n:
         raise APIError(400, f"n must be between 1 and {limits.max_n}, got {request.n}", "n")
+    if num_prompts * request.n > limits.max_choices_per_request:
+        raise APIError(400, f"{num_prompts} prompts x n={request.n} is {num_prompts * request.n} choices, over this "
+                            f"server's limit of {limits.max_choices_per_request} per request "
+                            "(--max-choices-per-request); split the request", "n")
     stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
     if len(stops) > limits.max_stop:
         raise APIError(400, f"at most {limits.max_stop} stop strings, got {len(stops)}", "stop")
+    try:
+        for stop in stops:
+            check_text(stop, "stop")
+    except ValueError as error:
+        raise APIError(400, str(error), "stop") from None
     if _is_chat(request) and request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
@@ -72,8 +86,6 @@ def _max_tokens(request: SamplingFields, num_prompt_tokens: int, max_model_len: 
                             f"{max_model_len}; shorten the prompt", "messages" if _is_chat(request) else "prompt")
     if requested is None:
         return room
-    if requested < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {requested}", "max_tokens")
     if num_prompt_tokens + requested > max_model_len:
         raise APIError(400, f"this model's context length is {max_model_len} tokens, but the request asks for "
                             f"{num_prompt_tokens + requested} ({num_prompt_tokens} in the prompt + {requested} "

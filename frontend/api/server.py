@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import hmac
 import logging
@@ -21,37 +22,43 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from frontend.api.errors import APIError, error_body, from_pydantic
+from frontend.api.errors import APIError, engine_error, error_body, from_pydantic
 from frontend.api.metrics import ServerMetrics
 from frontend.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from frontend.api.push import PushHttpToolsProtocol
+from frontend.api.push import HEADER_TIMEOUT_S, PushHttpToolsProtocol
 from frontend.api.sampling import ServerLimits
 from frontend.api.serving import OpenAIServing
 from frontend.async_llm import AsyncLLM
-from frontend.core_client import EngineDeadError
-from frontend.tokenizer import apply_chat_template
+from frontend.core_client import DEFAULT_MAX_STALL_S, EngineDeadError
 from ipc.lifeline import watch_lifeline
 
 logger = logging.getLogger("pagedserve.api")
-_HEALTH_TIMEOUT_S = 1.0
+_CLIENT_CLOSED_REQUEST = 499  # nginx's status for it; never sent, the client is gone
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
 def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: str | None = None,
-              max_body_bytes: int = 10 * 2**20, max_header_bytes: int = 32 * 2**10) -> FastAPI:
+              max_body_bytes: int = 10 * 2**20, max_header_bytes: int = 32 * 2**10,
+              max_stall_s: float = DEFAULT_MAX_STALL_S) -> FastAPI:
     metrics = ServerMetrics(model_name)
     serving = OpenAIServing(engine, model_name, limits, metrics)
-    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
+    # The contract is served (behind the key) for clients and fuzzers; the docs UIs would load scripts from a CDN.
+    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
     _add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
+        # From the engine's heartbeats: answered at once, however long the step the engine is in.
         try:
-            await asyncio.wait_for(engine.check_health(), _HEALTH_TIMEOUT_S)
-        except (EngineDeadError, asyncio.TimeoutError) as error:
-            return APIError(503, f"the engine is not healthy: {error or 'no answer'}").response()
+            await engine.check_health(max_stall_s)
+        except EngineDeadError as error:
+            logger.debug("health check: %s", error)
+            return APIError(503, "engine unavailable", code="engine_unavailable").response()  # no internals
         return Response(status_code=200)
+
+    for method in engine.info.privileged_utilities:  # only those the engine was started to allow
+        app.add_api_route(f"/{method}", _utility_route(engine, method), methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -68,15 +75,7 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", "prompt")
-        if body.prompt is not None:
-            tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
-            messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
-            text = apply_chat_template(engine.tokenizer, messages, model_name)
-            tokens = engine.tokenizer.encode(text, add_special_tokens=False)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": limits.max_model_len}
+        return serving.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
@@ -96,6 +95,16 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
     return app
 
 
+def _utility_route(engine: AsyncLLM, method: str):
+    """POST /start_profile, /stop_profile or /reset_prefix_cache: the engine utility's result as JSON."""
+    async def call() -> dict:
+        try:
+            return {"result": await getattr(engine, method)()}
+        except RuntimeError as error:  # e.g. the profiler is already running
+            raise APIError(409, str(error), code="conflict") from error
+    return call
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
@@ -109,19 +118,38 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
         return JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code)
 
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
+        return engine_error(error).response()
+
+    @app.exception_handler(Exception)
+    async def bug(_: Request, error: Exception) -> JSONResponse:
+        # Starlette raises the error again after this response is sent, so uvicorn still logs its traceback.
+        return APIError(500, f"internal error ({type(error).__name__}); the server log has the details").response()
+
 
 async def _cancel_on_disconnect(request: Request, handler) -> Response:
     """Run a handler, cancelling it (and so aborting its engine requests) if the client goes away first."""
     task = asyncio.ensure_future(handler)
+    client_gone = False
 
     async def watch() -> None:
+        nonlocal client_gone
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        client_gone = True
         task.cancel()
 
     watcher = asyncio.ensure_future(watch())
     try:
         return await task
+    except asyncio.CancelledError:
+        if not client_gone:  # the server itself is stopping this request
+            raise
+        # A client that gives up is routine, not a fault: no traceback (hundreds of them under load).
+        logger.debug("%s %s: the client went away before the response; its request was aborted",
+                     request.method, request.url.path)
+        return Response(status_code=_CLIENT_CLOSED_REQUEST)
     finally:
         watcher.cancel()
 
@@ -144,8 +172,10 @@ class _Guard:
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
                 return await _send(send, 401, "invalid or missing API key (Authorization: Bearer KEY)")
         length = headers.get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > self.max_body_bytes:
-            return await _send(send, 413, f"the request body is over the limit of {self.max_body_bytes} bytes")
+        if not length.isdigit():
+            return await _send(send, 400, "the Content-Length header is not a non-negative integer")
+        if int(length) > self.max_body_bytes:
+            return await _send(send, 413, self._too_large())
         await self.app(scope, self._capped(receive), send)
 
     def _capped(self, receive):
@@ -156,9 +186,13 @@ class _Guard:
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.max_body_bytes:  # a chunked body without Content-Length
-                return {"type": "http.disconnect"}
+                # FastAPI turns other errors while reading the body into a 400, but lets an HTTPException through.
+                raise HTTPException(413, self._too_large())
             return message
         return capped
+
+    def _too_large(self) -> str:
+        return f"the request body is over the limit of {self.max_body_bytes} bytes"
 
 
 async def _send(send, status: int, message: str) -> None:
@@ -197,8 +231,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"(default: ${API_KEY_ENV})")
     parser.add_argument("--max-n", type=int, default=16)
     parser.add_argument("--max-stop", type=int, default=16)
+    parser.add_argument("--max-choices-per-request", type=int, default=ServerLimits.max_choices_per_request,
+                        help="most prompts x n in one request (default: %(default)s)")
     parser.add_argument("--max-body-bytes", type=int, default=10 * 2**20)
     parser.add_argument("--max-header-bytes", type=int, default=32 * 2**10)
+    parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
+                        help="seconds a connection gets to send a request's headers (default: %(default)s)")
+    parser.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                        help="seconds an idle keep-alive connection stays open (default: %(default)s)")
+    parser.add_argument("--engine-stall-timeout", type=float, default=DEFAULT_MAX_STALL_S,
+                        help="/health answers 503 once the engine's loop has not advanced (one step has run) for "
+                             "this many seconds (default: %(default)s)")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to let in-flight requests finish")
     parser.add_argument("--status-fd", type=int, help="write 'ready' here once serving (set by the launcher)")
@@ -211,11 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = AsyncLLM(args.model, engine_address=args.engine_address, curve_key_file=args.curve_key_file)
     model_name = args.served_model_name or args.model or engine.info.model
-    limits = ServerLimits(max_model_len=engine.info.max_model_len, max_n=args.max_n, max_stop=args.max_stop)
-    app = build_app(engine, model_name, limits, args.api_key, args.max_body_bytes, args.max_header_bytes)
+    limits = ServerLimits(max_model_len=engine.info.max_model_len, max_n=args.max_n, max_stop=args.max_stop,
+                          max_choices_per_request=args.max_choices_per_request)
+    app = build_app(engine, model_name, limits, args.api_key, args.max_body_bytes, args.max_header_bytes,
+                    args.engine_stall_timeout)
     sock = listening_socket(args.host, args.port, args.reuse_port)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout,
-                            http=PushHttpToolsProtocol)
+                            timeout_keep_alive=args.keep_alive_timeout,
+                            http=functools.partial(PushHttpToolsProtocol, header_timeout=args.header_timeout))
     server = uvicorn.Server(config)
     if args.parent_fd is not None:
         watch_lifeline(args.parent_fd, lambda: setattr(server, "should_exit", True))

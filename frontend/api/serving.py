@@ -1,4 +1,4 @@
-"""/v1/completions and /v1/chat/completions: requests to engine choices, outputs to JSON or SSE chunks."""
+"""/v1/completions, /v1/chat/completions and /tokenize: requests to engine choices, outputs to JSON or SSE chunks."""
 from __future__ import annotations
 
 import time
@@ -16,18 +16,20 @@ from frontend.api.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     ChatResponseMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     SamplingFields,
+    TokenizeRequest,
     UsageInfo,
 )
 from frontend.api.sampling import ServerLimits, check_limits, sampling_params
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import RequestOutput
 from frontend.parallel_sampling import child_params
-from frontend.tokenizer import apply_chat_template
+from frontend.tokenizer import apply_chat_template, encode
 
 
 class OpenAIServing:
@@ -36,10 +38,11 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest):
         self._check_model(body.model)
-        check_limits(body, self.limits)
+        prompt_list = _prompt_list(body.prompt)
+        check_limits(body, self.limits, len(prompt_list))
         if body.echo:
             raise APIError(400, "echo is not supported", "echo")
-        prompts = [self._completion_prompt(p) for p in _prompt_list(body.prompt)]
+        prompts = [self._completion_prompt(p) for p in prompt_list]
         choices = self._choices(body, prompts)
         num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         if body.stream:
@@ -61,7 +64,8 @@ class OpenAIServing:
         if body.chat_template is not None:
             raise APIError(400, "chat_template is not accepted: the server uses the model's own template",
                            "chat_template")
-        prompt = self._chat_prompt(body)
+        text = self._chat_text(body.messages, body.add_generation_prompt)
+        prompt = {"prompt": text, "prompt_token_ids": self._encode(text, "messages", add_special_tokens=False)}
         choices = self._choices(body, [prompt])
         num_prompt_tokens = len(prompt["prompt_token_ids"])
         if body.stream:
@@ -79,6 +83,15 @@ class OpenAIServing:
                        stop_reason=c.stop_reason) for i, c in enumerate(finals)])
         return JSONResponse(response.model_dump())
 
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        if body.prompt is not None:
+            tokens = self._encode(body.prompt, "prompt", body.add_special_tokens)
+        else:
+            tokens = self._encode(self._chat_text(body.messages, True), "messages", add_special_tokens=False)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.limits.max_model_len}
+
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server has {self.model_name!r}", "model",
@@ -88,18 +101,24 @@ class OpenAIServing:
         if isinstance(prompt, str):
             if not prompt:
                 raise APIError(400, "prompt is empty", "prompt")
-            return {"prompt": prompt, "prompt_token_ids": self.engine.tokenizer.encode(prompt)}
+            return {"prompt": prompt, "prompt_token_ids": self._encode(prompt, "prompt")}
         if not prompt:
             raise APIError(400, "prompt is empty", "prompt")
         return {"prompt_token_ids": prompt}
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> dict:
-        messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
+    def _chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        """The conversation as prompt text, through the model's chat template."""
+        dicts = [{"role": m.role, "content": _message_text(m.content)} for m in messages]
         try:
-            text = apply_chat_template(self.engine.tokenizer, messages, self.model_name, body.add_generation_prompt)
+            return apply_chat_template(self.engine.tokenizer, dicts, self.model_name, add_generation_prompt)
         except ValueError as error:
             raise APIError(400, str(error), "messages") from error
-        return {"prompt": text, "prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)}
+
+    def _encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            return encode(self.engine.tokenizer, text, field, add_special_tokens)
+        except ValueError as error:
+            raise APIError(400, str(error), field) from error
 
     def _choices(self, body: SamplingFields, prompts: list[dict]) -> list[Choice]:
         choices = []

@@ -1,0 +1,64 @@
+"""/health tells the truth: 200 while the engine is alive and its loop advances, however busy; 503 when it is not."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from conftest import AUTH, wait_until
+from frontend.core_client import HEARTBEAT_TIMEOUT_S, EngineCoreClient
+from launcher import descendants
+
+
+def test_health_stays_200_under_500_concurrent_requests(server):
+    async def scenario() -> tuple[list[int], list[int]]:
+        limits = httpx.Limits(max_connections=600, max_keepalive_connections=600)
+        async with httpx.AsyncClient(base_url=server[1], headers=AUTH, timeout=120, limits=limits) as http:
+            body = {"model": server_model(server), "prompt": "Hello there", "max_tokens": 16, "ignore_eos": True}
+            load = asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(500)))
+            polls = []
+            while not load.done():
+                polls.append((await http.get("/health", timeout=30)).status_code)
+                await asyncio.sleep(0.05)
+            return [r.status_code for r in await load], polls
+    statuses, polls = asyncio.run(scenario())
+    assert statuses == [200] * 500
+    assert len(polls) >= 5 and set(polls) == {200}
+
+
+def test_health_is_503_while_the_engine_is_frozen_and_200_once_it_runs_again(server):
+    [(engine_pid, _)] = [(pid, cmd) for pid, cmd in descendants(server[0].pid) if "core.engine_process" in cmd]
+    os.kill(engine_pid, signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: httpx.get(f"{server[1]}/health").status_code == 503, HEARTBEAT_TIMEOUT_S + 5)
+        response = httpx.get(f"{server[1]}/health")
+        assert response.json()["error"]["message"] == "engine unavailable"
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
+    assert wait_until(lambda: httpx.get(f"{server[1]}/health").status_code == 200, 5)
+
+
+def test_a_stalled_loop_or_silent_engine_is_unhealthy(llama_model):
+    client = EngineCoreClient.__new__(EngineCoreClient)  # only the heartbeat bookkeeping is exercised
+    client.dead_reason = None
+    client.last_heartbeat = (time.monotonic(), 0.3)
+    assert client.health_problem(max_stall_s=60) is None
+    client.last_heartbeat = (time.monotonic(), 61.0)  # the heartbeat says the loop is in a 61 s step
+    assert "not advanced for 61 s" in client.health_problem(max_stall_s=60)
+    client.last_heartbeat = (time.monotonic() - HEARTBEAT_TIMEOUT_S - 1, 0.0)
+    assert "no heartbeat" in client.health_problem(max_stall_s=60)
+    client.dead_reason = "gone"
+    assert client.health_problem() == "gone"
+
+
+def server_model(server) -> str:
+    return httpx.get(f"{server[1]}/v1/models", headers=AUTH).json()["data"][0]["id"]
+
+
+@pytest.mark.parametrize("path", ["/start_profile", "/stop_profile", "/reset_prefix_cache"])
+def test_privileged_routes_are_absent_unless_the_engine_allows_them(server, path):
+    assert httpx.post(f"{server[1]}{path}", headers=AUTH).status_code == 404
