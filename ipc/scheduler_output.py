@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import msgspec
 
+from ipc.bounds import Count, TokenId
 from ipc.sampling_params import SamplingParams
 
 
@@ -10,11 +11,11 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     """A request a worker has not seen before: everything it must keep for it."""
 
     req_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[TokenId]
     sampling_params: SamplingParams
-    eos_token_id: int | None
-    block_ids: list[int]
-    num_computed_tokens: int
+    eos_token_id: TokenId | None
+    block_ids: list[Count]
+    num_computed_tokens: Count
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):
@@ -22,9 +23,9 @@ class CachedRequestData(msgspec.Struct, kw_only=True):
 
     req_id: str
     # Tokens sampled since this request was last scheduled (all ranks learn them from the scheduler).
-    new_token_ids: list[int]
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    new_token_ids: list[TokenId]
+    new_block_ids: list[Count]
+    num_computed_tokens: Count
     # After preemption the request restarts from token 0 in fresh blocks: new_block_ids replace the old.
     resumed_from_preemption: bool = False
 
@@ -34,8 +35,8 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
 
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
-    num_scheduled_tokens: dict[str, int]
-    total_num_scheduled_tokens: int
+    num_scheduled_tokens: dict[str, Count]
+    total_num_scheduled_tokens: Count
     finished_req_ids: list[str]
 
 
@@ -43,9 +44,9 @@ class PromptLogprobs(msgspec.Struct):
     """Per prompt position from the second on: [prompt token, top-k ...] ids, their logprobs, the prompt token's
     rank. A prompt computed in chunks gets one of these per chunk, concatenated in order."""
 
-    token_ids: list[list[int]]
+    token_ids: list[list[TokenId]]
     logprobs: list[list[float]]
-    ranks: list[int]
+    ranks: list[Count]
 
     def extend(self, other: PromptLogprobs) -> None:
         self.token_ids += other.token_ids
@@ -56,11 +57,11 @@ class PromptLogprobs(msgspec.Struct):
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     """Sampled tokens for the requests whose scheduled tokens reached their end."""
 
-    sampled_token_ids: dict[str, int]
+    sampled_token_ids: dict[str, TokenId]
     # Only for requests that asked for logprobs: [sampled, top-N ...] ids and logprobs, sampled rank.
-    logprob_token_ids: dict[str, list[int]] = {}
+    logprob_token_ids: dict[str, list[TokenId]] = {}
     logprobs: dict[str, list[float]] = {}
-    sampled_ranks: dict[str, int] = {}
+    sampled_ranks: dict[str, Count] = {}
     prompt_logprobs: dict[str, PromptLogprobs] = {}  # this step's chunk, for requests that asked
     # Requests this step could not prepare or sample (why, by request id): they end with an error; the rest of
     # the batch is unaffected.

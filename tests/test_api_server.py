@@ -144,6 +144,15 @@ def test_logprobs_logit_bias_and_cache_salt(client, llama_model):
      400, "chat_template"),
     ("/v1/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 3},
      400, "presence_penalty"),
+    # The fuzzing run's repros: each used to kill the engine (top_k 2**63) or pass unchecked.
+    ("/v1/completions", {"model": "M", "prompt": "Hello", "max_tokens": 4, "top_k": 2**63}, 400, "top_k"),
+    ("/v1/completions", {"model": "M", "prompt": "Hello", "top_k": 2**64 + 5}, 400, "top_k"),
+    ("/v1/completions", {"model": "M", "prompt": "Hello", "temperature": float("inf")}, 400, "temperature"),
+    ("/v1/completions", {"model": "M", "prompt": "Hello", "temperature": 1e308}, 400, "temperature"),
+    ("/v1/completions", {"model": "M", "prompt": "Hello", "repetition_penalty": float("inf")}, 400,
+     "repetition_penalty"),
+    ("/v1/completions", {"model": "M", "prompt": "Hello", "seed": 2**64}, 400, "seed"),
+    ("/v1/completions", {"model": "M", "prompt": "Hello", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("/v1/completions", {"model": SURROGATE, "prompt": "hi"}, 404, "model"),  # the error echoes it
     ("/tokenize", {"messages": []}, 400, "messages"),
     ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "prompt"),
@@ -164,6 +173,8 @@ def test_bad_requests_get_openai_errors(server, llama_model, path, body, status,
         assert "1024 tokens" in error["message"] and "1100 max_tokens" in error["message"]  # both numbers
     if param == "n" and body.get("n") == 4:
         assert "1200 choices" in error["message"] and "--max-choices-per-request" in error["message"], error
+    health = httpx.get(server[1] + "/health")
+    assert health.status_code == 200  # and the engine serves on
 
 
 @pytest.mark.parametrize("path, body, field", [

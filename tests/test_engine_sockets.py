@@ -117,6 +117,9 @@ def test_malformed_frames_are_answered_and_the_engine_keeps_serving(engine_addre
                 [msgspec.msgpack.encode({"type": "add", "request_id": "ext", "prompt_token_ids":
                                          msgspec.msgpack.Ext(1, msgspec.msgpack.encode(("int64", [2], 7))),
                                          "sampling_params": {}})]]
+        # The fuzzing run's repro: well-typed, and it used to kill the engine with an IndexError in a worker.
+        junk += [[msgspec.msgpack.encode({"type": "add", "request_id": "empty-bad-word", "prompt_token_ids": [1, 2],
+                                          "sampling_params": {"max_tokens": 4, "bad_words_token_ids": [[]]}})]]
         rng = random.Random(0)
         junk += [[rng.randbytes(rng.randrange(1, 200))] for _ in range(300)]  # random bytes trip many paths
         junk += [[msgspec.msgpack.encode(bad_params), rng.randbytes(16)]]  # an extra frame nobody refers to
@@ -128,6 +131,7 @@ def test_malformed_frames_are_answered_and_the_engine_keeps_serving(engine_addre
         assert all(e.message.startswith("malformed message") for e in errors)
         by_id = {e.request_id: e.message for e in errors}
         assert "temperature" in by_id["bad-temp"] and "ext" in by_id
+        assert "bad_words_token_ids" in by_id["empty-bad-word"]
         assert [r.utility_result.call_id for r in replies if r.utility_result] == [9]
         good = EngineCoreRequest(request_id="good", prompt_token_ids=[3, 4, 5], sampling_params=GREEDY)
         sock_in.send(msgspec.msgpack.encode(good))
