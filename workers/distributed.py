@@ -77,6 +77,19 @@ def init_distributed(host: str, port: int, tp_rank: int, tp_size: int, pp_rank: 
     return _state
 
 
+def shutdown_distributed() -> None:
+    """Undo init_distributed: unmap the shared memory and destroy the groups, which joins gloo's worker threads.
+    A process that exits with them alive may abort ("terminate called without an active exception"): a worker
+    frees the tensors of a collective that already returned only after the interpreter began finalizing, and
+    the GIL it must take for that ends the thread inside a destructor."""
+    global _state
+    if _state.tp_comm is not None:
+        _state.tp_comm.close()
+    _state = ParallelState()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over this stage's TP ranks, in place."""
     if _state.tp_comm is not None:
