@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import time
 from pathlib import Path
 
 import msgspec
 import ray
 import zmq
+from ray._private.authentication.authentication_token_setup import (ensure_token_if_auth_enabled,
+                                                                    maybe_enable_token_auth_if_token_available)
+from ray._private.services import canonicalize_bootstrap_address
+from ray._raylet import InnerGcsClient
+from ray.exceptions import AuthenticationError, RpcError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -26,6 +32,10 @@ from workers.rank_worker import RankWorker
 from workers.shm_channel import ShmChannel, attach_channel, create_channel, executor_channel_paths
 
 _PLACEMENT_TIMEOUT_S = 60.0
+_CLUSTER_ANSWER_TIMEOUT_S = 10.0
+_TOKEN_HELP = ("set RAY_AUTH_MODE=token and give this machine the cluster's token: copy the head node's "
+               "~/.ray/auth_token to ~/.ray/auth_token here, or point RAY_AUTH_TOKEN_PATH at a copy, or put the token "
+               "itself in RAY_AUTH_TOKEN")
 _SUBSCRIBE_TIMEOUT_S = 60.0
 _HEALTH_POLL_MS = 100  # while waiting for a step's reply, look for dead actors this often
 _REPO_ROOT = str(Path(__file__).resolve().parents[1])
@@ -225,7 +235,35 @@ def _cluster_device(device: str, num_ranks: int) -> str:
 def _connect_ray(address: str | None, num_ranks: int) -> None:
     """Join the cluster at `address`, or start a private single-node Ray on loopback with a CPU per rank."""
     if address is not None:
+        _check_cluster_answers(address)
         ray.init(address=address)
         return
     ray.init(address="local", num_cpus=max(num_ranks, os.cpu_count() or 1), include_dashboard=False,
              _node_ip_address="127.0.0.1")
+
+
+def _check_cluster_answers(address: str) -> None:
+    """ValueError, within seconds, where ray.init would retry for a minute or more: nothing answers at `address`,
+    or the cluster refuses this process's token (Ray 2.52+ clusters may require one). The address and the token
+    are resolved as ray.init resolves them."""
+    gcs_address = canonicalize_bootstrap_address(address)
+    if gcs_address is None:
+        return  # 'auto' and no cluster started on this machine: ray.init says so at once
+    if address == "auto":  # as in ray.init: a cluster found on this machine turns token auth on if a token is here
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    host, port = gcs_address.rsplit(":", 1)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_CLUSTER_ANSWER_TIMEOUT_S).close()
+    except OSError as error:
+        raise ValueError(f"ray_address={address}: nothing answers at {gcs_address} ({error}); start the cluster "
+                         "with `ray start --head`, or pass its head node's HOST:PORT") from error
+    try:
+        ensure_token_if_auth_enabled(None, create_token_if_missing=False)
+        InnerGcsClient.standalone(gcs_address, None, int(_CLUSTER_ANSWER_TIMEOUT_S * 1000))
+    except AuthenticationError as error:
+        reason = error.message.split(". ")[0]  # the rest is Ray's generic advice, which _TOKEN_HELP replaces
+        raise ValueError(f"ray_address={address}: this process cannot authenticate to the Ray cluster at "
+                         f"{gcs_address} ({reason}); {_TOKEN_HELP}") from error
+    except RpcError as error:
+        raise ValueError(f"ray_address={address}: {gcs_address} did not answer as a Ray cluster's head within "
+                         f"{_CLUSTER_ANSWER_TIMEOUT_S:.0f} s ({error})") from error
