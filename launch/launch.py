@@ -27,6 +27,8 @@ from ipc.sockets import private_ipc_address  # noqa: E402
 
 logger = logging.getLogger("pagedserve.launch")
 _GATEWAY_START_TIMEOUT_S = 120.0
+_GATEWAY_PASS_THROUGH = ("--max-choices-per-request", "--header-timeout", "--keep-alive-timeout",
+                         "--engine-stall-timeout")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,9 +65,22 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs for decode batches")
     engine.add_argument("--cuda-graph-sizes", type=int, nargs="+",
                         help="CUDA: decode batch sizes to capture (default 1 2 4 8 16 ... min(max-num-seqs, 512))")
+    engine.add_argument("--profiler-dir", help="allow POST /start_profile and /stop_profile; traces go here only")
+    engine.add_argument("--profiler-max-seconds", type=float, default=60.0,
+                        help="a profile stops by itself (writing its trace) after this long (default: %(default)s)")
+    engine.add_argument("--profiler-max-steps", type=int, default=200,
+                        help="... or after this many engine steps (default: %(default)s)")
+    engine.add_argument("--enable-cache-reset", action="store_true", help="allow POST /reset_prefix_cache")
     limits = parser.add_argument_group("request limits")
     limits.add_argument("--max-n", type=int, default=16)
     limits.add_argument("--max-stop", type=int, default=16)
+    # These go to every gateway process as given; unset, the gateway's own default applies.
+    limits.add_argument("--max-choices-per-request", type=int, help="most prompts x n in one request (1024)")
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--header-timeout", type=float, help="seconds a connection gets to send its headers (10)")
+    http.add_argument("--keep-alive-timeout", type=float, help="seconds an idle keep-alive connection lives (5)")
+    http.add_argument("--engine-stall-timeout", type=float,
+                      help="/health is 503 once one engine step has run this many seconds (120)")
     return parser
 
 
@@ -91,7 +106,9 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size, ray_address=args.ray_address,
                         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
-                        enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes)
+                        enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
+                        profiler_dir=args.profiler_dir, profiler_max_seconds=args.profiler_max_seconds,
+                        profiler_max_steps=args.profiler_max_steps, enable_cache_reset=args.enable_cache_reset)
 
 
 class Launcher:
@@ -113,13 +130,13 @@ class Launcher:
             logger.info("serving %s at http://%s:%d/v1 (%d gateway process(es)); engine core at %s",
                         self.args.served_model_name or self.config.model, self.args.host, self.args.port,
                         len(self.gateways), address)
-            crashed = self._supervise(engine)
+            gateway_died = self._supervise(engine)
         finally:
             self._stop_gateways()
             engine.shutdown()
             if self.metrics_dir is not None:
                 shutil.rmtree(self.metrics_dir, ignore_errors=True)
-        return 1 if crashed else 0
+        return 1 if gateway_died else 0
 
     def _start_gateways(self, address: str) -> None:
         count = self.args.api_server_count
@@ -147,6 +164,9 @@ class Launcher:
         command += ["--served-model-name", args.served_model_name] if args.served_model_name else []
         command += ["--curve-key-file", args.curve_key_file] if args.curve_key_file else []
         command += ["--reuse-port"] if reuse_port else []
+        for flag in _GATEWAY_PASS_THROUGH:
+            value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+            command += [flag, str(value)] if value is not None else []
         self.gateways.append(subprocess.Popen(command, pass_fds=(status_write, lifeline_read), env=env,
                                               start_new_session=True))
         os.close(status_write)
@@ -161,10 +181,11 @@ class Launcher:
                 raise TimeoutError("a gateway process did not start (see its log above)")
 
     def _supervise(self, engine: EngineProcess) -> bool:
-        """Until a signal or a gateway's death (then everything is taken down). True if a child died.
+        """Until a signal or a gateway's death (then everything is taken down). True if a gateway died.
 
         A dead engine core does not take the gateways down: they answer /health with 503 and requests with
-        errors, which is what a load balancer or orchestrator needs to see to restart this server."""
+        errors, which is what a load balancer or orchestrator needs to see to restart this server. The
+        operator's SIGTERM or Ctrl-C that follows is a requested stop, so it exits 0 like any other."""
         engine_reported = False
         while not self.stop.wait(0.2):
             if not engine.is_alive() and not engine_reported:
@@ -175,7 +196,7 @@ class Launcher:
                     logger.error("gateway %d exited (code %s); shutting down", gateway.pid, gateway.returncode)
                     return True
         logger.info("shutting down: in-flight requests get up to %.0f s", self.args.shutdown_timeout)
-        return engine_reported
+        return False
 
     def _stop_gateways(self) -> None:
         for gateway in self.gateways:

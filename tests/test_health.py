@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 
-from conftest import AUTH, wait_until
+from conftest import API_KEY, AUTH, wait_until
 from frontend.core_client import HEARTBEAT_TIMEOUT_S, EngineCoreClient
-from launcher import descendants
+from launcher import descendants, start_launcher, stop_launcher
 
 
 def test_health_stays_200_under_500_concurrent_requests(server):
@@ -62,3 +62,22 @@ def server_model(server) -> str:
 @pytest.mark.parametrize("path", ["/start_profile", "/stop_profile", "/reset_prefix_cache"])
 def test_privileged_routes_are_absent_unless_the_engine_allows_them(server, path):
     assert httpx.post(f"{server[1]}{path}", headers=AUTH).status_code == 404
+
+
+def test_privileged_routes_when_the_engine_allows_them(llama_model, tmp_path):
+    process, url = start_launcher(["--model", llama_model, "--dtype", "float32", "--max-model-len", "256",
+                                   "--api-key", API_KEY, "--profiler-dir", str(tmp_path), "--profiler-max-steps",
+                                   "2", "--enable-cache-reset", "--max-choices-per-request", "3"])
+    try:
+        assert httpx.post(f"{url}/start_profile").status_code == 401
+        assert httpx.post(f"{url}/start_profile", headers=AUTH).json() == {"result": str(tmp_path)}
+        assert httpx.post(f"{url}/start_profile", headers=AUTH).status_code == 409  # already running
+        body = {"model": llama_model, "prompt": "profile me", "max_tokens": 4}
+        assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60).status_code == 200
+        trace = httpx.post(f"{url}/stop_profile", headers=AUTH).json()["result"]
+        assert os.path.dirname(trace) == str(tmp_path) and os.path.getsize(trace) > 0
+        assert httpx.post(f"{url}/reset_prefix_cache", headers=AUTH).json() == {"result": True}
+        too_many = httpx.post(f"{url}/v1/completions", json={**body, "prompt": ["a", "b", "c", "d"]}, headers=AUTH)
+        assert too_many.status_code == 400 and "limit of 3" in too_many.json()["error"]["message"]
+    finally:
+        stop_launcher(process)
