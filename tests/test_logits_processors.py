@@ -61,7 +61,7 @@ def test_min_tokens_equals_transformers_min_new_tokens(llm, llama_model):
 def test_logit_bias_token_ids_are_checked_against_the_vocabulary(llm):
     with pytest.raises(ValueError, match="logit_bias token id 99999 is outside the vocabulary"):
         _tokens(llm, logit_bias={99999: 1.0})
-    with pytest.raises(ValueError, match=r"logit_bias values must be in \[-100, 100\]"):
+    with pytest.raises(ValueError, match=r"logit_bias is invalid: Expected `float` <= 100.0"):
         SamplingParams(logit_bias={1: 101.0})
 
 
