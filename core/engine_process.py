@@ -10,6 +10,7 @@ the launcher do this for you).
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import os
 import queue
@@ -56,6 +57,7 @@ _SIGNAL_CHECK_S = 0.2
 HEARTBEAT_INTERVAL_S = 0.5
 _IDLE_HEALTH_CHECK_S = 5.0  # while idle, how often the workers' health is checked (a dead rank ends the engine)
 _WARNING_INTERVAL_S = 10.0  # at most one malformed-message warning per client this often; the rest are counted
+_MAX_PEERS = 4096  # clients remembered for heartbeats, most recently heard first (gone ones are never announced)
 
 
 class EngineCoreProc:
@@ -72,7 +74,7 @@ class EngineCoreProc:
         self.client_identities: list[bytes] = []
         self.client_index: dict[bytes, int] = {}
         self.stop_reason = "the engine core shut down"
-        self.peers: set[bytes] = set()  # every client that ever sent something: heartbeats go to each
+        self.peers = _Peers()  # the clients heartbeats go to
         self.last_progress = self.last_health_check = time.monotonic()
         self.stopping = threading.Event()
         self.reader = threading.Thread(target=self._read_loop, name="engine-core-reader", daemon=True)
@@ -194,7 +196,7 @@ class EngineCoreProc:
                 self.input_socket.close()
                 return
             identity, body = frames[0].bytes, [frame.buffer for frame in frames[1:]]
-            self.peers.add(identity)
+            self.peers.heard_from(identity)
             try:
                 message = decoder.decode(body)
             except Exception as error:  # whatever a hostile frame provokes, this thread must live on
@@ -205,7 +207,7 @@ class EngineCoreProc:
     def _heartbeat_loop(self) -> None:
         while not self.stopping.wait(HEARTBEAT_INTERVAL_S):
             beat = EngineCoreOutputs(heartbeat=Heartbeat(loop_age=time.monotonic() - self.last_progress))
-            for identity in list(self.peers):
+            for identity in self.peers.identities():
                 self.outputs.put((identity, beat))
 
     def _write_loop(self) -> None:
@@ -229,6 +231,23 @@ class EngineCoreProc:
         self.reader.join(timeout=5)
         remove_ipc_files(self.endpoints)  # also when the front end that would have done it is gone
         self.engine.shutdown()
+
+
+class _Peers:
+    """The clients the engine has heard from, at most _MAX_PEERS, forgetting the one silent longest first: a
+    client that goes away is never announced, and heartbeats to every client ever seen would grow without end."""
+
+    def __init__(self) -> None:
+        self._last_heard: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+
+    def heard_from(self, identity: bytes) -> None:
+        self._last_heard[identity] = None
+        self._last_heard.move_to_end(identity)
+        if len(self._last_heard) > _MAX_PEERS:
+            self._last_heard.popitem(last=False)
+
+    def identities(self) -> list[bytes]:
+        return list(self._last_heard)  # a copy: the reader thread adds while the heartbeat thread sends
 
 
 class _RateLimitedWarnings:

@@ -317,3 +317,11 @@ def test_heartbeats_arrive_twice_a_second_and_tell_the_loop_age(engine_address):
         assert 3 <= len(beats) <= 5 and all(0 <= age < 1.0 for age in beats)  # an idle loop wakes every 0.2 s
     finally:
         context.destroy(linger=0)
+
+
+def test_heartbeats_go_to_the_clients_heard_from_most_recently(monkeypatch):
+    monkeypatch.setattr(engine_process, "_MAX_PEERS", 3)
+    peers = engine_process._Peers()
+    for identity in (b"a", b"b", b"c", b"a", b"d"):  # b"b" is the one silent longest when b"d" arrives
+        peers.heard_from(identity)
+    assert peers.identities() == [b"c", b"a", b"d"]
