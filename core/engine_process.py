@@ -38,6 +38,7 @@ from ipc import (
     EngineStartup,
     Heartbeat,
     RequestError,
+    SubscribeHeartbeats,
     UtilityCall,
     UtilityResult,
 )
@@ -57,7 +58,7 @@ _SIGNAL_CHECK_S = 0.2
 HEARTBEAT_INTERVAL_S = 0.5
 _IDLE_HEALTH_CHECK_S = 5.0  # while idle, how often the workers' health is checked (a dead rank ends the engine)
 _WARNING_INTERVAL_S = 10.0  # at most one malformed-message warning per client this often; the rest are counted
-_MAX_PEERS = 4096  # clients remembered for heartbeats, most recently heard first (gone ones are never announced)
+_MAX_PEERS = 4096  # clients heartbeats go to, the latest subscribers (gone ones are never announced)
 
 
 class EngineCoreProc:
@@ -74,7 +75,7 @@ class EngineCoreProc:
         self.client_identities: list[bytes] = []
         self.client_index: dict[bytes, int] = {}
         self.stop_reason = "the engine core shut down"
-        self.peers = _Peers()  # the clients heartbeats go to
+        self.peers = _Peers()  # the clients that subscribed to heartbeats
         self.last_progress = self.last_health_check = time.monotonic()
         self.stopping = threading.Event()
         self.reader = threading.Thread(target=self._read_loop, name="engine-core-reader", daemon=True)
@@ -196,13 +197,15 @@ class EngineCoreProc:
                 self.input_socket.close()
                 return
             identity, body = frames[0].bytes, [frame.buffer for frame in frames[1:]]
-            self.peers.heard_from(identity)
             try:
                 message = decoder.decode(body)
             except Exception as error:  # whatever a hostile frame provokes, this thread must live on
                 warnings.warn(identity, error)
                 message = _rejection(body, error)
-            self.inputs.put((identity, message))
+            if isinstance(message, SubscribeHeartbeats):  # handled here: it must not wait behind a step
+                self.peers.heard_from(identity)
+            else:
+                self.inputs.put((identity, message))
 
     def _heartbeat_loop(self) -> None:
         while not self.stopping.wait(HEARTBEAT_INTERVAL_S):
@@ -234,8 +237,8 @@ class EngineCoreProc:
 
 
 class _Peers:
-    """The clients the engine has heard from, at most _MAX_PEERS, forgetting the one silent longest first: a
-    client that goes away is never announced, and heartbeats to every client ever seen would grow without end."""
+    """The clients that subscribed to heartbeats, at most _MAX_PEERS, forgetting the earliest first: a client that
+    goes away is never announced, and heartbeats to every subscriber ever would grow without end."""
 
     def __init__(self) -> None:
         self._last_heard: collections.OrderedDict[bytes, None] = collections.OrderedDict()

@@ -30,6 +30,7 @@ from ipc import (
     EngineInfo,
     RequestError,
     SchedulerStats,
+    SubscribeHeartbeats,
     UtilityCall,
     UtilityResult,
 )
@@ -250,6 +251,7 @@ class AsyncEngineCoreClient(EngineCoreClient):
     def __init__(self, address: str, curve_key_file: str | None = None, handshake_timeout: float = 30.0,
                  process: EngineProcess | None = None) -> None:
         self.futures: dict[int, asyncio.Future] = {}
+        self.heartbeats_subscribed = False
         self.outputs_ready: asyncio.Event | None = None
         self.receiver: asyncio.Task | None = None
         super().__init__(address, curve_key_file, handshake_timeout, process)  # handshakes synchronously
@@ -274,8 +276,13 @@ class AsyncEngineCoreClient(EngineCoreClient):
         return _unwrap(await future)
 
     async def check_health_async(self, max_stall_s: float = DEFAULT_MAX_STALL_S) -> None:
-        """Raise EngineDeadError saying why if the engine is not healthy (see health_problem); never waits."""
+        """Raise EngineDeadError saying why if the engine is not healthy (see health_problem); never waits. The
+        first call subscribes to the engine's heartbeats (the receiver task then reads them as they come)."""
         self._ensure_receiver()
+        if not self.heartbeats_subscribed:
+            self._send(SubscribeHeartbeats())
+            self.heartbeats_subscribed = True
+            self.last_heartbeat = (time.monotonic(), 0.0)
         problem = self.health_problem(max_stall_s)
         if problem is not None:
             raise EngineDeadError(problem)

@@ -13,6 +13,7 @@ from ipc.messages import (
     Heartbeat,
     RequestError,
     SchedulerStats,
+    SubscribeHeartbeats,
     UtilityCall,
     UtilityResult,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "EngineStartup",
     "RequestError",
     "SchedulerStats",
+    "SubscribeHeartbeats",
     "UtilityCall",
     "UtilityResult",
     "EngineConfig",

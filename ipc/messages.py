@@ -65,8 +65,13 @@ class UtilityCall(msgspec.Struct, tag="utility"):
     args: Annotated[list[Any], Meta(max_length=8)] = []
 
 
+class SubscribeHeartbeats(msgspec.Struct, tag="heartbeats"):
+    """Send this client a Heartbeat twice a second from now on (a client that never reads, such as an idle LLM,
+    does not subscribe, so none pile up in its queue)."""
+
+
 # Everything a client may send to the engine core; the tag field tells them apart on the wire.
-EngineCoreInput = EngineCoreRequest | AbortRequests | UtilityCall
+EngineCoreInput = EngineCoreRequest | AbortRequests | UtilityCall | SubscribeHeartbeats
 
 
 class UtilityResult(msgspec.Struct, omit_defaults=True):

@@ -20,7 +20,8 @@ from conftest import random_prompts
 from core import engine_process
 from core.engine_spawn import EngineProcess
 from frontend import LLM, EngineCoreClient, SamplingParams
-from ipc import AbortRequests, Decoder, EngineConfig, EngineCoreOutputs, EngineCoreRequest, UtilityCall
+from ipc import (AbortRequests, Decoder, EngineConfig, EngineCoreOutputs, EngineCoreRequest, SubscribeHeartbeats,
+                 UtilityCall)
 from ipc.sockets import EngineEndpoints, check_binding_is_safe, connect_dealer, free_tcp_address, private_ipc_address
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -305,11 +306,13 @@ def test_malformed_message_warnings_are_rate_limited_per_client(monkeypatch, cap
         "junk", "junk", "more junk (499 more since the last warning)"]
 
 
-def test_heartbeats_arrive_twice_a_second_and_tell_the_loop_age(engine_address):
+def test_heartbeats_arrive_twice_a_second_to_subscribers_and_tell_the_loop_age(engine_address):
     context, sock_in, sock_out = _raw_dealer(engine_address)
     decoder = Decoder(EngineCoreOutputs)
     try:
         _handshake(sock_in, sock_out)
+        assert not sock_out.poll(1500) or decoder.decode(sock_out.recv_multipart()).heartbeat is None  # unasked
+        sock_in.send(msgspec.msgpack.encode(SubscribeHeartbeats()))
         beats, started = [], time.monotonic()
         while time.monotonic() - started < 2.0:
             if sock_out.poll(100) and (reply := decoder.decode(sock_out.recv_multipart())).heartbeat is not None:
@@ -319,7 +322,7 @@ def test_heartbeats_arrive_twice_a_second_and_tell_the_loop_age(engine_address):
         context.destroy(linger=0)
 
 
-def test_heartbeats_go_to_the_clients_heard_from_most_recently(monkeypatch):
+def test_heartbeats_go_to_the_latest_subscribers(monkeypatch):
     monkeypatch.setattr(engine_process, "_MAX_PEERS", 3)
     peers = engine_process._Peers()
     for identity in (b"a", b"b", b"c", b"a", b"d"):  # b"b" is the one silent longest when b"d" arrives
