@@ -88,7 +88,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_preemptions: Count
     num_aborted_requests: Count = 0  # since start: aborted by a client (stop string, disconnect, cancel)
     peak_kv_cache_usage: Fraction = 0.0
-    kv_utilization_at_peak: Fraction = 1.0  # tokens held / slots allocated, at the step of peak usage
+    # Tokens held / slots allocated, at the step of peak usage: above 1 when requests share prefix-cached blocks.
+    kv_utilization_at_peak: Annotated[float, Meta(ge=0.0)] = 1.0
     prefix_cache_queries: Count = 0
     prefix_cache_hits: Count = 0
 
