@@ -15,7 +15,7 @@ import torch
 # Ray turns a 127.0.0.1 cluster address into this machine's outward IP unless told that the machine's IP is
 # loopback (read when ray is imported, inherited by the engine and Ray processes): all of it stays on 127.0.0.1.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-ray = pytest.importorskip("ray")
+import ray  # noqa: E402  (a base dependency: missing, the tests must fail, not skip)
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from conftest import random_prompts, tiny_model, wait_until  # noqa: E402

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("triton")  # on CPU, conftest has set TRITON_INTERPRET=1 before anything imported it
+import triton  # noqa: E402,F401  (the test extra; on CPU, conftest has set TRITON_INTERPRET=1 before anything imported it)
 
 from kernels import (  # noqa: E402
     attention_ref,
