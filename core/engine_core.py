@@ -11,6 +11,7 @@ from core.profiler import EngineProfiler
 from core.request import Request
 from core.scheduler import Scheduler
 from ipc import EngineConfig, EngineCoreOutput, EngineCoreRequest, EngineInfo, SchedulerStats
+from ipc.request_rules import context_room
 from workers.executor import Executor, InProcessExecutor
 from workers.model_config import check_parallel_sizes, load_hf_config, model_max_len
 
@@ -40,12 +41,14 @@ class EngineCore:
         self.info = EngineInfo(model=self.config.model, max_model_len=self.config.max_model_len,
                                vocab_size=self.vocab_size, num_kv_blocks=self.num_kv_blocks,
                                block_size=self.config.block_size, scheduling_policy=self.config.scheduling_policy,
-                               privileged_utilities=sorted(self._privileged_utilities()))
+                               privileged_utilities=sorted(self._privileged_utilities()),
+                               max_logprobs=self.config.max_logprobs)
 
-    def validate_request(self, request: EngineCoreRequest) -> None:
-        """Raise ValueError naming what is wrong; nothing is queued."""
+    def validate_request(self, request: EngineCoreRequest, request_id: str | None = None) -> None:
+        """Raise ValueError naming what is wrong; nothing is queued. `request_id`: the id the engine will hold it
+        under, if not request.request_id (the engine process scopes each client's ids)."""
         self.info.validate_request(request)
-        if self.has_request(request.request_id):
+        if self.has_request(request_id or request.request_id):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
 
     def is_overloaded(self) -> bool:
@@ -58,7 +61,7 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request that passed validate_request."""
-        room = self.config.max_model_len - len(request.prompt_token_ids)
+        room = context_room(self.info, len(request.prompt_token_ids))
         max_tokens = min(request.sampling_params.max_tokens or room, room)
         self.scheduler.add_request(Request(request, next(self._arrivals), max_tokens))
 
@@ -72,7 +75,8 @@ class EngineCore:
     def call_utility(self, method: str, args: list) -> Any:
         """Run one of the utilities this engine allows by name (never an arbitrary attribute); errors raise."""
         if method in (PROFILER_METHODS | CACHE_RESET_METHODS) - self._privileged_utilities():
-            switch = "profiler_dir (--profiler-dir DIR)" if method in PROFILER_METHODS else \
+            switch = "profiler_dir (--profiler-dir DIR, or PAGEDSERVE_TORCH_PROFILER_DIR=DIR for LLM/AsyncLLM)" \
+                if method in PROFILER_METHODS else \
                 "enable_cache_reset (--enable-cache-reset)"
             raise PermissionError(f"{method} is not allowed on this engine; it is enabled at start-up by {switch}")
         if method not in UTILITY_METHODS | self._privileged_utilities():

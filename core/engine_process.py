@@ -141,10 +141,9 @@ class EngineCoreProc:
     def _add_request(self, identity: bytes, request: EngineCoreRequest) -> None:
         client_request_id = request.request_id
         try:
-            self.engine.info.validate_request(request)
-            request.request_id = self._scope(identity, client_request_id)
-            if self.engine.has_request(request.request_id):
-                raise ValueError(f"request_id {client_request_id!r} is already in use")
+            scoped_id = self._scope(identity, client_request_id)
+            self.engine.validate_request(request, scoped_id)
+            request.request_id = scoped_id
         except ValueError as error:
             self._refuse(identity, RequestError(request_id=client_request_id, message=str(error)))
             return

@@ -2,11 +2,17 @@
 run one in-process for debugging."""
 from __future__ import annotations
 
-import torch
+import os
+from typing import TYPE_CHECKING
 
-from frontend.core_client import AsyncEngineCoreClient, EngineCoreClient
-from frontend.inprocess_client import InProcessEngineCoreClient
+from frontend.async_core_client import AsyncEngineCoreClient
+from frontend.core_client import EngineCoreClient
 from ipc import EngineConfig
+
+if TYPE_CHECKING:
+    from frontend.inprocess_client import InProcessEngineCoreClient
+
+PROFILER_DIR_ENV = "PAGEDSERVE_TORCH_PROFILER_DIR"
 
 
 def engine_config(model: str | None, engine_args: dict) -> EngineConfig:
@@ -29,12 +35,21 @@ def connect_engine(model: str | None, engine_args: dict, *, in_process: bool = F
             raise ValueError(f"engine arguments {sorted(engine_args)} cannot apply to the engine core already "
                              f"running at {engine_address}; set them where it is started")
         return client_class(engine_address, curve_key_file, handshake_timeout)
-    # A private engine's socket is in a directory only its owner can enter: the owner may reset its cache.
-    config = engine_config(model, {"enable_cache_reset": True, **engine_args})
+    # A private engine's socket is in a directory only its owner can enter: the owner may reset its cache, and
+    # profile it into the directory its environment names (vLLM's variable is VLLM_TORCH_PROFILER_DIR).
+    defaults = {"enable_cache_reset": True}
+    if os.environ.get(PROFILER_DIR_ENV):
+        defaults["profiler_dir"] = os.environ[PROFILER_DIR_ENV]
+    config = engine_config(model, {**defaults, **engine_args})
     if in_process:
         if asynchronous:
             raise ValueError("AsyncLLM always runs its engine core in a separate process (in_process=False)")
+        from frontend.inprocess_client import InProcessEngineCoreClient  # loads torch and workers
+
         return InProcessEngineCoreClient(config)
     # The engine process does the compute; two processes each running 2 torch threads on 2 cores halve it.
+    # Imported only here: a client attaching to an engine_address stays free of torch.
+    import torch
+
     torch.set_num_threads(1)
     return client_class.start(config)

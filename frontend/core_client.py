@@ -1,4 +1,4 @@
-"""Engine-core clients: the ZMQ client library (sync and asyncio) and an in-process stand-in for debugging.
+"""The ZMQ client library of an engine core (sync; frontend.async_core_client adds asyncio) and its errors.
 
 A client connects two DEALER sockets, both carrying its random routing id, to an engine core's input and
 output endpoints (see ipc.sockets), so the engine routes this client's outputs to it alone. It learns that
@@ -7,19 +7,16 @@ started) from the process exiting, and then every pending and later call raises 
 """
 from __future__ import annotations
 
-import asyncio
 import collections
 import itertools
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
-from core.engine_spawn import EngineProcess
 from ipc import (
     AbortRequests,
     Decoder,
@@ -30,13 +27,15 @@ from ipc import (
     EngineInfo,
     RequestError,
     SchedulerStats,
-    SubscribeHeartbeats,
     UtilityCall,
     UtilityResult,
 )
 from ipc.sockets import CurveKeys, EngineEndpoints, connect_dealer, private_ipc_address
 
-_POLL_MS = 100  # how often a waiting client checks that the engine process it started is alive
+if TYPE_CHECKING:
+    from core.engine_spawn import EngineProcess
+
+POLL_MS = 100  # how often a waiting client checks that the engine process it started is alive
 _HANDSHAKE_RETRY_S = 0.2
 _EXIT_GRACE_S = 0.3  # after a disconnect, how long to wait for the engine's exit code (for the error message)
 HEARTBEAT_TIMEOUT_S = 10.0  # this long without a heartbeat (sent every 0.5 s), the engine counts as gone
@@ -103,6 +102,8 @@ class EngineCoreClient:
     @classmethod
     def start(cls, config: EngineConfig) -> EngineCoreClient:
         """A client of a new private engine core (ipc:// in a directory only this user can enter)."""
+        from core.engine_spawn import EngineProcess  # only a client that starts an engine needs core
+
         address = private_ipc_address()
         process = EngineProcess(config, address)
         process.wait_ready()
@@ -131,15 +132,15 @@ class EngineCoreClient:
         """The next batch of this client's outputs (and request errors); EngineDeadError once those received
         before the engine died are consumed."""
         while not self.pending:
-            self._poll(_POLL_MS)
+            self._poll(POLL_MS)
         return self.pending.popleft()
 
     def call_utility(self, method: str, *args: Any) -> Any:
         """Run an engine utility (get_stats, reset_prefix_cache, start_profile, stop_profile, check_health)."""
         call_id = self._send_utility_call(method, args)
         while call_id not in self.utility_results:
-            self._poll(_POLL_MS)
-        return _unwrap(self.utility_results.pop(call_id))
+            self._poll(POLL_MS)
+        return unwrap(self.utility_results.pop(call_id))
 
     def _poll(self, timeout_ms: int) -> None:
         self._raise_if_dead()
@@ -183,7 +184,7 @@ class EngineCoreClient:
                 self.awaited_calls.difference_update(call_ids)
                 self.connected = True
                 self.last_heartbeat = (time.monotonic(), 0.0)
-                return msgspec.convert(_unwrap(self.utility_results.pop(answered[0])), EngineInfo)
+                return msgspec.convert(unwrap(self.utility_results.pop(answered[0])), EngineInfo)
         raise ConnectionError(f"no engine core answered at {self.endpoints.input} within {timeout:.0f} s")
 
     def _on_monitor_event(self, event: dict) -> None:
@@ -244,101 +245,8 @@ class EngineCoreClient:
             self.process.shutdown()
 
 
-class AsyncEngineCoreClient(EngineCoreClient):
-    """The asyncio client: connects (and handshakes) synchronously, then a receiver task on the running loop
-    reads outputs, resolves utility calls and wakes `get_outputs_async`."""
-
-    def __init__(self, address: str, curve_key_file: str | None = None, handshake_timeout: float = 30.0,
-                 process: EngineProcess | None = None) -> None:
-        self.futures: dict[int, asyncio.Future] = {}
-        self.heartbeats_subscribed = False
-        self.outputs_ready: asyncio.Event | None = None
-        self.receiver: asyncio.Task | None = None
-        super().__init__(address, curve_key_file, handshake_timeout, process)  # handshakes synchronously
-        self.async_output = zmq.asyncio.Socket.from_socket(self.output)
-        self.async_monitors = [zmq.asyncio.Socket.from_socket(monitor) for monitor in self.monitors]
-        self.async_poller = zmq.asyncio.Poller()
-        for sock in (self.async_output, *self.async_monitors):
-            self.async_poller.register(sock, zmq.POLLIN)
-
-    async def get_outputs_async(self) -> EngineCoreOutputs:
-        self._ensure_receiver()
-        while not self.pending:
-            self._raise_if_dead()
-            self.outputs_ready.clear()
-            await self.outputs_ready.wait()
-        return self.pending.popleft()
-
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
-        self._ensure_receiver()
-        call_id = self._send_utility_call(method, args)
-        future = self.futures[call_id] = asyncio.get_running_loop().create_future()
-        return _unwrap(await future)
-
-    async def check_health_async(self, max_stall_s: float = DEFAULT_MAX_STALL_S) -> None:
-        """Raise EngineDeadError saying why if the engine is not healthy (see health_problem); never waits. The
-        first call subscribes to the engine's heartbeats (the receiver task then reads them as they come)."""
-        self._ensure_receiver()
-        if not self.heartbeats_subscribed:
-            self._send(SubscribeHeartbeats())
-            self.heartbeats_subscribed = True
-            self.last_heartbeat = (time.monotonic(), 0.0)
-        problem = self.health_problem(max_stall_s)
-        if problem is not None:
-            raise EngineDeadError(problem)
-
-    async def get_stats_async(self) -> SchedulerStats:
-        return msgspec.convert(await self.call_utility_async("get_stats"), SchedulerStats)
-
-    def _ensure_receiver(self) -> None:
-        # A new receiver when the loop that ran the last one has ended (asyncio.run cancels leftover tasks).
-        if self.receiver is None or self.receiver.done():
-            self.outputs_ready = asyncio.Event()
-            self.receiver = asyncio.get_running_loop().create_task(self._receive_loop())
-
-    async def _receive_loop(self) -> None:
-        try:
-            while self.dead_reason is None:
-                ready = dict(await self.async_poller.poll(_POLL_MS))
-                if self.async_output in ready:
-                    self._accept(self.decoder.decode(await self.async_output.recv_multipart(copy=False)))
-                for monitor in self.async_monitors:
-                    if monitor in ready:
-                        self._on_monitor_event(parse_monitor_message(await monitor.recv_multipart()))
-                if not ready:
-                    self._check_process()
-        except Exception as error:  # a failing receiver must not leave callers waiting forever
-            self._mark_dead(f"the client's receiver failed: {type(error).__name__}: {error}")
-            raise
-
-    def _accept(self, message: EngineCoreOutputs) -> None:
-        super()._accept(message)
-        if self.pending:
-            self.outputs_ready.set()
-
-    def _on_utility_result(self, result: UtilityResult) -> None:
-        future = self.futures.pop(result.call_id, None)
-        if future is None:
-            super()._on_utility_result(result)
-        elif not future.done():
-            future.set_result(result)
-
-    def _mark_dead(self, reason: str) -> None:
-        super()._mark_dead(reason)
-        for future in self.futures.values():
-            if not future.done():
-                future.set_exception(EngineDeadError(reason))
-        self.futures.clear()
-        if self.outputs_ready is not None:
-            self.outputs_ready.set()
-
-    def shutdown(self) -> None:
-        if self.receiver is not None:
-            self.receiver.cancel()
-        super().shutdown()
-
-
-def _unwrap(result: UtilityResult) -> Any:
+def unwrap(result: UtilityResult) -> Any:
+    """A utility call's result, or its error raised."""
     if result.error is not None:
         raise RuntimeError(result.error)
     return result.result

@@ -43,8 +43,7 @@ def prompt_cache_salt(prompt: PromptType) -> str | None:
 def engine_request(tokenizer: PreTrainedTokenizerBase, info: EngineInfo, request_id: str, prompt: PromptType,
                    params: SamplingParams, priority: int = 0) -> EngineCoreRequest:
     """The validated engine-core request for one prompt (ValueError naming what is wrong)."""
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+    check_sampling_params(params)
     if params.bad_words and params.bad_words_token_ids is None:
         params = msgspec.structs.replace(params, bad_words_token_ids=bad_words_token_ids(tokenizer, params.bad_words))
     request = EngineCoreRequest(request_id=request_id, prompt_token_ids=tokenize_prompt(tokenizer, prompt),
@@ -52,6 +51,12 @@ def engine_request(tokenizer: PreTrainedTokenizerBase, info: EngineInfo, request
                                 cache_salt=prompt_cache_salt(prompt))
     info.validate_request(request)
     return request
+
+
+def check_sampling_params(params: object) -> SamplingParams:
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+    return params
 
 
 def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, bad_words: list[str]) -> list[list[int]]:

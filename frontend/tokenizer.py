@@ -1,17 +1,41 @@
-"""Load a model folder's tokenizer, encode text with it and apply its chat template."""
+"""Load a model folder's tokenizer, encode text with it and apply its chat template (or one given instead)."""
 from __future__ import annotations
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+import json
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+_JINJA_CHARS = "{}\n"
+# Folders whose tokenizer_config.json names one of these hold a plain tokenizer.json tokenizer: loaded without
+# AutoTokenizer, whose import loads torch (transformers' rope utilities), so a front end attached to an engine stays
+# free of torch. Any other class (a model's own rules for BOS, spaces, ...) goes through AutoTokenizer.
+_PLAIN_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        if _tokenizer_class(model) in _PLAIN_TOKENIZER_CLASSES:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(model)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"model {model!r}: cannot load its tokenizer: {exc}") from exc
     if not tokenizer.is_fast:
         raise ValueError(f"model {model!r}: a fast tokenizer (tokenizer.json) is required")
     return tokenizer
+
+
+def _tokenizer_class(model: str) -> str | None:
+    try:
+        config = json.loads((Path(model) / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config.get("tokenizer_class") if isinstance(config, dict) else None
 
 
 def check_text(text: str, field: str) -> str:
@@ -30,12 +54,33 @@ def encode(tokenizer: PreTrainedTokenizerBase, text: str, field: str, add_specia
     return tokenizer.encode(check_text(text, field), add_special_tokens=add_special_tokens)
 
 
+def load_chat_template(value: str) -> str:
+    """vLLM's rule for `--chat-template`: the file's text if `value` names a file, else `value` itself as the
+    template (backslash escapes such as \\n decoded); a value that looks like a path (none of "{", "}", newline)
+    but cannot be read, or a template Jinja cannot parse, is a ValueError."""
+    try:
+        with open(value, encoding="utf-8") as file:
+            template = file.read()
+    except (OSError, ValueError) as error:  # ValueError: not UTF-8, or a NUL in the name
+        if not any(char in value for char in _JINJA_CHARS):
+            raise ValueError(f"chat template {value!r} looks like a file path but cannot be read: {error}") from None
+        template = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    try:
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"chat template {value[:80]!r} is not valid Jinja: {error} (line {error.lineno})") from None
+    return template
+
+
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict], model: str,
-                        add_generation_prompt: bool = True) -> str:
-    """The conversation as prompt text; the template's own special tokens are already in it."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"model {model!r} has no chat template in its tokenizer_config.json; "
-                         "send a plain prompt instead (LLM.generate, /v1/completions)")
+                        add_generation_prompt: bool = True, chat_template: str | None = None) -> str:
+    """The conversation as prompt text through `chat_template` (a template's text; default: the tokenizer's); the
+    template's own special tokens are already in it."""
+    chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not chat_template:
+        raise ValueError(f"model {model!r} has no chat template in its tokenizer_config.json; give one (the "
+                         "server's --chat-template FILE, LLM.chat(chat_template=...)) or send a plain prompt "
+                         "instead (LLM.generate, /v1/completions)")
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
     if not messages:
@@ -44,4 +89,8 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
         for key, value in message.items():
             if isinstance(value, str):
                 check_text(value, f"messages.{index}.{key}")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except jinja2.TemplateError as error:  # raise_exception() in the template, or a template that breaks on this input
+        raise ValueError(f"the chat template failed on these messages: {error}") from None

@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from ipc.bounds import INT32_MAX, Int64, check_fields
+from ipc.sampling_params import NumLogprobs
 
 Positive = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 
@@ -56,6 +57,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     profiler_max_steps: Annotated[int, Meta(ge=1, le=100_000)] = 200
     # reset_prefix_cache only when True. LLM and AsyncLLM turn it on for the private engines they start.
     enable_cache_reset: bool = False
+    # The most top alternatives a request may ask for per token (logprobs, prompt_logprobs), as vLLM's flag.
+    max_logprobs: NumLogprobs = 20
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):

@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from ipc.bounds import MAX_ID_LENGTH, MAX_PROMPT_TOKENS, Count, Fraction, Int64, RequestId, Seconds, TokenId, check_fields
+from ipc.request_rules import validate_request
 from ipc.sampling_params import SamplingParams
 from ipc.scheduler_output import PromptLogprobs
 
@@ -104,35 +105,11 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     block_size: Count
     scheduling_policy: str
     privileged_utilities: list[str] = []  # those of the profiler and cache reset this engine allows
+    max_logprobs: Count = 20
 
     def validate_request(self, request: EngineCoreRequest) -> None:
-        """Raise ValueError naming what is wrong with a request this engine would refuse."""
-        prompt, limit = request.prompt_token_ids, self.max_model_len
-        if not prompt:
-            raise ValueError(f"request {request.request_id}: the prompt is empty")
-        if len(prompt) >= limit:
-            raise ValueError(f"request {request.request_id}: the prompt has {len(prompt)} tokens, but "
-                             f"max_model_len is {limit} (prompt tokens must be fewer, to leave room to generate)")
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"request {request.request_id}: prompt token id {bad} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        params = request.sampling_params
-        special = {"stop/eos": [*(params.stop_token_ids or []), *([request.eos_token_id]
-                                                                if request.eos_token_id is not None else [])],
-                   "logit_bias": list(params.logit_bias or ()),
-                   "bad_words": [t for word in params.bad_words_token_ids or [] for t in word]}
-        for name, token_ids in special.items():
-            bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"request {request.request_id}: {name} token id {bad} is outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
-        if params.n != 1:
-            raise ValueError(f"request {request.request_id}: an engine request samples once (n=1, got "
-                             f"{params.n}); the front end sends n > 1 as n requests")
-        if request.priority != 0 and self.scheduling_policy != "priority":
-            raise ValueError(f"request {request.request_id}: priority={request.priority} needs "
-                             "scheduling_policy='priority' (the engine runs first-come first-served)")
+        """Raise InvalidRequestError naming what is wrong with a request this engine would refuse."""
+        validate_request(self, request)
 
 
 class EngineStartup(msgspec.Struct, omit_defaults=True):

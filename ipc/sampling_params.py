@@ -12,7 +12,7 @@ from ipc.bounds import INT32_MAX, MAX_VOCAB_ENTRIES, Fraction, Int64, TokenId, c
 MAX_N = 1024
 MAX_TEMPERATURE = 100.0  # past this every distribution is flat to float precision; Infinity is refused
 MAX_REPETITION_PENALTY = 100.0
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 1024  # the contract's bound; each engine allows at most its own max_logprobs (default 20)
 MAX_STOP_STRINGS = 1024
 MAX_BAD_WORDS = 1024
 _MAX_TEXT = 4096

@@ -3,20 +3,20 @@
 A message becomes [body, buffer, buffer, ...]: the body is msgpack, and each torch tensor or numpy array
 in it is a small ext record (dtype, shape, frame index) whose bytes are a separate frame, handed to the
 socket without a copy. Nothing is ever pickled: an object msgspec cannot encode raises TypeError.
+torch is imported only when a tensor frame is decoded, so a client library that never sees one stays light.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import msgspec
 import numpy as np
-import torch
 
 _TENSOR_EXT = 1
 _NDARRAY_EXT = 2
-_TORCH_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool)}
+_TORCH_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8",
+                           "bool"})
 Frame = bytes | bytearray | memoryview
 
 
@@ -32,7 +32,9 @@ class Encoder:
         return [body, *buffers]
 
     def _enc_hook(self, obj: Any) -> msgspec.msgpack.Ext:
-        if isinstance(obj, torch.Tensor):
+        # Without torch loaded in this process, obj cannot be a tensor: no need to import it to ask.
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
             tensor = obj.detach().cpu().contiguous()
             raw = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
             return self._ext(_TENSOR_EXT, str(tensor.dtype).removeprefix("torch."), tensor.shape, raw)
@@ -74,8 +76,10 @@ class Decoder:
         if code == _NDARRAY_EXT:
             return np.frombuffer(buffer, dtype=np.dtype(dtype)).reshape(shape)
         if code == _TENSOR_EXT and dtype in _TORCH_DTYPES:
+            import torch
+
             flat = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
-            return flat.view(_TORCH_DTYPES[dtype]).reshape(shape)
+            return flat.view(getattr(torch, dtype)).reshape(shape)
         raise msgspec.DecodeError(f"unknown extension type {code} / dtype {dtype!r}")
 
 

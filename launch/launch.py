@@ -1,13 +1,16 @@
-"""`pagedserve` / `python -m launch` / `python launch/launch.py`: serve a model over an OpenAI-compatible HTTP API (the built-in demo model
-when none is given). Starts one engine core and --api-server-count gateway processes sharing one port,
-supervises them, and takes everything down on Ctrl-C / SIGTERM (in-flight requests get --shutdown-timeout).
+"""`pagedserve serve MODEL` / `python -m launch` / `python launch/launch.py`: serve a model over an OpenAI-compatible
+HTTP API (the built-in demo model when none is given). Starts one engine core and --api-server-count gateway
+processes sharing one port, supervises them, and takes everything down on Ctrl-C / SIGTERM (in-flight requests get
+--shutdown-timeout).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -21,23 +24,26 @@ if not __package__:  # run as `python launch/launch.py`: `launch` must be this p
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from core.engine_spawn import EngineProcess, child_env  # noqa: E402
+from frontend.api.cli_args import API_KEY_ENV, add_gateway_flags, gateway_argv  # noqa: E402
 from ipc import EngineConfig  # noqa: E402
 from ipc.lifeline import make_lifeline  # noqa: E402
 from ipc.sockets import private_ipc_address  # noqa: E402
 
 logger = logging.getLogger("pagedserve.launch")
 _GATEWAY_START_TIMEOUT_S = 120.0
-_GATEWAY_PASS_THROUGH = ("--max-choices-per-request", "--header-timeout", "--keep-alive-timeout",
-                         "--engine-stall-timeout")
+DEMO_MODEL_NAME = "pagedserve-demo"  # the demo model's id for clients, instead of its cache path
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pagedserve", usage="%(prog)s [serve] [MODEL] [options]",
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="HF-format model folder (or --model)")
     parser.add_argument("--model", help="HF-format model folder (default: build and use the demo model)")
-    parser.add_argument("--served-model-name", help="the model id clients use (default: --model)")
+    parser.add_argument("--served-model-name", help=f"the model id clients use (default: MODEL; for the demo model "
+                                                    f"{DEMO_MODEL_NAME})")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP host (default loopback only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $PAGEDSERVE_API_KEY)")
+    parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})")
     parser.add_argument("--api-server-count", type=int, default=1, help="gateway processes sharing the port")
     parser.add_argument("--engine-address", help="also expose the engine core here for the ZMQ client library "
                                                  "(tcp://HOST:PORT or ipc://PATH)")
@@ -71,30 +77,83 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--profiler-max-steps", type=int, default=200,
                         help="... or after this many engine steps (default: %(default)s)")
     engine.add_argument("--enable-cache-reset", action="store_true", help="allow POST /reset_prefix_cache")
+    engine.add_argument("--max-logprobs", type=int, default=20,
+                        help="most top alternatives a request may ask for per token (default: %(default)s)")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="share KV blocks between requests by content (default: on)")
     limits = parser.add_argument_group("request limits")
     limits.add_argument("--max-n", type=int, default=16)
     limits.add_argument("--max-stop", type=int, default=16)
-    # These go to every gateway process as given; unset, the gateway's own default applies.
-    limits.add_argument("--max-choices-per-request", type=int, help="most prompts x n in one request (1024)")
-    http = parser.add_argument_group("HTTP")
-    http.add_argument("--header-timeout", type=float, help="seconds a connection gets to send its headers (10)")
-    http.add_argument("--keep-alive-timeout", type=float, help="seconds an idle keep-alive connection lives (5)")
-    http.add_argument("--engine-stall-timeout", type=float,
-                      help="/health is 503 once one engine step has run this many seconds (120)")
+    # These go to every gateway process as given; unset, the gateway's own default (in its --help) applies.
+    add_gateway_flags(parser.add_argument_group("gateway (see python -m frontend.api.server --help)"),
+                      pass_through=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv[1:] if argv[:1] == ["serve"] else argv)  # `serve` as in `vllm serve MODEL`
+    if args.model_tag and args.model and args.model_tag != args.model:
+        parser.error(f"two models: {args.model_tag!r} and --model {args.model!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from launch.make_model import ensure_demo_model
-
-    model = args.model or str(ensure_demo_model())
     try:
+        check_gateway_flags(args)
+        model = args.model_tag or args.model or _demo_model(args)
         return Launcher(args, engine_config(args, model)).run()
     except (ValueError, TimeoutError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+
+
+def _demo_model(args: argparse.Namespace) -> str:
+    """Build the demo model if need be; clients know it by a short name, not by its cache path."""
+    from launch.make_model import ensure_demo_model
+
+    args.served_model_name = args.model_root = args.served_model_name or DEMO_MODEL_NAME
+    return str(ensure_demo_model())
+
+
+def check_gateway_flags(args: argparse.Namespace) -> None:
+    """ValueError for a gateway flag the gateways would refuse at start-up, before the engine is started."""
+    if getattr(args, "chat_template", None) is not None:
+        from frontend.tokenizer import load_chat_template  # loads transformers: only when asked
+
+        load_chat_template(args.chat_template)
+    mode = getattr(args, "generation_config", "auto")
+    if mode not in ("auto", "vllm"):  # a folder the operator named: it must hold a readable generation_config.json
+        from frontend.generation_config import load_generation_defaults
+
+        load_generation_defaults("", mode)
+    if getattr(args, "ssl_keyfile", None) and not getattr(args, "ssl_certfile", None):
+        raise ValueError("--ssl-keyfile needs --ssl-certfile")
+
+
+def curl_example(args: argparse.Namespace, model_name: str, chat: bool) -> str:
+    """A request to paste into a shell: the key stays in $PAGEDSERVE_API_KEY, never on the screen."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(args.host, args.host)
+    scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
+    url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{args.port}/v1/"
+    if chat:
+        url, body = url + "chat/completions", {"messages": [{"role": "user", "content": "Hello!"}]}
+    else:
+        url, body = url + "completions", {"prompt": "Hello, my name is"}
+    body = {"model": model_name, **body, "max_tokens": 32}
+    command = f"curl {shlex.quote(url)} -H 'Content-Type: application/json'"
+    if args.api_key or os.environ.get(API_KEY_ENV):
+        command += f' -H "Authorization: Bearer ${API_KEY_ENV}"'
+    return f"{command} -d {shlex.quote(json.dumps(body))}"
+
+
+def has_chat_template(folder: str) -> bool:
+    """Whether the tokenizer files in `folder` carry a chat template (read without loading the tokenizer)."""
+    if os.path.isfile(os.path.join(folder, "chat_template.jinja")):
+        return True
+    try:
+        with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as file:
+            return bool(json.load(file).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
@@ -108,7 +167,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
                         enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                         profiler_dir=args.profiler_dir, profiler_max_seconds=args.profiler_max_seconds,
-                        profiler_max_steps=args.profiler_max_steps, enable_cache_reset=args.enable_cache_reset)
+                        profiler_max_steps=args.profiler_max_steps, enable_cache_reset=args.enable_cache_reset,
+                        max_logprobs=args.max_logprobs, enable_prefix_caching=args.enable_prefix_caching)
 
 
 class Launcher:
@@ -127,9 +187,11 @@ class Launcher:
         try:
             engine.wait_ready()
             self._start_gateways(address)
-            logger.info("serving %s at http://%s:%d/v1 (%d gateway process(es)); engine core at %s",
-                        self.args.served_model_name or self.config.model, self.args.host, self.args.port,
-                        len(self.gateways), address)
+            model_name = self.args.served_model_name or self.config.model
+            logger.info("serving %s at %s://%s:%d/v1 (%d gateway process(es)); engine core at %s", model_name,
+                        "https" if getattr(self.args, "ssl_certfile", None) else "http", self.args.host,
+                        self.args.port, len(self.gateways), address)
+            self._print_example(model_name)
             gateway_died = self._supervise(engine)
         finally:
             self._stop_gateways()
@@ -138,6 +200,14 @@ class Launcher:
                 shutil.rmtree(self.metrics_dir, ignore_errors=True)
         return 1 if gateway_died else 0
 
+    def _print_example(self, model_name: str) -> None:
+        args = self.args
+        chat = getattr(args, "chat_template", None) is not None or has_chat_template(
+            getattr(args, "tokenizer", None) or self.config.model)
+        if (args.api_key or os.environ.get(API_KEY_ENV)) and not os.environ.get(API_KEY_ENV):
+            print(f"# with the server's API key in ${API_KEY_ENV}:")
+        print(f"Ready. Try:\n{curl_example(args, model_name, chat)}", flush=True)
+
     def _start_gateways(self, address: str) -> None:
         count = self.args.api_server_count
         if count < 1:
@@ -145,9 +215,9 @@ class Launcher:
         extra = {}
         if count > 1:  # the gateways' request metrics are summed through files in this directory
             self.metrics_dir = extra["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="pagedserve-metrics-")
-        api_key = self.args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
+        api_key = self.args.api_key or os.environ.get(API_KEY_ENV)
         if api_key:
-            extra["PAGEDSERVE_API_KEY"] = api_key  # not on the command line, where `ps` would show it
+            extra[API_KEY_ENV] = api_key  # not on the command line, where `ps` would show it
         statuses = [self._start_gateway(address, count > 1, child_env(**extra)) for _ in range(count)]
         for status in statuses:
             self._wait_gateway_ready(status)
@@ -162,11 +232,10 @@ class Launcher:
                    "--max-stop", str(args.max_stop), "--status-fd", str(status_write),
                    "--parent-fd", str(lifeline_read)]
         command += ["--served-model-name", args.served_model_name] if args.served_model_name else []
+        command += ["--model-root", args.model_root] if getattr(args, "model_root", None) else []
         command += ["--curve-key-file", args.curve_key_file] if args.curve_key_file else []
         command += ["--reuse-port"] if reuse_port else []
-        for flag in _GATEWAY_PASS_THROUGH:
-            value = getattr(args, flag.removeprefix("--").replace("-", "_"))
-            command += [flag, str(value)] if value is not None else []
+        command += gateway_argv(args)
         self.gateways.append(subprocess.Popen(command, pass_fds=(status_write, lifeline_read), env=env,
                                               start_new_session=True))
         os.close(status_write)

@@ -7,6 +7,8 @@ import os
 import time
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
 
@@ -15,6 +17,9 @@ if not torch.cuda.is_available():
     # library's included) is defined, so it must be set before anything (transformers, say) imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from core.engine_spawn import EngineProcess  # noqa: E402
+from ipc import EngineConfig  # noqa: E402
+from ipc.sockets import private_ipc_address  # noqa: E402
 from launch.make_model import make_model  # noqa: E402
 from launcher import start_launcher, stop_launcher  # noqa: E402
 
@@ -56,6 +61,29 @@ def server(llama_model):
                                         "--max-stop", "4"])
     yield process, base_url
     stop_launcher(process)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client of the module's server."""
+    return openai.OpenAI(base_url=f"{server[1]}/v1", api_key=API_KEY, max_retries=0)
+
+
+def metric(base_url: str, name: str) -> float:
+    """A Prometheus metric of the gateway at base_url, summed over its labels."""
+    text = httpx.get(f"{base_url}/metrics", headers=AUTH).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@pytest.fixture(scope="module")
+def engine_address(llama_model):
+    """The address of an engine-core process of its own (the tiny llama, float32) for the module's clients."""
+    address = private_ipc_address()
+    engine = EngineProcess(EngineConfig(model=llama_model, dtype="float32"), address)
+    engine.wait_ready()
+    yield address
+    assert engine.is_alive(), "the engine core died during the tests"
+    engine.shutdown()
 
 
 def assert_all_blocks_free(llm) -> None:

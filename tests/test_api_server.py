@@ -12,11 +12,10 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
 import uvicorn
 
-from conftest import API_KEY, AUTH, wait_until
+from conftest import API_KEY, AUTH, metric, wait_until
 from frontend import LLM, RequestFailedError, SamplingParams
 from frontend.api.push import PushHttpToolsProtocol
 from frontend.api.sampling import ServerLimits
@@ -26,16 +25,6 @@ from ipc import EngineInfo
 from launcher import descendants, start_launcher, stop_launcher
 
 SURROGATE = "a\ud800b"  # a lone UTF-16 surrogate: valid JSON ("a\\ud800b"), not valid Unicode
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server[1]}/v1", api_key=API_KEY, max_retries=0)
-
-
-def _metric(base_url: str, name: str) -> float:
-    text = httpx.get(f"{base_url}/metrics", headers=AUTH).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def test_openai_client_end_to_end(client, llama_model):
@@ -93,7 +82,18 @@ def test_stop_strings_and_seeds(client, llama_model):
     assert sampled[0] == sampled[1] != sampled[2]
 
 
-def test_logprobs_logit_bias_and_cache_salt(client, llama_model):
+def test_cache_salt_keeps_tenants_apart(client, server, llama_model):
+    prompt = " ".join(f"word{i}" for i in range(40))  # several full KV blocks
+    request = dict(model=llama_model, prompt=prompt, max_tokens=1)
+    client.completions.create(**request, extra_body={"cache_salt": "tenant-a"})
+    hits = metric(server[1], "pagedserve:prefix_cache_hits_total")
+    client.completions.create(**request, extra_body={"cache_salt": "tenant-b"})
+    assert metric(server[1], "pagedserve:prefix_cache_hits_total") == hits  # another tenant: nothing shared
+    client.completions.create(**request, extra_body={"cache_salt": "tenant-a"})
+    assert metric(server[1], "pagedserve:prefix_cache_hits_total") >= hits + 16  # the same tenant: its blocks
+
+
+def test_logprobs_logit_bias(client, llama_model):
     greedy = dict(model=llama_model, prompt="Once upon", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     plain = client.completions.create(**greedy, logprobs=3)
     [expected] = LLM(llama_model, dtype="float32", in_process=True).generate(
@@ -105,7 +105,9 @@ def test_logprobs_logit_bias_and_cache_salt(client, llama_model):
     for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
         assert len(top) <= 3 and list(top.values()) == sorted(top.values(), reverse=True)
         assert top[token] == pytest.approx(value) == pytest.approx(max(top.values()))  # greedy: the top token
-    assert "".join(logprobs.tokens).startswith(plain.choices[0].text[:1]) and logprobs.text_offset[0] == 0
+    assert logprobs.tokens == [e[t].decoded_token for t, e in zip(completion.token_ids, completion.logprobs)]
+    lengths = [len(token) for token in logprobs.tokens]
+    assert logprobs.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
     streamed = list(client.completions.create(**greedy, logprobs=3, stream=True))
     assert [v for c in streamed for v in c.choices[0].logprobs.token_logprobs] == pytest.approx(
         logprobs.token_logprobs, abs=1e-5)
@@ -115,8 +117,7 @@ def test_logprobs_logit_bias_and_cache_salt(client, llama_model):
         assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
         assert item.logprob == pytest.approx(item.top_logprobs[0].logprob) and bytes(item.bytes).decode() == item.token
     first_token = completion.token_ids[0]
-    biased = client.completions.create(**{**greedy, "extra_body": {"ignore_eos": True, "cache_salt": "tenant-1"}},
-                                       logit_bias={str(first_token): -100})
+    biased = client.completions.create(**greedy, logit_bias={str(first_token): -100})
     assert biased.choices[0].text != plain.choices[0].text
 
 
@@ -224,16 +225,16 @@ def test_malformed_json_and_oversized_requests(server):
 
 
 def test_a_disconnected_plain_request_is_aborted(server, llama_model):
-    aborted = _metric(server[1], "pagedserve:num_aborted_requests_total")
+    aborted = metric(server[1], "pagedserve:num_aborted_requests_total")
     body = json.dumps({"model": llama_model, "prompt": "go on", "max_tokens": 1000, "ignore_eos": True}).encode()
     host, port = server[1].removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as conn:  # hangs up once its request runs in the engine
         conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        assert wait_until(lambda: _metric(server[1], "pagedserve:num_requests_running") == 1, timeout=30)
-    assert wait_until(lambda: _metric(server[1], "pagedserve:num_aborted_requests_total") == aborted + 1, timeout=30)
-    assert _metric(server[1], "pagedserve:num_requests_running") == 0
-    assert _metric(server[1], "pagedserve:kv_cache_usage_perc") == 0.0
+        assert wait_until(lambda: metric(server[1], "pagedserve:num_requests_running") == 1, timeout=30)
+    assert wait_until(lambda: metric(server[1], "pagedserve:num_aborted_requests_total") == aborted + 1, timeout=30)
+    assert metric(server[1], "pagedserve:num_requests_running") == 0
+    assert metric(server[1], "pagedserve:kv_cache_usage_perc") == 0.0
 
 
 @pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/completions"),
@@ -274,14 +275,14 @@ def test_two_gateway_processes_serve(server):
 
 
 def test_a_disconnected_stream_is_aborted_and_its_blocks_freed(server, llama_model):
-    aborted = _metric(server[1], "pagedserve:num_aborted_requests_total")
+    aborted = metric(server[1], "pagedserve:num_aborted_requests_total")
     body = {"model": llama_model, "prompt": "go on", "max_tokens": 1000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{server[1]}/v1/completions", json=body, headers=AUTH) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-    assert wait_until(lambda: _metric(server[1], "pagedserve:num_aborted_requests_total") == aborted + 1, timeout=30)
-    assert _metric(server[1], "pagedserve:num_requests_running") == 0
-    assert _metric(server[1], "pagedserve:kv_cache_usage_perc") == 0.0
+    assert wait_until(lambda: metric(server[1], "pagedserve:num_aborted_requests_total") == aborted + 1, timeout=30)
+    assert metric(server[1], "pagedserve:num_requests_running") == 0
+    assert metric(server[1], "pagedserve:kv_cache_usage_perc") == 0.0
     metrics = httpx.get(f"{server[1]}/metrics", headers=AUTH).text
     for name in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_count",
                  "e2e_request_latency_seconds_sum", "prompt_tokens_total", "generation_tokens_total",
@@ -301,7 +302,8 @@ def test_back_pressure_and_engine_death(llama_model):
     process, base_url = start_launcher(["--model", llama_model, "--dtype", "float32", "--max-num-seqs", "1",
                                         "--max-waiting-requests", "1"])
     try:
-        body = {"model": llama_model, "prompt": "slow", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        # 1000 tokens: the running request outlives the scenario, so the queued one never gets its first output.
+        body = {"model": llama_model, "prompt": "slow", "max_tokens": 1000, "ignore_eos": True, "stream": True}
 
         async def scenario():
             async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
@@ -325,7 +327,8 @@ def test_back_pressure_and_engine_death(llama_model):
         assert refused.status_code == 429 and refused.json()["error"]["code"] == "overloaded"
         assert events[-1] == "data: [DONE]" and "error" in json.loads(events[-2].removeprefix("data: "))
         assert unhealthy_after < 2.0
-        assert waiting_response.status_code in (200, 503)  # its stream started, or it never did
+        # A stream's headers go out with its first output: the queued request never had one, so it is a plain 503.
+        assert waiting_response.status_code == 503 and waiting_response.json()["error"]["code"] == "engine_dead"
         assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"
         assert metrics.status_code == 503 and metrics.json()["error"]["code"] == "engine_dead"
     finally:
@@ -350,25 +353,16 @@ class _StubEngine:
         self.added = 0
         self.running: set[str] = set()
 
-    def add_request(self, request_id: str, prompt, params, sink) -> None:
+    def add_request(self, request_id: str, prompt, params, on_output, priority: int = 0) -> str:
         self.added += 1
         self.running.add(request_id)
+        if prompt.get("prompt") == "fail":
+            error = RequestFailedError(f"the engine failed on request {request_id}: injected")
+            asyncio.get_running_loop().call_soon(on_output, error)
+        return request_id  # the request group stands for itself here
 
-    def release(self, request_id: str, sink) -> None:
-        self.running.discard(request_id)
-
-    def generate(self, prompt, params, request_id: str):
-        return self._never(prompt, params, request_id)
-
-    async def _never(self, prompt, params, request_id: str):
-        self.add_request(request_id, prompt, params, None)
-        try:
-            if prompt["prompt"] == "fail":
-                raise RequestFailedError(f"the engine failed on request {request_id}: injected")
-            await asyncio.Event().wait()
-            yield
-        finally:
-            self.release(request_id, None)
+    def release(self, group: str) -> None:
+        self.running.discard(group)
 
     async def get_stats(self):
         raise RuntimeError("a bug")

@@ -118,7 +118,7 @@ def test_thousand_concurrent_streams_with_200_cancelled(engine):
             assert sum(len(o.outputs[0].token_ids) for o in result) == 6
     assert stats.num_aborted_requests - before == len(cancelled)
     assert stats.num_free_blocks == engine.info.num_kv_blocks
-    assert not engine.sinks and not engine.output_processor.states
+    assert not engine.router.groups and not engine.router.children and not engine.router.output_processor.states
 
 
 def test_engine_death_fails_every_stream_within_a_second(llama_model):

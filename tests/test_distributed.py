@@ -19,6 +19,7 @@ import ray  # noqa: E402  (a base dependency: missing, the tests must fail, not 
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from conftest import random_prompts, tiny_model, wait_until  # noqa: E402
+from launcher import descendants  # noqa: E402
 from frontend import LLM, EngineDeadError, SamplingParams  # noqa: E402
 from launch.make_model import make_model  # noqa: E402
 
@@ -137,8 +138,11 @@ def test_private_ray_when_no_address():
     llm = LLM(model_dir("llama-kv1"), tensor_parallel_size=2, **SMALL_ENGINE)
     try:
         assert generate(llm, prompts) == expected
+        ray_pids = [pid for pid, command in descendants(os.getpid()) if "gcs_server" in command or "raylet" in command]
+        assert ray_pids  # the engine process's own Ray, below this process
     finally:
         llm.shutdown()
+    assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in ray_pids), timeout=30)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a cluster without GPUs")

@@ -71,6 +71,19 @@ def test_utility_calls(llama_model, tmp_path):
     llm.shutdown()
 
 
+def test_the_vllm_profiling_example_runs_and_writes_a_trace(llama_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_TORCH_PROFILER_DIR", str(tmp_path / "traces"))
+    llm = LLM(llama_model, tensor_parallel_size=1, device="cpu")
+    llm.start_profile()
+    outputs = llm.generate(["Hello, my name is", "The future of AI is"],
+                           SamplingParams(temperature=0.8, top_p=0.95), use_tqdm=False)
+    trace = llm.stop_profile()
+    assert [output.prompt for output in outputs] == ["Hello, my name is", "The future of AI is"]
+    assert all(output.outputs[0].token_ids and output.outputs[0].finish_reason for output in outputs)
+    assert os.listdir(tmp_path / "traces") == [os.path.basename(trace)] and os.path.getsize(trace) > 0
+    llm.shutdown()
+
+
 def test_privileged_utilities_are_refused_unless_enabled_at_start_up(llama_model, tmp_path):
     llm = LLM(llama_model, dtype="float32", enable_cache_reset=False)
     assert llm.info.privileged_utilities == []

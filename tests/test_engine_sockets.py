@@ -22,19 +22,9 @@ from core.engine_spawn import EngineProcess
 from frontend import LLM, EngineCoreClient, SamplingParams
 from ipc import (AbortRequests, Decoder, EngineConfig, EngineCoreOutputs, EngineCoreRequest, SubscribeHeartbeats,
                  UtilityCall)
-from ipc.sockets import EngineEndpoints, check_binding_is_safe, connect_dealer, free_tcp_address, private_ipc_address
+from ipc.sockets import EngineEndpoints, check_binding_is_safe, connect_dealer, free_tcp_address
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def engine_address(llama_model):
-    address = private_ipc_address()
-    engine = EngineProcess(EngineConfig(model=llama_model, dtype="float32"), address)
-    engine.wait_ready()
-    yield address
-    assert engine.is_alive(), "the engine core died during the tests"
-    engine.shutdown()
 
 
 _CLIENT = textwrap.dedent("""

@@ -118,7 +118,7 @@ def test_an_error_mid_generation_returns_every_block(llama_model, monkeypatch, i
     with pytest.raises(KeyboardInterrupt):
         llm.generate(["one", "two", "three"], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert_all_blocks_free(llm)
-    assert not llm.output_processor.has_unfinished_requests()
+    assert not llm.router.has_requests() and not llm.router.output_processor.states
     monkeypatch.undo()
     [again] = llm.generate("one", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(again.outputs[0].token_ids) == 3

@@ -143,11 +143,20 @@ def test_eviction_under_a_small_pool_keeps_outputs_exact(llama_model):
     bases = random_prompts([48, 48, 48], vocab, seed=5)
     tails = random_prompts([5] * 12, vocab, seed=6)
     prompts = [{"prompt_token_ids": bases[i % 3] + tails[i]} for i in range(12)]
+    roomy = LLM(llama_model, dtype="float32", in_process=True, max_model_len=128, max_num_seqs=4)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     for _ in range(2):
         assert [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)] == expected
-    stats = small.get_stats()
-    assert stats.prefix_cache_hits > 0
+    assert small.get_stats().prefix_cache_hits > 0
+    # Two 128-token requests need every one of the 12 blocks: whatever was cached is evicted, so the first prompt
+    # is computed afresh (and still exact), where a roomy pool keeps its 3 full base blocks.
+    fillers = [{"prompt_token_ids": p} for p in random_prompts([118, 118], vocab, seed=7)]
+    for llm in (small, roomy):
+        llm.generate(prompts[:1], params, use_tqdm=False)
+        llm.generate(fillers, params, use_tqdm=False)
+    [evicted], [kept] = (llm.generate(prompts[:1], params, use_tqdm=False) for llm in (small, roomy))
+    assert (evicted.num_cached_tokens, kept.num_cached_tokens) == (0, 48)
+    assert evicted.outputs[0].token_ids == kept.outputs[0].token_ids == expected[0]
     assert_all_blocks_free(small)
 
 

@@ -11,7 +11,7 @@ from frontend import LLM, SamplingParams
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("max_tokens", 0),
-    ("min_tokens", -1), ("n", 0), ("logprobs", 100), ("stop", [""]), ("seed", "7"), ("stop_token_ids", [-1]),
+    ("min_tokens", -1), ("n", 0), ("logprobs", 2000), ("stop", [""]), ("seed", "7"), ("stop_token_ids", [-1]),
     ("temperature", "hot"), ("ignore_eos", None), ("seed", 2**64), ("output_kind", "streaming"),
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0),
 ])
@@ -35,7 +35,7 @@ def llm(llama_model):
 @pytest.mark.parametrize("prompt, message", [
     ("", "prompt is empty"),
     ({"prompt_token_ids": []}, "prompt is empty"),
-    ({"prompt_token_ids": list(range(64))}, "max_model_len is 64"),
+    ({"prompt_token_ids": list(range(64))}, r"context length \(max_model_len\) is 64"),
     ({"prompt_token_ids": [1, 99999]}, "outside the vocabulary"),
     ({"prompt_token_ids": "abc"}, "prompt_token_ids"),
     (42, "prompt must be"),
@@ -44,7 +44,16 @@ def test_bad_prompts_raise_and_queue_nothing(llm, prompt, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(["fine prompt", prompt], SamplingParams(max_tokens=2), use_tqdm=False)
     assert_all_blocks_free(llm)
-    assert not llm.output_processor.has_unfinished_requests()
+    assert not llm.router.has_requests() and not llm.router.output_processor.states
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_logprobs_over_the_engines_max_logprobs_are_refused(llm, field):
+    assert llm.info.max_logprobs == 20
+    with pytest.raises(ValueError, match=f"{field}=21 is over this engine's limit of 20"):
+        llm.generate(["a"], SamplingParams(max_tokens=2, **{field: 21}), use_tqdm=False)
+    [output] = llm.generate(["a"], SamplingParams(max_tokens=2, **{field: 20}), use_tqdm=False)
+    assert output.outputs[0].finish_reason == "length"
 
 
 def test_priority_needs_the_priority_policy(llm):
@@ -91,7 +100,7 @@ def test_unknown_model_folder(tmp_path):
 
 
 def test_stop_token_ids_outside_the_vocabulary_are_refused(llm):
-    with pytest.raises(ValueError, match="stop/eos token id 99999 is outside the vocabulary"):
+    with pytest.raises(ValueError, match="stop_token_ids token id 99999 is outside the vocabulary"):
         llm.generate("hi", SamplingParams(stop_token_ids=[99999], min_tokens=2), use_tqdm=False)
     assert_all_blocks_free(llm)
     assert len(llm.generate("hi", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]

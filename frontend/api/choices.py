@@ -1,9 +1,10 @@
-"""Run the choices of one OpenAI request (n per prompt) as engine requests, recording metrics (TTFT, inter-token
-latency, end-to-end, token counts): as one list of final outputs, or as server-sent events written as they come."""
+"""Run the prompts of one OpenAI request (n choices each, one request group per prompt) through the engine, recording
+metrics (TTFT, inter-token latency, end-to-end, token counts): as final outputs, or as server-sent events written as
+they come."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -11,71 +12,114 @@ from dataclasses import dataclass
 
 from frontend.api.errors import APIError, engine_error, error_body, raise_api_error
 from frontend.api.metrics import ServerMetrics
+from frontend.api.request_log import RequestLogger
 from frontend.api.sse import SSE_DONE, PushedSSEResponse, sse_event
 from frontend.async_llm import AsyncLLM
-from frontend.outputs import CompletionOutput, RequestOutput
-from frontend.prompts import PromptType
-from frontend.stream_merge import merge_streams
+from frontend.outputs import RequestOutput
+from frontend.request_group import FinalOutputs, RequestGroup, child_request_id
 from ipc import SamplingParams
 
 logger = logging.getLogger("pagedserve.api")
 
 
 @dataclass
-class Choice:
-    """One engine request behind a choice; its token count grows as the stream goes."""
+class RequestObservers:
+    """Who hears of a request's end: the Prometheus metrics, and the request log unless it is off."""
 
-    prompt: PromptType
+    metrics: ServerMetrics
+    request_logger: RequestLogger | None = None
+
+    @property
+    def wants_text(self) -> bool:
+        return self.request_logger is not None and self.request_logger.log_prompts
+
+    def request_ended(self, request_id: str, prompts: list[PromptChoices], finish_reasons: list[str | None],
+                      seconds: float, texts: list[str] | None) -> None:
+        num_prompt_tokens = sum(p.num_prompt_tokens for p in prompts)
+        num_completion_tokens = sum(p.num_completion_tokens for p in prompts)
+        self.metrics.observe_request(num_prompt_tokens, num_completion_tokens, seconds)
+        if self.request_logger is not None:
+            shown = [p.prompt.get("prompt", p.prompt["prompt_token_ids"]) for p in prompts] if self.wants_text else None
+            self.request_logger.log_request(request_id, num_prompt_tokens, num_completion_tokens, finish_reasons,
+                                            seconds, _one_or_all(shown), _one_or_all(texts if self.wants_text else None))
+
+
+@dataclass
+class PromptChoices:
+    """One prompt of a request and the params of its n choices; their token count grows as the stream goes."""
+
+    prompt: dict  # {"prompt": text (if given as text), "prompt_token_ids": [...]}
     params: SamplingParams
-    num_prompt_tokens: int
     num_completion_tokens: int = 0
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt["prompt_token_ids"])
 
-async def final_outputs(engine: AsyncLLM, choices: list[Choice], request_id: str,
-                        metrics: ServerMetrics) -> list[CompletionOutput]:
-    """Each choice's final output (the choices ask for FINAL_ONLY); cancelling aborts every unfinished one."""
+
+async def final_outputs(engine: AsyncLLM, prompts: list[PromptChoices], request_id: str,
+                        observers: RequestObservers) -> list[RequestOutput]:
+    """Each prompt's final output with its n choices (the params ask for FINAL_ONLY); cancelling aborts them all."""
     start = time.monotonic()
-    finals: list[CompletionOutput | None] = [None] * len(choices)
-    streams = [engine.generate(choice.prompt, choice.params, f"{request_id}-{index}")
-               for index, choice in enumerate(choices)]
+    ended = asyncio.get_running_loop().create_future()
+    finals = FinalOutputs(len(prompts), on_end=lambda: ended.set_result(None))
+    groups: list[RequestGroup] = []
     try:
-        async with contextlib.aclosing(merge_streams(streams)) as outputs:
-            async for index, output in outputs:
-                finals[index] = output.outputs[0]
-                choices[index].num_completion_tokens = len(output.outputs[0].token_ids)
+        for position, choices in enumerate(prompts):
+            part_id = child_request_id(request_id, position, len(prompts))
+            groups.append(engine.add_request(part_id, choices.prompt, choices.params, finals.callback(position)))
+        await ended
+        if finals.error is not None:
+            raise finals.error
     except Exception as error:
         raise_api_error(error)
-    metrics.observe_request(sum(c.num_prompt_tokens for c in choices), sum(c.num_completion_tokens for c in choices),
-                            time.monotonic() - start)
-    return finals
+    finally:  # cancelled (the client went away) or failed: nothing may keep running
+        for group in groups:
+            engine.release(group)
+    for choices, output in zip(prompts, finals.outputs):
+        choices.num_completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+    completions = [completion for output in finals.outputs for completion in output.outputs]
+    observers.request_ended(request_id, prompts, [c.finish_reason for c in completions], time.monotonic() - start,
+                            [c.text for c in completions])
+    return finals.outputs
+
+
+def _one_or_all(items: list | None) -> object:
+    """One prompt's (or output's) text as itself, several as a list."""
+    return items[0] if items is not None and len(items) == 1 else items
 
 
 class StreamedChoices:
     """The choices of one streamed request as server-sent events. The engine's output handler hands each output to
-    put(); it is rendered by `chunk` and emitted at once. After every choice's final output come final_chunks() and
-    [DONE]; after an error, an error event and [DONE]."""
+    put(); it is rendered by `chunk(choice index, output)` and emitted at once. After every prompt's final output
+    come final_chunks() and [DONE]; after an error, an error event and [DONE]."""
 
-    def __init__(self, engine: AsyncLLM, choices: list[Choice], request_id: str, metrics: ServerMetrics,
+    def __init__(self, engine: AsyncLLM, prompts: list[PromptChoices], request_id: str, observers: RequestObservers,
                  chunk: Callable[[int, RequestOutput], dict], final_chunks: Callable[[], list[dict]],
                  head_chunks: Sequence[dict] = ()) -> None:
-        self.engine, self.choices, self.metrics = engine, choices, metrics
+        self.engine, self.prompts, self.request_id, self.observers = engine, prompts, request_id, observers
         self.chunk, self.final_chunks = chunk, final_chunks
-        self.sinks = [(f"{request_id}-{index}", _ChoiceSink(self, index)) for index in range(len(choices))]
+        self.n = prompts[0].params.n
+        self.groups: list[RequestGroup] = []
         self.response = PushedSSEResponse(on_close=self.close)
         for body in head_chunks:
             self.response.emit(sse_event(body))
         self.start = time.monotonic()
-        self.last: list[float | None] = [None] * len(choices)
+        self.last: list[float | None] = [None] * (len(prompts) * self.n)
+        self.finish_reasons: list[str | None] = [None] * len(self.last)
+        self.texts: list[str] | None = [""] * len(self.last) if observers.wants_text else None
         self.num_finished = 0
         self.ended = False
         self.answered = asyncio.get_running_loop().create_future()  # resolved by the first output or error
 
     async def open(self) -> PushedSSEResponse:
-        """Send the choices to the engine and wait for the first output, so that a refused request (full queue,
+        """Send the prompts to the engine and wait for the first output, so that a refused request (full queue,
         bad input, engine gone) gets its status code instead of a 200 stream that fails."""
         try:
-            for (request_id, sink), choice in zip(self.sinks, self.choices):
-                self.engine.add_request(request_id, choice.prompt, choice.params, sink)
+            for position, choices in enumerate(self.prompts):
+                part_id = child_request_id(self.request_id, position, len(self.prompts))
+                self.groups.append(self.engine.add_request(part_id, choices.prompt, choices.params,
+                                                           functools.partial(self.put, position)))
             await self.answered  # raises the error that came first, if one did
         except Exception as error:
             self.close()
@@ -85,18 +129,23 @@ class StreamedChoices:
             raise
         return self.response
 
-    def put(self, index: int, item: RequestOutput | Exception) -> None:
+    def put(self, position: int, item: RequestOutput | Exception) -> None:
         if self.ended:
             return
         if isinstance(item, Exception):
             self._end(item)
             return
         try:
+            completion = item.outputs[0]
+            index = position * self.n + completion.index
             now, last = time.monotonic(), self.last[index]
-            self.metrics.observe_token_times(now - self.start if last is None else None,
-                                             now - last if last is not None else None)
+            self.observers.metrics.observe_token_times(now - self.start if last is None else None,
+                                                       now - last if last is not None else None)
             self.last[index] = now
-            self.choices[index].num_completion_tokens += len(item.outputs[0].token_ids)
+            self.finish_reasons[index] = completion.finish_reason
+            if self.texts is not None:
+                self.texts[index] += completion.text
+            self.prompts[position].num_completion_tokens += len(completion.token_ids)
             self.response.emit(sse_event(self.chunk(index, item)))
         except Exception as error:  # a bug here must end this stream, not the output handler serving all of them
             logger.exception("rendering a streamed output failed")
@@ -106,13 +155,13 @@ class StreamedChoices:
             self.answered.set_result(None)
         if item.finished:
             self.num_finished += 1
-            if self.num_finished == len(self.choices):
+            if self.num_finished == len(self.prompts):
                 self._end(None)
 
     def close(self) -> None:
-        """Release every choice's engine request, aborting those not finished (the stream ended or was dropped)."""
-        for request_id, sink in self.sinks:
-            self.engine.release(request_id, sink)
+        """Release every prompt's request group, aborting what has not finished (the stream ended or was dropped)."""
+        for group in self.groups:
+            self.engine.release(group)
 
     def _end(self, error: Exception | None) -> None:
         self.ended = True
@@ -120,23 +169,10 @@ class StreamedChoices:
             self.answered.set_exception(error)  # open() answers with the error's status code
             return
         if error is None:
-            self.metrics.observe_request(sum(c.num_prompt_tokens for c in self.choices),
-                                         sum(c.num_completion_tokens for c in self.choices),
-                                         time.monotonic() - self.start)
+            self.observers.request_ended(self.request_id, self.prompts, self.finish_reasons,
+                                         time.monotonic() - self.start, self.texts)
             tail = b"".join(sse_event(body) for body in self.final_chunks())
         else:  # the headers are out: the error goes in the stream, as OpenAI does
             mapped = engine_error(error) or APIError(500, f"internal error: {type(error).__name__}")
             tail = sse_event(error_body(mapped.status, mapped.message, mapped.param, mapped.code))
         self.response.end(tail + SSE_DONE)
-
-
-class _ChoiceSink:
-    """The OutputSink of one choice's engine request."""
-
-    __slots__ = ("stream", "index")
-
-    def __init__(self, stream: StreamedChoices, index: int) -> None:
-        self.stream, self.index = stream, index
-
-    def put(self, item: RequestOutput | Exception) -> None:
-        self.stream.put(self.index, item)

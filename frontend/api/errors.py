@@ -39,9 +39,12 @@ def _valid_unicode(text: str) -> str:
 
 
 def from_pydantic(errors: list[dict]) -> APIError:
-    """The first validation problem, named by its JSON path (e.g. messages.0.role)."""
+    """The first validation problem, named by its JSON path (e.g. messages.0.role). A check over the whole object
+    (a refused field, say) names its field in ctx["field"]."""
     first = errors[0]
-    param = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or None
+    path = [str(part) for part in first.get("loc", ()) if part != "body"]
+    field = (first.get("ctx") or {}).get("field")
+    param = ".".join(path + [field] if isinstance(field, str) else path) or None
     return APIError(400, f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", ""), param)
 
 
@@ -53,8 +56,8 @@ def engine_error(error: Exception) -> APIError | None:
         return APIError(503, f"the engine is not available: {error}", code="engine_dead")
     if isinstance(error, RequestFailedError):  # the engine logged it; the gateway has no traceback to add
         return APIError(500, str(error), code="request_failed")
-    if isinstance(error, ValueError):
-        return APIError(400, str(error))
+    if isinstance(error, ValueError):  # the request breaks a rule (InvalidRequestError names the field)
+        return APIError(400, str(error), getattr(error, "param", None))
     return None
 
 

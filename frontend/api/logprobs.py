@@ -8,8 +8,20 @@ def completion_logprobs(completion: CompletionOutput, num_top: int, text_offset:
     """{"tokens", "token_logprobs", "top_logprobs", "text_offset"}; offsets count from text_offset."""
     if completion.logprobs is None:
         return None
+    return _completions_body(completion.token_ids, completion.logprobs, num_top, text_offset)
+
+
+def prompt_logprobs(prompt_token_ids: list[int], entries: list[dict[int, Logprob] | None], first_token: str,
+                    num_top: int) -> dict:
+    """An echoed prompt's logprobs in the completions format: nothing predicts its first token (None)."""
+    first = {"tokens": [first_token], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+    return join_logprobs(first, _completions_body(prompt_token_ids[1:], entries[1:], num_top, len(first_token)))
+
+
+def _completions_body(token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int,
+                      text_offset: int) -> dict:
     tokens, values, tops, offsets = [], [], [], []
-    for token_id, entry in zip(completion.token_ids, completion.logprobs):
+    for token_id, entry in zip(token_ids, entries):
         chosen = entry[token_id]
         tokens.append(chosen.decoded_token)
         values.append(chosen.logprob)
@@ -17,6 +29,13 @@ def completion_logprobs(completion: CompletionOutput, num_top: int, text_offset:
         offsets.append(text_offset)
         text_offset += len(chosen.decoded_token)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_logprobs(first: dict | None, second: dict | None) -> dict | None:
+    """Two completions-format logprobs bodies as one (the echoed prompt's, then the completion's)."""
+    if first is None or second is None:
+        return second if first is None else first
+    return {key: first[key] + second[key] for key in first}
 
 
 def chat_logprobs(completion: CompletionOutput, num_top: int) -> dict | None:

@@ -1,31 +1,126 @@
 """OpenAI request and response bodies (pydantic, strict types: "5" is not an int here)."""
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from typing import Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from frontend.api.bounds import Mirrored, mirror
 from ipc.sampling_params import LogitBias, SamplingParams
 
+logger = logging.getLogger("pagedserve.api")
 SP = Mirrored(SamplingParams)  # a SamplingParams field's type and bounds, for the field of the same meaning
 
 
+def _absent(value: Any, body: Mapping) -> bool:
+    return value is None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A field this server does not implement: values that change nothing pass `accepts`, any other is a 400."""
+
+    reason: str
+    accepts: Callable[[Any, Mapping], bool] = _absent
+
+
+def _one_of(*harmless: Any) -> Callable[[Any, Mapping], bool]:
+    return lambda value, body: value is None or any(value == h and type(value) is type(h) for h in harmless)
+
+
+_STRUCTURED = "structured output (JSON schema, regex, choice, grammar) is not implemented yet"
+_TOOLS = "tool calling is not implemented yet"
+# Each field's rule and why it cannot be ignored; vLLM's extra fields among them. Fields that change nothing
+# here are accepted: parallel_tool_calls (no tools), length_penalty and early_stopping (beam search only),
+# guided_decoding_backend, priority, user, metadata, store, service_tier, reasoning_effort, prediction.
+COMMON = {
+    "structured_outputs": Rule(_STRUCTURED),
+    **{name: Rule(_STRUCTURED) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
+    "response_format": Rule(f"only {{'type': 'text'}}: {_STRUCTURED}", _one_of({"type": "text"})),
+    "logits_processors": Rule("the server loads no custom logits processors", _one_of([])),
+    "vllm_xargs": Rule("the server loads no custom logits processors to read them", _one_of({})),
+    "use_beam_search": Rule("beam search is offered by LLM.beam_search only", _one_of(False)),
+    "truncate_prompt_tokens": Rule("prompts are never truncated: send a shorter one"),
+    "allowed_token_ids": Rule("not implemented: logit_bias or bad_words can keep tokens out"),
+    "return_tokens_as_token_ids": Rule("logprobs name their tokens as text", _one_of(False)),
+    "return_token_ids": Rule("responses carry text only", _one_of(False)),
+    "prompt_logprobs": Rule("not returned over HTTP yet (completions: echo with logprobs gives the prompt's)"),
+}
+COMPLETION_ONLY = {
+    "suffix": Rule("fill-in-the-middle is not supported"),
+    "best_of": Rule("best_of other than n (ranking extra samples on the server) is not implemented",
+                    lambda value, body: value is None or value == body.get("n", 1)),
+    "prompt_embeds": Rule("prompts are text or token ids"),
+    "add_special_tokens": Rule("prompts always get the tokenizer's special tokens", _one_of(True)),
+}
+_CHAT_PROMPT = {
+    "chat_template_kwargs": Rule("the template gets messages and add_generation_prompt only", _one_of({})),
+    "continue_final_message": Rule("not implemented: the last message is always closed", _one_of(False)),
+    "documents": Rule("the template gets messages and add_generation_prompt only", _one_of([])),
+    "tools": Rule(_TOOLS, _one_of([])),
+}
+CHAT_ONLY = _CHAT_PROMPT | {
+    "tool_choice": Rule(_TOOLS, _one_of("none")),
+    "functions": Rule(_TOOLS, _one_of([])),
+    "function_call": Rule(_TOOLS, _one_of("none")),
+    "echo": Rule("vLLM's chat echo is not implemented", _one_of(False)),
+    "add_special_tokens": Rule("the chat template's text is tokenized without added special tokens", _one_of(False)),
+    "audio": Rule("this server answers in text only"),
+    "modalities": Rule("this server answers in text only", _one_of(["text"])),
+    "web_search_options": Rule("web search is not available"),
+}
+TOKENIZE = _CHAT_PROMPT | {
+    "chat_template": Rule("the server uses the model's template (or its --chat-template)"),
+    "add_generation_prompt": Rule("messages are tokenized with the generation prompt", _one_of(True)),
+}
+_MAX_NAMES_LOGGED = 1000
+_logged_names: set[str] = set()
+
+
+def _check_fields(body: Any, known: Mapping[str, Any], refused: Mapping[str, Rule], model: str) -> None:
+    """A 400 naming the first field in `refused` whose value would change the output; log unknown fields once."""
+    if not isinstance(body, dict):
+        return  # not an object: the model's own validation says so
+    for name, value in body.items():
+        rule = refused.get(name)
+        if rule is not None and not rule.accepts(value, body):
+            raise PydanticCustomError("unsupported_field", f"not supported by this server: {rule.reason}",
+                                      {"field": name})
+        # The names come from clients: past so many, new ones go unlogged rather than unbounded into memory.
+        if rule is None and name not in known and name not in _logged_names and len(_logged_names) < _MAX_NAMES_LOGGED:
+            _logged_names.add(name)
+            logger.debug("%s: ignoring the unknown field %r (logged once)", model, name)
+
+
 class _Strict(BaseModel):
-    # Unknown fields are ignored, as OpenAI does; known ones must have the right JSON type.
+    """Known fields must have the right JSON type. Unknown ones are ignored, as OpenAI does (and logged once at
+    DEBUG), except those in `refused_fields` whose value would change the output: those are a 400 naming them."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
+    refused_fields: ClassVar[dict[str, Rule]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, body: Any) -> Any:
+        _check_fields(body, cls.model_fields, cls.refused_fields, cls.__name__)
+        return body
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    refused_fields = {"continuous_usage_stats": Rule("usage comes in the stream's last chunk only", _one_of(False))}
 
 
 class SamplingFields(_Strict):
     """Fields both endpoints share; top_k, min_p, min_tokens, ignore_eos... are vLLM's extra fields."""
 
-    model: str
+    model: str | None = None  # None: the model this server has
     n: SP["n"] = 1
     temperature: SP["temperature"] | None = None
     top_p: SP["top_p"] | None = None
@@ -47,6 +142,7 @@ class SamplingFields(_Strict):
     logit_bias: dict[str, mirror(LogitBias)] | None = None  # token id (as a JSON key) → bias
     bad_words: SP["bad_words"] = None
     cache_salt: str | None = None  # requests with different salts never share cached KV blocks
+    prompt_logprobs: SP["prompt_logprobs"] = None  # vLLM's extra field; refused (COMMON) until returned
 
 
 class CompletionRequest(SamplingFields):
@@ -54,6 +150,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: SP["max_tokens"] = 16
     echo: bool = False
     logprobs: SP["logprobs"] = None
+    refused_fields = COMMON | COMPLETION_ONLY
 
 
 class ChatMessage(_Strict):
@@ -69,6 +166,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: SP["logprobs"] = None
+    refused_fields = COMMON | CHAT_ONLY
 
 
 class UsageInfo(BaseModel):
@@ -150,6 +248,7 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    refused_fields = TOKENIZE
 
 
 class DetokenizeRequest(_Strict):

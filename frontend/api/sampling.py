@@ -1,10 +1,12 @@
-"""From an OpenAI request to SamplingParams, with the server's limits checked (context length, n, stop, logprobs)."""
+"""From an OpenAI request to SamplingParams, with the server's own limits checked (n, stop strings, choices)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from frontend.api.errors import APIError
 from frontend.api.protocol import ChatCompletionRequest, SamplingFields
+from frontend.generation_config import apply_generation_defaults
 from frontend.tokenizer import check_text
 from ipc import RequestOutputKind, SamplingParams
 
@@ -19,17 +21,21 @@ class ServerLimits:
     max_choices_per_request: int = 1024
 
 
-def sampling_params(request: SamplingFields, num_prompt_tokens: int, limits: ServerLimits) -> SamplingParams:
-    """The request's params for one prompt (its n choices become n engine requests: parallel_sampling)."""
-    check_limits(request, limits)
-    max_tokens = _max_tokens(request, num_prompt_tokens, limits.max_model_len)
-    fields = dict(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
+def sampling_params(request: SamplingFields, limits: ServerLimits,
+                    defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+    """The request's params, shared by its prompts (each prompt's n choices are one request group); `defaults`
+    (the model's generation config) fill what the request leaves out. The engine's rules (context length,
+    logprobs, token ids) are checked when each prompt is sent: frontend.prompts."""
+    fields = dict(max_tokens=requested_max_tokens(request), temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
                   presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                   repetition_penalty=request.repetition_penalty,
                   stop=request.stop, stop_token_ids=request.stop_token_ids, min_tokens=request.min_tokens,
                   ignore_eos=request.ignore_eos, skip_special_tokens=request.skip_special_tokens,
                   include_stop_str_in_output=request.include_stop_str_in_output, bad_words=request.bad_words,
-                  logprobs=num_logprobs(request), logit_bias=_logit_bias(request.logit_bias))
+                  logprobs=num_logprobs(request), logit_bias=_logit_bias(request.logit_bias),
+                  prompt_logprobs=request.logprobs if getattr(request, "echo", False) else None)
+    fields = apply_generation_defaults(fields, defaults or {})
+    max_tokens = fields.pop("max_tokens")  # None: whatever room the prompt leaves in the context
     fields = {name: value for name, value in fields.items() if value is not None}
     try:
         # A response that is not streamed needs only the end: no per-step outputs to build in the gateway.
@@ -76,21 +82,11 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         raise APIError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
 
 
-def _max_tokens(request: SamplingFields, num_prompt_tokens: int, max_model_len: int) -> int:
-    requested = request.max_tokens
+def requested_max_tokens(request: SamplingFields) -> int | None:
+    """The max_tokens the client asked for (None: left out)."""
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
-        requested = request.max_completion_tokens
-    room = max_model_len - num_prompt_tokens
-    if num_prompt_tokens >= max_model_len:
-        raise APIError(400, f"the prompt has {num_prompt_tokens} tokens but this model's context length is "
-                            f"{max_model_len}; shorten the prompt", "messages" if _is_chat(request) else "prompt")
-    if requested is None:
-        return room
-    if num_prompt_tokens + requested > max_model_len:
-        raise APIError(400, f"this model's context length is {max_model_len} tokens, but the request asks for "
-                            f"{num_prompt_tokens + requested} ({num_prompt_tokens} in the prompt + {requested} "
-                            "max_tokens); reduce the prompt or max_tokens", "max_tokens")
-    return requested
+        return request.max_completion_tokens
+    return request.max_tokens
 
 
 def _is_chat(request: SamplingFields) -> bool:

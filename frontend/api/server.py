@@ -19,32 +19,46 @@ from importlib.metadata import PackageNotFoundError, version
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
+from frontend.api.choices import RequestObservers
+from frontend.api.cli_args import CorsOptions, build_parser, cors_options
 from frontend.api.errors import APIError, engine_error, error_body, from_pydantic
 from frontend.api.metrics import ServerMetrics
 from frontend.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from frontend.api.push import HEADER_TIMEOUT_S, PushHttpToolsProtocol
+from frontend.api.push import PushHttpToolsProtocol
+from frontend.api.request_log import RequestLogger
 from frontend.api.sampling import ServerLimits
 from frontend.api.serving import OpenAIServing
 from frontend.async_llm import AsyncLLM
 from frontend.core_client import DEFAULT_MAX_STALL_S, EngineDeadError
+from frontend.generation_config import load_generation_defaults
+from frontend.tokenizer import load_chat_template
 from ipc.lifeline import watch_lifeline
 
 logger = logging.getLogger("pagedserve.api")
 _CLIENT_CLOSED_REQUEST = 499  # nginx's status for it; never sent, the client is gone
-API_KEY_ENV = "PAGEDSERVE_API_KEY"
 
 
 def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: str | None = None,
               max_body_bytes: int = 10 * 2**20, max_header_bytes: int = 32 * 2**10,
-              max_stall_s: float = DEFAULT_MAX_STALL_S) -> FastAPI:
+              max_stall_s: float = DEFAULT_MAX_STALL_S, *, chat_template: str | None = None,
+              model_root: str | None = None, generation_defaults: dict[str, float | int] | None = None,
+              request_logger: RequestLogger | None = None, cors: CorsOptions | None = None) -> FastAPI:
+    """The gateway's app. `chat_template` (a template's text) replaces the tokenizer's, whose gateway this is;
+    `model_root` is the model's root in /v1/models (default: the engine's model folder)."""
+    if chat_template is not None:
+        engine.tokenizer.chat_template = chat_template
     metrics = ServerMetrics(model_name)
-    serving = OpenAIServing(engine, model_name, limits, metrics)
+    serving = OpenAIServing(engine, model_name, limits, RequestObservers(metrics, request_logger), generation_defaults)
     # The contract is served (behind the key) for clients and fuzzers; the docs UIs would load scripts from a CDN.
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
+    if cors is not None:  # added last, so outermost: a browser's preflight needs no API key
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
+                           allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     _add_error_handlers(app)
 
     @app.get("/health")
@@ -63,7 +77,8 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "pagedserve", "max_model_len": limits.max_model_len}]}
+                                            "owned_by": "pagedserve", "root": model_root or engine.info.model,
+                                            "parent": None, "max_model_len": limits.max_model_len}]}
 
     @app.get("/version")
     async def server_version() -> dict:
@@ -168,7 +183,7 @@ class _Guard:
         if sum(len(name) + len(value) for name, value in scope["headers"]) > self.max_header_bytes:
             return await _send(send, 431, f"the request headers are over the limit of {self.max_header_bytes} bytes")
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] != "/health":
+        if self.expected is not None and _route_path(scope) != "/health":
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
                 return await _send(send, 401, "invalid or missing API key (Authorization: Bearer KEY)")
         length = headers.get(b"content-length", b"0")
@@ -195,6 +210,12 @@ class _Guard:
         return f"the request body is over the limit of {self.max_body_bytes} bytes"
 
 
+def _route_path(scope: dict) -> str:
+    """The path the routes see: uvicorn puts --root-path in front of the path it received (the ASGI rule)."""
+    root, path = scope.get("root_path", ""), scope["path"]
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 async def _send(send, status: int, message: str) -> None:
     response = JSONResponse(error_body(status, message), status_code=status)
     await response({"type": "http"}, None, send)
@@ -219,54 +240,39 @@ def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m frontend.api.server", description=__doc__)
-    parser.add_argument("--engine-address", required=True)
-    parser.add_argument("--curve-key-file")
-    parser.add_argument("--model", help="model folder for the tokenizer (default: the engine's)")
-    parser.add_argument("--served-model-name", help="the model id clients use (default: --model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--reuse-port", action="store_true", help="share the port with other gateway processes")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"(default: ${API_KEY_ENV})")
-    parser.add_argument("--max-n", type=int, default=16)
-    parser.add_argument("--max-stop", type=int, default=16)
-    parser.add_argument("--max-choices-per-request", type=int, default=ServerLimits.max_choices_per_request,
-                        help="most prompts x n in one request (default: %(default)s)")
-    parser.add_argument("--max-body-bytes", type=int, default=10 * 2**20)
-    parser.add_argument("--max-header-bytes", type=int, default=32 * 2**10)
-    parser.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
-                        help="seconds a connection gets to send a request's headers (default: %(default)s)")
-    parser.add_argument("--keep-alive-timeout", type=float, default=5.0,
-                        help="seconds an idle keep-alive connection stays open (default: %(default)s)")
-    parser.add_argument("--engine-stall-timeout", type=float, default=DEFAULT_MAX_STALL_S,
-                        help="/health answers 503 once the engine's loop has not advanced (one step has run) for "
-                             "this many seconds (default: %(default)s)")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="on SIGTERM, seconds to let in-flight requests finish")
-    parser.add_argument("--status-fd", type=int, help="write 'ready' here once serving (set by the launcher)")
-    parser.add_argument("--parent-fd", type=int, help="exit when this pipe closes (set by the launcher)")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    engine = AsyncLLM(args.model, engine_address=args.engine_address, curve_key_file=args.curve_key_file)
+    try:
+        chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
+        if args.ssl_keyfile and not args.ssl_certfile:
+            raise ValueError("--ssl-keyfile needs --ssl-certfile")
+        engine = AsyncLLM(args.tokenizer or args.model, engine_address=args.engine_address,
+                          curve_key_file=args.curve_key_file)
+    except ValueError as error:
+        logger.error("%s", error)
+        return 2
+    model_folder = args.model or engine.info.model
+    try:
+        generation_defaults = load_generation_defaults(model_folder, args.generation_config)
+    except ValueError as error:
+        logger.error("%s", error)
+        engine.shutdown()
+        return 2
     model_name = args.served_model_name or args.model or engine.info.model
     limits = ServerLimits(max_model_len=engine.info.max_model_len, max_n=args.max_n, max_stop=args.max_stop,
                           max_choices_per_request=args.max_choices_per_request)
+    request_logger = None if args.disable_log_requests else RequestLogger(args.log_prompts, args.max_log_len)
     app = build_app(engine, model_name, limits, args.api_key, args.max_body_bytes, args.max_header_bytes,
-                    args.engine_stall_timeout)
+                    args.engine_stall_timeout, chat_template=chat_template, model_root=args.model_root or model_folder,
+                    generation_defaults=generation_defaults, request_logger=request_logger, cors=cors_options(args))
     sock = listening_socket(args.host, args.port, args.reuse_port)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout,
-                            timeout_keep_alive=args.keep_alive_timeout,
-                            http=functools.partial(PushHttpToolsProtocol, header_timeout=args.header_timeout))
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, args))
     if args.parent_fd is not None:
         watch_lifeline(args.parent_fd, lambda: setattr(server, "should_exit", True))
     app.router.on_startup.append(lambda: _report_ready(args.status_fd))
-    logger.info("gateway %d serving %s at http://%s:%d/v1", os.getpid(), model_name, args.host, args.port)
+    scheme = "https" if args.ssl_certfile else "http"
+    logger.info("gateway %d serving %s at %s://%s:%d/v1", os.getpid(), model_name, scheme, args.host, args.port)
     # Everything made so far (transformers, the tokenizer, the app: ~400,000 objects) lives as long as the process.
     # Frozen, it is out of the cyclic collector's sight; otherwise every full collection walks it, stalling all
     # streams for 0.1-0.2 s, and the gateway spent ~15% more CPU per streamed token.
@@ -275,6 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     server.run(sockets=[sock])
     engine.shutdown()
     return 0
+
+
+def uvicorn_config(app: FastAPI, args: argparse.Namespace) -> uvicorn.Config:
+    """uvicorn's settings from the gateway's flags (TLS, root path, timeouts, log level)."""
+    return uvicorn.Config(app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.shutdown_timeout,
+                          timeout_keep_alive=args.keep_alive_timeout, root_path=args.root_path,
+                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                          http=functools.partial(PushHttpToolsProtocol, header_timeout=args.header_timeout))
 
 
 def _report_ready(status_fd: int | None) -> None:

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from fastapi.responses import JSONResponse
 
-from frontend.api.choices import Choice, StreamedChoices, final_outputs
+from frontend.api.choices import PromptChoices, RequestObservers, StreamedChoices, final_outputs
 from frontend.api.errors import APIError
-from frontend.api.logprobs import chat_logprobs, completion_logprobs
-from frontend.api.metrics import ServerMetrics
+from frontend.api.logprobs import chat_logprobs, completion_logprobs, join_logprobs, prompt_logprobs
 from frontend.api.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -25,37 +24,44 @@ from frontend.api.protocol import (
     TokenizeRequest,
     UsageInfo,
 )
-from frontend.api.sampling import ServerLimits, check_limits, sampling_params
+from frontend.api.sampling import ServerLimits, check_limits, requested_max_tokens, sampling_params
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import RequestOutput
-from frontend.parallel_sampling import child_params
 from frontend.tokenizer import apply_chat_template, encode
+from ipc import SamplingParams
+from ipc.request_rules import InvalidRequestError, check_max_tokens
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, model_name: str, limits: ServerLimits, metrics: ServerMetrics) -> None:
-        self.engine, self.model_name, self.limits, self.metrics = engine, model_name, limits, metrics
+    def __init__(self, engine: AsyncLLM, model_name: str, limits: ServerLimits, observers: RequestObservers,
+                 generation_defaults: Mapping[str, float | int] | None = None) -> None:
+        self.engine, self.model_name, self.limits, self.observers = engine, model_name, limits, observers
+        self.generation_defaults = generation_defaults or {}
 
     async def completions(self, body: CompletionRequest):
         self._check_model(body.model)
         prompt_list = _prompt_list(body.prompt)
         check_limits(body, self.limits, len(prompt_list))
-        if body.echo:
-            raise APIError(400, "echo is not supported", "echo")
-        prompts = [self._completion_prompt(p) for p in prompt_list]
-        choices = self._choices(body, prompts)
-        num_prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        params = sampling_params(body, self.limits, self.generation_defaults)
+        prompts = [self._prompt_choices(body, self._completion_prompt(p), params, "prompt") for p in prompt_list]
+        echo = [self._prompt_text(p.prompt) if body.echo else "" for p in prompts]
         if body.stream:
             # Plain dicts on the per-token path: a pydantic model per chunk costs more than the rest of the chunk.
             head = CompletionResponse(model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
-            return await StreamedChoices(self.engine, choices, uuid.uuid4().hex, self.metrics,
-                                         _completion_chunk(head, body, len(choices)),
-                                         _usage_chunks(head, body, num_prompt_tokens, choices)).open()
-        finals = await final_outputs(self.engine, choices, uuid.uuid4().hex, self.metrics)
-        response = CompletionResponse(model=self.model_name, usage=_usage(num_prompt_tokens, choices), choices=[
-            CompletionChoice(index=i, text=c.text, logprobs=completion_logprobs(c, body.logprobs or 0, 0),
-                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-            for i, c in enumerate(finals)])
+            return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers,
+                                         self._completion_chunk(head, body, echo),
+                                         _usage_chunks(head, body, prompts)).open()
+        outputs = await final_outputs(self.engine, prompts, uuid.uuid4().hex, self.observers)
+        choices = []
+        for position, output in enumerate(outputs):
+            prefix = self._echo_logprobs(output, echo[position], body.logprobs)
+            for completion in output.outputs:
+                choices.append(CompletionChoice(
+                    index=len(choices), text=echo[position] + completion.text,
+                    logprobs=join_logprobs(prefix, completion_logprobs(completion, body.logprobs or 0,
+                                                                       len(echo[position]))),
+                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+        response = CompletionResponse(model=self.model_name, usage=_usage(prompts), choices=choices)
         return JSONResponse(response.model_dump())
 
     async def chat(self, body: ChatCompletionRequest):
@@ -66,21 +72,20 @@ class OpenAIServing:
                            "chat_template")
         text = self._chat_text(body.messages, body.add_generation_prompt)
         prompt = {"prompt": text, "prompt_token_ids": self._encode(text, "messages", add_special_tokens=False)}
-        choices = self._choices(body, [prompt])
-        num_prompt_tokens = len(prompt["prompt_token_ids"])
+        prompts = [self._prompt_choices(body, prompt, sampling_params(body, self.limits, self.generation_defaults), "messages")]
         if body.stream:
             head = ChatCompletionChunk(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
                                        model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
             role_chunks = [{**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], "usage": None}
-                           for index in range(len(choices))]
-            return await StreamedChoices(self.engine, choices, uuid.uuid4().hex, self.metrics, _chat_chunk(head, body),
-                                         _usage_chunks(head, body, num_prompt_tokens, choices), role_chunks).open()
-        finals = await final_outputs(self.engine, choices, uuid.uuid4().hex, self.metrics)
-        response = ChatCompletionResponse(model=self.model_name, usage=_usage(num_prompt_tokens, choices), choices=[
-            ChatChoice(index=i, message=ChatResponseMessage(content=c.text),
+                           for index in range(body.n)]
+            return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers, _chat_chunk(head, body),
+                                         _usage_chunks(head, body, prompts), role_chunks).open()
+        [output] = await final_outputs(self.engine, prompts, uuid.uuid4().hex, self.observers)
+        response = ChatCompletionResponse(model=self.model_name, usage=_usage(prompts), choices=[
+            ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                        logprobs=chat_logprobs(c, body.top_logprobs or 0), finish_reason=c.finish_reason,
-                       stop_reason=c.stop_reason) for i, c in enumerate(finals)])
+                       stop_reason=c.stop_reason) for c in output.outputs])
         return JSONResponse(response.model_dump())
 
     def tokenize(self, body: TokenizeRequest) -> dict:
@@ -92,8 +97,8 @@ class OpenAIServing:
             tokens = self._encode(self._chat_text(body.messages, True), "messages", add_special_tokens=False)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.limits.max_model_len}
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:  # no model: the one this server has, as vLLM does
             raise APIError(404, f"the model {model!r} does not exist; this server has {self.model_name!r}", "model",
                            "model_not_found")
 
@@ -120,29 +125,52 @@ class OpenAIServing:
         except ValueError as error:
             raise APIError(400, str(error), field) from error
 
-    def _choices(self, body: SamplingFields, prompts: list[dict]) -> list[Choice]:
-        choices = []
-        for prompt in prompts:
-            if body.cache_salt is not None:
-                prompt = {**prompt, "cache_salt": body.cache_salt}
-            params = sampling_params(body, len(prompt["prompt_token_ids"]), self.limits)
-            choices += [Choice(prompt, child_params(params, i), len(prompt["prompt_token_ids"])) for i in range(body.n)]
-        return choices
+    def _prompt_choices(self, body: SamplingFields, prompt: dict, params: SamplingParams,
+                        field: str) -> PromptChoices:
+        """The prompt's choices, once the prompt fits the context with the max_tokens asked for (OpenAI's rule;
+        a default max_tokens ends where the context does)."""
+        try:
+            check_max_tokens(self.engine.info, len(prompt["prompt_token_ids"]), requested_max_tokens(body))
+        except InvalidRequestError as error:
+            raise APIError(400, str(error), field if error.param == "prompt" else error.param) from None
+        if body.cache_salt is not None:
+            prompt = {**prompt, "cache_salt": body.cache_salt}
+        return PromptChoices(prompt, params)
 
+    def _prompt_text(self, prompt: dict) -> str:
+        """The prompt as text (what echo shows): as sent, or decoded from the token ids sent."""
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        return self.engine.tokenizer.decode(prompt["prompt_token_ids"])
 
-def _completion_chunk(head: dict, body: CompletionRequest, num_choices: int) -> Callable[[int, RequestOutput], dict]:
-    """The function that turns one choice's delta output into a completions chunk."""
-    text_offsets = [0] * num_choices
-    num_top = body.logprobs or 0
+    def _echo_logprobs(self, output: RequestOutput, echo: str, num_top: int | None) -> dict | None:
+        """The echoed prompt's part of a choice's logprobs (none without echo or logprobs)."""
+        if not echo or num_top is None:
+            return None
+        first = self.engine.tokenizer.decode(output.prompt_token_ids[:1])
+        return prompt_logprobs(output.prompt_token_ids, output.prompt_logprobs, first, num_top)
 
-    def chunk(index: int, output: RequestOutput) -> dict:
-        completion = output.outputs[0]
-        logprobs = completion_logprobs(completion, num_top, text_offsets[index])
-        text_offsets[index] += len(completion.text)
-        return {**head, "choices": [{"index": index, "text": completion.text, "logprobs": logprobs,
-                                     "finish_reason": completion.finish_reason,
-                                     "stop_reason": completion.stop_reason}], "usage": None}
-    return chunk
+    def _completion_chunk(self, head: dict, body: CompletionRequest,
+                          echo: list[str]) -> Callable[[int, RequestOutput], dict]:
+        """The function that turns one choice's delta output into a completions chunk; a choice's first chunk
+        starts with its echoed prompt."""
+        text_offsets = [0] * (len(echo) * body.n)
+        echoed = [not body.echo] * len(text_offsets)
+        num_top = body.logprobs or 0
+
+        def chunk(index: int, output: RequestOutput) -> dict:
+            completion = output.outputs[0]
+            text, logprobs = completion.text, None
+            if not echoed[index]:
+                prompt, echoed[index] = echo[index // body.n], True
+                text, text_offsets[index] = prompt + text, len(prompt)
+                logprobs = self._echo_logprobs(output, prompt, body.logprobs)
+            logprobs = join_logprobs(logprobs, completion_logprobs(completion, num_top, text_offsets[index]))
+            text_offsets[index] += len(completion.text)
+            return {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                         "finish_reason": completion.finish_reason,
+                                         "stop_reason": completion.stop_reason}], "usage": None}
+        return chunk
 
 
 def _chat_chunk(head: dict, body: ChatCompletionRequest) -> Callable[[int, RequestOutput], dict]:
@@ -157,18 +185,18 @@ def _chat_chunk(head: dict, body: ChatCompletionRequest) -> Callable[[int, Reque
     return chunk
 
 
-def _usage_chunks(head: dict, body: SamplingFields, num_prompt_tokens: int,
-                  choices: list[Choice]) -> Callable[[], list[dict]]:
+def _usage_chunks(head: dict, body: SamplingFields, prompts: list[PromptChoices]) -> Callable[[], list[dict]]:
     """The usage chunk a stream ends with when stream_options.include_usage asks for it."""
     def chunks() -> list[dict]:
         if not (body.stream_options and body.stream_options.include_usage):
             return []
-        return [{**head, "choices": [], "usage": _usage(num_prompt_tokens, choices).model_dump()}]
+        return [{**head, "choices": [], "usage": _usage(prompts).model_dump()}]
     return chunks
 
 
-def _usage(num_prompt_tokens: int, choices: list[Choice]) -> UsageInfo:
-    completion = sum(c.num_completion_tokens for c in choices)
+def _usage(prompts: list[PromptChoices]) -> UsageInfo:
+    num_prompt_tokens = sum(p.num_prompt_tokens for p in prompts)
+    completion = sum(p.num_completion_tokens for p in prompts)
     return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion,
                      total_tokens=num_prompt_tokens + completion)
 

@@ -1,0 +1,126 @@
+"""The gateway's command line, and the flags the launcher passes through to each gateway process as given."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from frontend.api.push import HEADER_TIMEOUT_S
+from frontend.core_client import DEFAULT_MAX_STALL_S
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+MAX_CHOICES_PER_REQUEST = 1024  # ServerLimits' default; not imported from there, which loads transformers
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass(frozen=True)
+class CorsOptions:
+    allowed_origins: list[str]
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
+def cors_options(args: argparse.Namespace) -> CorsOptions | None:
+    """None without --allowed-origins: no CORS middleware, so browsers on other origins are refused (their default)."""
+    if args.allowed_origins is None:
+        return None
+    return CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
+
+
+def str_list(text: str) -> list[str]:
+    """A JSON list ('["a", "b"]') or a comma-separated one ("a,b"), as vLLM's CORS flags take."""
+    if text.lstrip().startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {error}") from None
+        if not isinstance(values, list) or not all(isinstance(value, str) for value in values):
+            raise argparse.ArgumentTypeError("must be a JSON list of strings")
+        return values
+    return [value.strip() for value in text.split(",") if value.strip()]
+
+
+# (flag, argparse keywords): the gateway's own defaults live here; the launcher leaves an unset flag out of the
+# gateway's command line, so these defaults are the only ones.
+GATEWAY_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--tokenizer", dict(help="folder to load the tokenizer from (default: the model's)")),
+    ("--chat-template", dict(help="a Jinja chat template, or a file holding one, used instead of (or where there "
+                                  "is none, as) the tokenizer's")),
+    ("--generation-config", dict(default="auto", help="sampling defaults for fields a request leaves out: 'auto' "
+                                 "the model folder's generation_config.json, 'vllm' none, or a folder holding "
+                                 "a generation_config.json (default: %(default)s)")),
+    ("--max-choices-per-request", dict(type=int, default=MAX_CHOICES_PER_REQUEST,
+                                       help="most prompts x n in one request (default: %(default)s)")),
+    ("--header-timeout", dict(type=float, default=HEADER_TIMEOUT_S,
+                              help="seconds a connection gets to send a request's headers (default: %(default)s)")),
+    ("--keep-alive-timeout", dict(type=float, default=5.0,
+                                  help="seconds an idle keep-alive connection stays open (default: %(default)s)")),
+    ("--engine-stall-timeout", dict(type=float, default=DEFAULT_MAX_STALL_S,
+                                    help="/health answers 503 once the engine's loop has not advanced (one step has "
+                                         "run) for this many seconds (default: %(default)s)")),
+    ("--allowed-origins", dict(type=str_list, help="CORS: origins allowed to call the API from a browser, a JSON "
+                                                   "list or comma-separated ('*': any); default: no CORS headers")),
+    ("--allowed-methods", dict(type=str_list, default=["*"], help="CORS: allowed methods (default: any)")),
+    ("--allowed-headers", dict(type=str_list, default=["*"], help="CORS: allowed request headers (default: any)")),
+    ("--allow-credentials", dict(action="store_true", help="CORS: allow cookies and credentials")),
+    ("--ssl-keyfile", dict(help="serve HTTPS with this private key")),
+    ("--ssl-certfile", dict(help="serve HTTPS with this certificate (chain)")),
+    ("--root-path", dict(default="", help="the path prefix a proxy in front strips (uvicorn's root_path)")),
+    ("--uvicorn-log-level", dict(default="warning", choices=UVICORN_LOG_LEVELS,
+                                 help="uvicorn's log level (default: %(default)s)")),
+    ("--disable-log-requests", dict(action="store_true", help="no log line per finished request")),
+    ("--log-prompts", dict(action="store_true", help="put each request's prompt and output text in its log line "
+                                                     "(they may hold personal data)")),
+    ("--max-log-len", dict(type=int, help="with --log-prompts: at most this many characters (or token ids) each")),
+)
+
+
+def add_gateway_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, pass_through: bool = False) -> None:
+    """GATEWAY_FLAGS on `parser`; pass_through (the launcher): unset flags stay out of the namespace."""
+    for flag, options in GATEWAY_FLAGS:
+        if pass_through:  # the help still shows the gateway's default
+            help_text = options["help"].replace("%(default)s", str(options.get("default")))
+            options = options | {"default": argparse.SUPPRESS, "help": help_text}
+        parser.add_argument(flag, **options)
+
+
+def gateway_argv(args: argparse.Namespace) -> list[str]:
+    """The GATEWAY_FLAGS set in `args` (parsed with pass_through) as a gateway command line."""
+    argv = []
+    for flag, options in GATEWAY_FLAGS:
+        dest = flag.removeprefix("--").replace("-", "_")
+        if dest not in vars(args):
+            continue
+        value = getattr(args, dest)
+        if options.get("action") == "store_true":
+            argv += [flag] if value else []
+        else:  # --flag=value: a value that starts with "-" (a template, say) stays a value
+            argv.append(f"{flag}={json.dumps(value) if isinstance(value, list) else value}")
+    return argv
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m frontend.api.server",
+                                     description="The OpenAI-compatible HTTP gateway in front of an engine core.")
+    parser.add_argument("--engine-address", required=True)
+    parser.add_argument("--curve-key-file")
+    parser.add_argument("--model", help="model folder for the tokenizer (default: the engine's)")
+    parser.add_argument("--served-model-name", help="the model id clients use (default: --model)")
+    parser.add_argument("--model-root", help="the model's root in /v1/models (default: the model folder)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--reuse-port", action="store_true", help="share the port with other gateway processes")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"(default: ${API_KEY_ENV})")
+    parser.add_argument("--max-n", type=int, default=16)
+    parser.add_argument("--max-stop", type=int, default=16)
+    parser.add_argument("--max-body-bytes", type=int, default=10 * 2**20)
+    parser.add_argument("--max-header-bytes", type=int, default=32 * 2**10)
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds to let in-flight requests finish")
+    parser.add_argument("--status-fd", type=int, help="write 'ready' here once serving (set by the launcher)")
+    parser.add_argument("--parent-fd", type=int, help="exit when this pipe closes (set by the launcher)")
+    add_gateway_flags(parser)
+    return parser

@@ -1,0 +1,68 @@
+"""The rules every engine-core request must meet: the engine core enforces them, front ends check them early."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ipc.messages import EngineCoreRequest, EngineInfo
+
+
+class InvalidRequestError(ValueError):
+    """A request no engine with these limits would run; `param` names the request field at fault."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def validate_request(info: EngineInfo, request: EngineCoreRequest) -> None:
+    """Raise InvalidRequestError naming what is wrong with a request this engine would refuse."""
+    context_room(info, len(request.prompt_token_ids))
+    _check_token_ids(info, request)
+    params = request.sampling_params
+    if params.n != 1:
+        raise InvalidRequestError(f"an engine request samples once (n=1, got {params.n}); the front end sends "
+                                  "n > 1 as n requests", "n")
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > info.max_logprobs:
+            raise InvalidRequestError(f"{name}={value} is over this engine's limit of {info.max_logprobs} "
+                                      "(--max-logprobs)", name)
+    if request.priority != 0 and info.scheduling_policy != "priority":
+        raise InvalidRequestError(f"priority={request.priority} needs scheduling_policy='priority' (the engine "
+                                  "runs first-come first-served)", "priority")
+
+
+def context_room(info: EngineInfo, num_prompt_tokens: int) -> int:
+    """How many tokens a prompt of this length leaves to generate (at least one, or InvalidRequestError)."""
+    if num_prompt_tokens == 0:
+        raise InvalidRequestError("the prompt is empty", "prompt")
+    if num_prompt_tokens >= info.max_model_len:
+        raise InvalidRequestError(f"the prompt has {num_prompt_tokens} tokens, but this model's context length "
+                                  f"(max_model_len) is {info.max_model_len}; shorten the prompt", "prompt")
+    return info.max_model_len - num_prompt_tokens
+
+
+def check_max_tokens(info: EngineInfo, num_prompt_tokens: int, max_tokens: int | None) -> None:
+    """OpenAI's rule, which the HTTP gateway applies: prompt + max_tokens must fit in the context. (The engine
+    itself ends a request that reaches the context length with finish_reason "length", as vLLM's LLM does.)"""
+    room = context_room(info, num_prompt_tokens)
+    if max_tokens is not None and max_tokens > room:
+        raise InvalidRequestError(
+            f"this model's context length is {info.max_model_len} tokens, but the request asks for "
+            f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt + {max_tokens} max_tokens); "
+            "reduce the prompt or max_tokens", "max_tokens")
+
+
+def _check_token_ids(info: EngineInfo, request: EngineCoreRequest) -> None:
+    params = request.sampling_params
+    eos = [request.eos_token_id] if request.eos_token_id is not None else []
+    token_ids = {"prompt": request.prompt_token_ids,
+                 "stop_token_ids": [*(params.stop_token_ids or []), *eos],
+                 "logit_bias": list(params.logit_bias or ()),
+                 "bad_words": [t for word in params.bad_words_token_ids or [] for t in word]}
+    for name, ids in token_ids.items():
+        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"{name} token id {bad} is outside the vocabulary [0, {info.vocab_size})",
+                                      name)
