@@ -138,8 +138,9 @@ def test_private_ray_when_no_address():
     llm = LLM(model_dir("llama-kv1"), tensor_parallel_size=2, **SMALL_ENGINE)
     try:
         assert generate(llm, prompts) == expected
-        ray_pids = [pid for pid, command in descendants(os.getpid()) if "gcs_server" in command or "raylet" in command]
-        assert ray_pids  # the engine process's own Ray, below this process
+        ray_pids = [pid for pid, command in descendants(llm.client.process.pid)
+                    if "gcs_server" in command or "raylet" in command]
+        assert ray_pids  # the engine process's own Ray (not the module's test cluster)
     finally:
         llm.shutdown()
     assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in ray_pids), timeout=30)
