@@ -10,7 +10,7 @@ from frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from ipc import EngineCoreOutput, FinishReason, RequestOutputKind, SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     request_id: str
     prompt: str | None
@@ -89,7 +89,7 @@ class OutputProcessor:
             state.prompt_logprobs = [None] + [self._logprob_entry(*entry) for entry in zip(lp.token_ids, lp.logprobs,
                                                                                           lp.ranks)]
         last = len(output.new_token_ids) - 1
-        hide_last = output.finish_reason == FinishReason.STOP and not state.params.include_stop_str_in_output
+        hide_last = output.finish_reason is FinishReason.STOP and not state.params.include_stop_str_in_output
         for i, token_id in enumerate(output.new_token_ids):
             state.token_ids.append(token_id)
             if state.logprobs is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from frontend.api.errors import APIError, engine_error, error_body, raise_api_error
 from frontend.api.metrics import ServerMetrics
 from frontend.api.request_log import RequestLogger
-from frontend.api.sse import SSE_DONE, PushedSSEResponse, sse_event
+from frontend.api.sse import SSE_DONE, ChoiceEvents, PushedSSEResponse, sse_event
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import RequestOutput
 from frontend.request_group import FinalOutputs, RequestGroup, child_request_id
@@ -91,14 +91,15 @@ def _one_or_all(items: list | None) -> object:
 
 class StreamedChoices:
     """The choices of one streamed request as server-sent events. The engine's output handler hands each output to
-    put(); it is rendered by `chunk(choice index, output)` and emitted at once. After every prompt's final output
-    come final_chunks() and [DONE]; after an error, an error event and [DONE]."""
+    put(); it is rendered as the chunk {**head, "choices": [choice(choice index, output)], "usage": null} and emitted
+    at once. After every prompt's final output come final_chunks() and [DONE]; after an error, an error event and
+    [DONE]."""
 
     def __init__(self, engine: AsyncLLM, prompts: list[PromptChoices], request_id: str, observers: RequestObservers,
-                 chunk: Callable[[int, RequestOutput], dict], final_chunks: Callable[[], list[dict]],
+                 head: dict, choice: Callable[[int, RequestOutput], dict], final_chunks: Callable[[], list[dict]],
                  head_chunks: Sequence[dict] = ()) -> None:
         self.engine, self.prompts, self.request_id, self.observers = engine, prompts, request_id, observers
-        self.chunk, self.final_chunks = chunk, final_chunks
+        self.events, self.choice, self.final_chunks = ChoiceEvents(head), choice, final_chunks
         self.n = prompts[0].params.n
         self.groups: list[RequestGroup] = []
         self.response = PushedSSEResponse(on_close=self.close)
@@ -146,7 +147,7 @@ class StreamedChoices:
             if self.texts is not None:
                 self.texts[index] += completion.text
             self.prompts[position].num_completion_tokens += len(completion.token_ids)
-            self.response.emit(sse_event(self.chunk(index, item)))
+            self.response.emit(self.events.event(self.choice(index, item)))
         except Exception as error:  # a bug here must end this stream, not the output handler serving all of them
             logger.exception("rendering a streamed output failed")
             self._end(error)

@@ -48,8 +48,8 @@ class OpenAIServing:
         if body.stream:
             # Plain dicts on the per-token path: a pydantic model per chunk costs more than the rest of the chunk.
             head = CompletionResponse(model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
-            return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers,
-                                         self._completion_chunk(head, body, echo),
+            return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers, head,
+                                         self._completion_choice(body, echo),
                                          _usage_chunks(head, body, prompts)).open()
         outputs = await final_outputs(self.engine, prompts, uuid.uuid4().hex, self.observers)
         choices = []
@@ -79,8 +79,8 @@ class OpenAIServing:
             role_chunks = [{**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], "usage": None}
                            for index in range(body.n)]
-            return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers, _chat_chunk(head, body),
-                                         _usage_chunks(head, body, prompts), role_chunks).open()
+            return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers, head,
+                                         _chat_choice(body), _usage_chunks(head, body, prompts), role_chunks).open()
         [output] = await final_outputs(self.engine, prompts, uuid.uuid4().hex, self.observers)
         response = ChatCompletionResponse(model=self.model_name, usage=_usage(prompts), choices=[
             ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
@@ -150,15 +150,14 @@ class OpenAIServing:
         first = self.engine.tokenizer.decode(output.prompt_token_ids[:1])
         return prompt_logprobs(output.prompt_token_ids, output.prompt_logprobs, first, num_top)
 
-    def _completion_chunk(self, head: dict, body: CompletionRequest,
-                          echo: list[str]) -> Callable[[int, RequestOutput], dict]:
-        """The function that turns one choice's delta output into a completions chunk; a choice's first chunk
-        starts with its echoed prompt."""
+    def _completion_choice(self, body: CompletionRequest, echo: list[str]) -> Callable[[int, RequestOutput], dict]:
+        """The function that turns one choice's delta output into the choice of a completions chunk; a choice's first
+        chunk starts with its echoed prompt."""
         text_offsets = [0] * (len(echo) * body.n)
         echoed = [not body.echo] * len(text_offsets)
         num_top = body.logprobs or 0
 
-        def chunk(index: int, output: RequestOutput) -> dict:
+        def choice(index: int, output: RequestOutput) -> dict:
             completion = output.outputs[0]
             text, logprobs = completion.text, None
             if not echoed[index]:
@@ -167,22 +166,20 @@ class OpenAIServing:
                 logprobs = self._echo_logprobs(output, prompt, body.logprobs)
             logprobs = join_logprobs(logprobs, completion_logprobs(completion, num_top, text_offsets[index]))
             text_offsets[index] += len(completion.text)
-            return {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                         "finish_reason": completion.finish_reason,
-                                         "stop_reason": completion.stop_reason}], "usage": None}
-        return chunk
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                    "stop_reason": completion.stop_reason}
+        return choice
 
 
-def _chat_chunk(head: dict, body: ChatCompletionRequest) -> Callable[[int, RequestOutput], dict]:
-    """The function that turns one choice's delta output into a chat chunk."""
+def _chat_choice(body: ChatCompletionRequest) -> Callable[[int, RequestOutput], dict]:
+    """The function that turns one choice's delta output into the choice of a chat chunk."""
     num_top = body.top_logprobs or 0
 
-    def chunk(index: int, output: RequestOutput) -> dict:
+    def choice(index: int, output: RequestOutput) -> dict:
         completion = output.outputs[0]
-        return {**head, "choices": [{"index": index, "delta": {"content": completion.text},
-                                     "logprobs": chat_logprobs(completion, num_top),
-                                     "finish_reason": completion.finish_reason}], "usage": None}
-    return chunk
+        return {"index": index, "delta": {"content": completion.text}, "logprobs": chat_logprobs(completion, num_top),
+                "finish_reason": completion.finish_reason}
+    return choice
 
 
 def _usage_chunks(head: dict, body: SamplingFields, prompts: list[PromptChoices]) -> Callable[[], list[dict]]:

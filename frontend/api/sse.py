@@ -20,6 +20,18 @@ def sse_event(body: dict) -> bytes:
     return b"data: " + _json.encode(body) + b"\n\n"
 
 
+class ChoiceEvents:
+    """The per-token events of one stream: {**head, "choices": [choice], "usage": null}, with the head (id, object,
+    created, model) encoded once rather than copied and encoded for every token."""
+
+    def __init__(self, head: dict) -> None:
+        self.prefix = b"data: " + _json.encode(head)[:-1] + (b',"choices":' if head else b'"choices":')
+        self.suffix = b',"usage":null}\n\n'
+
+    def event(self, choice: dict) -> bytes:
+        return self.prefix + _json.encode([choice]) + self.suffix
+
+
 class PushedSSEResponse(Response):
     """A 200 text/event-stream response: the pieces given to emit(), in order, then the one given to end().
     on_close runs when the response ends: finished, failed, or its client gone."""
