@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator
 from frontend.connect import connect_engine
 from frontend.async_core_client import AsyncEngineCoreClient
 from frontend.core_client import DEFAULT_MAX_STALL_S, EngineDeadError
+from frontend.generation_config import model_stop_token_ids
 from frontend.output_collector import RequestOutputCollector
 from frontend.outputs import RequestOutput
 from frontend.prompts import PromptType, check_sampling_params
@@ -36,7 +37,8 @@ class AsyncLLM:
         self._shutdown = weakref.finalize(self, self.client.shutdown)
         self.info = self.client.info
         self.tokenizer = load_tokenizer(model or self.info.model)
-        self.router = RequestRouter(self.client, self.tokenizer, self.info)
+        self.router = RequestRouter(self.client, self.tokenizer, self.info,
+                                    model_stop_token_ids(model or self.info.model, self.tokenizer.eos_token_id))
         self.output_handler: asyncio.Task | None = None
 
     @property

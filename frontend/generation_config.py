@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from ipc.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve.generation_config")
@@ -45,6 +47,27 @@ def load_generation_defaults(model_dir: str, mode: str = "auto") -> dict[str, fl
         logger.info("sampling defaults from %s for requests that leave them out: %s (--generation-config vllm "
                     "turns them off)", folder / FILE_NAME, defaults)
     return defaults
+
+
+def model_stop_token_ids(model_dir: str, tokenizer_eos: int | None) -> list[int]:
+    """The end-of-sequence ids of the model's generation_config.json besides the tokenizer's EOS (a chat model's
+    end-of-turn token): vLLM adds them to every request's stop_token_ids, and so do we; none without a readable
+    file. They apply whatever --generation-config says: they say where the model stops, not how it samples."""
+    try:
+        eos = _read(Path(model_dir) / FILE_NAME).get("eos_token_id")
+    except ValueError:
+        return []
+    ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    return [i for i in dict.fromkeys(ids) if isinstance(i, int) and not isinstance(i, bool) and i >= 0
+            and i != tokenizer_eos]
+
+
+def with_stop_token_ids(params: SamplingParams, ids: list[int]) -> SamplingParams:
+    """`params` stopping at `ids` too (as at EOS: not with ignore_eos)."""
+    if not ids or params.ignore_eos:
+        return params
+    own = params.stop_token_ids or []
+    return msgspec.structs.replace(params, stop_token_ids=own + [i for i in ids if i not in own])
 
 
 def apply_generation_defaults(fields: Mapping[str, Any], defaults: Mapping[str, float | int]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from frontend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from frontend.connect import connect_engine
-from frontend.generation_config import load_generation_defaults
+from frontend.generation_config import load_generation_defaults, model_stop_token_ids
 from frontend.outputs import RequestOutput
 from frontend.prompts import PromptType, check_sampling_params, tokenize_prompt
 from frontend.request_group import FinalOutputs
@@ -34,7 +34,8 @@ class LLM:
         self._shutdown = weakref.finalize(self, self.client.shutdown)
         self.info = self.client.info
         self.tokenizer = load_tokenizer(model or self.info.model)
-        self.router = RequestRouter(self.client, self.tokenizer, self.info)
+        self.router = RequestRouter(self.client, self.tokenizer, self.info,
+                                    model_stop_token_ids(model or self.info.model, self.tokenizer.eos_token_id))
         self.default_sampling_params = SamplingParams(**load_generation_defaults(model or self.info.model,
                                                                                   generation_config))
         self._request_counter = itertools.count()

@@ -8,6 +8,7 @@ import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from frontend.core_client import request_error
+from frontend.generation_config import with_stop_token_ids
 from frontend.output_processor import OutputProcessor
 from frontend.prompts import PromptType, check_sampling_params, engine_request, prompt_text
 from frontend.request_group import OutputCallback, RequestGroup, child_params
@@ -23,8 +24,10 @@ class EngineSender(Protocol):
 
 
 class RequestRouter:
-    def __init__(self, client: EngineSender, tokenizer: PreTrainedTokenizerBase, info: EngineInfo) -> None:
+    def __init__(self, client: EngineSender, tokenizer: PreTrainedTokenizerBase, info: EngineInfo,
+                 model_stop_token_ids: list[int] | None = None) -> None:
         self.client, self.tokenizer, self.info = client, tokenizer, info
+        self.model_stop_token_ids = model_stop_token_ids or []  # the generation config's other EOS ids
         self.output_processor = OutputProcessor(tokenizer)
         self.groups: dict[str, RequestGroup] = {}
         self.children: dict[str, tuple[RequestGroup, int]] = {}  # engine request id → (its group, sample index)
@@ -36,6 +39,7 @@ class RequestRouter:
         check_sampling_params(params)
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        params = with_stop_token_ids(params, self.model_stop_token_ids)
         group = RequestGroup(request_id, params, on_output)
         first = engine_request(self.tokenizer, self.info, group.child_ids[0], prompt, child_params(params, 0),
                                priority)  # tokenized and validated once for all n

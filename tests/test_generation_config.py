@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from frontend import LLM, SamplingParams
-from frontend.generation_config import apply_generation_defaults, load_generation_defaults
+from frontend.generation_config import (
+    apply_generation_defaults, load_generation_defaults, model_stop_token_ids, with_stop_token_ids)
 
 RECOMMENDED = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
                "max_new_tokens": 64}
@@ -93,3 +94,29 @@ def test_llm_samples_as_the_models_generation_config_unless_told_otherwise(llama
     assert len(greedy.outputs[0].token_ids) <= 5 and greedy.outputs[0].token_ids == again.outputs[0].token_ids
     plain = LLM(str(model), dtype="float32", in_process=True, generation_config="vllm").default_sampling_params
     assert plain == SamplingParams()
+
+
+def test_the_generation_configs_other_eos_ids_are_stop_tokens(tmp_path):
+    assert model_stop_token_ids(str(_folder(tmp_path, {"eos_token_id": [0, 7, 7, True, -1, "x", 9]})), 0) == [7, 9]
+    assert model_stop_token_ids(str(_folder(tmp_path, {"eos_token_id": 5}, "one")), 0) == [5]
+    assert model_stop_token_ids(str(_folder(tmp_path, {"eos_token_id": 0}, "same")), 0) == []
+    assert model_stop_token_ids(str(_folder(tmp_path, "{broken", "broken")), 0) == []
+    assert model_stop_token_ids(str(tmp_path / "nowhere"), 0) == []
+    assert with_stop_token_ids(SamplingParams(stop_token_ids=[9, 3]), [7, 9]).stop_token_ids == [9, 3, 7]
+    assert with_stop_token_ids(SamplingParams(ignore_eos=True), [7]).stop_token_ids is None
+
+
+def test_a_request_stops_at_the_generation_configs_end_of_turn_token(llama_model, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(llama_model, model)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    [free] = LLM(str(model), dtype="float32", in_process=True).generate("Once upon a time", greedy, use_tqdm=False)
+    tokens = free.outputs[0].token_ids
+    end = next(i for i, t in enumerate(tokens) if i > 0 and t not in tokens[:i])  # its first occurrence
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, tokens[end]]}))
+    llm = LLM(str(model), dtype="float32", in_process=True)
+    [stopped] = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert stopped.outputs[0].token_ids == tokens[:end + 1]
+    assert (stopped.outputs[0].finish_reason, stopped.outputs[0].stop_reason) == ("stop", tokens[end])
+    [through] = llm.generate("Once upon a time", greedy, use_tqdm=False)  # ignore_eos runs past it, as past EOS
+    assert through.outputs[0].token_ids == tokens
