@@ -9,9 +9,8 @@ import json
 import os
 import shutil
 import sys
-import sysconfig
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,8 @@ import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+from launch.demo_corpus import stdlib_sources
 
 MAKER_VERSION = 1
 MARKER_FILE = "pagedserve_model.json"
@@ -45,7 +46,6 @@ INIT_STD = 0.15
 ROPE_PARAMETERS = {"rope_theta": 10000.0, "rope_type": "default"}
 
 CORPUS_BYTES = 3_000_000
-SKIPPED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
 MULTILINGUAL_REPEATS = 100
 MULTILINGUAL_TEXT = """\
 Le café de l'hôtel était déjà fermé ; où est passé le garçon ? Élève, façade, naïve, cœur.
@@ -102,8 +102,13 @@ def make_model(
 
 def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer with ChatML template; training runs once per vocab size per process."""
+    return hf_tokenizer(_trained_bpe(vocab_size))
+
+
+def hf_tokenizer(bpe: Tokenizer) -> PreTrainedTokenizerFast:
+    """`bpe` as a transformers tokenizer: <|endoftext|> as bos, eos and pad, and the ChatML template."""
     return PreTrainedTokenizerFast(
-        tokenizer_object=_trained_bpe(vocab_size),
+        tokenizer_object=bpe,
         bos_token=ENDOFTEXT,
         eos_token=ENDOFTEXT,
         pad_token=ENDOFTEXT,
@@ -171,7 +176,7 @@ def _write_model(folder: Path, spec: dict[str, Any]) -> None:
     tokenizer.model_max_length = size.max_positions
     kwargs = _config_kwargs(spec["arch"], size, len(tokenizer)) | spec["overrides"]
     config = AutoConfig.for_model(spec["arch"], **kwargs)
-    with _quiet_transformers(), torch.random.fork_rng(devices=[]):
+    with quiet_transformers(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec["seed"])
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         if spec.get("random_biases"):
@@ -222,7 +227,7 @@ def _config_kwargs(arch: str, size: SizeSpec, tokenizer_vocab: int) -> dict[str,
 
 
 @contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     previous = transformers.logging.get_verbosity()
     had_progress_bars = transformers.logging.is_progress_bar_enabled()
     transformers.logging.set_verbosity_error()
@@ -237,6 +242,11 @@ def _quiet_transformers() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=None)
 def _trained_bpe(vocab_size: int) -> Tokenizer:
+    return bpe_tokenizer(vocab_size, _training_texts())
+
+
+def bpe_tokenizer(vocab_size: int, texts: Iterable[str]) -> Tokenizer:
+    """A byte-level BPE with Qwen2's pre-tokenizer and the special tokens, trained on `texts`."""
     # AutoTokenizer rebuilds a qwen2 tokenizer with Qwen2's own normalizer and pre-tokenizer, ignoring
     # tokenizer.json; using that same pipeline for every arch keeps all four tokenizing alike.
     bpe = Tokenizer(models.BPE())
@@ -254,26 +264,20 @@ def _trained_bpe(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(_training_texts(), trainer=trainer)
+    bpe.train_from_iterator(texts, trainer=trainer)
     return bpe
 
 
 def _training_texts() -> Iterator[str]:
     """The first few MB of the running Python's stdlib sources, then a multilingual paragraph."""
     budget = CORPUS_BYTES
-    for path in _stdlib_sources():
+    for path in stdlib_sources():
         text = path.read_text(encoding="utf-8", errors="replace")
         yield text
         budget -= len(text)
         if budget <= 0:
             break
     yield from [MULTILINGUAL_TEXT] * MULTILINGUAL_REPEATS
-
-
-def _stdlib_sources() -> Iterator[Path]:
-    for dirpath, dirnames, filenames in os.walk(sysconfig.get_paths()["stdlib"]):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIPPED_STDLIB_DIRS)
-        yield from (Path(dirpath, name) for name in sorted(filenames) if name.endswith(".py"))
 
 
 def main(argv: list[str] | None = None) -> int:

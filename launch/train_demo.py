@@ -1,0 +1,257 @@
+"""Train the demo model (or its draft) on the stdlib corpus: seeded, resumable from checkpoints, exported as bf16.
+
+    python -m launch.train_demo --model demo   # then --model draft; see the README for the recorded run
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from kernels.cpu_features import cpu_has_native_bf16
+from launch.demo_corpus import SourceFile, chat_pairs, split, stdlib_files
+from launch.make_model import (
+    ENDOFTEXT_ID, IM_END, IM_START, ROPE_PARAMETERS, bpe_tokenizer, hf_tokenizer, quiet_transformers)
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "demo"  # the committed weights: demo/model and demo/draft
+HELD_OUT_FRACTION = 0.02
+TOKENIZER_VOCAB = 4096
+
+
+@dataclass(frozen=True)
+class Recipe:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    context: int  # trained sequence length, and the served max_model_len
+    batch: int  # sequences per step
+    steps: int
+    lr: float
+    warmup: int
+
+
+RECIPES = {
+    "demo": Recipe(hidden=256, layers=6, heads=8, kv_heads=4, intermediate=768, context=512, batch=16, steps=3000,
+                   lr=2e-3, warmup=150),
+    "draft": Recipe(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=384, context=512, batch=16, steps=1500,
+                    lr=3e-3, warmup=100),
+}
+
+
+def default_checkpoint_dir(name: str) -> Path:
+    cache = os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve"
+    return Path(cache).expanduser() / "train-demo" / name
+
+
+# -- data -----------------------------------------------------------------------------------------------------------
+def chat_text(question: str, answer: str) -> str:
+    return f"{IM_START}user\n{question}{IM_END}\n{IM_START}assistant\n{answer}{IM_END}\n"
+
+
+def training_documents(files: list[SourceFile]) -> list[str]:
+    """Each training file, then the chat examples drawn from the training files."""
+    return [f.text for f in files] + [chat_text(q, a) for f in files for q, a in chat_pairs(f)]
+
+
+def make_tokenizer(train_files: list[SourceFile]) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on the training split alone, with the ChatML template."""
+    return hf_tokenizer(bpe_tokenizer(TOKENIZER_VOCAB, (f.text for f in train_files)))
+
+
+def token_stream(tokenizer: Tokenizer, documents: list[str]) -> torch.Tensor:
+    """All documents as one int32 stream, each followed by <|endoftext|>."""
+    ids: list[int] = []
+    for encoding in tokenizer.encode_batch(documents, add_special_tokens=False):
+        ids.extend(encoding.ids)
+        ids.append(ENDOFTEXT_ID)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def batch_at(stream: torch.Tensor, step: int, batch: int, context: int, seed: int) -> torch.Tensor:
+    """Step `step`'s windows of context + 1 tokens at seeded random offsets: the same on a resumed run."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(stream) - context - 1, (batch,), generator=generator)
+    return torch.stack([stream[s:s + context + 1] for s in starts.tolist()]).long()
+
+
+def held_out_windows(stream: torch.Tensor, context: int, max_windows: int) -> torch.Tensor:
+    """Consecutive windows from the start of the held-out stream (the same every evaluation)."""
+    count = min(max_windows, (len(stream) - 1) // context)
+    return torch.stack([stream[i * context:i * context + context + 1] for i in range(count)]).long()
+
+
+# -- model and training ---------------------------------------------------------------------------------------------
+def model_config(recipe: Recipe, vocab_size: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=recipe.hidden, num_hidden_layers=recipe.layers,
+                       num_attention_heads=recipe.heads, num_key_value_heads=recipe.kv_heads,
+                       intermediate_size=recipe.intermediate, max_position_embeddings=recipe.context,
+                       rope_parameters=dict(ROPE_PARAMETERS), tie_word_embeddings=True, initializer_range=0.02,
+                       bos_token_id=ENDOFTEXT_ID, eos_token_id=ENDOFTEXT_ID, pad_token_id=ENDOFTEXT_ID,
+                       dtype="float32")
+
+
+def learning_rate(recipe: Recipe, step: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak at the last step."""
+    if step < recipe.warmup:
+        return recipe.lr * (step + 1) / recipe.warmup
+    progress = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
+    return recipe.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def loss_of(model: LlamaForCausalLM, windows: torch.Tensor, autocast: bool) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=windows[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
+
+
+@torch.no_grad()
+def held_out_loss(model: LlamaForCausalLM, windows: torch.Tensor, autocast: bool) -> float:
+    model.eval()
+    losses = [loss_of(model, windows[i:i + 8], autocast).item() * len(windows[i:i + 8])
+              for i in range(0, len(windows), 8)]
+    model.train()
+    return sum(losses) / len(windows)
+
+
+class Trainer:
+    """One model's run: its data, model, optimizer and step, saved to and resumed from a checkpoint."""
+
+    def __init__(self, name: str, recipe: Recipe, checkpoint_dir: Path, seed: int, files: list[SourceFile]) -> None:
+        self.name, self.recipe, self.seed, self.checkpoint_dir = name, recipe, seed, checkpoint_dir
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        train_files, held_files = split(files, HELD_OUT_FRACTION, seed)
+        if not held_files:
+            raise SystemExit(f"no held-out file among {len(files)}: use more files")
+        self.tokenizer = self._tokenizer(train_files)
+        bpe = self.tokenizer.backend_tokenizer
+        self.train_stream = token_stream(bpe, training_documents(train_files))
+        self.held_out = held_out_windows(token_stream(bpe, [f.text for f in held_files]), recipe.context, 64)
+        self.autocast = cpu_has_native_bf16()
+        torch.manual_seed(seed)
+        with quiet_transformers():
+            self.model = LlamaForCausalLM(model_config(recipe, len(self.tokenizer)))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.1)
+        self.step, self.seconds, self.log = 0, 0.0, []
+        self._resume()
+
+    def _tokenizer(self, train_files: list[SourceFile]) -> PreTrainedTokenizerFast:
+        """The shared tokenizer: trained once, kept beside the checkpoints, reused by the draft."""
+        folder = self.checkpoint_dir.parent / f"tokenizer-seed{self.seed}"
+        if not (folder / "tokenizer.json").exists():
+            make_tokenizer(train_files).save_pretrained(folder, save_jinja_files=False)
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+
+    def _resume(self) -> None:
+        path = self.checkpoint_dir / "checkpoint.pt"
+        if not path.exists():
+            return
+        state = torch.load(path, weights_only=True)
+        if state["recipe"] != asdict(self.recipe) or state["seed"] != self.seed:
+            raise SystemExit(f"{path} is from another recipe or seed; remove it to start over")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.seconds, self.log = state["step"], state["seconds"], json.loads(state["log"])
+        print(f"resumed {self.name} at step {self.step} ({self.seconds / 60:.1f} min trained)", flush=True)
+
+    def save_checkpoint(self) -> None:
+        path = self.checkpoint_dir / "checkpoint.pt"
+        torch.save({"recipe": asdict(self.recipe), "seed": self.seed, "model": self.model.state_dict(),
+                    "optimizer": self.optimizer.state_dict(), "step": self.step, "seconds": self.seconds,
+                    "log": json.dumps(self.log)}, path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)
+
+    def train(self, checkpoint_every_s: float, eval_every: int, stop_at: int | None = None) -> None:
+        """Train to the recipe's last step (or to `stop_at`, leaving a checkpoint to resume from)."""
+        recipe, last_save = self.recipe, time.monotonic()
+        last = min(recipe.steps, stop_at) if stop_at is not None else recipe.steps
+        print(f"{self.name}: {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M parameters, "
+              f"{len(self.train_stream) / 1e6:.2f}M training tokens, {self.held_out.numel() / 1e3:.0f}k held-out "
+              f"tokens, bf16 autocast: {self.autocast}", flush=True)
+        self.model.train()
+        while self.step < last:
+            start = time.monotonic()
+            for group in self.optimizer.param_groups:
+                group["lr"] = learning_rate(recipe, self.step)
+            loss = loss_of(self.model, batch_at(self.train_stream, self.step, recipe.batch, recipe.context,
+                                                self.seed), self.autocast)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            self.step += 1
+            self.seconds += time.monotonic() - start
+            if self.step % eval_every == 0 or self.step == recipe.steps:
+                self._record(loss.item())
+            if time.monotonic() - last_save >= checkpoint_every_s:
+                self.save_checkpoint()
+                last_save = time.monotonic()
+        self.save_checkpoint()
+
+    def _record(self, train_loss: float) -> None:
+        held = held_out_loss(self.model, self.held_out, self.autocast)
+        tokens = self.step * self.recipe.batch * self.recipe.context
+        self.log.append({"step": self.step, "minutes": round(self.seconds / 60, 2), "tokens": tokens,
+                         "train_loss": round(train_loss, 4), "held_out_loss": round(held, 4)})
+        print(f"{self.name} step {self.step}/{self.recipe.steps} {self.seconds / 60:.1f} min {tokens / 1e6:.2f}M tok "
+              f"train {train_loss:.3f} held-out {held:.3f} (ppl {math.exp(held):.1f})", flush=True)
+
+    def export(self, out: Path) -> None:
+        """The trained model as a HuggingFace folder: bf16 safetensors, tokenizer, chat template, stop tokens."""
+        out.mkdir(parents=True, exist_ok=True)
+        im_end = self.tokenizer.convert_tokens_to_ids(IM_END)
+        self.model.generation_config = GenerationConfig(bos_token_id=ENDOFTEXT_ID, eos_token_id=[ENDOFTEXT_ID, im_end],
+                                                        pad_token_id=ENDOFTEXT_ID)
+        self.model.config.dtype = torch.bfloat16
+        self.model.to(torch.bfloat16).save_pretrained(out)
+        self.model.float()
+        self.tokenizer.model_max_length = self.recipe.context
+        self.tokenizer.save_pretrained(out, save_jinja_files=False)
+        (out / "training_log.json").write_text(json.dumps({"recipe": asdict(self.recipe), "seed": self.seed,
+                                                           "log": self.log}, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.train_demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=tuple(RECIPES), default="demo")
+    parser.add_argument("--steps", type=int, help="train this many steps instead of the recipe's (the cosine "
+                        "schedule spans them)")
+    parser.add_argument("--out", type=Path, help="export folder (default: the shipped launch/demo/<model>)")
+    parser.add_argument("--checkpoint-dir", type=Path, help="default: ~/.cache/pagedserve/train-demo/<model>")
+    parser.add_argument("--checkpoint-minutes", type=float, default=10.0)
+    parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
+    parser.add_argument("--stop-at-step", type=int, help="checkpoint and exit at this step (resume later)")
+    parser.add_argument("--max-files", type=int, help="train on the first N stdlib files only (a smoke run)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    recipe = RECIPES[args.model]
+    if args.steps is not None:
+        recipe = Recipe(**{**asdict(recipe), "steps": args.steps, "warmup": min(recipe.warmup, max(1, args.steps // 10))})
+    checkpoint_dir = args.checkpoint_dir or default_checkpoint_dir(args.model)
+    trainer = Trainer(args.model, recipe, checkpoint_dir, args.seed, stdlib_files(args.max_files))
+    trainer.train(args.checkpoint_minutes * 60, min(args.eval_every, recipe.steps), args.stop_at_step)
+    if trainer.step < recipe.steps:
+        print(f"stopped at step {trainer.step} of {recipe.steps}: run again to resume")
+        return 0
+    out = args.out or SHIPPED_DIR / args.model
+    trainer.export(out)
+    print(f"exported {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

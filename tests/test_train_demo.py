@@ -1,0 +1,36 @@
+"""The demo model's training script: a short seeded run learns, resumes from its checkpoint exactly, and exports a
+model folder the engine and HF transformers load."""
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from launch import train_demo
+
+SMOKE = ["--model", "draft", "--steps", "12", "--max-files", "150", "--eval-every", "6"]
+
+
+def test_a_short_run_learns_resumes_exactly_and_exports(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert train_demo.main([*SMOKE, "--checkpoint-dir", str(tmp_path / "a"), "--out", str(straight)]) == 0
+    assert train_demo.main([*SMOKE, "--checkpoint-dir", str(tmp_path / "b"), "--stop-at-step", "6"]) == 0
+    assert not resumed.exists()
+    assert train_demo.main([*SMOKE, "--checkpoint-dir", str(tmp_path / "b"), "--out", str(resumed)]) == 0
+
+    log = json.loads((straight / "training_log.json").read_text())["log"]
+    assert [entry["step"] for entry in log] == [6, 12]
+    assert log[-1]["held_out_loss"] < math.log(train_demo.TOKENIZER_VOCAB) - 1.0  # it learned something
+    weights, again = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert weights.keys() == again.keys() and all(torch.equal(weights[k], again[k]) for k in weights)
+    assert all(tensor.dtype == torch.bfloat16 for tensor in weights.values())
+
+    tokenizer = AutoTokenizer.from_pretrained(straight)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    generation = json.loads((straight / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
