@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -152,24 +154,41 @@ class Trainer:
             make_tokenizer(train_files).save_pretrained(folder, save_jinja_files=False)
         return PreTrainedTokenizerFast.from_pretrained(folder)
 
+    @property
+    def _checkpoint_path(self) -> Path:
+        return self.checkpoint_dir / "checkpoint.safetensors"
+
     def _resume(self) -> None:
-        path = self.checkpoint_dir / "checkpoint.pt"
+        path = self._checkpoint_path
         if not path.exists():
             return
-        state = torch.load(path, weights_only=True)
-        if state["recipe"] != asdict(self.recipe) or state["seed"] != self.seed:
+        with safe_open(path, "pt") as checkpoint:
+            meta = json.loads(checkpoint.metadata()["trainer"])
+            tensors = {key: checkpoint.get_tensor(key) for key in checkpoint.keys()}
+        if meta["recipe"] != asdict(self.recipe) or meta["seed"] != self.seed:
             raise SystemExit(f"{path} is from another recipe or seed; remove it to start over")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.step, self.seconds, self.log = state["step"], state["seconds"], json.loads(state["log"])
+        with torch.no_grad():
+            for name, parameter in self.model.named_parameters():
+                parameter.copy_(tensors[f"model.{name}"])
+        state = {int(index): {key: tensors[f"optimizer.{index}.{key}"] for key in keys}
+                 for index, keys in meta["optimizer_state_keys"].items()}
+        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        self.step, self.seconds, self.log = meta["step"], meta["seconds"], meta["log"]
         print(f"resumed {self.name} at step {self.step} ({self.seconds / 60:.1f} min trained)", flush=True)
 
     def save_checkpoint(self) -> None:
-        path = self.checkpoint_dir / "checkpoint.pt"
-        torch.save({"recipe": asdict(self.recipe), "seed": self.seed, "model": self.model.state_dict(),
-                    "optimizer": self.optimizer.state_dict(), "step": self.step, "seconds": self.seconds,
-                    "log": json.dumps(self.log)}, path.with_suffix(".tmp"))
-        os.replace(path.with_suffix(".tmp"), path)
+        """Weights and optimizer moments as safetensors, the rest as JSON metadata: no pickle in a checkpoint."""
+        optimizer = self.optimizer.state_dict()
+        tensors = {f"model.{name}": p.detach() for name, p in self.model.named_parameters()}  # tied weights once
+        tensors |= {f"optimizer.{index}.{key}": value for index, state in optimizer["state"].items()
+                    for key, value in state.items()}
+        meta = {"recipe": asdict(self.recipe), "seed": self.seed, "step": self.step, "seconds": self.seconds,
+                "log": self.log, "param_groups": optimizer["param_groups"],
+                "optimizer_state_keys": {index: list(state) for index, state in optimizer["state"].items()}}
+        temporary = self._checkpoint_path.with_suffix(".tmp")
+        save_file({key: value.contiguous() for key, value in tensors.items()}, temporary,
+                  metadata={"trainer": json.dumps(meta)})
+        os.replace(temporary, self._checkpoint_path)
 
     def train(self, checkpoint_every_s: float, eval_every: int, stop_at: int | None = None) -> None:
         """Train to the recipe's last step (or to `stop_at`, leaving a checkpoint to resume from)."""

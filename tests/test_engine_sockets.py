@@ -266,10 +266,9 @@ def test_no_message_is_ever_pickled(llama_model, tmp_path, monkeypatch):
     (tmp_path / "sitecustomize.py").write_text(_PICKLE_GUARD)
     log = tmp_path / "pickle.log"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    guard: dict = {}
-    exec(_PICKLE_GUARD, guard)  # the same guard in this (front-end) process
     for name in ("dumps", "loads", "dump", "load", "Pickler", "Unpickler"):
-        monkeypatch.setattr(pickle, name, getattr(guard["pickle"], name))
+        monkeypatch.setattr(pickle, name, getattr(pickle, name))  # restored after the test: the guard patches pickle
+    exec(_PICKLE_GUARD, {})  # the same guard in this (front-end) process
     monkeypatch.setenv("PAGEDSERVE_PICKLE_LOG", str(tmp_path / "self-check.log"))
     pickle.loads(pickle.dumps(1))
     assert (tmp_path / "self-check.log").read_text().count("used by pid") == 2  # the guard does see pickle
