@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -10,12 +10,15 @@ from core.kv_cache_manager import KVCacheManager
 from core.profiler import EngineProfiler
 from core.request import Request
 from core.scheduler import Scheduler
-from ipc import EngineConfig, EngineCoreOutput, EngineCoreRequest, EngineInfo, SchedulerStats
+from ipc import EngineConfig, EngineCoreOutput, EngineCoreRequest, EngineInfo, FinishReason, SchedulerStats
 from ipc.request_rules import context_room
 from workers.executor import Executor, InProcessExecutor
 from workers.model_config import check_parallel_sizes, load_hf_config, model_max_len
 
+if TYPE_CHECKING:
+    from core.structured_output.manager import StructuredOutputManager
 
+_IDLE_COMPILE_WAIT_S = 0.05  # with only grammars compiling, the loop checks its inputs this often
 UTILITY_METHODS = frozenset({"get_info", "get_stats", "check_health"})
 # Callable only when the engine's config allows them (EngineInfo.privileged_utilities lists those it does).
 PROFILER_METHODS = frozenset({"start_profile", "stop_profile"})
@@ -35,6 +38,7 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, self.config.block_size,
                                                self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager)
+        self._structured: StructuredOutputManager | None = None  # made for the first constrained request
         self._arrivals = itertools.count()
         self.profiler = None if config.profiler_dir is None else EngineProfiler(
             config.profiler_dir, config.profiler_max_seconds, config.profiler_max_steps)
@@ -57,17 +61,33 @@ class EngineCore:
         return limit is not None and len(self.scheduler.waiting) >= limit
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self.scheduler.requests
+        return request_id in self.scheduler.requests or (
+            self._structured is not None and request_id in self._structured.pending)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request that passed validate_request."""
+        """Queue a request that passed validate_request (a constrained one once its grammar has compiled)."""
         room = context_room(self.info, len(request.prompt_token_ids))
         max_tokens = min(request.sampling_params.max_tokens or room, room)
-        self.scheduler.add_request(Request(request, next(self._arrivals), max_tokens))
+        queued = Request(request, next(self._arrivals), max_tokens)
+        if request.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(queued)
+        else:
+            self.structured.add(queued)
+
+    @property
+    def structured(self) -> StructuredOutputManager:
+        if self._structured is None:
+            from core.structured_output.manager import StructuredOutputManager  # xgrammar: only when used
+
+            self._structured = StructuredOutputManager(self.config.tokenizer or self.config.model, self.vocab_size,
+                                                       self.config.structured_outputs_compile_timeout)
+        return self._structured
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Finish these requests and free their blocks; a final ABORT output for each one still running."""
-        return self.scheduler.abort_requests(request_ids)
+        compiling = [r for r in request_ids if self._structured is not None and self._structured.abort(r)]
+        return [EngineCoreOutput(request_id=r, new_token_ids=[], finish_reason=FinishReason.ABORT)
+                for r in compiling] + self.scheduler.abort_requests(request_ids)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -109,18 +129,32 @@ class EngineCore:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        """Requests to run, or batches still executing (whose outputs must be collected even if all aborted)."""
-        return self.scheduler.has_unfinished_requests() or bool(self.scheduler.in_flight)
+        """Requests to run or compiling their grammar, or batches still executing (whose outputs must be collected
+        even if all aborted)."""
+        return (self.scheduler.has_unfinished_requests() or bool(self.scheduler.in_flight)
+                or (self._structured is not None and bool(self._structured.pending)))
 
     def step(self) -> list[EngineCoreOutput]:
         """Keep the executor's batches in flight (pp of them under pipeline parallelism, else one), then collect
         the oldest one's new tokens (finished requests carry a finish_reason)."""
+        outputs = self._admit_compiled()
         self._fill_pipeline()
         if self.profiler is not None:
             self.profiler.on_step()
         if not self.scheduler.in_flight:
+            if self._structured is not None:
+                self._structured.wait(_IDLE_COMPILE_WAIT_S)  # nothing to run until a grammar is ready
+            return outputs
+        return outputs + self.scheduler.update_from_output(self.executor.collect_output())
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Constrained requests whose grammar is ready join the scheduler; failed or late ones end with an error."""
+        if self._structured is None or not self._structured.pending:
             return []
-        return self.scheduler.update_from_output(self.executor.collect_output())
+        ready, failed = self._structured.admit()
+        for request in ready:
+            self.scheduler.add_request(request)
+        return failed
 
     def _fill_pipeline(self) -> None:
         """A request in flight has no token to compute until its batch returns, so each batch holds other
@@ -130,9 +164,13 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens == 0:
                 return
+            if self._structured is not None:
+                scheduler_output.grammar_bitmask = self._structured.bitmask(scheduler_output, self.scheduler.requests)
             self.executor.submit_batch(scheduler_output)
 
     def shutdown(self) -> None:
+        if self._structured is not None:
+            self._structured.shutdown()
         self.executor.shutdown()
 
 

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import enum
 
+from typing import TYPE_CHECKING
+
 from ipc import EngineCoreRequest, FinishReason, PromptLogprobs, SamplingParams
+
+if TYPE_CHECKING:
+    from core.structured_output.backends import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +66,8 @@ class Request:
         self.unsent_token_ids: list[int] = []
         # Prompt logprobs computed so far, chunk by chunk, until they go out with the first output.
         self.pending_prompt_logprobs: PromptLogprobs | None = None
+        # Its structured-output matcher (core/structured_output), attached once its grammar has compiled.
+        self.grammar: RequestGrammar | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +98,8 @@ class Request:
         """The finished status the last sampled token leads to, if any."""
         params, token = self.sampling_params, self.output_token_ids[-1]
         num_out = len(self.output_token_ids)
+        if self.grammar is not None and self.grammar.is_terminated:  # the grammar's end wins over min_tokens
+            return RequestStatus.FINISHED_STOPPED
         if num_out >= params.min_tokens:
             if token == self.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED

@@ -160,6 +160,10 @@ class Scheduler:
             if request is None:
                 continue
             request.append_output_token(token_id)
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                outputs.append(self._fail(request, f"token {token_id} breaks the request's structured_outputs "
+                                          "constraint: its bad_words left the grammar no allowed token"))
+                continue
             stopped = request.check_stop(self.max_model_len)
             if stopped is not None:
                 self._finish(request, stopped)

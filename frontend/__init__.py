@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from frontend.core_client import EngineCoreClient, EngineDeadError, RequestFailedError
     from frontend.llm import LLM
     from frontend.outputs import CompletionOutput, Logprob, RequestOutput
-    from ipc import RequestOutputKind, SamplingParams
+    from ipc import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # Loaded on first use (PEP 562), so that a program embedding only the client library loads neither
 # transformers nor the LLM machinery.
@@ -21,12 +21,12 @@ _HOMES = {
     "BeamSearchSequence": "frontend.beam_search", "CompletionOutput": "frontend.outputs",
     "EngineCoreClient": "frontend.core_client", "EngineDeadError": "frontend.core_client", "LLM": "frontend.llm",
     "Logprob": "frontend.outputs", "RequestOutput": "frontend.outputs", "RequestFailedError": "frontend.core_client",
-    "RequestOutputKind": "ipc", "SamplingParams": "ipc",
+    "RequestOutputKind": "ipc", "SamplingParams": "ipc", "StructuredOutputsParams": "ipc",
 }
 
 __all__ = ["AsyncEngineCoreClient", "AsyncLLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
            "CompletionOutput", "EngineCoreClient", "EngineDeadError", "LLM", "Logprob", "RequestOutput",
-           "RequestFailedError", "RequestOutputKind", "SamplingParams"]
+           "RequestFailedError", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str) -> Any:

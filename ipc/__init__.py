@@ -19,6 +19,7 @@ from ipc.messages import (
 )
 from ipc.sampling_params import RequestOutputKind, SamplingParams
 from ipc.serialization import Decoder, Encoder
+from ipc.structured_outputs import GrammarBitmask, StructuredOutputsParams
 from ipc.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -32,6 +33,7 @@ __all__ = [
     "CachedRequestData",
     "Decoder",
     "Encoder",
+    "GrammarBitmask",
     "EngineCoreInput",
     "EngineCoreOutputs",
     "EngineDead",
@@ -53,5 +55,6 @@ __all__ = [
     "RequestOutputKind",
     "SamplingParams",
     "SchedulerOutput",
+    "StructuredOutputsParams",
     "parse_memory_size",
 ]

@@ -59,6 +59,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_cache_reset: bool = False
     # The most top alternatives a request may ask for per token (logprobs, prompt_logprobs), as vLLM's flag.
     max_logprobs: NumLogprobs = 20
+    # Where the vocabulary's token strings come from, for grammars (None: the model folder).
+    tokenizer: str | None = None
+    # A request whose structured_outputs constraint takes longer to compile fails with an error (HTTP 400).
+    structured_outputs_compile_timeout: Annotated[float, Meta(gt=0.0, le=3600.0)] = 10.0
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):

@@ -17,7 +17,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
-    ERROR = "error"  # the engine failed on this request alone (it ends with a RequestError of kind "failed")
+    ERROR = "error"  # the request ends with a RequestError: "failed" (the engine, on it alone) or "invalid" (its input)
 
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True, tag="add"):
@@ -50,6 +50,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_cached_tokens: Count = 0
     prompt_logprobs: PromptLogprobs | None = None  # the whole prompt's, on the request's first output
     error: str | None = None  # why, when finish_reason is ERROR
+    error_kind: str = "failed"  # the RequestError kind it ends with: "invalid" when its input was at fault
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -158,6 +159,6 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
         failed = [o for o in outputs if o.finish_reason == FinishReason.ERROR]
         if not failed:
             return cls(outputs=outputs, timestamp=timestamp)
-        errors = [RequestError(request_id=o.request_id, message=o.error or "failed", kind="failed") for o in failed]
+        errors = [RequestError(request_id=o.request_id, message=o.error or "failed", kind=o.error_kind) for o in failed]
         return cls(outputs=[o for o in outputs if o.finish_reason != FinishReason.ERROR], errors=errors,
                    timestamp=timestamp)

@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from ipc.bounds import INT32_MAX, MAX_VOCAB_ENTRIES, Fraction, Int64, TokenId, check_fields
+from ipc.structured_outputs import StructuredOutputsParams
 
 MAX_N = 1024
 MAX_TEMPERATURE = 100.0  # past this every distribution is flat to float precision; Infinity is refused
@@ -65,6 +66,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     bad_words: Annotated[list[Text], Meta(max_length=MAX_BAD_WORDS)] | None = None
     # The bad words as token-id sequences: set by the front end, which owns the tokenizer.
     bad_words_token_ids: Annotated[list[BadWordTokens], Meta(max_length=2 * MAX_BAD_WORDS)] | None = None
+    # The output must satisfy this (a JSON schema, regex, choice or grammar): the engine masks every other token.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -5,6 +5,7 @@ import msgspec
 
 from ipc.bounds import Count, TokenId
 from ipc.sampling_params import SamplingParams
+from ipc.structured_outputs import GrammarBitmask
 
 
 class NewRequestData(msgspec.Struct, kw_only=True):
@@ -38,6 +39,7 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     num_scheduled_tokens: dict[str, Count]
     total_num_scheduled_tokens: Count
     finished_req_ids: list[str]
+    grammar_bitmask: GrammarBitmask | None = None  # the allowed tokens of constrained requests sampled this step
 
 
 class PromptLogprobs(msgspec.Struct):

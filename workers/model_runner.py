@@ -13,11 +13,12 @@ import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from ipc import EngineConfig, ModelRunnerOutput, NewRequestData, PromptLogprobs, SamplingParams, SchedulerOutput
+from ipc import (
+    EngineConfig, GrammarBitmask, ModelRunnerOutput, NewRequestData, PromptLogprobs, SamplingParams, SchedulerOutput)
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
 from workers.layers.attention import Attention, AttentionMetadata, DecodeMetadata, StepMetadata
-from workers.layers.sampler import Penalties, Sampler, SamplingMetadata, gather_logprobs
+from workers.layers.sampler import GrammarRows, Penalties, Sampler, SamplingMetadata, gather_logprobs
 from workers.model_loader import load_model
 from workers.pinned_staging import PinnedStaging
 from workers.request_state import CachedRequestState
@@ -142,7 +143,7 @@ class ModelRunner:
             return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs, failed=failed)
         if len(rows) < len(inputs.sampled_req_ids):
             logits = logits[rows]
-        output = self._sample(logits, [inputs.sampled_req_ids[row] for row in rows])
+        output = self._sample(logits, [inputs.sampled_req_ids[row] for row in rows], scheduler_output.grammar_bitmask)
         output.prompt_logprobs = prompt_logprobs
         output.failed.update(failed)
         return output
@@ -228,24 +229,28 @@ class ModelRunner:
         array = np.ascontiguousarray(array, dtype=np.int64)
         return torch.from_numpy(array) if self.staging is None else self.staging.to_device(array)
 
-    def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> ModelRunnerOutput:
+    def _sample(self, logits: torch.Tensor, req_ids: list[str], bitmask: GrammarBitmask | None) -> ModelRunnerOutput:
         """Sample the batch; if that fails, sample each request alone, so that only the one at fault fails (the
         sampler leaves its inputs untouched when it raises)."""
         try:
-            return self._sample_batch(logits, req_ids)
+            return self._sample_batch(logits, req_ids, bitmask)
         except Exception:
             logger.exception("sampling %d requests together failed; sampling each alone", len(req_ids))
         outputs = []
         for row, req_id in enumerate(req_ids):
             failed: dict[str, str] = {}
             with _fails_alone(req_id, failed):
-                outputs.append(self._sample_batch(logits[row:row + 1], [req_id]))
+                outputs.append(self._sample_batch(logits[row:row + 1], [req_id], bitmask))
             outputs.append(ModelRunnerOutput(sampled_token_ids={}, failed=failed))
         return _merged(outputs)
 
-    def _sample_batch(self, logits: torch.Tensor, req_ids: list[str]) -> ModelRunnerOutput:
+    def _sample_batch(self, logits: torch.Tensor, req_ids: list[str], bitmask: GrammarBitmask | None
+                      ) -> ModelRunnerOutput:
         states = [self.requests[r] for r in req_ids]
-        out = self.sampler(logits, self._sampling_metadata(states))
+        meta = self._sampling_metadata(states)
+        if bitmask is not None:
+            meta.grammar = _grammar_rows(bitmask, req_ids, self.device)
+        out = self.sampler(logits, meta)
         logprobs = {req_ids[row]: value for row, value in out.logprobs.items()}
         return ModelRunnerOutput(
             sampled_token_ids=dict(zip(req_ids, out.token_ids)),
@@ -270,6 +275,16 @@ class ModelRunner:
             num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None},
             penalties=_penalties(states, device),
             logit_bias={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias} or None)
+
+
+def _grammar_rows(bitmask: GrammarBitmask, req_ids: list[str], device: torch.device) -> GrammarRows | None:
+    """The bitmask rows of the requests in this batch, by their row in it."""
+    index = {req_id: i for i, req_id in enumerate(bitmask.req_ids)}
+    rows = [row for row, req_id in enumerate(req_ids) if req_id in index]
+    if not rows:
+        return None
+    packed = torch.frombuffer(bytearray(bitmask.packed), dtype=torch.int32).view(-1, bitmask.words_per_row)
+    return GrammarRows(rows, packed[[index[req_ids[row]] for row in rows]].to(device))
 
 
 @contextlib.contextmanager

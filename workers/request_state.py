@@ -35,7 +35,7 @@ class CachedRequestState:
         would complete (a one-token bad word always; transformers' NoBadWordsLogitsProcessor rule)."""
         params = self.sampling_params
         banned = []
-        if self.num_output_tokens < params.min_tokens:
+        if self.num_output_tokens < params.min_tokens and params.structured_outputs is None:  # the grammar ends it
             banned += params.stop_token_ids or []
             if self.eos_token_id is not None and not params.ignore_eos:
                 banned.append(self.eos_token_id)

@@ -34,15 +34,11 @@ def _one_of(*harmless: Any) -> Callable[[Any, Mapping], bool]:
     return lambda value, body: value is None or any(value == h and type(value) is type(h) for h in harmless)
 
 
-_STRUCTURED = "structured output (JSON schema, regex, choice, grammar) is not implemented yet"
 _TOOLS = "tool calling is not implemented yet"
 # Each field's rule and why it cannot be ignored; vLLM's extra fields among them. Fields that change nothing
 # here are accepted: parallel_tool_calls (no tools), length_penalty and early_stopping (beam search only),
 # guided_decoding_backend, priority, user, metadata, store, service_tier, reasoning_effort, prediction.
 COMMON = {
-    "structured_outputs": Rule(_STRUCTURED),
-    **{name: Rule(_STRUCTURED) for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
-    "response_format": Rule(f"only {{'type': 'text'}}: {_STRUCTURED}", _one_of({"type": "text"})),
     "logits_processors": Rule("the server loads no custom logits processors", _one_of([])),
     "vllm_xargs": Rule("the server loads no custom logits processors to read them", _one_of({})),
     "use_beam_search": Rule("beam search is offered by LLM.beam_search only", _one_of(False)),
@@ -117,6 +113,25 @@ class StreamOptions(_Strict):
     refused_fields = {"continuous_usage_stats": Rule("usage comes in the stream's last chunk only", _one_of(False))}
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_asked(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("json_schema", "json_schema is given with type 'json_schema', and only then",
+                                      {"field": "json_schema"})
+        return self
+
+
 class SamplingFields(_Strict):
     """Fields both endpoints share; top_k, min_p, min_tokens, ignore_eos... are vLLM's extra fields."""
 
@@ -143,6 +158,13 @@ class SamplingFields(_Strict):
     bad_words: SP["bad_words"] = None
     cache_salt: str | None = None  # requests with different salts never share cached KV blocks
     prompt_logprobs: SP["prompt_logprobs"] = None  # vLLM's extra field; refused (COMMON) until returned
+    # The output's constraint: OpenAI's response_format, vLLM's structured_outputs or its older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):

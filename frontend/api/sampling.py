@@ -4,11 +4,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import msgspec
+
 from frontend.api.errors import APIError
-from frontend.api.protocol import ChatCompletionRequest, SamplingFields
+from frontend.api.protocol import ChatCompletionRequest, ResponseFormat, SamplingFields
 from frontend.generation_config import apply_generation_defaults
 from frontend.tokenizer import check_text
-from ipc import RequestOutputKind, SamplingParams
+from ipc import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,38 @@ def sampling_params(request: SamplingFields, limits: ServerLimits,
     try:
         # A response that is not streamed needs only the end: no per-step outputs to build in the gateway.
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        return SamplingParams(n=request.n, max_tokens=max_tokens, seed=request.seed, output_kind=kind, **fields)
+        return SamplingParams(n=request.n, max_tokens=max_tokens, seed=request.seed, output_kind=kind,
+                              structured_outputs=structured_outputs(request), **fields)
     except ValueError as error:
         param = str(error).removeprefix("SamplingParams.").split(" ", 1)[0]
         raise APIError(400, str(error).removeprefix("SamplingParams."), param) from error
+
+
+def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | None:
+    """The one constraint a request may carry, from whichever field carries it (a 400 if two do)."""
+    given = {"response_format": _response_format(request.response_format),
+             "structured_outputs": request.structured_outputs}
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(request, f"guided_{kind}")
+        given[f"guided_{kind}"] = None if value is None else {kind: value}
+    given = {name: fields for name, fields in given.items() if fields is not None}
+    if len(given) > 1:
+        raise APIError(400, f"one output constraint at a time: got {', '.join(given)}", list(given)[1])
+    if not given:
+        return None
+    [(name, fields)] = given.items()
+    try:
+        return msgspec.convert(fields, StructuredOutputsParams)
+    except (msgspec.ValidationError, ValueError) as error:
+        raise APIError(400, f"{name}: {error}", name) from None
+
+
+def _response_format(response_format: ResponseFormat | None) -> dict | None:
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return {"json_object": True}
+    return {"json": response_format.json_schema.schema_}
 
 
 def check_limits(request: SamplingFields, limits: ServerLimits, num_prompts: int = 1) -> None:

@@ -19,6 +19,14 @@ class Penalties:
 
 
 @dataclass
+class GrammarRows:
+    """Rows whose tokens a grammar restricts: bit j of word w in packed[i] allows token 32 * w + j in rows[i]."""
+
+    rows: list[int]
+    packed: torch.Tensor  # [len(rows), words] int32, on the logits' device
+
+
+@dataclass
 class SamplingMetadata:
     """One row per request being sampled this step; its tensors are on the logits' device."""
 
@@ -31,6 +39,7 @@ class SamplingMetadata:
     num_logprobs: dict[int, int]  # row → how many top logprobs the request asked for
     penalties: Penalties | None = None
     logit_bias: dict[int, dict[int, float]] | None = None  # row → token id → bias
+    grammar: GrammarRows | None = None  # rows under a structured-output constraint, and their allowed tokens
 
     @property
     def all_greedy(self) -> bool:
@@ -62,6 +71,8 @@ class Sampler:
         # Logprobs are those of the model's own distribution (vLLM's default): before bias, penalties,
         # bans and temperature, whatever the token was then sampled from.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
+        if meta.grammar is not None:
+            _apply_grammar(logits, meta.grammar)
         for row, bias in (meta.logit_bias or {}).items():
             logits[row, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
         if meta.penalties is not None:
@@ -101,7 +112,7 @@ class _SavedInputs:
     """What sampling changes in place: the rows that get a bias, penalty or ban, and the generators' states."""
 
     def __init__(self, logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Generator) -> None:
-        rows = set(meta.logit_bias or ()) | set(meta.banned_token_ids)
+        rows = set(meta.logit_bias or ()) | set(meta.banned_token_ids) | set(meta.grammar.rows if meta.grammar else ())
         rows.update(meta.penalties.rows if meta.penalties is not None else ())
         self.rows = sorted(rows)
         self.logits = logits[self.rows].clone() if self.rows else None
@@ -112,6 +123,17 @@ class _SavedInputs:
             logits[self.rows] = self.logits
         for generator, state in self.generators:
             generator.set_state(state)
+
+
+def _apply_grammar(logits: torch.Tensor, grammar: GrammarRows) -> None:
+    """In place: every token the grammar does not allow gets -inf (tokens past the mask's words too)."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((grammar.packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    rows = torch.tensor(grammar.rows, device=logits.device)
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def _apply_penalties(logits: torch.Tensor, penalties: Penalties) -> None:

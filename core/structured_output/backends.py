@@ -1,0 +1,156 @@
+"""The grammar backends behind one matcher interface: xgrammar (the default) and llguidance (JSON schemas with
+keywords xgrammar cannot enforce). Both fill the same packed int32 bitmask rows."""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Protocol
+
+import numpy as np
+import xgrammar
+
+from core.structured_output.routing import json_schema_backend
+from ipc import StructuredOutputsParams
+
+# xgrammar prefixes its messages with "[time] /path/file.cc:line: "; a client needs only what follows.
+_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+class RequestGrammar(Protocol):
+    """One request's place in its grammar. Once the grammar is complete only stop tokens are allowed; the
+    request ends when one is accepted (even under ignore_eos)."""
+
+    def accept(self, token_id: int) -> bool: ...
+
+    @property
+    def is_terminated(self) -> bool: ...
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None: ...
+
+
+class CompiledConstraint(Protocol):
+    def matcher(self, stop_token_ids: list[int]) -> RequestGrammar: ...
+
+
+class Backends:
+    """Compiles a constraint with the backend that can enforce it; each backend's vocabulary tables are built on
+    first use. Called from the compiling thread only."""
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int) -> None:
+        self.tokenizer_dir, self.vocab_size = tokenizer_dir, vocab_size
+        self._tokenizer: Any = None
+        self._xgrammar: xgrammar.GrammarCompiler | None = None
+        self._guidance: Any = None
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledConstraint:
+        """The compiled constraint, or ValueError with the backend's own message."""
+        if params.kind == "json" and json_schema_backend(json.loads(params.spec)) == "guidance":
+            return self._compile_guidance(params)
+        try:
+            return _XGrammarCompiled(self._compile_xgrammar(params))
+        except (RuntimeError, ValueError, TypeError) as error:
+            raise ValueError(f"structured_outputs.{params.kind} could not be compiled: "
+                             f"{_LOCATION.sub('', str(error)).strip()}") from None
+
+    def _compile_xgrammar(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        compiler = self._xgrammar_compiler()
+        if params.kind in ("json", "json_object"):
+            schema = params.spec if params.kind == "json" else '{"type": "object"}'
+            return compiler.compile_json_schema(schema, any_whitespace=not params.disable_any_whitespace)
+        if params.kind == "regex":
+            return compiler.compile_regex(params.regex)
+        if params.kind == "choice":
+            return compiler.compile_grammar(choice_grammar(params.choice))
+        return compiler.compile_grammar(params.grammar)
+
+    def _compile_guidance(self, params: StructuredOutputsParams) -> CompiledConstraint:
+        import llguidance
+
+        options = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False} \
+            if params.disable_any_whitespace else {"whitespace_flexible": True}  # as xgrammar writes JSON
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(params.spec, defaults=options)
+        template = llguidance.LLMatcher(self._guidance_tokenizer(), grammar)
+        if template.is_error():
+            raise ValueError(f"structured_outputs.json could not be compiled: {template.get_error()}")
+        return _GuidanceCompiled(template, self._hf_tokenizer().eos_token_id)
+
+    def _hf_tokenizer(self) -> Any:
+        """The vocabulary's token strings come from the tokenizer files (the engine never tokenizes text)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+        return self._tokenizer
+
+    def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
+        if self._xgrammar is None:
+            info = xgrammar.TokenizerInfo.from_huggingface(self._hf_tokenizer(), vocab_size=self.vocab_size)
+            self._xgrammar = xgrammar.GrammarCompiler(info, max_threads=1)
+        return self._xgrammar
+
+    def _guidance_tokenizer(self) -> Any:
+        if self._guidance is None:
+            import llguidance.hf
+
+            self._guidance = llguidance.hf.from_tokenizer(self._hf_tokenizer(), n_vocab=self.vocab_size)
+        return self._guidance
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose only sentences are the choices (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+
+
+class _XGrammarCompiled:
+    def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
+        self.compiled = compiled
+
+    def matcher(self, stop_token_ids: list[int]) -> RequestGrammar:
+        return _XGrammarMatcher(xgrammar.GrammarMatcher(self.compiled, override_stop_tokens=stop_token_ids or None))
+
+
+class _XGrammarMatcher:
+    def __init__(self, matcher: xgrammar.GrammarMatcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class _GuidanceCompiled:
+    """llguidance ends a grammar with the tokenizer's EOS token (a request's other stop ids are not offered)."""
+
+    def __init__(self, template: Any, eos_token_id: int | None) -> None:
+        self.template, self.eos_token_id = template, eos_token_id
+
+    def matcher(self, stop_token_ids: list[int]) -> RequestGrammar:
+        return _GuidanceMatcher(self.template.deep_copy(), self.eos_token_id)
+
+
+class _GuidanceMatcher:
+    def __init__(self, matcher: Any, eos_token_id: int | None) -> None:
+        self.matcher, self.eos_token_id = matcher, eos_token_id
+        self.ended = False
+
+    def accept(self, token_id: int) -> bool:
+        accepted = self.matcher.consume_token(token_id)
+        # llguidance stops as soon as only EOS can follow; the request ends on the EOS itself, as under xgrammar,
+        # so that its last token is a stop token (whose text the front end leaves out), never content.
+        self.ended = accepted and token_id == self.eos_token_id and self.matcher.is_stopped()
+        return accepted
+
+    @property
+    def is_terminated(self) -> bool:
+        return self.ended
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        import llguidance.numpy
+
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)

@@ -1,0 +1,98 @@
+"""The engine core's structured output: requests wait off the scheduler until their grammar compiles (or fails, or
+times out), then each holds a matcher that its sampled tokens advance and that fills its row of the step's mask."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+
+import numpy as np
+
+from core.request import Request
+from core.structured_output.compiler import GrammarCompiler
+from ipc import EngineCoreOutput, FinishReason, GrammarBitmask, SchedulerOutput
+
+
+@dataclass
+class _Pending:
+    request: Request
+    future: Future
+    deadline: float
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer_dir: str, vocab_size: int, compile_timeout_s: float) -> None:
+        self.compiler = GrammarCompiler(tokenizer_dir, vocab_size)
+        self.words_per_row = (vocab_size + 31) // 32
+        self.compile_timeout_s = compile_timeout_s
+        self.pending: dict[str, _Pending] = {}
+
+    def add(self, request: Request) -> None:
+        """Start compiling the request's constraint; it joins the scheduler once `admit` finds it compiled."""
+        future = self.compiler.compile(request.sampling_params.structured_outputs)
+        self.pending[request.request_id] = _Pending(request, future, time.monotonic() + self.compile_timeout_s)
+
+    def abort(self, request_id: str) -> bool:
+        """Forget a request still waiting for its grammar; False if it is not waiting."""
+        return self._forget(request_id)
+
+    def _forget(self, request_id: str) -> bool:
+        """Drop a waiting request; its compile is cancelled if it has not started and no other request waits."""
+        pending = self.pending.pop(request_id, None)
+        if pending is None:
+            return False
+        if all(other.future is not pending.future for other in self.pending.values()):
+            pending.future.cancel()
+        return True
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a pending compile finishes, or a deadline or `timeout_s` passes (nothing else to run)."""
+        if self.pending:
+            deadline = min(p.deadline for p in self.pending.values())
+            wait([p.future for p in self.pending.values()], timeout=max(0.0, min(timeout_s, deadline - time.monotonic())),
+                 return_when=FIRST_COMPLETED)
+
+    def admit(self) -> tuple[list[Request], list[EngineCoreOutput]]:
+        """(requests whose grammar is ready, with their matcher attached; final outputs of those that failed)."""
+        ready, failed, now = [], [], time.monotonic()
+        for request_id, pending in list(self.pending.items()):
+            if pending.future.done():
+                del self.pending[request_id]
+                error = pending.future.exception()
+                if error is None:
+                    pending.request.grammar = pending.future.result().matcher(_stop_tokens(pending.request))
+                    ready.append(pending.request)
+                else:
+                    failed.append(_invalid(request_id, str(error)))
+            elif now >= pending.deadline:
+                self._forget(request_id)
+                kind = pending.request.sampling_params.structured_outputs.kind
+                failed.append(_invalid(request_id, f"structured_outputs.{kind} took longer than "
+                                       f"{self.compile_timeout_s:g} s to compile (--structured-outputs-compile-timeout)"))
+        return ready, failed
+
+    def bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> GrammarBitmask | None:
+        """Rows for the constrained requests that sample in this step (their scheduled tokens reach the end)."""
+        sampling = [request for req_id in scheduler_output.num_scheduled_tokens
+                    if (request := requests[req_id]).grammar is not None
+                    and request.num_computed_tokens == request.num_tokens]
+        if not sampling:
+            return None
+        rows = np.zeros((len(sampling), self.words_per_row), dtype=np.int32)
+        for row, request in enumerate(sampling):
+            request.grammar.fill(rows, row)
+        return GrammarBitmask(req_ids=[r.request_id for r in sampling], words_per_row=self.words_per_row,
+                              packed=rows.astype("<i4", copy=False).tobytes())
+
+    def shutdown(self) -> None:
+        self.compiler.shutdown()
+
+
+def _stop_tokens(request: Request) -> list[int]:
+    stops = list(request.sampling_params.stop_token_ids or ())
+    return stops + [request.eos_token_id] if request.eos_token_id is not None else stops
+
+
+def _invalid(request_id: str, message: str) -> EngineCoreOutput:
+    return EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=message,
+                            error_kind="invalid")

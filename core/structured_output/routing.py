@@ -1,0 +1,47 @@
+"""Which backend compiles a JSON schema: xgrammar, unless the schema uses a keyword xgrammar drops or gets wrong;
+then llguidance, which enforces it or refuses it by name (never silently ignores it)."""
+from __future__ import annotations
+
+from typing import Any
+
+# Keywords xgrammar 0.2 enforces correctly (checked against its generated grammars), and annotations that
+# constrain nothing. minLength/maxLength are missing on purpose: xgrammar then lets raw control characters into
+# the string, which is not JSON.
+XGRAMMAR_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "patternProperties", "items", "prefixItems",
+    "minItems", "maxItems", "enum", "const", "anyOf", "$ref", "$defs", "definitions", "minimum", "maximum",
+    "exclusiveMinimum", "exclusiveMaximum", "pattern", "format",
+    "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
+    "writeOnly"})
+XGRAMMAR_FORMATS = frozenset({
+    "date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference", "uuid",
+    "json-pointer"})
+# Where a schema holds subschemas: one, a list of them, or a name → subschema map.
+_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+        "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def json_schema_backend(schema: dict[str, Any]) -> str:
+    """"xgrammar" when it enforces every keyword of the schema, else "guidance"."""
+    return "xgrammar" if all(_xgrammar_enforces(s) for s in subschemas(schema)) else "guidance"
+
+
+def _xgrammar_enforces(schema: dict[str, Any]) -> bool:
+    format_ok = schema.get("format") is None or schema.get("format") in XGRAMMAR_FORMATS
+    return format_ok and XGRAMMAR_KEYWORDS.issuperset(schema)
+
+
+def subschemas(schema: Any) -> list[dict[str, Any]]:
+    """The schema and every schema nested in it (iteratively: a hostile schema may nest deeper than the stack)."""
+    found, stack = [], [schema]
+    while stack:
+        current = stack.pop()
+        if not isinstance(current, dict):
+            continue
+        found.append(current)
+        stack += [current[key] for key in _ONE if isinstance(current.get(key), dict)]
+        stack += [item for key in _LIST if isinstance(current.get(key), list) for item in current[key]]
+        stack += [item for key in _MAP if isinstance(current.get(key), dict) for item in current[key].values()]
+    return found

@@ -1,0 +1,73 @@
+"""StructuredOutputsParams: the constraint a request's output must satisfy (vLLM's names), and the step's masks."""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from ipc.bounds import check_fields
+
+MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex or grammar's text: far past any real one, bounded for the engine
+MAX_CHOICES = 4096
+
+ConstraintText = Annotated[str, Meta(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Exactly one of: a JSON schema (`json`, an object or its JSON text), a `regex` the whole output matches, a
+    `choice` of literal strings, an EBNF/GBNF `grammar` (root rule `root`), or `json_object` (any JSON object)."""
+
+    json: dict[str, Any] | ConstraintText | None = None
+    regex: ConstraintText | None = None
+    choice: Annotated[list[Annotated[str, Meta(max_length=MAX_CONSTRAINT_CHARS)]],
+                      Meta(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: ConstraintText | None = None
+    json_object: bool = False
+    # JSON is written with single spaces after "," and ":" and no other whitespace unless this is False (then any
+    # amount is allowed, which lets a weak model fill max_tokens with blanks): a default on purpose unlike vLLM's.
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, "structured_outputs.")
+        chosen = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(KINDS)}; got "
+                             f"{', '.join(chosen) or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as error:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {error}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("structured_outputs.json must be a JSON schema: a JSON object")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text: a canonical JSON schema, the regex, the choices as JSON, or the grammar."""
+        value = getattr(self, self.kind)
+        if self.kind == "json":
+            value = json.loads(value) if isinstance(value, str) else value
+            return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        if self.kind == "choice":
+            return json.dumps(value, ensure_ascii=False)
+        return "" if value is True else value
+
+    @property
+    def cache_key(self) -> tuple[str, str, bool]:
+        return self.kind, self.spec, self.disable_any_whitespace
+
+
+class GrammarBitmask(msgspec.Struct, kw_only=True):
+    """The step's allowed tokens for each constrained request that samples in it: row i (int32 words, bit j of
+    word w allows token 32 * w + j) belongs to req_ids[i]."""
+
+    req_ids: list[str]
+    words_per_row: int
+    packed: bytes  # little-endian int32, len(req_ids) * words_per_row of them

@@ -1,0 +1,210 @@
+"""Structured output: every constrained output satisfies its JSON schema, regex, choice or grammar; bad constraints
+and slow ones fail their request alone; the gateway takes response_format, structured_outputs and guided_*."""
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+import torch
+
+from conftest import AUTH, assert_all_blocks_free
+from core.engine_core import EngineCore
+from core.structured_output.routing import json_schema_backend
+from frontend import LLM, SamplingParams, StructuredOutputsParams
+from ipc import EngineConfig, EngineCoreRequest, FinishReason
+from workers.layers.sampler import GrammarRows, _apply_grammar
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                               "minItems": 1, "maxItems": 3}},
+     "required": ["tags"]},
+    {"type": "object", "properties": {"point": {"$ref": "#/$defs/point"}, "ratio": {"type": "number",
+                                                                                   "minimum": -1, "maximum": 1}},
+     "required": ["point", "ratio"], "$defs": {"point": {"type": "object", "required": ["x", "y"], "properties": {
+         "x": {"type": "integer", "minimum": -99, "maximum": 99},
+         "y": {"type": "integer", "exclusiveMinimum": 0, "maximum": 9}}}}},
+    {"anyOf": [{"type": "string", "pattern": "^[A-Z][a-z]{1,5}$"}, {"type": "boolean"}, {"type": "null"}]},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date"},
+                                      "id": {"type": "string", "format": "uuid"}}, "required": ["when", "id"]},
+]
+REGEX = r"[a-z]{2,4}-\d{2}( [A-Z]+)?"
+CHOICES = ["yes", "no", 'a "quoted"\nchoice', "déjà vu"]
+ARITHMETIC = 'root ::= expr\nexpr ::= term (("+" | "*") term)*\nterm ::= "0" | [1-9] [0-9]{0,2} | "(" expr ")"'
+
+
+@pytest.fixture(scope="module")
+def llm(llama_model):
+    llm = LLM(llama_model, dtype="float32", max_model_len=512)
+    yield llm
+    llm.shutdown()
+
+
+def _sample(llm: LLM, constraint: StructuredOutputsParams, count: int, **params) -> list[str]:
+    sampling = [SamplingParams(structured_outputs=constraint, max_tokens=120, temperature=1.0, seed=seed, **params)
+                for seed in range(count)]
+    outputs = llm.generate(["Here it is:"] * count, sampling, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "stop" for o in outputs), [o.outputs[0].text for o in outputs]
+    return [o.outputs[0].text for o in outputs]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["object", "array-enum", "ref-number", "anyof-pattern", "format"])
+def test_sampled_json_validates_against_its_schema(llm, schema):
+    for text in _sample(llm, StructuredOutputsParams(json=schema), 6):
+        jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
+    assert_all_blocks_free(llm)
+
+
+def test_regex_choice_grammar_and_json_object(llm):
+    assert all(re.fullmatch(REGEX, text) for text in _sample(llm, StructuredOutputsParams(regex=REGEX), 6))
+    assert all(text in CHOICES for text in _sample(llm, StructuredOutputsParams(choice=CHOICES), 6))
+    for text in _sample(llm, StructuredOutputsParams(grammar=ARITHMETIC), 6):
+        tree = ast.parse(text, mode="eval")
+        assert {type(node) for node in ast.walk(tree)} <= {ast.Expression, ast.BinOp, ast.Add, ast.Mult,
+                                                          ast.Constant}, text
+    # Any object may nest or run on: random weights need not close one within max_tokens; a closed one parses.
+    outputs = llm.generate(["Here it is:"] * 8, [SamplingParams(structured_outputs=StructuredOutputsParams(
+        json_object=True), max_tokens=60, temperature=1.0, seed=seed) for seed in range(8)], use_tqdm=False)
+    finished = [o.outputs[0].text for o in outputs if o.outputs[0].finish_reason == "stop"]
+    assert finished and all(isinstance(json.loads(text), dict) for text in finished)
+    assert all(o.outputs[0].text.startswith("{") for o in outputs)
+
+
+def test_constraints_hold_with_n_penalties_min_tokens_and_preemption(llama_model):
+    llm = LLM(llama_model, dtype="float32", max_model_len=256, num_kv_blocks=24, block_size=16)
+    schema = {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "minItems": 25, "maxItems": 25}
+    params = SamplingParams(n=2, structured_outputs=StructuredOutputsParams(json=schema), max_tokens=200,
+                            temperature=1.0, seed=1, repetition_penalty=1.3, min_tokens=2)
+    try:
+        outputs = llm.generate([f"{i} {i + 1} prompt" * 8 for i in range(6)], params, use_tqdm=False)
+        for output in outputs:
+            assert len(output.outputs) == 2
+            for sample in output.outputs:
+                jsonschema.validate(json.loads(sample.text), schema)
+        assert llm.get_stats().num_preemptions > 0
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_schemas_go_to_the_backend_that_enforces_every_keyword():
+    assert json_schema_backend(SCHEMAS[1]) == json_schema_backend(SCHEMAS[2]) == "xgrammar"
+    assert json_schema_backend(SCHEMAS[0]) == "guidance"  # maxLength: xgrammar would let control characters in
+    nested = {"type": "object", "properties": {"a": {"type": "array", "items": {"uniqueItems": True}}}}
+    assert json_schema_backend(nested) == "guidance"
+    assert json_schema_backend({"type": "string", "format": "idn-email"}) == "guidance"
+    assert json_schema_backend({"properties": {"not": {"type": "string"}}}) == "xgrammar"  # a name, not a keyword
+
+
+@pytest.mark.parametrize("constraint, message", [
+    (dict(regex="(a"), "structured_outputs.regex could not be compiled: Regex parsing error"),
+    (dict(grammar="root ::= ("), "structured_outputs.grammar could not be compiled: EBNF parser error"),
+    (dict(json={"type": "object", "properties": 5}), "structured_outputs.json could not be compiled"),
+    (dict(json={"type": "array", "uniqueItems": True}), 'Unimplemented keys: ["uniqueItems"]'),
+    (dict(json={"type": "string", "format": "no-such-format"}), "Unknown format: no-such-format"),
+])
+def test_a_bad_constraint_fails_its_request_alone_with_the_parsers_message(llm, constraint, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(**constraint)), use_tqdm=False)
+    [fine] = llm.generate("x", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(fine.outputs[0].token_ids) == 3
+    assert_all_blocks_free(llm)
+
+
+def test_exactly_one_constraint_and_valid_json_text():
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="not valid JSON"):
+        StructuredOutputsParams(json="{")
+    assert StructuredOutputsParams(json='{"b": 1, "a": 2}').cache_key == StructuredOutputsParams(
+        json={"a": 2, "b": 1}).cache_key
+
+
+def _nested_any_of(depth: int) -> dict:
+    """A schema xgrammar takes seconds to compile at depth 7 (and ~30 s at 8) for this vocabulary."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"anyOf": [{"type": "object", "properties": {"a": schema, "b": schema}},
+                            {"type": "array", "items": schema}]}
+    return schema
+
+
+def test_a_slow_compile_times_out_and_an_abort_while_compiling_ends_the_request(llama_model):
+    engine = EngineCore(EngineConfig(model=llama_model, dtype="float32", max_model_len=256, num_kv_blocks=64,
+                                     structured_outputs_compile_timeout=0.3))
+    slow = SamplingParams(structured_outputs=StructuredOutputsParams(json=_nested_any_of(7)), max_tokens=4)
+    plain = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+    engine.add_request(EngineCoreRequest(request_id="slow", prompt_token_ids=[5, 6, 7], sampling_params=slow))
+    engine.add_request(EngineCoreRequest(request_id="also-slow", prompt_token_ids=[5, 6], sampling_params=slow))
+    engine.add_request(EngineCoreRequest(request_id="plain", prompt_token_ids=[1, 2, 3], sampling_params=plain))
+    assert [o.finish_reason for o in engine.abort_requests(["also-slow"])] == [FinishReason.ABORT]
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finish_reason is not None:
+                assert output.request_id not in finals  # exactly one final output each
+                finals[output.request_id] = output
+    assert set(finals) == {"slow", "plain"}
+    assert finals["slow"].finish_reason == FinishReason.ERROR and finals["slow"].error_kind == "invalid"
+    assert "took longer than 0.3 s to compile" in finals["slow"].error
+    assert finals["plain"].finish_reason == FinishReason.LENGTH
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
+    engine.shutdown()
+
+
+def test_the_grammar_mask_keeps_exactly_the_allowed_tokens():
+    vocab, generator = 70, torch.Generator().manual_seed(0)
+    allowed = torch.rand(2, vocab, generator=generator) < 0.3
+    words = torch.zeros(2, 3, dtype=torch.int64)
+    for row, token in allowed.nonzero().tolist():
+        words[row, token // 32] |= 1 << (token % 32)
+    packed = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # bit 31 is the sign bit
+    logits = torch.randn(3, vocab, generator=generator)
+    expected = logits.clone()
+    expected[[0, 2]] = expected[[0, 2]].masked_fill(~allowed, float("-inf"))
+    _apply_grammar(logits, GrammarRows(rows=[0, 2], packed=packed))
+    assert torch.equal(logits, expected)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMAS[0],
+                                                                "strict": True}}),
+    ("structured_outputs", {"json": SCHEMAS[0]}),
+    ("guided_json", SCHEMAS[0]),
+])
+def test_the_gateway_takes_each_way_of_asking_for_a_schema(client, llama_model, field, value):
+    completion = client.chat.completions.create(
+        model=llama_model, messages=[{"role": "user", "content": "Who?"}], max_tokens=100, seed=3,
+        **({"response_format": value} if field == "response_format" else {"extra_body": {field: value}}))
+    jsonschema.validate(json.loads(completion.choices[0].message.content), SCHEMAS[0])
+    assert completion.choices[0].finish_reason == "stop"
+
+
+def test_the_gateway_takes_choice_regex_json_object_and_refuses_bad_ones(server, llama_model):
+    url = server[1] + "/v1/completions"
+    for extra, check in [({"guided_choice": CHOICES}, lambda text: text in CHOICES),
+                         ({"guided_regex": REGEX}, lambda text: re.fullmatch(REGEX, text)),
+                         ({"response_format": {"type": "json_object"}}, lambda text: json.loads(text) is not None)]:
+        response = httpx.post(url, headers=AUTH, timeout=60, json={"model": llama_model, "prompt": "A:",
+                                                                   "max_tokens": 100, "seed": 0, **extra})
+        assert response.status_code == 200 and check(response.json()["choices"][0]["text"]), response.text
+    for extra, param, message in [
+        ({"guided_regex": "(a"}, None, "structured_outputs.regex could not be compiled"),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice", "one output constraint at a time"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "json_schema is given"),
+        ({"structured_outputs": {"json": "[1]"}}, "structured_outputs", "must be a JSON schema"),
+    ]:
+        response = httpx.post(url, headers=AUTH, timeout=60, json={"model": llama_model, "prompt": "A:", **extra})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert message in error["message"] and (param is None or error["param"] == param), error
+    assert httpx.get(server[1] + "/health").status_code == 200
