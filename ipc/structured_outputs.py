@@ -20,7 +20,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Exactly one of: a JSON schema (`json`, an object or its JSON text), a `regex` the whole output matches, a
     `choice` of literal strings, an EBNF/GBNF `grammar` (root rule `root`), or `json_object` (any JSON object)."""
 
-    json: dict[str, Any] | ConstraintText | None = None
+    json: dict[str, Any] | ConstraintText | None = None  # a dict is stored as its JSON text
     regex: ConstraintText | None = None
     choice: Annotated[list[Annotated[str, Meta(max_length=MAX_CONSTRAINT_CHARS)]],
                       Meta(min_length=1, max_length=MAX_CHOICES)] | None = None
@@ -36,7 +36,15 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if len(chosen) != 1:
             raise ValueError(f"structured_outputs must set exactly one of {', '.join(KINDS)}; got "
                              f"{', '.join(chosen) or 'none'}")
-        if isinstance(self.json, str):
+        if isinstance(self.json, dict):
+            # Carried as JSON text: any JSON value survives it (msgpack has no integers past 64 bits).
+            try:
+                self.json = json.dumps(self.json, allow_nan=False, ensure_ascii=False)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"structured_outputs.json is not JSON: {error}") from None
+            if len(self.json) > MAX_CONSTRAINT_CHARS:
+                raise ValueError(f"structured_outputs.json is over {MAX_CONSTRAINT_CHARS} characters as JSON")
+        if self.json is not None:
             try:
                 schema = json.loads(self.json)
             except ValueError as error:
@@ -53,8 +61,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         """The constraint as text: a canonical JSON schema, the regex, the choices as JSON, or the grammar."""
         value = getattr(self, self.kind)
         if self.kind == "json":
-            value = json.loads(value) if isinstance(value, str) else value
-            return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            return json.dumps(json.loads(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         if self.kind == "choice":
             return json.dumps(value, ensure_ascii=False)
         return "" if value is True else value

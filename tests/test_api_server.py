@@ -354,6 +354,8 @@ class _StubEngine:
         self.running: set[str] = set()
 
     def add_request(self, request_id: str, prompt, params, on_output, priority: int = 0) -> str:
+        if prompt.get("prompt") == "bug":
+            raise OverflowError("an injected bug")
         self.added += 1
         self.running.add(request_id)
         if prompt.get("prompt") == "fail":
@@ -404,6 +406,14 @@ def test_a_bug_in_a_route_is_a_json_500_and_its_traceback_logged(stub, caplog):
     error = response.json()["error"]
     assert error["type"] == "server_error" and "RuntimeError" in error["message"]
     assert wait_until(lambda: any(r.levelno == logging.ERROR and r.exc_info for r in caplog.records), timeout=5)
+
+
+def test_a_bug_on_a_kept_alive_connection_is_a_json_500_and_the_connection_serves_on(stub, caplog):
+    with httpx.Client(base_url=stub[1]) as http:
+        for _ in range(3):
+            response = http.post("/v1/completions", json={"model": "stub", "prompt": "bug"})
+            assert response.status_code == 500 and "OverflowError" in response.json()["error"]["message"]
+    assert any(r.levelno == logging.ERROR and r.exc_info for r in caplog.records)
 
 
 def test_a_request_the_engine_failed_on_is_a_json_500_without_a_gateway_traceback(stub, caplog):

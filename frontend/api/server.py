@@ -165,6 +165,12 @@ async def _cancel_on_disconnect(request: Request, handler) -> Response:
         logger.debug("%s %s: the client went away before the response; its request was aborted",
                      request.method, request.url.path)
         return Response(status_code=_CLIENT_CLOSED_REQUEST)
+    except Exception as error:  # a bug: answered here, as Starlette's handler would re-raise it and uvicorn then
+        # drops the keep-alive connection, so a client reusing it could read a reset instead of this 500
+        if engine_error(error) is not None or isinstance(error, APIError):
+            raise
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return APIError(500, f"internal error ({type(error).__name__}); the server log has the details").response()
     finally:
         watcher.cancel()
 
