@@ -68,6 +68,7 @@ class Request:
         self.pending_prompt_logprobs: PromptLogprobs | None = None
         # Its structured-output matcher (core/structured_output), attached once its grammar has compiled.
         self.grammar: RequestGrammar | None = None
+        self.grammar_error: str | None = None  # why its matcher failed: it ends with this error
 
     @property
     def num_tokens(self) -> int:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import logging
 from collections import deque
 
 from core.kv_cache_manager import KVCacheManager
@@ -17,6 +18,8 @@ from ipc import (
     SchedulerOutput,
     SchedulerStats,
 )
+
+logger = logging.getLogger("pagedserve.scheduler")
 
 
 class Scheduler:
@@ -160,9 +163,8 @@ class Scheduler:
             if request is None:
                 continue
             request.append_output_token(token_id)
-            if request.grammar is not None and not request.grammar.accept(token_id):
-                outputs.append(self._fail(request, f"token {token_id} breaks the request's structured_outputs "
-                                          "constraint: its bad_words left the grammar no allowed token"))
+            if request.grammar is not None and (error := _advance_grammar(request, token_id)) is not None:
+                outputs.append(self._fail(request, error))
                 continue
             stopped = request.check_stop(self.max_model_len)
             if stopped is not None:
@@ -235,3 +237,17 @@ class Scheduler:
                               kv_utilization_at_peak=self.kv_utilization_at_peak,
                               prefix_cache_queries=self.kv.prefix_cache_queries,
                               prefix_cache_hits=self.kv.prefix_cache_hits)
+
+
+def _advance_grammar(request: Request, token_id: int) -> str | None:
+    """Feed the sampled token to the request's matcher; why the request must fail, if it must."""
+    if request.grammar_error is not None:
+        return request.grammar_error
+    try:
+        if request.grammar.accept(token_id):
+            return None
+    except Exception as error:  # a backend bug fails this request alone
+        logger.exception("advancing the grammar of request %s failed", request.request_id)
+        return f"structured output failed: {type(error).__name__}: {error}"
+    return (f"token {token_id} breaks the request's structured_outputs constraint: its bad_words left the grammar "
+            "no allowed token")

@@ -160,6 +160,43 @@ def test_a_slow_compile_times_out_and_an_abort_while_compiling_ends_the_request(
     engine.shutdown()
 
 
+class _BrokenGrammar:
+    """A matcher whose backend fails: while filling the mask, or while accepting a token."""
+
+    def __init__(self, fails_in: str) -> None:
+        self.fails_in, self.is_terminated = fails_in, False
+
+    def fill(self, bitmask, row: int) -> None:
+        if self.fails_in == "fill":
+            raise RuntimeError("injected fill failure")
+        bitmask[row] = -1
+
+    def accept(self, token_id: int) -> bool:
+        if self.fails_in == "accept":
+            raise RuntimeError("injected accept failure")
+        return True
+
+
+@pytest.mark.parametrize("fails_in", ["fill", "accept"])
+def test_a_grammar_failing_mid_generation_ends_its_request_alone(llama_model, fails_in):
+    engine = EngineCore(EngineConfig(model=llama_model, dtype="float32", max_model_len=256, num_kv_blocks=64))
+    constrained = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"), max_tokens=8)
+    plain = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+    engine.add_request(EngineCoreRequest(request_id="broken", prompt_token_ids=[5, 6, 7], sampling_params=constrained))
+    engine.add_request(EngineCoreRequest(request_id="plain", prompt_token_ids=[1, 2, 3], sampling_params=plain))
+    finals = {}
+    while engine.has_unfinished_requests():
+        for request in list(engine.scheduler.requests.values()):
+            if request.grammar is not None and not isinstance(request.grammar, _BrokenGrammar):
+                request.grammar = _BrokenGrammar(fails_in)
+        finals |= {o.request_id: o for o in engine.step() if o.finish_reason is not None}
+    assert finals["broken"].finish_reason == FinishReason.ERROR
+    assert f"injected {fails_in} failure" in finals["broken"].error
+    assert finals["plain"].finish_reason == FinishReason.LENGTH
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
+    engine.shutdown()
+
+
 def test_the_grammar_mask_keeps_exactly_the_allowed_tokens():
     vocab, generator = 70, torch.Generator().manual_seed(0)
     allowed = torch.rand(2, vocab, generator=generator) < 0.3

@@ -2,6 +2,7 @@
 times out), then each holds a matcher that its sampled tokens advance and that fills its row of the step's mask."""
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ import numpy as np
 from core.request import Request
 from core.structured_output.compiler import GrammarCompiler
 from ipc import EngineCoreOutput, FinishReason, GrammarBitmask, SchedulerOutput
+
+logger = logging.getLogger("pagedserve.structured_output")
 
 
 @dataclass
@@ -48,8 +51,8 @@ class StructuredOutputManager:
     def wait(self, timeout_s: float) -> None:
         """Block until a pending compile finishes, or a deadline or `timeout_s` passes (nothing else to run)."""
         if self.pending:
-            deadline = min(p.deadline for p in self.pending.values())
-            wait([p.future for p in self.pending.values()], timeout=max(0.0, min(timeout_s, deadline - time.monotonic())),
+            until_deadline = min(p.deadline for p in self.pending.values()) - time.monotonic()
+            wait([p.future for p in self.pending.values()], timeout=max(0.0, min(timeout_s, until_deadline)),
                  return_when=FIRST_COMPLETED)
 
     def admit(self) -> tuple[list[Request], list[EngineCoreOutput]]:
@@ -68,7 +71,8 @@ class StructuredOutputManager:
                 self._forget(request_id)
                 kind = pending.request.sampling_params.structured_outputs.kind
                 failed.append(_invalid(request_id, f"structured_outputs.{kind} took longer than "
-                                       f"{self.compile_timeout_s:g} s to compile (--structured-outputs-compile-timeout)"))
+                                       f"{self.compile_timeout_s:g} s to compile "
+                                       "(--structured-outputs-compile-timeout)"))
         return ready, failed
 
     def bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> GrammarBitmask | None:
@@ -80,7 +84,12 @@ class StructuredOutputManager:
             return None
         rows = np.zeros((len(sampling), self.words_per_row), dtype=np.int32)
         for row, request in enumerate(sampling):
-            request.grammar.fill(rows, row)
+            try:
+                request.grammar.fill(rows, row)
+            except Exception as error:  # this request fails when its token comes back; the engine serves on
+                logger.exception("filling the token mask of request %s failed", request.request_id)
+                rows[row] = -1  # every token allowed for this one step
+                request.grammar_error = f"structured output failed: {type(error).__name__}: {error}"
         return GrammarBitmask(req_ids=[r.request_id for r in sampling], words_per_row=self.words_per_row,
                               packed=rows.astype("<i4", copy=False).tobytes())
 
