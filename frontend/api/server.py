@@ -6,7 +6,6 @@ Run by the launcher, one process per `--api-server-count`, all sharing one port 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import gc
 import hmac
@@ -18,14 +17,14 @@ from importlib.metadata import PackageNotFoundError, version
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from frontend.api.choices import RequestObservers
 from frontend.api.cli_args import CorsOptions, build_parser, cors_options
-from frontend.api.errors import APIError, engine_error, error_body, from_pydantic
+from frontend.api.errors import APIError, error_body
+from frontend.api.route_errors import add_error_handlers, cancel_on_disconnect
 from frontend.api.metrics import ServerMetrics
 from frontend.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from frontend.api.push import PushHttpToolsProtocol
@@ -39,7 +38,6 @@ from frontend.tokenizer import load_chat_template
 from ipc.lifeline import watch_lifeline
 
 logger = logging.getLogger("pagedserve.api")
-_CLIENT_CLOSED_REQUEST = 499  # nginx's status for it; never sent, the client is gone
 
 
 def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: str | None = None,
@@ -59,7 +57,7 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
     if cors is not None:  # added last, so outermost: a browser's preflight needs no API key
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
                            allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
-    _add_error_handlers(app)
+    add_error_handlers(app)
 
     @app.get("/health")
     async def health() -> Response:
@@ -101,11 +99,11 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _cancel_on_disconnect(request, serving.completions(body))
+        return await cancel_on_disconnect(request, serving.completions(body))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _cancel_on_disconnect(request, serving.chat(body))
+        return await cancel_on_disconnect(request, serving.chat(body))
 
     return app
 
@@ -118,61 +116,6 @@ def _utility_route(engine: AsyncLLM, method: str):
         except RuntimeError as error:  # e.g. the profiler is already running
             raise APIError(409, str(error), code="conflict") from error
     return call
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return error.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, error: RequestValidationError) -> JSONResponse:
-        return from_pydantic(list(error.errors())).response()
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, error: HTTPException) -> JSONResponse:
-        return JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code)
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
-        return engine_error(error).response()
-
-    @app.exception_handler(Exception)
-    async def bug(_: Request, error: Exception) -> JSONResponse:
-        # Starlette raises the error again after this response is sent, so uvicorn still logs its traceback.
-        return APIError(500, f"internal error ({type(error).__name__}); the server log has the details").response()
-
-
-async def _cancel_on_disconnect(request: Request, handler) -> Response:
-    """Run a handler, cancelling it (and so aborting its engine requests) if the client goes away first."""
-    task = asyncio.ensure_future(handler)
-    client_gone = False
-
-    async def watch() -> None:
-        nonlocal client_gone
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        client_gone = True
-        task.cancel()
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        return await task
-    except asyncio.CancelledError:
-        if not client_gone:  # the server itself is stopping this request
-            raise
-        # A client that gives up is routine, not a fault: no traceback (hundreds of them under load).
-        logger.debug("%s %s: the client went away before the response; its request was aborted",
-                     request.method, request.url.path)
-        return Response(status_code=_CLIENT_CLOSED_REQUEST)
-    except Exception as error:  # a bug: answered here, as Starlette's handler would re-raise it and uvicorn then
-        # drops the keep-alive connection, so a client reusing it could read a reset instead of this 500
-        if engine_error(error) is not None or isinstance(error, APIError):
-            raise
-        logger.exception("%s %s failed", request.method, request.url.path)
-        return APIError(500, f"internal error ({type(error).__name__}); the server log has the details").response()
-    finally:
-        watcher.cancel()
 
 
 class _Guard:
