@@ -65,14 +65,17 @@ class StructuredOutputManager:
                 if error is None:
                     pending.request.grammar = pending.future.result().matcher(_stop_tokens(pending.request))
                     ready.append(pending.request)
-                else:
-                    failed.append(_invalid(request_id, str(error)))
+                elif isinstance(error, ValueError):  # the constraint's own fault: the backend's message, a 400
+                    failed.append(_ended(request_id, str(error), "invalid"))
+                else:  # a backend bug on this constraint: a 500 for this request alone
+                    failed.append(_ended(request_id, f"compiling structured_outputs failed: "
+                                         f"{type(error).__name__}: {error}", "failed"))
             elif now >= pending.deadline:
                 self._forget(request_id)
                 kind = pending.request.sampling_params.structured_outputs.kind
-                failed.append(_invalid(request_id, f"structured_outputs.{kind} took longer than "
-                                       f"{self.compile_timeout_s:g} s to compile "
-                                       "(--structured-outputs-compile-timeout)"))
+                failed.append(_ended(request_id, f"structured_outputs.{kind} took longer than "
+                                     f"{self.compile_timeout_s:g} s to compile (--structured-outputs-compile-timeout)",
+                                     "invalid"))
         return ready, failed
 
     def bitmask(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]) -> GrammarBitmask | None:
@@ -102,6 +105,6 @@ def _stop_tokens(request: Request) -> list[int]:
     return stops + [request.eos_token_id] if request.eos_token_id is not None else stops
 
 
-def _invalid(request_id: str, message: str) -> EngineCoreOutput:
+def _ended(request_id: str, message: str, kind: str) -> EngineCoreOutput:
     return EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=message,
-                            error_kind="invalid")
+                            error_kind=kind)
