@@ -73,7 +73,8 @@ def load_chat_template(value: str) -> str:
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict], model: str,
-                        add_generation_prompt: bool = True, chat_template: str | None = None) -> str:
+                        add_generation_prompt: bool = True, chat_template: str | None = None,
+                        tools: list[dict] | None = None) -> str:
     """The conversation as prompt text through `chat_template` (a template's text; default: the tokenizer's); the
     template's own special tokens are already in it."""
     chat_template = chat_template or getattr(tokenizer, "chat_template", None)
@@ -91,6 +92,6 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
                 check_text(value, f"messages.{index}.{key}")
     try:
         return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt, tools=tools)
     except jinja2.TemplateError as error:  # raise_exception() in the template, or a template that breaks on this input
         raise ValueError(f"the chat template failed on these messages: {error}") from None

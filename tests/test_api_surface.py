@@ -92,8 +92,6 @@ CHAT = {"messages": HELLO, "max_tokens": 2}
     ("/v1/completions", {**COMPLETION, "use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {**COMPLETION, "prompt_logprobs": 1}, "prompt_logprobs"),
     ("/v1/completions", {**COMPLETION, "add_special_tokens": False}, "add_special_tokens"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {**CHAT, "function_call": "auto"}, "function_call"),
     ("/v1/chat/completions", {**CHAT, "logits_processors": ["my.module:Processor"]}, "logits_processors"),

@@ -260,3 +260,61 @@ def test_the_gateway_takes_choice_regex_json_object_and_refuses_bad_ones(server,
         error = response.json()["error"]
         assert message in error["message"] and (param is None or error["param"] == param), error
     assert httpx.get(server[1] + "/health").status_code == 200
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                    "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+
+
+def _calls(message) -> list[tuple[str, dict]]:
+    return [(call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_calls_are_valid_and_stream_the_same(client, llama_model, tool_choice):
+    tools = [WEATHER, TIME]
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+    asked = dict(model=llama_model, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools,
+                 tool_choice=tool_choice, max_tokens=120, temperature=0)
+    completion = client.chat.completions.create(**asked)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = _calls(choice.message)
+    assert calls and all(call.id.startswith("call_") for call in choice.message.tool_calls)
+    for name, arguments in calls:
+        jsonschema.validate(arguments, schemas[name])
+    if isinstance(tool_choice, dict):
+        assert [name for name, _ in calls] == ["get_time"]
+    chunks = list(client.chat.completions.create(**asked, stream=True))
+    streamed: dict[int, dict] = {}
+    for chunk in chunks:
+        for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            entry = streamed.setdefault(call.index, {"name": "", "arguments": ""})
+            entry["name"] += call.function.name or ""
+            entry["arguments"] += call.function.arguments or ""
+    assert [(e["name"], json.loads(e["arguments"])) for _, e in sorted(streamed.items())] == calls
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_tool_messages_go_through_the_template_and_unserved_tool_choices_are_400s(server, llama_model):
+    url, call = server[1] + "/v1/chat/completions", {"id": "call_1", "type": "function",
+                                                    "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    conversation = [{"role": "user", "content": "Time?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    answer = httpx.post(url, headers=AUTH, timeout=60, json={
+        "model": llama_model, "messages": conversation, "tools": [TIME], "tool_choice": "none", "max_tokens": 4})
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["tool_calls"] == []
+    for extra, message in [({"tools": [TIME]}, 'tool_choice "auto"'), ({"tools": [TIME], "tool_choice": "auto"},
+                                                                       'tool_choice "auto"'),
+                           ({"tool_choice": "required"}, "tool_choice needs tools"),
+                           ({"tools": [TIME], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                            "'nope', which is not among the tools"),
+                           ({"tools": [TIME], "tool_choice": "required", "guided_regex": "a"},
+                            "one output constraint at a time")]:
+        response = httpx.post(url, headers=AUTH, timeout=60, json={
+            "model": llama_model, "messages": conversation[:1], **extra})
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text

@@ -96,7 +96,8 @@ class StreamedChoices:
     [DONE]."""
 
     def __init__(self, engine: AsyncLLM, prompts: list[PromptChoices], request_id: str, observers: RequestObservers,
-                 head: dict, choice: Callable[[int, RequestOutput], dict], final_chunks: Callable[[], list[dict]],
+                 head: dict, choice: Callable[[int, RequestOutput], dict | None],
+                 final_chunks: Callable[[], list[dict]],
                  head_chunks: Sequence[dict] = ()) -> None:
         self.engine, self.prompts, self.request_id, self.observers = engine, prompts, request_id, observers
         self.events, self.choice, self.final_chunks = ChoiceEvents(head), choice, final_chunks
@@ -147,7 +148,8 @@ class StreamedChoices:
             if self.texts is not None:
                 self.texts[index] += completion.text
             self.prompts[position].num_completion_tokens += len(completion.token_ids)
-            self.response.emit(self.events.event(self.choice(index, item)))
+            if (choice := self.choice(index, item)) is not None:  # None: nothing to show for this output yet
+                self.response.emit(self.events.event(choice))
         except Exception as error:  # a bug here must end this stream, not the output handler serving all of them
             logger.exception("rendering a streamed output failed")
             self._end(error)

@@ -34,9 +34,9 @@ def _one_of(*harmless: Any) -> Callable[[Any, Mapping], bool]:
     return lambda value, body: value is None or any(value == h and type(value) is type(h) for h in harmless)
 
 
-_TOOLS = "tool calling is not implemented yet"
+_TOOLS = "the legacy function-calling fields are not implemented: use tools and tool_choice"
 # Each field's rule and why it cannot be ignored; vLLM's extra fields among them. Fields that change nothing
-# here are accepted: parallel_tool_calls (no tools), length_penalty and early_stopping (beam search only),
+# here are accepted: length_penalty and early_stopping (beam search only),
 # guided_decoding_backend, priority, user, metadata, store, service_tier, reasoning_effort, prediction.
 COMMON = {
     "logits_processors": Rule("the server loads no custom logits processors", _one_of([])),
@@ -59,10 +59,8 @@ _CHAT_PROMPT = {
     "chat_template_kwargs": Rule("the template gets messages and add_generation_prompt only", _one_of({})),
     "continue_final_message": Rule("not implemented: the last message is always closed", _one_of(False)),
     "documents": Rule("the template gets messages and add_generation_prompt only", _one_of([])),
-    "tools": Rule(_TOOLS, _one_of([])),
 }
 CHAT_ONLY = _CHAT_PROMPT | {
-    "tool_choice": Rule(_TOOLS, _one_of("none")),
     "functions": Rule(_TOOLS, _one_of([])),
     "function_call": Rule(_TOOLS, _one_of("none")),
     "echo": Rule("vLLM's chat echo is not implemented", _one_of(False)),
@@ -72,6 +70,7 @@ CHAT_ONLY = _CHAT_PROMPT | {
     "web_search_options": Rule("web search is not available"),
 }
 TOKENIZE = _CHAT_PROMPT | {
+    "tools": Rule("/tokenize renders messages without tools", _one_of([])),
     "chat_template": Rule("the server uses the model's template (or its --chat-template)"),
     "add_generation_prompt": Rule("messages are tokenized with the generation prompt", _one_of(True)),
 }
@@ -175,9 +174,44 @@ class CompletionRequest(SamplingFields):
     refused_fields = COMMON | COMPLETION_ONLY
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # the schema is always enforced when a call is forced
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -188,6 +222,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: SP["logprobs"] = None
+    tools: list[ChatTool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     refused_fields = COMMON | CHAT_ONLY
 
 
@@ -224,7 +261,8 @@ class CompletionResponse(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict] = []
 
 
 class ChatChoice(BaseModel):

@@ -8,6 +8,7 @@ import msgspec
 
 from frontend.api.errors import APIError
 from frontend.api.protocol import ChatCompletionRequest, ResponseFormat, SamplingFields
+from frontend.api.tools import forced_tool, tool_constraint
 from frontend.generation_config import apply_generation_defaults
 from frontend.tokenizer import check_text
 from ipc import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -28,7 +29,8 @@ def sampling_params(request: SamplingFields, limits: ServerLimits,
     """The request's params, shared by its prompts (each prompt's n choices are one request group); `defaults`
     (the model's generation config) fill what the request leaves out. The engine's rules (context length,
     logprobs, token ids) are checked when each prompt is sent: frontend.prompts."""
-    fields = dict(max_tokens=requested_max_tokens(request), temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
+    fields = dict(max_tokens=requested_max_tokens(request), temperature=request.temperature, top_p=request.top_p,
+                  top_k=request.top_k, min_p=request.min_p,
                   presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
                   repetition_penalty=request.repetition_penalty,
                   stop=request.stop, stop_token_ids=request.stop_token_ids, min_tokens=request.min_tokens,
@@ -56,6 +58,8 @@ def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | Non
     for kind in ("json", "regex", "choice", "grammar"):
         value = getattr(request, f"guided_{kind}")
         given[f"guided_{kind}"] = None if value is None else {kind: value}
+    if _is_chat(request) and (forced := forced_tool(request)) is not None:
+        given["tool_choice"] = tool_constraint(request, forced)
     given = {name: fields for name, fields in given.items() if fields is not None}
     if len(given) > 1:
         raise APIError(400, f"one output constraint at a time: got {', '.join(given)}", list(given)[1])
@@ -63,6 +67,8 @@ def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | Non
         return None
     [(name, fields)] = given.items()
     try:
+        if isinstance(fields, StructuredOutputsParams):
+            return fields
         return msgspec.convert(fields, StructuredOutputsParams)
     except (msgspec.ValidationError, ValueError) as error:
         raise APIError(400, f"{name}: {error}", name) from None

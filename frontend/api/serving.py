@@ -1,6 +1,7 @@
 """/v1/completions, /v1/chat/completions and /tokenize: requests to engine choices, outputs to JSON or SSE chunks."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -25,6 +26,7 @@ from frontend.api.protocol import (
     UsageInfo,
 )
 from frontend.api.sampling import ServerLimits, check_limits, requested_max_tokens, sampling_params
+from frontend.api.tools import forced_tool, template_tools, tool_calls
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import RequestOutput
 from frontend.tokenizer import apply_chat_template, encode
@@ -70,22 +72,27 @@ class OpenAIServing:
         if body.chat_template is not None:
             raise APIError(400, "chat_template is not accepted: the server uses the model's own template",
                            "chat_template")
-        text = self._chat_text(body.messages, body.add_generation_prompt)
+        text = self._chat_text(body.messages, body.add_generation_prompt, template_tools(body))
         prompt = {"prompt": text, "prompt_token_ids": self._encode(text, "messages", add_special_tokens=False)}
-        prompts = [self._prompt_choices(body, prompt, sampling_params(body, self.limits, self.generation_defaults), "messages")]
+        params = sampling_params(body, self.limits, self.generation_defaults)
+        prompts = [self._prompt_choices(body, prompt, params, "messages")]
+        forced = forced_tool(body)
         if body.stream:
             head = ChatCompletionChunk(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
                                        model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
             role_chunks = [{**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], "usage": None}
                            for index in range(body.n)]
+            choice = _chat_choice(body) if forced is None else _tool_call_choice(forced, body.n)
             return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers, head,
-                                         _chat_choice(body), _usage_chunks(head, body, prompts), role_chunks).open()
+                                         choice, _usage_chunks(head, body, prompts), role_chunks).open()
         [output] = await final_outputs(self.engine, prompts, uuid.uuid4().hex, self.observers)
-        response = ChatCompletionResponse(model=self.model_name, usage=_usage(prompts), choices=[
-            ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                       logprobs=chat_logprobs(c, body.top_logprobs or 0), finish_reason=c.finish_reason,
-                       stop_reason=c.stop_reason) for c in output.outputs])
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = _chat_message(forced, c.text, c.finish_reason)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=chat_logprobs(c, body.top_logprobs or 0),
+                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
+        response = ChatCompletionResponse(model=self.model_name, usage=_usage(prompts), choices=choices)
         return JSONResponse(response.model_dump())
 
     def tokenize(self, body: TokenizeRequest) -> dict:
@@ -111,11 +118,14 @@ class OpenAIServing:
             raise APIError(400, "prompt is empty", "prompt")
         return {"prompt_token_ids": prompt}
 
-    def _chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-        """The conversation as prompt text, through the model's chat template."""
-        dicts = [{"role": m.role, "content": _message_text(m.content)} for m in messages]
+    def _chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                   tools: list[dict] | None = None) -> str:
+        """The conversation (and the tools, for templates that render them) as prompt text, through the model's
+        chat template."""
+        dicts = [_template_message(m) for m in messages]
         try:
-            return apply_chat_template(self.engine.tokenizer, dicts, self.model_name, add_generation_prompt)
+            return apply_chat_template(self.engine.tokenizer, dicts, self.model_name, add_generation_prompt,
+                                       tools=tools)
         except ValueError as error:
             raise APIError(400, str(error), "messages") from error
 
@@ -180,6 +190,53 @@ def _chat_choice(body: ChatCompletionRequest) -> Callable[[int, RequestOutput], 
         return {"index": index, "delta": {"content": completion.text}, "logprobs": chat_logprobs(completion, num_top),
                 "finish_reason": completion.finish_reason}
     return choice
+
+
+def _chat_message(forced: str | None, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
+    """A finished choice's message: its text, or the tool calls a forced tool choice made it write."""
+    if forced is None or finish_reason != "stop":  # cut short (length): the unfinished call stays text
+        return ChatResponseMessage(content=text), finish_reason
+    return ChatResponseMessage(content=None, tool_calls=tool_calls(forced, text)), "tool_calls"
+
+
+def _tool_call_choice(forced: str, n: int) -> Callable[[int, RequestOutput], dict | None]:
+    """Chat chunks for a forced tool choice: each choice's calls come whole in its last chunk (the text is held
+    until then), as delta.tool_calls the client library assembles as it does OpenAI's fragments."""
+    texts = [""] * n
+
+    def choice(index: int, output: RequestOutput) -> dict | None:
+        completion = output.outputs[0]
+        texts[index] += completion.text
+        if completion.finish_reason is None:
+            return None
+        message, finish_reason = _chat_message(forced, texts[index], completion.finish_reason)
+        delta = {"content": message.content} if message.content is not None else {
+            "tool_calls": [{"index": i, **call} for i, call in enumerate(message.tool_calls)]}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return choice
+
+
+def _template_message(message: ChatMessage) -> dict:
+    """A message as chat templates take it: tool calls' arguments as objects where they parse (as transformers'
+    templates expect), a tool answer with its call id."""
+    result: dict = {"role": message.role, "content": _message_text(message.content)}
+    if message.tool_calls:
+        result["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+            "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+            for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        result["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        result["name"] = message.name
+    return result
+
+
+def _arguments(text: str) -> dict | str:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def _usage_chunks(head: dict, body: SamplingFields, prompts: list[PromptChoices]) -> Callable[[], list[dict]]:
