@@ -24,21 +24,21 @@ if not __package__:  # run as `python launch/launch.py`: `launch` must be this p
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from core.engine_spawn import EngineProcess, child_env  # noqa: E402
-from frontend.api.cli_args import API_KEY_ENV, add_gateway_flags, gateway_argv  # noqa: E402
+from frontend.api.cli_args import API_KEY_ENV, add_gateway_flags, auto_tool_parser, gateway_argv  # noqa: E402
 from ipc import EngineConfig  # noqa: E402
 from ipc.lifeline import make_lifeline  # noqa: E402
 from ipc.sockets import private_ipc_address  # noqa: E402
+from launch.shipped import DEMO_CHAT_PROMPT, DEMO_MODEL_NAME, shipped_model  # noqa: E402
 
 logger = logging.getLogger("pagedserve.launch")
 _GATEWAY_START_TIMEOUT_S = 120.0
-DEMO_MODEL_NAME = "pagedserve-demo"  # the demo model's id for clients, instead of its cache path
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", usage="%(prog)s [serve] [MODEL] [options]",
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="HF-format model folder (or --model)")
-    parser.add_argument("--model", help="HF-format model folder (default: build and use the demo model)")
+    parser.add_argument("--model", help="HF-format model folder (default: the shipped trained demo model)")
     parser.add_argument("--served-model-name", help=f"the model id clients use (default: MODEL; for the demo model "
                                                     f"{DEMO_MODEL_NAME})")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP host (default loopback only)")
@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most top alternatives a request may ask for per token (default: %(default)s)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="share KV blocks between requests by content (default: on)")
+    engine.add_argument("--structured-outputs-compile-timeout", type=float, default=10.0,
+                        help="a request whose schema/regex/grammar takes longer to compile gets a 400 "
+                        "(seconds, default: %(default)s)")
     limits = parser.add_argument_group("request limits")
     limits.add_argument("--max-n", type=int, default=16)
     limits.add_argument("--max-stop", type=int, default=16)
@@ -107,11 +110,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo_model(args: argparse.Namespace) -> str:
-    """Build the demo model if need be; clients know it by a short name, not by its cache path."""
-    from launch.make_model import ensure_demo_model
-
+    """The shipped trained demo model; clients know it by a short name, not by its folder."""
     args.served_model_name = args.model_root = args.served_model_name or DEMO_MODEL_NAME
-    return str(ensure_demo_model())
+    return str(shipped_model("demo"))
 
 
 def check_gateway_flags(args: argparse.Namespace) -> None:
@@ -127,6 +128,7 @@ def check_gateway_flags(args: argparse.Namespace) -> None:
         load_generation_defaults("", mode)
     if getattr(args, "ssl_keyfile", None) and not getattr(args, "ssl_certfile", None):
         raise ValueError("--ssl-keyfile needs --ssl-certfile")
+    auto_tool_parser(args)
 
 
 def curl_example(args: argparse.Namespace, model_name: str, chat: bool) -> str:
@@ -135,7 +137,8 @@ def curl_example(args: argparse.Namespace, model_name: str, chat: bool) -> str:
     scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
     url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{args.port}/v1/"
     if chat:
-        url, body = url + "chat/completions", {"messages": [{"role": "user", "content": "Hello!"}]}
+        content = DEMO_CHAT_PROMPT if model_name == DEMO_MODEL_NAME else "Hello!"
+        url, body = url + "chat/completions", {"messages": [{"role": "user", "content": content}]}
     else:
         url, body = url + "completions", {"prompt": "Hello, my name is"}
     body = {"model": model_name, **body, "max_tokens": 32}
@@ -168,7 +171,9 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                         profiler_dir=args.profiler_dir, profiler_max_seconds=args.profiler_max_seconds,
                         profiler_max_steps=args.profiler_max_steps, enable_cache_reset=args.enable_cache_reset,
-                        max_logprobs=args.max_logprobs, enable_prefix_caching=args.enable_prefix_caching)
+                        max_logprobs=args.max_logprobs, enable_prefix_caching=args.enable_prefix_caching,
+                        tokenizer=getattr(args, "tokenizer", None),
+                        structured_outputs_compile_timeout=args.structured_outputs_compile_timeout)
 
 
 class Launcher:

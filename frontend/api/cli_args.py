@@ -30,6 +30,16 @@ def cors_options(args: argparse.Namespace) -> CorsOptions | None:
     return CorsOptions(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
 
 
+def auto_tool_parser(args: argparse.Namespace) -> str | None:
+    """The tool-call parser serving tool_choice "auto", or None when it is not served; ValueError if
+    --enable-auto-tool-choice comes without a parser."""
+    if not getattr(args, "enable_auto_tool_choice", False):
+        return None
+    if getattr(args, "tool_call_parser", None) is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    return args.tool_call_parser
+
+
 def str_list(text: str) -> list[str]:
     """A JSON list ('["a", "b"]') or a comma-separated one ("a,b"), as vLLM's CORS flags take."""
     if text.lstrip().startswith("["):
@@ -71,6 +81,11 @@ GATEWAY_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--root-path", dict(default="", help="the path prefix a proxy in front strips (uvicorn's root_path)")),
     ("--uvicorn-log-level", dict(default="warning", choices=UVICORN_LOG_LEVELS,
                                  help="uvicorn's log level (default: %(default)s)")),
+    ("--enable-auto-tool-choice", dict(action="store_true", help='serve tool_choice "auto" (needs '
+                                                                  "--tool-call-parser)")),
+    ("--tool-call-parser", dict(choices=("hermes", "llama3_json"), help='the format of the model\'s own tool '
+                                "calls, read under tool_choice \"auto\": hermes (<tool_call>{...}</tool_call>) or "
+                                "llama3_json")),
     ("--disable-log-requests", dict(action="store_true", help="no log line per finished request")),
     ("--log-prompts", dict(action="store_true", help="put each request's prompt and output text in its log line "
                                                      "(they may hold personal data)")),

@@ -8,7 +8,7 @@ import msgspec
 
 from frontend.api.errors import APIError
 from frontend.api.protocol import ChatCompletionRequest, ResponseFormat, SamplingFields
-from frontend.api.tools import forced_tool, tool_constraint
+from frontend.api.tools import tool_constraint, tool_mode
 from frontend.generation_config import apply_generation_defaults
 from frontend.tokenizer import check_text
 from ipc import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -24,8 +24,8 @@ class ServerLimits:
     max_choices_per_request: int = 1024
 
 
-def sampling_params(request: SamplingFields, limits: ServerLimits,
-                    defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+def sampling_params(request: SamplingFields, limits: ServerLimits, defaults: Mapping[str, float | int] | None = None,
+                    tool_parser: str | None = None) -> SamplingParams:
     """The request's params, shared by its prompts (each prompt's n choices are one request group); `defaults`
     (the model's generation config) fill what the request leaves out. The engine's rules (context length,
     logprobs, token ids) are checked when each prompt is sent: frontend.prompts."""
@@ -45,21 +45,21 @@ def sampling_params(request: SamplingFields, limits: ServerLimits,
         # A response that is not streamed needs only the end: no per-step outputs to build in the gateway.
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         return SamplingParams(n=request.n, max_tokens=max_tokens, seed=request.seed, output_kind=kind,
-                              structured_outputs=structured_outputs(request), **fields)
+                              structured_outputs=structured_outputs(request, tool_parser), **fields)
     except ValueError as error:
         param = str(error).removeprefix("SamplingParams.").split(" ", 1)[0]
         raise APIError(400, str(error).removeprefix("SamplingParams."), param) from error
 
 
-def structured_outputs(request: SamplingFields) -> StructuredOutputsParams | None:
+def structured_outputs(request: SamplingFields, tool_parser: str | None = None) -> StructuredOutputsParams | None:
     """The one constraint a request may carry, from whichever field carries it (a 400 if two do)."""
     given = {"response_format": _response_format(request.response_format),
              "structured_outputs": request.structured_outputs}
     for kind in ("json", "regex", "choice", "grammar"):
         value = getattr(request, f"guided_{kind}")
         given[f"guided_{kind}"] = None if value is None else {kind: value}
-    if _is_chat(request) and (forced := forced_tool(request)) is not None:
-        given["tool_choice"] = tool_constraint(request, forced)
+    if _is_chat(request) and (mode := tool_mode(request, tool_parser)) is not None:
+        given["tool_choice"] = tool_constraint(request, mode)  # None for "auto": the model writes what it wants
     given = {name: fields for name, fields in given.items() if fields is not None}
     if len(given) > 1:
         raise APIError(400, f"one output constraint at a time: got {', '.join(given)}", list(given)[1])

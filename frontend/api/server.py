@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from frontend.api.choices import RequestObservers
-from frontend.api.cli_args import CorsOptions, build_parser, cors_options
+from frontend.api.cli_args import CorsOptions, auto_tool_parser, build_parser, cors_options
 from frontend.api.errors import APIError, error_body
 from frontend.api.route_errors import add_error_handlers, cancel_on_disconnect
 from frontend.api.metrics import ServerMetrics
@@ -44,13 +44,15 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
               max_body_bytes: int = 10 * 2**20, max_header_bytes: int = 32 * 2**10,
               max_stall_s: float = DEFAULT_MAX_STALL_S, *, chat_template: str | None = None,
               model_root: str | None = None, generation_defaults: dict[str, float | int] | None = None,
-              request_logger: RequestLogger | None = None, cors: CorsOptions | None = None) -> FastAPI:
+              request_logger: RequestLogger | None = None, cors: CorsOptions | None = None,
+              tool_parser: str | None = None) -> FastAPI:
     """The gateway's app. `chat_template` (a template's text) replaces the tokenizer's, whose gateway this is;
     `model_root` is the model's root in /v1/models (default: the engine's model folder)."""
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
     metrics = ServerMetrics(model_name)
-    serving = OpenAIServing(engine, model_name, limits, RequestObservers(metrics, request_logger), generation_defaults)
+    serving = OpenAIServing(engine, model_name, limits, RequestObservers(metrics, request_logger), generation_defaults,
+                            tool_parser)
     # The contract is served (behind the key) for clients and fuzzers; the docs UIs would load scripts from a CDN.
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
@@ -196,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
         if args.ssl_keyfile and not args.ssl_certfile:
             raise ValueError("--ssl-keyfile needs --ssl-certfile")
+        tool_parser = auto_tool_parser(args)
         engine = AsyncLLM(args.tokenizer or args.model, engine_address=args.engine_address,
                           curve_key_file=args.curve_key_file)
     except ValueError as error:
@@ -214,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     request_logger = None if args.disable_log_requests else RequestLogger(args.log_prompts, args.max_log_len)
     app = build_app(engine, model_name, limits, args.api_key, args.max_body_bytes, args.max_header_bytes,
                     args.engine_stall_timeout, chat_template=chat_template, model_root=args.model_root or model_folder,
-                    generation_defaults=generation_defaults, request_logger=request_logger, cors=cors_options(args))
+                    generation_defaults=generation_defaults, request_logger=request_logger, cors=cors_options(args),
+                    tool_parser=tool_parser)
     sock = listening_socket(args.host, args.port, args.reuse_port)
     server = uvicorn.Server(uvicorn_config(app, args))
     if args.parent_fd is not None:

@@ -26,7 +26,8 @@ from frontend.api.protocol import (
     UsageInfo,
 )
 from frontend.api.sampling import ServerLimits, check_limits, requested_max_tokens, sampling_params
-from frontend.api.tools import forced_tool, template_tools, tool_calls
+from frontend.api.tool_parsers import TOOL_CALL_PARSERS, held_back
+from frontend.api.tools import read_tool_calls, template_tools, tool_mode
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import RequestOutput
 from frontend.tokenizer import apply_chat_template, encode
@@ -36,9 +37,10 @@ from ipc.request_rules import InvalidRequestError, check_max_tokens
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str, limits: ServerLimits, observers: RequestObservers,
-                 generation_defaults: Mapping[str, float | int] | None = None) -> None:
+                 generation_defaults: Mapping[str, float | int] | None = None, tool_parser: str | None = None) -> None:
         self.engine, self.model_name, self.limits, self.observers = engine, model_name, limits, observers
         self.generation_defaults = generation_defaults or {}
+        self.tool_parser = tool_parser  # for tool_choice "auto"; None: "auto" is refused
 
     async def completions(self, body: CompletionRequest):
         self._check_model(body.model)
@@ -74,22 +76,22 @@ class OpenAIServing:
                            "chat_template")
         text = self._chat_text(body.messages, body.add_generation_prompt, template_tools(body))
         prompt = {"prompt": text, "prompt_token_ids": self._encode(text, "messages", add_special_tokens=False)}
-        params = sampling_params(body, self.limits, self.generation_defaults)
+        params = sampling_params(body, self.limits, self.generation_defaults, self.tool_parser)
         prompts = [self._prompt_choices(body, prompt, params, "messages")]
-        forced = forced_tool(body)
+        tools = _ToolReader(tool_mode(body, self.tool_parser), self.tool_parser)
         if body.stream:
             head = ChatCompletionChunk(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
                                        model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
             role_chunks = [{**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], "usage": None}
                            for index in range(body.n)]
-            choice = _chat_choice(body) if forced is None else _tool_call_choice(forced, body.n)
+            choice = _chat_choice(body) if tools.mode is None else tools.choice_chunks(body.n)
             return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers, head,
                                          choice, _usage_chunks(head, body, prompts), role_chunks).open()
         [output] = await final_outputs(self.engine, prompts, uuid.uuid4().hex, self.observers)
         choices = []
         for c in output.outputs:
-            message, finish_reason = _chat_message(forced, c.text, c.finish_reason)
+            message, finish_reason = tools.message(c.text, c.finish_reason)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=chat_logprobs(c, body.top_logprobs or 0),
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
         response = ChatCompletionResponse(model=self.model_name, usage=_usage(prompts), choices=choices)
@@ -181,6 +183,46 @@ class OpenAIServing:
         return choice
 
 
+class _ToolReader:
+    """A chat request's tool calls, read from what the model wrote: forced ones (a constraint made the text a
+    call) or, under "auto", whatever calls the parser finds."""
+
+    def __init__(self, mode: str | None, parser: str | None) -> None:
+        self.mode, self.parser = mode, parser
+        self.marker = TOOL_CALL_PARSERS[parser][1] if mode == "auto" else ""
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
+        """A finished choice's message, and its finish reason ("tool_calls" when it made calls)."""
+        if self.mode is None or finish_reason != "stop":  # cut short (length): an unfinished call stays text
+            return ChatResponseMessage(content=text), finish_reason
+        content, calls = read_tool_calls(self.mode, self.parser, text)
+        if not calls:
+            return ChatResponseMessage(content=text), finish_reason
+        return ChatResponseMessage(content=content, tool_calls=calls), "tool_calls"
+
+    def choice_chunks(self, n: int) -> Callable[[int, RequestOutput], dict | None]:
+        """Chat chunks: text streams until a call may be starting (forced: from the first token); each choice's
+        calls then come whole in its last chunk, as delta.tool_calls the client library assembles as it does
+        OpenAI's fragments."""
+        texts, shown = [""] * n, [0] * n
+
+        def choice(index: int, output: RequestOutput) -> dict | None:
+            completion = output.outputs[0]
+            texts[index] += completion.text
+            if completion.finish_reason is None:
+                if self.mode != "auto":
+                    return None
+                end = max(shown[index], held_back(texts[index], self.marker))
+                delta, shown[index] = texts[index][shown[index]:end], end
+                return {"index": index, "delta": {"content": delta}, "logprobs": None,
+                        "finish_reason": None} if delta else None
+            message, finish_reason = self.message(texts[index], completion.finish_reason)
+            delta = {"content": texts[index][shown[index]:]} if not message.tool_calls else {
+                "tool_calls": [{"index": i, **call} for i, call in enumerate(message.tool_calls)]}
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return choice
+
+
 def _chat_choice(body: ChatCompletionRequest) -> Callable[[int, RequestOutput], dict]:
     """The function that turns one choice's delta output into the choice of a chat chunk."""
     num_top = body.top_logprobs or 0
@@ -189,30 +231,6 @@ def _chat_choice(body: ChatCompletionRequest) -> Callable[[int, RequestOutput], 
         completion = output.outputs[0]
         return {"index": index, "delta": {"content": completion.text}, "logprobs": chat_logprobs(completion, num_top),
                 "finish_reason": completion.finish_reason}
-    return choice
-
-
-def _chat_message(forced: str | None, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
-    """A finished choice's message: its text, or the tool calls a forced tool choice made it write."""
-    if forced is None or finish_reason != "stop":  # cut short (length): the unfinished call stays text
-        return ChatResponseMessage(content=text), finish_reason
-    return ChatResponseMessage(content=None, tool_calls=tool_calls(forced, text)), "tool_calls"
-
-
-def _tool_call_choice(forced: str, n: int) -> Callable[[int, RequestOutput], dict | None]:
-    """Chat chunks for a forced tool choice: each choice's calls come whole in its last chunk (the text is held
-    until then), as delta.tool_calls the client library assembles as it does OpenAI's fragments."""
-    texts = [""] * n
-
-    def choice(index: int, output: RequestOutput) -> dict | None:
-        completion = output.outputs[0]
-        texts[index] += completion.text
-        if completion.finish_reason is None:
-            return None
-        message, finish_reason = _chat_message(forced, texts[index], completion.finish_reason)
-        delta = {"content": message.content} if message.content is not None else {
-            "tool_calls": [{"index": i, **call} for i, call in enumerate(message.tool_calls)]}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     return choice
 
 

@@ -1,20 +1,21 @@
-"""OpenAI tool calling with tool_choice "required" or a named function: the structured-output constraint that
-makes the model write valid calls, and the tool_calls read back from what it wrote."""
+"""OpenAI tool calling: which tool choice a request makes, the structured-output constraint that makes the model
+write valid calls for "required" or a named function, and the tool_calls read back from what it wrote."""
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from frontend.api.errors import APIError
 from frontend.api.protocol import ChatCompletionRequest, NamedToolChoice
+from frontend.api.tool_parsers import TOOL_CALL_PARSERS, ParsedOutput, tool_call
 from ipc import StructuredOutputsParams
 
 _ANY_OBJECT = {"type": "object"}
 
 
-def forced_tool(body: ChatCompletionRequest) -> str | None:
-    """"required", a function's name, or None when the model may answer in text; a 400 for what is not served."""
+def tool_mode(body: ChatCompletionRequest, parser: str | None) -> str | None:
+    """"required", a function's name (both forced by a constraint), "auto" (the model's own calls, read by
+    `parser`), or None (text only); a 400 for a choice this server cannot serve."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
@@ -23,8 +24,11 @@ def forced_tool(body: ChatCompletionRequest) -> str | None:
     if choice == "none":
         return None
     if choice is None or choice == "auto":  # OpenAI's default with tools is "auto"
-        raise APIError(400, 'tool_choice "auto" (the default when tools are given) needs a tool-call parser, not '
-                            'implemented yet: ask for "required", a named function, or "none"', "tool_choice")
+        if parser is None:
+            raise APIError(400, 'tool_choice "auto" (the default when tools are given) needs the server started '
+                                'with --enable-auto-tool-choice --tool-call-parser NAME; or ask for "required", '
+                                'a named function, or "none"', "tool_choice")
+        return "auto"
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in {tool.function.name for tool in body.tools}:
             raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools",
@@ -33,9 +37,11 @@ def forced_tool(body: ChatCompletionRequest) -> str | None:
     return "required"
 
 
-def tool_constraint(body: ChatCompletionRequest, forced: str) -> StructuredOutputsParams:
+def tool_constraint(body: ChatCompletionRequest, forced: str) -> StructuredOutputsParams | None:
     """A named function: its arguments object. "required": a list of {"name", "parameters"} calls, one of them
     unless parallel_tool_calls."""
+    if forced == "auto":
+        return None
     parameters = {tool.function.name: tool.function.parameters or _ANY_OBJECT for tool in body.tools}
     if forced != "required":
         return StructuredOutputsParams(json=parameters[forced])
@@ -48,18 +54,16 @@ def tool_constraint(body: ChatCompletionRequest, forced: str) -> StructuredOutpu
     return StructuredOutputsParams(json=schema)
 
 
-def tool_calls(forced: str, text: str) -> list[dict]:
-    """The OpenAI tool_calls of a finished output (arguments as JSON text, as OpenAI sends them)."""
-    if forced != "required":
-        return [_call(forced, text)]
-    return [_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in json.loads(text)]
+def read_tool_calls(mode: str, parser: str | None, text: str) -> ParsedOutput:
+    """(content, OpenAI tool_calls) of a finished output."""
+    if mode == "auto":
+        return TOOL_CALL_PARSERS[parser][0](text)
+    if mode != "required":
+        return None, [tool_call(mode, text)]
+    return None, [tool_call(call["name"], json.dumps(call["parameters"], ensure_ascii=False))
+                  for call in json.loads(text)]
 
 
 def template_tools(body: ChatCompletionRequest) -> list[dict] | None:
     """The tools as chat templates take them (transformers' `tools=`)."""
     return [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
-
-
-def _call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}

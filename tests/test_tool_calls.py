@@ -1,0 +1,77 @@
+"""tool_choice "auto": the hermes and llama3_json parsers find the calls a model wrote (and leave anything else as
+text), and a streamed answer shows its text until a call may begin, then the calls whole."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from frontend.api.cli_args import auto_tool_parser
+from frontend.api.serving import _ToolReader
+from frontend.api.tool_parsers import held_back, parse_hermes, parse_llama3_json
+from frontend.outputs import CompletionOutput, RequestOutput
+
+
+def _names_and_arguments(calls: list[dict]) -> list[tuple[str, dict]]:
+    assert all(call["id"].startswith("call_") and call["type"] == "function" for call in calls)
+    return [(call["function"]["name"], json.loads(call["function"]["arguments"])) for call in calls]
+
+
+def test_hermes_calls_and_the_text_around_them():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>')
+    content, calls = parse_hermes(text)
+    assert content == "Let me check."
+    assert _names_and_arguments(calls) == [("get_time", {"zone": "UTC"}),
+                                           ("get_weather", {"city": "Oslo", "days": 2})]
+    broken = 'Sure <tool_call>{"name": "get_time", "arguments": {"zone": </tool_call>'
+    assert parse_hermes(broken) == (broken, [])  # not a call: it stays text
+    assert parse_hermes("plain answer") == ("plain answer", [])
+
+
+def test_llama3_json_calls():
+    content, calls = parse_llama3_json('<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}; '
+                                       '{"name": "get_weather", "parameters": {"city": "Paris", "days": 1}}')
+    assert content is None
+    assert _names_and_arguments(calls) == [("get_time", {"zone": "CET"}), ("get_weather", {"city": "Paris",
+                                                                                            "days": 1})]
+    for text in ("The answer is 4.", '{"name": "f", "parameters": [1]}', '{"name": "f", "parameters": {}} trailing'):
+        assert parse_llama3_json(text) == (text, [])
+
+
+def test_held_back_stops_where_a_call_may_begin():
+    assert held_back("Hello <tool", "<tool_call>") == len("Hello ")
+    assert held_back("Hello <tool_call>{", "<tool_call>") == len("Hello ")
+    assert held_back("Hello <b>", "<tool_call>") == len("Hello <b>")
+
+
+def _output(text: str, finish_reason: str | None) -> RequestOutput:
+    return RequestOutput("r", None, [1], [CompletionOutput(0, text, [1], None, None, finish_reason)],
+                         finish_reason is not None)
+
+
+@pytest.mark.parametrize("pieces, content, calls", [
+    (["Let me ", "check. <tool", '_call>{"name": "get_time", ', '"arguments": {"zone": "UTC"}}</tool_call>'],
+     "Let me check. ", [("get_time", {"zone": "UTC"})]),
+    (["No tools ", "needed <", "b>."], "No tools needed <b>.", []),
+])
+def test_a_streamed_auto_answer_shows_text_then_the_calls_whole(pieces, content, calls):
+    chunk = _ToolReader("auto", "hermes").choice_chunks(1)
+    chunks = [chunk(0, _output(piece, "stop" if i == len(pieces) - 1 else None)) for i, piece in enumerate(pieces)]
+    shown = "".join(c["delta"].get("content", "") for c in chunks if c is not None)
+    assert shown == content
+    last = chunks[-1]
+    if calls:
+        assert last["finish_reason"] == "tool_calls"
+        assert _names_and_arguments(last["delta"]["tool_calls"]) == calls
+        assert [call["index"] for call in last["delta"]["tool_calls"]] == list(range(len(calls)))
+    else:
+        assert last["finish_reason"] == "stop" and "tool_calls" not in last["delta"]
+
+
+def test_auto_tool_choice_needs_a_parser():
+    assert auto_tool_parser(argparse.Namespace(enable_auto_tool_choice=False, tool_call_parser=None)) is None
+    assert auto_tool_parser(argparse.Namespace(enable_auto_tool_choice=True, tool_call_parser="hermes")) == "hermes"
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        auto_tool_parser(argparse.Namespace(enable_auto_tool_choice=True, tool_call_parser=None))
