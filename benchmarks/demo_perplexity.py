@@ -5,7 +5,7 @@ The held-out files are the training run's (its seed, from training_log.json). Th
 followed by <|endoftext|>) is cut into windows of the model's context; each window is scored on its own, so the
 first token of a window is not scored. Example:
     python benchmarks/demo_perplexity.py                       # the shipped demo model
-    python benchmarks/demo_perplexity.py --model launch/demo/draft --windows 16
+    python benchmarks/demo_perplexity.py --model launch/weights/draft --windows 16
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from frontend import LLM, SamplingParams  # noqa: E402
 from launch.demo_corpus import split, stdlib_files  # noqa: E402
-from launch.train_demo import HELD_OUT_FRACTION, SHIPPED_DIR, held_out_windows, token_stream  # noqa: E402
+from launch.shipped import WEIGHTS_DIR  # noqa: E402
+from launch.train_demo import HELD_OUT_FRACTION, held_out_windows, token_stream  # noqa: E402
 
 
 def held_out_tokens(model: Path, windows: int) -> torch.Tensor:
@@ -58,7 +59,7 @@ def hf_nll(model: Path, windows: torch.Tensor) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=SHIPPED_DIR / "model")
+    parser.add_argument("--model", type=Path, default=WEIGHTS_DIR / "demo")
     parser.add_argument("--windows", type=int, default=64, help="held-out windows to score (at most)")
     args = parser.parse_args()
     windows = held_out_tokens(args.model, args.windows)

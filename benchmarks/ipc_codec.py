@@ -24,7 +24,7 @@ from ipc import (  # noqa: E402
 )
 
 TARGET_US = 1000.0
-VOCAB = 8192  # the demo model's
+VOCAB = 8192  # the benchmark model's (the model maker's random ~30M llama)
 
 
 def step_outputs(rng: random.Random, num_requests: int, logprobs: int | None) -> EngineCoreOutputs:

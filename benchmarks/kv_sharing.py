@@ -1,5 +1,6 @@
 """KV sharing: prefix caching on vs off (shared-prefix and zero-hit workloads), and peak KV blocks for n=4 and
-beam width 4 with sharing vs the same work without. One run, in-process engines, bfloat16 demo model.
+beam width 4 with sharing vs the same work without. One run, in-process engines, bfloat16 benchmark model
+(the model maker's random-weight ~30M llama).
 
 Shared prefix: a 5-shot prompt of ~350 tokens + a short distinct question per request (the PagedAttention
 paper's 5-shot case gained 3.58x); target >= 3.5x. Zero hit: random prompts that share nothing; target: caching
@@ -18,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from frontend import LLM, BeamSearchParams, SamplingParams  # noqa: E402
-from launch.make_model import ensure_demo_model  # noqa: E402
+from launch.make_model import ensure_benchmark_model  # noqa: E402
 
 SHARED_PREFIX_TARGET = 3.5
 ZERO_HIT_MAX_SLOWDOWN = 0.02
@@ -80,7 +81,7 @@ def sharing_figures(model: str, args, vocab: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model folder (default: the built-in demo model)")
+    parser.add_argument("--model", default=None, help="model folder (default: the model maker's random ~30M llama)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--prefix-len", type=int, default=350)
@@ -89,7 +90,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
-    model = args.model or str(ensure_demo_model())
+    model = args.model or str(ensure_benchmark_model())
     engines = {"on": LLM(model, in_process=True, dtype=args.dtype),
                "off": LLM(model, in_process=True, dtype=args.dtype, enable_prefix_caching=False)}
     vocab = engines["on"].info.vocab_size

@@ -9,7 +9,7 @@ carrying text; a chunk with several tokens counts as one gap), end-to-end latenc
 p50 / p99 of TTFT, TPOT ((e2e - ttft) / (output tokens - 1)), ITL and E2E in ms; --json writes them with every
 request's measurements, --plot draws each request's TTFT and E2E latency against its send time.
 
---compare-offline needs no running server (issue 4's benchmark). On --model-path (default: the demo model) it
+--compare-offline needs no running server (issue 4's benchmark). On --model-path (default: the benchmark model) it
 keeps an offline `LLM` and a launched server (`python -m launch` on a free loopback port, same engine settings)
 up side by side and warms both with every request cut to a few tokens. Then, --rounds times, it runs the
 requests through offline `LLM.generate` (greedy, ignore_eos) and sends them all at once to the server
@@ -78,7 +78,7 @@ class RequestResult:
 
 def make_requests(num_prompts: int, input_len: int, output_len: int, vocab: int, seed: int) -> list[RequestSpec]:
     rng = random.Random(seed)
-    # Ids from 3 up: the demo model's tokenizer keeps 0-2 for special tokens.
+    # Ids from 3 up: the model maker's tokenizers keeps 0-2 for special tokens.
     return [RequestSpec([rng.randrange(3, vocab) for _ in range(input_len)], output_len) for _ in range(num_prompts)]
 
 
@@ -386,7 +386,7 @@ def parse_args() -> argparse.Namespace:
                          help="OMP_NUM_THREADS for both engine cores (default: unset, torch uses every core). On a "
                          "small CPU host the engine's threads share cores with the gateway and this client; one core "
                          "fewer leaves them one, as vLLM's CPU backend advises")
-    compare.add_argument("--model-path", help="model folder (default: the demo model)")
+    compare.add_argument("--model-path", help="model folder (default: the model maker's random ~30M llama)")
     compare.add_argument("--dtype", default="bfloat16")
     compare.add_argument("--max-num-seqs", type=int, default=256)
     compare.add_argument("--max-num-batched-tokens", type=int, default=2048)

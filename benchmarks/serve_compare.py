@@ -24,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from frontend import LLM, SamplingParams  # noqa: E402
-from launch.make_model import ensure_demo_model  # noqa: E402
+from launch.make_model import ensure_benchmark_model  # noqa: E402
 
 HEALTH_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
@@ -45,8 +45,8 @@ class EngineSettings:
 
 
 def model_folder(path: str | None) -> str:
-    """`path`, or the demo model's folder (made first if needed)."""
-    return path or str(ensure_demo_model())
+    """`path`, or the benchmark model's folder (the model maker's random ~30M llama, made first if needed)."""
+    return path or str(ensure_benchmark_model())
 
 
 def model_vocab(model: str) -> int:

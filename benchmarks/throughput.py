@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from frontend import LLM, SamplingParams  # noqa: E402
-from launch.make_model import ensure_demo_model  # noqa: E402
+from launch.make_model import ensure_benchmark_model  # noqa: E402
 
 PROCESS_RATIO_TARGET = 0.95  # issue 3: the engine-core process keeps >= 95% of in-process throughput
 _TORCH_THREADS = torch.get_num_threads()  # before an engine process lowers it
@@ -124,7 +124,7 @@ def main() -> int:
     if args.compare_rounds < 1:
         parser.error("--compare-rounds must be >= 1")
 
-    model = args.model or str(ensure_demo_model())
+    model = args.model or str(ensure_benchmark_model())
     from transformers import AutoConfig
     vocab = AutoConfig.from_pretrained(model).vocab_size
     requests = make_requests(args.num_requests, vocab, args.seed, args.input_len, args.output_len)

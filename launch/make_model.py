@@ -119,15 +119,15 @@ def hf_tokenizer(bpe: Tokenizer) -> PreTrainedTokenizerFast:
     )
 
 
-def default_demo_model_dir() -> Path:
-    """Where the built-in demo model lives: $PAGEDSERVE_CACHE/demo-model, else ~/.cache/pagedserve/."""
+def default_benchmark_model_dir() -> Path:
+    """Where the benchmarks' model lives: $PAGEDSERVE_CACHE/benchmark-model, else ~/.cache/pagedserve/."""
     cache = os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve"
-    return Path(cache).expanduser() / "demo-model"
+    return Path(cache).expanduser() / "benchmark-model"
 
 
-def ensure_demo_model() -> Path:
-    """Make the demo model (a ~30M-parameter llama) unless it is already on disk."""
-    return make_model(default_demo_model_dir(), "llama", "30m")
+def ensure_benchmark_model() -> Path:
+    """The random-weight ~30M llama the benchmarks time (its speed, not its words) unless already on disk."""
+    return make_model(default_benchmark_model_dir(), "llama", "30m")
 
 
 def _check_choice(field: str, value: str, allowed: tuple[str, ...]) -> None:

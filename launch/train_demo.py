@@ -23,8 +23,8 @@ from kernels.cpu_features import cpu_has_native_bf16
 from launch.demo_corpus import SourceFile, chat_pairs, split, stdlib_files
 from launch.make_model import (
     ENDOFTEXT_ID, IM_END, IM_START, ROPE_PARAMETERS, bpe_tokenizer, hf_tokenizer, quiet_transformers)
+from launch.shipped import WEIGHTS_DIR
 
-SHIPPED_DIR = Path(__file__).resolve().parent / "demo"  # the committed weights: demo/model and demo/draft
 HELD_OUT_FRACTION = 0.02
 TOKENIZER_VOCAB = 4096
 
@@ -44,9 +44,9 @@ class Recipe:
 
 
 RECIPES = {
-    "demo": Recipe(hidden=256, layers=6, heads=8, kv_heads=4, intermediate=768, context=512, batch=16, steps=3000,
+    "demo": Recipe(hidden=192, layers=4, heads=6, kv_heads=3, intermediate=576, context=512, batch=16, steps=2000,
                    lr=2e-3, warmup=150),
-    "draft": Recipe(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=384, context=512, batch=16, steps=1500,
+    "draft": Recipe(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=192, context=512, batch=16, steps=1200,
                     lr=3e-3, warmup=100),
 }
 
@@ -129,7 +129,8 @@ def held_out_loss(model: LlamaForCausalLM, windows: torch.Tensor, autocast: bool
 class Trainer:
     """One model's run: its data, model, optimizer and step, saved to and resumed from a checkpoint."""
 
-    def __init__(self, name: str, recipe: Recipe, checkpoint_dir: Path, seed: int, files: list[SourceFile]) -> None:
+    def __init__(self, name: str, recipe: Recipe, checkpoint_dir: Path, seed: int, files: list[SourceFile],
+                 compile_model: bool = False) -> None:
         self.name, self.recipe, self.seed, self.checkpoint_dir = name, recipe, seed, checkpoint_dir
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         train_files, held_files = split(files, HELD_OUT_FRACTION, seed)
@@ -143,6 +144,8 @@ class Trainer:
         torch.manual_seed(seed)
         with quiet_transformers():
             self.model = LlamaForCausalLM(model_config(recipe, len(self.tokenizer)))
+        # torch.compile fuses the norms, softmax and loss: ~20% faster steps on CPU (the engine's eval stays eager)
+        self.train_forward = torch.compile(self.model) if compile_model else self.model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.1)
         self.step, self.seconds, self.log = 0, 0.0, []
         self._resume()
@@ -202,7 +205,7 @@ class Trainer:
             start = time.monotonic()
             for group in self.optimizer.param_groups:
                 group["lr"] = learning_rate(recipe, self.step)
-            loss = loss_of(self.model, batch_at(self.train_stream, self.step, recipe.batch, recipe.context,
+            loss = loss_of(self.train_forward, batch_at(self.train_stream, self.step, recipe.batch, recipe.context,
                                                 self.seed), self.autocast)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -254,19 +257,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-files", type=int, help="train on the first N stdlib files only (a smoke run)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="torch.compile the training forward (a minute to compile, then faster steps)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     recipe = RECIPES[args.model]
     if args.steps is not None:
-        recipe = Recipe(**{**asdict(recipe), "steps": args.steps, "warmup": min(recipe.warmup, max(1, args.steps // 10))})
+        warmup = min(recipe.warmup, max(1, args.steps // 10))
+        recipe = Recipe(**{**asdict(recipe), "steps": args.steps, "warmup": warmup})
     checkpoint_dir = args.checkpoint_dir or default_checkpoint_dir(args.model)
-    trainer = Trainer(args.model, recipe, checkpoint_dir, args.seed, stdlib_files(args.max_files))
+    trainer = Trainer(args.model, recipe, checkpoint_dir, args.seed, stdlib_files(args.max_files), args.compile)
     trainer.train(args.checkpoint_minutes * 60, min(args.eval_every, recipe.steps), args.stop_at_step)
     if trainer.step < recipe.steps:
         print(f"stopped at step {trainer.step} of {recipe.steps}: run again to resume")
         return 0
-    out = args.out or SHIPPED_DIR / args.model
+    out = args.out or WEIGHTS_DIR / args.model
     trainer.export(out)
     print(f"exported {out}")
     return 0

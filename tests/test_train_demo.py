@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from launch import train_demo
 
-SMOKE = ["--model", "draft", "--steps", "12", "--max-files", "150", "--eval-every", "6"]
+SMOKE = ["--model", "draft", "--steps", "12", "--max-files", "150", "--eval-every", "6", "--no-compile"]
 
 
 def test_a_short_run_learns_resumes_exactly_and_exports(tmp_path):
