@@ -19,7 +19,7 @@ from launch.train_demo import HELD_OUT_FRACTION, token_stream
 MODELS = ("demo", "draft")
 # A broken or random weight file scores about ln(4096) = 8.3 nats a token; the trained ones far below (their
 # recorded held-out losses are in each folder's training_log.json and in the README).
-HELD_OUT_LOSS_BOUND = {"demo": 3.9, "draft": 4.6}
+HELD_OUT_LOSS_BOUND = {"demo": 3.5, "draft": 4.9}
 
 
 @functools.cache
