@@ -100,6 +100,7 @@ def test_schemas_go_to_the_backend_that_enforces_every_keyword():
     assert json_schema_backend(nested) == "guidance"
     assert json_schema_backend({"type": "string", "format": "idn-email"}) == "guidance"
     assert json_schema_backend({"properties": {"not": {"type": "string"}}}) == "xgrammar"  # a name, not a keyword
+    assert json_schema_backend({"format": {"not": "a string"}}) == "guidance"  # which refuses it by name
 
 
 @pytest.mark.parametrize("constraint, message", [

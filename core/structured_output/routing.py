@@ -29,7 +29,8 @@ def json_schema_backend(schema: dict[str, Any]) -> str:
 
 
 def _xgrammar_enforces(schema: dict[str, Any]) -> bool:
-    format_ok = schema.get("format") is None or schema.get("format") in XGRAMMAR_FORMATS
+    value = schema.get("format")
+    format_ok = value is None or (isinstance(value, str) and value in XGRAMMAR_FORMATS)
     return format_ok and XGRAMMAR_KEYWORDS.issuperset(schema)
 
 
