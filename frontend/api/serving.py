@@ -11,18 +11,14 @@ from fastapi.responses import JSONResponse
 from frontend.api.choices import PromptChoices, RequestObservers, StreamedChoices, final_outputs
 from frontend.api.errors import APIError
 from frontend.api.logprobs import chat_logprobs, completion_logprobs, join_logprobs, prompt_logprobs
-from frontend.api.protocol import (
+from frontend.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, TokenizeRequest
+from frontend.api.responses import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     ChatResponseMessage,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
-    SamplingFields,
-    TokenizeRequest,
     UsageInfo,
 )
 from frontend.api.sampling import ServerLimits, check_limits, requested_max_tokens, sampling_params
