@@ -23,7 +23,8 @@ def test_a_short_run_learns_resumes_exactly_and_exports(tmp_path):
 
     log = json.loads((straight / "training_log.json").read_text())["log"]
     assert [entry["step"] for entry in log] == [6, 12]
-    assert log[-1]["held_out_loss"] < math.log(train_demo.TOKENIZER_VOCAB) - 1.0  # it learned something
+    # it learned something: below a uniform guess over the vocabulary, and lower at the end than halfway
+    assert log[-1]["held_out_loss"] < log[0]["held_out_loss"] < math.log(train_demo.TOKENIZER_VOCAB) - 0.3
     weights, again = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert weights.keys() == again.keys() and all(torch.equal(weights[k], again[k]) for k in weights)
     assert all(tensor.dtype == torch.bfloat16 for tensor in weights.values())
