@@ -4,11 +4,11 @@ Each op dispatches to its Triton kernel on CUDA (when triton imports) and to tor
 kernel) elsewhere.
 """
 from kernels.attention import decode_attention, decode_splits, paged_attention
-from kernels.cpu_decode_attention import load as load_cpu_decode_kernel
+from kernels.cpu_decode_attention import start_background_build as start_cpu_decode_kernel_build
 from kernels.cpu_features import matmul_dtype
 from kernels.kv_cache import write_kv_cache
 from kernels.norm import rms_norm
 from kernels.rotary import rotary_embedding
 
-__all__ = ["decode_attention", "decode_splits", "load_cpu_decode_kernel", "matmul_dtype", "paged_attention",
-           "rms_norm", "rotary_embedding", "write_kv_cache"]
+__all__ = ["decode_attention", "decode_splits", "matmul_dtype", "paged_attention", "rms_norm", "rotary_embedding",
+           "start_cpu_decode_kernel_build", "write_kv_cache"]

@@ -1,5 +1,5 @@
-"""Paged attention as the layers call it: Triton kernels on CUDA; on CPU the fused decode kernel where it
-builds, else the torch reference."""
+"""Paged attention as the layers call it: Triton kernels on CUDA; on CPU the fused decode kernel once it has
+built, else the torch reference."""
 from __future__ import annotations
 
 import torch
@@ -31,7 +31,8 @@ def paged_attention(
         return triton_paged_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
                                       num_decodes, scale, sliding_window, num_sms, device_query_start_loc,
                                       device_seq_lens)
-    fused = num_decodes and query.device.type == "cpu" and cpu_decode_attention.load() is not None
+    # ready(), not load(): while the kernel builds in the background the torch path serves
+    fused = num_decodes and query.device.type == "cpu" and cpu_decode_attention.ready() is not None
     if not fused:
         return attention_ref.paged_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
                                              num_decodes, scale, sliding_window, key, value)

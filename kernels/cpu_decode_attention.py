@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 from types import ModuleType
 
@@ -154,20 +155,45 @@ def _extension_name() -> str:
 
 
 _lock = threading.Lock()
-_attempted = False
+_done = threading.Event()  # set once a build or load has finished, whether or not it gave a module
 _module: ModuleType | None = None
+_builder: threading.Thread | None = None
 
 
 def load(build_directory: str | None = None) -> ModuleType | None:
-    """The compiled extension, built or loaded on the first call and reused after; None where it cannot be built.
+    """The compiled extension, built or loaded on the first call (waiting for a background build already under
+    way) and reused after; None where it cannot be built.
 
     build_directory: where the first call builds (default: torch's extension cache); later calls ignore it.
     """
-    global _attempted, _module
+    global _module
     with _lock:
-        if not _attempted:
-            _module, _attempted = _build(build_directory), True
-        return _module
+        if not _done.is_set():
+            _module = _build(build_directory)
+            _done.set()
+    return _module
+
+
+def start_background_build() -> None:
+    """Build (or load the cached build) on a low-priority daemon thread, so a server answers at once: until
+    ready() has the module, decode runs on the torch reference, which computes the same attention."""
+    global _builder
+    with _lock:
+        if _done.is_set() or _builder is not None:
+            return
+        _builder = threading.Thread(target=_build_at_low_priority, name="cpu-decode-kernel-build", daemon=True)
+        _builder.start()
+
+
+def _build_at_low_priority() -> None:
+    # Linux: this thread alone; the compiler processes it starts inherit the niceness and take only idle CPU
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    load()
+
+
+def ready() -> ModuleType | None:
+    """The extension if its build or load has finished, without waiting for one under way; else None."""
+    return _module if _done.is_set() else None
 
 
 def _build(build_directory: str | None) -> ModuleType | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -115,3 +116,34 @@ def test_build_failure_yields_none(monkeypatch):
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", broken)
     assert cpu_decode_attention._build(None) is None
+
+
+def test_background_build_serves_the_torch_path_until_ready(monkeypatch):
+    """Start-up never waits for the compiler: decode runs on the reference until the low-priority build is done."""
+    import threading
+    from types import SimpleNamespace
+
+    from kernels import attention
+
+    release, niceness = threading.Event(), []
+    built = SimpleNamespace(decode_attention=None)
+
+    def slow_build(build_directory):
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        release.wait(30)
+        return built
+
+    monkeypatch.setattr(cpu_decode_attention, "_build", slow_build)
+    monkeypatch.setattr(cpu_decode_attention, "_done", threading.Event())
+    monkeypatch.setattr(cpu_decode_attention, "_module", None)
+    monkeypatch.setattr(cpu_decode_attention, "_builder", None)
+    cpu_decode_attention.start_background_build()
+    generator = torch.Generator().manual_seed(5)
+    k_cache, v_cache, tables = build_caches([9, 30], 8, 2, 64, generator)
+    query = torch.randn(2, 4, 64, generator=generator)
+    out = attention.paged_attention(query, k_cache, v_cache, tables, [0, 1, 2], [9, 30], 2, 0.125)
+    assert cpu_decode_attention.ready() is None  # not waited for: the call above ran on the torch path
+    torch.testing.assert_close(out, reference(query, k_cache, v_cache, tables, [9, 30], 0.125, None))
+    release.set()
+    cpu_decode_attention._builder.join(30)
+    assert cpu_decode_attention.ready() is built and niceness == [19]
