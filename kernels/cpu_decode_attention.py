@@ -7,9 +7,12 @@ Block ids are trusted (the scheduler made them); only each row's first ceil(seq_
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
+import tempfile
 import threading
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -149,12 +152,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
 
 def _extension_name() -> str:
-    """Built with -march=native: a cached build must never be loaded on a CPU with other instructions."""
-    flags = " ".join(sorted(cpu_flags()))
-    return "pagedserve_cpu_decode_attention_" + hashlib.sha1(flags.encode()).hexdigest()[:12]
+    """Built with -march=native from this source: a cached build is loaded only on a CPU with the same instructions
+    and only for the source (and torch) it was built from."""
+    key = " ".join(sorted(cpu_flags())) + _SOURCE + torch.__version__
+    return "pagedserve_cpu_decode_attention_" + hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
-_lock = threading.Lock()
+_start_lock = threading.Lock()  # guards _builder
+_lock = threading.Lock()  # held through a build or load
 _done = threading.Event()  # set once a build or load has finished, whether or not it gave a module
 _module: ModuleType | None = None
 _builder: threading.Thread | None = None
@@ -164,7 +169,8 @@ def load(build_directory: str | None = None) -> ModuleType | None:
     """The compiled extension, built or loaded on the first call (waiting for a background build already under
     way) and reused after; None where it cannot be built.
 
-    build_directory: where the first call builds (default: torch's extension cache); later calls ignore it.
+    build_directory: where the first call looks for and puts the build (default: under torch's extension root);
+    later calls ignore it.
     """
     global _module
     with _lock:
@@ -178,7 +184,7 @@ def start_background_build() -> None:
     """Build (or load the cached build) on a low-priority daemon thread, so a server answers at once: until
     ready() has the module, decode runs on the torch reference, which computes the same attention."""
     global _builder
-    with _lock:
+    with _start_lock:
         if _done.is_set() or _builder is not None:
             return
         _builder = threading.Thread(target=_build_at_low_priority, name="cpu-decode-kernel-build", daemon=True)
@@ -197,15 +203,33 @@ def ready() -> ModuleType | None:
 
 
 def _build(build_directory: str | None) -> ModuleType | None:
+    """The cached build, else a new one compiled in a private folder and then moved into the cache. torch's own
+    cache shares a lock file between processes, which a process killed mid-build (a daemon thread at exit) leaves
+    behind for every later one to wait on forever; a private folder has nothing to leave."""
     try:
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import get_default_build_root, load_inline
 
-        kwargs = {"build_directory": build_directory} if build_directory else {}
-        return load_inline(_extension_name(), cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], no_implicit_headers=True, **kwargs)
+        name = _extension_name()
+        root = Path(build_directory or Path(get_default_build_root()) / "pagedserve")
+        library = root / f"{name}.so"
+        if library.exists():
+            return _import(name, library)
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as private:
+            module = load_inline(name, cpp_sources=[_SOURCE], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                 extra_ldflags=["-fopenmp"], no_implicit_headers=True, build_directory=private)
+            os.replace(Path(private) / f"{name}.so", library)  # atomic: a concurrent builder's copy is the same
+        return module
     except Exception as exc:  # a missing or broken toolchain must only disable the fused path
         logging.getLogger(__name__).warning("fused CPU decode attention unavailable, using the torch path: %s", exc)
         return None
+
+
+def _import(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
