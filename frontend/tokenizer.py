@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -72,11 +73,22 @@ def load_chat_template(value: str) -> str:
     return template
 
 
+# apply_chat_template's own arguments: a template variable may not take their place.
+_RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict], model: str,
                         add_generation_prompt: bool = True, chat_template: str | None = None,
-                        tools: list[dict] | None = None) -> str:
+                        tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
     """The conversation as prompt text through `chat_template` (a template's text; default: the tokenizer's); the
-    template's own special tokens are already in it."""
+    template's own special tokens are already in it. `template_kwargs`: extra variables the template reads (vLLM's
+    chat_template_kwargs, e.g. enable_thinking)."""
+    reserved = sorted(_RESERVED_TEMPLATE_VARIABLES.intersection(template_kwargs or {}))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: they have their own fields")
     chat_template = chat_template or getattr(tokenizer, "chat_template", None)
     if not chat_template:
         raise ValueError(f"model {model!r} has no chat template in its tokenizer_config.json; give one (the "
@@ -92,6 +104,9 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
                 check_text(value, f"messages.{index}.{key}")
     try:
         return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt, tools=tools)
-    except jinja2.TemplateError as error:  # raise_exception() in the template, or a template that breaks on this input
-        raise ValueError(f"the chat template failed on these messages: {error}") from None
+                                             add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **(template_kwargs or {}))
+    # raise_exception() in the template, or a template that breaks on this input (a value of a type it did not
+    # expect, in a message or in template_kwargs): the request's fault, not the server's
+    except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as error:
+        raise ValueError(f"the chat template failed on these messages: {type(error).__name__}: {error}") from None

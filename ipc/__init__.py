@@ -19,7 +19,7 @@ from ipc.messages import (
 )
 from ipc.sampling_params import RequestOutputKind, SamplingParams
 from ipc.serialization import Decoder, Encoder
-from ipc.structured_outputs import GrammarBitmask, StructuredOutputsParams
+from ipc.structured_outputs import GrammarBitmask, ReasoningSection, StructuredOutputsParams
 from ipc.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -52,6 +52,7 @@ __all__ = [
     "ModelRunnerOutput",
     "NewRequestData",
     "PromptLogprobs",
+    "ReasoningSection",
     "RequestOutputKind",
     "SamplingParams",
     "SchedulerOutput",

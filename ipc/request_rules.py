@@ -61,6 +61,9 @@ def _check_token_ids(info: EngineInfo, request: EngineCoreRequest) -> None:
                  "stop_token_ids": [*(params.stop_token_ids or []), *eos],
                  "logit_bias": list(params.logit_bias or ()),
                  "bad_words": [t for word in params.bad_words_token_ids or [] for t in word]}
+    if params.structured_outputs is not None and (section := params.structured_outputs.reasoning) is not None:
+        token_ids["structured_outputs.reasoning"] = [*section.end_token_ids, *(
+            [section.open_token_id] if section.open_token_id is not None else [])]
     for name, ids in token_ids.items():
         bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
         if bad is not None:

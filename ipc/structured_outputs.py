@@ -16,6 +16,20 @@ ConstraintText = Annotated[str, Meta(min_length=1, max_length=MAX_CONSTRAINT_CHA
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+MAX_MARKER_TOKENS = 16
+
+
+class ReasoningSection(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Where the output's reasoning section (e.g. <think>...</think>) lies, so that a constraint applies after it
+    and never inside it. The section ends once the output's tokens end with `end_token_ids`. Without
+    `open_token_id` the output begins inside the section; with it, the section exists only if the output's first
+    token is that one (allowed there beside what the constraint allows); otherwise the constraint applies from the
+    first token."""
+
+    end_token_ids: Annotated[list[int], Meta(min_length=1, max_length=MAX_MARKER_TOKENS)]
+    open_token_id: int | None = None
+
+
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Exactly one of: a JSON schema (`json`, an object or its JSON text), a `regex` the whole output matches, a
     `choice` of literal strings, an EBNF/GBNF `grammar` (root rule `root`), or `json_object` (any JSON object)."""
@@ -29,6 +43,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # JSON is written with single spaces after "," and ":" and no other whitespace unless this is False (then any
     # amount is allowed, which lets a weak model fill max_tokens with blanks): a default on purpose unlike vLLM's.
     disable_any_whitespace: bool = True
+    reasoning: ReasoningSection | None = None  # set by a reasoning parser (the gateway's --reasoning-parser)
 
     def __post_init__(self) -> None:
         check_fields(self, "structured_outputs.")

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 import transformers
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from launch.demo_corpus import stdlib_sources
 
-MAKER_VERSION = 1
+MAKER_VERSION = 2  # 2: tools in the chat template, <think> and </think> tokens
 MARKER_FILE = "pagedserve_model.json"
 ARCHS = ("llama", "qwen2", "mistral", "opt")
 
@@ -32,12 +32,35 @@ ARCHS = ("llama", "qwen2", "mistral", "opt")
 # meaning that would be worth a second stop token.
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+THINK_TOKENS = ("<think>", "</think>")
 ENDOFTEXT_ID = 0
+# ChatML; with tools, Hermes/Qwen2.5's format: the tools listed in a system turn, calls written as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call>, results sent back as <tool_response> user turns.
 CHAT_TEMPLATE = (
-    r"{% for message in messages %}"
-    r"{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    r"{% endfor %}"
-    r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    r"{%- if tools %}"
+    r"{{- '<|im_start|>system\n' }}"
+    r"{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    r"{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    r"function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    r"{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    r"{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    r"<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    r"<args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    r"{%- endif %}"
+    r"{%- for message in messages %}"
+    r"{%- if tools and loop.first and message['role'] == 'system' %}"
+    r"{%- elif message['role'] == 'tool' %}"
+    r"{{- '<|im_start|>user\n<tool_response>\n' + (message['content'] or '') + '\n</tool_response><|im_end|>\n' }}"
+    r"{%- else %}"
+    r"{{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    r"{%- for call in message.get('tool_calls') or [] %}"
+    r"{{- '\n<tool_call>\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' "
+    r"+ (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
+    r"{%- endfor %}"
+    r"{{- '<|im_end|>\n' }}"
+    r"{%- endif %}"
+    r"{%- endfor %}"
+    r"{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
 # Far wider than HF's 0.02: with tied embeddings (qwen2, opt) a tiny random model at <= 0.1 tends to
@@ -242,18 +265,22 @@ def quiet_transformers() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=None)
 def _trained_bpe(vocab_size: int) -> Tokenizer:
-    return bpe_tokenizer(vocab_size, _training_texts())
+    bpe = bpe_tokenizer(vocab_size, _training_texts())
+    # As in Qwen3 and DeepSeek-R1: one token each, kept in the text, so reasoning parsers have a model to serve.
+    bpe.add_tokens([AddedToken(marker, special=False, normalized=False) for marker in THINK_TOKENS])
+    return bpe
 
 
-def bpe_tokenizer(vocab_size: int, texts: Iterable[str]) -> Tokenizer:
-    """A byte-level BPE with Qwen2's pre-tokenizer and the special tokens, trained on `texts`."""
+def bpe_tokenizer(vocab_size: int, texts: Iterable[str], pretokenize_regex: str = PRETOKENIZE_REGEX) -> Tokenizer:
+    """A byte-level BPE with Qwen2's pre-tokenizer (or `pretokenize_regex`) and the special tokens, trained on
+    `texts`."""
     # AutoTokenizer rebuilds a qwen2 tokenizer with Qwen2's own normalizer and pre-tokenizer, ignoring
     # tokenizer.json; using that same pipeline for every arch keeps all four tokenizing alike.
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.Split(Regex(pretokenize_regex), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )

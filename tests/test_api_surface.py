@@ -95,7 +95,6 @@ CHAT = {"messages": HELLO, "max_tokens": 2}
     ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {**CHAT, "function_call": "auto"}, "function_call"),
     ("/v1/chat/completions", {**CHAT, "logits_processors": ["my.module:Processor"]}, "logits_processors"),
-    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
     ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
     ("/tokenize", {"messages": HELLO, "add_generation_prompt": False}, "add_generation_prompt"),

@@ -10,7 +10,6 @@ import pytest
 from frontend.api.cli_args import auto_tool_parser
 from frontend.api.serving import _ToolReader
 from frontend.api.tool_parsers import held_back, parse_hermes, parse_llama3_json
-from frontend.outputs import CompletionOutput, RequestOutput
 
 
 def _names_and_arguments(calls: list[dict]) -> list[tuple[str, dict]]:
@@ -46,28 +45,23 @@ def test_held_back_stops_where_a_call_may_begin():
     assert held_back("Hello <b>", "<tool_call>") == len("Hello <b>")
 
 
-def _output(text: str, finish_reason: str | None) -> RequestOutput:
-    return RequestOutput("r", None, [1], [CompletionOutput(0, text, [1], None, None, finish_reason)],
-                         finish_reason is not None)
-
-
 @pytest.mark.parametrize("pieces, content, calls", [
     (["Let me ", "check. <tool", '_call>{"name": "get_time", ', '"arguments": {"zone": "UTC"}}</tool_call>'],
      "Let me check. ", [("get_time", {"zone": "UTC"})]),
     (["No tools ", "needed <", "b>."], "No tools needed <b>.", []),
 ])
 def test_a_streamed_auto_answer_shows_text_then_the_calls_whole(pieces, content, calls):
-    chunk = _ToolReader("auto", "hermes").choice_chunks(1)
-    chunks = [chunk(0, _output(piece, "stop" if i == len(pieces) - 1 else None)) for i, piece in enumerate(pieces)]
-    shown = "".join(c["delta"].get("content", "") for c in chunks if c is not None)
+    delta = _ToolReader("auto", "hermes").stream(1)
+    chunks = [delta(0, piece, "stop" if i == len(pieces) - 1 else None) for i, piece in enumerate(pieces)]
+    shown = "".join(part.get("content", "") for part, _ in chunks)
     assert shown == content
-    last = chunks[-1]
+    last, finish_reason = chunks[-1]
     if calls:
-        assert last["finish_reason"] == "tool_calls"
-        assert _names_and_arguments(last["delta"]["tool_calls"]) == calls
-        assert [call["index"] for call in last["delta"]["tool_calls"]] == list(range(len(calls)))
+        assert finish_reason == "tool_calls"
+        assert _names_and_arguments(last["tool_calls"]) == calls
+        assert [call["index"] for call in last["tool_calls"]] == list(range(len(calls)))
     else:
-        assert last["finish_reason"] == "stop" and "tool_calls" not in last["delta"]
+        assert finish_reason == "stop" and "tool_calls" not in last
 
 
 def test_auto_tool_choice_needs_a_parser():

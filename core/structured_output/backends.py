@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from typing import Any, Protocol
 
 import numpy as np
 import xgrammar
 
+from core.structured_output.formats import with_exact_formats
 from core.structured_output.routing import json_schema_backend
 from ipc import StructuredOutputsParams
 
@@ -34,28 +36,34 @@ class CompiledConstraint(Protocol):
 
 class Backends:
     """Compiles a constraint with the backend that can enforce it; each backend's vocabulary tables are built on
-    first use. Called from the compiling thread only."""
+    first use. Called from the compiling threads."""
 
     def __init__(self, tokenizer_dir: str, vocab_size: int) -> None:
         self.tokenizer_dir, self.vocab_size = tokenizer_dir, vocab_size
         self._tokenizer: Any = None
         self._xgrammar: xgrammar.GrammarCompiler | None = None
         self._guidance: Any = None
+        self._tables_lock = threading.RLock()  # the vocabulary tables are built once, by whichever thread is first
+
+    def build_tables(self) -> None:
+        """Both backends' vocabulary tables (seconds for a large vocabulary), before any compile needs them."""
+        self._xgrammar_compiler()
+        self._guidance_tokenizer()
 
     def compile(self, params: StructuredOutputsParams) -> CompiledConstraint:
         """The compiled constraint, or ValueError with the backend's own message."""
-        if params.kind == "json" and json_schema_backend(json.loads(params.spec)) == "guidance":
-            return self._compile_guidance(params)
+        schema = with_exact_formats(params.spec) if params.kind == "json" else '{"type": "object"}'
+        if params.kind == "json" and json_schema_backend(json.loads(schema)) == "guidance":
+            return self._compile_guidance(schema, params.disable_any_whitespace)
         try:
-            return _XGrammarCompiled(self._compile_xgrammar(params))
+            return _XGrammarCompiled(self._compile_xgrammar(params, schema))
         except (RuntimeError, ValueError, TypeError) as error:
             raise ValueError(f"structured_outputs.{params.kind} could not be compiled: "
                              f"{_LOCATION.sub('', str(error)).strip()}") from None
 
-    def _compile_xgrammar(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+    def _compile_xgrammar(self, params: StructuredOutputsParams, schema: str) -> xgrammar.CompiledGrammar:
         compiler = self._xgrammar_compiler()
         if params.kind in ("json", "json_object"):
-            schema = params.spec if params.kind == "json" else '{"type": "object"}'
             return compiler.compile_json_schema(schema, any_whitespace=not params.disable_any_whitespace)
         if params.kind == "regex":
             return compiler.compile_regex(params.regex)
@@ -63,12 +71,12 @@ class Backends:
             return compiler.compile_grammar(choice_grammar(params.choice))
         return compiler.compile_grammar(params.grammar)
 
-    def _compile_guidance(self, params: StructuredOutputsParams) -> CompiledConstraint:
+    def _compile_guidance(self, schema: str, disable_any_whitespace: bool) -> CompiledConstraint:
         import llguidance
 
         options = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False} \
-            if params.disable_any_whitespace else {"whitespace_flexible": True}  # as xgrammar writes JSON
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(params.spec, defaults=options)
+            if disable_any_whitespace else {"whitespace_flexible": True}  # as xgrammar writes JSON
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         template = llguidance.LLMatcher(self._guidance_tokenizer(), grammar)
         if template.is_error():
             raise ValueError(f"structured_outputs.json could not be compiled: {template.get_error()}")
@@ -76,24 +84,27 @@ class Backends:
 
     def _hf_tokenizer(self) -> Any:
         """The vocabulary's token strings come from the tokenizer files (the engine never tokenizes text)."""
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
+        with self._tables_lock:
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
-        return self._tokenizer
+                self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+            return self._tokenizer
 
     def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
-        if self._xgrammar is None:
-            info = xgrammar.TokenizerInfo.from_huggingface(self._hf_tokenizer(), vocab_size=self.vocab_size)
-            self._xgrammar = xgrammar.GrammarCompiler(info, max_threads=1)
-        return self._xgrammar
+        with self._tables_lock:
+            if self._xgrammar is None:
+                info = xgrammar.TokenizerInfo.from_huggingface(self._hf_tokenizer(), vocab_size=self.vocab_size)
+                self._xgrammar = xgrammar.GrammarCompiler(info, max_threads=1)
+            return self._xgrammar
 
     def _guidance_tokenizer(self) -> Any:
-        if self._guidance is None:
-            import llguidance.hf
+        with self._tables_lock:
+            if self._guidance is None:
+                import llguidance.hf
 
-            self._guidance = llguidance.hf.from_tokenizer(self._hf_tokenizer(), n_vocab=self.vocab_size)
-        return self._guidance
+                self._guidance = llguidance.hf.from_tokenizer(self._hf_tokenizer(), n_vocab=self.vocab_size)
+            return self._guidance
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -1,9 +1,10 @@
-"""Compiling constraints off the engine loop: one low-priority daemon thread, results cached by constraint."""
+"""Compiling constraints off the engine loop: a few low-priority daemon threads, results cached by constraint."""
 from __future__ import annotations
 
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 
@@ -11,13 +12,16 @@ from core.structured_output.backends import Backends, CompiledConstraint
 from ipc import StructuredOutputsParams
 
 CACHE_SIZE = 256  # compiled constraints (and compile errors) kept, least recently used dropped first
+# A compile cannot be interrupted: a grammar that takes minutes holds its thread that long. With several threads
+# the next constraints still compile beside it (until this many slow ones arrive at once).
+COMPILE_THREADS = 4
 
 
 class GrammarCompiler:
-    """Compiles each distinct constraint once, on a background thread; `compile` returns a future at once. Used
+    """Compiles each distinct constraint once, on background threads; `compile` returns a future at once. Used
     from the engine loop's thread only.
 
-    The thread runs at the lowest CPU priority: a slow grammar takes only the cycles the engine's step leaves.
+    The threads run at the lowest CPU priority: a slow grammar takes only the cycles the engine's step leaves.
     A compile cannot be interrupted: one past its deadline finishes in the background (and is cached); one not
     yet started when its last request gives up is cancelled.
     """
@@ -26,9 +30,15 @@ class GrammarCompiler:
         self.backends = Backends(tokenizer_dir, vocab_size)
         self._cache: OrderedDict[tuple[str, str, bool], Future[CompiledConstraint]] = OrderedDict()
         self._jobs: queue.SimpleQueue[tuple[StructuredOutputsParams, Future] | None] = queue.SimpleQueue()
-        # A daemon thread, not a pool: a grammar still compiling must not hold up the exit of an in-process engine.
-        self._thread = threading.Thread(target=self._run, name="grammar-compiler", daemon=True)
-        self._thread.start()
+        # The vocabulary tables come first, once; a request's compile timeout counts from when they are ready
+        # (StructuredOutputManager), so a large vocabulary never times out the first requests.
+        self.tables_ready = threading.Event()
+        self.tables_ready_at: float | None = None
+        # Daemon threads, not an executor: a grammar still compiling must not hold up the exit of an in-process
+        # engine.
+        threading.Thread(target=self._build_tables, name="grammar-tables", daemon=True).start()
+        for index in range(COMPILE_THREADS):
+            threading.Thread(target=self._run, name=f"grammar-compiler-{index}", daemon=True).start()
 
     def compile(self, params: StructuredOutputsParams) -> Future[CompiledConstraint]:
         """The compiled constraint (or its ValueError), shared by every request with the same one."""
@@ -43,8 +53,17 @@ class GrammarCompiler:
             self._cache.move_to_end(key)
         return future
 
+    def _build_tables(self) -> None:
+        _lowest_priority()
+        try:
+            self.backends.build_tables()
+        finally:  # failed: each compile tries again and fails its request with the reason
+            self.tables_ready_at = time.monotonic()
+            self.tables_ready.set()
+
     def _run(self) -> None:
         _lowest_priority()
+        self.tables_ready.wait()
         while (job := self._jobs.get()) is not None:
             params, future = job
             if not future.set_running_or_notify_cancel():
@@ -55,7 +74,8 @@ class GrammarCompiler:
                 future.set_exception(error)
 
     def shutdown(self) -> None:
-        self._jobs.put(None)
+        for _ in range(COMPILE_THREADS):
+            self._jobs.put(None)
 
 
 def _lowest_priority() -> None:

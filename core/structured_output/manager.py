@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from core.request import Request
+from core.structured_output.backends import CompiledConstraint, RequestGrammar
 from core.structured_output.compiler import GrammarCompiler
+from core.structured_output.reasoning import ReasoningGate
 from ipc import EngineCoreOutput, FinishReason, GrammarBitmask, SchedulerOutput
 
 logger = logging.getLogger("pagedserve.structured_output")
@@ -20,7 +22,7 @@ logger = logging.getLogger("pagedserve.structured_output")
 class _Pending:
     request: Request
     future: Future
-    deadline: float
+    added: float
 
 
 class StructuredOutputManager:
@@ -33,7 +35,7 @@ class StructuredOutputManager:
     def add(self, request: Request) -> None:
         """Start compiling the request's constraint; it joins the scheduler once `admit` finds it compiled."""
         future = self.compiler.compile(request.sampling_params.structured_outputs)
-        self.pending[request.request_id] = _Pending(request, future, time.monotonic() + self.compile_timeout_s)
+        self.pending[request.request_id] = _Pending(request, future, time.monotonic())
 
     def abort(self, request_id: str) -> bool:
         """Forget a request still waiting for its grammar; False if it is not waiting."""
@@ -48,10 +50,16 @@ class StructuredOutputManager:
             pending.future.cancel()
         return True
 
+    def _deadline(self, pending: _Pending) -> float:
+        """When its compile times out: the timeout counts from when it came, or from when the vocabulary tables were
+        ready if that was later (never while they are built)."""
+        ready_at = self.compiler.tables_ready_at
+        return float("inf") if ready_at is None else max(pending.added, ready_at) + self.compile_timeout_s
+
     def wait(self, timeout_s: float) -> None:
         """Block until a pending compile finishes, or a deadline or `timeout_s` passes (nothing else to run)."""
         if self.pending:
-            until_deadline = min(p.deadline for p in self.pending.values()) - time.monotonic()
+            until_deadline = min(self._deadline(p) for p in self.pending.values()) - time.monotonic()
             wait([p.future for p in self.pending.values()], timeout=max(0.0, min(timeout_s, until_deadline)),
                  return_when=FIRST_COMPLETED)
 
@@ -63,14 +71,14 @@ class StructuredOutputManager:
                 del self.pending[request_id]
                 error = pending.future.exception()
                 if error is None:
-                    pending.request.grammar = pending.future.result().matcher(_stop_tokens(pending.request))
+                    pending.request.grammar = _matcher(pending.request, pending.future.result())
                     ready.append(pending.request)
                 elif isinstance(error, ValueError):  # the constraint's own fault: the backend's message, a 400
                     failed.append(_ended(request_id, str(error), "invalid"))
                 else:  # a backend bug on this constraint: a 500 for this request alone
                     failed.append(_ended(request_id, f"compiling structured_outputs failed: "
                                          f"{type(error).__name__}: {error}", "failed"))
-            elif now >= pending.deadline:
+            elif now >= self._deadline(pending):
                 self._forget(request_id)
                 kind = pending.request.sampling_params.structured_outputs.kind
                 failed.append(_ended(request_id, f"structured_outputs.{kind} took longer than "
@@ -98,6 +106,13 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self.compiler.shutdown()
+
+
+def _matcher(request: Request, compiled: CompiledConstraint) -> RequestGrammar:
+    """The request's matcher, behind its reasoning section when it has one."""
+    matcher = compiled.matcher(_stop_tokens(request))
+    section = request.sampling_params.structured_outputs.reasoning
+    return matcher if section is None else ReasoningGate(matcher, section)
 
 
 def _stop_tokens(request: Request) -> list[int]:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from core.structured_output.formats import EXACT_FORMATS
+from core.structured_output.schema_tree import subschemas
+
 # Keywords xgrammar 0.2 enforces correctly (checked against its generated grammars), and annotations that
 # constrain nothing. minLength/maxLength are missing on purpose: xgrammar then lets raw control characters into
 # the string, which is not JSON.
@@ -16,11 +19,6 @@ XGRAMMAR_KEYWORDS = frozenset({
 XGRAMMAR_FORMATS = frozenset({
     "date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uri-reference", "uuid",
     "json-pointer"})
-# Where a schema holds subschemas: one, a list of them, or a name → subschema map.
-_ONE = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
-        "unevaluatedProperties", "unevaluatedItems", "additionalItems")
-_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def json_schema_backend(schema: dict[str, Any]) -> str:
@@ -30,19 +28,7 @@ def json_schema_backend(schema: dict[str, Any]) -> str:
 
 def _xgrammar_enforces(schema: dict[str, Any]) -> bool:
     value = schema.get("format")
+    if isinstance(value, str) and value in EXACT_FORMATS and "pattern" in schema:  # its exact pattern cannot join another one in xgrammar
+        return False
     format_ok = value is None or (isinstance(value, str) and value in XGRAMMAR_FORMATS)
     return format_ok and XGRAMMAR_KEYWORDS.issuperset(schema)
-
-
-def subschemas(schema: Any) -> list[dict[str, Any]]:
-    """The schema and every schema nested in it (iteratively: a hostile schema may nest deeper than the stack)."""
-    found, stack = [], [schema]
-    while stack:
-        current = stack.pop()
-        if not isinstance(current, dict):
-            continue
-        found.append(current)
-        stack += [current[key] for key in _ONE if isinstance(current.get(key), dict)]
-        stack += [item for key in _LIST if isinstance(current.get(key), list) for item in current[key]]
-        stack += [item for key in _MAP if isinstance(current.get(key), dict) for item in current[key].values()]
-    return found

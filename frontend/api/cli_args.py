@@ -86,6 +86,8 @@ GATEWAY_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--tool-call-parser", dict(choices=("hermes", "llama3_json"), help='the format of the model\'s own tool '
                                 "calls, read under tool_choice \"auto\": hermes (<tool_call>{...}</tool_call>) or "
                                 "llama3_json")),
+    ("--reasoning-parser", dict(choices=("deepseek_r1", "qwen3"), help="split the model's <think>...</think> "
+                                "section into reasoning_content; an output constraint applies after it")),
     ("--disable-log-requests", dict(action="store_true", help="no log line per finished request")),
     ("--log-prompts", dict(action="store_true", help="put each request's prompt and output text in its log line "
                                                      "(they may hold personal data)")),

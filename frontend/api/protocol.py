@@ -54,7 +54,6 @@ COMPLETION_ONLY = {
     "add_special_tokens": Rule("prompts always get the tokenizer's special tokens", _one_of(True)),
 }
 _CHAT_PROMPT = {
-    "chat_template_kwargs": Rule("the template gets messages and add_generation_prompt only", _one_of({})),
     "continue_final_message": Rule("not implemented: the last message is always closed", _one_of(False)),
     "documents": Rule("the template gets messages and add_generation_prompt only", _one_of([])),
 }
@@ -221,6 +220,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: SP["logprobs"] = None
     tools: list[ChatTool] | None = Field(default=None, max_length=128)
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     refused_fields = COMMON | CHAT_ONLY
@@ -231,6 +231,7 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     refused_fields = TOKENIZE
 
 

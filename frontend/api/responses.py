@@ -42,6 +42,7 @@ class CompletionResponse(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # the <think> section, with a reasoning parser
     tool_calls: list[dict] = []
 
 

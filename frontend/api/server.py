@@ -45,14 +45,14 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
               max_stall_s: float = DEFAULT_MAX_STALL_S, *, chat_template: str | None = None,
               model_root: str | None = None, generation_defaults: dict[str, float | int] | None = None,
               request_logger: RequestLogger | None = None, cors: CorsOptions | None = None,
-              tool_parser: str | None = None) -> FastAPI:
+              tool_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The gateway's app. `chat_template` (a template's text) replaces the tokenizer's, whose gateway this is;
     `model_root` is the model's root in /v1/models (default: the engine's model folder)."""
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
     metrics = ServerMetrics(model_name)
     serving = OpenAIServing(engine, model_name, limits, RequestObservers(metrics, request_logger), generation_defaults,
-                            tool_parser)
+                            tool_parser, reasoning_parser)
     # The contract is served (behind the key) for clients and fuzzers; the docs UIs would load scripts from a CDN.
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(engine, model_name, limits, args.api_key, args.max_body_bytes, args.max_header_bytes,
                     args.engine_stall_timeout, chat_template=chat_template, model_root=args.model_root or model_folder,
                     generation_defaults=generation_defaults, request_logger=request_logger, cors=cors_options(args),
-                    tool_parser=tool_parser)
+                    tool_parser=tool_parser, reasoning_parser=args.reasoning_parser)
     sock = listening_socket(args.host, args.port, args.reuse_port)
     server = uvicorn.Server(uvicorn_config(app, args))
     if args.parent_fd is not None:

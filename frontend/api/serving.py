@@ -6,12 +6,20 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 
+import msgspec
 from fastapi.responses import JSONResponse
 
 from frontend.api.choices import PromptChoices, RequestObservers, StreamedChoices, final_outputs
 from frontend.api.errors import APIError
 from frontend.api.logprobs import chat_logprobs, completion_logprobs, join_logprobs, prompt_logprobs
 from frontend.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, TokenizeRequest
+from frontend.api.reasoning_parsers import (
+    REASONING_PARSERS,
+    ReasoningSplitter,
+    reasoning_section,
+    section_start,
+    split_reasoning,
+)
 from frontend.api.responses import (
     ChatChoice,
     ChatCompletionChunk,
@@ -33,10 +41,12 @@ from ipc.request_rules import InvalidRequestError, check_max_tokens
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str, limits: ServerLimits, observers: RequestObservers,
-                 generation_defaults: Mapping[str, float | int] | None = None, tool_parser: str | None = None) -> None:
+                 generation_defaults: Mapping[str, float | int] | None = None, tool_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.engine, self.model_name, self.limits, self.observers = engine, model_name, limits, observers
         self.generation_defaults = generation_defaults or {}
         self.tool_parser = tool_parser  # for tool_choice "auto"; None: "auto" is refused
+        self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
 
     async def completions(self, body: CompletionRequest):
         self._check_model(body.model)
@@ -70,9 +80,15 @@ class OpenAIServing:
         if body.chat_template is not None:
             raise APIError(400, "chat_template is not accepted: the server uses the model's own template",
                            "chat_template")
-        text = self._chat_text(body.messages, body.add_generation_prompt, template_tools(body))
+        text = self._chat_text(body.messages, body.add_generation_prompt, template_tools(body),
+                               body.chat_template_kwargs)
         prompt = {"prompt": text, "prompt_token_ids": self._encode(text, "messages", add_special_tokens=False)}
         params = sampling_params(body, self.limits, self.generation_defaults, self.tool_parser)
+        start = None if self.reasoning_parser is None else section_start(self.reasoning_parser, text)
+        if start is not None and params.structured_outputs is not None:  # the constraint starts after the thinking
+            constraint = msgspec.structs.replace(params.structured_outputs,
+                                                 reasoning=reasoning_section(start, self.engine.tokenizer))
+            params = msgspec.structs.replace(params, structured_outputs=constraint)
         prompts = [self._prompt_choices(body, prompt, params, "messages")]
         tools = _ToolReader(tool_mode(body, self.tool_parser), self.tool_parser)
         if body.stream:
@@ -81,13 +97,15 @@ class OpenAIServing:
             role_chunks = [{**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], "usage": None}
                            for index in range(body.n)]
-            choice = _chat_choice(body) if tools.mode is None else tools.choice_chunks(body.n)
             return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers, head,
-                                         choice, _usage_chunks(head, body, prompts), role_chunks).open()
+                                         _chat_chunks(body, tools, start), _usage_chunks(head, body, prompts),
+                                         role_chunks).open()
         [output] = await final_outputs(self.engine, prompts, uuid.uuid4().hex, self.observers)
         choices = []
         for c in output.outputs:
-            message, finish_reason = tools.message(c.text, c.finish_reason)
+            reasoning, content = (None, c.text) if start is None else split_reasoning(start, c.text)
+            message, finish_reason = tools.message(content, c.finish_reason)
+            message.reasoning_content = reasoning
             choices.append(ChatChoice(index=c.index, message=message, logprobs=chat_logprobs(c, body.top_logprobs or 0),
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
         response = ChatCompletionResponse(model=self.model_name, usage=_usage(prompts), choices=choices)
@@ -99,7 +117,8 @@ class OpenAIServing:
         if body.prompt is not None:
             tokens = self._encode(body.prompt, "prompt", body.add_special_tokens)
         else:
-            tokens = self._encode(self._chat_text(body.messages, True), "messages", add_special_tokens=False)
+            tokens = self._encode(self._chat_text(body.messages, True, template_kwargs=body.chat_template_kwargs),
+                                  "messages", add_special_tokens=False)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.limits.max_model_len}
 
     def _check_model(self, model: str | None) -> None:
@@ -116,16 +135,17 @@ class OpenAIServing:
             raise APIError(400, "prompt is empty", "prompt")
         return {"prompt_token_ids": prompt}
 
-    def _chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                   tools: list[dict] | None = None) -> str:
+    def _chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict] | None = None,
+                   template_kwargs: dict | None = None) -> str:
         """The conversation (and the tools, for templates that render them) as prompt text, through the model's
         chat template."""
         dicts = [_template_message(m) for m in messages]
         try:
             return apply_chat_template(self.engine.tokenizer, dicts, self.model_name, add_generation_prompt,
-                                       tools=tools)
+                                       tools=tools, template_kwargs=template_kwargs)
         except ValueError as error:
-            raise APIError(400, str(error), "messages") from error
+            raise APIError(400, str(error), "chat_template_kwargs" if str(error).startswith("chat_template_kwargs")
+                           else "messages") from error
 
     def _encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
         try:
@@ -187,46 +207,69 @@ class _ToolReader:
         self.mode, self.parser = mode, parser
         self.marker = TOOL_CALL_PARSERS[parser][1] if mode == "auto" else ""
 
-    def message(self, text: str, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
-        """A finished choice's message, and its finish reason ("tool_calls" when it made calls)."""
-        if self.mode is None or finish_reason != "stop":  # cut short (length): an unfinished call stays text
+    def message(self, text: str | None, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
+        """A finished choice's message, and its finish reason ("tool_calls" when it made calls); `text` is None
+        when the answer was all reasoning."""
+        if self.mode is None or finish_reason != "stop" or text is None:  # cut short: an unfinished call stays text
             return ChatResponseMessage(content=text), finish_reason
-        content, calls = read_tool_calls(self.mode, self.parser, text)
+        try:
+            content, calls = read_tool_calls(self.mode, self.parser, text)
+        except ValueError:  # a forced call cut by a stop string, or never begun (the model stopped while thinking)
+            return ChatResponseMessage(content=text), finish_reason
         if not calls:
             return ChatResponseMessage(content=text), finish_reason
         return ChatResponseMessage(content=content, tool_calls=calls), "tool_calls"
 
-    def choice_chunks(self, n: int) -> Callable[[int, RequestOutput], dict | None]:
-        """Chat chunks: text streams until a call may be starting (forced: from the first token); each choice's
-        calls then come whole in its last chunk, as delta.tool_calls the client library assembles as it does
+    def stream(self, n: int) -> Callable[[int, str, str | None], tuple[dict, str | None]]:
+        """The delta parts of each choice's answer text as it streams, and its finish reason. Without tools the
+        text as it comes; with them, text until a call may be starting (forced: from the first token), and each
+        choice's calls whole in its last chunk, as delta.tool_calls the client library assembles as it does
         OpenAI's fragments."""
         texts, shown = [""] * n, [0] * n
 
-        def choice(index: int, output: RequestOutput) -> dict | None:
-            completion = output.outputs[0]
-            texts[index] += completion.text
-            if completion.finish_reason is None:
+        def delta(index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+            if self.mode is None:
+                return {"content": text}, finish_reason
+            texts[index] += text
+            if finish_reason is None:
                 if self.mode != "auto":
-                    return None
+                    return {}, None
                 end = max(shown[index], held_back(texts[index], self.marker))
-                delta, shown[index] = texts[index][shown[index]:end], end
-                return {"index": index, "delta": {"content": delta}, "logprobs": None,
-                        "finish_reason": None} if delta else None
-            message, finish_reason = self.message(texts[index], completion.finish_reason)
-            delta = {"content": texts[index][shown[index]:]} if not message.tool_calls else {
-                "tool_calls": [{"index": i, **call} for i, call in enumerate(message.tool_calls)]}
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return choice
+                part, shown[index] = texts[index][shown[index]:end], end
+                return ({"content": part} if part else {}), None
+            message, finish_reason = self.message(texts[index], finish_reason)
+            if message.tool_calls:
+                calls = [{"index": i, **call} for i, call in enumerate(message.tool_calls)]
+                return {"tool_calls": calls}, finish_reason
+            return {"content": texts[index][shown[index]:]}, finish_reason
+        return delta
 
 
-def _chat_choice(body: ChatCompletionRequest) -> Callable[[int, RequestOutput], dict]:
-    """The function that turns one choice's delta output into the choice of a chat chunk."""
+def _chat_chunks(body: ChatCompletionRequest, tools: _ToolReader,
+                 reasoning_start: str | None) -> Callable[[int, RequestOutput], dict | None]:
+    """The function that turns one choice's delta output into the choice of a chat chunk (None: nothing to show
+    yet): its reasoning part (with a reasoning parser) as delta.reasoning_content, the rest through `tools`."""
     num_top = body.top_logprobs or 0
+    splitters = None if reasoning_start is None else [ReasoningSplitter(reasoning_start) for _ in range(body.n)]
+    answer = tools.stream(body.n)
 
-    def choice(index: int, output: RequestOutput) -> dict:
+    def choice(index: int, output: RequestOutput) -> dict | None:
         completion = output.outputs[0]
-        return {"index": index, "delta": {"content": completion.text}, "logprobs": chat_logprobs(completion, num_top),
-                "finish_reason": completion.finish_reason}
+        reasoning, text = "", completion.text
+        if splitters is not None:
+            reasoning, text = splitters[index].feed(text)
+            if completion.finish_reason is not None:
+                rest_reasoning, rest_text = splitters[index].finish()
+                reasoning, text = reasoning + rest_reasoning, text + rest_text
+        delta, finish_reason = answer(index, text, completion.finish_reason)
+        if splitters is not None and not delta.get("content", True):
+            delta = {}  # nothing of the answer yet: a chunk only for the reasoning, the logprobs or the end
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **delta}
+        logprobs = chat_logprobs(completion, num_top) if tools.mode is None else None
+        if not delta and logprobs is None and finish_reason is None:
+            return None
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return choice
 
 
