@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -22,11 +23,17 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTra
 from kernels.cpu_features import cpu_has_native_bf16
 from launch.demo_corpus import SourceFile, chat_pairs, split, stdlib_files
 from launch.make_model import (
-    ENDOFTEXT_ID, IM_END, IM_START, ROPE_PARAMETERS, bpe_tokenizer, hf_tokenizer, quiet_transformers)
+    CHAT_TEMPLATE, ENDOFTEXT_ID, IM_END, IM_START, ROPE_PARAMETERS, bpe_tokenizer, hf_tokenizer, quiet_transformers)
 from launch.shipped import WEIGHTS_DIR
 
 HELD_OUT_FRACTION = 0.02
 TOKENIZER_VOCAB = 4096
+# Qwen2's pattern without the newlines it glues to punctuation: there "):\n" is one token and "):" is another, so
+# a prompt ending "def f(n):" asks for a continuation the model never saw and it writes noise. Here a newline is
+# always its own token and a prompt may end anywhere a line does.
+CODE_PRETOKENIZE_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s*[\r\n]+"
+                          r"|\s+(?!\S)|\s+")
+TOKENIZER_KEY = hashlib.sha256(f"{TOKENIZER_VOCAB} {CODE_PRETOKENIZE_REGEX}".encode()).hexdigest()[:8]
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ class Recipe:
 
 
 RECIPES = {
-    "demo": Recipe(hidden=192, layers=4, heads=6, kv_heads=3, intermediate=576, context=512, batch=16, steps=2000,
+    "demo": Recipe(hidden=192, layers=4, heads=6, kv_heads=3, intermediate=576, context=512, batch=16, steps=1800,
                    lr=2e-3, warmup=150),
     "draft": Recipe(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=192, context=512, batch=16, steps=1200,
                     lr=3e-3, warmup=100),
@@ -68,7 +75,7 @@ def training_documents(files: list[SourceFile]) -> list[str]:
 
 def make_tokenizer(train_files: list[SourceFile]) -> PreTrainedTokenizerFast:
     """Byte-level BPE trained on the training split alone, with the ChatML template."""
-    return hf_tokenizer(bpe_tokenizer(TOKENIZER_VOCAB, (f.text for f in train_files)))
+    return hf_tokenizer(bpe_tokenizer(TOKENIZER_VOCAB, (f.text for f in train_files), CODE_PRETOKENIZE_REGEX))
 
 
 def token_stream(tokenizer: Tokenizer, documents: list[str]) -> torch.Tensor:
@@ -152,7 +159,7 @@ class Trainer:
 
     def _tokenizer(self, train_files: list[SourceFile]) -> PreTrainedTokenizerFast:
         """The shared tokenizer: trained once, kept beside the checkpoints, reused by the draft."""
-        folder = self.checkpoint_dir.parent / f"tokenizer-seed{self.seed}"
+        folder = self.checkpoint_dir.parent / f"tokenizer-seed{self.seed}-{TOKENIZER_KEY}"
         if not (folder / "tokenizer.json").exists():
             make_tokenizer(train_files).save_pretrained(folder, save_jinja_files=False)
         return PreTrainedTokenizerFast.from_pretrained(folder)
@@ -168,8 +175,8 @@ class Trainer:
         with safe_open(path, "pt") as checkpoint:
             meta = json.loads(checkpoint.metadata()["trainer"])
             tensors = {key: checkpoint.get_tensor(key) for key in checkpoint.keys()}
-        if meta["recipe"] != asdict(self.recipe) or meta["seed"] != self.seed:
-            raise SystemExit(f"{path} is from another recipe or seed; remove it to start over")
+        if meta["recipe"] != asdict(self.recipe) or meta["seed"] != self.seed or meta.get("tokenizer") != TOKENIZER_KEY:
+            raise SystemExit(f"{path} is from another recipe, seed or tokenizer; remove it to start over")
         with torch.no_grad():
             for name, parameter in self.model.named_parameters():
                 parameter.copy_(tensors[f"model.{name}"])
@@ -185,7 +192,7 @@ class Trainer:
         tensors = {f"model.{name}": p.detach() for name, p in self.model.named_parameters()}  # tied weights once
         tensors |= {f"optimizer.{index}.{key}": value for index, state in optimizer["state"].items()
                     for key, value in state.items()}
-        meta = {"recipe": asdict(self.recipe), "seed": self.seed, "step": self.step, "seconds": self.seconds,
+        meta = {"recipe": asdict(self.recipe), "seed": self.seed, "tokenizer": TOKENIZER_KEY, "step": self.step, "seconds": self.seconds,
                 "log": self.log, "param_groups": optimizer["param_groups"],
                 "optimizer_state_keys": {index: list(state) for index, state in optimizer["state"].items()}}
         temporary = self._checkpoint_path.with_suffix(".tmp")
@@ -238,6 +245,7 @@ class Trainer:
         self.model.to(torch.bfloat16).save_pretrained(out)
         self.model.float()
         self.tokenizer.model_max_length = self.recipe.context
+        self.tokenizer.chat_template = CHAT_TEMPLATE  # today's, not that of a tokenizer cached by an older run
         self.tokenizer.save_pretrained(out, save_jinja_files=False)
         (out / "training_log.json").write_text(json.dumps({"recipe": asdict(self.recipe), "seed": self.seed,
                                                            "log": self.log}, indent=1) + "\n")
