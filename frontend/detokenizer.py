@@ -14,8 +14,13 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, params: SamplingParams,
                  prompt_token_ids: list[int]) -> None:
         self.tokenizer = tokenizer._tokenizer
-        # Seeding the stream with the prompt's tail lets tokenizers that strip a leading space decode correctly.
-        self.stream = DecodeStream(ids=prompt_token_ids[-4:], skip_special_tokens=params.skip_special_tokens)
+        # Seeding the stream with the prompt's tail lets tokenizers that strip a leading space decode correctly. A
+        # tail that ends inside a UTF-8 character is cut before it: seeded with it, DecodeStream returns that
+        # tail's text as part of the first output.
+        tail = prompt_token_ids[-4:]
+        while tail and self.tokenizer.decode(tail, skip_special_tokens=params.skip_special_tokens).endswith("\ufffd"):
+            tail = tail[:-1]
+        self.stream = DecodeStream(ids=tail, skip_special_tokens=params.skip_special_tokens)
         self.stop = params.stop or []
         self.include_stop = params.include_stop_str_in_output
         self.text = ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import threading
 import time
@@ -20,7 +21,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from conftest import random_prompts, tiny_model, wait_until  # noqa: E402
 from launcher import descendants  # noqa: E402
-from frontend import LLM, EngineDeadError, SamplingParams  # noqa: E402
+from frontend import LLM, EngineDeadError, SamplingParams, StructuredOutputsParams  # noqa: E402
 from launch.make_model import make_model  # noqa: E402
 
 PROMPT_LENGTHS = [3, 20, 45, 70]
@@ -195,3 +196,23 @@ def rank_pids() -> list[int]:
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
     return pids
+
+
+def test_constrained_outputs_under_tp_and_pp_equal_one_ranks(cluster):
+    """The step's grammar bitmask reaches the rank that samples: tp=2 x pp=2 writes one rank's constrained text."""
+    pattern = "[a-z]{3,6}-[0-9]{2}"
+    params = SamplingParams(temperature=0.0, max_tokens=16,
+                            structured_outputs=StructuredOutputsParams(regex=pattern))
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 30, 60], vocab=1000)]
+    single = LLM(model_dir("llama-kv1"), dtype="float32", in_process=True)
+    try:
+        expected = [o.outputs[0].text for o in single.generate(prompts, params, use_tqdm=False)]
+    finally:
+        single.shutdown()
+    llm = LLM(model_dir("llama-kv1"), in_process=True, tensor_parallel_size=2, pipeline_parallel_size=2,
+              **SMALL_ENGINE)
+    try:
+        texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert texts == expected and all(re.fullmatch(pattern, text) for text in texts), (texts, expected)

@@ -31,6 +31,20 @@ def test_incremental_detokenizer_is_exact_on_multibyte_text(llm):
     assert "\ufffd" not in detokenizer.text, "a split UTF-8 character leaked out as a replacement char"
 
 
+def test_a_prompt_ending_inside_a_character_does_not_leak_into_the_output(llm):
+    """Every split point of multi-byte text as the prompt's end: the output text is what its own tokens decode
+    to (after the prompt's dangling bytes), never prompt text."""
+    ids = llm.tokenizer.encode(TEXT)
+    answer = llm.tokenizer.encode(" and more")
+    dangling = [cut for cut in range(1, len(ids)) if llm.tokenizer.decode(ids[:cut]).endswith("\ufffd")]
+    assert dangling, "the test text has no character split across tokens"
+    for cut in dangling:
+        detokenizer = IncrementalDetokenizer(llm.tokenizer, SamplingParams(), prompt_token_ids=ids[:cut])
+        for token in answer:
+            detokenizer.add_token(token)
+        assert detokenizer.text == llm.tokenizer.decode(answer), cut
+
+
 def greedy_reference(llm, max_tokens=32):
     prompt = {"prompt_token_ids": random_prompts([20], vocab=1000, seed=5)[0]}
     [out] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
