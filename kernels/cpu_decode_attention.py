@@ -192,8 +192,12 @@ def start_background_build() -> None:
 
 
 def _build_at_low_priority() -> None:
-    # Linux: this thread alone; the compiler processes it starts inherit the niceness and take only idle CPU
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    # Linux: this thread alone, and the compiler processes it starts, run only on CPU the engine leaves idle
+    # (SCHED_IDLE gives way at once when an engine thread wakes; nice 19 still takes whole time slices)
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     load()
 
 
