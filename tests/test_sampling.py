@@ -156,11 +156,11 @@ def test_presence_and_frequency_penalties_follow_openai():
 
 def test_greedy_with_repetition_penalty_equals_hf(llm, llama_model):
     prompt = PROMPTS[0]["prompt_token_ids"]
-    ours = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+    ours = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True,
                                                                       repetition_penalty=1.5), use_tqdm=False)
-    theirs = hf_greedy(llama_model, prompt, 24, repetition_penalty=1.5)
+    theirs = hf_greedy(llama_model, prompt, 32, repetition_penalty=1.5)
     assert ours[0].outputs[0].token_ids == theirs
-    assert theirs != hf_greedy(llama_model, prompt, 24)  # the penalty did change the output
+    assert theirs != hf_greedy(llama_model, prompt, 32)  # the penalty did change the output
 
 
 def test_frequency_penalty_discourages_repeats(llm):
