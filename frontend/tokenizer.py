@@ -80,15 +80,20 @@ _RESERVED_TEMPLATE_VARIABLES = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+def check_template_kwargs(template_kwargs: dict[str, Any] | None) -> None:
+    """ValueError if a template variable would take the place of one of apply_chat_template's own arguments."""
+    reserved = sorted(_RESERVED_TEMPLATE_VARIABLES.intersection(template_kwargs or {}))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: they have their own fields")
+
+
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict], model: str,
                         add_generation_prompt: bool = True, chat_template: str | None = None,
                         tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
     """The conversation as prompt text through `chat_template` (a template's text; default: the tokenizer's); the
     template's own special tokens are already in it. `template_kwargs`: extra variables the template reads (vLLM's
     chat_template_kwargs, e.g. enable_thinking)."""
-    reserved = sorted(_RESERVED_TEMPLATE_VARIABLES.intersection(template_kwargs or {}))
-    if reserved:
-        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}: they have their own fields")
+    check_template_kwargs(template_kwargs)
     chat_template = chat_template or getattr(tokenizer, "chat_template", None)
     if not chat_template:
         raise ValueError(f"model {model!r} has no chat template in its tokenizer_config.json; give one (the "

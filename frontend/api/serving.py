@@ -34,7 +34,7 @@ from frontend.api.tool_parsers import TOOL_CALL_PARSERS, held_back
 from frontend.api.tools import read_tool_calls, template_tools, tool_mode
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import RequestOutput
-from frontend.tokenizer import apply_chat_template, encode
+from frontend.tokenizer import apply_chat_template, check_template_kwargs, encode
 from ipc import SamplingParams
 from ipc.request_rules import InvalidRequestError, check_max_tokens
 
@@ -139,13 +139,16 @@ class OpenAIServing:
                    template_kwargs: dict | None = None) -> str:
         """The conversation (and the tools, for templates that render them) as prompt text, through the model's
         chat template."""
+        try:
+            check_template_kwargs(template_kwargs)
+        except ValueError as error:
+            raise APIError(400, str(error), "chat_template_kwargs") from None
         dicts = [_template_message(m) for m in messages]
         try:
             return apply_chat_template(self.engine.tokenizer, dicts, self.model_name, add_generation_prompt,
                                        tools=tools, template_kwargs=template_kwargs)
         except ValueError as error:
-            raise APIError(400, str(error), "chat_template_kwargs" if str(error).startswith("chat_template_kwargs")
-                           else "messages") from error
+            raise APIError(400, str(error), "messages") from error
 
     def _encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
         try:
