@@ -64,6 +64,9 @@ class Request:
         self.stop_reason: int | str | None = None
         # Tokens sampled since the workers last saw this request (sent in the next SchedulerOutput).
         self.unsent_token_ids: list[int] = []
+        # Speculative decoding: drafts proposed for its next step, and those its step in flight verifies.
+        self.spec_token_ids: list[int] = []
+        self.scheduled_spec_token_ids: list[int] = []
         # Prompt logprobs computed so far, chunk by chunk, until they go out with the first output.
         self.pending_prompt_logprobs: PromptLogprobs | None = None
         # Its structured-output matcher (core/structured_output), attached once its grammar has compiled.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+import copy
 import heapq
 import logging
 from collections import deque
@@ -17,6 +18,7 @@ from ipc import (
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
+    SpecDecodingStats,
 )
 
 logger = logging.getLogger("pagedserve.scheduler")
@@ -44,6 +46,7 @@ class Scheduler:
         self.num_aborted_requests = 0
         self.peak_kv_usage = 0.0
         self.kv_utilization_at_peak = 1.0
+        self.spec_stats = SpecDecodingStats() if config.speculative_config is not None else None
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -57,7 +60,8 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
-        preempted = self._schedule_running(num_scheduled, cached_reqs, budget)
+        spec_tokens: dict[str, list[int]] = {}
+        preempted = self._schedule_running(num_scheduled, cached_reqs, spec_tokens, budget)
         budget -= sum(num_scheduled.values())
         if not preempted:
             self._schedule_waiting(num_scheduled, new_reqs, cached_reqs, budget)
@@ -70,16 +74,18 @@ class Scheduler:
                                for req_id in num_scheduled})
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
                                num_scheduled_tokens=num_scheduled,
-                               total_num_scheduled_tokens=sum(num_scheduled.values()), finished_req_ids=finished)
+                               total_num_scheduled_tokens=sum(num_scheduled.values()), finished_req_ids=finished,
+                               scheduled_spec_decode_tokens=spec_tokens)
 
     def _schedule_running(self, num_scheduled: dict[str, int], cached_reqs: list[CachedRequestData],
-                          budget: int) -> bool:
+                          spec_tokens: dict[str, list[int]], budget: int) -> bool:
         """Running requests first, in order; preempt from the back when blocks run out. True if any preempted."""
         preempted_any = False
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = self._drafts_to_verify(request)
+            num_new = min(request.num_tokens + len(drafts) - request.num_computed_tokens, budget)
             if num_new <= 0:  # waiting for the token its last step samples
                 index += 1
                 continue
@@ -94,10 +100,23 @@ class Scheduler:
             if new_blocks is None:
                 continue  # `request` itself was preempted; the next one now sits at `index`
             cached_reqs.append(self._cached_data(request, new_blocks, resumed=False))
+            num_real = request.num_tokens - request.num_computed_tokens  # (before _commit counts them computed)
+            request.scheduled_spec_token_ids = drafts[:max(0, num_new - num_real)]
+            request.spec_token_ids = []
+            if request.scheduled_spec_token_ids:
+                spec_tokens[request.request_id] = request.scheduled_spec_token_ids
             self._commit(request, num_new, num_scheduled)
             budget -= num_new
             index += 1
         return preempted_any
+
+    def _drafts_to_verify(self, request: Request) -> list[int]:
+        """Its proposed drafts that could still become output: none past max_model_len, and at most max_tokens
+        minus one more (the step adds a token of its own after the accepted ones)."""
+        if not request.spec_token_ids:
+            return []
+        room = min(self.max_model_len - request.num_tokens, request.max_tokens - len(request.output_token_ids) - 1)
+        return request.spec_token_ids[:max(0, room)]
 
     def _schedule_waiting(self, num_scheduled: dict[str, int], new_reqs: list[NewRequestData],
                           cached_reqs: list[CachedRequestData], budget: int) -> None:
@@ -146,6 +165,7 @@ class Scheduler:
         request.set_status(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
         request.pending_prompt_logprobs = None  # recomputed with the prompt (sent ones are not: see the runner)
+        request.spec_token_ids, request.scheduled_spec_token_ids = [], []
         request.num_preemptions += 1
         self.num_preemptions += 1
         heapq.heappush(self.waiting, (request.sort_key, request))
@@ -158,19 +178,37 @@ class Scheduler:
                 request.add_prompt_logprobs(chunk)
         outputs = [self._fail(request, message) for req_id, message in runner_output.failed.items()
                    if (request := self._still_current(scheduled, req_id)) is not None]
-        for req_id, token_id in runner_output.sampled_token_ids.items():
+        for req_id, token_ids in runner_output.sampled_token_ids.items():
             request = self._still_current(scheduled, req_id)
             if request is None:
                 continue
+            self._roll_back_rejected(request, len(token_ids) - 1)
+            output = self._append_tokens(request, token_ids, runner_output)
+            if request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = runner_output.draft_token_ids.get(req_id, [])
+            outputs.append(output)
+        return outputs
+
+    def _roll_back_rejected(self, request: Request, num_accepted: int) -> None:
+        """The rejected drafts' slots hold no token: they are computed again (the blocks stay, as the next step's
+        drafts fill them)."""
+        drafts, request.scheduled_spec_token_ids = request.scheduled_spec_token_ids, []
+        if drafts:
+            request.num_computed_tokens -= len(drafts) - num_accepted
+            self.spec_stats.observe(len(drafts), num_accepted)
+
+    def _append_tokens(self, request: Request, token_ids: list[int], runner_output: ModelRunnerOutput
+                       ) -> EngineCoreOutput:
+        """Append the step's tokens one by one; those after one that finishes the request are dropped."""
+        for count, token_id in enumerate(token_ids, start=1):
             request.append_output_token(token_id)
             if request.grammar is not None and (error := _advance_grammar(request, token_id)) is not None:
-                outputs.append(self._fail(request, error))
-                continue
+                return self._fail(request, error)
             stopped = request.check_stop(self.max_model_len)
             if stopped is not None:
                 self._finish(request, stopped)
-            outputs.append(self._output(request, token_id, runner_output))
-        return outputs
+                break
+        return self._output(request, token_ids[:count], runner_output)
 
     def _still_current(self, scheduled: dict[str, tuple[Request, int]], req_id: str) -> Request | None:
         """The request this output was computed for, unless it was aborted, finished or preempted since."""
@@ -179,17 +217,18 @@ class Scheduler:
             return None
         return request if request.status == RequestStatus.RUNNING else None
 
-    def _output(self, request: Request, token_id: int, runner_output: ModelRunnerOutput) -> EngineCoreOutput:
+    def _output(self, request: Request, token_ids: list[int], runner_output: ModelRunnerOutput) -> EngineCoreOutput:
         req_id = request.request_id
-        output = EngineCoreOutput(request_id=req_id, new_token_ids=[token_id],
+        output = EngineCoreOutput(request_id=req_id, new_token_ids=token_ids,
                                   finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
                                   num_cached_tokens=request.num_cached_tokens,
                                   prompt_logprobs=request.pending_prompt_logprobs)
         request.pending_prompt_logprobs = None
         if req_id in runner_output.logprobs:
-            output.new_logprob_token_ids = [runner_output.logprob_token_ids[req_id]]
-            output.new_logprobs = [runner_output.logprobs[req_id]]
-            output.new_sampled_ranks = [runner_output.sampled_ranks[req_id]]
+            count = len(token_ids)
+            output.new_logprob_token_ids = runner_output.logprob_token_ids[req_id][:count]
+            output.new_logprobs = runner_output.logprobs[req_id][:count]
+            output.new_sampled_ranks = runner_output.sampled_ranks[req_id][:count]
         return output
 
     def _fail(self, request: Request, message: str) -> EngineCoreOutput:
@@ -236,7 +275,7 @@ class Scheduler:
                               peak_kv_cache_usage=self.peak_kv_usage,
                               kv_utilization_at_peak=self.kv_utilization_at_peak,
                               prefix_cache_queries=self.kv.prefix_cache_queries,
-                              prefix_cache_hits=self.kv.prefix_cache_hits)
+                              prefix_cache_hits=self.kv.prefix_cache_hits, spec_decoding=copy.deepcopy(self.spec_stats))
 
 
 def _advance_grammar(request: Request, token_id: int) -> str | None:

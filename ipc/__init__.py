@@ -13,12 +13,14 @@ from ipc.messages import (
     Heartbeat,
     RequestError,
     SchedulerStats,
+    SpecDecodingStats,
     SubscribeHeartbeats,
     UtilityCall,
     UtilityResult,
 )
 from ipc.sampling_params import RequestOutputKind, SamplingParams
 from ipc.serialization import Decoder, Encoder
+from ipc.speculative import SpeculativeConfig
 from ipc.structured_outputs import GrammarBitmask, ReasoningSection, StructuredOutputsParams
 from ipc.scheduler_output import (
     CachedRequestData,
@@ -41,6 +43,8 @@ __all__ = [
     "EngineStartup",
     "RequestError",
     "SchedulerStats",
+    "SpecDecodingStats",
+    "SpeculativeConfig",
     "SubscribeHeartbeats",
     "UtilityCall",
     "UtilityResult",

@@ -9,6 +9,7 @@ from msgspec import Meta
 
 from ipc.bounds import INT32_MAX, Int64, check_fields
 from ipc.sampling_params import NumLogprobs
+from ipc.speculative import SpeculativeConfig, parse_speculative_config
 
 Positive = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 
@@ -63,10 +64,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     tokenizer: str | None = None
     # A request whose structured_outputs constraint takes longer to compile fails with an error (HTTP 400).
     structured_outputs_compile_timeout: Annotated[float, Meta(gt=0.0, le=3600.0)] = 10.0
+    # Draft tokens verified by the target model in the same step (None: no speculation). A dict or JSON text is
+    # accepted and converted.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         check_fields(self)
         _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         _require(self.block_size & (self.block_size - 1) == 0, "block_size",

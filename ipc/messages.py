@@ -82,6 +82,39 @@ class UtilityResult(msgspec.Struct, omit_defaults=True):
     error: str | None = None
 
 
+class SpecDecodingStats(msgspec.Struct, kw_only=True):
+    """Speculative decoding since start. A draft is the run of tokens one request verified in one step; position i
+    counts the drafts that had an i-th token (drafted) and those whose first i+1 tokens were all accepted."""
+
+    num_drafts: Count = 0
+    num_draft_tokens: Count = 0
+    num_accepted_tokens: Count = 0
+    drafted_per_position: list[Count] = []
+    accepted_per_position: list[Count] = []
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / draft tokens verified."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens each verification step emitted: the accepted drafts plus the one the target always adds."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        grow = num_drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_drafted):
+            self.drafted_per_position[position] += 1
+            self.accepted_per_position[position] += position < num_accepted
+
+
 class SchedulerStats(msgspec.Struct, kw_only=True):
     num_running: Count
     num_waiting: Count
@@ -94,6 +127,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     kv_utilization_at_peak: Annotated[float, Meta(ge=0.0)] = 1.0
     prefix_cache_queries: Count = 0
     prefix_cache_hits: Count = 0
+    spec_decoding: SpecDecodingStats | None = None  # when speculative decoding is configured
 
 
 class EngineInfo(msgspec.Struct, kw_only=True):

@@ -40,6 +40,9 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     total_num_scheduled_tokens: Count
     finished_req_ids: list[str]
     grammar_bitmask: GrammarBitmask | None = None  # the allowed tokens of constrained requests sampled this step
+    # Draft tokens to verify, by request: they follow its last token in this step's input (counted in
+    # num_scheduled_tokens), and its output is the accepted ones plus one more.
+    scheduled_spec_decode_tokens: dict[str, list[TokenId]] = {}
 
 
 class PromptLogprobs(msgspec.Struct):
@@ -57,13 +60,17 @@ class PromptLogprobs(msgspec.Struct):
 
 
 class ModelRunnerOutput(msgspec.Struct, kw_only=True):
-    """Sampled tokens for the requests whose scheduled tokens reached their end."""
+    """Sampled tokens for the requests whose scheduled tokens reached their end: one each, or, for a request that
+    verified drafts, the accepted drafts and one more."""
 
-    sampled_token_ids: dict[str, TokenId]
-    # Only for requests that asked for logprobs: [sampled, top-N ...] ids and logprobs, sampled rank.
-    logprob_token_ids: dict[str, list[TokenId]] = {}
-    logprobs: dict[str, list[float]] = {}
-    sampled_ranks: dict[str, Count] = {}
+    sampled_token_ids: dict[str, list[TokenId]]
+    # Only for requests that asked for logprobs, per sampled token: [sampled, top-N ...] ids and logprobs, and the
+    # sampled token's rank.
+    logprob_token_ids: dict[str, list[list[TokenId]]] = {}
+    logprobs: dict[str, list[list[float]]] = {}
+    sampled_ranks: dict[str, list[Count]] = {}
+    # Drafts proposed for each request's next step (speculative decoding).
+    draft_token_ids: dict[str, list[TokenId]] = {}
     prompt_logprobs: dict[str, PromptLogprobs] = {}  # this step's chunk, for requests that asked
     # Requests this step could not prepare or sample (why, by request id): they end with an error; the rest of
     # the batch is unaffected.

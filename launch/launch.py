@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most top alternatives a request may ask for per token (default: %(default)s)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="share KV blocks between requests by content (default: on)")
+    engine.add_argument("--speculative-config", metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                             "(also prompt_lookup_min, prompt_lookup_max, disable_by_batch_size)")
     engine.add_argument("--structured-outputs-compile-timeout", type=float, default=10.0,
                         help="a request whose schema/regex/grammar takes longer to compile gets a 400 "
                         "(seconds, default: %(default)s)")
@@ -173,7 +176,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         profiler_max_steps=args.profiler_max_steps, enable_cache_reset=args.enable_cache_reset,
                         max_logprobs=args.max_logprobs, enable_prefix_caching=args.enable_prefix_caching,
                         tokenizer=getattr(args, "tokenizer", None),
-                        structured_outputs_compile_timeout=args.structured_outputs_compile_timeout)
+                        structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
+                        speculative_config=args.speculative_config)
 
 
 class Launcher:

@@ -26,7 +26,7 @@ def make_scheduler(num_blocks=64, block_size=4, **config) -> Scheduler:
 def run_step(scheduler: Scheduler, token: int = 7):
     """Schedule, then pretend the model sampled `token` for every request that reached its end."""
     out = scheduler.schedule()
-    done = {r.request_id: token for r in scheduler.running if r.num_computed_tokens == r.num_tokens
+    done = {r.request_id: [token] for r in scheduler.running if r.num_computed_tokens == r.num_tokens
             and r.request_id in out.num_scheduled_tokens}
     return out, scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids=done))
 
@@ -149,8 +149,8 @@ def test_output_of_a_batch_in_flight_is_dropped_for_a_request_replaced_since():
     scheduler.abort_requests(["r1"])
     scheduler.add_request(make_request(1, prompt_len=3))
     assert list(scheduler.schedule().num_scheduled_tokens.items()) == [("r1", 3)]
-    assert scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r1": 11})) == []
-    [output] = scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r1": 22}))
+    assert scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r1": [11]})) == []
+    [output] = scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r1": [22]}))
     assert output.new_token_ids == [22] and scheduler.requests["r1"].output_token_ids == [22]
 
 
@@ -160,14 +160,14 @@ def test_output_of_a_batch_in_flight_is_dropped_for_a_request_preempted_and_resc
     scheduler.add_request(make_request(1, prompt_len=8))
     assert list(scheduler.schedule().num_scheduled_tokens) == ["r0"]  # batch A
     assert list(scheduler.schedule().num_scheduled_tokens) == ["r1"]  # batch B, while A is in flight
-    scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r0": 5}))  # A
+    scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r0": [5]}))  # A
     batch_c = scheduler.schedule()  # r0 needs a third block: r1, still in flight in batch B, is preempted
     assert list(batch_c.num_scheduled_tokens) == ["r0"] and scheduler.requests["r1"].status == RequestStatus.PREEMPTED
     scheduler.abort_requests(["r0"])
     batch_d = scheduler.schedule()  # r1 starts over while batch B is still in flight
     assert batch_d.num_scheduled_tokens == {"r1": 8} and batch_d.scheduled_cached_reqs[0].resumed_from_preemption
-    assert scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r1": 11})) == []  # B: stale
-    assert scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r0": 6})) == []  # C: r0 aborted
-    [output] = scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r1": 22}))  # D
+    assert scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r1": [11]})) == []  # B: stale
+    assert scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r0": [6]})) == []  # C: r0 aborted
+    [output] = scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r1": [22]}))  # D
     assert output.new_token_ids == [22] and scheduler.requests["r1"].output_token_ids == [22]
     assert not scheduler.in_flight

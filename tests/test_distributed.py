@@ -216,3 +216,26 @@ def test_constrained_outputs_under_tp_and_pp_equal_one_ranks(cluster):
     finally:
         llm.shutdown()
     assert texts == expected and all(re.fullmatch(pattern, text) for text in texts), (texts, expected)
+
+
+def test_speculative_decoding_under_tp_and_pp_equals_one_rank(cluster):
+    """Every rank builds the step's input from the drafts the scheduler sends; the last stage's driver verifies them
+    and proposes the next ones: tp=2 x pp=2 with prompt lookup writes one rank's greedy tokens."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    # Repeated short patterns: this random model's greedy output runs into loops that prompt lookup partly predicts.
+    prompts = [{"prompt_token_ids": p * 8} for p in random_prompts([3, 4, 5], vocab=1000)]
+    single = LLM(model_dir("llama-kv1"), dtype="float32", in_process=True)
+    try:
+        expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
+    finally:
+        single.shutdown()
+    llm = LLM(model_dir("llama-kv1"), in_process=True, tensor_parallel_size=2, pipeline_parallel_size=2,
+              speculative_config=spec, **{**SMALL_ENGINE, "num_kv_blocks": 40})
+    try:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.get_stats().spec_decoding
+    finally:
+        llm.shutdown()
+    assert tokens == expected
+    assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens, stats

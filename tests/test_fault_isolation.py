@@ -60,10 +60,10 @@ def test_a_fault_in_one_request_fails_it_alone(engine, monkeypatch, fault):
     if fault == "preparing":
         banned = CachedRequestState.banned_token_ids
 
-        def faulty_bans(state: CachedRequestState) -> list[int]:
+        def faulty_bans(state: CachedRequestState, drafts: list[int] = ()) -> list[int]:
             if state.token_ids[0] == MARKER:
                 raise IndexError("injected fault")
-            return banned(state)
+            return banned(state, drafts)
         monkeypatch.setattr(CachedRequestState, "banned_token_ids", faulty_bans)
     else:
         random_sample = Sampler._random_sample

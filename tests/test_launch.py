@@ -113,6 +113,10 @@ def test_command_line_forms_and_engine_flags():
     assert engine_config(parser.parse_args([]), "m").enable_prefix_caching is True
     config = engine_config(parser.parse_args(["--structured-outputs-compile-timeout", "2.5", "--tokenizer", "t"]), "m")
     assert config.structured_outputs_compile_timeout == 2.5 and config.tokenizer == "t"
+    spec = '{"method": "ngram", "num_speculative_tokens": 5}'
+    config = engine_config(parser.parse_args(["--speculative-config", spec]), "m")
+    assert config.speculative_config.num_speculative_tokens == 5 and config.speculative_config.method == "ngram"
+    assert engine_config(parser.parse_args([]), "m").speculative_config is None
     assert parser.parse_args(["/models/x", "--port", "1"]).model_tag == "/models/x"
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "/models/a", "--model", "/models/b"])

@@ -43,7 +43,7 @@ def _run_to_end(scheduler) -> None:
     while scheduler.has_unfinished_requests() or scheduler.in_flight:
         if not scheduler.in_flight:
             scheduler.schedule()
-        done = {req_id: 7 for req_id, (r, _) in scheduler.in_flight[0].items() if r.num_computed_tokens == r.num_tokens}
+        done = {req_id: [7] for req_id, (r, _) in scheduler.in_flight[0].items() if r.num_computed_tokens == r.num_tokens}
         scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids=done))
 
 

@@ -3,25 +3,24 @@ model (receiving from / sending to neighbouring pipeline stages), and samples on
 step's index arrays go through pinned staging and decode-only batches replay CUDA graphs."""
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from ipc import (
-    EngineConfig, GrammarBitmask, ModelRunnerOutput, NewRequestData, PromptLogprobs, SamplingParams, SchedulerOutput)
+from ipc import EngineConfig, ModelRunnerOutput, NewRequestData, PromptLogprobs, SamplingParams, SchedulerOutput
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
 from workers.layers.attention import Attention, AttentionMetadata, DecodeMetadata, StepMetadata
-from workers.layers.sampler import GrammarRows, Penalties, Sampler, SamplingMetadata, gather_logprobs
+from workers.layers.sampler import Sampler, gather_logprobs
 from workers.model_loader import load_model
 from workers.pinned_staging import PinnedStaging
 from workers.request_state import CachedRequestState
+from workers.spec_decode import make_speculator
+from workers.step_sampling import SampleGroup, StepSampler, fails_alone
 
 logger = logging.getLogger("pagedserve.model_runner")
 # The memory profile samples with the costliest options (a sort over the vocabulary for each row).
@@ -33,8 +32,9 @@ class ModelInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: StepMetadata
-    logits_indices: torch.Tensor  # last token of each request whose scheduled tokens reach its end
-    sampled_req_ids: list[str]
+    # Rows to sample: the last token of each request whose scheduled tokens reach its end, and the drafts before it
+    logits_indices: torch.Tensor
+    sample_groups: list[SampleGroup]
     prompt_logprob_jobs: list[PromptLogprobJob]
 
 
@@ -57,6 +57,8 @@ class ModelRunner:
         self.parallel = parallel_state()
         self.model = load_model(config.model, hf_config, dtype, device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed))
+        self.step_sampler = StepSampler(self.sampler, device)
+        self.speculator = make_speculator(config.speculative_config)
         self.requests: dict[str, CachedRequestState] = {}
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
@@ -130,22 +132,24 @@ class ModelRunner:
         # Every TP rank takes part in computing logits; only the driver gets them, and samples.
         prompt_logits = [self.model.compute_logits(hidden[self._tensor(job.rows)])
                          for job in inputs.prompt_logprob_jobs]
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sampled_req_ids else None
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sample_groups else None
         if not self.parallel.is_driver:
             return ModelRunnerOutput(sampled_token_ids={})
         failed: dict[str, str] = {}
         prompt_logprobs = {}
         for job, job_logits in zip(inputs.prompt_logprob_jobs, prompt_logits):
-            with _fails_alone(job.req_id, failed):
+            with fails_alone(job.req_id, failed):
                 prompt_logprobs[job.req_id] = _prompt_logprobs(job_logits, job)
-        rows = [row for row, req_id in enumerate(inputs.sampled_req_ids) if req_id not in failed]
-        if logits is None or not rows:
+        groups = [group for group in inputs.sample_groups if group.state.req_id not in failed]
+        if logits is None or not groups:
             return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs, failed=failed)
-        if len(rows) < len(inputs.sampled_req_ids):
-            logits = logits[rows]
-        output = self._sample(logits, [inputs.sampled_req_ids[row] for row in rows], scheduler_output.grammar_bitmask)
+        if len(groups) < len(inputs.sample_groups):
+            logits = logits[_rows_of(inputs.sample_groups, failed)]
+        output = self.step_sampler.sample(logits, groups, scheduler_output.grammar_bitmask)
         output.prompt_logprobs = prompt_logprobs
         output.failed.update(failed)
+        if self.speculator is not None:
+            output.draft_token_ids = self.speculator.propose(self.requests, output.sampled_token_ids)
         return output
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor | Intermediate:
@@ -175,21 +179,23 @@ class ModelRunner:
     def _prepare_inputs(self, so: SchedulerOutput) -> ModelInputs:
         if self.staging is not None:
             self.staging.begin_step()
-        counts = so.num_scheduled_tokens
+        counts, spec = so.num_scheduled_tokens, so.scheduled_spec_decode_tokens
         # Decodes first, longest context first (the torch decode path batches rows of similar length).
         req_ids = sorted(counts, key=lambda r: (counts[r] != 1, -self.requests[r].num_computed_tokens))
         states = [self.requests[r] for r in req_ids]
+        drafts = [spec.get(r, []) for r in req_ids]
         num_tokens = np.array([counts[r] for r in req_ids], dtype=np.int64)
         starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
         query_start_loc = np.concatenate(([0], np.cumsum(num_tokens)))
         seq_lens = starts + num_tokens
         row_of_token = np.repeat(np.arange(len(req_ids)), num_tokens)
         positions = np.repeat(starts - query_start_loc[:-1], num_tokens) + np.arange(query_start_loc[-1])
-        input_ids = np.concatenate([s.token_ids[a:b] for s, a, b in zip(states, starts, seq_lens)])
+        input_ids = np.concatenate([s.token_ids[a:b] + d[:max(0, b - len(s.token_ids))]
+                                    for s, d, a, b in zip(states, drafts, starts, seq_lens)])
         table = self._block_table(states)
         slot_mapping = table[row_of_token, positions // self.block_size] * self.block_size \
             + positions % self.block_size
-        sampled = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids)]
+        sampled = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + len(drafts[i])]
         num_decodes = int((num_tokens == 1).sum())
         jobs = [job for i, state in enumerate(states)
                 if (job := _prompt_logprob_job(state, int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])))]
@@ -200,8 +206,9 @@ class ModelRunner:
         else:
             input_ids_t, positions_t = self._tensor(input_ids), self._tensor(positions)
             metadata = self._attention_metadata(slot_mapping, table, query_start_loc, seq_lens, num_decodes)
-        return ModelInputs(input_ids_t, positions_t, metadata, self._tensor(query_start_loc[1:][sampled] - 1),
-                           [req_ids[i] for i in sampled], jobs)
+        return ModelInputs(input_ids_t, positions_t, metadata,
+                           self._tensor(_sampled_rows(query_start_loc[1:][sampled], [drafts[i] for i in sampled])),
+                           [SampleGroup(states[i], drafts[i]) for i in sampled], jobs)
 
     def _graph_size(self, num_seqs: int) -> int | None:
         """The captured size a decode-only batch of num_seqs replays at; None: run it eagerly."""
@@ -229,80 +236,21 @@ class ModelRunner:
         array = np.ascontiguousarray(array, dtype=np.int64)
         return torch.from_numpy(array) if self.staging is None else self.staging.to_device(array)
 
-    def _sample(self, logits: torch.Tensor, req_ids: list[str], bitmask: GrammarBitmask | None) -> ModelRunnerOutput:
-        """Sample the batch; if that fails, sample each request alone, so that only the one at fault fails (the
-        sampler leaves its inputs untouched when it raises)."""
-        try:
-            return self._sample_batch(logits, req_ids, bitmask)
-        except Exception:
-            logger.exception("sampling %d requests together failed; sampling each alone", len(req_ids))
-        outputs = []
-        for row, req_id in enumerate(req_ids):
-            failed: dict[str, str] = {}
-            with _fails_alone(req_id, failed):
-                outputs.append(self._sample_batch(logits[row:row + 1], [req_id], bitmask))
-            outputs.append(ModelRunnerOutput(sampled_token_ids={}, failed=failed))
-        return _merged(outputs)
 
-    def _sample_batch(self, logits: torch.Tensor, req_ids: list[str], bitmask: GrammarBitmask | None
-                      ) -> ModelRunnerOutput:
-        states = [self.requests[r] for r in req_ids]
-        meta = self._sampling_metadata(states)
-        if bitmask is not None:
-            meta.grammar = _grammar_rows(bitmask, req_ids, self.device)
-        out = self.sampler(logits, meta)
-        logprobs = {req_ids[row]: value for row, value in out.logprobs.items()}
-        return ModelRunnerOutput(
-            sampled_token_ids=dict(zip(req_ids, out.token_ids)),
-            logprob_token_ids={r: ids for r, (ids, _, _) in logprobs.items()},
-            logprobs={r: values for r, (_, values, _) in logprobs.items()},
-            sampled_ranks={r: rank for r, (_, _, rank) in logprobs.items()})
-
-    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
-        params = [s.sampling_params for s in states]
-        device = self.device
-        temperature = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params], device=device)
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
-        return SamplingMetadata(
-            temperature=temperature,
-            top_k=torch.tensor(top_k, device=device) if any(k > 0 for k in top_k) else None,
-            top_p=torch.tensor(top_p, device=device) if any(p < 1.0 for p in top_p) else None,
-            min_p=torch.tensor(min_p, device=device) if any(p > 0.0 for p in min_p) else None,
-            generators={row: s.generator for row, s in enumerate(states) if s.generator is not None},
-            banned_token_ids={row: ids for row, s in enumerate(states) if (ids := s.banned_token_ids())},
-            num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None},
-            penalties=_penalties(states, device),
-            logit_bias={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias} or None)
+def _sampled_rows(ends: np.ndarray, drafts: list[list[int]]) -> np.ndarray:
+    """The token rows to sample: each request's last one, or, verifying k drafts, its last k + 1."""
+    if not any(drafts):
+        return ends - 1
+    num_rows = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
+    first_of_group = np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
+    return np.repeat(ends - num_rows, num_rows) + np.arange(num_rows.sum()) - first_of_group
 
 
-def _grammar_rows(bitmask: GrammarBitmask, req_ids: list[str], device: torch.device) -> GrammarRows | None:
-    """The bitmask rows of the requests in this batch, by their row in it."""
-    index = {req_id: i for i, req_id in enumerate(bitmask.req_ids)}
-    rows = [row for row, req_id in enumerate(req_ids) if req_id in index]
-    if not rows:
-        return None
-    packed = torch.frombuffer(bytearray(bitmask.packed), dtype=torch.int32).view(-1, bitmask.words_per_row)
-    return GrammarRows(rows, packed[[index[req_ids[row]] for row in rows]].to(device))
-
-
-@contextlib.contextmanager
-def _fails_alone(req_id: str, failed: dict[str, str]) -> Iterator[None]:
-    """Record an exception in the block as this request's failure instead of letting it end the step."""
-    try:
-        yield
-    except Exception as error:
-        logger.exception("request %s failed", req_id)
-        failed[req_id] = f"{type(error).__name__}: {error}"
-
-
-def _merged(outputs: list[ModelRunnerOutput]) -> ModelRunnerOutput:
-    merged = ModelRunnerOutput(sampled_token_ids={})
-    for output in outputs:
-        for name in ("sampled_token_ids", "logprob_token_ids", "logprobs", "sampled_ranks", "failed"):
-            getattr(merged, name).update(getattr(output, name))
-    return merged
+def _rows_of(groups: list[SampleGroup], failed: dict[str, str]) -> list[int]:
+    """The logits rows of the groups whose request did not fail."""
+    starts = itertools.accumulate((group.num_rows for group in groups), initial=0)
+    return [row for group, start in zip(groups, starts) if group.state.req_id not in failed
+            for row in range(start, start + group.num_rows)]
 
 
 def _prompt_logprobs(logits: torch.Tensor, job: PromptLogprobJob) -> PromptLogprobs:
@@ -320,18 +268,6 @@ def _prompt_logprob_job(state: CachedRequestState, start: int, end: int, first_r
         return None
     return PromptLogprobJob(state.req_id, np.arange(first_row, first_row + last - start),
                             state.token_ids[start + 1:last + 1], num_top)
-
-
-def _penalties(states: list[CachedRequestState], device: torch.device) -> Penalties | None:
-    rows = [row for row, state in enumerate(states) if state.sampling_params.has_penalties]
-    if not rows:
-        return None
-    params = [states[row].sampling_params for row in rows]
-    return Penalties(rows=rows, presence=torch.tensor([p.presence_penalty for p in params], device=device),
-                     frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
-                     repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
-                     output_token_ids=[states[row].token_ids[states[row].num_prompt_tokens:] for row in rows],
-                     seen_token_ids=[states[row].token_ids for row in rows])
 
 
 def _staging_bytes(config: EngineConfig) -> int:

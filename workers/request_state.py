@@ -30,17 +30,19 @@ class CachedRequestState:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    def banned_token_ids(self) -> list[int]:
+    def banned_token_ids(self, drafts: list[int] = ()) -> list[int]:
         """Stop tokens until min_tokens outputs exist, and the last token of any bad word that the tokens so far
-        would complete (a one-token bad word always; transformers' NoBadWordsLogitsProcessor rule)."""
+        would complete (a one-token bad word always; transformers' NoBadWordsLogitsProcessor rule). `drafts`:
+        draft tokens taken as already sampled (the row that verifies the next one)."""
         params = self.sampling_params
         banned = []
-        if self.num_output_tokens < params.min_tokens and params.structured_outputs is None:  # the grammar ends it
+        num_output_tokens = self.num_output_tokens + len(drafts)
+        if num_output_tokens < params.min_tokens and params.structured_outputs is None:  # the grammar ends it
             banned += params.stop_token_ids or []
             if self.eos_token_id is not None and not params.ignore_eos:
                 banned.append(self.eos_token_id)
         for word in params.bad_words_token_ids or ():
             prefix = word[:-1]
-            if not prefix or self.token_ids[-len(prefix):] == prefix:
+            if not prefix or [*self.token_ids[-len(prefix):], *drafts][-len(prefix):] == prefix:
                 banned.append(word[-1])
         return banned

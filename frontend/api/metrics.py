@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from ipc import SchedulerStats
+from ipc import SchedulerStats, SpecDecodingStats
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
@@ -118,3 +118,25 @@ class _EngineCollector:
             counter = CounterMetricFamily(f"pagedserve:{name}", doc, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+        if stats.spec_decoding is not None:
+            yield from _spec_decoding_metrics(stats.spec_decoding, labels)
+
+
+def _spec_decoding_metrics(spec: SpecDecodingStats, labels: list[str]):
+    """Counters from which every rate follows: acceptance rate = accepted / draft tokens; tokens per verification
+    step = 1 + accepted / drafts; position i's acceptance = accepted_per_pos / drafted_per_pos at that position."""
+    for name, doc, value in (("num_drafts", "Draft runs verified (one per request per step that speculated)",
+                              spec.num_drafts),
+                             ("num_draft_tokens", "Draft tokens verified", spec.num_draft_tokens),
+                             ("num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens)):
+        counter = CounterMetricFamily(f"pagedserve:spec_decode_{name}", doc, labels=["model_name"])
+        counter.add_metric(labels, value)
+        yield counter
+    for name, doc, values in (("num_drafted_tokens_per_pos", "Draft runs that had a token at this position",
+                               spec.drafted_per_position),
+                              ("num_accepted_tokens_per_pos", "Draft runs accepted up to and including this position",
+                               spec.accepted_per_position)):
+        counter = CounterMetricFamily(f"pagedserve:spec_decode_{name}", doc, labels=["model_name", "position"])
+        for position, value in enumerate(values):
+            counter.add_metric([*labels, str(position)], value)
+        yield counter

@@ -40,6 +40,8 @@ class SamplingMetadata:
     penalties: Penalties | None = None
     logit_bias: dict[int, dict[int, float]] | None = None  # row → token id → bias
     grammar: GrammarRows | None = None  # rows under a structured-output constraint, and their allowed tokens
+    # [rows] int64: the draft token each row verifies, -1 for none (speculative decoding); None when no row does
+    draft_token_ids: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -48,9 +50,10 @@ class SamplingMetadata:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # per row: its draft where accepted, else the token sampled in its place
     # row → ([sampled, top-N ...] ids, their logprobs, rank of the sampled token)
     logprobs: dict[int, tuple[list[int], list[float], int]]
+    accepted: list[bool] | None = None  # per row: whether its draft was accepted (None: no row had a draft)
 
 
 class Sampler:
@@ -80,14 +83,21 @@ class Sampler:
         for row, token_ids in meta.banned_token_ids.items():
             logits[row, token_ids] = float("-inf")
         greedy_tokens = logits.argmax(dim=-1)
-        tokens = greedy_tokens if meta.all_greedy else self._random_sample(logits, meta, greedy_tokens)
+        if meta.all_greedy:
+            tokens = greedy_tokens
+            accepted = None if meta.draft_token_ids is None else greedy_tokens == meta.draft_token_ids
+        else:
+            tokens, accepted = self._random_sample(logits, meta, greedy_tokens)
+        if accepted is not None:
+            tokens = torch.where(accepted, meta.draft_token_ids, tokens)
         token_list = tokens.tolist()
         logprobs = {row: _top_logprobs(raw_logprobs[row], token_list[row], n)
                     for row, n in meta.num_logprobs.items()} if raw_logprobs is not None else {}
-        return SamplerOutput(token_list, logprobs)
+        return SamplerOutput(token_list, logprobs, None if accepted is None else accepted.tolist())
 
     def _random_sample(self, logits: torch.Tensor, meta: SamplingMetadata, greedy_tokens: torch.Tensor
-                       ) -> torch.Tensor:
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sampled tokens, and for draft rows whether the draft is accepted (greedy rows: if it is the argmax)."""
         greedy = meta.temperature == 0
         logits = logits / torch.where(greedy, 1.0, meta.temperature).unsqueeze(1)
         if meta.top_k is not None:
@@ -97,15 +107,37 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         if meta.min_p is not None:
             probs = probs.masked_fill(probs < meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), 0.0)
+        accepted = None
+        if meta.draft_token_ids is not None:
+            accepted, probs = self._verify_drafts(probs, meta)
+            accepted = torch.where(greedy, greedy_tokens == meta.draft_token_ids, accepted)
         # Gumbel-max in its exponential form: argmax(p / q), q ~ Exp(1), samples from p without a sync.
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, generator in meta.generators.items():
-            if generator.device == noise.device:
-                noise[row].exponential_(generator=generator)
-            else:  # a request's seeded generator is a CPU one: its noise is drawn there, the same on any device
-                noise[row] = torch.empty(noise.shape[1]).exponential_(generator=generator)
+        noise = self._draw(torch.Tensor.exponential_, probs.shape, meta)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, greedy_tokens, sampled)
+        return torch.where(greedy, greedy_tokens, sampled), accepted
+
+    def _verify_drafts(self, probs: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative sampling with a one-hot draft distribution q: accept draft d with probability
+        min(1, p(d) / q(d)) = p(d); a rejected row samples from max(0, p - q), i.e. p without d (unnormalised:
+        Gumbel-max does not need it). Rows without a draft keep p (the token after the accepted ones)."""
+        drafts = meta.draft_token_ids
+        has_draft = drafts >= 0
+        index = drafts.clamp(min=0).unsqueeze(1)
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves them unnormalised
+        uniform = self._draw(torch.Tensor.uniform_, (probs.shape[0],), meta)
+        accepted = has_draft & (uniform < probs.gather(1, index).squeeze(1))
+        residual = probs.scatter(1, index, 0.0)
+        return accepted, torch.where(has_draft.unsqueeze(1), residual, probs)
+
+    def _draw(self, fill, shape: tuple[int, ...], meta: SamplingMetadata) -> torch.Tensor:
+        """Random numbers per row from `fill` (a Tensor method), a seeded request's rows from its own generator."""
+        values = fill(torch.empty(shape, device=meta.temperature.device), generator=self.generator)
+        for row, generator in meta.generators.items():
+            if generator.device == values.device:
+                fill(values[row], generator=generator)
+            else:  # a request's seeded generator is a CPU one: its numbers are drawn there, the same on any device
+                values[row] = fill(torch.empty(shape[1:]), generator=generator)
+        return values
 
 
 class _SavedInputs:

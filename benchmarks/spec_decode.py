@@ -1,0 +1,115 @@
+"""Speculative decoding on the demo model: the same requests with and without it, in one run, and how many drafts
+were accepted.
+
+Workloads (held-out stdlib code the model never saw in training):
+  edit  the prompt holds a stretch of code, then its first lines again: the output rewrites it (prompt lookup finds
+        what comes next in the prompt)
+  free  the prompt is the start of a file: the model continues on its own
+Each is run at batch 1 (requests one after another; tokens per second of one stream) and, with --batch, as one
+batch of that many requests (where disable_by_batch_size turns speculation off). Example:
+    python benchmarks/spec_decode.py                      # ngram, k=4, edit and free, batch 1 and 64
+    python benchmarks/spec_decode.py --requests 4 --batch 0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from frontend import LLM, SamplingParams  # noqa: E402
+from ipc import SpecDecodingStats  # noqa: E402
+from launch.demo_corpus import split, stdlib_files  # noqa: E402
+from launch.shipped import WEIGHTS_DIR  # noqa: E402
+from launch.train_demo import HELD_OUT_FRACTION  # noqa: E402
+
+
+def held_out_code(model: Path, count: int, lines: int) -> list[str]:
+    """`count` stretches of `lines` non-blank lines from the run's held-out files."""
+    run = json.loads((model / "training_log.json").read_text())
+    _, held = split(stdlib_files(), HELD_OUT_FRACTION, run["seed"])
+    stretches = []
+    for source in held:
+        body = [line for line in source.text.splitlines() if line.strip()]
+        if len(body) >= 2 * lines:
+            start = len(body) // 3
+            stretches.append("\n".join(body[start:start + lines]) + "\n")
+        if len(stretches) == count:
+            break
+    return stretches
+
+
+def prompts(workload: str, code: list[str]) -> list[str]:
+    if workload == "edit":
+        return [f"{text}\n# The same, with the comments kept:\n{''.join(text.splitlines(True)[:2])}" for text in code]
+    return ["".join(text.splitlines(True)[:3]) for text in code]
+
+
+def timed(llm: LLM, texts: list[str], params: SamplingParams, batch: bool) -> tuple[float, int]:
+    """(seconds, output tokens): all at once, or one request after another."""
+    start = time.perf_counter()
+    groups = [texts] if batch else [[text] for text in texts]
+    tokens = sum(len(o.outputs[0].token_ids) for group in groups
+                 for o in llm.generate(group, params, use_tqdm=False))
+    return time.perf_counter() - start, tokens
+
+
+def since(before: SpecDecodingStats | None, after: SpecDecodingStats | None) -> SpecDecodingStats | None:
+    """The counts between two snapshots (the measured run without its warm-up)."""
+    if after is None:
+        return None
+    width = len(after.drafted_per_position)
+    pad = (lambda values: values + [0] * (width - len(values)))
+    return SpecDecodingStats(
+        num_drafts=after.num_drafts - before.num_drafts,
+        num_draft_tokens=after.num_draft_tokens - before.num_draft_tokens,
+        num_accepted_tokens=after.num_accepted_tokens - before.num_accepted_tokens,
+        drafted_per_position=[a - b for a, b in zip(after.drafted_per_position, pad(before.drafted_per_position))],
+        accepted_per_position=[a - b for a, b in zip(after.accepted_per_position, pad(before.accepted_per_position))])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=WEIGHTS_DIR / "demo")
+    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
+    parser.add_argument("--requests", type=int, default=8, help="requests per batch-1 workload")
+    parser.add_argument("--batch", type=int, default=64, help="the batched run's size (0: none)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    code = held_out_code(args.model, max(args.requests, args.batch), lines=12)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    spec_config = json.loads(args.speculative_config)
+    print(f"{args.model.name}, {spec_config}, greedy, {args.max_tokens} tokens per request")
+    runs = [(workload, 1) for workload in ("edit", "free")] + ([("free", args.batch)] if args.batch else [])
+    for workload, batch in runs:
+        texts = prompts(workload, code)[:args.requests if batch == 1 else batch]
+        results = {}
+        for name, spec in (("none", None), ("spec", spec_config)):
+            llm = LLM(str(args.model), dtype=args.dtype, in_process=True, speculative_config=spec)
+            timed(llm, texts[:1], params, batch > 1)  # warm-up: kernels, allocator
+            before = llm.get_stats().spec_decoding
+            seconds, tokens = timed(llm, texts, params, batch > 1)
+            results[name] = (tokens / seconds, since(before, llm.get_stats().spec_decoding))
+            llm.shutdown()
+        (plain, _), (fast, stats) = results["none"], results["spec"]
+        print(f"{workload} batch {batch}: {plain:.1f} tok/s without, {fast:.1f} with: speedup {fast / plain:.2f}x")
+        if stats is not None and stats.num_drafts:
+            rates = [f"{a / d:.2f}" for a, d in zip(stats.accepted_per_position, stats.drafted_per_position)]
+            print(f"  drafts {stats.num_drafts}, draft tokens {stats.num_draft_tokens}, accepted "
+                  f"{stats.num_accepted_tokens} (rate {stats.acceptance_rate:.2f}), tokens per verification step "
+                  f"{stats.mean_acceptance_length:.2f}, acceptance by position {rates}")
+        else:
+            print("  no drafts verified")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""SpeculativeConfig: how the engine proposes draft tokens for the target model to verify (vLLM's names)."""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from ipc.bounds import check_fields
+
+METHODS = ("ngram",)
+DraftLength = Annotated[int, Meta(ge=1, le=32)]
+NgramLength = Annotated[int, Meta(ge=1, le=1024)]
+
+
+class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`ngram`: prompt lookup (the longest suffix of the request's tokens, between prompt_lookup_min and
+    prompt_lookup_max long, that occurred before proposes the tokens that followed it)."""
+
+    method: Literal["ngram"]
+    num_speculative_tokens: DraftLength
+    prompt_lookup_max: NgramLength = 4
+    prompt_lookup_min: NgramLength = 2
+    # Steps with more requests than this verify no drafts: on CPU the verification cost grows with the batch.
+    disable_by_batch_size: Annotated[int, Meta(ge=1)] | None = 8
+
+    def __post_init__(self) -> None:
+        check_fields(self, "speculative_config.")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+
+def parse_speculative_config(value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+    """A SpeculativeConfig from itself, a dict (LLM's keyword) or JSON text (the CLI flag); ValueError names what
+    is wrong."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise ValueError(f"speculative_config is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be an object, got {type(value).__name__}")
+    if value.get("method") not in METHODS:
+        raise ValueError(f"speculative_config.method must be one of {list(METHODS)}, got {value.get('method')!r}")
+    try:
+        return msgspec.convert(value, SpeculativeConfig)
+    except msgspec.ValidationError as error:
+        raise ValueError(f"speculative_config is invalid: {error}") from None

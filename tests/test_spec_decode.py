@@ -1,0 +1,262 @@
+"""Speculative decoding: drafts change how fast tokens come, never which tokens (greedy) or from what distribution."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import random_prompts
+from core import EngineCore
+from frontend.api.metrics import _spec_decoding_metrics
+from ipc import EngineConfig, EngineCoreOutputs, EngineCoreRequest, SamplingParams, SpecDecodingStats
+from workers.layers.sampler import Sampler
+from workers.request_state import CachedRequestState
+from workers.spec_decode import Speculator
+from workers.spec_decode.ngram import ngram_draft
+from workers.step_sampling import SampleGroup, StepSampler
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": None}
+ENGINE = {"dtype": "float32", "block_size": 8, "max_model_len": 160}
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """Prompts that repeat themselves: the random test model's greedy output then runs into loops that prompt
+    lookup partly predicts."""
+    short, long = random_prompts([3, 5], vocab, seed=3), random_prompts([19, 50], vocab, seed=4)
+    return [short[0] * 8, long[0] + long[0][:10], short[1] * 6, long[1] + long[1][:10]]
+
+
+def _run(model: str, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], spec=None,
+         **engine_args) -> tuple[dict[str, list], EngineCore]:
+    """Each request's tokens (and logprobs, prompt logprobs when asked); every block back in the pool."""
+    engine = EngineCore(EngineConfig(model=model, speculative_config=spec, **{**ENGINE, **engine_args}))
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    results: dict[str, dict] = {}
+    try:
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=prompt, sampling_params=sp))
+            results[f"r{i}"] = {"tokens": [], "logprobs": [], "prompt_logprobs": None, "finish": None}
+        while engine.has_unfinished_requests():
+            for output in EngineCoreOutputs.of_step(engine.step()).outputs:
+                result = results[output.request_id]
+                result["tokens"] += output.new_token_ids
+                result["logprobs"] += output.new_logprobs or []
+                result["prompt_logprobs"] = output.prompt_logprobs or result["prompt_logprobs"]
+                result["finish"] = output.finish_reason or result["finish"]
+        assert engine.kv_cache_manager.num_free_blocks == engine.num_kv_blocks
+        return results, engine
+    finally:
+        engine.shutdown()
+
+
+def _tokens(results: dict[str, dict]) -> dict[str, list[int]]:
+    return {req_id: result["tokens"] for req_id, result in results.items()}
+
+
+def _spec_stats(engine: EngineCore) -> SpecDecodingStats:
+    return engine.get_stats().spec_decoding
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    """Make each draft the given continuation's next tokens, the first `right` of them as they are (None: all) and
+    the rest off by one (rejected)."""
+    def install(futures: dict[str, list[int]], vocab: int, right: int | None = None) -> None:
+        def propose(self, requests, sampled):
+            drafts = {}
+            for req_id, new_tokens in sampled.items():
+                state = requests[req_id]
+                done = state.num_output_tokens + len(new_tokens)
+                future = futures[req_id][done:done + self.config.num_speculative_tokens]
+                if future:
+                    drafts[req_id] = [t if right is None or i < right else (t + 1) % vocab
+                                      for i, t in enumerate(future)]
+            return drafts
+        monkeypatch.setattr(Speculator, "propose", propose)
+    return install
+
+
+def test_ngram_draft_follows_the_latest_longest_suffix_match():
+    tokens = np.array([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 2, 3])
+    assert ngram_draft(tokens, 3, 2, 4) == [7, 8, 2]  # [2, 3] occurs twice: the later one
+    assert ngram_draft(np.array([5, 1, 2, 3, 4, 0, 2, 3, 6, 1, 2, 3]), 2, 1, 3) == [4, 0]  # [1, 2, 3] beats [2, 3]
+    assert ngram_draft(np.array([5, 1, 2, 3, 4, 0, 2, 3, 6, 1, 2, 3]), 2, 1, 2) == [6, 1]  # capped at max_n = 2
+    assert ngram_draft(np.array([4, 2, 3, 9, 2, 3]), 5, 3, 4) == []  # shorter than min_n
+    assert ngram_draft(np.array([1, 2, 3, 1]), 8, 1, 4) == [2, 3, 1]  # as many as followed
+    assert ngram_draft(np.array([7]), 2, 1, 3) == [] and ngram_draft(np.array([3, 3]), 2, 1, 3) == [3]
+
+
+def test_greedy_output_and_logprobs_equal_no_speculation(arch_model, oracle):
+    """Per architecture (mistral: a sliding window), drafts of which two of three are accepted: the tokens, and
+    prompt logprobs and per-token logprobs within 1e-5."""
+    arch, model = arch_model
+    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    prompts = _prompts(1000)
+    expected, _ = _run(model, prompts, params)
+    oracle(_tokens(expected), 1000, right=2)
+    results, engine = _run(model, prompts, params, NGRAM)
+    assert _tokens(results) == _tokens(expected)
+    stats = _spec_stats(engine)
+    assert stats.accepted_per_position[:2] == stats.drafted_per_position[:2] and stats.accepted_per_position[2] == 0
+    for req_id, result in results.items():
+        np.testing.assert_allclose(result["logprobs"], expected[req_id]["logprobs"], atol=1e-5)
+        np.testing.assert_allclose(result["prompt_logprobs"].logprobs, expected[req_id]["prompt_logprobs"].logprobs,
+                                   atol=1e-5)
+
+
+SCENARIOS = {
+    "chunked prefill and a token budget that cuts drafts": ({"max_num_batched_tokens": 10}, {}),
+    "preemption": ({"num_kv_blocks": 22}, {}),
+    "prefix-cache hits": ({}, {"shared_prefix": True}),
+    "stop token inside an accepted run": ({}, {"stop_at": 7}),
+    "max_tokens reached inside a run": ({}, {"max_tokens": 14}),
+}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("drafts", ["ngram", "always right", "always wrong"])
+def test_greedy_output_equals_no_speculation(llama_model, oracle, scenario, drafts):
+    """The oracle's drafts run on past max_tokens and past the stop token: what follows them is dropped."""
+    engine_args, case = SCENARIOS[scenario]
+    prompts = _prompts(1000)
+    if case.get("shared_prefix"):
+        prompts = [prompts[3][:40] + p for p in prompts] + [prompts[3][:40] + prompts[0]]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    expected = unbounded = _tokens(_run(llama_model, prompts, params, **engine_args)[0])
+    if "stop_at" in case or "max_tokens" in case:
+        params = [SamplingParams(max_tokens=case.get("max_tokens", 30), temperature=0.0,
+                                 stop_token_ids=[tokens[case["stop_at"]]] if "stop_at" in case else None)
+                  for tokens in unbounded.values()]
+        expected = _tokens(_run(llama_model, prompts, params, **engine_args)[0])
+        assert all(len(expected[r]) < len(unbounded[r]) for r in expected)
+    if drafts != "ngram":
+        oracle(unbounded, 1000, right=0 if drafts == "always wrong" else None)
+    results, engine = _run(llama_model, prompts, params, NGRAM, **engine_args)
+    assert _tokens(results) == expected
+    stats = _spec_stats(engine)
+    if drafts == "ngram":
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    elif drafts == "always right":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    elif drafts == "always wrong":
+        assert stats.num_accepted_tokens == 0 and stats.num_draft_tokens > 0
+    if scenario == "preemption":
+        assert engine.get_stats().num_preemptions > 0
+    if scenario == "prefix-cache hits":
+        assert engine.get_stats().prefix_cache_hits > 0
+
+
+def test_max_model_len_bounds_the_drafts(llama_model, oracle):
+    """Drafts never reach past max_model_len: the request ends there, as without speculation."""
+    prompts = _prompts(1000)
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    expected = _run(llama_model, prompts, params, max_model_len=72)[0]
+    oracle(_tokens(expected), 1000)
+    results, _ = _run(llama_model, prompts, params, NGRAM, max_model_len=72)
+    assert _tokens(results) == _tokens(expected)
+    assert all(len(prompt) + len(result["tokens"]) == 72 for prompt, result in zip(prompts, results.values()))
+
+
+def test_seeded_sampled_requests_repeat_and_speculation_stays_on(llama_model):
+    prompts = _prompts(1000)
+    params = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=i, presence_penalty=0.5,
+                             logit_bias={5: 2.0}, min_p=0.01, min_tokens=4) for i in range(len(prompts))]
+    first, engine = _run(llama_model, prompts, params, NGRAM)
+    second, _ = _run(llama_model, prompts, params, NGRAM)
+    assert _tokens(first) == _tokens(second)
+    assert _spec_stats(engine).num_draft_tokens > 0
+
+
+def test_batches_past_the_cut_off_do_not_speculate(llama_model):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    _, engine = _run(llama_model, _prompts(1000), params, {**NGRAM, "disable_by_batch_size": 3})
+    assert _spec_stats(engine).num_drafts == 0
+    _, engine = _run(llama_model, _prompts(1000)[:3], params, {**NGRAM, "disable_by_batch_size": 3})
+    assert _spec_stats(engine).num_drafts > 0
+
+
+# -- the acceptance rule, on the sampler alone -----------------------------------------------------------------------
+VOCAB = 12
+SAMPLED_SETTINGS = {
+    "temperature 0.7, top_p 0.9": SamplingParams(temperature=0.7, top_p=0.9),
+    "min_p": SamplingParams(temperature=1.0, min_p=0.1),
+    "presence penalty": SamplingParams(temperature=1.0, presence_penalty=2.0),
+    "logit_bias": SamplingParams(temperature=1.0, logit_bias={3: 1.5, 7: -2.0}),
+}
+
+
+def _states(count: int, params: SamplingParams, context: list[int]) -> list[CachedRequestState]:
+    return [CachedRequestState(f"q{i}", list(context), 2, params, None, [], len(context)) for i in range(count)]
+
+
+def _two_sample_p_value(a: np.ndarray, b: np.ndarray) -> float:
+    """Chi-square test that two samples of token ids come from one distribution."""
+    counts_a, counts_b = np.bincount(a, minlength=VOCAB), np.bincount(b, minlength=VOCAB)
+    used = (counts_a + counts_b) > 0
+    ka, kb = np.sqrt(len(b) / len(a)), np.sqrt(len(a) / len(b))
+    statistic = (((ka * counts_a - kb * counts_b) ** 2)[used] / (counts_a + counts_b)[used]).sum()
+    dof = used.sum() - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("setting", SAMPLED_SETTINGS)
+@pytest.mark.parametrize("rank", [0, 3], ids=["likely draft", "unlikely draft"])
+def test_verified_tokens_follow_the_distribution_sampling_would_use(setting, rank):
+    """20k requests each verify one draft: the first token's distribution is the target's, and after an accepted
+    draft the next one is the target's given that draft (penalties count it)."""
+    params, count = SAMPLED_SETTINGS[setting], 20_000
+    generator = torch.Generator().manual_seed(0)
+    first_logits, second_logits = torch.randn(2, VOCAB, generator=generator) * 1.5
+    draft = int(first_logits.argsort(descending=True)[rank])
+    context = [4, draft, 9]
+    sampler = StepSampler(Sampler(torch.Generator().manual_seed(1)), torch.device("cpu"))
+
+    def sample(states, logits, drafts):
+        groups = [SampleGroup(state, drafts) for state in states]
+        output = sampler.sample(logits.repeat(len(states), 1), groups, None)
+        return [output.sampled_token_ids[state.req_id] for state in states]
+
+    verified = sample(_states(count, params, context), torch.stack([first_logits, second_logits]), [draft])
+    plain_first = sample(_states(count, params, context), first_logits.unsqueeze(0), [])
+    plain_second = sample(_states(count, params, context + [draft]), second_logits.unsqueeze(0), [])
+    firsts = np.array([tokens[0] for tokens in verified])
+    seconds = np.array([tokens[1] for tokens in verified if len(tokens) == 2])
+    assert _two_sample_p_value(firsts, np.array(plain_first).ravel()) > 1e-3
+    assert len(seconds) == (firsts == draft).sum() > (1000 if rank == 0 else 0)
+    if len(seconds) > 200:
+        assert _two_sample_p_value(seconds, np.array(plain_second).ravel()) > 1e-3
+    # The test tells distributions apart: the second position without the draft in its context is another one.
+    if setting == "presence penalty":
+        plain_without_draft = sample(_states(count, params, context), second_logits.unsqueeze(0), [])
+        assert _two_sample_p_value(seconds, np.array(plain_without_draft).ravel()) < 1e-4
+
+
+# -- configuration and metrics ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("config, message", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "exceeds prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown field `lookahead`"),
+    ('{"method": "ngram", ', "not valid JSON"),
+])
+def test_a_bad_speculative_config_is_refused_with_its_reason(config, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="unused", speculative_config=config)
+
+
+def test_metrics_give_every_acceptance_figure():
+    stats = SpecDecodingStats()
+    stats.observe(3, 3)
+    stats.observe(3, 1)
+    stats.observe(2, 0)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 8, 4)
+    assert stats.drafted_per_position == [3, 3, 2] and stats.accepted_per_position == [2, 1, 1]
+    assert stats.acceptance_rate == 0.5 and stats.mean_acceptance_length == pytest.approx(1 + 4 / 3)
+    samples = {(family.name, sample.labels.get("position")): sample.value
+               for family in _spec_decoding_metrics(stats, ["m"]) for sample in family.samples}
+    assert samples[("pagedserve:spec_decode_num_accepted_tokens", None)] == 4
+    assert samples[("pagedserve:spec_decode_num_accepted_tokens_per_pos", "2")] == 1
+    assert samples[("pagedserve:spec_decode_num_drafted_tokens_per_pos", "2")] == 2
