@@ -5,9 +5,10 @@ Workloads (held-out stdlib code the model never saw in training):
   edit  the prompt holds a stretch of code, then its first lines again: the output rewrites it (prompt lookup finds
         what comes next in the prompt)
   free  the prompt is the start of a file: the model continues on its own
-Each is run at batch 1 (requests one after another; tokens per second of one stream) and, with --batch, as one
-batch of that many requests (where disable_by_batch_size turns speculation off). Example:
-    python benchmarks/spec_decode.py                      # ngram, k=4, edit and free, batch 1 and 64
+Runs: edit with prompt lookup and free with the shipped draft model at batch 1 (requests one after another:
+tokens per second of one stream), then both methods on one batch of --batch requests (where disable_by_batch_size
+turns speculation off). Example:
+    python benchmarks/spec_decode.py                      # k=4, batch 1 and 64
     python benchmarks/spec_decode.py --requests 4 --batch 0
 """
 from __future__ import annotations
@@ -76,23 +77,26 @@ def since(before: SpecDecodingStats | None, after: SpecDecodingStats | None) -> 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=WEIGHTS_DIR / "demo")
-    parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
+    parser.add_argument("--ngram-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
+    parser.add_argument("--draft-config", default=json.dumps({"method": "draft_model", "num_speculative_tokens": 4,
+                                                              "model": str(WEIGHTS_DIR / "draft")}))
     parser.add_argument("--requests", type=int, default=8, help="requests per batch-1 workload")
-    parser.add_argument("--batch", type=int, default=64, help="the batched run's size (0: none)")
+    parser.add_argument("--batch", type=int, default=64, help="the batched runs' size (0: none)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     code = held_out_code(args.model, max(args.requests, args.batch), lines=12)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    spec_config = json.loads(args.speculative_config)
-    print(f"{args.model.name}, {spec_config}, greedy, {args.max_tokens} tokens per request")
-    runs = [(workload, 1) for workload in ("edit", "free")] + ([("free", args.batch)] if args.batch else [])
-    for workload, batch in runs:
+    configs = {"ngram": json.loads(args.ngram_config), "draft": json.loads(args.draft_config)}
+    print(f"{args.model.name}, greedy, {args.max_tokens} tokens per request; {configs}")
+    runs = [("edit", 1, "ngram"), ("free", 1, "draft")]
+    runs += [("free", args.batch, "ngram"), ("free", args.batch, "draft")] if args.batch else []
+    for workload, batch, method in runs:
         texts = prompts(workload, code)[:args.requests if batch == 1 else batch]
         results = {}
-        for name, spec in (("none", None), ("spec", spec_config)):
+        for name, spec in (("none", None), ("spec", configs[method])):
             llm = LLM(str(args.model), dtype=args.dtype, in_process=True, speculative_config=spec)
             timed(llm, texts[:1], params, batch > 1)  # warm-up: kernels, allocator
             before = llm.get_stats().spec_decoding
@@ -100,7 +104,8 @@ def main() -> int:
             results[name] = (tokens / seconds, since(before, llm.get_stats().spec_decoding))
             llm.shutdown()
         (plain, _), (fast, stats) = results["none"], results["spec"]
-        print(f"{workload} batch {batch}: {plain:.1f} tok/s without, {fast:.1f} with: speedup {fast / plain:.2f}x")
+        print(f"{workload} batch {batch} {method}: {plain:.1f} tok/s without, {fast:.1f} with: "
+              f"speedup {fast / plain:.2f}x")
         if stats is not None and stats.num_drafts:
             rates = [f"{a / d:.2f}" for a, d in zip(stats.accepted_per_position, stats.drafted_per_position)]
             print(f"  drafts {stats.num_drafts}, draft tokens {stats.num_draft_tokens}, accepted "

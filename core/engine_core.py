@@ -31,6 +31,7 @@ class EngineCore:
         self.config = _resolve_max_model_len(config, model_max_len(hf_config))
         self.vocab_size: int = hf_config.vocab_size
         check_parallel_sizes(hf_config, self.config.tensor_parallel_size, self.config.pipeline_parallel_size)
+        _check_draft_model(self.config, hf_config.vocab_size)
         self.executor = _make_executor(self.config)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         _check_capacity(self.config, self.num_kv_blocks)
@@ -190,6 +191,23 @@ def _resolve_max_model_len(config: EngineConfig, model_limit: int) -> EngineConf
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's maximum length "
                          f"{model_limit} (max_position_embeddings)")
     return config
+
+
+def _check_draft_model(config: EngineConfig, vocab_size: int) -> None:
+    """A draft model must share the target's vocabulary and reach max_model_len (ValueError saying which not)."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return
+    try:
+        draft = load_hf_config(spec.model)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"speculative_config.model {spec.model!r} is not a model folder: {error}") from None
+    if draft.vocab_size != vocab_size:
+        raise ValueError(f"speculative_config.model has a vocabulary of {draft.vocab_size} tokens, the target "
+                         f"{vocab_size}: a draft model must use the target's tokenizer")
+    if model_max_len(draft) < config.max_model_len:
+        raise ValueError(f"speculative_config.model reaches {model_max_len(draft)} positions, fewer than "
+                         f"max_model_len={config.max_model_len}; lower max_model_len")
 
 
 def _check_capacity(config: EngineConfig, num_blocks: int) -> None:

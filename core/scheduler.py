@@ -47,6 +47,7 @@ class Scheduler:
         self.peak_kv_usage = 0.0
         self.kv_utilization_at_peak = 1.0
         self.spec_stats = SpecDecodingStats() if config.speculative_config is not None else None
+        self.num_lookahead_slots = config.speculative_config.num_lookahead_slots if self.spec_stats else 0
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -89,14 +90,15 @@ class Scheduler:
             if num_new <= 0:  # waiting for the token its last step samples
                 index += 1
                 continue
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            num_slots = self._with_lookahead(request.num_computed_tokens, num_new)
+            new_blocks = self.kv.allocate_slots(request, num_slots)
             while new_blocks is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted_any = True
                 if victim is request:
                     break
-                new_blocks = self.kv.allocate_slots(request, num_new)
+                new_blocks = self.kv.allocate_slots(request, num_slots)
             if new_blocks is None:
                 continue  # `request` itself was preempted; the next one now sits at `index`
             cached_reqs.append(self._cached_data(request, new_blocks, resumed=False))
@@ -109,6 +111,10 @@ class Scheduler:
             budget -= num_new
             index += 1
         return preempted_any
+
+    def _with_lookahead(self, num_computed: int, num_new: int) -> int:
+        """Slots for a step's tokens and the positions a draft model writes after them (not past max_model_len)."""
+        return max(num_new, min(num_new + self.num_lookahead_slots, self.max_model_len - num_computed))
 
     def _drafts_to_verify(self, request: Request) -> list[int]:
         """Its proposed drafts that could still become output: none past max_model_len, and at most max_tokens
@@ -125,7 +131,7 @@ class Scheduler:
             computed_blocks = self.kv.computed_blocks(request)
             num_cached = len(computed_blocks) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
-            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+            if self.kv.allocate_slots(request, self._with_lookahead(num_cached, num_new), computed_blocks) is None:
                 break
             heapq.heappop(self.waiting)
             self.kv.record_lookup(request, num_cached)

@@ -9,17 +9,19 @@ from msgspec import Meta
 
 from ipc.bounds import check_fields
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 DraftLength = Annotated[int, Meta(ge=1, le=32)]
 NgramLength = Annotated[int, Meta(ge=1, le=1024)]
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`ngram`: prompt lookup (the longest suffix of the request's tokens, between prompt_lookup_min and
-    prompt_lookup_max long, that occurred before proposes the tokens that followed it)."""
+    prompt_lookup_max long, that occurred before proposes the tokens that followed it). `draft_model`: `model`, a
+    smaller model folder with the same vocabulary, writes the drafts one token at a time."""
 
-    method: Literal["ngram"]
+    method: Literal["ngram", "draft_model"]
     num_speculative_tokens: DraftLength
+    model: str | None = None
     prompt_lookup_max: NgramLength = 4
     prompt_lookup_min: NgramLength = 2
     # Steps with more requests than this verify no drafts: on CPU the verification cost grows with the batch.
@@ -30,6 +32,14 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model (the draft model's folder) is required by method "
+                             "'draft_model' and only by it")
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots past a step's tokens that its proposer writes: a draft model feeds its own drafts."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
 def parse_speculative_config(value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:

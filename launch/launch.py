@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="share KV blocks between requests by content (default: on)")
     engine.add_argument("--speculative-config", metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                             "(also prompt_lookup_min, prompt_lookup_max, disable_by_batch_size)")
+                             "(also prompt_lookup_min, prompt_lookup_max, disable_by_batch_size), or "
+                             '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\'')
     engine.add_argument("--structured-outputs-compile-timeout", type=float, default=10.0,
                         help="a request whose schema/regex/grammar takes longer to compile gets a 400 "
                         "(seconds, default: %(default)s)")

@@ -70,6 +70,21 @@ def test_greedy_engine_equals_hf_float32_on_code_chat_and_held_out_text():
     llm.shutdown()
 
 
+def test_the_shipped_draft_speeds_the_demo_without_changing_its_greedy_output():
+    """The pair speculative decoding was trained for: drafts are accepted, and the output is the plain one."""
+    prompts = [{"prompt_token_ids": held_out_sample()[start:start + 60].tolist()} for start in (0, 150, 300)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    outputs = {}
+    for name, spec in (("plain", None), ("draft", {"method": "draft_model", "model": str(shipped_model("draft")),
+                                                   "num_speculative_tokens": 4})):
+        llm = LLM(str(shipped_model("demo")), dtype="float32", in_process=True, speculative_config=spec)
+        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.get_stats().spec_decoding
+        llm.shutdown()
+    assert outputs["draft"] == outputs["plain"]
+    assert 0.2 < stats.acceptance_rate < 1.0, stats
+
+
 def test_a_missing_weight_file_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr("launch.shipped.WEIGHTS_DIR", tmp_path)
     with pytest.raises(FileNotFoundError, match="python -m launch.train_demo --model demo"):

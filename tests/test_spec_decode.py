@@ -1,12 +1,18 @@
 """Speculative decoding: drafts change how fast tokens come, never which tokens (greedy) or from what distribution."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
+import openai
 import pytest
 import torch
 
-from conftest import random_prompts
+from conftest import API_KEY, metric, random_prompts, tiny_model
+from launcher import start_launcher, stop_launcher
 from core import EngineCore
+from frontend import LLM
 from frontend.api.metrics import _spec_decoding_metrics
 from ipc import EngineConfig, EngineCoreOutputs, EngineCoreRequest, SamplingParams, SpecDecodingStats
 from workers.layers.sampler import Sampler
@@ -147,6 +153,42 @@ def test_greedy_output_equals_no_speculation(llama_model, oracle, scenario, draf
         assert engine.get_stats().prefix_cache_hits > 0
 
 
+def _draft_config(arch: str) -> dict:
+    return {"method": "draft_model", "model": tiny_model(arch), "num_speculative_tokens": 3,
+            "disable_by_batch_size": None}
+
+
+@pytest.mark.parametrize("draft", ["llama", "qwen2"], ids=["the target as its own draft", "an unrelated draft"])
+@pytest.mark.parametrize("engine_args", [{}, {"max_num_batched_tokens": 16, "num_kv_blocks": 20}],
+                         ids=["roomy", "chunked and preempted"])
+def test_draft_model_greedy_output_equals_no_speculation(llama_model, draft, engine_args):
+    """Its KV follows the target's blocks through chunks, preemption and rejected drafts: the target as its own draft
+    has every draft accepted, an unrelated random model none."""
+    prompts = _prompts(1000)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = _tokens(_run(llama_model, prompts, params, **engine_args)[0])
+    results, engine = _run(llama_model, prompts, params, _draft_config(draft), **engine_args)
+    assert _tokens(results) == expected
+    stats = _spec_stats(engine)
+    assert stats.num_draft_tokens > 0
+    assert stats.acceptance_rate == (1.0 if draft == "llama" else 0.0)
+    if "num_kv_blocks" in engine_args:
+        assert engine.get_stats().num_preemptions > 0
+
+
+def test_draft_model_drafts_from_the_target_s_own_distribution(llama_model):
+    """The target as its own draft: q equals p after temperature, top_p, min_p and penalties (each draft row counting
+    the drafts before it), so every sampled draft is accepted; seeded requests repeat."""
+    prompts = _prompts(1000)
+    params = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, min_p=0.02, seed=i, presence_penalty=0.7,
+                             frequency_penalty=0.2, logit_bias={5: 2.0}, min_tokens=6) for i in range(len(prompts))]
+    first, engine = _run(llama_model, prompts, params, _draft_config("llama"))
+    second, _ = _run(llama_model, prompts, params, _draft_config("llama"))
+    assert _tokens(first) == _tokens(second)
+    stats = _spec_stats(engine)
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate == 1.0
+
+
 def test_max_model_len_bounds_the_drafts(llama_model, oracle):
     """Drafts never reach past max_model_len: the request ends there, as without speculation."""
     prompts = _prompts(1000)
@@ -176,6 +218,29 @@ def test_batches_past_the_cut_off_do_not_speculate(llama_model):
     assert _spec_stats(engine).num_drafts > 0
 
 
+def test_streamed_http_output_with_speculation_equals_offline_without(llama_model):
+    """Several tokens per step reach an SSE stream intact; the gateway's /metrics counts the drafts."""
+    prompts = [{"prompt_token_ids": prompt} for prompt in _prompts(1000)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    offline = LLM(llama_model, dtype="float32", max_model_len=160, in_process=True)
+    try:
+        expected = [output.outputs[0].text for output in offline.generate(prompts, params, use_tqdm=False)]
+    finally:
+        offline.shutdown()
+    process, base_url = start_launcher(["--model", llama_model, "--dtype", "float32", "--max-model-len", "160",
+                                        "--api-key", API_KEY, "--speculative-config", json.dumps(NGRAM)])
+    try:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0)
+        for prompt, text in zip(prompts, expected):
+            stream = client.completions.create(model=llama_model, prompt=prompt["prompt_token_ids"], max_tokens=30,
+                                               temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+            assert "".join(chunk.choices[0].text for chunk in stream) == text
+        accepted = metric(base_url, "pagedserve:spec_decode_num_accepted_tokens_total")
+        assert 0 < accepted < metric(base_url, "pagedserve:spec_decode_num_draft_tokens_total")
+    finally:
+        assert stop_launcher(process) == 0
+
+
 # -- the acceptance rule, on the sampler alone -----------------------------------------------------------------------
 VOCAB = 12
 SAMPLED_SETTINGS = {
@@ -202,14 +267,15 @@ def _two_sample_p_value(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("setting", SAMPLED_SETTINGS)
-@pytest.mark.parametrize("rank", [0, 3], ids=["likely draft", "unlikely draft"])
-def test_verified_tokens_follow_the_distribution_sampling_would_use(setting, rank):
+@pytest.mark.parametrize("rank, draft_model", [(0, False), (3, False), (None, True)],
+                         ids=["likely draft", "unlikely draft", "drafts drawn from a draft model's q"])
+def test_verified_tokens_follow_the_distribution_sampling_would_use(setting, rank, draft_model):
     """20k requests each verify one draft: the first token's distribution is the target's, and after an accepted
     draft the next one is the target's given that draft (penalties count it)."""
     params, count = SAMPLED_SETTINGS[setting], 20_000
     generator = torch.Generator().manual_seed(0)
     first_logits, second_logits = torch.randn(2, VOCAB, generator=generator) * 1.5
-    draft = int(first_logits.argsort(descending=True)[rank])
+    draft = int(first_logits.argsort(descending=True)[rank or 0])
     context = [4, draft, 9]
     sampler = StepSampler(Sampler(torch.Generator().manual_seed(1)), torch.device("cpu"))
 
@@ -219,11 +285,21 @@ def test_verified_tokens_follow_the_distribution_sampling_would_use(setting, ran
         return [output.sampled_token_ids[state.req_id] for state in states]
 
     verified = sample(_states(count, params, context), torch.stack([first_logits, second_logits]), [draft])
+    if draft_model:  # each draft drawn from its own q, which the verification is given
+        q = torch.softmax(torch.randn(VOCAB, generator=generator), dim=-1)
+        drafts = torch.multinomial(q, count, replacement=True, generator=generator).tolist()
+        groups = [SampleGroup(state, [d], q.unsqueeze(0)) for state, d in zip(_states(count, params, context), drafts)]
+        output = sampler.sample(torch.stack([first_logits, second_logits]).repeat(count, 1), groups, None)
+        verified = [output.sampled_token_ids[g.state.req_id] for g in groups]
+        draft_of = np.array(drafts)
     plain_first = sample(_states(count, params, context), first_logits.unsqueeze(0), [])
     plain_second = sample(_states(count, params, context + [draft]), second_logits.unsqueeze(0), [])
     firsts = np.array([tokens[0] for tokens in verified])
     seconds = np.array([tokens[1] for tokens in verified if len(tokens) == 2])
     assert _two_sample_p_value(firsts, np.array(plain_first).ravel()) > 1e-3
+    if draft_model:  # the second token's context varies with the draft: only the first is checked
+        assert 0 < len(seconds) == (firsts == draft_of).sum() < count
+        return
     assert len(seconds) == (firsts == draft).sum() > (1000 if rank == 0 else 0)
     if len(seconds) > 200:
         assert _two_sample_p_value(seconds, np.array(plain_second).ravel()) > 1e-3
@@ -233,6 +309,13 @@ def test_verified_tokens_follow_the_distribution_sampling_would_use(setting, ran
         assert _two_sample_p_value(seconds, np.array(plain_without_draft).ravel()) < 1e-4
 
 
+def test_a_draft_model_with_another_vocabulary_is_refused(llama_model):
+    draft = Path(__file__).resolve().parents[1] / "launch" / "weights" / "draft"
+    with pytest.raises(ValueError, match=r"vocabulary of 4096 tokens, the target \d+"):
+        EngineCore(EngineConfig(model=llama_model, speculative_config={
+            "method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}))
+
+
 # -- configuration and metrics ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("config, message", [
     ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
@@ -240,6 +323,8 @@ def test_verified_tokens_follow_the_distribution_sampling_would_use(setting, ran
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}, "exceeds prompt_lookup_max"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown field `lookahead`"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "required by method 'draft_model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "only by it"),
     ('{"method": "ngram", ', "not valid JSON"),
 ])
 def test_a_bad_speculative_config_is_refused_with_its_reason(config, message):

@@ -1,8 +1,10 @@
 """This rank's place in the tp × pp grid, its torch.distributed groups, and the collectives layers use."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -50,6 +52,17 @@ _state = ParallelState()
 
 def parallel_state() -> ParallelState:
     return _state
+
+
+@contextlib.contextmanager
+def single_rank() -> Iterator[None]:
+    """Build or run a model as if this rank were alone (a draft model that one rank holds whole)."""
+    global _state
+    saved, _state = _state, ParallelState()
+    try:
+        yield
+    finally:
+        _state = saved
 
 
 def free_port(host: str) -> int:

@@ -19,7 +19,7 @@ from workers.layers.sampler import Sampler, gather_logprobs
 from workers.model_loader import load_model
 from workers.pinned_staging import PinnedStaging
 from workers.request_state import CachedRequestState
-from workers.spec_decode import make_speculator
+from workers.spec_decode import DraftModel, make_speculator
 from workers.step_sampling import SampleGroup, StepSampler, fails_alone
 
 logger = logging.getLogger("pagedserve.model_runner")
@@ -58,7 +58,9 @@ class ModelRunner:
         self.model = load_model(config.model, hf_config, dtype, device)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed))
         self.step_sampler = StepSampler(self.sampler, device)
-        self.speculator = make_speculator(config.speculative_config)
+        # Only the driver samples, so only it proposes drafts (and holds a draft model).
+        self.speculator = make_speculator(config.speculative_config, dtype, device, self.block_size,
+                                          config.max_model_len, self.sampler) if self.parallel.is_driver else None
         self.requests: dict[str, CachedRequestState] = {}
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
@@ -88,11 +90,20 @@ class ModelRunner:
                                 dtype=self.dtype, device=self.device)
             layer.kv_cache = (cache[0], cache[1])
             self.kv_caches.append(cache)
+        if self.draft_model is not None:
+            self.draft_model.bind_kv_cache(num_blocks)
 
     def _release_kv_cache(self) -> None:
         for layer in self.attention_layers:
             layer.kv_cache = None
         self.kv_caches = []
+        if self.draft_model is not None:
+            self.draft_model.bind_kv_cache(None)
+
+    @property
+    def draft_model(self) -> DraftModel | None:
+        return self.speculator.proposer if self.speculator and isinstance(self.speculator.proposer, DraftModel) \
+            else None
 
     def profile_run(self) -> None:
         """The step with the largest activations, for the memory profile: max_num_batched_tokens prompt tokens
@@ -165,6 +176,8 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            if self.speculator is not None:
+                self.speculator.forget(req_id)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState.from_new(new)
         for cached in so.scheduled_cached_reqs:
@@ -172,6 +185,8 @@ class ModelRunner:
             state.token_ids.extend(cached.new_token_ids)
             if cached.resumed_from_preemption:
                 state.block_ids = list(cached.new_block_ids)
+                if self.speculator is not None:
+                    self.speculator.forget(cached.req_id)
             else:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
@@ -208,7 +223,12 @@ class ModelRunner:
             metadata = self._attention_metadata(slot_mapping, table, query_start_loc, seq_lens, num_decodes)
         return ModelInputs(input_ids_t, positions_t, metadata,
                            self._tensor(_sampled_rows(query_start_loc[1:][sampled], [drafts[i] for i in sampled])),
-                           [SampleGroup(states[i], drafts[i]) for i in sampled], jobs)
+                           [self._sample_group(states[i], drafts[i]) for i in sampled], jobs)
+
+    def _sample_group(self, state: CachedRequestState, drafts: list[int]) -> SampleGroup:
+        if not drafts or self.speculator is None:
+            return SampleGroup(state, drafts)
+        return SampleGroup(state, drafts, self.speculator.draft_probs(state.req_id))
 
     def _graph_size(self, num_seqs: int) -> int | None:
         """The captured size a decode-only batch of num_seqs replays at; None: run it eagerly."""

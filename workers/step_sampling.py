@@ -18,10 +18,12 @@ logger = logging.getLogger("pagedserve.step_sampling")
 
 @dataclass(frozen=True)
 class SampleGroup:
-    """One request's consecutive logits rows: row i verifies drafts[i]; the last row gives the token after them."""
+    """One request's consecutive logits rows: row i verifies drafts[i]; the last row gives the token after them.
+    draft_probs: [len(drafts), vocab], the distributions a draft model drew them from (None: one-hot guesses)."""
 
     state: CachedRequestState
     drafts: list[int]
+    draft_probs: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -60,26 +62,41 @@ class StepSampler:
     def _sampling_metadata(self, groups: list[SampleGroup]) -> SamplingMetadata:
         """One row per logits row; a row verifying draft i sees drafts 0..i-1 as already sampled (min_tokens, bad
         words, penalties), so its distribution is the one sampling without speculation would use there."""
-        rows = [(g.state, g.drafts[:i]) for g in groups for i in range(g.num_rows)]
-        params = [state.sampling_params for state, _ in rows]
-        device = self.device
-        temperature = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params], device=device)
-        top_k = [p.top_k for p in params]
-        top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
+        meta = sampling_metadata([(g.state, g.drafts[:i]) for g in groups for i in range(g.num_rows)], self.device)
         drafts = [draft for g in groups for draft in (*g.drafts, -1)]
-        return SamplingMetadata(
-            temperature=temperature,
-            top_k=torch.tensor(top_k, device=device) if any(k > 0 for k in top_k) else None,
-            top_p=torch.tensor(top_p, device=device) if any(p < 1.0 for p in top_p) else None,
-            min_p=torch.tensor(min_p, device=device) if any(p > 0.0 for p in min_p) else None,
-            generators={row: state.generator for row, (state, _) in enumerate(rows) if state.generator is not None},
-            banned_token_ids={row: ids for row, (state, before) in enumerate(rows)
-                              if (ids := state.banned_token_ids(before))},
-            num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None},
-            penalties=_penalties(rows, device),
-            logit_bias={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias} or None,
-            draft_token_ids=torch.tensor(drafts, device=device) if len(drafts) > len(groups) else None)
+        if len(drafts) > len(groups):
+            meta.draft_token_ids = torch.tensor(drafts, device=self.device)
+        vocab = next((g.draft_probs.shape[1] for g in groups if g.draft_probs is not None), None)
+        if vocab is not None:
+            meta.draft_probs = torch.cat([_draft_rows(g, vocab, self.device) for g in groups])
+        return meta
+
+
+def _draft_rows(group: SampleGroup, vocab: int, device: torch.device) -> torch.Tensor:
+    """The group's draft distributions, and zeros for the row after them (all zeros for a greedy request)."""
+    if group.draft_probs is None:
+        return torch.zeros(group.num_rows, vocab, device=device)
+    return torch.cat([group.draft_probs[:len(group.drafts)], torch.zeros(1, vocab, device=device)])
+
+
+def sampling_metadata(rows: list[tuple[CachedRequestState, list[int]]], device: torch.device) -> SamplingMetadata:
+    """One row per (request, tokens taken as sampled after its own): its options, bans and penalties there."""
+    params = [state.sampling_params for state, _ in rows]
+    temperature = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params], device=device)
+    top_k = [p.top_k for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    return SamplingMetadata(
+        temperature=temperature,
+        top_k=torch.tensor(top_k, device=device) if any(k > 0 for k in top_k) else None,
+        top_p=torch.tensor(top_p, device=device) if any(p < 1.0 for p in top_p) else None,
+        min_p=torch.tensor(min_p, device=device) if any(p > 0.0 for p in min_p) else None,
+        generators={row: state.generator for row, (state, _) in enumerate(rows) if state.generator is not None},
+        banned_token_ids={row: ids for row, (state, before) in enumerate(rows)
+                          if (ids := state.banned_token_ids(before))},
+        num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None},
+        penalties=_penalties(rows, device),
+        logit_bias={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias} or None)
 
 
 def _grouped_output(out: SamplerOutput, groups: list[SampleGroup]) -> ModelRunnerOutput:

@@ -30,11 +30,13 @@ class Worker:
         self.model_runner = ModelRunner(config, self.hf_config, self.dtype, self.device)
 
     def block_bytes(self) -> int:
-        """K and V of one block over this rank's attention layers (its pipeline stage, its TP heads)."""
+        """K and V of one block over this rank's attention layers (its pipeline stage, its TP heads), and the draft
+        model's on the rank that holds one."""
         layers = [m for m in self.model_runner.model.modules() if isinstance(m, Attention)]
         element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        draft = self.model_runner.draft_model
         return sum(2 * self.config.block_size * layer.num_kv_heads * layer.head_dim * element_bytes
-                   for layer in layers)
+                   for layer in layers) + (draft.block_bytes() if draft is not None else 0)
 
     def determine_num_kv_blocks(self) -> int:
         """Explicit num_kv_blocks wins; else kv_cache_memory bytes; else, on CUDA, what gpu_memory_utilization

@@ -42,6 +42,8 @@ class SamplingMetadata:
     grammar: GrammarRows | None = None  # rows under a structured-output constraint, and their allowed tokens
     # [rows] int64: the draft token each row verifies, -1 for none (speculative decoding); None when no row does
     draft_token_ids: torch.Tensor | None = None
+    # [rows, vocab]: the distribution each draft was drawn from (a draft model's); None: drafts are one-hot guesses
+    draft_probs: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -74,14 +76,7 @@ class Sampler:
         # Logprobs are those of the model's own distribution (vLLM's default): before bias, penalties,
         # bans and temperature, whatever the token was then sampled from.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
-        if meta.grammar is not None:
-            _apply_grammar(logits, meta.grammar)
-        for row, bias in (meta.logit_bias or {}).items():
-            logits[row, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-        if meta.penalties is not None:
-            _apply_penalties(logits, meta.penalties)
-        for row, token_ids in meta.banned_token_ids.items():
-            logits[row, token_ids] = float("-inf")
+        _process(logits, meta)
         greedy_tokens = logits.argmax(dim=-1)
         if meta.all_greedy:
             tokens = greedy_tokens
@@ -95,18 +90,22 @@ class Sampler:
                     for row, n in meta.num_logprobs.items()} if raw_logprobs is not None else {}
         return SamplerOutput(token_list, logprobs, None if accepted is None else accepted.tolist())
 
+    def draft(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft model's tokens, its logits processed as the target's will be; and the distribution each row drew
+        from (None when every row is greedy), which the target's verification needs."""
+        _process(logits, meta)
+        greedy_tokens = logits.argmax(dim=-1)
+        if meta.all_greedy:
+            return greedy_tokens, None
+        probs = _distribution(logits, meta)
+        noise = self._draw(torch.Tensor.exponential_, probs.shape, meta)
+        return torch.where(meta.temperature == 0, greedy_tokens, (probs / noise).argmax(dim=-1)), probs
+
     def _random_sample(self, logits: torch.Tensor, meta: SamplingMetadata, greedy_tokens: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sampled tokens, and for draft rows whether the draft is accepted (greedy rows: if it is the argmax)."""
         greedy = meta.temperature == 0
-        logits = logits / torch.where(greedy, 1.0, meta.temperature).unsqueeze(1)
-        if meta.top_k is not None:
-            logits = _apply_top_k(logits, meta.top_k)
-        if meta.top_p is not None:
-            logits = _apply_top_p(logits, meta.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        if meta.min_p is not None:
-            probs = probs.masked_fill(probs < meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = _distribution(logits, meta)
         accepted = None
         if meta.draft_token_ids is not None:
             accepted, probs = self._verify_drafts(probs, meta)
@@ -117,17 +116,22 @@ class Sampler:
         return torch.where(greedy, greedy_tokens, sampled), accepted
 
     def _verify_drafts(self, probs: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Speculative sampling with a one-hot draft distribution q: accept draft d with probability
-        min(1, p(d) / q(d)) = p(d); a rejected row samples from max(0, p - q), i.e. p without d (unnormalised:
-        Gumbel-max does not need it). Rows without a draft keep p (the token after the accepted ones)."""
+        """Speculative sampling: accept draft d, drawn from q, with probability min(1, p(d) / q(d)); a rejected row
+        samples from max(0, p - q) (unnormalised: Gumbel-max does not need it). Without draft_probs q is one-hot:
+        accept with probability p(d), else sample from p without d. Rows without a draft keep p (the token after
+        the accepted ones)."""
         drafts = meta.draft_token_ids
         has_draft = drafts >= 0
         index = drafts.clamp(min=0).unsqueeze(1)
-        probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves them unnormalised
         uniform = self._draw(torch.Tensor.uniform_, (probs.shape[0],), meta)
-        accepted = has_draft & (uniform < probs.gather(1, index).squeeze(1))
-        residual = probs.scatter(1, index, 0.0)
-        return accepted, torch.where(has_draft.unsqueeze(1), residual, probs)
+        target = probs.gather(1, index).squeeze(1)
+        if meta.draft_probs is None:
+            accepted = uniform < target
+            residual = probs.scatter(1, index, 0.0)
+        else:
+            accepted = uniform * meta.draft_probs.gather(1, index).squeeze(1) < target
+            residual = (probs - meta.draft_probs).clamp(min=0.0)
+        return has_draft & accepted, torch.where(has_draft.unsqueeze(1), residual, probs)
 
     def _draw(self, fill, shape: tuple[int, ...], meta: SamplingMetadata) -> torch.Tensor:
         """Random numbers per row from `fill` (a Tensor method), a seeded request's rows from its own generator."""
@@ -155,6 +159,32 @@ class _SavedInputs:
             logits[self.rows] = self.logits
         for generator, state in self.generators:
             generator.set_state(state)
+
+
+def _process(logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    """In place: the grammar's mask, logit bias, penalties and bans."""
+    if meta.grammar is not None:
+        _apply_grammar(logits, meta.grammar)
+    for row, bias in (meta.logit_bias or {}).items():
+        logits[row, list(bias)] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    if meta.penalties is not None:
+        _apply_penalties(logits, meta.penalties)
+    for row, token_ids in meta.banned_token_ids.items():
+        logits[row, token_ids] = float("-inf")
+
+
+def _distribution(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution sampling draws from: temperature (greedy rows at 1), top-k, top-p, then min-p."""
+    logits = logits / torch.where(meta.temperature == 0, 1.0, meta.temperature).unsqueeze(1)
+    if meta.top_k is not None:
+        logits = _apply_top_k(logits, meta.top_k)
+    if meta.top_p is not None:
+        logits = _apply_top_p(logits, meta.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if meta.min_p is not None:
+        probs = probs.masked_fill(probs < meta.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def _apply_grammar(logits: torch.Tensor, grammar: GrammarRows) -> None:

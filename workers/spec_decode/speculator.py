@@ -1,37 +1,74 @@
 """Speculator: after a step's sampling, drafts for the requests that may speculate in the next one."""
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
+import torch
 
 from ipc import SpeculativeConfig
+from workers.layers.sampler import Sampler
 from workers.request_state import CachedRequestState
+from workers.spec_decode.draft_model import DraftModel
 from workers.spec_decode.ngram import ngram_draft
+
+
+class Proposer(Protocol):
+    def propose(self, states: list[CachedRequestState], new_tokens: list[list[int]]) -> list[list[int]]:
+        """Drafts after each request's tokens: its state's, then the ones just sampled."""
+
+    def draft_probs(self, req_id: str) -> torch.Tensor | None:
+        """The distributions its last drafts were drawn from; None: one-hot guesses."""
+
+    def forget(self, req_id: str) -> None:
+        """The request finished or lost its blocks."""
+
+
+class PromptLookup:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def propose(self, states: list[CachedRequestState], new_tokens: list[list[int]]) -> list[list[int]]:
+        config = self.config
+        return [ngram_draft(np.array(state.token_ids + tokens, dtype=np.int64), config.num_speculative_tokens,
+                            config.prompt_lookup_min, config.prompt_lookup_max)
+                for state, tokens in zip(states, new_tokens)]
+
+    def draft_probs(self, req_id: str) -> None:
+        return None
+
+    def forget(self, req_id: str) -> None:
+        pass
 
 
 class Speculator:
     """Drafts for every request just sampled, unless the batch is past disable_by_batch_size; none for a request
     under a structured-output constraint (its grammar would have to follow each draft)."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.config = config
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+        self.config, self.proposer = config, proposer
 
     def propose(self, requests: dict[str, CachedRequestState], sampled: dict[str, list[int]]
                 ) -> dict[str, list[int]]:
-        config = self.config
-        if config.disable_by_batch_size is not None and len(sampled) > config.disable_by_batch_size:
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(sampled) > limit:
             return {}
-        drafts = {}
-        for req_id, new_tokens in sampled.items():
-            state = requests[req_id]
-            if state.sampling_params.structured_outputs is not None:
-                continue
-            tokens = np.array(state.token_ids + new_tokens, dtype=np.int64)
-            draft = ngram_draft(tokens, config.num_speculative_tokens, config.prompt_lookup_min,
-                                config.prompt_lookup_max)
-            if draft:
-                drafts[req_id] = draft
-        return drafts
+        req_ids = [req_id for req_id in sampled if requests[req_id].sampling_params.structured_outputs is None]
+        drafts = self.proposer.propose([requests[r] for r in req_ids], [sampled[r] for r in req_ids])
+        return {req_id: draft for req_id, draft in zip(req_ids, drafts) if draft}
+
+    def draft_probs(self, req_id: str) -> torch.Tensor | None:
+        return self.proposer.draft_probs(req_id)
+
+    def forget(self, req_id: str) -> None:
+        self.proposer.forget(req_id)
 
 
-def make_speculator(config: SpeculativeConfig | None) -> Speculator | None:
-    return None if config is None else Speculator(config)
+def make_speculator(config: SpeculativeConfig | None, dtype: torch.dtype, device: torch.device, block_size: int,
+                    max_model_len: int, sampler: Sampler) -> Speculator | None:
+    """The speculator the driver rank runs (None without speculative decoding)."""
+    if config is None:
+        return None
+    if config.method == "draft_model":
+        return Speculator(config, DraftModel(config, dtype, device, block_size, max_model_len, sampler))
+    return Speculator(config, PromptLookup(config))

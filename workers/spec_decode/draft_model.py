@@ -1,0 +1,122 @@
+"""DraftModel: a smaller model with the target's vocabulary writes each request's drafts one token at a time, with
+KV tensors of its own addressed by the target's block table (the scheduler allocates the slots it writes ahead)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ipc import SpeculativeConfig
+from workers.distributed import single_rank
+from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.sampler import Sampler
+from workers.model_config import load_hf_config
+from workers.model_loader import load_model
+from workers.request_state import CachedRequestState
+from workers.step_sampling import sampling_metadata
+
+
+class DraftModel:
+    """Held whole by the driver rank alone: under tensor or pipeline parallelism the other ranks never wait for it,
+    and a model 5-10x smaller gains little from being split."""
+
+    def __init__(self, config: SpeculativeConfig, dtype: torch.dtype, device: torch.device, block_size: int,
+                 max_model_len: int, sampler: Sampler) -> None:
+        self.num_drafts, self.block_size, self.max_model_len = config.num_speculative_tokens, block_size, max_model_len
+        self.dtype, self.device, self.sampler = dtype, device, sampler
+        with single_rank():
+            self.model = load_model(config.model, load_hf_config(config.model), dtype, device)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # Per request: the position its draft KV is known right up to, and the drafts written after it (right while
+        # the target accepts them); the distributions its last drafts were drawn from (sampled requests).
+        self.fed: dict[str, tuple[int, list[int]]] = {}
+        self.probs: dict[str, torch.Tensor] = {}
+
+    def block_bytes(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_dim * element
+                   for layer in self.attention_layers)
+
+    def bind_kv_cache(self, num_blocks: int | None) -> None:
+        """Its own K and V per layer over the same block ids as the target's cache (None: release them)."""
+        for layer in self.attention_layers:
+            layer.kv_cache = None if num_blocks is None else tuple(torch.zeros(
+                2, num_blocks, layer.num_kv_heads, self.block_size, layer.head_dim, dtype=self.dtype,
+                device=self.device))
+
+    def forget(self, req_id: str) -> None:
+        """Its blocks were freed or replaced (finished, preempted): its draft KV is gone."""
+        self.fed.pop(req_id, None)
+        self.probs.pop(req_id, None)
+
+    def draft_probs(self, req_id: str) -> torch.Tensor | None:
+        return self.probs.get(req_id)
+
+    @torch.inference_mode()
+    def propose(self, states: list[CachedRequestState], new_tokens: list[list[int]]) -> list[list[int]]:
+        """Drafts after each request's tokens (its state's plus the ones just sampled): first catch the draft's KV up
+        (its prompt on the first call, else the last accepted tokens), then one token at a time."""
+        contexts = [state.token_ids + tokens for state, tokens in zip(states, new_tokens)]
+        counts = [min(self.num_drafts, self.max_model_len - len(context)) for context in contexts]
+        drafts: list[list[int]] = [[] for _ in states]
+        probs: list[list[torch.Tensor]] = [[] for _ in states]
+        starts = [self._known(state.req_id, context) for state, context in zip(states, contexts)]
+        active = [i for i, count in enumerate(counts) if count > 0]
+        feeds = {i: (starts[i], contexts[i][starts[i]:]) for i in active}
+        with single_rank():
+            for step in range(max(counts, default=0)):
+                active = [i for i in active if step < counts[i]]
+                logits = self._forward([states[i] for i in active], [feeds[i] for i in active])
+                rows = [(states[i], new_tokens[i] + drafts[i]) for i in active]
+                tokens, distributions = self.sampler.draft(logits, sampling_metadata(rows, self.device))
+                for row, (i, token) in enumerate(zip(active, tokens.tolist())):
+                    drafts[i].append(token)
+                    if distributions is not None and not states[i].sampling_params.is_greedy:
+                        probs[i].append(distributions[row])
+                    feeds[i] = (len(contexts[i]) + step, [token])
+        for i, state in enumerate(states):
+            self._record(state.req_id, len(contexts[i]), drafts[i], probs[i])
+        return drafts
+
+    def _known(self, req_id: str, context: list[int]) -> int:
+        """Up to which position the draft's KV holds this context: what it knew, and its drafts the target kept."""
+        known, fed = self.fed.get(req_id, (0, []))
+        for token, actual in zip(fed, context[known:]):
+            if token != actual:
+                break
+            known += 1
+        return min(known, len(context) - 1)  # the last token is fed again: its logits give the first draft
+
+    def _record(self, req_id: str, num_tokens: int, drafts: list[int], probs: list[torch.Tensor]) -> None:
+        self.fed[req_id] = (num_tokens, drafts[:-1])  # the last draft was never fed
+        if probs:
+            self.probs[req_id] = torch.stack(probs)
+        else:
+            self.probs.pop(req_id, None)
+
+    def _forward(self, states: list[CachedRequestState], feeds: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """The draft's logits after each feed (tokens from a start position); single tokens first, as attention
+        wants them."""
+        order = sorted(range(len(feeds)), key=lambda i: len(feeds[i][1]) != 1)
+        lengths = np.array([len(feeds[i][1]) for i in order], dtype=np.int64)
+        starts = np.array([feeds[i][0] for i in order], dtype=np.int64)
+        query_start_loc = np.concatenate(([0], np.cumsum(lengths)))
+        positions = np.concatenate([np.arange(start, start + n) for start, n in zip(starts, lengths)])
+        table = np.zeros((len(order), max(len(states[i].block_ids) for i in order)), dtype=np.int64)
+        for row, i in enumerate(order):
+            table[row, :len(states[i].block_ids)] = states[i].block_ids
+        rows = np.repeat(np.arange(len(order)), lengths)
+        slots = table[rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        seq_lens = starts + lengths
+        metadata = AttentionMetadata(
+            slot_mapping=self._tensor(slots), block_tables=self._tensor(table), query_start_loc=query_start_loc.tolist(),
+            seq_lens=seq_lens.tolist(), num_decodes=int((lengths == 1).sum()))
+        if self.device.type == "cuda":
+            metadata.device_query_start_loc = self._tensor(query_start_loc).int()
+            metadata.device_seq_lens = self._tensor(seq_lens).int()
+        input_ids = self._tensor(np.concatenate([feeds[i][1] for i in order]))
+        hidden = self.model(input_ids, self._tensor(positions), metadata)
+        logits = self.model.compute_logits(hidden[self._tensor(query_start_loc[1:] - 1)]).float()
+        return logits[self._tensor(np.argsort(order))]
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.ascontiguousarray(array, dtype=np.int64), device=self.device)
