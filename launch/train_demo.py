@@ -51,7 +51,7 @@ class Recipe:
 
 
 RECIPES = {
-    "demo": Recipe(hidden=192, layers=4, heads=6, kv_heads=3, intermediate=576, context=512, batch=16, steps=1800,
+    "demo": Recipe(hidden=192, layers=4, heads=6, kv_heads=3, intermediate=576, context=512, batch=16, steps=2400,
                    lr=2e-3, warmup=150),
     "draft": Recipe(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=192, context=512, batch=16, steps=1200,
                     lr=3e-3, warmup=100),
@@ -111,11 +111,11 @@ def model_config(recipe: Recipe, vocab_size: int) -> LlamaConfig:
 
 
 def learning_rate(recipe: Recipe, step: int) -> float:
-    """Linear warm-up, then cosine decay to a tenth of the peak at the last step."""
+    """Linear warm-up, then cosine decay to zero at the last step."""
     if step < recipe.warmup:
         return recipe.lr * (step + 1) / recipe.warmup
     progress = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
-    return recipe.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+    return recipe.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def loss_of(model: LlamaForCausalLM, windows: torch.Tensor, autocast: bool) -> torch.Tensor:
