@@ -22,9 +22,11 @@ class DraftModel:
     def __init__(self, config: SpeculativeConfig, dtype: torch.dtype, device: torch.device, block_size: int,
                  max_model_len: int, sampler: Sampler) -> None:
         self.num_drafts, self.block_size, self.max_model_len = config.num_speculative_tokens, block_size, max_model_len
-        self.dtype, self.device, self.sampler = dtype, device, sampler
+        # On CPU a draft's matmuls are too small for bf16 to pay: float32 skips the per-call weight conversion.
+        self.dtype = torch.float32 if device.type == "cpu" else dtype
+        self.device, self.sampler = device, sampler
         with single_rank():
-            self.model = load_model(config.model, load_hf_config(config.model), dtype, device)
+            self.model = load_model(config.model, load_hf_config(config.model), self.dtype, device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # Per request: the position its draft KV is known right up to, and the drafts written after it (right while
         # the target accepts them); the distributions its last drafts were drawn from (sampled requests).
