@@ -102,36 +102,35 @@ class _EngineCollector:
 
     def collect(self):
         stats, labels = self.stats, [self.model_name]
-        for name, doc, value in (("num_requests_running", "Requests running in the engine", stats.num_running),
-                                 ("num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting),
-                                 ("kv_cache_usage_perc", "Fraction of KV cache blocks in use", stats.kv_cache_usage)):
-            gauge = GaugeMetricFamily(f"pagedserve:{name}", doc, labels=["model_name"])
-            gauge.add_metric(labels, value)
-            yield gauge
-        for name, doc, value in (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                  stats.prefix_cache_queries),
-                                 ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                  stats.prefix_cache_hits),
-                                 ("num_preemptions", "Requests preempted", stats.num_preemptions),
-                                 ("num_aborted_requests", "Requests aborted (client gone, stop string, cancel)",
-                                  stats.num_aborted_requests)):
-            counter = CounterMetricFamily(f"pagedserve:{name}", doc, labels=["model_name"])
-            counter.add_metric(labels, value)
-            yield counter
+        yield from _families(GaugeMetricFamily, labels, (
+            ("num_requests_running", "Requests running in the engine", stats.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use", stats.kv_cache_usage)))
+        yield from _families(CounterMetricFamily, labels, (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache", stats.prefix_cache_hits),
+            ("num_preemptions", "Requests preempted", stats.num_preemptions),
+            ("num_aborted_requests", "Requests aborted (client gone, stop string, cancel)",
+             stats.num_aborted_requests)))
         if stats.spec_decoding is not None:
             yield from _spec_decoding_metrics(stats.spec_decoding, labels)
+
+
+def _families(family: type, labels: list[str], rows: tuple[tuple[str, str, float], ...]):
+    """One metric family per (name, doc, value), labelled with the model's name."""
+    for name, doc, value in rows:
+        metric = family(f"pagedserve:{name}", doc, labels=["model_name"])
+        metric.add_metric(labels, value)
+        yield metric
 
 
 def _spec_decoding_metrics(spec: SpecDecodingStats, labels: list[str]):
     """Counters from which every rate follows: acceptance rate = accepted / draft tokens; tokens per verification
     step = 1 + accepted / drafts; position i's acceptance = accepted_per_pos / drafted_per_pos at that position."""
-    for name, doc, value in (("num_drafts", "Draft runs verified (one per request per step that speculated)",
-                              spec.num_drafts),
-                             ("num_draft_tokens", "Draft tokens verified", spec.num_draft_tokens),
-                             ("num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens)):
-        counter = CounterMetricFamily(f"pagedserve:spec_decode_{name}", doc, labels=["model_name"])
-        counter.add_metric(labels, value)
-        yield counter
+    yield from _families(CounterMetricFamily, labels, (
+        ("spec_decode_num_drafts", "Draft runs verified (one per request per step that speculated)", spec.num_drafts),
+        ("spec_decode_num_draft_tokens", "Draft tokens verified", spec.num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens)))
     for name, doc, values in (("num_drafted_tokens_per_pos", "Draft runs that had a token at this position",
                                spec.drafted_per_position),
                               ("num_accepted_tokens_per_pos", "Draft runs accepted up to and including this position",
