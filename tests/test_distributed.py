@@ -23,6 +23,7 @@ from conftest import random_prompts, tiny_model, wait_until  # noqa: E402
 from launcher import descendants  # noqa: E402
 from frontend import LLM, EngineDeadError, SamplingParams, StructuredOutputsParams  # noqa: E402
 from launch.make_model import make_model  # noqa: E402
+from ipc import SchedulerStats  # noqa: E402
 
 PROMPT_LENGTHS = [3, 20, 45, 70]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -198,23 +199,25 @@ def rank_pids() -> list[int]:
     return pids
 
 
+def _completions(prompts: list[dict], params: SamplingParams, **engine_args) -> tuple[list, SchedulerStats]:
+    """Each prompt's completion from an in-process LLM of the llama-kv1 model, and the engine's stats after them."""
+    llm = LLM(model_dir("llama-kv1"), in_process=True, **engine_args)
+    try:
+        outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return outputs, llm.get_stats()
+    finally:
+        llm.shutdown()
+
+
 def test_constrained_outputs_under_tp_and_pp_equal_one_ranks(cluster):
     """The step's grammar bitmask reaches the rank that samples: tp=2 x pp=2 writes one rank's constrained text."""
     pattern = "[a-z]{3,6}-[0-9]{2}"
     params = SamplingParams(temperature=0.0, max_tokens=16,
                             structured_outputs=StructuredOutputsParams(regex=pattern))
     prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 30, 60], vocab=1000)]
-    single = LLM(model_dir("llama-kv1"), dtype="float32", in_process=True)
-    try:
-        expected = [o.outputs[0].text for o in single.generate(prompts, params, use_tqdm=False)]
-    finally:
-        single.shutdown()
-    llm = LLM(model_dir("llama-kv1"), in_process=True, tensor_parallel_size=2, pipeline_parallel_size=2,
-              **SMALL_ENGINE)
-    try:
-        texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
-    finally:
-        llm.shutdown()
+    expected = [o.text for o in _completions(prompts, params, dtype="float32")[0]]
+    texts = [o.text for o in _completions(prompts, params, tensor_parallel_size=2, pipeline_parallel_size=2,
+                                          **SMALL_ENGINE)[0]]
     assert texts == expected and all(re.fullmatch(pattern, text) for text in texts), (texts, expected)
 
 
@@ -228,19 +231,11 @@ def test_speculative_decoding_under_tp_and_pp_equals_one_rank(cluster, method):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     # Repeated short patterns: this random model's greedy output runs into loops that prompt lookup partly predicts.
     prompts = [{"prompt_token_ids": p * 8} for p in random_prompts([3, 4, 5], vocab=1000)]
-    single = LLM(model_dir("llama-kv1"), dtype="float32", in_process=True)
-    try:
-        expected = [o.outputs[0].token_ids for o in single.generate(prompts, params, use_tqdm=False)]
-    finally:
-        single.shutdown()
-    llm = LLM(model_dir("llama-kv1"), in_process=True, tensor_parallel_size=2, pipeline_parallel_size=2,
-              speculative_config=spec, **{**SMALL_ENGINE, "num_kv_blocks": 40})
-    try:
-        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        stats = llm.get_stats().spec_decoding
-    finally:
-        llm.shutdown()
-    assert tokens == expected
+    expected = [o.token_ids for o in _completions(prompts, params, dtype="float32")[0]]
+    outputs, stats = _completions(prompts, params, tensor_parallel_size=2, pipeline_parallel_size=2,
+                                  speculative_config=spec, **{**SMALL_ENGINE, "num_kv_blocks": 40})
+    stats = stats.spec_decoding
+    assert [o.token_ids for o in outputs] == expected
     assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens, stats
     if method == "ngram":
         assert stats.num_accepted_tokens < stats.num_draft_tokens
