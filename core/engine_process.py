@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import logging
 import os
 import queue
@@ -316,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     _report(args.status_fd, EngineStartup(info=proc.engine.info))
     logger.info("engine core ready: requests at %s, outputs at %s, %d KV blocks of %d tokens", proc.endpoints.input,
                 proc.endpoints.output, proc.engine.num_kv_blocks, proc.engine.config.block_size)
+    # The model, tokenizer and transformers' modules live as long as the process: frozen, they are out of the
+    # cyclic collector's sight, whose full collections otherwise walk them mid-step (~3% of batch-1 decode).
+    gc.collect()
+    gc.freeze()
     try:
         proc.run()
     except Exception:

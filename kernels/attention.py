@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import attention_ref, cpu_decode_attention
+from kernels import attention_ref, cpu_decode_attention, cpu_extension
 from kernels.backend import triton_serves, use_triton
 
 
@@ -32,7 +32,7 @@ def paged_attention(
                                       num_decodes, scale, sliding_window, num_sms, device_query_start_loc,
                                       device_seq_lens)
     # ready(), not load(): while the kernel builds in the background the torch path serves
-    fused = num_decodes and query.device.type == "cpu" and cpu_decode_attention.ready() is not None
+    fused = num_decodes and query.device.type == "cpu" and cpu_extension.ready() is not None
     if not fused:
         return attention_ref.paged_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
                                              num_decodes, scale, sliding_window, key, value)

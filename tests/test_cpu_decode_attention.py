@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
+
 from pathlib import Path
 
 import pytest
 import torch
 
-from kernels import cpu_decode_attention
+from kernels import cpu_decode_attention, cpu_extension
 from kernels.attention_ref import paged_attention
 
 LENGTHS = [1, 2, 7, 8, 9, 15, 16, 17, 19, 20, 21, 31, 32, 33, 63, 64, 65, 100, 257, 511, 640, 899]
@@ -18,7 +17,7 @@ LENGTHS = [1, 2, 7, 8, 9, 15, 16, 17, 19, 20, 21, 31, 32, 33, 63, 64, 65, 100, 2
 
 @pytest.fixture(scope="module", autouse=True)
 def extension():
-    if cpu_decode_attention.load() is None:
+    if cpu_extension.load() is None:
         pytest.fail("the extension did not build")
 
 
@@ -111,29 +110,6 @@ def test_bfloat16_output_rounds_like_torch():
     assert torch.equal(out[0, 0], ((rows[0] + rows[1]) * 0.5).bfloat16())
 
 
-def test_build_failure_yields_none(monkeypatch, tmp_path):
-    import torch.utils.cpp_extension
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no compiler")
-
-    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", broken)
-    assert cpu_decode_attention._build(str(tmp_path)) is None
-
-
-def test_a_build_killed_midway_leaves_nothing_for_the_next_process_to_wait_on(tmp_path):
-    """A process that exits while its daemon thread builds: the next one builds (or loads) regardless."""
-    script = ("import sys, time; from kernels import cpu_decode_attention as k; "
-              "k._build_at_low_priority = lambda: k.load(sys.argv[1]); k.start_background_build(); time.sleep(0.3)")
-    root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=root, check=True, timeout=120)
-    loaded = subprocess.run([sys.executable, "-c", "import sys; from kernels import cpu_decode_attention as k; "
-                             "print(k.load(sys.argv[1]) is not None)", str(tmp_path)],
-                            cwd=root, capture_output=True, text=True, timeout=300)
-    assert loaded.stdout.strip() == "True", loaded.stderr
-    assert [p.suffix for p in tmp_path.iterdir() if not p.name.startswith(".build-")] == [".so"]
-
-
 def test_background_build_serves_the_torch_path_until_ready(monkeypatch):
     """Start-up never waits for the compiler: decode runs on the reference until the low-priority build is done."""
     import threading
@@ -149,17 +125,18 @@ def test_background_build_serves_the_torch_path_until_ready(monkeypatch):
         release.wait(30)
         return built
 
-    monkeypatch.setattr(cpu_decode_attention, "_build", slow_build)
-    monkeypatch.setattr(cpu_decode_attention, "_done", threading.Event())
-    monkeypatch.setattr(cpu_decode_attention, "_module", None)
-    monkeypatch.setattr(cpu_decode_attention, "_builder", None)
-    cpu_decode_attention.start_background_build()
+    monkeypatch.setattr(cpu_extension, "_build", slow_build)
+    monkeypatch.setattr(cpu_extension, "_library", lambda build_directory: Path("/nonexistent/kernels.so"))
+    monkeypatch.setattr(cpu_extension, "_done", threading.Event())
+    monkeypatch.setattr(cpu_extension, "_module", None)
+    monkeypatch.setattr(cpu_extension, "_builder", None)
+    cpu_extension.start_background_build()
     generator = torch.Generator().manual_seed(5)
     k_cache, v_cache, tables = build_caches([9, 30], 8, 2, 64, generator)
     query = torch.randn(2, 4, 64, generator=generator)
     out = attention.paged_attention(query, k_cache, v_cache, tables, [0, 1, 2], [9, 30], 2, 0.125)
-    assert cpu_decode_attention.ready() is None  # not waited for: the call above ran on the torch path
+    assert cpu_extension.ready() is None  # not waited for: the call above ran on the torch path
     torch.testing.assert_close(out, reference(query, k_cache, v_cache, tables, [9, 30], 0.125, None))
     release.set()
-    cpu_decode_attention._builder.join(30)
-    assert cpu_decode_attention.ready() is built and policy == [os.SCHED_IDLE]
+    cpu_extension._builder.join(30)
+    assert cpu_extension.ready() is built and policy == [os.SCHED_IDLE]

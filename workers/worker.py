@@ -6,7 +6,7 @@ import os
 import torch
 
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
-from kernels import start_cpu_decode_kernel_build
+from kernels import start_cpu_kernels_build
 from workers.cpu_allocator import keep_freed_memory_in_heap
 from workers.device import select_device
 from workers.gpu_memory import kv_cache_budget, profile_memory
@@ -24,7 +24,7 @@ class Worker:
         self.device = select_device(config.device)
         keep_freed_memory_in_heap()
         if self.device.type == "cpu":
-            start_cpu_decode_kernel_build()  # the torch path serves until it is ready: no wait at start-up
+            start_cpu_kernels_build()  # the torch paths serve until it is ready: no wait at start-up
         self.hf_config = load_hf_config(config.model)
         self.dtype = resolve_dtype(config.dtype)
         self.model_runner = ModelRunner(config, self.hf_config, self.dtype, self.device)

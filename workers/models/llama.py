@@ -1,15 +1,17 @@
 """Llama decoder (also the base of qwen2 and mistral): RMSNorm, rotary, GQA attention, SwiGLU MLP."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from kernels import cpu_decoder_layer
 from workers.distributed import Intermediate, parallel_state
 from workers.layers.activation import silu_and_mul
-from workers.layers.attention import Attention, StepMetadata
+from workers.layers.attention import Attention, AttentionMetadata, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
@@ -115,6 +117,22 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def fused_decode(self, x: torch.Tensor, residual: torch.Tensor | None, step: cpu_decoder_layer.DecodeStep
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() of a decode step in one C++ call (kernels.cpu_decoder_layer), same results."""
+        if self.self_attn.attn.kv_cache is None:
+            raise RuntimeError("the KV cache was not bound to this attention layer")
+        return cpu_decoder_layer.decoder_layer(self._fused_weights, x, residual, step, *self.self_attn.attn.kv_cache)
+
+    @functools.cached_property
+    def _fused_weights(self) -> cpu_decoder_layer.DecoderLayerWeights:
+        attn, mlp = self.self_attn, self.mlp
+        return cpu_decoder_layer.DecoderLayerWeights(
+            self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
+            attn.o_proj.bias, self.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
+            attn.rotary.cos.float().contiguous(), attn.rotary.sin.float().contiguous(), self.input_layernorm.eps,
+            attn.attn.scale, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.sliding_window)
+
 
 class LlamaModel(nn.Module):
     """This pipeline stage's share: embeddings on the first stage, its layers (others are placeholders, so
@@ -129,17 +147,28 @@ class LlamaModel(nn.Module):
         self.stage_layers, self.layers = build_stage_layers(config.num_hidden_layers,
                                                             lambda i: layer_class(config, i, rotary))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if state.is_last_stage else None
+        self.fused_decode = state.tp_size == 1  # the C++ layer has no all-reduce between attention and MLP
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
         """Final hidden states on the last stage, else (hidden, residual) for the next stage."""
         x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
+        step = self._fused_decode_step(x, positions, metadata)
         for i in self.stage_layers:
-            x, residual = self.layers[i](positions, x, residual, metadata)
+            layer = self.layers[i]
+            x, residual = layer.fused_decode(x, residual, step) if step else layer(positions, x, residual, metadata)
         if self.norm is None:
             return x, residual
         x, _ = self.norm(x, residual)
         return x
+
+
+    def _fused_decode_step(self, x: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata
+                           ) -> cpu_decoder_layer.DecodeStep | None:
+        if not (self.fused_decode and isinstance(metadata, AttentionMetadata)):
+            return None
+        return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
+                                             metadata.seq_lens, metadata.num_decodes)
 
 
 class LlamaForCausalLM(nn.Module):

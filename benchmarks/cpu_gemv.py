@@ -1,0 +1,59 @@
+"""The GEMV kernel against torch's path for the same products, by row count: where cpu_gemv.max_rows comes from.
+
+The benchmark model's 33 matrices of one decode step (8 layers' qkv, o, gate_up, down and the LM head), each
+multiplied once per pass by `rows` random rows, so the weights stream from memory as in decode. torch's path is
+what linear() does without the kernel (F.linear, in float32 on CPUs without bf16 instructions). Best of 7.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import cpu_extension, cpu_gemv, matmul_dtype  # noqa: E402
+from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
+
+SHAPES = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 8 + [(8192, 512)]
+
+
+def torch_path(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    compute = matmul_dtype(weight.dtype, weight.device)
+    return F.linear(x.to(compute), weight.to(compute)).to(weight.dtype)
+
+
+def seconds_per_pass(fn, weights: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> float:
+    best = float("inf")
+    for _ in range(7):
+        start = time.perf_counter()
+        for weight in weights:
+            fn(inputs[weight.shape[1]], weight)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> int:
+    if cpu_extension.load() is None:
+        print("the C++ CPU kernels did not build")
+        return 1
+    print(f"CPU native bf16: {cpu_has_native_bf16()}; torch threads: {torch.get_num_threads()}; "
+          f"max_rows: bf16 {cpu_gemv.max_rows(torch.bfloat16)}, float32 {cpu_gemv.max_rows(torch.float32)}")
+    with torch.inference_mode():
+        for dtype in (torch.bfloat16, torch.float32):
+            weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
+            size = sum(w.numel() * w.element_size() for w in weights)
+            for rows in (1, 2, 4, 8, 16, 32):
+                inputs = {k: torch.randn(rows, k).to(dtype) for k in (512, 1408)}
+                ours = seconds_per_pass(cpu_gemv.gemv, weights, inputs)
+                theirs = seconds_per_pass(torch_path, weights, inputs)
+                print(f"{str(dtype):15s} rows {rows:2d}: kernel {ours * 1e3:6.2f} ms ({size / ours / 1e9:5.1f} GB/s), "
+                      f"torch {theirs * 1e3:6.2f} ms: kernel {theirs / ours:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""A llama-style decoder layer for a few decode tokens in one C++ call (kernels/csrc/decoder_layer.h).
+
+At batch-1 decode the weights stream in ~3 ms per token on this project's benchmark model, while the ~50 tensor
+ops per layer that norm, rotate, cache, attend and gate cost several more in dispatch alone. The kernel runs the
+layer's ops in order with the same roundings to the model dtype (its twin is the model's own op-by-op path,
+tests/test_cpu_decoder_layer.py), with the GEMV kernel's products.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels import cpu_extension, cpu_gemv
+
+
+@dataclass(frozen=True)
+class DecoderLayerWeights:
+    """One layer's parameters (biases None where absent) and shape; tensors, so a reloaded weight is followed."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, heads * head_dim]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+    cos: torch.Tensor  # float32 [max_position, head_dim]
+    sin: torch.Tensor
+    eps: float
+    scale: float
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None
+
+    def pointers(self) -> list[int]:
+        tensors = (self.input_norm, self.qkv, self.qkv_bias, self.o, self.o_bias, self.post_norm, self.gate_up,
+                   self.down, self.cos, self.sin)
+        return [0 if t is None else t.data_ptr() for t in tensors]
+
+    def dims(self) -> list[int]:
+        return [self.qkv.shape[1], self.num_heads, self.num_kv_heads, self.head_dim, self.down.shape[1],
+                self.sliding_window or 0]
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """What every layer of one decode step reads: int64 tensors, one row per sequence."""
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def decode_step(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: list[int], num_decodes: int) -> DecodeStep | None:
+    """The step's inputs for decoder_layer() when the kernel takes this step (a few decode tokens only, on the
+    CPU, float32 or bfloat16, at inference, kernel built); else None."""
+    rows = x.shape[0]
+    if not (num_decodes == len(seq_lens) == rows and 0 < rows <= cpu_gemv.max_rows(x.dtype) and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()
+            and cpu_extension.ready() is not None):
+        return None
+    return DecodeStep(positions.long().contiguous(), slot_mapping.long().contiguous(),
+                      block_tables.long().contiguous(), torch.tensor(seq_lens, dtype=torch.long))
+
+
+def decoder_layer(weights: DecoderLayerWeights, x: torch.Tensor, residual: torch.Tensor | None, step: DecodeStep,
+                  key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mlp output, residual) as the layer's forward returns them; K/V of the step written into the caches."""
+    module = cpu_extension.load()
+    if module is None:
+        raise RuntimeError("the C++ CPU kernels could not be built")
+    dtype = x.dtype
+    if key_cache.dtype != dtype or value_cache.dtype != dtype or weights.qkv.dtype != dtype:
+        raise TypeError("the caches and weights must share the hidden states' dtype")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("the caches must be contiguous")
+    x = x.contiguous()  # kept in locals: the kernel gets raw pointers, which must outlive the call
+    residual = None if residual is None else residual.contiguous()
+    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    module.decoder_layer(dtype == torch.bfloat16, weights.pointers(), weights.dims(), weights.eps, weights.scale,
+                         x.data_ptr(), 0 if residual is None else residual.data_ptr(), out.data_ptr(),
+                         residual_out.data_ptr(), step.positions.data_ptr(), step.slot_mapping.data_ptr(),
+                         key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[2],
+                         step.block_tables.data_ptr(), step.block_tables.shape[1], step.seq_lens.data_ptr(),
+                         x.shape[0])
+    return out, residual_out

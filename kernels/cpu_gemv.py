@@ -1,0 +1,45 @@
+"""Linear layers over a few rows on CPU (kernels/csrc/gemv.h): each weight streamed once, at memory speed.
+
+At batch-1 decode every weight is read once per token and little else is done, so the step is as fast as the
+weights stream. torch's F.linear at one row streams distinct bf16 weights at about half the memory bandwidth, and
+on CPUs without bf16 instructions the weights were first converted to float32 (three passes over memory); this
+kernel widens bf16 in registers and splits the output rows over the threads. Same arithmetic as the float32
+path: float32 products and sums, one rounding to the output dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_extension
+from kernels.cpu_features import cpu_has_native_bf16
+
+
+def max_rows(dtype: torch.dtype) -> int:
+    """The most rows the kernel takes. On a 2-core AVX2 CPU (benchmarks/cpu_gemv.py) it beats torch on every shape
+    of the benchmark model up to 32 rows, 1.5-3.7x; 16 keeps a margin. With bf16 instructions (AMX, AVX512-BF16)
+    torch's bf16 GEMMs gain with every row while this kernel widens bf16 in software: there only up to 4 rows,
+    where a step is surely memory-bound (unmeasured: no such CPU here)."""
+    return 4 if dtype == torch.bfloat16 and cpu_has_native_bf16() else 16
+
+
+def serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether gemv() takes this product: a few rows on the CPU, float32 or bfloat16 throughout, kernel built."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16)
+            and x.numel() <= max_rows(x.dtype) * weight.shape[-1] and weight.dim() == 2 and weight.is_contiguous()
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+            and not torch.is_grad_enabled() and cpu_extension.ready() is not None)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K] with few rows; weight [N, K] contiguous, all one dtype."""
+    module = cpu_extension.load()
+    if module is None:
+        raise RuntimeError("the C++ CPU kernels could not be built")
+    out_features, in_features = weight.shape
+    if x.shape[-1] != in_features or (bias is not None and bias.shape != (out_features,)):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias do not fit")
+    rows = x.reshape(-1, in_features).contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
+    module.gemv(x.dtype == torch.bfloat16, rows.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                out.data_ptr(), rows.shape[0], out_features, in_features)
+    return out.reshape(*x.shape[:-1], out_features)

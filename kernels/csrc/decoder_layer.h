@@ -1,0 +1,111 @@
+// One llama-style decoder layer for a few decode tokens, in one call: what the Python layer computes op by op,
+// with the same roundings to the model dtype, but without ~50 tensor ops' dispatch per layer.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+#include "decode_attention.h"
+#include "gemv.h"
+
+namespace pagedserve {
+
+template <typename T>
+struct DecoderLayer {
+  const T *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *down;  // biases may be null
+  const float *cos, *sin;  // [max_position, head_dim]
+  float eps, scale;
+  int64_t hidden, heads, kv_heads, head_dim, intermediate, window;
+};
+
+template <typename T>
+inline T round_to(float x) {
+  T out;
+  store(x, &out);
+  return out;
+}
+
+// out = weight * round(x * rsqrt(mean(x^2) + eps)), statistics in float32 (HF's RMSNorm).
+template <typename T>
+void rms_norm_rows(const T* x, const T* weight, float eps, T* out, int64_t rows, int64_t dim) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const T* xr = x + m * dim;
+    float sq = 0.f;
+    for (int64_t d = 0; d < dim; ++d) sq += widen(xr[d]) * widen(xr[d]);
+    const float r = 1.f / std::sqrt(sq / float(dim) + eps);
+    for (int64_t d = 0; d < dim; ++d)
+      store(widen(weight[d]) * widen(round_to<T>(widen(xr[d]) * r)), out + m * dim + d);
+  }
+}
+
+// Rotate-half rotary embedding of `count` heads in place, each product and the sum rounded as torch's ops do.
+template <typename T>
+void rotate(T* heads, int64_t count, int64_t dim, const float* cos, const float* sin) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < count; ++h) {
+    T* x = heads + h * dim;
+    for (int64_t d = 0; d < half; ++d) {
+      const float a = widen(x[d]), b = widen(x[d + half]);
+      const float c0 = widen(round_to<T>(cos[d])), s0 = widen(round_to<T>(sin[d]));
+      const float c1 = widen(round_to<T>(cos[d + half])), s1 = widen(round_to<T>(sin[d + half]));
+      store(widen(round_to<T>(a * c0)) + widen(round_to<T>(-b * s0)), x + d);
+      store(widen(round_to<T>(b * c1)) + widen(round_to<T>(a * s1)), x + d + half);
+    }
+  }
+}
+
+// x [M, hidden] (this layer's input), residual [M, hidden] or null (first layer); writes out [M, hidden] and
+// residual_out [M, hidden]. Caches [blocks, kv_heads, block_size, head_dim]; a negative slot writes no KV.
+template <typename T>
+void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* out, T* residual_out,
+                   const int64_t* positions, const int64_t* slots, T* k_cache, T* v_cache, int64_t block_size,
+                   const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M) {
+  const int64_t H = L.hidden, D = L.head_dim, q_size = L.heads * D, kv_size = L.kv_heads * D;
+  const int64_t qkv_size = q_size + 2 * kv_size;
+  for (int64_t i = 0; i < M * H; ++i)
+    residual_out[i] = residual ? round_to<T>(widen(x[i]) + widen(residual[i])) : x[i];
+  std::vector<T> normed(M * H), qkv(M * qkv_size), q(M * q_size), attn(M * q_size);
+  rms_norm_rows(residual_out, L.input_norm, L.eps, normed.data(), M, H);
+  gemv(normed.data(), L.qkv, L.qkv_bias, qkv.data(), M, qkv_size, H);
+
+  int64_t max_len = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    T* row = qkv.data() + m * qkv_size;
+    const float *cos = L.cos + positions[m] * D, *sin = L.sin + positions[m] * D;
+    rotate(row, L.heads, D, cos, sin);
+    rotate(row + q_size, L.kv_heads, D, cos, sin);
+    std::copy(row, row + q_size, q.data() + m * q_size);
+    max_len = std::max(max_len, seq_lens[m]);
+    if (slots[m] < 0) continue;
+    const int64_t block = slots[m] / block_size, offset = slots[m] % block_size;
+    for (int64_t h = 0; h < L.kv_heads; ++h) {
+      const int64_t at = ((block * L.kv_heads + h) * block_size + offset) * D;
+      std::copy(row + q_size + h * D, row + q_size + (h + 1) * D, k_cache + at);
+      std::copy(row + q_size + kv_size + h * D, row + q_size + kv_size + (h + 1) * D, v_cache + at);
+    }
+  }
+  const int64_t bs = block_size;
+  if (D == 64) decode<T, 64>(q.data(), k_cache, v_cache, tables, seq_lens, attn.data(), M, L.heads, L.kv_heads, bs, D,
+                             max_blocks, L.scale, L.window, max_len);
+  else if (D == 128) decode<T, 128>(q.data(), k_cache, v_cache, tables, seq_lens, attn.data(), M, L.heads,
+                                    L.kv_heads, bs, D, max_blocks, L.scale, L.window, max_len);
+  else decode<T, 0>(q.data(), k_cache, v_cache, tables, seq_lens, attn.data(), M, L.heads, L.kv_heads, bs, D,
+                    max_blocks, L.scale, L.window, max_len);
+
+  std::vector<T> o(M * H), gate_up(M * 2 * L.intermediate), act(M * L.intermediate);
+  gemv(attn.data(), L.o, L.o_bias, o.data(), M, H, q_size);
+  for (int64_t i = 0; i < M * H; ++i) residual_out[i] = round_to<T>(widen(o[i]) + widen(residual_out[i]));
+  rms_norm_rows(residual_out, L.post_norm, L.eps, normed.data(), M, H);
+  gemv(normed.data(), L.gate_up, static_cast<const T*>(nullptr), gate_up.data(), M, 2 * L.intermediate, H);
+  const int64_t I = L.intermediate;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = widen(gate_up[m * 2 * I + i]), u = widen(gate_up[m * 2 * I + I + i]);
+      act[m * I + i] = round_to<T>(widen(round_to<T>(g / (1.f + std::exp(-g)))) * u);
+    }
+  gemv(act.data(), L.down, static_cast<const T*>(nullptr), out, M, H, I);
+}
+
+}  // namespace pagedserve

@@ -1,0 +1,78 @@
+// The pagedserve CPU kernels as one Python extension.
+//
+// Raw pointers instead of torch::Tensor: binding tensors needs torch/extension.h, which alone takes ~30 s to
+// compile; pybind11 alone keeps the first build short. The Python wrappers validate shapes and dtypes.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "decode_attention.h"
+#include "decoder_layer.h"
+#include "gemv.h"
+
+namespace {
+
+template <typename T>
+const T* in(uintptr_t p) { return reinterpret_cast<const T*>(p); }
+template <typename T>
+T* out(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+template <typename T>
+void decode_attention(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t bt, uintptr_t lens, uintptr_t o,
+                      int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t bs, int64_t dim,
+                      int64_t max_blocks, float scale, int64_t window, int64_t max_len) {
+  auto run = [&](auto kernel) {
+    kernel(in<T>(q), in<T>(k), in<T>(v), in<int64_t>(bt), in<int64_t>(lens), out<T>(o), num_seqs, heads, kv_heads,
+           bs, dim, max_blocks, scale, window, max_len);
+  };
+  if (dim == 64) run(pagedserve::decode<T, 64>);
+  else if (dim == 128) run(pagedserve::decode<T, 128>);
+  else run(pagedserve::decode<T, 0>);
+}
+
+template <typename T>
+void gemv(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k) {
+  pagedserve::gemv(in<T>(x), in<T>(w), in<T>(bias), out<T>(y), m, n, k);
+}
+
+// weights: input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, cos, sin (0 for an absent bias);
+// dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none).
+template <typename T>
+void decoder_layer(const std::vector<uintptr_t>& w, const std::vector<int64_t>& dims, float eps, float scale,
+                   uintptr_t x, uintptr_t residual, uintptr_t o, uintptr_t residual_out, uintptr_t positions,
+                   uintptr_t slots, uintptr_t k_cache, uintptr_t v_cache, int64_t block_size, uintptr_t tables,
+                   int64_t max_blocks, uintptr_t seq_lens, int64_t m) {
+  const pagedserve::DecoderLayer<T> layer{in<T>(w[0]), in<T>(w[1]), in<T>(w[2]), in<T>(w[3]), in<T>(w[4]),
+                                          in<T>(w[5]), in<T>(w[6]), in<T>(w[7]), in<float>(w[8]), in<float>(w[9]),
+                                          eps, scale, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5]};
+  pagedserve::decoder_layer(layer, in<T>(x), in<T>(residual), out<T>(o), out<T>(residual_out), in<int64_t>(positions),
+                            in<int64_t>(slots), out<T>(k_cache), out<T>(v_cache), block_size, in<int64_t>(tables),
+                            max_blocks, in<int64_t>(seq_lens), m);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", [](bool bf16, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t bt, uintptr_t lens,
+                               uintptr_t o, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t bs,
+                               int64_t dim, int64_t max_blocks, double scale, int64_t window, int64_t max_len) {
+    (bf16 ? decode_attention<uint16_t> : decode_attention<float>)(q, k, v, bt, lens, o, num_seqs, heads, kv_heads,
+                                                                  bs, dim, max_blocks, float(scale), window,
+                                                                  max_len);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gemv", [](bool bf16, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m, int64_t n,
+                   int64_t k) {
+    (bf16 ? gemv<uint16_t> : gemv<float>)(x, w, bias, y, m, n, k);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("decoder_layer", [](bool bf16, const std::vector<uintptr_t>& weights, const std::vector<int64_t>& dims,
+                            double eps, double scale, uintptr_t x, uintptr_t residual, uintptr_t o,
+                            uintptr_t residual_out, uintptr_t positions, uintptr_t slots, uintptr_t k_cache,
+                            uintptr_t v_cache, int64_t block_size, uintptr_t tables, int64_t max_blocks,
+                            uintptr_t seq_lens, int64_t m) {
+    (bf16 ? decoder_layer<uint16_t> : decoder_layer<float>)(weights, dims, float(eps), float(scale), x, residual, o,
+                                                            residual_out, positions, slots, k_cache, v_cache,
+                                                            block_size, tables, max_blocks, seq_lens, m);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

@@ -1,0 +1,31 @@
+"""Building the C++ CPU kernels: failures disable them, a killed build leaves nothing behind."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from kernels import cpu_extension
+
+
+def test_build_failure_yields_none(monkeypatch, tmp_path):
+    import torch.utils.cpp_extension
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", broken)
+    assert cpu_extension._build(str(tmp_path)) is None
+
+
+def test_a_build_killed_midway_leaves_nothing_for_the_next_process_to_wait_on(tmp_path):
+    """A process that exits while its daemon thread builds: the next one builds (or loads) regardless."""
+    script = ("import sys, time; from kernels import cpu_extension as k; "
+              "k._build_at_low_priority = lambda: k.load(sys.argv[1]); k.start_background_build(); time.sleep(0.3)")
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=root, check=True, timeout=120)
+    loaded = subprocess.run([sys.executable, "-c", "import sys; from kernels import cpu_extension as k; "
+                             "print(k.load(sys.argv[1]) is not None)", str(tmp_path)],
+                            cwd=root, capture_output=True, text=True, timeout=300)
+    assert loaded.stdout.strip() == "True", loaded.stderr
+    assert [p.suffix for p in tmp_path.iterdir() if not p.name.startswith(".build-")] == [".so"]

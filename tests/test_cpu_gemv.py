@@ -1,0 +1,83 @@
+"""The small-batch GEMV kernel against torch's F.linear (its twin), and when the linear layers use it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_extension, cpu_gemv
+from workers.layers.linear import linear
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    if cpu_extension.load() is None:
+        pytest.fail("the extension did not build")
+
+
+def twin(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear in float64, rounded once to the inputs' dtype."""
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double()).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8])
+@pytest.mark.parametrize("shape", [(64, 32), (1003, 517), (37, 8), (5, 3)])
+def test_matches_float64_twin(dtype, rows, shape):
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype)
+    for b in (None, bias):
+        out = cpu_gemv.gemv(x, weight, b)
+        assert out.dtype == dtype and out.shape == (rows, out_features)
+        expected = twin(x, weight, b)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5 * in_features**0.5)
+        else:  # float32 sums round to bf16 once: at most one bf16 step from the exactly rounded value
+            torch.testing.assert_close(out.float(), expected.float(), rtol=2**-7, atol=1e-2)
+
+
+def test_bfloat16_rounds_exact_sums_like_torch():
+    """Small integers sum exactly in float32: the bf16 outputs must then equal torch's, bit for bit."""
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randint(-8, 9, (300, 260), generator=generator).bfloat16()
+    x = torch.randint(-8, 9, (3, 260), generator=generator).bfloat16()
+    bias = torch.randint(-100, 100, (300,), generator=generator).bfloat16()
+    assert torch.equal(cpu_gemv.gemv(x, weight, bias), F.linear(x.float(), weight.float(), bias.float()).bfloat16())
+
+
+def test_keeps_leading_dimensions():
+    weight, x = torch.randn(24, 16), torch.randn(2, 3, 16)
+    torch.testing.assert_close(cpu_gemv.gemv(x, weight), F.linear(x, weight))
+
+
+def test_linear_layers_use_it_for_few_rows_at_inference(monkeypatch):
+    calls = []
+    kernel = cpu_gemv.gemv
+    monkeypatch.setattr(cpu_gemv, "gemv", lambda *args: calls.append(args[0].shape) or kernel(*args))
+    weight, bias = torch.randn(40, 24).bfloat16(), torch.randn(40).bfloat16()
+    with torch.inference_mode():
+        for rows in (1, cpu_gemv.max_rows(torch.bfloat16), cpu_gemv.max_rows(torch.bfloat16) + 1):
+            x = torch.randn(rows, 24).bfloat16()
+            expected = F.linear(x.float(), weight.float(), bias.float()).bfloat16()
+            torch.testing.assert_close(linear(x, weight, bias), expected, rtol=2**-7, atol=1e-2)
+    assert calls == [(1, 24), (cpu_gemv.max_rows(torch.bfloat16), 24)]
+
+
+@pytest.mark.parametrize("case", ["grad", "mixed dtypes", "float16", "strided weight", "too many rows"])
+def test_declines_what_it_does_not_compute(case):
+    weight, x, bias = torch.randn(16, 8), torch.randn(2, 8), None
+    if case == "mixed dtypes":
+        x = x.bfloat16()
+    elif case == "float16":
+        weight, x = weight.half(), x.half()
+    elif case == "strided weight":
+        weight = torch.randn(8, 16).t()
+    elif case == "too many rows":
+        x = torch.randn(cpu_gemv.max_rows(torch.float32) + 1, 8)
+    with torch.set_grad_enabled(case == "grad"):
+        assert not cpu_gemv.serves(x, weight, bias)
+    with torch.inference_mode():
+        assert cpu_gemv.serves(torch.randn(2, 8), torch.randn(16, 8), torch.randn(16)) is True
