@@ -47,25 +47,33 @@ class DecoderLayerWeights:
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """What every layer of one decode step reads: int64 tensors, one row per sequence."""
+    """What every layer of one step reads, one row per token: int64 tensors."""
 
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
+    block_tables: torch.Tensor  # the block table of each token's sequence
+    seq_lens: torch.Tensor  # position + 1: the slots each token attends to
 
 
 def decode_step(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                seq_lens: list[int], num_decodes: int) -> DecodeStep | None:
-    """The step's inputs for decoder_layer() when the kernel takes this step (a few decode tokens only, on the
-    CPU, float32 or bfloat16, at inference, kernel built); else None."""
-    rows = x.shape[0]
-    if not (num_decodes == len(seq_lens) == rows and 0 < rows <= cpu_gemv.max_rows(x.dtype) and x.device.type == "cpu"
+                query_start_loc: list[int]) -> DecodeStep | None:
+    """The step's inputs for decoder_layer() when the kernel takes this step: a few tokens on the CPU, float32 or
+    bfloat16, at inference, kernel built; else None.
+
+    Each token is its own attention row over its sequence's blocks, seeing the first position + 1 slots: causal
+    attention, so decodes, speculative verification (1 + k tokens of a sequence) and short prompt chunks all fit.
+    """
+    tokens = x.shape[0]
+    if not (0 < tokens <= cpu_gemv.max_rows(x.dtype) and x.device.type == "cpu"
             and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()
             and cpu_extension.ready() is not None):
         return None
-    return DecodeStep(positions.long().contiguous(), slot_mapping.long().contiguous(),
-                      block_tables.long().contiguous(), torch.tensor(seq_lens, dtype=torch.long))
+    positions = positions.long().contiguous()
+    tables = block_tables.long()
+    if tokens != len(query_start_loc) - 1:  # some sequence has several tokens: repeat its table row for each
+        counts = torch.tensor(query_start_loc).diff()
+        tables = tables.repeat_interleave(counts, dim=0)
+    return DecodeStep(positions, slot_mapping.long().contiguous(), tables.contiguous(), positions + 1)
 
 
 def decoder_layer(weights: DecoderLayerWeights, x: torch.Tensor, residual: torch.Tensor | None, step: DecodeStep,

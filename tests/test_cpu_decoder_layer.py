@@ -37,19 +37,24 @@ def make_layer(layer_class, config, dtype: torch.dtype, seed: int) -> LlamaDecod
     return layer
 
 
-def decode_batch(lengths: list[int], num_blocks: int, config, generator) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Metadata of one decode token per sequence over random, scattered blocks; the new tokens' positions."""
+def step_batch(seqs: list[tuple[int, int]], num_blocks: int, generator) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Metadata of a step over (context length after the step, new tokens) sequences, single-token ones first as
+    the model runner orders them, in random scattered blocks; and the new tokens' positions."""
     tables, free = [], torch.randperm(num_blocks, generator=generator).tolist()
-    width = max(-(-n // BLOCK_SIZE) for n in lengths)
-    for n in lengths:
-        table = [free.pop() for _ in range(-(-n // BLOCK_SIZE))]
+    width = max(-(-length // BLOCK_SIZE) for length, _ in seqs)
+    for length, _ in seqs:
+        table = [free.pop() for _ in range(-(-length // BLOCK_SIZE))]
         tables.append(table + [0] * (width - len(table)))
     block_tables = torch.tensor(tables, dtype=torch.long)
-    positions = torch.tensor([n - 1 for n in lengths])
-    slots = block_tables[torch.arange(len(lengths)), positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-    metadata = AttentionMetadata(slot_mapping=slots, block_tables=block_tables,
-                                 query_start_loc=list(range(len(lengths) + 1)), seq_lens=lengths,
-                                 num_decodes=len(lengths))
+    rows = torch.tensor([i for i, (_, new) in enumerate(seqs) for _ in range(new)])
+    positions = torch.tensor([p for length, new in seqs for p in range(length - new, length)])
+    slots = block_tables[rows, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    starts = [0]
+    for _, new in seqs:
+        starts.append(starts[-1] + new)
+    metadata = AttentionMetadata(slot_mapping=slots, block_tables=block_tables, query_start_loc=starts,
+                                 seq_lens=[length for length, _ in seqs],
+                                 num_decodes=sum(new == 1 for _, new in seqs))
     return metadata, positions
 
 
@@ -70,49 +75,67 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lengths", [[1], [37, 5, 200], [9, 64, 65, 130, 2, 17, 300, 48]])
+@pytest.mark.parametrize("seqs", [
+    [(1, 1)],
+    [(37, 1), (5, 1), (200, 1)],
+    [(9, 1), (64, 1), (65, 1), (130, 1), (2, 1), (17, 1), (300, 1), (48, 1)],
+    [(6, 6)],  # a short prompt from its start
+    [(9, 1), (70, 5), (130, 3), (17, 2)],  # decodes and speculative verifications
+    [(300, 16)],
+], ids=["one decode", "three decodes", "eight decodes", "short prompt", "mixed", "sixteen tokens"])
 @pytest.mark.parametrize("first_layer", [True, False])
-def test_equals_the_layers_own_forward(case, dtype, lengths, first_layer):
+def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer):
     layer_class, config = CASES[case]
-    lengths = lengths[:cpu_gemv.max_rows(dtype)]  # fewer where the CPU has bf16 GEMMs of its own
-    generator = torch.Generator().manual_seed(len(lengths) * 7 + first_layer)
-    layer = make_layer(layer_class, config, dtype, seed=len(lengths))
+    while sum(new for _, new in seqs) > cpu_gemv.max_rows(dtype):  # fewer where the CPU has bf16 GEMMs
+        seqs = seqs[:-1] if len(seqs) > 1 else [(seqs[0][0], seqs[0][1] - 1)]
+    tokens = sum(new for _, new in seqs)
+    generator = torch.Generator().manual_seed(tokens * 7 + first_layer)
+    layer = make_layer(layer_class, config, dtype, seed=tokens)
     head_dim, kv_heads = head_dim_of(config), config.num_key_value_heads
-    num_blocks = sum(-(-n // BLOCK_SIZE) for n in lengths) + 3
+    num_blocks = sum(-(-length // BLOCK_SIZE) for length, _ in seqs) + 3
     caches = [torch.randn(num_blocks, kv_heads, BLOCK_SIZE, head_dim, generator=generator).to(dtype)
               for _ in range(2)]
-    metadata, positions = decode_batch(lengths, num_blocks, config, generator)
-    x = torch.randn(len(lengths), config.hidden_size, generator=generator).to(dtype)
-    residual = None if first_layer else torch.randn(len(lengths), config.hidden_size, generator=generator).to(dtype)
+    metadata, positions = step_batch(seqs, num_blocks, generator)
+    x = torch.randn(tokens, config.hidden_size, generator=generator).to(dtype)
+    residual = None if first_layer else torch.randn(tokens, config.hidden_size, generator=generator).to(dtype)
+
+    def op_by_op(layer: LlamaDecoderLayer, cast: torch.dtype) -> list[torch.Tensor]:
+        layer.self_attn.attn.kv_cache = tuple(c.to(cast) for c in caches)
+        out = layer(positions, x.to(cast), None if residual is None else residual.to(cast), metadata)
+        return [*out, *layer.self_attn.attn.kv_cache]
 
     with torch.inference_mode():
-        layer.self_attn.attn.kv_cache = tuple(c.clone() for c in caches)
-        expected = layer(positions, x, residual, metadata)
-        expected_caches = layer.self_attn.attn.kv_cache
+        expected = op_by_op(layer, dtype)
         step = cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
-                                             metadata.seq_lens, metadata.num_decodes)
+                                             metadata.query_start_loc)
         assert step is not None
         layer.self_attn.attn.kv_cache = tuple(c.clone() for c in caches)
-        got = layer.fused_decode(x, residual, step)
+        got = [*layer.fused_decode(x, residual, step), *layer.self_attn.attn.kv_cache]
+        if dtype == torch.bfloat16:
+            exact = make_layer(layer_class, config, torch.float32, seed=0)
+            exact.load_state_dict({name: value.float() for name, value in layer.state_dict().items()})
+            exact = op_by_op(exact, torch.float32)
 
-    for tensor, reference in [*zip(got, expected), *zip(layer.self_attn.attn.kv_cache, expected_caches)]:
+    for i, (tensor, reference) in enumerate(zip(got, expected)):
         assert tensor.dtype == dtype
         if dtype == torch.float32:
             torch.testing.assert_close(tensor, reference, rtol=1e-5, atol=1e-5)
-        else:  # the statistics' summation order may move a rounding: a bf16 step or two, rarely
-            torch.testing.assert_close(tensor.float(), reference.float(), rtol=2**-6, atol=2e-2)
+        else:
+            # bf16 takes roundings in other places (the op path's SDPA rounds prompt attention to bf16; the
+            # kernel keeps float32): the kernel must be as close to the float32 layer as the op path is.
+            kernel_error, op_error = ((t.float() - exact[i]).abs().max().item() for t in (tensor, reference))
+            assert kernel_error <= 1.25 * op_error + 1e-3, (kernel_error, op_error)
 
 
 def test_declines_steps_it_does_not_compute():
     x, positions, slots, tables = torch.randn(2, 8), torch.tensor([3, 4]), torch.tensor([3, 4]), torch.zeros(2, 1)
     with torch.inference_mode():
-        assert cpu_decoder_layer.decode_step(x, positions, slots, tables, [4, 5], 2) is not None
-        assert cpu_decoder_layer.decode_step(x, positions, slots, tables, [4, 5], 1) is None  # a prefill row
-        assert cpu_decoder_layer.decode_step(x.half(), positions, slots, tables, [4, 5], 2) is None
+        assert cpu_decoder_layer.decode_step(x, positions, slots, tables, [0, 1, 2]) is not None
+        assert cpu_decoder_layer.decode_step(x.half(), positions, slots, tables, [0, 1, 2]) is None
         n = cpu_gemv.max_rows(torch.float32) + 1
-        assert cpu_decoder_layer.decode_step(torch.randn(n, 8), torch.arange(n), torch.arange(n), torch.zeros(n, 1),
-                                             list(range(1, n + 1)), n) is None
-    assert cpu_decoder_layer.decode_step(x, positions, slots, tables, [4, 5], 2) is None  # autograd on
+        assert cpu_decoder_layer.decode_step(torch.randn(n, 8), torch.arange(n), torch.arange(n), torch.zeros(1, 1),
+                                             [0, n]) is None
+    assert cpu_decoder_layer.decode_step(x, positions, slots, tables, [0, 1, 2]) is None  # autograd on
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

@@ -119,7 +119,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def fused_decode(self, x: torch.Tensor, residual: torch.Tensor | None, step: cpu_decoder_layer.DecodeStep
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward() of a decode step in one C++ call (kernels.cpu_decoder_layer), same results."""
+        """forward() of a step of few tokens in one C++ call (kernels.cpu_decoder_layer), same results."""
         if self.self_attn.attn.kv_cache is None:
             raise RuntimeError("the KV cache was not bound to this attention layer")
         return cpu_decoder_layer.decoder_layer(self._fused_weights, x, residual, step, *self.self_attn.attn.kv_cache)
@@ -168,7 +168,7 @@ class LlamaModel(nn.Module):
         if not (self.fused_decode and isinstance(metadata, AttentionMetadata)):
             return None
         return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
-                                             metadata.seq_lens, metadata.num_decodes)
+                                             metadata.query_start_loc)
 
 
 class LlamaForCausalLM(nn.Module):
