@@ -30,6 +30,16 @@ _MODEL_ROOT = Path(os.environ.get("PAGEDSERVE_TEST_MODELS", Path.home() / ".cach
 
 
 @pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built():
+    """The C++ CPU kernels built (or loaded) once before any test: every engine the tests start then runs them
+    from its first step, not the torch paths until an idle-priority build in each engine process finishes."""
+    from kernels import cpu_extension
+
+    if cpu_extension.load() is None:
+        pytest.fail("the C++ CPU kernels did not build (a C++ compiler is required)")
+
+
+@pytest.fixture(scope="session", autouse=True)
 def no_process_left_behind():
     """After all tests, every engine-core process the tests started has exited."""
     yield
