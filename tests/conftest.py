@@ -32,11 +32,11 @@ _MODEL_ROOT = Path(os.environ.get("PAGEDSERVE_TEST_MODELS", Path.home() / ".cach
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels_built():
     """The C++ CPU kernels built (or loaded) once before any test: every engine the tests start then runs them
-    from its first step, not the torch paths until an idle-priority build in each engine process finishes."""
+    from its first step, not the torch paths until an idle-priority build in each engine process finishes.
+    Without a compiler the engines run the torch paths, and the kernels' own tests fail."""
     from kernels import cpu_extension
 
-    if cpu_extension.load() is None:
-        pytest.fail("the C++ CPU kernels did not build (a C++ compiler is required)")
+    cpu_extension.load()
 
 
 @pytest.fixture(scope="session", autouse=True)
