@@ -1,4 +1,4 @@
-"""A llama-style decoder layer for a few decode tokens in one C++ call (kernels/csrc/decoder_layer.h).
+"""A llama-style decoder layer for a step of few tokens in one C++ call (kernels/csrc/decoder_layer.h).
 
 At batch-1 decode the weights stream in ~3 ms per token on this project's benchmark model, while the ~50 tensor
 ops per layer that norm, rotate, cache, attend and gate cost several more in dispatch alone. The kernel runs the

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (kernels/csrc: fused decode attention, small-batch GEMV) as one extension built on first use.
+"""The C++ CPU kernels (kernels/csrc: decode attention, GEMV, decoder layer) as one extension built on first use.
 
 Built with -march=native; the build is cached under torch's extension root, keyed by the CPU's instruction flags,
 the sources and the torch version, so a cached build is loaded only where it was made for.

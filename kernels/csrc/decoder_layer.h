@@ -1,4 +1,4 @@
-// One llama-style decoder layer for a few decode tokens, in one call: what the Python layer computes op by op,
+// One llama-style decoder layer for a step of few tokens, in one call: what the Python layer computes op by op,
 // with the same roundings to the model dtype, but without ~50 tensor ops' dispatch per layer.
 #pragma once
 #include <algorithm>

@@ -147,13 +147,13 @@ class LlamaModel(nn.Module):
         self.stage_layers, self.layers = build_stage_layers(config.num_hidden_layers,
                                                             lambda i: layer_class(config, i, rotary))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if state.is_last_stage else None
-        self.fused_decode = state.tp_size == 1  # the C++ layer has no all-reduce between attention and MLP
+        self.one_call_layers = state.tp_size == 1  # the C++ layer has no all-reduce between attention and MLP
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
         """Final hidden states on the last stage, else (hidden, residual) for the next stage."""
         x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
-        step = self._fused_decode_step(x, positions, metadata)
+        step = self._one_call_step(x, positions, metadata)
         for i in self.stage_layers:
             layer = self.layers[i]
             x, residual = layer.fused_decode(x, residual, step) if step else layer(positions, x, residual, metadata)
@@ -163,9 +163,9 @@ class LlamaModel(nn.Module):
         return x
 
 
-    def _fused_decode_step(self, x: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata
-                           ) -> cpu_decoder_layer.DecodeStep | None:
-        if not (self.fused_decode and isinstance(metadata, AttentionMetadata)):
+    def _one_call_step(self, x: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata
+                       ) -> cpu_decoder_layer.DecodeStep | None:
+        if not (self.one_call_layers and isinstance(metadata, AttentionMetadata)):
             return None
         return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
                                              metadata.query_start_loc)
