@@ -30,7 +30,8 @@ class EngineCore:
         hf_config = load_hf_config(config.model)
         self.config = _resolve_max_model_len(config, model_max_len(hf_config))
         self.vocab_size: int = hf_config.vocab_size
-        check_parallel_sizes(hf_config, self.config.tensor_parallel_size, self.config.pipeline_parallel_size)
+        check_parallel_sizes(hf_config, self.config.tensor_parallel_size, self.config.pipeline_parallel_size,
+                             self.config.enable_expert_parallel)
         _check_draft_model(self.config, hf_config.vocab_size)
         self.executor = _make_executor(self.config)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()

@@ -46,6 +46,7 @@ class Scheduler:
         self.num_aborted_requests = 0
         self.peak_kv_usage = 0.0
         self.kv_utilization_at_peak = 1.0
+        self.peak_num_running = 0
         self.spec_stats = SpecDecodingStats() if config.speculative_config is not None else None
         self.num_lookahead_slots = config.speculative_config.num_lookahead_slots if self.spec_stats else 0
 
@@ -267,7 +268,9 @@ class Scheduler:
         self.finished_req_ids.append(request.request_id)
 
     def _record_peak(self) -> None:
-        """At the step with the most blocks in use: tokens held in KV blocks / slots in allocated blocks."""
+        """At the step with the most blocks in use: tokens held in KV blocks / slots in allocated blocks. And the
+        most requests running at once (how many the KV cache fits, when it is what limits them)."""
+        self.peak_num_running = max(self.peak_num_running, len(self.running))
         usage = self.kv.usage
         if usage > self.peak_kv_usage:
             slots = self.kv.num_allocated_slots()
@@ -280,6 +283,7 @@ class Scheduler:
                               num_preemptions=self.num_preemptions, num_aborted_requests=self.num_aborted_requests,
                               peak_kv_cache_usage=self.peak_kv_usage,
                               kv_utilization_at_peak=self.kv_utilization_at_peak,
+                              peak_num_running=self.peak_num_running,
                               prefix_cache_queries=self.kv.prefix_cache_queries,
                               prefix_cache_hits=self.kv.prefix_cache_hits, spec_decoding=copy.deepcopy(self.spec_stats))
 

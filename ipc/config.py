@@ -32,6 +32,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     seed: Int64 = 0
     tensor_parallel_size: Annotated[int, Meta(ge=1, le=4096)] = 1
     pipeline_parallel_size: Annotated[int, Meta(ge=1, le=4096)] = 1
+    # Mixture-of-experts models: each TP rank holds whole experts (a share of them) instead of a slice of every
+    # expert; attention stays tensor parallel.
+    enable_expert_parallel: bool = False
     # tp * pp > 1 runs one Ray actor per rank: joins the Ray cluster here ("auto", "HOST:6379"), or, when None,
     # starts a private Ray on this machine (loopback only).
     ray_address: str | None = None

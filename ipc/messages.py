@@ -125,6 +125,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     peak_kv_cache_usage: Fraction = 0.0
     # Tokens held / slots allocated, at the step of peak usage: above 1 when requests share prefix-cached blocks.
     kv_utilization_at_peak: Annotated[float, Meta(ge=0.0)] = 1.0
+    peak_num_running: Count = 0  # the most requests running in one step since start
     prefix_cache_queries: Count = 0
     prefix_cache_hits: Count = 0
     spec_decoding: SpecDecodingStats | None = None  # when speculative decoding is configured

@@ -56,6 +56,7 @@ def paged_attention(
     sliding_window: int | None = None,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole context in the paged cache.
 
@@ -65,41 +66,42 @@ def paged_attention(
     new tokens (whose K/V are already written). sliding_window: a query at position p sees keys at
     positions p - sliding_window < j <= p. key/value: this step's new K/V ([num_tokens, num_kv_heads,
     head_dim], already written to the cache), which a prefill without cached prefix attends over directly.
+    soft_cap: each scaled score s becomes soft_cap * tanh(s / soft_cap) before masking (Gemma 2).
     Returns [num_tokens, num_heads, head_dim].
     """
     out = torch.empty_like(query)
     if num_decodes:
         out[:num_decodes] = decode_attention(query[:num_decodes], key_cache, value_cache, block_tables,
-                                             seq_lens[:num_decodes], scale, sliding_window)
+                                             seq_lens[:num_decodes], scale, sliding_window, soft_cap)
     prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, num_decodes, scale,
-                      sliding_window, key, value, out)
+                      sliding_window, key, value, out, soft_cap)
     return out
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: list[int], scale: float,
-                     sliding_window: int | None) -> torch.Tensor:
+                     sliding_window: int | None, soft_cap: float | None = None) -> torch.Tensor:
     """The decode rows (one query token each, the first len(seq_lens) rows of block_tables), in groups."""
     out = torch.empty_like(query)
     for group in plan_decode_groups(seq_lens, block_tables, key_cache.shape[2]):
         out[group.start:group.end] = _decode(query[group.start:group.end], key_cache, value_cache, group, scale,
-                                             sliding_window)
+                                             sliding_window, soft_cap)
     return out
 
 
 def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], num_decodes: int,
                       scale: float, sliding_window: int | None, key: torch.Tensor | None,
-                      value: torch.Tensor | None, out: torch.Tensor) -> None:
+                      value: torch.Tensor | None, out: torch.Tensor, soft_cap: float | None = None) -> None:
     """The prefill chunks (sequences num_decodes onward), written into their rows of `out`."""
     for i in range(num_decodes, len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         if end - start == seq_lens[i] and key is not None:  # no cached prefix: attend over the fresh K/V
             context = (key[start:end].transpose(0, 1).unsqueeze(0), value[start:end].transpose(0, 1).unsqueeze(0))
         else:
-            context = (_context(key_cache, block_tables[i], seq_lens[i]),
-                       _context(value_cache, block_tables[i], seq_lens[i]))
-        out[start:end] = _prefill(query[start:end], *context, scale, sliding_window)
+            context = (context_of(key_cache, block_tables[i], seq_lens[i]),
+                       context_of(value_cache, block_tables[i], seq_lens[i]))
+        out[start:end] = prefill_chunk(query[start:end], *context, scale, sliding_window, soft_cap)
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -111,7 +113,7 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) 
 
 
 def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: DecodeGroup,
-            scale: float, sliding_window: int | None) -> torch.Tensor:
+            scale: float, sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
     """One query token per sequence: the group in batched products over whole blocks, no re-layout copies.
 
     Query heads are grouped by their KV head (as HF's repeat_kv orders them), so GQA needs no repeated K/V.
@@ -123,7 +125,7 @@ def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     per_kv = num_heads // kv_heads
     grouped = query.view(num_seqs, 1, kv_heads, per_kv, head_dim).to(compute)
     scores = torch.matmul(grouped, key.transpose(-1, -2))  # [seqs, blocks, kv_heads, per_kv, block_size]
-    scores = scores.permute(0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, per_kv, -1).float() * scale
+    scores = _capped(scores.permute(0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, per_kv, -1).float() * scale, soft_cap)
     scores.masked_fill_(_decode_mask(group.seq_lens, num_blocks * block_size, sliding_window), float("-inf"))
     del key  # V is gathered only now, into the memory K just left (still in cache)
     value = _gather_blocks(value_cache, group.block_ids, num_seqs).to(compute)
@@ -141,9 +143,10 @@ def _decode_mask(seq_lens: torch.Tensor, padded_len: int, sliding_window: int | 
     return masked[:, None, None, :]
 
 
-def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-             sliding_window: int | None) -> torch.Tensor:
-    """A chunk of new tokens at the end of its context; key/value: [1, kv_heads, context_len, head_dim]."""
+def prefill_chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                  sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention of a chunk of new tokens at the end of its context: query [new, heads, dim]; key
+    [1, kv_heads, context_len, dim]; value [1, kv_heads, context_len, value_dim] → [new, heads, value_dim]."""
     num_new, seq_len = query.shape[0], key.shape[2]
     q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, new, dim]
     q_pos = torch.arange(seq_len - num_new, seq_len, device=query.device).unsqueeze(1)
@@ -151,12 +154,22 @@ def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale:
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
-    out = F.scaled_dot_product_attention(q, key.to(q.dtype), value.to(q.dtype), attn_mask=mask, scale=scale,
-                                         enable_gqa=True)
+    key, value = key.to(q.dtype), value.to(q.dtype)
+    if soft_cap is None:
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    else:  # SDPA has no soft cap: the products written out, as HF's eager attention computes them
+        per_kv = q.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(per_kv, dim=1), value.repeat_interleave(per_kv, dim=1)
+        scores = _capped(torch.matmul(q, key.transpose(-1, -2)) * scale, soft_cap).masked_fill(~mask, float("-inf"))
+        out = torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), value)
     return out[0].transpose(0, 1)
 
 
-def _context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+def _capped(scores: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
+    return scores if soft_cap is None else torch.tanh(scores / soft_cap) * soft_cap
+
+
+def context_of(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """One sequence's first seq_len keys or values as [1, kv_heads, seq_len, head_dim]."""
     blocks = _gather_blocks(cache, block_table[:-(-seq_len // cache.shape[2])], 1)[0]
     kv_heads, head_dim = blocks.shape[1], blocks.shape[3]

@@ -10,9 +10,11 @@ TILE_N = tl.constexpr(32)  # keys per inner-loop step; a tile may span several c
 
 @triton.jit
 def attend_keys(q, q_pos, key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head, key_start, key_end,
-                block_size, sliding_window, scale, head_dim, stride_cb, stride_ch, stride_cs,
-                BLOCK_M: tl.constexpr, DIM_PADDED: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax of q [BLOCK_M, DIM_PADDED] (query positions q_pos) over keys at [key_start, key_end).
+                block_size, sliding_window, scale, soft_cap, head_dim, stride_cb, stride_ch, stride_cs,
+                BLOCK_M: tl.constexpr, DIM_PADDED: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+                SOFT_CAP: tl.constexpr):
+    """Online softmax of q [BLOCK_M, DIM_PADDED] (query positions q_pos) over keys at [key_start, key_end);
+    with SOFT_CAP each score s is first soft_cap * tanh(s / soft_cap).
 
     Returns the unnormalized output [BLOCK_M, DIM_PADDED], the running max and the sum of exponentials.
     """
@@ -29,6 +31,8 @@ def attend_keys(q, q_pos, key_cache_ptr, value_cache_ptr, block_table_ptr, kv_he
         kv_mask = in_range[:, None] & (dims[None, :] < head_dim)
         key = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(key), input_precision=PRECISION) * scale
+        if SOFT_CAP:
+            scores = soft_cap * (2 * tl.sigmoid(2 * scores / soft_cap) - 1)  # tanh
         visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None])
         if SLIDING:
             visible &= pos[None, :] > q_pos[:, None] - sliding_window
@@ -60,10 +64,11 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                            query_start_loc_ptr, num_seqs, scale, sliding_window, head_dim, block_size,
+                            query_start_loc_ptr, num_seqs, scale, soft_cap, sliding_window, head_dim, block_size,
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_ch, stride_cs,
                             QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-                            DIM_PADDED: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr):
+                            DIM_PADDED: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+                            SOFT_CAP: tl.constexpr):
     """One program per (query tile of BLOCK_Q tokens of one sequence, KV head): rows are (token, query head)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -87,8 +92,8 @@ def _paged_attention_kernel(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, 
     if SLIDING:
         key_start = tl.maximum(0, seq_len - q_len + first_token - sliding_window + 1)
     acc, _, exp_sum = attend_keys(q, q_pos, key_cache_ptr, value_cache_ptr, block_tables_ptr + seq * stride_bt,
-                                  kv_head, key_start, key_end, block_size, sliding_window, scale, head_dim,
-                                  stride_cb, stride_ch, stride_cs, BLOCK_M, DIM_PADDED, SLIDING, PRECISION)
+                                  kv_head, key_start, key_end, block_size, sliding_window, scale, soft_cap, head_dim,
+                                  stride_cb, stride_ch, stride_cs, BLOCK_M, DIM_PADDED, SLIDING, PRECISION, SOFT_CAP)
     out = acc / exp_sum[:, None]
     tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -112,7 +117,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    sliding_window: int | None, out: torch.Tensor) -> torch.Tensor:
+                    sliding_window: int | None, out: torch.Tensor, soft_cap: float | None = None) -> torch.Tensor:
     """attention_ref.paged_attention's contract, written into `out` and returned; every key is read from the cache.
 
     query_start_loc and seq_lens are int32 tensors on the query's device: the launch reads nothing from the host
@@ -125,9 +130,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_seqs, scale,
-        sliding_window or 0, head_dim, key_cache.shape[2], query.stride(0), query.stride(1), out.stride(0),
-        out.stride(1), block_tables.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        soft_cap or 0.0, sliding_window or 0, head_dim, key_cache.shape[2], query.stride(0), query.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0), key_cache.stride(0), key_cache.stride(1),
+        key_cache.stride(2),
         QUERIES_PER_KV=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m,
         DIM_PADDED=padded_head_dim(head_dim), SLIDING=sliding_window is not None,
-        PRECISION=dot_precision(query.dtype))
+        PRECISION=dot_precision(query.dtype), SOFT_CAP=soft_cap is not None)
     return out

@@ -13,12 +13,13 @@ from kernels import cpu_extension
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     sliding_window: int | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, soft_cap: float | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context.
 
     query: [num_seqs, num_heads, head_dim]; caches: [num_blocks, num_kv_heads, block_size, head_dim], same dtype
     (float32 or bfloat16); block_tables: [num_seqs, max_blocks] int64; seq_lens: [num_seqs] int64 including the
-    new token; sliding_window <= 0 or None means none. Returns [num_seqs, num_heads, head_dim] in query's dtype.
+    new token; sliding_window <= 0 or None means none; soft_cap: scores capped by soft_cap * tanh(s / soft_cap).
+    Returns [num_seqs, num_heads, head_dim] in query's dtype.
     """
     module = cpu_extension.load()
     if module is None:
@@ -47,5 +48,5 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     module.decode_attention(dtype == torch.bfloat16, query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
                             block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads,
                             key_cache.shape[1], key_cache.shape[2], head_dim, block_tables.shape[1], float(scale),
-                            int(sliding_window or 0), max_len)
+                            float(soft_cap or 0.0), int(sliding_window or 0), max_len)
     return out

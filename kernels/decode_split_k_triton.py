@@ -24,10 +24,11 @@ def num_splits(seq_lens: list[int], num_kv_heads: int, num_sms: int) -> int:
 
 @triton.jit
 def _split_kernel(partial_out_ptr, partial_max_ptr, partial_sum_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
-                  block_tables_ptr, seq_lens_ptr, scale, sliding_window, num_heads, head_dim, block_size,
+                  block_tables_ptr, seq_lens_ptr, scale, soft_cap, sliding_window, num_heads, head_dim, block_size,
                   stride_qt, stride_qh, stride_bt, stride_cb, stride_ch, stride_cs,
                   QUERIES_PER_KV: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  DIM_PADDED: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr):
+                  DIM_PADDED: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+                  SOFT_CAP: tl.constexpr):
     """One program per (sequence, KV head, slice); partials are laid out [seq, head, slice, (dim)]."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -47,7 +48,7 @@ def _split_kernel(partial_out_ptr, partial_max_ptr, partial_sum_ptr, query_ptr, 
     acc, running_max, exp_sum = attend_keys(
         q, tl.zeros([BLOCK_M], tl.int32) + seq_len - 1, key_cache_ptr, value_cache_ptr,
         block_tables_ptr + seq * stride_bt, kv_head, key_start, key_end, block_size, sliding_window, scale,
-        head_dim, stride_cb, stride_ch, stride_cs, BLOCK_M, DIM_PADDED, SLIDING, PRECISION)
+        soft_cap, head_dim, stride_cb, stride_ch, stride_cs, BLOCK_M, DIM_PADDED, SLIDING, PRECISION, SOFT_CAP)
     partial = (seq * num_heads + head) * NUM_SPLITS + split
     tl.store(partial_out_ptr + partial[:, None] * DIM_PADDED + dims[None, :], acc, mask=mask)
     tl.store(partial_max_ptr + partial, running_max, mask=rows < QUERIES_PER_KV)
@@ -76,7 +77,7 @@ def _reduce_kernel(out_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr, h
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
-                     splits: int, out: torch.Tensor) -> torch.Tensor:
+                     splits: int, out: torch.Tensor, soft_cap: float | None = None) -> torch.Tensor:
     """attention_ref.decode_attention's contract (one query token per sequence), written into `out` and returned.
 
     seq_lens is an int32 tensor on the query's device (nothing is read from the host: a CUDA graph can capture
@@ -90,11 +91,12 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     partial_sum = torch.empty_like(partial_max)
     _split_kernel[(num_seqs, num_kv_heads, splits)](
         partial_out, partial_max, partial_sum, query, key_cache, value_cache, block_tables, seq_lens, scale,
-        sliding_window or 0, num_heads, head_dim, key_cache.shape[2], query.stride(0), query.stride(1),
+        soft_cap or 0.0, sliding_window or 0, num_heads, head_dim, key_cache.shape[2], query.stride(0), query.stride(1),
         block_tables.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         QUERIES_PER_KV=queries_per_kv, NUM_SPLITS=splits, BLOCK_M=rows_per_program(queries_per_kv)[0],
-        DIM_PADDED=dim_padded, SLIDING=sliding_window is not None, PRECISION=dot_precision(query.dtype))
+        DIM_PADDED=dim_padded, SLIDING=sliding_window is not None, PRECISION=dot_precision(query.dtype),
+        SOFT_CAP=soft_cap is not None)
     _reduce_kernel[(num_seqs, num_heads)](
         out, partial_out, partial_max, partial_sum, head_dim, out.stride(0), out.stride(1),
         NUM_SPLITS=splits, SPLITS_PADDED=triton.next_power_of_2(splits), DIM_PADDED=dim_padded)

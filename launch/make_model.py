@@ -25,7 +25,8 @@ from launch.demo_corpus import stdlib_sources
 
 MAKER_VERSION = 2  # 2: tools in the chat template, <think> and </think> tokens
 MARKER_FILE = "pagedserve_model.json"
-ARCHS = ("llama", "qwen2", "mistral", "opt")
+ARCHS = ("llama", "qwen2", "mistral", "opt", "qwen3", "phi3", "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe",
+         "deepseek_v2", "gemma2")
 
 # One token serves as bos, eos and pad, for plain and chat prompts alike: a single stop id keeps
 # HF `generate` and the engine stopping at the same place, and random weights give <|im_end|> no
@@ -142,10 +143,14 @@ def hf_tokenizer(bpe: Tokenizer) -> PreTrainedTokenizerFast:
     )
 
 
+def benchmark_cache_dir() -> Path:
+    """Where benchmark models live: $PAGEDSERVE_CACHE, else ~/.cache/pagedserve."""
+    return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve").expanduser()
+
+
 def default_benchmark_model_dir() -> Path:
-    """Where the benchmarks' model lives: $PAGEDSERVE_CACHE/benchmark-model, else ~/.cache/pagedserve/."""
-    cache = os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve"
-    return Path(cache).expanduser() / "benchmark-model"
+    """Where the benchmarks' model lives: benchmark-model in benchmark_cache_dir()."""
+    return benchmark_cache_dir() / "benchmark-model"
 
 
 def ensure_benchmark_model() -> Path:
@@ -246,7 +251,28 @@ def _config_kwargs(arch: str, size: SizeSpec, tokenizer_vocab: int) -> dict[str,
         "rope_parameters": dict(ROPE_PARAMETERS),
         "tie_word_embeddings": arch == "qwen2",
     }
-    return decoder | ({"sliding_window": size.sliding_window} if arch == "mistral" else {})
+    return decoder | _family_kwargs(arch, size)
+
+
+def _family_kwargs(arch: str, size: SizeSpec) -> dict[str, Any]:
+    """What each family adds to (or changes in) the llama-shaped config; experts are a quarter MLP wide."""
+    head_dim = size.hidden // size.heads
+    moe = {"num_experts_per_tok": 2, "moe_intermediate_size": size.intermediate // 4}
+    return {
+        "mistral": {"sliding_window": size.sliding_window},
+        "qwen3": {"head_dim": head_dim},
+        "gemma2": {"head_dim": head_dim, "sliding_window": size.sliding_window, "tie_word_embeddings": True},
+        "gpt_neox": {"rope_parameters": ROPE_PARAMETERS | {"partial_rotary_factor": 0.25}},
+        "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+        "qwen2_moe": moe | {"num_experts": 4, "shared_expert_intermediate_size": size.intermediate // 2},
+        "qwen3_moe": moe | {"num_experts": 8, "head_dim": head_dim, "norm_topk_prob": True},
+        # MLA: a latent of half the hidden size, rope and no-rope halves of each head; 2 of 8 experts in 4 groups.
+        "deepseek_v2": moe | {"n_routed_experts": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                              "kv_lora_rank": size.hidden // 2, "q_lora_rank": None, "qk_rope_head_dim": head_dim // 2,
+                              "qk_nope_head_dim": head_dim // 2, "v_head_dim": head_dim,
+                              "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
+                              "num_key_value_heads": size.heads},
+    }.get(arch, {})
 
 
 @contextlib.contextmanager

@@ -67,6 +67,21 @@ def test_matches_reference(block_size, gqa, window, dtype):
         torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_soft_cap_matches_reference(window):
+    """Gemma 2's tanh cap on the scores, large enough scores that it changes the result."""
+    generator = torch.Generator().manual_seed(3)
+    k_cache, v_cache, tables = build_caches(LENGTHS, 16, 2, 64, generator)
+    query = torch.randn(len(LENGTHS), 4, 64, generator=generator)
+    n = len(LENGTHS)
+    expected = paged_attention(query, k_cache, v_cache, tables, list(range(n + 1)), LENGTHS, n, 1.0, window,
+                               soft_cap=5.0)
+    out = cpu_decode_attention.decode_attention(query, k_cache, v_cache, tables, torch.tensor(LENGTHS), 1.0, window,
+                                                soft_cap=5.0)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, reference(query, k_cache, v_cache, tables, LENGTHS, 1.0, window), atol=1e-3)
+
+
 @pytest.mark.parametrize("head_dim", [16, 40, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_other_head_dims(head_dim, dtype):

@@ -9,8 +9,8 @@ from frontend import LLM, SamplingParams
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv
 from tests.conftest import tiny_model
 from workers.layers.attention import AttentionMetadata
-from workers.layers.rotary import RotaryEmbedding
-from workers.models.llama import LlamaDecoderLayer, head_dim_of, rope_parameters_of
+from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
+from workers.models.llama import LlamaDecoderLayer, head_dim_of
 from workers.models.qwen2 import Qwen2DecoderLayer
 
 BLOCK_SIZE = 8

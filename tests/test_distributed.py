@@ -36,12 +36,12 @@ CPUS_PER_NODE = 2
 
 @functools.cache
 def model_dir(name: str) -> str:
-    """'qwen2' (4 heads, 2 KV heads, tied embeddings, q/k/v biases), 'llama-kv1' (4 heads sharing one KV
-    head: with tp=2 both ranks hold a copy of it) or 'opt-proj' (random biases on every linear and norm, learned
-    positions, tied embeddings narrower than the hidden size: project_in on the first stage, project_out on
-    the last)."""
-    if name == "qwen2":
-        return tiny_model("qwen2")
+    """'qwen2' (4 heads, 2 KV heads, tied embeddings, q/k/v biases), 'qwen3', 'mixtral', 'deepseek_v2',
+    'llama-kv1' (4 heads sharing one KV head: with tp=2 both ranks hold a copy of it) or 'opt-proj' (random biases
+    on every linear and norm, learned positions, tied embeddings narrower than the hidden size: project_in on the
+    first stage, project_out on the last)."""
+    if name in ("qwen2", "qwen3", "mixtral", "deepseek_v2"):
+        return tiny_model(name)
     if name == "opt-proj":
         folder = Path(tiny_model("opt")).parent / "opt-tiny-proj"
         return str(make_model(folder, arch="opt", size="tiny", random_biases=True, word_embed_proj_dim=32))
@@ -49,9 +49,14 @@ def model_dir(name: str) -> str:
     return str(make_model(folder, arch="llama", size="tiny", num_key_value_heads=1))
 
 
+# Seed 0's second prompt meets a near tie in the tiny Mixtral (top two logits 5e-6 apart at its 10th token: HF and a
+# pipeline run pick one, a single rank the other): greedy exactness there says nothing, so it gets other prompts.
+PROMPT_SEEDS = {"mixtral": 1}
+
+
 @functools.cache
 def single_rank_outputs(name: str) -> tuple[list[list[int]], list[list[int]]]:
-    prompts = random_prompts(PROMPT_LENGTHS, vocab=1000)
+    prompts = random_prompts(PROMPT_LENGTHS, vocab=1000, seed=PROMPT_SEEDS.get(name, 0))
     return prompts, generate(LLM(model_dir(name), dtype="float32", in_process=True), prompts)
 
 
@@ -93,6 +98,22 @@ def test_parallel_equals_single_rank(cluster, name, tp, pp):
             assert all(len(nodes[stage]) == 1 for stage in range(pp)), nodes
             if tp == 2:
                 assert nodes[0] != nodes[1], "stages should fill one node each"
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("name, tp, pp, expert_parallel", [
+    ("mixtral", 2, 1, False), ("mixtral", 2, 1, True), ("mixtral", 1, 2, False), ("qwen3", 2, 1, False),
+    ("qwen3", 1, 2, False), ("deepseek_v2", 2, 1, True)])
+def test_families_parallel_equal_single_rank(cluster, name, tp, pp, expert_parallel):
+    """Mixtral's experts split by their intermediate dimension (TP) or handed out whole (expert parallel),
+    Qwen3's per-head q/k norms under TP and PP, DeepSeek-V2's latent cache (whole on every rank, its heads split):
+    outputs equal one rank's."""
+    prompts, expected = single_rank_outputs(name)
+    llm = LLM(model_dir(name), in_process=True, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              enable_expert_parallel=expert_parallel, **SMALL_ENGINE)
+    try:
+        assert generate(llm, prompts) == expected
     finally:
         llm.shutdown()
 

@@ -48,7 +48,7 @@ def mixed_batch(seqs, block_size, kv_heads, heads, head_dim, dtype, seed):
     return query, k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), tables.to(DEVICE), starts
 
 
-def run_mixed(block_size, gqa, window, dtype, head_dim=16):
+def run_mixed(block_size, gqa, window, dtype, head_dim=16, soft_cap=None):
     kv_heads = 2
     # Decodes first (contexts crossing block boundaries), then prefill chunks: two without a cached prefix,
     # two after one, the last spanning more than one query tile.
@@ -57,10 +57,11 @@ def run_mixed(block_size, gqa, window, dtype, head_dim=16):
     query, k_cache, v_cache, tables, starts = mixed_batch(seqs, block_size, kv_heads, kv_heads * gqa, head_dim,
                                                           dtype, seed=block_size * 10 + gqa)
     seq_lens = [ctx for ctx, _ in seqs]
-    expected = attention_ref.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 4, 0.25, window)
+    expected = attention_ref.paged_attention(query, k_cache, v_cache, tables, starts, seq_lens, 4, 0.25, window,
+                                             soft_cap=soft_cap)
     out = torch.empty(query.shape, dtype=dtype, device=DEVICE)
     attention_triton.paged_attention(query, k_cache, v_cache, tables, int32(starts), int32(seq_lens), 0.25, window,
-                                     out)
+                                     out, soft_cap)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
@@ -69,6 +70,10 @@ def run_mixed(block_size, gqa, window, dtype, head_dim=16):
 @pytest.mark.parametrize("window", [None, 20])
 def test_paged_attention_mixed_batch(block_size, gqa, window):
     run_mixed(block_size, gqa, window, torch.float32)
+
+
+def test_paged_attention_soft_cap():
+    run_mixed(16, 2, 20, torch.float32, soft_cap=0.5)
 
 
 def test_paged_attention_head_dim_not_a_power_of_two():
@@ -81,18 +86,19 @@ def test_paged_attention_bfloat16():
     run_mixed(16, 2, 20, torch.bfloat16)
 
 
-@pytest.mark.parametrize(("block_size", "gqa", "window", "splits"), [(8, 1, None, 4), (16, 2, 50, 3), (32, 4, None, 8)])
-def test_split_k_decode_and_decode_only_batch(block_size, gqa, window, splits):
+@pytest.mark.parametrize(("block_size", "gqa", "window", "splits", "soft_cap"),
+                         [(8, 1, None, 4, None), (16, 2, 50, 3, 0.5), (32, 4, None, 8, None)])
+def test_split_k_decode_and_decode_only_batch(block_size, gqa, window, splits, soft_cap):
     """Long decode contexts: split-K and the mixed-batch kernel (a decode-only batch) against the reference."""
     seqs = [(1, 1), (block_size + 1, 1), (7 * block_size - 1, 1), (300, 1)]
     query, k_cache, v_cache, tables, starts = mixed_batch(seqs, block_size, 2, 2 * gqa, 16, torch.float32, seed=7)
     seq_lens = [ctx for ctx, _ in seqs]
-    expected = attention_ref.decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.25, window)
+    expected = attention_ref.decode_attention(query, k_cache, v_cache, tables, seq_lens, 0.25, window, soft_cap)
     split_k, single = (torch.empty(query.shape, device=DEVICE) for _ in range(2))
     decode_split_k_triton.decode_attention(query, k_cache, v_cache, tables, int32(seq_lens), 0.25, window, splits,
-                                           split_k)
+                                           split_k, soft_cap)
     attention_triton.paged_attention(query, k_cache, v_cache, tables, int32(starts), int32(seq_lens), 0.25, window,
-                                     single)
+                                     single, soft_cap)
     torch.testing.assert_close(split_k, expected, **TOLERANCE[torch.float32])
     torch.testing.assert_close(single, expected, **TOLERANCE[torch.float32])
 
@@ -152,3 +158,21 @@ def test_rotary_embedding_in_place(dtype):
     assert rotated[0].data_ptr() == qkv.data_ptr(), "rotated in place"
     torch.testing.assert_close(rotated, expected, **TOLERANCE[dtype])
     assert torch.equal(qkv[:, 96:], untouched_value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, experts, top_k, first_expert, local", [(5, 4, 2, 0, 4), (37, 6, 3, 2, 3)])
+def test_fused_moe_equals_twin(tokens, experts, top_k, first_expert, local, dtype):
+    """Padding runs to the row block, experts without tokens, and an expert-parallel share (first_expert)."""
+    from kernels import fused_moe_ref, fused_moe_triton
+
+    generator = torch.Generator().manual_seed(tokens)
+    hidden, inter = 40, 24
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    gate_up = (torch.randn(local, 2 * inter, hidden, generator=generator) / hidden**0.5).to(dtype)
+    down = (torch.randn(local, hidden, inter, generator=generator) / inter**0.5).to(dtype)
+    weights, ids = fused_moe_ref.select_experts(torch.randn(tokens, experts, generator=generator), top_k, True)
+    expected = fused_moe_ref.fused_experts(x, gate_up, down, weights, ids, first_expert)
+    args = [t.to(DEVICE) for t in (x, gate_up, down, weights, ids)]
+    got = fused_moe_triton.fused_experts(*args, first_expert=first_expert)
+    torch.testing.assert_close(got.cpu(), expected, **TOLERANCE[dtype])

@@ -27,6 +27,7 @@ class ParallelState:
     pp_size: int = 1
     tp_group: dist.ProcessGroup | None = None
     tp_comm: ShmCommunicator | None = None
+    expert_parallel: bool = False  # MoE layers divide whole experts among the TP ranks instead of each expert
 
     @property
     def rank(self) -> int:
@@ -73,7 +74,7 @@ def free_port(host: str) -> int:
 
 
 def init_distributed(host: str, port: int, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int,
-                     device: torch.device) -> ParallelState:
+                     device: torch.device, expert_parallel: bool = False) -> ParallelState:
     """Join the world (gloo on CPU, NCCL on CUDA) through the TCP store at host:port; build the TP groups."""
     global _state
     if host.startswith("127."):
@@ -86,7 +87,7 @@ def init_distributed(host: str, port: int, tp_rank: int, tp_size: int, pp_rank: 
     tp_comm = None
     if backend == "gloo" and tp_size > 1:  # a gloo message costs milliseconds, a shared-memory round microseconds
         tp_comm = connect_shm(groups[pp_rank], tp_rank, tp_size, f"pagedserve-{host}-{port}-stage{pp_rank}")
-    _state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, groups[pp_rank], tp_comm)
+    _state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, groups[pp_rank], tp_comm, expert_parallel)
     return _state
 
 

@@ -36,8 +36,20 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 
 
-def check_parallel_sizes(config: PretrainedConfig, tp_size: int, pp_size: int) -> None:
+def num_experts_of(config: PretrainedConfig) -> int:
+    """Routed experts per MoE layer; 0 for a dense model."""
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def check_parallel_sizes(config: PretrainedConfig, tp_size: int, pp_size: int, expert_parallel: bool = False
+                         ) -> None:
     """Refuse a tp × pp split the model cannot take, before any worker starts (ValueError naming it)."""
+    if expert_parallel and not num_experts_of(config):
+        raise ValueError("enable_expert_parallel needs a mixture-of-experts model; this one has no experts")
     if tp_size * pp_size == 1:
         return
     if config.num_attention_heads % tp_size:

@@ -9,6 +9,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
+from workers.layers.fused_moe import expert_target
 from workers.layers.linear import Sliceable
 from workers.models import get_model_class
 
@@ -31,8 +32,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     for file in files:
         with safe_open(str(file), framework="pt") as reader:
             for name in reader.keys():
-                target = _target_of(name, params, getattr(model, "packed_modules", {}),
-                                    getattr(model, "weight_aliases", {}))
+                target = _target_of(name, params, model)
                 if target is None:
                     continue
                 param_name, shard_id = target
@@ -42,7 +42,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         raise ValueError(f"model {model_dir!r}: checkpoint lacks weights for {sorted(missing)[:8]}")
 
 
-def _load_into(param: nn.Parameter, loaded: Sliceable, shard_id: int | None) -> None:
+def _load_into(param: nn.Parameter, loaded: Sliceable, shard_id: int | tuple[int, int] | None) -> None:
     loader = getattr(param, "weight_loader", None)
     if loader is not None:
         loader(param, loaded, shard_id)
@@ -53,17 +53,27 @@ def _load_into(param: nn.Parameter, loaded: Sliceable, shard_id: int | None) -> 
     param.data.copy_(tensor)
 
 
-def _target_of(name: str, params: dict, packed: dict[str, tuple[str, int]],
-               aliases: dict[str, str]) -> tuple[str, int | None] | None:
+def _target_of(name: str, params: dict, model: nn.Module) -> tuple[str, int | tuple[int, int] | None] | None:
     """Checkpoint name → (parameter name, shard id); None for tensors this rank does not use (rotary buffers,
-    other pipeline stages' layers)."""
+    other pipeline stages' layers). The model may declare `weight_aliases` (names loaded into another parameter),
+    `renamed_modules` (checkpoint module names → ours), `expert_modules` (per-expert projections → stacked
+    parameters, see workers.layers.fused_moe) and `packed_modules` (projections merged into one parameter)."""
+    aliases: dict[str, str] = getattr(model, "weight_aliases", {})
+    renamed: dict[str, str] = getattr(model, "renamed_modules", {})
+    experts: dict[str, tuple[str, int]] = getattr(model, "expert_modules", {})
+    packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
     for candidate in (name, "model." + name):
         if aliases.get(candidate) in params:
             return aliases[candidate], None
+        for source, ours in renamed.items():
+            candidate = candidate.replace(f".{source}.", f".{ours}.")
+        expert = expert_target(candidate, experts) if experts else None
+        if expert is not None and expert[0] in params:
+            return expert
         for source, (merged, shard_id) in packed.items():
-            renamed = candidate.replace(f".{source}.", f".{merged}.")
-            if renamed != candidate and renamed in params:
-                return renamed, shard_id
+            merged_name = candidate.replace(f".{source}.", f".{merged}.")
+            if merged_name != candidate and merged_name in params:
+                return merged_name, shard_id
         if candidate in params:
             return candidate, None
     return None

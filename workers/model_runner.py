@@ -83,13 +83,9 @@ class ModelRunner:
                 and self.parallel.tp_size * self.parallel.pp_size == 1)
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
-        """One [2, num_blocks, kv_heads, block_size, head_dim] tensor per attention layer."""
+        """One cache tensor per attention layer (Attention.bind_kv_cache)."""
         for layer in self.attention_layers:
-            # Zeroed: never-written slots are masked out, but garbage there could hold NaN, and 0 * NaN = NaN.
-            cache = torch.zeros(2, num_blocks, layer.num_kv_heads, self.block_size, layer.head_dim,
-                                dtype=self.dtype, device=self.device)
-            layer.kv_cache = (cache[0], cache[1])
-            self.kv_caches.append(cache)
+            self.kv_caches.append(layer.bind_kv_cache(num_blocks, self.block_size, self.dtype, self.device))
         if self.draft_model is not None:
             self.draft_model.bind_kv_cache(num_blocks)
 

@@ -48,7 +48,8 @@ class RankWorker:
     def init_worker(self, host: str, port: int) -> None:
         """Rendezvous with every other rank at host:port (NCCL on CUDA, gloo on CPU), then load this rank's shard
         of the model."""
-        init_distributed(host, port, *self.grid, device=select_device(self.config.device))
+        init_distributed(host, port, *self.grid, device=select_device(self.config.device),
+                         expert_parallel=self.config.enable_expert_parallel)
         self.worker = Worker(self.config)
 
     def determine_num_kv_blocks(self) -> int:

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from kernels import start_cpu_kernels_build
 from workers.cpu_allocator import keep_freed_memory_in_heap
@@ -33,9 +31,8 @@ class Worker:
         """K and V of one block over this rank's attention layers (its pipeline stage, its TP heads), and the draft
         model's on the rank that holds one."""
         layers = [m for m in self.model_runner.model.modules() if isinstance(m, Attention)]
-        element_bytes = torch.empty((), dtype=self.dtype).element_size()
         draft = self.model_runner.draft_model
-        return sum(2 * self.config.block_size * layer.num_kv_heads * layer.head_dim * element_bytes
+        return sum(layer.kv_block_bytes(self.config.block_size, self.dtype)
                    for layer in layers) + (draft.block_bytes() if draft is not None else 0)
 
     def determine_num_kv_blocks(self) -> int:

@@ -41,10 +41,11 @@ inline void for_each_row(const T* cache, const int64_t* table, int64_t h, int64_
 }
 
 // D > 0 fixes head_dim at compile time so the inner loops fully unroll; D == 0 handles any head_dim.
+// soft_cap > 0: scores become soft_cap * tanh(score / soft_cap) before the softmax (Gemma 2).
 template <typename T, int D>
 void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
             int64_t num_seqs, int64_t num_heads, int64_t kv_heads, int64_t bs, int64_t head_dim,
-            int64_t max_blocks, float scale, int64_t window, int64_t max_len) {
+            int64_t max_blocks, float scale, float soft_cap, int64_t window, int64_t max_len) {
   const int64_t dim = D ? D : head_dim, G = num_heads / kv_heads;
 #pragma omp parallel
   {
@@ -75,6 +76,8 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
 
       for (int64_t g = 0; g < G; ++g) {
         float* sc = scores.data() + g * n;
+        if (soft_cap > 0.f)
+          for (int64_t i = 0; i < n; ++i) sc[i] = soft_cap * std::tanh(sc[i] / soft_cap);
         const float m = *std::max_element(sc, sc + n);
         float sum = 0.f;
         for (int64_t i = 0; i < n; ++i) sum += (sc[i] = std::exp(sc[i] - m));

@@ -88,11 +88,11 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
   }
   const int64_t bs = block_size;
   if (D == 64) decode<T, 64>(q.data(), k_cache, v_cache, tables, seq_lens, attn.data(), M, L.heads, L.kv_heads, bs, D,
-                             max_blocks, L.scale, L.window, max_len);
+                             max_blocks, L.scale, 0.f, L.window, max_len);
   else if (D == 128) decode<T, 128>(q.data(), k_cache, v_cache, tables, seq_lens, attn.data(), M, L.heads,
-                                    L.kv_heads, bs, D, max_blocks, L.scale, L.window, max_len);
+                                    L.kv_heads, bs, D, max_blocks, L.scale, 0.f, L.window, max_len);
   else decode<T, 0>(q.data(), k_cache, v_cache, tables, seq_lens, attn.data(), M, L.heads, L.kv_heads, bs, D,
-                    max_blocks, L.scale, L.window, max_len);
+                    max_blocks, L.scale, 0.f, L.window, max_len);
 
   std::vector<T> o(M * H), gate_up(M * 2 * L.intermediate), act(M * L.intermediate);
   gemv(attn.data(), L.o, L.o_bias, o.data(), M, H, q_size);

@@ -40,28 +40,55 @@ StepMetadata = AttentionMetadata | DecodeMetadata
 
 
 class Attention(nn.Module):
-    """Multi-head / grouped-query attention; `kv_cache` is bound by the model runner before use."""
+    """Multi-head / grouped-query attention; `kv_cache` is bound by the model runner before use. With `shared_kv`
+    keys and values are one tensor (MLA's latent cache): one cache entry per token and KV head, bound as both."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, shared_kv: bool = False, soft_cap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.soft_cap = soft_cap  # scores capped at ±soft_cap by tanh (Gemma 2)
+        self.kv_entries = 1 if shared_kv else 2
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def kv_block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        element_bytes = torch.empty((), dtype=dtype).element_size()
+        return self.kv_entries * block_size * self.num_kv_heads * self.head_dim * element_bytes
+
+    def bind_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+                      ) -> torch.Tensor:
+        """Allocate this layer's cache, [kv_entries, num_blocks, kv_heads, block_size, head_dim], and bind it."""
+        # Zeroed: never-written slots are masked out, but garbage there could hold NaN, and 0 * NaN = NaN.
+        cache = torch.zeros(self.kv_entries, num_blocks, self.num_kv_heads, block_size, self.head_dim, dtype=dtype,
+                            device=device)
+        self.kv_cache = (cache[0], cache[-1])
+        return cache
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 metadata: StepMetadata) -> torch.Tensor:
         """query: [tokens, heads, dim]; key/value: [tokens, kv_heads, dim] → [tokens, heads * dim]."""
+        self.write_kv(key, value, metadata)
+        return self.attend(query, metadata, key, value)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, metadata: StepMetadata) -> None:
+        """This step's keys and values into their cache slots."""
         if self.kv_cache is None:
             raise RuntimeError("the KV cache was not bound to this attention layer")
+        write_kv_cache(key, value, *self.kv_cache, metadata.slot_mapping)
+
+    def attend(self, query: torch.Tensor, metadata: StepMetadata, key: torch.Tensor | None = None,
+               value: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over the cache, this step's K/V already written → [tokens, heads * dim]. key/value: this
+        step's, which a prefill without a cached prefix attends over directly."""
         key_cache, value_cache = self.kv_cache
-        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         if isinstance(metadata, DecodeMetadata):
             out = decode_attention(query, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
-                                   metadata.seq_lens, self.scale, self.sliding_window, metadata.num_splits)
+                                   metadata.seq_lens, self.scale, self.sliding_window, metadata.num_splits,
+                                   self.soft_cap)
         else:
             out = paged_attention(query, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
                                   metadata.seq_lens, metadata.num_decodes, self.scale, self.sliding_window, key,
-                                  value, metadata.device_query_start_loc, metadata.device_seq_lens)
+                                  value, metadata.device_query_start_loc, metadata.device_seq_lens, self.soft_cap)
         return out.flatten(1)

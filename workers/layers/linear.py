@@ -4,10 +4,9 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_gemv, matmul_dtype
+from kernels.matmul import linear
 from workers.distributed import parallel_state, shard_range, tp_all_reduce
 
 
@@ -24,7 +23,7 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: Sliceable, shard_id: int | None = None) -> None:
-        _copy_checked(param.data, loaded[:])
+        copy_checked(param.data, loaded[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -41,6 +40,7 @@ class ColumnParallelLinear(nn.Module):
         unit_ranges = [shard_range(units, state.tp_rank, state.tp_size) for units, _ in shards]
         self.ranges = [(start * unit, end * unit) for (start, end), (_, unit) in zip(unit_ranges, shards)]
         self.output_sizes = [end - start for start, end in self.ranges]
+        self.full_sizes = [units * unit for units, unit in shards]
         self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
@@ -49,11 +49,16 @@ class ColumnParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: Sliceable, shard_id: int | None = None) -> None:
-        if shard_id is None and len(self.ranges) > 1:
-            raise ValueError("a merged linear loads one shard at a time; the checkpoint name had no shard")
-        shard = shard_id or 0
-        start, end = self.ranges[shard]
-        _copy_checked(param.data.narrow(0, sum(self.output_sizes[:shard]), end - start), loaded[start:end])
+        """One shard's checkpoint tensor, or (shard_id None) every shard fused in one tensor, as Phi-3 stores
+        qkv_proj and gate_up_proj: each shard's rows then sit at its offset in the fused tensor."""
+        if shard_id is None and len(self.ranges) > 1 and _rows_of(loaded) != sum(self.full_sizes):
+            raise ValueError(f"fused checkpoint tensor has {_rows_of(loaded)} rows; its parts "
+                             f"{self.full_sizes} need {sum(self.full_sizes)}")
+        for shard in range(len(self.ranges)) if shard_id is None else [shard_id]:
+            offset = sum(self.full_sizes[:shard]) if shard_id is None else 0
+            start, end = self.ranges[shard]
+            copy_checked(param.data.narrow(0, sum(self.output_sizes[:shard]), end - start),
+                          loaded[offset + start:offset + end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -71,7 +76,7 @@ class RowParallelLinear(Linear):
 
     def weight_loader(self, param: nn.Parameter, loaded: Sliceable, shard_id: int | None = None) -> None:
         start, end = self.input_range
-        _copy_checked(param.data, loaded[:] if param is self.bias else loaded[:, start:end])
+        copy_checked(param.data, loaded[:] if param is self.bias else loaded[:, start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -80,26 +85,17 @@ class RowParallelLinear(Linear):
         return out if self.bias is None else out + self.bias
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear in `matmul_dtype`: bf16 weights stay bf16 in memory but multiply as float32 on CPUs that
-    would emulate bf16 GEMMs (about 3x faster end to end, same result as a native bf16 GEMM). A few rows on the
-    CPU (decode at small batch) go to the GEMV kernel, which streams the weight once."""
-    if cpu_gemv.serves(x, weight, bias):
-        return cpu_gemv.gemv(x, weight, bias)
-    compute = matmul_dtype(weight.dtype, weight.device)
-    if compute == weight.dtype:
-        return F.linear(x, weight, bias)
-    out = F.linear(x.to(compute), weight.to(compute), bias.to(compute) if bias is not None else None)
-    return out.to(weight.dtype)
-
-
 class Sliceable(Protocol):
     """A checkpoint tensor: a torch.Tensor, or a safetensors slice that reads only the bytes indexed."""
 
     def __getitem__(self, index: Any) -> torch.Tensor: ...
 
 
-def _copy_checked(target: torch.Tensor, loaded: torch.Tensor) -> None:
+def _rows_of(loaded: Sliceable) -> int:
+    return loaded.shape[0] if isinstance(loaded, torch.Tensor) else loaded.get_shape()[0]
+
+
+def copy_checked(target: torch.Tensor, loaded: torch.Tensor) -> None:
     if target.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "
                          f"of shape {tuple(target.shape)}")

@@ -14,7 +14,7 @@ from workers.layers.activation import silu_and_mul
 from workers.layers.attention import Attention, AttentionMetadata, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
-from workers.layers.rotary import RotaryEmbedding
+from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, tie_lm_head
 
 # What a pipeline stage hands the next: (hidden states, residual).
@@ -31,14 +31,6 @@ def sliding_window_of(config: PretrainedConfig, layer_idx: int) -> int | None:
     if layer_types is not None:
         return window if layer_types[layer_idx] == "sliding_attention" else None
     return window
-
-
-def rope_parameters_of(config: PretrainedConfig) -> dict:
-    """transformers 5 keeps rope settings in `rope_parameters`; older configs use rope_theta/rope_scaling."""
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        return dict(params)
-    return {"rope_theta": getattr(config, "rope_theta", 10000.0), **(getattr(config, "rope_scaling", None) or {})}
 
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
@@ -64,7 +56,7 @@ class LlamaAttention(nn.Module):
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = head_dim_of(config)
-        bias = self.qkv_bias or getattr(config, "attention_bias", False)
+        bias = self.qkv_bias or getattr(config, "attention_bias", False) or getattr(config, "qkv_bias", False)
         heads = [(num_heads, self.head_dim), (num_kv_heads, self.head_dim), (num_kv_heads, self.head_dim)]
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, heads, bias=bias)
         self.split_sizes = self.qkv_proj.output_sizes
@@ -76,20 +68,23 @@ class LlamaAttention(nn.Module):
                               sliding_window_of(config, layer_idx))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: StepMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
         q, k = self.rotary(positions, q, k)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, metadata))
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x → q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim], before rotary."""
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [(inter, 1), (inter, 1)])
         self.down_proj = RowParallelLinear(inter, config.hidden_size)
 
@@ -99,11 +94,14 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     attention_class = LlamaAttention
+    # Whether the C++ one-call layer (kernels.cpu_decoder_layer) computes what forward() does; a subclass that
+    # changes the attention or the MLP says False.
+    one_call_capable = True
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = self.attention_class(config, layer_idx, rotary)
-        self.mlp = LlamaMLP(config)
+        self.mlp = self.build_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -116,6 +114,13 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn(positions, x, metadata)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def build_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config)
+
+    @property
+    def takes_one_call(self) -> bool:
+        return self.one_call_capable and self.self_attn.rotary.rotary_dim == self.self_attn.head_dim
 
     def fused_decode(self, x: torch.Tensor, residual: torch.Tensor | None, step: cpu_decoder_layer.DecodeStep
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +152,8 @@ class LlamaModel(nn.Module):
         self.stage_layers, self.layers = build_stage_layers(config.num_hidden_layers,
                                                             lambda i: layer_class(config, i, rotary))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if state.is_last_stage else None
-        self.one_call_layers = state.tp_size == 1  # the C++ layer has no all-reduce between attention and MLP
+        # The C++ layer has no all-reduce between attention and MLP, hence tp 1 only.
+        self.one_call_layers = state.tp_size == 1 and all(self.layers[i].takes_one_call for i in self.stage_layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
@@ -161,7 +167,6 @@ class LlamaModel(nn.Module):
             return x, residual
         x, _ = self.norm(x, residual)
         return x
-
 
     def _one_call_step(self, x: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata
                        ) -> cpu_decoder_layer.DecodeStep | None:
@@ -181,12 +186,16 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.model = LlamaModel(config, self.layer_class)
+        self.model = self.build_model(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) \
             if parallel_state().is_last_stage else None
         # Checkpoint names loaded into another parameter: a tied head on a stage without the embeddings.
         self.weight_aliases = tie_lm_head(self.lm_head, self.model.embed_tokens, "model.embed_tokens.weight") \
             if config.tie_word_embeddings else {}
+
+    def build_model(self, config: PretrainedConfig) -> nn.Module:
+        """Embeddings, this stage's layers and the final norm (a family with other layers returns its own)."""
+        return LlamaModel(config, self.layer_class)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:

@@ -4,16 +4,32 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
+from workers.models.deepseek_v2 import DeepseekV2ForCausalLM
+from workers.models.gemma2 import Gemma2ForCausalLM
+from workers.models.gpt_neox import GPTNeoXForCausalLM
 from workers.models.llama import LlamaForCausalLM
 from workers.models.mistral import MistralForCausalLM
+from workers.models.mixtral import MixtralForCausalLM
 from workers.models.opt import OPTForCausalLM
+from workers.models.phi3 import Phi3ForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM
+from workers.models.qwen2_moe import Qwen2MoeForCausalLM
+from workers.models.qwen3 import Qwen3ForCausalLM
+from workers.models.qwen3_moe import Qwen3MoeForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
 }
 
 

@@ -34,16 +34,15 @@ class DraftModel:
         self.probs: dict[str, torch.Tensor] = {}
 
     def block_bytes(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_dim * element
-                   for layer in self.attention_layers)
+        return sum(layer.kv_block_bytes(self.block_size, self.dtype) for layer in self.attention_layers)
 
     def bind_kv_cache(self, num_blocks: int | None) -> None:
         """Its own K and V per layer over the same block ids as the target's cache (None: release them)."""
         for layer in self.attention_layers:
-            layer.kv_cache = None if num_blocks is None else tuple(torch.zeros(
-                2, num_blocks, layer.num_kv_heads, self.block_size, layer.head_dim, dtype=self.dtype,
-                device=self.device))
+            if num_blocks is None:
+                layer.kv_cache = None
+            else:
+                layer.bind_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
 
     def forget(self, req_id: str) -> None:
         """Its blocks were freed or replaced (finished, preempted): its draft KV is gone."""

@@ -1,0 +1,55 @@
+"""DeepSeek-V2: multi-head latent attention (workers.layers.mla), the first `first_k_dense_replace` layers dense,
+the rest a mixture of routed experts (softmax, greedy or group-limited top-k, scaled) plus always-on shared
+experts."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from workers.layers.fused_moe import FusedMoE, Routing
+from workers.layers.linear import Linear
+from workers.layers.mla import MLAAttention
+from workers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+class DeepseekV2MoE(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        if config.topk_method not in _TOPK_METHODS:
+            raise ValueError(f"topk_method {config.topk_method!r} is not supported (supported: {_TOPK_METHODS})")
+        grouped = config.topk_method == "group_limited_greedy"
+        routing = Routing(config.num_experts_per_tok, renormalize=bool(config.norm_topk_prob),
+                          num_expert_group=config.n_group if grouped else None,
+                          topk_group=config.topk_group if grouped else None,
+                          routed_scaling_factor=config.routed_scaling_factor)
+        self.gate = Linear(config.hidden_size, config.n_routed_experts)
+        self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, routing)
+        self.shared_experts = LlamaMLP(config, config.moe_intermediate_size * config.n_shared_experts) \
+            if config.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        router_logits = F.linear(x.float(), self.gate.weight.float())  # DeepSeek routes in float32
+        out = self.experts(x, router_logits)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class DeepseekV2DecoderLayer(LlamaDecoderLayer):
+    attention_class = MLAAttention
+    one_call_capable = False
+
+    def build_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
+        sparse = (config.n_routed_experts and layer_idx >= config.first_k_dense_replace
+                  and layer_idx % (getattr(config, "moe_layer_freq", 1) or 1) == 0)
+        return DeepseekV2MoE(config) if sparse else LlamaMLP(config)
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    """The rotary table covers qk_rope_head_dim (the config's head_dim); norm_topk_prob is honoured as DeepSeek's
+    own code does (HF transformers' port ignores it; the released V2 configs set it False)."""
+
+    layer_class = DeepseekV2DecoderLayer
+    expert_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}

@@ -1,0 +1,99 @@
+"""Gemma 2: embeddings scaled by sqrt(hidden), (1 + w) RMSNorms before and after both attention and MLP,
+GeGLU (tanh GELU), attention scaled by query_pre_attn_scalar with tanh soft-capped scores, sliding window on
+alternate layers, and soft-capped final logits; tensor and pipeline parallel as llama."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from workers.distributed import Intermediate, parallel_state
+from workers.layers.attention import Attention, StepMetadata
+from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from workers.layers.norm import GemmaRMSNorm
+from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
+from workers.layers.vocab_parallel import VocabParallelEmbedding
+from workers.models.llama import LlamaAttention, LlamaForCausalLM, build_stage_layers, head_dim_of, sliding_window_of
+
+
+class Gemma2Attention(LlamaAttention):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__(config, layer_idx, rotary)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.query_pre_attn_scalar**-0.5,
+                              sliding_window_of(config, layer_idx), soft_cap=config.attn_logit_softcapping)
+
+
+class Gemma2MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [(inter, 1), (inter, 1)])
+        self.down_proj = RowParallelLinear(inter, config.hidden_size)
+        self.act = ACT2FN[config.hidden_activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Gemma2DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Gemma2Attention(config, layer_idx, rotary)
+        self.mlp = Gemma2MLP(config)
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: StepMetadata) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), metadata))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma2Model(nn.Module):
+    """This pipeline stage's share: scaled embeddings on the first stage, its layers, the final norm on the last."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        state = parallel_state()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) \
+            if state.is_first_stage else None
+        self.embed_scale = config.hidden_size**0.5
+        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters_of(config))
+        self.stage_layers, self.layers = build_stage_layers(
+            config.num_hidden_layers, lambda i: Gemma2DecoderLayer(config, i, rotary))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if state.is_last_stage else None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        """Final hidden states on the last stage, else (hidden states,) for the next stage."""
+        if intermediate is None:
+            x = self.embed_tokens(input_ids)
+            x = x * torch.tensor(self.embed_scale).to(x.dtype)  # rounded to the weights' dtype first, as HF does
+        else:
+            x = intermediate[0]
+        for i in self.stage_layers:
+            x = self.layers[i](positions, x, metadata)
+        return (x,) if self.norm is None else self.norm(x)
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    num_intermediate_tensors = 1  # no separate residual stream
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        if config.hidden_activation not in ACT2FN:
+            raise ValueError(f"hidden_activation {config.hidden_activation!r} is not supported")
+        super().__init__(config)
+        self.final_logit_softcapping = config.final_logit_softcapping
+
+    def build_model(self, config: PretrainedConfig) -> nn.Module:
+        return Gemma2Model(config)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Last stage only; float32 logits on TP rank 0 (soft-capped by tanh), None on the other TP ranks."""
+        logits = super().compute_logits(hidden)
+        cap = self.final_logit_softcapping
+        return logits if logits is None or cap is None else torch.tanh(logits / cap) * cap
