@@ -38,7 +38,7 @@ def kv_bytes_per_token(config, dtype_bytes: int) -> dict[str, int]:
 
 def run(model: Path, requests, args) -> dict:
     llm = LLM(str(model), dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-              in_process=True)
+              max_num_batched_tokens=args.max_num_batched_tokens, in_process=True)
     try:
         prompts = [{"prompt_token_ids": p} for p, _ in requests]
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
@@ -53,11 +53,13 @@ def run(model: Path, requests, args) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kv-cache-memory", type=int, default=64 * 2**20, help="bytes, the same for both")
-    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--kv-cache-memory", type=int, default=128 * 2**20, help="bytes, the same for both")
+    parser.add_argument("--num-requests", type=int, default=160)
     parser.add_argument("--input-len", type=int, default=240)
-    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=1024)
+    # Large, so that the cache fills before the first requests finish: what fits is then what the KV holds.
+    parser.add_argument("--max-num-batched-tokens", type=int, default=32768)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
 
