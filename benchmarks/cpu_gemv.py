@@ -3,6 +3,10 @@
 The benchmark model's 33 matrices of one decode step (8 layers' qkv, o, gate_up, down and the LM head), each
 multiplied once per pass by `rows` random rows, so the weights stream from memory as in decode. torch's path is
 what linear() does without the kernel (F.linear, in float32 on CPUs without bf16 instructions). Best of 7.
+
+Then the same for int8 weights (one float32 scale per row, weight-only quantization), three ways: the kernel's
+gemv_int8, torch's int8 weight-only matmul (torch._weight_int8pack_mm, scales in the activations' dtype), and
+dequantizing into the GEMM's dtype per call (what kernels.matmul does past max_rows).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import cpu_extension, cpu_gemv, matmul_dtype  # noqa: E402
 from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
+from workers.quantization.int8 import quantize_rows  # noqa: E402
 
 SHAPES = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 8 + [(8192, 512)]
 
@@ -52,7 +57,26 @@ def main() -> int:
                 theirs = seconds_per_pass(torch_path, weights, inputs)
                 print(f"{str(dtype):15s} rows {rows:2d}: kernel {ours * 1e3:6.2f} ms ({size / ours / 1e9:5.1f} GB/s), "
                       f"torch {theirs * 1e3:6.2f} ms: kernel {theirs / ours:.2f}x")
+        compare_int8()
     return 0
+
+
+def compare_int8() -> None:
+    quantized = [quantize_rows(torch.randn(n, k)) for n, k in SHAPES]
+    size = sum(q.numel() for q, _ in quantized)
+    for dtype in (torch.bfloat16, torch.float32):
+        scales = {id(q): (scale, scale.to(dtype)) for q, scale in quantized}
+        ways = {
+            "gemv_int8": lambda x, q: cpu_gemv.gemv_int8(x, q, scales[id(q)][0]),
+            "_weight_int8pack_mm": lambda x, q: torch._weight_int8pack_mm(x, q, scales[id(q)][1]),
+            "dequantize+GEMM": lambda x, q: torch_path(x, (q.float() * scales[id(q)][0][:, None]).to(dtype)),
+        }
+        for rows in (1, 4, 16, 64, 256):
+            inputs = {k: torch.randn(rows, k).to(dtype) for k in (512, 1408)}
+            times = {name: seconds_per_pass(fn, [q for q, _ in quantized], inputs) for name, fn in ways.items()}
+            line = ", ".join(f"{name} {t * 1e3:7.2f} ms" for name, t in times.items())
+            rate = size / times["gemv_int8"] / 1e9
+            print(f"int8 weights, {str(dtype):15s} rows {rows:3d}: {line} (gemv_int8 {rate:.1f} GB/s)")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from ipc import EngineConfig, EngineCoreOutput, EngineCoreRequest, EngineInfo, F
 from ipc.request_rules import context_room
 from workers.executor import Executor, InProcessExecutor
 from workers.model_config import check_parallel_sizes, load_hf_config, model_max_len
+from workers.quantization import check_checkpoint as check_quantized_checkpoint
+from workers.quantization import check_method as check_quantization
 
 if TYPE_CHECKING:
     from core.structured_output.manager import StructuredOutputManager
@@ -32,6 +34,8 @@ class EngineCore:
         self.vocab_size: int = hf_config.vocab_size
         check_parallel_sizes(hf_config, self.config.tensor_parallel_size, self.config.pipeline_parallel_size,
                              self.config.enable_expert_parallel)
+        check_quantization(self.config.quantization)
+        check_quantized_checkpoint(hf_config)
         _check_draft_model(self.config, hf_config.vocab_size)
         self.executor = _make_executor(self.config)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
@@ -46,7 +50,8 @@ class EngineCore:
             config.profiler_dir, config.profiler_max_seconds, config.profiler_max_steps)
         self.info = EngineInfo(model=self.config.model, max_model_len=self.config.max_model_len,
                                vocab_size=self.vocab_size, num_kv_blocks=self.num_kv_blocks,
-                               block_size=self.config.block_size, scheduling_policy=self.config.scheduling_policy,
+                               block_size=self.config.block_size, weight_bytes=self.executor.weight_bytes(),
+                               scheduling_policy=self.config.scheduling_policy,
                                privileged_utilities=sorted(self._privileged_utilities()),
                                max_logprobs=self.config.max_logprobs)
 

@@ -315,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent_fd is not None:
         watch_lifeline(args.parent_fd, lambda: proc.request_stop("the process that started the engine core exited"))
     _report(args.status_fd, EngineStartup(info=proc.engine.info))
-    logger.info("engine core ready: requests at %s, outputs at %s, %d KV blocks of %d tokens", proc.endpoints.input,
-                proc.endpoints.output, proc.engine.num_kv_blocks, proc.engine.config.block_size)
+    logger.info("engine core ready: requests at %s, outputs at %s, %d KV blocks of %d tokens, %.1f MiB of weights",
+                proc.endpoints.input, proc.endpoints.output, proc.engine.num_kv_blocks, proc.engine.config.block_size,
+                proc.engine.info.weight_bytes / 2**20)
     # The model, tokenizer and transformers' modules live as long as the process: frozen, they are out of the
     # cyclic collector's sight, whose full collections otherwise walk them mid-step (~3% of batch-1 decode).
     gc.collect()

@@ -35,6 +35,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Mixture-of-experts models: each TP rank holds whole experts (a share of them) instead of a slice of every
     # expert; attention stays tensor parallel.
     enable_expert_parallel: bool = False
+    # Weight quantization applied at load: None, or "int8" (weight-only, per output channel). The LM head (and an
+    # embedding table tied to it) stays in the model dtype unless quantize_lm_head.
+    quantization: str | None = None
+    quantize_lm_head: bool = False
     # tp * pp > 1 runs one Ray actor per rank: joins the Ray cluster here ("auto", "HOST:6379"), or, when None,
     # starts a private Ray on this machine (loopback only).
     ray_address: str | None = None

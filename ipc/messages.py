@@ -139,6 +139,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     vocab_size: Count
     num_kv_blocks: Count
     block_size: Count
+    weight_bytes: Count = 0  # the model's parameters over all ranks, as held (quantized weights at their size)
     scheduling_policy: str
     privileged_utilities: list[str] = []  # those of the profiler and cache reset this engine allows
     max_logprobs: Count = 20

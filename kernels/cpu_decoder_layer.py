@@ -16,7 +16,8 @@ from kernels import cpu_extension, cpu_gemv
 
 @dataclass(frozen=True)
 class DecoderLayerWeights:
-    """One layer's parameters (biases None where absent) and shape; tensors, so a reloaded weight is followed."""
+    """One layer's parameters (biases None where absent) and shape; tensors, so a reloaded weight is followed.
+    A projection may be int8 with a float32 scale per output row (weight-only quantization): its *_scale."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
@@ -34,11 +35,25 @@ class DecoderLayerWeights:
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None
+    qkv_scale: torch.Tensor | None = None
+    o_scale: torch.Tensor | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
 
     def pointers(self) -> list[int]:
         tensors = (self.input_norm, self.qkv, self.qkv_bias, self.o, self.o_bias, self.post_norm, self.gate_up,
-                   self.down, self.cos, self.sin)
+                   self.down, self.cos, self.sin, self.qkv_scale, self.o_scale, self.gate_up_scale, self.down_scale)
         return [0 if t is None else t.data_ptr() for t in tensors]
+
+    def check_dtypes(self, dtype: torch.dtype) -> None:
+        """Each projection of the hidden states' dtype, or int8 with its float32 scale [rows]."""
+        for weight, scale in ((self.qkv, self.qkv_scale), (self.o, self.o_scale), (self.gate_up, self.gate_up_scale),
+                              (self.down, self.down_scale)):
+            int8 = weight.dtype == torch.int8 and scale is not None and scale.dtype == torch.float32 \
+                and scale.shape == weight.shape[:1] and scale.is_contiguous()
+            if not (int8 or (weight.dtype == dtype and scale is None)):
+                raise TypeError("a projection's weight must be of the hidden states' dtype, or int8 with a float32 "
+                                "scale per row")
 
     def dims(self) -> list[int]:
         return [self.qkv.shape[1], self.num_heads, self.num_kv_heads, self.head_dim, self.down.shape[1],
@@ -83,8 +98,9 @@ def decoder_layer(weights: DecoderLayerWeights, x: torch.Tensor, residual: torch
     if module is None:
         raise RuntimeError("the C++ CPU kernels could not be built")
     dtype = x.dtype
-    if key_cache.dtype != dtype or value_cache.dtype != dtype or weights.qkv.dtype != dtype:
-        raise TypeError("the caches and weights must share the hidden states' dtype")
+    if key_cache.dtype != dtype or value_cache.dtype != dtype or weights.input_norm.dtype != dtype:
+        raise TypeError("the caches and norms must share the hidden states' dtype")
+    weights.check_dtypes(dtype)
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("the caches must be contiguous")
     x = x.contiguous()  # kept in locals: the kernel gets raw pointers, which must outlive the call

@@ -14,6 +14,12 @@ from kernels import cpu_extension
 from kernels.cpu_features import cpu_has_native_bf16
 
 
+# int8 weights: the alternative past the kernel dequantizes the whole weight per call, so the kernel wins longer.
+# benchmarks/cpu_gemv.py (2-core AVX2, 33 matrices): at 64 rows 65 ms against 89-134 ms dequantizing, at 256 rows
+# 237-252 ms against 186-218 ms; torch._weight_int8pack_mm measured alongside was never clearly faster.
+INT8_MAX_ROWS = 64
+
+
 def max_rows(dtype: torch.dtype) -> int:
     """The most rows the kernel takes. On a 2-core AVX2 CPU (benchmarks/cpu_gemv.py) it beats torch on every shape
     of the benchmark model up to 32 rows, 1.5-3.7x; 16 keeps a margin. With bf16 instructions (AMX, AVX512-BF16)
@@ -23,15 +29,31 @@ def max_rows(dtype: torch.dtype) -> int:
 
 
 def serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether gemv() takes this product: a few rows on the CPU, float32 or bfloat16 throughout, kernel built."""
-    return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16)
-            and x.numel() <= max_rows(x.dtype) * weight.shape[-1] and weight.dim() == 2 and weight.is_contiguous()
+    """Whether gemv() (or gemv_int8() for an int8 weight) takes this product: a few rows on the CPU, float32 or
+    bfloat16 activations, weight and bias, kernel built."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and weight.dtype in (x.dtype, torch.int8)
+            and x.numel() <= (INT8_MAX_ROWS if weight.dtype == torch.int8 else max_rows(x.dtype)) * weight.shape[-1]
+            and weight.dim() == 2 and weight.is_contiguous()
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
             and not torch.is_grad_enabled() and cpu_extension.ready() is not None)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., K] with few rows; weight [N, K] contiguous, all one dtype."""
+    return _run(x, weight, None, bias)
+
+
+def gemv_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """F.linear(x, weight * scale[:, None], bias) for an int8 weight [N, K] with a float32 scale per row, the
+    weight read as int8: half of bf16's bytes. Each row's sum is scaled once, in float32."""
+    if weight.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != weight.shape[:1]:
+        raise ValueError("gemv_int8 takes an int8 weight [N, K] and a float32 scale [N]")
+    return _run(x, weight, scale.contiguous(), bias)
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     module = cpu_extension.load()
     if module is None:
         raise RuntimeError("the C++ CPU kernels could not be built")
@@ -40,6 +62,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias do not fit")
     rows = x.reshape(-1, in_features).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
-    module.gemv(x.dtype == torch.bfloat16, rows.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                out.data_ptr(), rows.shape[0], out_features, in_features)
+    bf16, bias_ptr = x.dtype == torch.bfloat16, 0 if bias is None else bias.data_ptr()
+    if scale is None:
+        module.gemv(bf16, rows.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), rows.shape[0], out_features,
+                    in_features)
+    else:
+        module.gemv_int8(bf16, rows.data_ptr(), weight.data_ptr(), scale.data_ptr(), bias_ptr, out.data_ptr(),
+                         rows.shape[0], out_features, in_features)
     return out.reshape(*x.shape[:-1], out_features)

@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
     engine.add_argument("--pp", "--pipeline-parallel-size", dest="pipeline_parallel_size", type=int, default=1)
+    engine.add_argument("--quantization", choices=("int8",),
+                        help="quantize the weights at load: int8 = weight-only, one scale per output channel")
+    engine.add_argument("--quantize-lm-head", action="store_true",
+                        help="with --quantization: the LM head (and embeddings tied to it) too")
     engine.add_argument("--enable-expert-parallel", action="store_true",
                         help="MoE models under --tp: divide whole experts among the ranks")
     engine.add_argument("--ray-address", help="with --tp/--pp > 1: join this Ray cluster ('auto' or HOST:6379; "
@@ -173,7 +177,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         kv_cache_memory=args.kv_cache_memory, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,
-                        enable_expert_parallel=args.enable_expert_parallel, ray_address=args.ray_address,
+                        enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
+                        quantize_lm_head=args.quantize_lm_head, ray_address=args.ray_address,
                         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
                         enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                         profiler_dir=args.profiler_dir, profiler_max_seconds=args.profiler_max_seconds,

@@ -97,6 +97,7 @@ class SizeSpec:
 SIZES = {
     "tiny": SizeSpec(64, 2, 4, 2, 128, 1024, vocab=1024, sliding_window=64),
     "30m": SizeSpec(512, 8, 8, 4, 1408, 2048, vocab=8192, sliding_window=512),
+    "100m": SizeSpec(768, 12, 12, 4, 2560, 2048, vocab=8192, sliding_window=512),  # 102M as a llama
 }
 
 

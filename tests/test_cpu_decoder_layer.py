@@ -12,6 +12,7 @@ from workers.layers.attention import AttentionMetadata
 from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.models.llama import LlamaDecoderLayer, head_dim_of
 from workers.models.qwen2 import Qwen2DecoderLayer
+from workers.quantization.int8 import quantize_int8_model
 
 BLOCK_SIZE = 8
 
@@ -89,15 +90,59 @@ def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer):
     while sum(new for _, new in seqs) > cpu_gemv.max_rows(dtype):  # fewer where the CPU has bf16 GEMMs
         seqs = seqs[:-1] if len(seqs) > 1 else [(seqs[0][0], seqs[0][1] - 1)]
     tokens = sum(new for _, new in seqs)
-    generator = torch.Generator().manual_seed(tokens * 7 + first_layer)
     layer = make_layer(layer_class, config, dtype, seed=tokens)
+    assert_fused_matches(layer, layer_class, config, dtype, seqs, first_layer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqs", [[(1, 1)], [(9, 1), (70, 5), (130, 3)]], ids=["one decode", "mixed"])
+def test_int8_projections_equal_the_layers_own_forward(dtype, seqs):
+    """Weight-only int8 (workers/quantization): the kernel reads each projection as int8 with its row scales."""
+    layer_class, config = CASES["qwen2 biases, head_dim 128, window"]
+    layer = make_layer(layer_class, config, dtype, seed=3)
+    assert_fused_matches(layer, layer_class, config, dtype, seqs, first_layer=False, int8=True)
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.int8 and layer.mlp.down_proj.weight_scale is not None
+
+
+def assert_fused_matches(layer: LlamaDecoderLayer, layer_class, config, dtype: torch.dtype, seqs, first_layer: bool,
+                         int8: bool = False) -> None:
+    """fused_decode equals forward() (float32), or (bf16) is as close to the float32 layer as forward() is."""
+    exact = None
+    if dtype == torch.bfloat16:  # the same step in float32, from the same bf16 values
+        exact = make_layer(layer_class, config, torch.float32, seed=0)
+        exact.load_state_dict({name: value.float() for name, value in layer.state_dict().items()})
+    for each in (layer, exact):
+        if int8 and each is not None:
+            quantize_int8_model(each, quantize_lm_head=False)
+    got, expected = fused_and_op_by_op(layer, config, dtype, seqs, first_layer)
+    if exact is not None:
+        exact = fused_and_op_by_op(exact, config, torch.float32, seqs, first_layer, values=torch.bfloat16)[1]
+    for i, (tensor, reference) in enumerate(zip(got, expected)):
+        assert tensor.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(tensor, reference, rtol=1e-5, atol=1e-5)
+        else:
+            # bf16 takes roundings in other places (the op path's SDPA rounds prompt attention to bf16; the
+            # kernel keeps float32): the kernel must be as close to the float32 layer as the op path is.
+            kernel_error, op_error = ((t.float() - exact[i]).abs().max().item() for t in (tensor, reference))
+            assert kernel_error <= 1.25 * op_error + 1e-3, (kernel_error, op_error)
+
+
+def fused_and_op_by_op(layer: LlamaDecoderLayer, config, dtype: torch.dtype, seqs, first_layer: bool,
+                       values: torch.dtype | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(fused_decode's outputs and caches, forward()'s) on random caches and inputs, rounded to `values` (default:
+    dtype) before they are cast to dtype."""
+    tokens = sum(new for _, new in seqs)
+    generator = torch.Generator().manual_seed(tokens * 7 + first_layer)
     head_dim, kv_heads = head_dim_of(config), config.num_key_value_heads
     num_blocks = sum(-(-length // BLOCK_SIZE) for length, _ in seqs) + 3
-    caches = [torch.randn(num_blocks, kv_heads, BLOCK_SIZE, head_dim, generator=generator).to(dtype)
+    values = values or dtype
+    caches = [torch.randn(num_blocks, kv_heads, BLOCK_SIZE, head_dim, generator=generator).to(values).to(dtype)
               for _ in range(2)]
     metadata, positions = step_batch(seqs, num_blocks, generator)
-    x = torch.randn(tokens, config.hidden_size, generator=generator).to(dtype)
-    residual = None if first_layer else torch.randn(tokens, config.hidden_size, generator=generator).to(dtype)
+    x = torch.randn(tokens, config.hidden_size, generator=generator).to(values).to(dtype)
+    residual = None if first_layer else \
+        torch.randn(tokens, config.hidden_size, generator=generator).to(values).to(dtype)
 
     def op_by_op(layer: LlamaDecoderLayer, cast: torch.dtype) -> list[torch.Tensor]:
         layer.self_attn.attn.kv_cache = tuple(c.to(cast) for c in caches)
@@ -111,20 +156,7 @@ def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer):
         assert step is not None
         layer.self_attn.attn.kv_cache = tuple(c.clone() for c in caches)
         got = [*layer.fused_decode(x, residual, step), *layer.self_attn.attn.kv_cache]
-        if dtype == torch.bfloat16:
-            exact = make_layer(layer_class, config, torch.float32, seed=0)
-            exact.load_state_dict({name: value.float() for name, value in layer.state_dict().items()})
-            exact = op_by_op(exact, torch.float32)
-
-    for i, (tensor, reference) in enumerate(zip(got, expected)):
-        assert tensor.dtype == dtype
-        if dtype == torch.float32:
-            torch.testing.assert_close(tensor, reference, rtol=1e-5, atol=1e-5)
-        else:
-            # bf16 takes roundings in other places (the op path's SDPA rounds prompt attention to bf16; the
-            # kernel keeps float32): the kernel must be as close to the float32 layer as the op path is.
-            kernel_error, op_error = ((t.float() - exact[i]).abs().max().item() for t in (tensor, reference))
-            assert kernel_error <= 1.25 * op_error + 1e-3, (kernel_error, op_error)
+    return got, expected
 
 
 def test_declines_steps_it_does_not_compute():

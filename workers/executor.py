@@ -16,6 +16,8 @@ class Executor(Protocol):
 
     def determine_num_kv_blocks(self) -> int: ...
 
+    def weight_bytes(self) -> int: ...
+
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
     def submit_batch(self, scheduler_output: SchedulerOutput) -> None: ...
@@ -36,6 +38,9 @@ class InProcessExecutor:
 
     def determine_num_kv_blocks(self) -> int:
         return self.worker.determine_num_kv_blocks()
+
+    def weight_bytes(self) -> int:
+        return self.worker.weight_bytes()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)

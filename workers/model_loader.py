@@ -12,12 +12,15 @@ from transformers import PretrainedConfig
 from workers.layers.fused_moe import expert_target
 from workers.layers.linear import Sliceable
 from workers.models import get_model_class
+from workers.quantization import quantize_model
 
 
-def load_model(model_dir: str, config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def load_model(model_dir: str, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+               quantization: str | None = None, quantize_lm_head: bool = False) -> nn.Module:
     with _default_dtype(dtype), torch.device(device):
         model = get_model_class(config)(config)
     load_weights(model, model_dir)
+    quantize_model(model, quantization, quantize_lm_head)
     return model.eval()
 
 

@@ -55,6 +55,9 @@ class RankWorker:
     def determine_num_kv_blocks(self) -> int:
         return self.worker.determine_num_kv_blocks()
 
+    def weight_bytes(self) -> int:
+        return self.worker.weight_bytes()
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 

@@ -104,6 +104,10 @@ class RayExecutor:
         """Every rank sizes its own KV shard; all of them hold the smallest count."""
         return min(self._gather([actor.determine_num_kv_blocks.remote() for actor in self.actors]))
 
+    def weight_bytes(self) -> int:
+        """Over every rank: the model's weights as held, shards and replicas alike."""
+        return sum(self._gather([actor.weight_bytes.remote() for actor in self.actors]))
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every rank's cache, then switch the actors to the step loop."""
         self._gather([actor.initialize_kv_cache.remote(num_blocks) for actor in self.actors])

@@ -27,6 +27,12 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype)
         self.model_runner = ModelRunner(config, self.hf_config, self.dtype, self.device)
 
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's model parameters and buffers as held (int8 weights count one byte each)."""
+        model = self.model_runner.model
+        tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # tied weights counted once
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
     def block_bytes(self) -> int:
         """K and V of one block over this rank's attention layers (its pipeline stage, its TP heads), and the draft
         model's on the rank that holds one."""

@@ -12,13 +12,28 @@
 
 namespace pagedserve {
 
+// A projection's weight: T, or int8 with a float32 scale per output row (weight-only quantization).
+struct Projection {
+  const void* weight;
+  const float* scale;  // null: the weight is of the model dtype
+};
+
 template <typename T>
 struct DecoderLayer {
-  const T *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *down;  // biases may be null
+  const T *input_norm, *qkv_bias, *o_bias, *post_norm;  // biases may be null
+  Projection qkv, o, gate_up, down;
   const float *cos, *sin;  // [max_position, head_dim]
   float eps, scale;
   int64_t hidden, heads, kv_heads, head_dim, intermediate, window;
 };
+
+template <typename T>
+void project(const Projection& p, const T* x, const T* bias, T* y, int64_t M, int64_t N, int64_t K) {
+  if (p.scale)
+    gemv(x, static_cast<const int8_t*>(p.weight), bias, y, M, N, K, p.scale);
+  else
+    gemv(x, static_cast<const T*>(p.weight), bias, y, M, N, K);
+}
 
 template <typename T>
 inline T round_to(float x) {
@@ -68,7 +83,7 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
     residual_out[i] = residual ? round_to<T>(widen(x[i]) + widen(residual[i])) : x[i];
   std::vector<T> normed(M * H), qkv(M * qkv_size), q(M * q_size), attn(M * q_size);
   rms_norm_rows(residual_out, L.input_norm, L.eps, normed.data(), M, H);
-  gemv(normed.data(), L.qkv, L.qkv_bias, qkv.data(), M, qkv_size, H);
+  project(L.qkv, normed.data(), L.qkv_bias, qkv.data(), M, qkv_size, H);
 
   int64_t max_len = 0;
   for (int64_t m = 0; m < M; ++m) {
@@ -95,17 +110,17 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
                     max_blocks, L.scale, 0.f, L.window, max_len);
 
   std::vector<T> o(M * H), gate_up(M * 2 * L.intermediate), act(M * L.intermediate);
-  gemv(attn.data(), L.o, L.o_bias, o.data(), M, H, q_size);
+  project(L.o, attn.data(), L.o_bias, o.data(), M, H, q_size);
   for (int64_t i = 0; i < M * H; ++i) residual_out[i] = round_to<T>(widen(o[i]) + widen(residual_out[i]));
   rms_norm_rows(residual_out, L.post_norm, L.eps, normed.data(), M, H);
-  gemv(normed.data(), L.gate_up, static_cast<const T*>(nullptr), gate_up.data(), M, 2 * L.intermediate, H);
+  project(L.gate_up, normed.data(), static_cast<const T*>(nullptr), gate_up.data(), M, 2 * L.intermediate, H);
   const int64_t I = L.intermediate;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t i = 0; i < I; ++i) {
       const float g = widen(gate_up[m * 2 * I + i]), u = widen(gate_up[m * 2 * I + I + i]);
       act[m * I + i] = round_to<T>(widen(round_to<T>(g / (1.f + std::exp(-g)))) * u);
     }
-  gemv(act.data(), L.down, static_cast<const T*>(nullptr), out, M, H, I);
+  project(L.down, act.data(), static_cast<const T*>(nullptr), out, M, H, I);
 }
 
 }  // namespace pagedserve

@@ -1,4 +1,5 @@
 // Small-batch matrix-vector products y = x W^T + b that stream W once at memory speed, bf16 widened in registers.
+// W may be int8 with a float32 scale per output row (weight-only quantization): y = (x . q) * scale + b.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -15,6 +16,9 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
   const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -71,24 +75,28 @@ inline float dot(const T* w, const float* x, int64_t K) {
 }
 
 // Output rows n..n+R for input rows m0..m0+MB; W's R rows stay in L1 while the input rows pass over them.
-template <int R, int MB, typename T>
-inline void output_tile(const T* w, const float* x, const T* bias, T* y, int64_t n, int64_t m0, int64_t N,
-                        int64_t K) {
+template <int R, int MB, typename T, typename WT>
+inline void output_tile(const WT* w, const float* x, const T* bias, const float* scale, T* y, int64_t n, int64_t m0,
+                        int64_t N, int64_t K) {
   float acc[R * MB];
   dot_tile<R, MB>(w + n * K, x + m0 * K, acc, K);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m)
-      store(acc[r * MB + m] + (bias ? widen(bias[n + r]) : 0.f), y + (m0 + m) * N + n + r);
+      store(acc[r * MB + m] * (scale ? scale[n + r] : 1.f) + (bias ? widen(bias[n + r]) : 0.f),
+            y + (m0 + m) * N + n + r);
 }
 
-// x [M, K], w [N, K], bias [N] or null, y [M, N]; float32 accumulation, one rounding to T at the end.
-template <typename T>
-void gemv(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t N, int64_t K) {
+// x [M, K], w [N, K] (T, or int8 with scale [N]), bias [N] or null, y [M, N]; float32 accumulation, one rounding
+// to T at the end.
+template <typename T, typename WT = T>
+void gemv(const T* x, const WT* w, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
+          const float* scale = nullptr) {
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(x[i]);
   if (M == 1) {
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; ++n) store(dot(w + n * K, xf.data(), K) + (bias ? widen(bias[n]) : 0.f), y + n);
+    for (int64_t n = 0; n < N; ++n)
+      store(dot(w + n * K, xf.data(), K) * (scale ? scale[n] : 1.f) + (bias ? widen(bias[n]) : 0.f), y + n);
     return;
   }
   // Several input rows: register tiles of 4 weight rows x 2 input rows reuse every load.
@@ -97,11 +105,11 @@ void gemv(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t N, int
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
     int64_t m0 = 0;
-    for (; m0 + 2 <= M; m0 += 2) output_tile<R, 2>(w, xf.data(), bias, y, b * R, m0, N, K);
-    if (m0 < M) output_tile<R, 1>(w, xf.data(), bias, y, b * R, m0, N, K);
+    for (; m0 + 2 <= M; m0 += 2) output_tile<R, 2>(w, xf.data(), bias, scale, y, b * R, m0, N, K);
+    if (m0 < M) output_tile<R, 1>(w, xf.data(), bias, scale, y, b * R, m0, N, K);
   }
   for (int64_t n = blocks * R; n < N; ++n)
-    for (int64_t m0 = 0; m0 < M; ++m0) output_tile<1, 1>(w, xf.data(), bias, y, n, m0, N, K);
+    for (int64_t m0 = 0; m0 < M; ++m0) output_tile<1, 1>(w, xf.data(), bias, scale, y, n, m0, N, K);
 }
 
 }  // namespace pagedserve

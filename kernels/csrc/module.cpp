@@ -37,16 +37,27 @@ void gemv(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m, int6
   pagedserve::gemv(in<T>(x), in<T>(w), in<T>(bias), out<T>(y), m, n, k);
 }
 
-// weights: input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, cos, sin (0 for an absent bias);
+template <typename T>
+void gemv_int8(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uintptr_t y, int64_t m, int64_t n,
+               int64_t k) {
+  pagedserve::gemv(in<T>(x), in<int8_t>(w), in<T>(bias), out<T>(y), m, n, k, in<float>(scale));
+}
+
+// weights: input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, cos, sin, then the scales of qkv, o,
+// gate_up and down (0 for an absent bias, and for a weight of the model dtype; else it is int8);
 // dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none).
 template <typename T>
 void decoder_layer(const std::vector<uintptr_t>& w, const std::vector<int64_t>& dims, float eps, float scale,
                    uintptr_t x, uintptr_t residual, uintptr_t o, uintptr_t residual_out, uintptr_t positions,
                    uintptr_t slots, uintptr_t k_cache, uintptr_t v_cache, int64_t block_size, uintptr_t tables,
                    int64_t max_blocks, uintptr_t seq_lens, int64_t m) {
-  const pagedserve::DecoderLayer<T> layer{in<T>(w[0]), in<T>(w[1]), in<T>(w[2]), in<T>(w[3]), in<T>(w[4]),
-                                          in<T>(w[5]), in<T>(w[6]), in<T>(w[7]), in<float>(w[8]), in<float>(w[9]),
-                                          eps, scale, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5]};
+  auto projection = [&](int weight, int scale) {
+    return pagedserve::Projection{reinterpret_cast<const void*>(w[weight]), in<float>(w[scale])};
+  };
+  const pagedserve::DecoderLayer<T> layer{in<T>(w[0]), in<T>(w[2]), in<T>(w[4]), in<T>(w[5]),
+                                          projection(1, 10), projection(3, 11), projection(6, 12), projection(7, 13),
+                                          in<float>(w[8]), in<float>(w[9]), eps, scale, dims[0], dims[1], dims[2],
+                                          dims[3], dims[4], dims[5]};
   pagedserve::decoder_layer(layer, in<T>(x), in<T>(residual), out<T>(o), out<T>(residual_out), in<int64_t>(positions),
                             in<int64_t>(slots), out<T>(k_cache), out<T>(v_cache), block_size, in<int64_t>(tables),
                             max_blocks, in<int64_t>(seq_lens), m);
@@ -66,6 +77,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", [](bool bf16, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m, int64_t n,
                    int64_t k) {
     (bf16 ? gemv<uint16_t> : gemv<float>)(x, w, bias, y, m, n, k);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gemv_int8", [](bool bf16, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uintptr_t y,
+                        int64_t m, int64_t n, int64_t k) {
+    (bf16 ? gemv_int8<uint16_t> : gemv_int8<float>)(x, w, scale, bias, y, m, n, k);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decoder_layer", [](bool bf16, const std::vector<uintptr_t>& weights, const std::vector<int64_t>& dims,
                             double eps, double scale, uintptr_t x, uintptr_t residual, uintptr_t o,

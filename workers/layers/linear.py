@@ -11,12 +11,15 @@ from workers.distributed import parallel_state, shard_range, tp_all_reduce
 
 
 class Linear(nn.Module):
-    """y = x W^T + b, with W loaded whole from one checkpoint tensor."""
+    """y = x W^T + b, with W loaded whole from one checkpoint tensor. Weight quantization (workers/quantization)
+    may replace W by int8 and set `weight_scale`, unless the layer is not `quantizable` (a router)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quantizable: bool = True) -> None:
         super().__init__()
+        self.quantizable = quantizable
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.register_buffer("weight_scale", None, persistent=False)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -26,7 +29,7 @@ class Linear(nn.Module):
         copy_checked(param.data, loaded[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_scale)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -41,8 +44,10 @@ class ColumnParallelLinear(nn.Module):
         self.ranges = [(start * unit, end * unit) for (start, end), (_, unit) in zip(unit_ranges, shards)]
         self.output_sizes = [end - start for start, end in self.ranges]
         self.full_sizes = [units * unit for units, unit in shards]
+        self.quantizable = True
         self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.register_buffer("weight_scale", None, persistent=False)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.output_sizes)), requires_grad=False)
@@ -61,7 +66,7 @@ class ColumnParallelLinear(nn.Module):
                           loaded[offset + start:offset + end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_scale)
 
 
 class RowParallelLinear(Linear):
@@ -80,8 +85,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)
-        out = tp_all_reduce(linear(x, self.weight, None))
+            return linear(x, self.weight, self.bias, self.weight_scale)
+        out = tp_all_reduce(linear(x, self.weight, None, self.weight_scale))
         return out if self.bias is None else out + self.bias
 
 
@@ -89,6 +94,13 @@ class Sliceable(Protocol):
     """A checkpoint tensor: a torch.Tensor, or a safetensors slice that reads only the bytes indexed."""
 
     def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+def dequantized_weight(layer: Linear | ColumnParallelLinear) -> torch.Tensor:
+    """The layer's weight for code that reads it directly: as loaded, or (quantized) dequantized to float32."""
+    if layer.weight_scale is None:
+        return layer.weight
+    return layer.weight.float() * layer.weight_scale.unsqueeze(1)
 
 
 def _rows_of(loaded: Sliceable) -> int:

@@ -11,7 +11,7 @@ from transformers import PretrainedConfig
 from kernels import matmul_dtype
 from kernels.attention_ref import context_of, prefill_chunk
 from workers.layers.attention import Attention, AttentionMetadata, StepMetadata
-from workers.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
+from workers.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, dequantized_weight
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding, rope_parameters_of, rope_type_of, yarn_mscale
 
@@ -109,8 +109,8 @@ class MLAAttention(nn.Module):
     @functools.cached_property
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [heads, nope, lora], W_UV^T [heads, lora, v]) from the loaded kv_b_proj, in the matmul dtype."""
-        weight = self.kv_b_proj.weight
-        compute = matmul_dtype(weight.dtype, weight.device)
+        weight = dequantized_weight(self.kv_b_proj)
+        compute = matmul_dtype(self.kv_a_layernorm.weight.dtype, weight.device)
         per_head = weight.to(compute).view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = per_head.split([self.nope_dim, self.v_dim], dim=1)
         return w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()

@@ -21,6 +21,10 @@ class VocabParallelEmbedding(nn.Module):
         self.end = min(vocab_size, self.start + rows_per_rank)
         self.weight = nn.Parameter(torch.zeros(rows_per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        # Set when the table is quantized to int8 (an LM head tied to it, --quantize-lm-head): rows are then
+        # dequantized into `dtype` as they are looked up.
+        self.register_buffer("weight_scale", None, persistent=False)
+        self.dtype = self.weight.dtype
 
     def weight_loader(self, param: nn.Parameter, loaded: Sliceable, shard_id: int | None = None) -> None:
         rows = loaded[self.start:self.end]
@@ -31,10 +35,15 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         mine = (input_ids >= self.start) & (input_ids < self.end)
-        out = F.embedding(torch.where(mine, input_ids - self.start, 0), self.weight)
+        out = self._lookup(torch.where(mine, input_ids - self.start, 0))
         return tp_all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
+
+    def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is None:
+            return F.embedding(rows, self.weight)
+        return (self.weight[rows].float() * self.weight_scale[rows].unsqueeze(-1)).to(self.dtype)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -42,7 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 [tokens, vocab] on TP rank 0; None on the other TP ranks (they only contribute)."""
-        logits = tp_gather_last_dim(linear(hidden, self.weight, None))
+        logits = tp_gather_last_dim(linear(hidden, self.weight, None, self.weight_scale))
         return None if logits is None else logits[:, :self.vocab_size].float()
 
 

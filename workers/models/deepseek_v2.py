@@ -26,7 +26,7 @@ class DeepseekV2MoE(nn.Module):
                           num_expert_group=config.n_group if grouped else None,
                           topk_group=config.topk_group if grouped else None,
                           routed_scaling_factor=config.routed_scaling_factor)
-        self.gate = Linear(config.hidden_size, config.n_routed_experts)
+        self.gate = Linear(config.hidden_size, config.n_routed_experts, quantizable=False)
         self.experts = FusedMoE(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size, routing)
         self.shared_experts = LlamaMLP(config, config.moe_intermediate_size * config.n_shared_experts) \
             if config.n_shared_experts else None

@@ -136,7 +136,9 @@ class LlamaDecoderLayer(nn.Module):
             self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
             attn.o_proj.bias, self.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
             attn.rotary.cos.float().contiguous(), attn.rotary.sin.float().contiguous(), self.input_layernorm.eps,
-            attn.attn.scale, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.sliding_window)
+            attn.attn.scale, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.sliding_window,
+            attn.qkv_proj.weight_scale, attn.o_proj.weight_scale, mlp.gate_up_proj.weight_scale,
+            mlp.down_proj.weight_scale)
 
 
 class LlamaModel(nn.Module):
@@ -152,8 +154,12 @@ class LlamaModel(nn.Module):
         self.stage_layers, self.layers = build_stage_layers(config.num_hidden_layers,
                                                             lambda i: layer_class(config, i, rotary))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if state.is_last_stage else None
-        # The C++ layer has no all-reduce between attention and MLP, hence tp 1 only.
-        self.one_call_layers = state.tp_size == 1 and all(self.layers[i].takes_one_call for i in self.stage_layers)
+
+    @functools.cached_property
+    def one_call_layers(self) -> bool:
+        """Whether the C++ one-call layer serves this stage's steps of few tokens: tp 1 only (it has no all-reduce
+        between attention and MLP), and every layer takes it."""
+        return parallel_state().tp_size == 1 and all(self.layers[i].takes_one_call for i in self.stage_layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:

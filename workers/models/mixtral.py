@@ -17,7 +17,7 @@ class MixtralMoE(nn.Module):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
-        self.gate = Linear(config.hidden_size, config.num_local_experts)
+        self.gate = Linear(config.hidden_size, config.num_local_experts, quantizable=False)
         self.experts = FusedMoE(config.num_local_experts, config.hidden_size, config.intermediate_size,
                                 Routing(config.num_experts_per_tok, renormalize=True))
 

@@ -24,12 +24,12 @@ class QwenMoE(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.gate = Linear(config.hidden_size, config.num_experts)
+        self.gate = Linear(config.hidden_size, config.num_experts, quantizable=False)
         self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                                 Routing(config.num_experts_per_tok, renormalize=config.norm_topk_prob))
         shared_size = getattr(config, "shared_expert_intermediate_size", 0)
         self.shared_expert = LlamaMLP(config, shared_size) if shared_size else None
-        self.shared_expert_gate = Linear(config.hidden_size, 1) if shared_size else None
+        self.shared_expert_gate = Linear(config.hidden_size, 1, quantizable=False) if shared_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))
