@@ -40,6 +40,7 @@ class EngineCore:
         self.executor = _make_executor(self.config)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         _check_capacity(self.config, self.num_kv_blocks)
+        weight_bytes = self.executor.weight_bytes()  # before the KV cache: Ray ranks then enter their step loop
         self.executor.initialize_kv_cache(self.num_kv_blocks)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, self.config.block_size,
                                                self.config.enable_prefix_caching)
@@ -50,7 +51,7 @@ class EngineCore:
             config.profiler_dir, config.profiler_max_seconds, config.profiler_max_steps)
         self.info = EngineInfo(model=self.config.model, max_model_len=self.config.max_model_len,
                                vocab_size=self.vocab_size, num_kv_blocks=self.num_kv_blocks,
-                               block_size=self.config.block_size, weight_bytes=self.executor.weight_bytes(),
+                               block_size=self.config.block_size, weight_bytes=weight_bytes,
                                scheduling_policy=self.config.scheduling_policy,
                                privileged_utilities=sorted(self._privileged_utilities()),
                                max_logprobs=self.config.max_logprobs)

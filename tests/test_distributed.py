@@ -118,6 +118,22 @@ def test_families_parallel_equal_single_rank(cluster, name, tp, pp, expert_paral
         llm.shutdown()
 
 
+def test_int8_quantized_parallel_equals_single_rank(cluster):
+    """Row-parallel layers take each row's scale from the whole row (max over the TP ranks), and a tied table is
+    quantized on the first stage (embeddings) as on the last (head): int8 tp × pp computes what int8 on one rank
+    does."""
+    quantized = {"quantization": "int8", "quantize_lm_head": True}
+    prompts = random_prompts(PROMPT_LENGTHS, vocab=1000)
+    expected = generate(LLM(model_dir("qwen2"), dtype="float32", in_process=True, **quantized), prompts)
+    llm = LLM(model_dir("qwen2"), in_process=True, tensor_parallel_size=2, pipeline_parallel_size=2, **quantized,
+              **SMALL_ENGINE)
+    try:
+        assert generate(llm, prompts) == expected
+        assert llm.info.weight_bytes > 0
+    finally:
+        llm.shutdown()
+
+
 def test_ranks_fall_back_to_zmq_without_shared_memory(cluster, monkeypatch):
     """As for ranks on another host than the engine: steps and replies go over ZMQ instead of shared memory."""
     import workers.ray_executor

@@ -113,6 +113,13 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum over this stage's TP ranks, in place (at load time: gloo or NCCL, no fast path)."""
+    if _state.tp_size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=_state.tp_group)
+    return x
+
+
 def tp_gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     """Concatenate each TP rank's x along the last dimension on TP rank 0; None on the other ranks."""
     if _state.tp_size == 1:

@@ -105,7 +105,8 @@ class RayExecutor:
         return min(self._gather([actor.determine_num_kv_blocks.remote() for actor in self.actors]))
 
     def weight_bytes(self) -> int:
-        """Over every rank: the model's weights as held, shards and replicas alike."""
+        """Over every rank: the model's weights as held, shards and replicas alike. Before initialize_kv_cache,
+        which switches the actors to their step loop."""
         return sum(self._gather([actor.weight_bytes.remote() for actor in self.actors]))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

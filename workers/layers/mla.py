@@ -1,5 +1,5 @@
 """Multi-head latent attention (DeepSeek-V2): the paged cache holds one compressed latent plus one rotary key per
-token, and attention runs in the absorbed form, so keys and values are never expanded per head."""
+token instead of keys and values per head; decodes attend over it absorbed, prefill chunks expand it."""
 from __future__ import annotations
 
 import functools

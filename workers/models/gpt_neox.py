@@ -102,6 +102,7 @@ class GPTNeoXForCausalLM(nn.Module):
             if parallel_state().is_last_stage else None
         # Older checkpoints name the head embed_out; a tied head on a stage without the embeddings loads them.
         self.weight_aliases = {"embed_out.weight": "lm_head.weight"}
+        self.tie_word_embeddings = config.tie_word_embeddings
         if config.tie_word_embeddings:
             self.weight_aliases |= tie_lm_head(self.lm_head, self.gpt_neox.embed_in, "gpt_neox.embed_in.weight")
 

@@ -196,6 +196,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) \
             if parallel_state().is_last_stage else None
         # Checkpoint names loaded into another parameter: a tied head on a stage without the embeddings.
+        self.tie_word_embeddings = config.tie_word_embeddings
         self.weight_aliases = tie_lm_head(self.lm_head, self.model.embed_tokens, "model.embed_tokens.weight") \
             if config.tie_word_embeddings else {}
 

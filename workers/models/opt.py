@@ -118,9 +118,9 @@ class OPTForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.word_embed_proj_dim) \
             if parallel_state().is_last_stage else None
         # Checkpoint names loaded into another parameter: a tied head on a stage without the embeddings.
+        self.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
         self.weight_aliases = tie_lm_head(self.lm_head, self.model.decoder.embed_tokens,
-                                          "model.decoder.embed_tokens.weight") \
-            if getattr(config, "tie_word_embeddings", True) else {}
+                                          "model.decoder.embed_tokens.weight") if self.tie_word_embeddings else {}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
