@@ -60,6 +60,12 @@ class DecoderLayerWeights:
                 self.sliding_window or 0]
 
 
+def takes_projection(weight: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
+                     g_idx: torch.Tensor | None) -> bool:
+    """Whether the one-call layer reads this projection: unquantized, or symmetric int8 with a scale per row."""
+    return scale is None or (weight.dtype == torch.int8 and scale.dim() == 1 and zero is None and g_idx is None)
+
+
 @dataclass(frozen=True)
 class DecodeStep:
     """What every layer of one step reads, one row per token: int64 tensors."""

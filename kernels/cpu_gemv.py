@@ -46,11 +46,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def gemv_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
               ) -> torch.Tensor:
-    """F.linear(x, weight * scale[:, None], bias) for an int8 weight [N, K] with a float32 scale per row, the
-    weight read as int8: half of bf16's bytes. Each row's sum is scaled once, in float32."""
-    if weight.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape != weight.shape[:1]:
-        raise ValueError("gemv_int8 takes an int8 weight [N, K] and a float32 scale [N]")
+    """F.linear(x, weight * scale, bias) for an int8 weight [N, K] with a float32 scale per row [N] or per group of
+    columns [N, K / group] (group a multiple of 8), the weight read as int8: half of bf16's bytes. Each row's (or
+    group's) sum is scaled once, in float32."""
+    if weight.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape[:1] != weight.shape[:1] \
+            or scale.dim() not in (1, 2) or (scale.dim() == 2 and not takes_groups(weight, scale)):
+        raise ValueError("gemv_int8 takes an int8 weight [N, K] and a float32 scale [N] or [N, K / group], "
+                         "the group a multiple of 8")
     return _run(x, weight, scale.contiguous(), bias)
+
+
+def takes_groups(weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether the kernel takes these per-group scales: equal groups of a multiple of 8 columns."""
+    groups = scale.shape[1]
+    return weight.shape[1] % groups == 0 and (weight.shape[1] // groups) % 8 == 0
 
 
 def _run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
@@ -66,6 +75,10 @@ def _run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias
     if scale is None:
         module.gemv(bf16, rows.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), rows.shape[0], out_features,
                     in_features)
+    elif scale.dim() == 2:
+        module.gemv_int8_grouped(bf16, rows.data_ptr(), weight.data_ptr(), scale.data_ptr(), bias_ptr,
+                                 out.data_ptr(), rows.shape[0], out_features, in_features,
+                                 in_features // scale.shape[1])
     else:
         module.gemv_int8(bf16, rows.data_ptr(), weight.data_ptr(), scale.data_ptr(), bias_ptr, out.data_ptr(),
                          rows.shape[0], out_features, in_features)

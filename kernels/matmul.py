@@ -1,5 +1,5 @@
 """y = x W^T + b on the fastest path for its device, dtype and row count (GEMV, or a GEMM in matmul_dtype), for
-plain weights and for int8 weights with a scale per output row (weight-only quantization)."""
+plain weights and for quantized ones (kernels.quantized_matmul describes their storage)."""
 from __future__ import annotations
 
 import torch
@@ -7,18 +7,21 @@ import torch.nn.functional as F
 
 from kernels import cpu_gemv
 from kernels.cpu_features import matmul_dtype
+from kernels.quantized_matmul import QUANTIZED_DTYPES, quantized_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+           weight_scale: torch.Tensor | None = None, weight_zero: torch.Tensor | None = None,
+           weight_g_idx: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear in `matmul_dtype`: bf16 weights stay bf16 in memory but multiply as float32 on CPUs that
     would emulate bf16 GEMMs (about 3x faster end to end, same result as a native bf16 GEMM). A few rows on the
     CPU (decode at small batch) go to the GEMV kernel, which streams the weight once.
 
-    An int8 weight comes with `weight_scale` (float32, one per output row): W = weight * weight_scale[:, None].
-    Few rows read it as int8 (the GEMV kernel); more rows dequantize it once per call into the GEMM's dtype."""
-    if weight.dtype == torch.int8:
-        return _int8_linear(x, weight, weight_scale, bias)
+    A quantized weight (int8, packed 4-bit, fp8) comes with its scales and optional zero points and act-order
+    g_idx. Symmetric int8 read by few rows stays int8 (the GEMV kernel); the rest is dequantized a tile of rows at
+    a time into the GEMM's dtype."""
+    if weight.dtype in QUANTIZED_DTYPES:
+        return _quantized_linear(x, weight, bias, weight_scale, weight_zero, weight_g_idx)
     if cpu_gemv.serves(x, weight, bias):
         return cpu_gemv.gemv(x, weight, bias)
     compute = matmul_dtype(weight.dtype, weight.device)
@@ -28,13 +31,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.to(weight.dtype)
 
 
-def _int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
-                 ) -> torch.Tensor:
+def _quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
+                      zero: torch.Tensor | None, g_idx: torch.Tensor | None) -> torch.Tensor:
     if scale is None:
-        raise ValueError("an int8 weight needs its weight_scale")
-    if cpu_gemv.serves(x, weight, bias):
+        raise ValueError(f"a {weight.dtype} weight needs its weight_scale")
+    if weight.dtype == torch.int8 and zero is None and g_idx is None and cpu_gemv.serves(x, weight, bias) \
+            and (scale.dim() == 1 or cpu_gemv.takes_groups(weight, scale)):
         return cpu_gemv.gemv_int8(x, weight, scale, bias)
-    compute = matmul_dtype(x.dtype, x.device)
-    dequantized = weight.to(compute) * scale.to(compute).unsqueeze(1)
-    out = F.linear(x.to(compute), dequantized, bias.to(compute) if bias is not None else None)
-    return out.to(x.dtype)
+    return quantized_linear(x, weight, scale, zero, g_idx, bias)

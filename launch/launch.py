@@ -26,6 +26,7 @@ if not __package__:  # run as `python launch/launch.py`: `launch` must be this p
 from core.engine_spawn import EngineProcess, child_env  # noqa: E402
 from frontend.api.cli_args import API_KEY_ENV, add_gateway_flags, auto_tool_parser, gateway_argv  # noqa: E402
 from ipc import EngineConfig  # noqa: E402
+from ipc.config import QUANTIZATION_METHODS  # noqa: E402
 from ipc.lifeline import make_lifeline  # noqa: E402
 from ipc.sockets import private_ipc_address  # noqa: E402
 from launch.shipped import DEMO_CHAT_PROMPT, DEMO_MODEL_NAME, shipped_model  # noqa: E402
@@ -62,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
     engine.add_argument("--pp", "--pipeline-parallel-size", dest="pipeline_parallel_size", type=int, default=1)
-    engine.add_argument("--quantization", choices=("int8",),
-                        help="quantize the weights at load: int8 = weight-only, one scale per output channel")
+    engine.add_argument("--quantization", choices=QUANTIZATION_METHODS,
+                        help="int8: quantize the weights at load (weight-only, one scale per output channel); "
+                             "compressed-tensors, gptq, awq: the checkpoint's format (found without it)")
     engine.add_argument("--quantize-lm-head", action="store_true",
                         help="with --quantization: the LM head (and embeddings tied to it) too")
     engine.add_argument("--enable-expert-parallel", action="store_true",

@@ -40,3 +40,11 @@ def hf_beam_search(model_dir: str, prompt_token_ids: list[int], max_new_tokens: 
     lengths = (output.beam_indices != -1).sum(dim=1).tolist()
     generated = output.sequences[:, len(prompt_token_ids):]
     return [(generated[i, :n].tolist(), float(output.sequences_scores[i])) for i, n in enumerate(lengths)]
+
+
+@torch.inference_mode()
+def hf_logprobs(model_dir: str, token_ids: list[int], start: int) -> torch.Tensor:
+    """Log-probabilities [len(token_ids) - start, vocab] of the tokens after position start - 1: what the engine
+    reports for a completion of token_ids[start:] after the prompt token_ids[:start]."""
+    logits = _hf_model(model_dir)(torch.tensor([token_ids])).logits[0].float()
+    return logits.log_softmax(-1)[start - 1:-1]

@@ -138,6 +138,22 @@ def test_int8_quantized_parallel_equals_single_rank(cluster):
         llm.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["gptq-4bit-act-order", "ct-w4a16-asymmetric"])
+def test_quantized_checkpoint_parallel_equals_single_rank(cluster, kind):
+    """Packed 4-bit weights split over the ranks in whole bytes and groups (row-parallel layers take their columns'
+    share of the scales and zero points; with act-order, the whole scales and their columns' g_idx)."""
+    from test_quantized_checkpoints import checkpoint
+
+    folder = checkpoint(kind, "qwen2")[0]
+    prompts = random_prompts(PROMPT_LENGTHS, vocab=1000)
+    expected = generate(LLM(folder, dtype="float32", in_process=True), prompts)
+    llm = LLM(folder, in_process=True, tensor_parallel_size=2, **SMALL_ENGINE)
+    try:
+        assert generate(llm, prompts) == expected
+    finally:
+        llm.shutdown()
+
+
 def test_ranks_fall_back_to_zmq_without_shared_memory(cluster, monkeypatch):
     """As for ranks on another host than the engine: steps and replies go over ZMQ instead of shared memory."""
     import workers.ray_executor

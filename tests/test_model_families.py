@@ -151,7 +151,7 @@ def test_gemma2_logprobs_are_of_the_soft_capped_logits():
     """tanh capping keeps the argmax, so greedy tokens cannot show it: the logprobs must be HF's (capped) ones."""
     import torch
 
-    from hf_reference import _hf_model
+    from hf_reference import _hf_model, hf_logprobs
 
     model = family_model("gemma2", "odd")
     prompt = prompts()[2]
@@ -166,6 +166,6 @@ def test_gemma2_logprobs_are_of_the_soft_capped_logits():
     with torch.inference_mode():
         logits = _hf_model(model)(torch.tensor([prompt + completion.token_ids])).logits[0].float()
     assert logits.abs().max() <= 3.0  # the cap is in force
-    reference = logits.log_softmax(-1)[len(prompt) - 1:]
+    reference = hf_logprobs(model, prompt + completion.token_ids, len(prompt))
     for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
         torch.testing.assert_close(entry[token].logprob, reference[step, token].item(), atol=1e-4, rtol=0)

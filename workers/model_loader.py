@@ -12,40 +12,80 @@ from transformers import PretrainedConfig
 from workers.layers.fused_moe import expert_target
 from workers.layers.linear import Sliceable
 from workers.models import get_model_class
-from workers.quantization import quantize_model
+from workers.quantization import checkpoint_format, quantize_model
+from workers.quantization.formats import CheckpointFormat
+from workers.quantization.quantized_layers import holds_quantized, load_quantized
+
+# Integer and fp8 storage (torch and safetensors names): never a plain weight's values.
+QUANTIZED_STORAGE = frozenset({"int8", "uint8", "int32", "float8_e4m3fn", "float8_e5m2",
+                               "I8", "U8", "I32", "F8_E4M3", "F8_E5M2"})
 
 
 def load_model(model_dir: str, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                quantization: str | None = None, quantize_lm_head: bool = False) -> nn.Module:
     with _default_dtype(dtype), torch.device(device):
         model = get_model_class(config)(config)
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, checkpoint_format(config, quantization))
     quantize_model(model, quantization, quantize_lm_head)
     return model.eval()
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
+def load_weights(model: nn.Module, model_dir: str, quantized: CheckpointFormat | None = None) -> None:
     """Copy each checkpoint tensor this rank holds into its parameter (merged projections take their part,
-    TP-parallel ones their rank's shard); a safetensors slice reads only the bytes a parameter indexes."""
+    TP-parallel ones their rank's shard); a safetensors slice reads only the bytes a parameter indexes. A
+    quantized checkpoint's modules load in its format's storage first (workers.quantization)."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"model {model_dir!r} has no *.safetensors weight files")
     params = dict(model.named_parameters())
     missing = set(params)
-    for file in files:
-        with safe_open(str(file), framework="pt") as reader:
-            for name in reader.keys():
-                target = _target_of(name, params, model)
-                if target is None:
-                    continue
-                param_name, shard_id = target
-                _load_into(params[param_name], reader.get_slice(name), shard_id)
-                missing.discard(param_name)
+    with contextlib.ExitStack() as stack:
+        readers = {name: reader for reader in (stack.enter_context(safe_open(str(f), framework="pt")) for f in files)
+                   for name in reader.keys()}
+        consumed = _load_quantized_modules(model, readers, quantized, params, missing) if quantized else set()
+        for name, reader in readers.items():
+            target = None if name in consumed else _target_of(name, params, model)
+            if target is None:
+                continue
+            param_name, shard_id = target
+            _load_into(params[param_name], reader.get_slice(name), shard_id)
+            missing.discard(param_name)
     if missing:
         raise ValueError(f"model {model_dir!r}: checkpoint lacks weights for {sorted(missing)[:8]}")
 
 
+def _load_quantized_modules(model: nn.Module, readers: dict, quantized: CheckpointFormat, params: dict,
+                            missing: set[str]) -> set[str]:
+    """Load every quantized module of the checkpoint; the names of the tensors they consumed. A module whose layer
+    computes only with plain weights (a router, experts, embeddings) is dequantized into it."""
+    names = set(readers)
+    modules = sorted({m for m in map(quantized.quantized_module, names) if m is not None})
+    if not modules:
+        raise ValueError(f"the checkpoint's quantization_config names {quantized.name}, but none of its tensors is "
+                         "stored that way")
+    consumed: set[str] = set()
+    for module in modules:
+        tensor_names = quantized.module_tensors(module, names)
+        consumed.update(tensor_names)
+        target = _target_of(module + ".weight", params, model)
+        if target is None:
+            continue
+        part = quantized.convert(module, {n[len(module) + 1:]: readers[n].get_tensor(n) for n in tensor_names})
+        param_name, shard_id = target
+        layer = model.get_submodule(param_name.rpartition(".")[0])
+        if param_name.endswith(".weight") and holds_quantized(layer):
+            load_quantized(layer, part, shard_id)
+        else:
+            _load_into(params[param_name], part.dequantized().to(params[param_name].dtype), shard_id)
+        missing.discard(param_name)
+    return consumed
+
+
 def _load_into(param: nn.Parameter, loaded: Sliceable, shard_id: int | tuple[int, int] | None) -> None:
+    if param.is_floating_point() and _stored_dtype(loaded) in QUANTIZED_STORAGE:
+        raise ValueError(f"a checkpoint tensor of {_stored_dtype(loaded)} values would load into a "
+                         f"{param.dtype} weight with no quantization scales (missing weight_scale / scales, or a "
+                         "quantization_config that does not describe this checkpoint)")
     loader = getattr(param, "weight_loader", None)
     if loader is not None:
         loader(param, loaded, shard_id)
@@ -80,6 +120,10 @@ def _target_of(name: str, params: dict, model: nn.Module) -> tuple[str, int | tu
         if candidate in params:
             return candidate, None
     return None
+
+
+def _stored_dtype(loaded: Sliceable) -> str:
+    return str(loaded.dtype).removeprefix("torch.") if isinstance(loaded, torch.Tensor) else loaded.get_dtype()
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 // Small-batch matrix-vector products y = x W^T + b that stream W once at memory speed, bf16 widened in registers.
-// W may be int8 with a float32 scale per output row (weight-only quantization): y = (x . q) * scale + b.
+// W may be int8 with a float32 scale per output row (weight-only quantization): y = (x . q) * scale + b, or per
+// group of G input columns (GGUF's Q8_0: G = 32): y = sum over groups of (x_g . q_g) * scale_g + b.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -110,6 +111,49 @@ void gemv(const T* x, const WT* w, const T* bias, T* y, int64_t M, int64_t N, in
   }
   for (int64_t n = blocks * R; n < N; ++n)
     for (int64_t m0 = 0; m0 < M; ++m0) output_tile<1, 1>(w, xf.data(), bias, scale, y, n, m0, N, K);
+}
+
+// Row w [K] int8 against x [K] with a scale per group of `group` columns (a multiple of 8): each group's
+// products are summed in a vector, scaled once, and gathered in a second vector; one horizontal sum at the end.
+inline float dot_grouped(const int8_t* w, const float* x, const float* scale, int64_t K, int64_t group) {
+  float sum = 0.f;
+  int64_t k = 0;
+#ifdef __AVX2__
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t g = 0; k < K; ++g) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    const int64_t end = k + group;
+    for (; k + 16 <= end; k += 16) {
+      a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a0);
+      a1 = _mm256_fmadd_ps(load8(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+    }
+    if (k < end) { a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a0); k += 8; }
+    total = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(scale[g]), total);
+  }
+  sum = hsum(total);
+#else
+  for (int64_t g = 0; k < K; ++g) {
+    float part = 0.f;
+    for (const int64_t end = k + group; k < end; ++k) part += float(w[k]) * x[k];
+    sum += part * scale[g];
+  }
+#endif
+  return sum;
+}
+
+// x [M, K], w int8 [N, K] with scale [N, K / group], bias [N] or null, y [M, N]. A weight row (K bytes) stays in
+// L1 while every input row passes over it.
+template <typename T>
+void gemv_grouped(const T* x, const int8_t* w, const float* scale, const T* bias, T* y, int64_t M, int64_t N,
+                  int64_t K, int64_t group) {
+  std::vector<float> xf(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(x[i]);
+  const int64_t groups = K / group;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m)
+      store(dot_grouped(w + n * K, xf.data() + m * K, scale + n * groups, K, group) + (bias ? widen(bias[n]) : 0.f),
+            y + m * N + n);
 }
 
 }  // namespace pagedserve

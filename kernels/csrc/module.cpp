@@ -43,6 +43,12 @@ void gemv_int8(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uintpt
   pagedserve::gemv(in<T>(x), in<int8_t>(w), in<T>(bias), out<T>(y), m, n, k, in<float>(scale));
 }
 
+template <typename T>
+void gemv_int8_grouped(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uintptr_t y, int64_t m, int64_t n,
+                       int64_t k, int64_t group) {
+  pagedserve::gemv_grouped(in<T>(x), in<int8_t>(w), in<float>(scale), in<T>(bias), out<T>(y), m, n, k, group);
+}
+
 // weights: input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, cos, sin, then the scales of qkv, o,
 // gate_up and down (0 for an absent bias, and for a weight of the model dtype; else it is int8);
 // dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none).
@@ -81,6 +87,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_int8", [](bool bf16, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uintptr_t y,
                         int64_t m, int64_t n, int64_t k) {
     (bf16 ? gemv_int8<uint16_t> : gemv_int8<float>)(x, w, scale, bias, y, m, n, k);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gemv_int8_grouped", [](bool bf16, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uintptr_t y,
+                                int64_t m, int64_t n, int64_t k, int64_t group) {
+    (bf16 ? gemv_int8_grouped<uint16_t> : gemv_int8_grouped<float>)(x, w, scale, bias, y, m, n, k, group);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decoder_layer", [](bool bf16, const std::vector<uintptr_t>& weights, const std::vector<int64_t>& dims,
                             double eps, double scale, uintptr_t x, uintptr_t residual, uintptr_t o,

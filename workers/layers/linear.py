@@ -7,19 +7,21 @@ import torch
 from torch import nn
 
 from kernels.matmul import linear
+from kernels.quantized_matmul import dequantize
 from workers.distributed import parallel_state, shard_range, tp_all_reduce
 
 
 class Linear(nn.Module):
     """y = x W^T + b, with W loaded whole from one checkpoint tensor. Weight quantization (workers/quantization)
-    may replace W by int8 and set `weight_scale`, unless the layer is not `quantizable` (a router)."""
+    may replace W by a quantized one and set `weight_scale` (and `weight_zero`, `weight_g_idx`: see
+    kernels.quantized_matmul), unless the layer is not `quantizable` (a router)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, quantizable: bool = True) -> None:
         super().__init__()
         self.quantizable = quantizable
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.register_buffer("weight_scale", None, persistent=False)
+        add_quantization_slots(self)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -29,7 +31,7 @@ class Linear(nn.Module):
         copy_checked(param.data, loaded[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale)
+        return quantizable_linear(self, x, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -47,7 +49,7 @@ class ColumnParallelLinear(nn.Module):
         self.quantizable = True
         self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.register_buffer("weight_scale", None, persistent=False)
+        add_quantization_slots(self)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.output_sizes)), requires_grad=False)
@@ -66,7 +68,7 @@ class ColumnParallelLinear(nn.Module):
                           loaded[offset + start:offset + end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.weight_scale)
+        return quantizable_linear(self, x, self.bias)
 
 
 class RowParallelLinear(Linear):
@@ -77,7 +79,7 @@ class RowParallelLinear(Linear):
         state = parallel_state()
         input_range = shard_range(input_size, state.tp_rank, state.tp_size)
         super().__init__(input_range[1] - input_range[0], output_size, bias)
-        self.tp_size, self.input_range = state.tp_size, input_range
+        self.tp_size, self.input_range, self.full_input_size = state.tp_size, input_range, input_size
 
     def weight_loader(self, param: nn.Parameter, loaded: Sliceable, shard_id: int | None = None) -> None:
         start, end = self.input_range
@@ -85,8 +87,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias, self.weight_scale)
-        out = tp_all_reduce(linear(x, self.weight, None, self.weight_scale))
+            return quantizable_linear(self, x, self.bias)
+        out = tp_all_reduce(quantizable_linear(self, x, None))
         return out if self.bias is None else out + self.bias
 
 
@@ -96,11 +98,22 @@ class Sliceable(Protocol):
     def __getitem__(self, index: Any) -> torch.Tensor: ...
 
 
+def add_quantization_slots(layer: nn.Module) -> None:
+    """The tensors a quantized weight comes with, None while the weight is not quantized."""
+    for name in ("weight_scale", "weight_zero", "weight_g_idx"):
+        layer.register_buffer(name, None, persistent=False)
+
+
+def quantizable_linear(layer: Linear | ColumnParallelLinear, x: torch.Tensor, bias: torch.Tensor | None
+                       ) -> torch.Tensor:
+    return linear(x, layer.weight, bias, layer.weight_scale, layer.weight_zero, layer.weight_g_idx)
+
+
 def dequantized_weight(layer: Linear | ColumnParallelLinear) -> torch.Tensor:
     """The layer's weight for code that reads it directly: as loaded, or (quantized) dequantized to float32."""
     if layer.weight_scale is None:
         return layer.weight
-    return layer.weight.float() * layer.weight_scale.unsqueeze(1)
+    return dequantize(layer.weight, layer.weight_scale, layer.weight_zero, layer.weight_g_idx)
 
 
 def _rows_of(loaded: Sliceable) -> int:

@@ -120,7 +120,11 @@ class LlamaDecoderLayer(nn.Module):
 
     @property
     def takes_one_call(self) -> bool:
-        return self.one_call_capable and self.self_attn.rotary.rotary_dim == self.self_attn.head_dim
+        if not self.one_call_capable or self.self_attn.rotary.rotary_dim != self.self_attn.head_dim:
+            return False
+        projections = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        return all(cpu_decoder_layer.takes_projection(p.weight, p.weight_scale, p.weight_zero, p.weight_g_idx)
+                   for p in projections)
 
     def fused_decode(self, x: torch.Tensor, residual: torch.Tensor | None, step: cpu_decoder_layer.DecodeStep
                      ) -> tuple[torch.Tensor, torch.Tensor]:

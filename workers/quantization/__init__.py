@@ -1,33 +1,52 @@
-"""Weight quantization behind the linear layers: one module per method; `quantize_model` applies the chosen one."""
+"""Weight quantization behind the linear layers: online methods quantize a plain checkpoint at load (`int8`,
+`fp8`); checkpoint formats load weights stored quantized, named by config.json's quantization_config."""
 from __future__ import annotations
+
+from typing import Any
 
 from torch import nn
 from transformers import PretrainedConfig
 
+from ipc.config import QUANTIZATION_METHODS
+from workers.quantization.awq import AWQFormat
+from workers.quantization.compressed_tensors import CompressedTensorsFormat
+from workers.quantization.formats import CheckpointFormat, config_value
+from workers.quantization.gptq import GPTQFormat
 from workers.quantization.int8 import quantize_int8_model
 
-METHODS = ("int8",)
+CHECKPOINT_FORMATS: dict[str, type] = {"compressed-tensors": CompressedTensorsFormat, "gptq": GPTQFormat,
+                                       "awq": AWQFormat}
+METHODS = QUANTIZATION_METHODS
 
 
 def check_method(method: str | None) -> None:
-    """ValueError naming the supported methods when `method` is not one of them (None: no quantization)."""
+    """ValueError naming the supported methods when `method` is not one of them (None: as the checkpoint is)."""
     if method is not None and method not in METHODS:
         raise ValueError(f"quantization {method!r} is not supported; supported: {', '.join(METHODS)}")
 
 
-def check_checkpoint(config: PretrainedConfig) -> None:
-    """A checkpoint stored quantized (config.json's quantization_config) cannot be loaded yet: say so at load
-    instead of failing on tensor names or, worse, computing with packed integers as if they were weights."""
-    quant_config = getattr(config, "quantization_config", None)
-    if quant_config:
-        method = quant_config.get("quant_method") if isinstance(quant_config, dict) else \
-            getattr(quant_config, "quant_method", None)
-        raise ValueError(f"the checkpoint is quantized (quant_method {method!r}); quantized checkpoints are not "
-                         "supported yet: load the unquantized model, optionally with quantization='int8'")
+def checkpoint_format(config: PretrainedConfig, method: str | None = None) -> CheckpointFormat | None:
+    """The format of a checkpoint stored quantized (None for plain weights), checked against the `quantization`
+    asked for: ValueError for an unknown quant_method, a contradictory request or a malformed configuration, so
+    that nothing computes with packed integers as if they were weights."""
+    check_method(method)
+    quant_config: Any = getattr(config, "quantization_config", None)
+    if not quant_config:
+        if method in CHECKPOINT_FORMATS:
+            raise ValueError(f"quantization {method!r} needs a checkpoint stored in that format; this one has no "
+                             "quantization_config")
+        return None
+    stored = config_value(quant_config, "quant_method")
+    if stored not in CHECKPOINT_FORMATS:
+        raise ValueError(f"the checkpoint's quant_method {stored!r} is not supported; supported: "
+                         f"{', '.join(CHECKPOINT_FORMATS)}")
+    if method is not None and method != stored:
+        raise ValueError(f"the checkpoint is already quantized ({stored}); quantization {method!r} cannot apply: "
+                         f"leave quantization unset (or {stored!r})")
+    return CHECKPOINT_FORMATS[stored](quant_config)
 
 
 def quantize_model(model: nn.Module, method: str | None, quantize_lm_head: bool = False) -> None:
-    """Quantize the loaded model's weights in place (no-op for None)."""
-    check_method(method)
+    """Quantize the loaded model's weights in place for an online method (no-op otherwise)."""
     if method == "int8":
         quantize_int8_model(model, quantize_lm_head)
