@@ -14,7 +14,7 @@ from ipc import EngineConfig, EngineCoreOutput, EngineCoreRequest, EngineInfo, F
 from ipc.request_rules import context_room
 from workers.executor import Executor, InProcessExecutor
 from workers.model_config import check_parallel_sizes, load_hf_config, model_max_len
-from workers.quantization import checkpoint_format
+from workers.quantization import check_quantization
 
 if TYPE_CHECKING:
     from core.structured_output.manager import StructuredOutputManager
@@ -33,7 +33,7 @@ class EngineCore:
         self.vocab_size: int = hf_config.vocab_size
         check_parallel_sizes(hf_config, self.config.tensor_parallel_size, self.config.pipeline_parallel_size,
                              self.config.enable_expert_parallel)
-        checkpoint_format(hf_config, self.config.quantization)  # a bad method or checkpoint fails here, not in a rank
+        check_quantization(self.config.model, hf_config, self.config.quantization)  # here, not in a rank
         _check_draft_model(self.config, hf_config.vocab_size)
         self.executor = _make_executor(self.config)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()

@@ -16,7 +16,7 @@ from frontend.outputs import RequestOutput
 from frontend.prompts import PromptType, check_sampling_params
 from frontend.request_group import OutputCallback, RequestGroup
 from frontend.request_router import RequestRouter
-from frontend.tokenizer import load_tokenizer
+from frontend.tokenizer import load_tokenizer, model_folder, tokenizer_folder
 from ipc import EngineCoreOutputs, SamplingParams, SchedulerStats
 
 logger = logging.getLogger("pagedserve.async_llm")
@@ -31,14 +31,16 @@ class AsyncLLM:
 
     def __init__(self, model: str | None = None, *, engine_address: str | None = None,
                  curve_key_file: str | None = None, handshake_timeout: float = 30.0, **engine_args) -> None:
+        files = tokenizer_folder(model, engine_args.get("tokenizer")) if model else None  # before an engine starts
         self.client: AsyncEngineCoreClient = connect_engine(
             model, engine_args, engine_address=engine_address, curve_key_file=curve_key_file,
             handshake_timeout=handshake_timeout, asynchronous=True)
         self._shutdown = weakref.finalize(self, self.client.shutdown)
         self.info = self.client.info
-        self.tokenizer = load_tokenizer(model or self.info.model)
+        self.tokenizer = load_tokenizer(files or self.info.model)
+        model_files = model_folder(model or self.info.model, files)  # generation_config.json
         self.router = RequestRouter(self.client, self.tokenizer, self.info,
-                                    model_stop_token_ids(model or self.info.model, self.tokenizer.eos_token_id))
+                                    model_stop_token_ids(model_files, self.tokenizer.eos_token_id))
         self.output_handler: asyncio.Task | None = None
 
     @property

@@ -16,7 +16,7 @@ from frontend.outputs import RequestOutput
 from frontend.prompts import PromptType, check_sampling_params, tokenize_prompt
 from frontend.request_group import FinalOutputs
 from frontend.request_router import RequestRouter
-from frontend.tokenizer import apply_chat_template, load_tokenizer
+from frontend.tokenizer import apply_chat_template, load_tokenizer, model_folder, tokenizer_folder
 from ipc import RequestOutputKind, SamplingParams, SchedulerStats
 
 
@@ -29,14 +29,16 @@ class LLM:
         or attaches to a running engine core (`engine_address`, with `curve_key_file` if it uses CURVE).
         generate() without sampling params samples as the model's generation_config.json recommends ("auto"), or
         with SamplingParams() ("vllm"), or as a generation_config.json in another folder (vLLM's rule)."""
+        files = tokenizer_folder(model, engine_args.get("tokenizer")) if model else None  # before an engine starts
         self.client = connect_engine(model, engine_args, in_process=in_process, engine_address=engine_address,
                                      curve_key_file=curve_key_file)
         self._shutdown = weakref.finalize(self, self.client.shutdown)
         self.info = self.client.info
-        self.tokenizer = load_tokenizer(model or self.info.model)
+        self.tokenizer = load_tokenizer(files or self.info.model)
+        model_files = model_folder(model or self.info.model, files)  # generation_config.json
         self.router = RequestRouter(self.client, self.tokenizer, self.info,
-                                    model_stop_token_ids(model or self.info.model, self.tokenizer.eos_token_id))
-        self.default_sampling_params = SamplingParams(**load_generation_defaults(model or self.info.model,
+                                    model_stop_token_ids(model_files, self.tokenizer.eos_token_id))
+        self.default_sampling_params = SamplingParams(**load_generation_defaults(model_files,
                                                                                   generation_config))
         self._request_counter = itertools.count()
 

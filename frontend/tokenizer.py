@@ -16,6 +16,23 @@ _JINJA_CHARS = "{}\n"
 _PLAIN_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 
 
+def tokenizer_folder(model: str, tokenizer: str | None) -> str:
+    """Where the tokenizer (and generation_config.json) come from: `tokenizer` when given, else the model folder.
+    A GGUF file is loaded as weights only: its tokenizer comes from an HF folder (vLLM's advice too)."""
+    if tokenizer:
+        return tokenizer
+    if model.endswith(".gguf") and Path(model).is_file():
+        raise ValueError(f"model {model!r} is a GGUF file: give tokenizer= (--tokenizer), an HF folder with its "
+                         "tokenizer files")
+    return model
+
+
+def model_folder(model: str, tokenizer_files: str | None) -> str:
+    """The folder of the model's own files (generation_config.json): the model's, or for a GGUF file its tokenizer
+    folder."""
+    return model if Path(model).is_dir() or not tokenizer_files else tokenizer_files
+
+
 def load_tokenizer(model: str) -> PreTrainedTokenizerBase:
     try:
         if _tokenizer_class(model) in _PLAIN_TOKENIZER_CLASSES:

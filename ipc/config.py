@@ -15,7 +15,7 @@ Positive = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Online methods quantize a plain checkpoint at load; the others name the format a checkpoint is stored in.
-QUANTIZATION_METHODS = ("int8", "compressed-tensors", "gptq", "awq")
+QUANTIZATION_METHODS = ("int8", "compressed-tensors", "gptq", "awq", "gguf")
 _DEVICES = ("auto", "cpu", "cuda")
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 

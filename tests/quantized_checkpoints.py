@@ -198,3 +198,21 @@ def _integer_checkpoint(source: str, folder: Path, method: str, bits: int, group
     for out in (quantized, reference):
         _copy_tokenizer(source, out)
     return str(quantized), str(reference)
+
+
+def gguf_reference(path: str, tokenizer: str, folder: Path) -> str:
+    """A float32 folder of what HF transformers reads from the GGUF file (its own name mapping, q/k reordering and
+    dequantization through the gguf package): the reference the engine's GGUF loading must equal."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    warnings.filterwarnings("ignore")
+    config = AutoConfig.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict({name: tensor.float() for name, tensor in tensors.items()}, strict=False)
+    model.tie_weights()
+    model.config.architectures = [type(model).__name__]
+    reference = _save_plain(model, folder)
+    _copy_tokenizer(tokenizer, reference)
+    return str(reference)

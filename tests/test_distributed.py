@@ -138,16 +138,19 @@ def test_int8_quantized_parallel_equals_single_rank(cluster):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["gptq-4bit-act-order", "ct-w4a16-asymmetric"])
+@pytest.mark.parametrize("kind", ["gptq-4bit-act-order", "ct-w4a16-asymmetric", "gguf-q8_0"])
 def test_quantized_checkpoint_parallel_equals_single_rank(cluster, kind):
     """Packed 4-bit weights split over the ranks in whole bytes and groups (row-parallel layers take their columns'
-    share of the scales and zero points; with act-order, the whole scales and their columns' g_idx)."""
+    share of the scales and zero points; with act-order, the whole scales and their columns' g_idx); GGUF's Q8_0
+    rows and llama's reordered q/k rows split like any others."""
+    from test_gguf import COMMITTED, COMMITTED_FILE
     from test_quantized_checkpoints import checkpoint
 
-    folder = checkpoint(kind, "qwen2")[0]
+    model, extra = (COMMITTED_FILE, {"tokenizer": str(COMMITTED)}) if kind == "gguf-q8_0" else \
+        (checkpoint(kind, "qwen2")[0], {})
     prompts = random_prompts(PROMPT_LENGTHS, vocab=1000)
-    expected = generate(LLM(folder, dtype="float32", in_process=True), prompts)
-    llm = LLM(folder, in_process=True, tensor_parallel_size=2, **SMALL_ENGINE)
+    expected = generate(LLM(model, dtype="float32", in_process=True, **extra), prompts)
+    llm = LLM(model, in_process=True, tensor_parallel_size=2, **SMALL_ENGINE, **extra)
     try:
         assert generate(llm, prompts) == expected
     finally:

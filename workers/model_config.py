@@ -6,11 +6,15 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from workers.quantization.gguf import is_gguf, load_gguf_config
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_hf_config(model: str) -> PretrainedConfig:
-    """The folder's config.json; a clear ValueError when the folder is not a model folder."""
+    """The folder's config.json (or a GGUF file's metadata); a clear ValueError when it is neither."""
+    if is_gguf(model):
+        return load_gguf_config(model)
     path = Path(model)
     if not (path / "config.json").is_file():
         raise ValueError(f"model {model!r} is not a model folder: no config.json there "

@@ -14,6 +14,7 @@ from workers.layers.linear import Sliceable
 from workers.models import get_model_class
 from workers.quantization import checkpoint_format, quantize_model
 from workers.quantization.formats import CheckpointFormat
+from workers.quantization.gguf import GGUFCheckpoint, is_gguf
 from workers.quantization.quantized_layers import holds_quantized, load_quantized
 
 # Integer and fp8 storage (torch and safetensors names): never a plain weight's values.
@@ -21,37 +22,49 @@ QUANTIZED_STORAGE = frozenset({"int8", "uint8", "int32", "float8_e4m3fn", "float
                                "I8", "U8", "I32", "F8_E4M3", "F8_E5M2"})
 
 
-def load_model(model_dir: str, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+def load_model(model_path: str, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                quantization: str | None = None, quantize_lm_head: bool = False) -> nn.Module:
+    """The model of a folder of safetensors files or of a GGUF file, its weights loaded (and quantized when an
+    online `quantization` asks)."""
     with _default_dtype(dtype), torch.device(device):
         model = get_model_class(config)(config)
-    load_weights(model, model_dir, checkpoint_format(config, quantization))
+    if is_gguf(model_path):
+        gguf = GGUFCheckpoint(model_path, config)
+        load_weights(model, model_path, {name: gguf for name in gguf.keys()}, gguf)
+    else:
+        with _safetensors_readers(model_path) as readers:
+            load_weights(model, model_path, readers, checkpoint_format(config, quantization))
     quantize_model(model, quantization, quantize_lm_head)
     return model.eval()
 
 
-def load_weights(model: nn.Module, model_dir: str, quantized: CheckpointFormat | None = None) -> None:
-    """Copy each checkpoint tensor this rank holds into its parameter (merged projections take their part,
-    TP-parallel ones their rank's shard); a safetensors slice reads only the bytes a parameter indexes. A
-    quantized checkpoint's modules load in its format's storage first (workers.quantization)."""
+@contextlib.contextmanager
+def _safetensors_readers(model_dir: str):
+    """Each tensor name of the folder's *.safetensors files → the open file holding it."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ValueError(f"model {model_dir!r} has no *.safetensors weight files")
+    with contextlib.ExitStack() as stack:
+        yield {name: reader for reader in (stack.enter_context(safe_open(str(f), framework="pt")) for f in files)
+               for name in reader.keys()}
+
+
+def load_weights(model: nn.Module, source: str, readers: dict, quantized: CheckpointFormat | None = None) -> None:
+    """Copy each checkpoint tensor this rank holds into its parameter (merged projections take their part,
+    TP-parallel ones their rank's shard); a safetensors slice reads only the bytes a parameter indexes. A
+    quantized checkpoint's modules load in its format's storage first (workers.quantization)."""
     params = dict(model.named_parameters())
     missing = set(params)
-    with contextlib.ExitStack() as stack:
-        readers = {name: reader for reader in (stack.enter_context(safe_open(str(f), framework="pt")) for f in files)
-                   for name in reader.keys()}
-        consumed = _load_quantized_modules(model, readers, quantized, params, missing) if quantized else set()
-        for name, reader in readers.items():
-            target = None if name in consumed else _target_of(name, params, model)
-            if target is None:
-                continue
-            param_name, shard_id = target
-            _load_into(params[param_name], reader.get_slice(name), shard_id)
-            missing.discard(param_name)
+    consumed = _load_quantized_modules(model, readers, quantized, params, missing) if quantized else set()
+    for name, reader in readers.items():
+        target = None if name in consumed else _target_of(name, params, model)
+        if target is None:
+            continue
+        param_name, shard_id = target
+        _load_into(params[param_name], reader.get_slice(name), shard_id)
+        missing.discard(param_name)
     if missing:
-        raise ValueError(f"model {model_dir!r}: checkpoint lacks weights for {sorted(missing)[:8]}")
+        raise ValueError(f"model {source!r}: checkpoint lacks weights for {sorted(missing)[:8]}")
 
 
 def _load_quantized_modules(model: nn.Module, readers: dict, quantized: CheckpointFormat, params: dict,
@@ -60,7 +73,7 @@ def _load_quantized_modules(model: nn.Module, readers: dict, quantized: Checkpoi
     computes only with plain weights (a router, experts, embeddings) is dequantized into it."""
     names = set(readers)
     modules = sorted({m for m in map(quantized.quantized_module, names) if m is not None})
-    if not modules:
+    if not modules and quantized.name != "gguf":  # a GGUF file may hold no Q8_0 tensor
         raise ValueError(f"the checkpoint's quantization_config names {quantized.name}, but none of its tensors is "
                          "stored that way")
     consumed: set[str] = set()

@@ -1,5 +1,5 @@
-"""Weight quantization behind the linear layers: online methods quantize a plain checkpoint at load (`int8`,
-`fp8`); checkpoint formats load weights stored quantized, named by config.json's quantization_config."""
+"""Weight quantization behind the linear layers: an online method quantizes a plain checkpoint at load (`int8`);
+checkpoint formats load weights stored quantized, named by config.json's quantization_config, or GGUF files."""
 from __future__ import annotations
 
 from typing import Any
@@ -11,6 +11,7 @@ from ipc.config import QUANTIZATION_METHODS
 from workers.quantization.awq import AWQFormat
 from workers.quantization.compressed_tensors import CompressedTensorsFormat
 from workers.quantization.formats import CheckpointFormat, config_value
+from workers.quantization.gguf import is_gguf
 from workers.quantization.gptq import GPTQFormat
 from workers.quantization.int8 import quantize_int8_model
 
@@ -23,6 +24,17 @@ def check_method(method: str | None) -> None:
     """ValueError naming the supported methods when `method` is not one of them (None: as the checkpoint is)."""
     if method is not None and method not in METHODS:
         raise ValueError(f"quantization {method!r} is not supported; supported: {', '.join(METHODS)}")
+
+
+def check_quantization(model: str, config: PretrainedConfig, method: str | None) -> None:
+    """ValueError, before any rank loads, when `method` does not fit the checkpoint (see checkpoint_format)."""
+    if is_gguf(model):
+        if method not in (None, "gguf"):
+            raise ValueError(f"a GGUF file is loaded as its tensors are stored; quantization {method!r} cannot apply")
+        return
+    if method == "gguf":
+        raise ValueError(f"quantization 'gguf' needs a .gguf file as the model, not {model!r}")
+    checkpoint_format(config, method)
 
 
 def checkpoint_format(config: PretrainedConfig, method: str | None = None) -> CheckpointFormat | None:

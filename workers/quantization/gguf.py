@@ -1,0 +1,122 @@
+"""GGUF files (llama.cpp's format) for the llama, mistral and qwen2 families, read with the `gguf` package: tensors
+renamed to the HF checkpoint names, llama's q/k rows put back in HF's rotary order, F32/F16/BF16 as they are,
+Q8_0 kept int8 (blocks of 32 with one scale: the grouped int8 kernels), every other type (Q4_K, Q5_K, Q6_K, ...)
+dequantized to the model dtype at load by the gguf package."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from workers.quantization.formats import QuantizedTensors
+
+ARCHITECTURE_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_CLASSES)
+# llama.cpp's converter interleaves the rotary halves of q and k rows for these (its kernels rotate pairs).
+PERMUTED_ARCHITECTURES = ("llama", "mistral")
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+               "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+               "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+SKIPPED = ("rope_freqs",)  # computed from the config's rope parameters
+Q8_0_BLOCK, Q8_0_BYTES = 32, 34  # 32 int8 values after one float16 scale
+
+
+def is_gguf(model: str) -> bool:
+    return model.endswith(".gguf") and Path(model).is_file()
+
+
+def load_gguf_config(path: str) -> PretrainedConfig:
+    """The HF config transformers derives from the file's metadata; ValueError for other architectures."""
+    from gguf import GGUFReader
+
+    config = AutoConfig.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF model {path!r} is a {config.model_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    config.architectures = [ARCHITECTURE_CLASSES[config.model_type]]
+    # llama.cpp writes no output.weight for a head tied to the embeddings.
+    config.tie_word_embeddings = not any(t.name == "output.weight" for t in GGUFReader(path).tensors)
+    return config
+
+
+class GGUFCheckpoint:
+    """The file's tensors under HF names (a reader as load_weights uses one): Q8_0 ones are `quantized`."""
+
+    name = "gguf"
+
+    def __init__(self, path: str, config: PretrainedConfig) -> None:
+        from gguf import GGUFReader, GGMLQuantizationType
+
+        self.reader = GGUFReader(path)
+        self.config = config
+        self.permuted = config.model_type in PERMUTED_ARCHITECTURES
+        self.tensors = {}
+        for tensor in self.reader.tensors:
+            hf_name = _hf_name(tensor.name)
+            if hf_name is not None:
+                self.tensors[hf_name] = tensor
+        self.q8_0 = GGMLQuantizationType.Q8_0
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def get_slice(self, name: str) -> torch.Tensor:
+        return self.get_tensor(name)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The tensor in HF layout: floats, or (Q8_0) its raw blocks [N, K / 32 * 34] as uint8."""
+        from gguf.quants import dequantize
+
+        tensor = self.tensors[name]
+        kind = tensor.tensor_type.name
+        data = np.asarray(tensor.data)
+        if kind in ("F32", "F16"):
+            values = torch.from_numpy(data.copy())
+        elif kind == "BF16":
+            values = torch.from_numpy(data.copy()).view(torch.bfloat16)
+        elif tensor.tensor_type == self.q8_0:
+            values = torch.from_numpy(data.copy())
+        else:
+            values = torch.from_numpy(dequantize(data, tensor.tensor_type).copy())
+        return self._rotary_order(name, values)
+
+    def _rotary_order(self, name: str, values: torch.Tensor) -> torch.Tensor:
+        if not self.permuted or not name.endswith(("q_proj.weight", "k_proj.weight")):
+            return values
+        heads = self.config.num_attention_heads if "q_proj" in name else self.config.num_key_value_heads
+        rows = values.shape[0]
+        return values.reshape(heads, rows // heads // 2, 2, -1).transpose(1, 2).reshape(rows, -1)
+
+    # The CheckpointFormat protocol: Q8_0 weights are the quantized modules.
+    def quantized_module(self, tensor_name: str) -> str | None:
+        tensor = self.tensors.get(tensor_name)
+        if tensor is None or tensor.tensor_type != self.q8_0 or not tensor_name.endswith(".weight"):
+            return None
+        return tensor_name[:-len(".weight")]
+
+    def module_tensors(self, module: str, names: set[str]) -> list[str]:
+        return [module + ".weight"]
+
+    def convert(self, module: str, tensors: dict[str, torch.Tensor]) -> QuantizedTensors:
+        blocks = tensors["weight"]
+        rows = blocks.shape[0]
+        blocks = blocks.reshape(rows, -1, Q8_0_BYTES)
+        scale = blocks[..., :2].contiguous().view(torch.float16).reshape(rows, -1).float()
+        weight = blocks[..., 2:].contiguous().view(torch.int8).reshape(rows, -1)
+        return QuantizedTensors(weight.contiguous(), scale.contiguous()).check(module)
+
+
+def _hf_name(name: str) -> str | None:
+    base, _, kind = name.rpartition(".")
+    if base in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[base]}.{kind}"
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if match and match.group(2) in LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}.{kind}"
+    if base in SKIPPED:
+        return None
+    raise ValueError(f"GGUF tensor {name!r} has no place in the supported architectures")
