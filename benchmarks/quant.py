@@ -7,6 +7,9 @@
 2. Speed on the model maker's "100m" llama (102M parameters, random weights): batch-1 decode tokens/s (one
    request of --decode-tokens tokens, the two engines taking turns for --rounds rounds) and offline throughput at
    batch --batch (requests of 128 prompt + 128 output tokens). Target: batch-1 decode int8 / bf16 >= 1.4x.
+3. GGUF (with --llama-server and LLAMA_CPP_DIR, README "GGUF files"): the 100m llama converted to Q8_0 by llama.cpp's
+   converter, batch-1 decode ms/token of pagedserve on that file vs llama.cpp's llama-server on the same file
+   (benchmarks/decode_latency.py's method: (T(256) - T(1)) / 255, best of 3, taking turns).
 """
 from __future__ import annotations
 
@@ -22,9 +25,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from decode_latency import decode_ms_per_token, llamacpp_run, llamacpp_server, pagedserve_run  # noqa: E402
+from decode_latency import prompts as decode_prompts  # noqa: E402
 from demo_perplexity import held_out_tokens  # noqa: E402
 from frontend import LLM, SamplingParams  # noqa: E402
 from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
+from launch.make_gguf import make_gguf  # noqa: E402
 from launch.make_model import benchmark_cache_dir, make_model  # noqa: E402
 from launch.shipped import WEIGHTS_DIR  # noqa: E402
 
@@ -88,12 +94,28 @@ def batch_throughput(model: str, batch: int) -> dict:
     return {"output_tokens_per_s": rates, "ratio": rates["int8"] / rates["bf16"]}
 
 
+def gguf_versus_llamacpp(model: str, server: str) -> dict:
+    """Batch-1 decode ms/token on the model's Q8_0 GGUF: pagedserve and llama-server (2 threads) on one file."""
+    gguf = str(make_gguf(Path(model), Path(model + "-q8_0.gguf"), "q8_0"))
+    requests = decode_prompts(1, 8000)
+    llm = LLM(gguf, tokenizer=model, dtype="bfloat16")
+    try:
+        with llamacpp_server(server, gguf, 1) as url:
+            ms = decode_ms_per_token({"pagedserve": pagedserve_run(llm, requests),
+                                      "llama.cpp": llamacpp_run(url, requests)})
+    finally:
+        llm.shutdown()
+    return {"file": gguf, "ms_per_token": ms, "speed_ratio": ms["llama.cpp"] / ms["pagedserve"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--windows", type=int, default=16, help="held-out windows of the demo model's context")
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--llama-server", help="llama.cpp's llama-server: compare on the same Q8_0 GGUF file "
+                                                "(LLAMA_CPP_DIR names the llama.cpp checkout that converts it)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     print(f"CPU native bf16: {cpu_has_native_bf16()}")
@@ -111,6 +133,11 @@ def main() -> int:
     batch = results["batch"] = batch_throughput(model, args.batch)
     print(f"100M llama, {args.batch} requests at once: bf16 {batch['output_tokens_per_s']['bf16']:.1f} output tok/s,"
           f" int8 {batch['output_tokens_per_s']['int8']:.1f}: {batch['ratio']:.2f}x")
+    if args.llama_server:
+        gguf = results["gguf"] = gguf_versus_llamacpp(model, args.llama_server)
+        print(f"100M llama as Q8_0 GGUF, batch-1 decode: pagedserve {gguf['ms_per_token']['pagedserve']:.2f} ms/token,"
+              f" llama.cpp {gguf['ms_per_token']['llama.cpp']:.2f} ms/token: pagedserve / llama.cpp speed "
+              f"{gguf['speed_ratio']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -46,24 +46,39 @@ class DecoderLayerWeights:
         return [0 if t is None else t.data_ptr() for t in tensors]
 
     def check_dtypes(self, dtype: torch.dtype) -> None:
-        """Each projection of the hidden states' dtype, or int8 with its float32 scale [rows]."""
-        for weight, scale in ((self.qkv, self.qkv_scale), (self.o, self.o_scale), (self.gate_up, self.gate_up_scale),
-                              (self.down, self.down_scale)):
+        """Each projection of the hidden states' dtype, or int8 with its float32 scales (per row or group)."""
+        for weight, scale in self._projections():
             int8 = weight.dtype == torch.int8 and scale is not None and scale.dtype == torch.float32 \
-                and scale.shape == weight.shape[:1] and scale.is_contiguous()
+                and scale.is_contiguous() and _scale_group(weight, scale) is not None
             if not (int8 or (weight.dtype == dtype and scale is None)):
-                raise TypeError("a projection's weight must be of the hidden states' dtype, or int8 with a float32 "
-                                "scale per row")
+                raise TypeError("a projection's weight must be of the hidden states' dtype, or int8 with float32 "
+                                "scales per row [N] or per group of a multiple of 8 columns [N, K / group]")
 
     def dims(self) -> list[int]:
+        groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self._projections()]
         return [self.qkv.shape[1], self.num_heads, self.num_kv_heads, self.head_dim, self.down.shape[1],
-                self.sliding_window or 0]
+                self.sliding_window or 0, *groups]
+
+    def _projections(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        return ((self.qkv, self.qkv_scale), (self.o, self.o_scale), (self.gate_up, self.gate_up_scale),
+                (self.down, self.down_scale))
+
+
+def _scale_group(weight: torch.Tensor, scale: torch.Tensor) -> int | None:
+    """0 for a scale per row, the group size for scales per group the kernel takes, None for other scales."""
+    if scale.shape == weight.shape[:1]:
+        return 0
+    if scale.dim() == 2 and scale.shape[0] == weight.shape[0] and cpu_gemv.takes_groups(weight, scale):
+        return weight.shape[1] // scale.shape[1]
+    return None
 
 
 def takes_projection(weight: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
                      g_idx: torch.Tensor | None) -> bool:
-    """Whether the one-call layer reads this projection: unquantized, or symmetric int8 with a scale per row."""
-    return scale is None or (weight.dtype == torch.int8 and scale.dim() == 1 and zero is None and g_idx is None)
+    """Whether the one-call layer reads this projection: unquantized, or symmetric int8 with scales per row or per
+    group (GGUF's Q8_0)."""
+    return scale is None or (weight.dtype == torch.int8 and zero is None and g_idx is None
+                             and _scale_group(weight, scale) is not None)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from frontend import LLM, SamplingParams
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv
 from tests.conftest import tiny_model
 from workers.layers.attention import AttentionMetadata
+from workers.layers.linear import ColumnParallelLinear, Linear
 from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.models.llama import LlamaDecoderLayer, head_dim_of
 from workers.models.qwen2 import Qwen2DecoderLayer
@@ -96,24 +97,43 @@ def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seqs", [[(1, 1)], [(9, 1), (70, 5), (130, 3)]], ids=["one decode", "mixed"])
-def test_int8_projections_equal_the_layers_own_forward(dtype, seqs):
-    """Weight-only int8 (workers/quantization): the kernel reads each projection as int8 with its row scales."""
-    layer_class, config = CASES["qwen2 biases, head_dim 128, window"]
+@pytest.mark.parametrize("scales", ["rows", "groups"])
+def test_int8_projections_equal_the_layers_own_forward(dtype, seqs, scales):
+    """Weight-only int8: the kernel reads each projection as int8 with its row scales (workers/quantization) or
+    its scales per 32 columns (GGUF's Q8_0; 8 where 32 does not divide the columns: the llama case's 344)."""
+    layer_class, config = CASES["qwen2 biases, head_dim 128, window" if scales == "rows" else "llama head_dim 64"]
     layer = make_layer(layer_class, config, dtype, seed=3)
-    assert_fused_matches(layer, layer_class, config, dtype, seqs, first_layer=False, int8=True)
-    assert layer.self_attn.qkv_proj.weight.dtype == torch.int8 and layer.mlp.down_proj.weight_scale is not None
+    assert_fused_matches(layer, layer_class, config, dtype, seqs, first_layer=False, int8=scales)
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.int8
+    assert layer.mlp.down_proj.weight_scale.dim() == (1 if scales == "rows" else 2)
+    assert layer.takes_one_call
+
+
+def quantize_groups(model: torch.nn.Module) -> None:
+    """Every projection to int8 with one symmetric scale per 32 (else 16 or 8) columns, as GGUF's Q8_0 stores them."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, Linear)):
+            weight = module.weight.data.float()
+            group = next(g for g in (32, 16, 8) if weight.shape[1] % g == 0)
+            grouped = weight.view(weight.shape[0], -1, group)
+            scale = (grouped.abs().amax(-1) / 127).clamp(min=1e-8)
+            q = torch.round(grouped / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+            module.weight = torch.nn.Parameter(q.reshape(weight.shape), requires_grad=False)
+            module.weight_scale = scale
 
 
 def assert_fused_matches(layer: LlamaDecoderLayer, layer_class, config, dtype: torch.dtype, seqs, first_layer: bool,
-                         int8: bool = False) -> None:
+                         int8: str | None = None) -> None:
     """fused_decode equals forward() (float32), or (bf16) is as close to the float32 layer as forward() is."""
     exact = None
     if dtype == torch.bfloat16:  # the same step in float32, from the same bf16 values
         exact = make_layer(layer_class, config, torch.float32, seed=0)
         exact.load_state_dict({name: value.float() for name, value in layer.state_dict().items()})
     for each in (layer, exact):
-        if int8 and each is not None:
+        if int8 == "rows" and each is not None:
             quantize_int8_model(each, quantize_lm_head=False)
+        if int8 == "groups" and each is not None:
+            quantize_groups(each)
     got, expected = fused_and_op_by_op(layer, config, dtype, seqs, first_layer)
     if exact is not None:
         exact = fused_and_op_by_op(exact, config, torch.float32, seqs, first_layer, values=torch.bfloat16)[1]

@@ -12,10 +12,12 @@
 
 namespace pagedserve {
 
-// A projection's weight: T, or int8 with a float32 scale per output row (weight-only quantization).
+// A projection's weight: T, or int8 with a float32 scale per output row or per group of input columns
+// (weight-only quantization).
 struct Projection {
   const void* weight;
   const float* scale;  // null: the weight is of the model dtype
+  int64_t group;  // 0: one scale per row; else the columns sharing a scale (scale is [N, K / group])
 };
 
 template <typename T>
@@ -29,7 +31,9 @@ struct DecoderLayer {
 
 template <typename T>
 void project(const Projection& p, const T* x, const T* bias, T* y, int64_t M, int64_t N, int64_t K) {
-  if (p.scale)
+  if (p.scale && p.group)
+    gemv_grouped(x, static_cast<const int8_t*>(p.weight), p.scale, bias, y, M, N, K, p.group);
+  else if (p.scale)
     gemv(x, static_cast<const int8_t*>(p.weight), bias, y, M, N, K, p.scale);
   else
     gemv(x, static_cast<const T*>(p.weight), bias, y, M, N, K);

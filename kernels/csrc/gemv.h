@@ -113,32 +113,42 @@ void gemv(const T* x, const WT* w, const T* bias, T* y, int64_t M, int64_t N, in
     for (int64_t m0 = 0; m0 < M; ++m0) output_tile<1, 1>(w, xf.data(), bias, scale, y, n, m0, N, K);
 }
 
-// Row w [K] int8 against x [K] with a scale per group of `group` columns (a multiple of 8): each group's
-// products are summed in a vector, scaled once, and gathered in a second vector; one horizontal sum at the end.
-inline float dot_grouped(const int8_t* w, const float* x, const float* scale, int64_t K, int64_t group) {
-  float sum = 0.f;
-  int64_t k = 0;
 #ifdef __AVX2__
-  __m256 total = _mm256_setzero_ps();
-  for (int64_t g = 0; k < K; ++g) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
-    const int64_t end = k + group;
-    for (; k + 16 <= end; k += 16) {
-      a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a0);
-      a1 = _mm256_fmadd_ps(load8(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
-    }
-    if (k < end) { a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a0); k += 8; }
-    total = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(scale[g]), total);
+// One group's products, summed in a vector (group a multiple of 8).
+inline __m256 group_products(const int8_t* w, const float* x, int64_t group) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+  int64_t k = 0;
+  for (; k + 16 <= group; k += 16) {
+    a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a0);
+    a1 = _mm256_fmadd_ps(load8(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
   }
-  sum = hsum(total);
+  if (k < group) a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a0);
+  return _mm256_add_ps(a0, a1);
+}
+#endif
+
+// Row w [K] int8 against x [K] with a scale per group of `group` columns (a multiple of 8): each group's
+// products are summed in a vector and scaled once into one of two running vectors (two, so that consecutive groups
+// do not wait on each other); one horizontal sum at the end.
+inline float dot_grouped(const int8_t* w, const float* x, const float* scale, int64_t K, int64_t group) {
+#ifdef __AVX2__
+  __m256 t0 = _mm256_setzero_ps(), t1 = t0;
+  int64_t k = 0, g = 0;
+  for (; k + 2 * group <= K; k += 2 * group, g += 2) {
+    t0 = _mm256_fmadd_ps(group_products(w + k, x + k, group), _mm256_set1_ps(scale[g]), t0);
+    t1 = _mm256_fmadd_ps(group_products(w + k + group, x + k + group, group), _mm256_set1_ps(scale[g + 1]), t1);
+  }
+  if (k < K) t0 = _mm256_fmadd_ps(group_products(w + k, x + k, group), _mm256_set1_ps(scale[g]), t0);
+  return hsum(_mm256_add_ps(t0, t1));
 #else
-  for (int64_t g = 0; k < K; ++g) {
+  float sum = 0.f;
+  for (int64_t k = 0, g = 0; k < K; ++g) {
     float part = 0.f;
     for (const int64_t end = k + group; k < end; ++k) part += float(w[k]) * x[k];
     sum += part * scale[g];
   }
-#endif
   return sum;
+#endif
 }
 
 // x [M, K], w int8 [N, K] with scale [N, K / group], bias [N] or null, y [M, N]. A weight row (K bytes) stays in

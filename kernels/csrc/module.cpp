@@ -51,14 +51,15 @@ void gemv_int8_grouped(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias
 
 // weights: input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, cos, sin, then the scales of qkv, o,
 // gate_up and down (0 for an absent bias, and for a weight of the model dtype; else it is int8);
-// dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none).
+// dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none), then the scale group sizes of
+// qkv, o, gate_up and down (0: a scale per row, or no scale).
 template <typename T>
 void decoder_layer(const std::vector<uintptr_t>& w, const std::vector<int64_t>& dims, float eps, float scale,
                    uintptr_t x, uintptr_t residual, uintptr_t o, uintptr_t residual_out, uintptr_t positions,
                    uintptr_t slots, uintptr_t k_cache, uintptr_t v_cache, int64_t block_size, uintptr_t tables,
                    int64_t max_blocks, uintptr_t seq_lens, int64_t m) {
   auto projection = [&](int weight, int scale) {
-    return pagedserve::Projection{reinterpret_cast<const void*>(w[weight]), in<float>(w[scale])};
+    return pagedserve::Projection{reinterpret_cast<const void*>(w[weight]), in<float>(w[scale]), dims[scale - 4]};
   };
   const pagedserve::DecoderLayer<T> layer{in<T>(w[0]), in<T>(w[2]), in<T>(w[4]), in<T>(w[5]),
                                           projection(1, 10), projection(3, 11), projection(6, 12), projection(7, 13),
