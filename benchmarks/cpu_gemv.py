@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import cpu_extension, cpu_gemv, matmul_dtype  # noqa: E402
 from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
-from workers.quantization.int8 import quantize_rows  # noqa: E402
+from workers.quantization.online import quantize_rows  # noqa: E402
 
 SHAPES = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 8 + [(8192, 512)]
 

@@ -15,7 +15,7 @@ Positive = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Online methods quantize a plain checkpoint at load; the others name the format a checkpoint is stored in.
-QUANTIZATION_METHODS = ("int8", "compressed-tensors", "gptq", "awq", "gguf")
+QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors", "gptq", "awq", "gguf")
 _DEVICES = ("auto", "cpu", "cuda")
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -37,7 +37,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Mixture-of-experts models: each TP rank holds whole experts (a share of them) instead of a slice of every
     # expert; attention stays tensor parallel.
     enable_expert_parallel: bool = False
-    # Weight quantization: None (as the checkpoint is stored), "int8" applied at load (weight-only, per output
+    # Weight quantization: None (as the checkpoint is stored), "int8" or "fp8" applied at load (per output
     # channel), or a checkpoint format (QUANTIZATION_METHODS) that must match the checkpoint's. The LM head (and an
     # embedding table tied to it) stays in the model dtype unless quantize_lm_head.
     quantization: str | None = None

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_gemv
+from kernels.backend import use_triton
 from kernels.cpu_features import matmul_dtype
 from kernels.quantized_matmul import QUANTIZED_DTYPES, quantized_linear
 
@@ -38,4 +39,33 @@ def _quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if weight.dtype == torch.int8 and zero is None and g_idx is None and cpu_gemv.serves(x, weight, bias) \
             and (scale.dim() == 1 or cpu_gemv.takes_groups(weight, scale)):
         return cpu_gemv.gemv_int8(x, weight, scale, bias)
+    if weight.dtype == torch.float8_e4m3fn and fp8_tensor_cores(x, weight, scale, zero, g_idx):
+        return _fp8_scaled_mm(x, weight, scale, bias)
+    if weight.dtype != torch.float8_e4m3fn and use_triton(x):  # other fp8 cases dequantize tiles in torch
+        from kernels import quantized_matmul_triton
+
+        return quantized_matmul_triton.quantized_linear(x, weight, scale, zero, g_idx, bias)
     return quantized_linear(x, weight, scale, zero, g_idx, bias)
+
+
+def fp8_tensor_cores(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                     g_idx: torch.Tensor | None) -> bool:
+    """Whether torch._scaled_mm takes this fp8 product: a CUDA GPU with fp8 tensor cores (compute capability 8.9,
+    Hopper and later), one scale per weight row, 16-aligned features, a 16-bit activation dtype."""
+    return (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9) and scale.dim() == 1
+            and zero is None and g_idx is None and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def _fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+                   ) -> torch.Tensor:
+    """W8A8 fp8: each token's activations scaled into fp8 e4m3 by its own largest value (dynamic, per token),
+    multiplied on the fp8 tensor cores, both scales applied to the float32 sums."""
+    rows = x.reshape(-1, x.shape[-1])
+    x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / 448.0).clamp_(min=1e-12)
+    x_fp8 = (rows.float() / x_scale).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+    out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1).float(),
+                           out_dtype=x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])

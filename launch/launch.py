@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
     engine.add_argument("--pp", "--pipeline-parallel-size", dest="pipeline_parallel_size", type=int, default=1)
     engine.add_argument("--quantization", choices=QUANTIZATION_METHODS,
-                        help="int8: quantize the weights at load (weight-only, one scale per output channel); "
-                             "compressed-tensors, gptq, awq: the checkpoint's format (found without it)")
+                        help="int8, fp8: quantize the weights at load (one scale per output channel; fp8 "
+                             "activations too on GPUs with fp8 tensor cores); compressed-tensors, gptq, awq, gguf: "
+                             "the checkpoint's format (found without it)")
     engine.add_argument("--quantize-lm-head", action="store_true",
                         help="with --quantization: the LM head (and embeddings tied to it) too")
     engine.add_argument("--enable-expert-parallel", action="store_true",

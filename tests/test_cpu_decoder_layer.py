@@ -13,7 +13,7 @@ from workers.layers.linear import ColumnParallelLinear, Linear
 from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.models.llama import LlamaDecoderLayer, head_dim_of
 from workers.models.qwen2 import Qwen2DecoderLayer
-from workers.quantization.int8 import quantize_int8_model
+from workers.quantization.online import quantize_model_rows
 
 BLOCK_SIZE = 8
 
@@ -131,7 +131,7 @@ def assert_fused_matches(layer: LlamaDecoderLayer, layer_class, config, dtype: t
         exact.load_state_dict({name: value.float() for name, value in layer.state_dict().items()})
     for each in (layer, exact):
         if int8 == "rows" and each is not None:
-            quantize_int8_model(each, quantize_lm_head=False)
+            quantize_model_rows(each, quantize_lm_head=False)
         if int8 == "groups" and each is not None:
             quantize_groups(each)
     got, expected = fused_and_op_by_op(layer, config, dtype, seqs, first_layer)

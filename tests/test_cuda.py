@@ -123,3 +123,22 @@ def test_triton_kernels_serve_cuda_tensors_and_the_auto_device_is_cuda():
     assert runner.device.type == "cuda" and runner.decode_graphs is not None
     assert all(cache.is_cuda for cache in runner.kv_caches)
     llm.shutdown()
+
+
+def test_fp8_weights_on_fp8_tensor_cores_stay_close_to_the_dequantized_weights():
+    """quantization="fp8" on a GPU with fp8 tensor cores multiplies fp8 activations (scaled per token) by fp8
+    weights (torch._scaled_mm): within activation-rounding error of the weight-only product."""
+    from kernels.matmul import fp8_tensor_cores, linear
+    from kernels.quantized_matmul import linear_reference
+    from workers.quantization.online import quantize_rows
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no fp8 tensor cores on this GPU")
+    generator = torch.Generator().manual_seed(0)
+    weight, scale = quantize_rows(torch.randn(96, 128, generator=generator), dtype=torch.float8_e4m3fn)
+    x = torch.randn(7, 128, generator=generator).bfloat16()
+    weight, scale, x = weight.cuda(), scale.cuda(), x.cuda()
+    assert fp8_tensor_cores(x, weight, scale, None, None)
+    got = linear(x, weight, None, scale).float()
+    expected = linear_reference(x, weight, scale)
+    assert ((got - expected).norm() / expected.norm()).item() < 0.05

@@ -13,9 +13,10 @@ from frontend import LLM, SamplingParams
 from hf_reference import hf_greedy
 from kernels import cpu_gemv
 from kernels.matmul import linear
-from workers.quantization.int8 import quantize_rows
+from workers.quantization.online import quantize_rows
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 def test_rows_round_to_the_nearest_step_of_their_own_scale():
@@ -26,6 +27,15 @@ def test_rows_round_to_the_nearest_step_of_their_own_scale():
     assert scale[5] == 1.0 and not q[5].any()
     error = (q.float() * scale[:, None] - weight).abs()
     assert (error <= scale[:, None] / 2 + 1e-6).all()
+
+
+def test_fp8_rows_keep_three_mantissa_bits_of_their_own_scale():
+    weight = torch.randn(33, 70) * torch.rand(33, 1) * 3
+    q, scale = quantize_rows(weight, dtype=torch.float8_e4m3fn)
+    assert q.dtype == torch.float8_e4m3fn and (q.float().abs().amax(1) == 448).all()
+    # e4m3 rounds to 3 mantissa bits (relative error <= 1/16) down to its smallest normal, 2^-6, times the scale.
+    error = (q.float() * scale[:, None] - weight).abs()
+    assert (error <= weight.abs() / 16 + 2**-9 * scale[:, None]).all()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40, 64, 65])  # GEMV up to 64 rows, the dequantizing GEMM past them
@@ -45,16 +55,16 @@ def test_int8_linear_equals_the_dequantized_weight(rows, dtype):
 
 
 @functools.cache
-def dequantized_copy(model: str, quantize_lm_head: bool) -> str:
+def dequantized_copy(model: str, quantize_lm_head: bool, method: str = "int8") -> str:
     """The model folder with every weight the engine quantizes replaced by its dequantized value (float32)."""
     from transformers import AutoModelForCausalLM
 
-    folder = Path(model).parent / f"{Path(model).name}-int8-dequantized{'-head' if quantize_lm_head else ''}"
+    folder = Path(model).parent / f"{Path(model).name}-{method}-dequantized{'-head' if quantize_lm_head else ''}"
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     with torch.no_grad():
         for name, module in hf.named_modules():
             if isinstance(module, torch.nn.Linear) and (quantize_lm_head or name != "lm_head"):
-                q, scale = quantize_rows(module.weight)
+                q, scale = quantize_rows(module.weight, dtype=STORAGE[method])
                 module.weight.copy_(q.float() * scale[:, None])
     hf.save_pretrained(folder)
     for file in Path(model).glob("tokenizer*"):
@@ -62,14 +72,17 @@ def dequantized_copy(model: str, quantize_lm_head: bool) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize("arch, quantize_lm_head", [("llama", False), ("qwen2", True), ("mixtral", False)])
-def test_int8_engine_equals_hf_on_dequantized_weights(arch, quantize_lm_head):
+@pytest.mark.parametrize("arch, quantize_lm_head, method", [("llama", False, "int8"), ("qwen2", True, "int8"),
+                                                            ("mixtral", False, "int8"), ("llama", False, "fp8"),
+                                                            ("qwen2", True, "fp8")])
+def test_online_quantized_engine_equals_hf_on_dequantized_weights(arch, quantize_lm_head, method):
     """qwen2 ties its embeddings to the head: quantizing the head quantizes the table the embeddings read too.
-    Mixtral: the attention and any dense layers are quantized; the router and the experts stay as loaded."""
+    Mixtral: the attention and any dense layers are quantized; the router and the experts stay as loaded. fp8 on
+    a CPU is weight-only (tiles dequantized per product)."""
     model = tiny_model(arch)
-    reference = dequantized_copy(model, quantize_lm_head)
+    reference = dequantized_copy(model, quantize_lm_head, method)
     prompts = random_prompts([3, 40, 150], vocab=1000)
-    llm = LLM(model, dtype="float32", quantization="int8", quantize_lm_head=quantize_lm_head)
+    llm = LLM(model, dtype="float32", quantization=method, quantize_lm_head=quantize_lm_head)
     try:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         for prompt, output in zip(prompts, outputs):

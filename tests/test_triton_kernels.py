@@ -176,3 +176,30 @@ def test_fused_moe_equals_twin(tokens, experts, top_k, first_expert, local, dtyp
     args = [t.to(DEVICE) for t in (x, gate_up, down, weights, ids)]
     got = fused_moe_triton.fused_experts(*args, first_expert=first_expert)
     torch.testing.assert_close(got.cpu(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("storage", ["int8 rows", "int8 groups", "int4 zero act-order", "int4 symmetric",
+                                     "int4 rows zero"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_matmul_equals_twin(storage, dtype):
+    """Every storage kernels.quantized_matmul describes but fp8 (the interpreter cannot load fp8; on CUDA fp8
+    tiles dequantize in torch), with rows, columns and groups that do not fill the blocks."""
+    from kernels import quantized_matmul, quantized_matmul_triton
+
+    generator = torch.Generator().manual_seed(len(storage))
+    n, k, groups = 40, 96, 3
+    x = torch.randn(5, k, generator=generator).to(dtype)
+    bias = torch.randn(n, generator=generator).to(dtype)
+    scale = torch.rand(n, groups, generator=generator) / 50
+    int4 = quantized_matmul.pack_int4(torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8))
+    zero = torch.randint(0, 16, (n, groups), generator=generator).float()
+    g_idx = (torch.randperm(k, generator=generator) % groups).to(torch.int32)
+    int8 = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+    weight, s, z, g = {"int8 rows": (int8, scale[:, 0], None, None), "int8 groups": (int8, scale, None, None),
+                       "int4 zero act-order": (int4, scale, zero, g_idx), "int4 symmetric": (int4, scale, None, None),
+                       "int4 rows zero": (int4, scale[:, 0], zero[:, 0], None)}[storage]
+    args = [t if t is None else t.contiguous().to(DEVICE) for t in (x, weight, s, z, g, bias)]
+    expected = quantized_matmul.quantized_linear(*args)
+    got = quantized_matmul_triton.quantized_linear(*args)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.float(), **TOLERANCE[dtype])

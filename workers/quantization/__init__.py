@@ -1,9 +1,11 @@
-"""Weight quantization behind the linear layers: an online method quantizes a plain checkpoint at load (`int8`);
-checkpoint formats load weights stored quantized, named by config.json's quantization_config, or GGUF files."""
+"""Weight quantization behind the linear layers: an online method quantizes a plain checkpoint at load (`int8`,
+`fp8`); checkpoint formats load weights stored quantized, named by config.json's quantization_config, or GGUF
+files."""
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -13,8 +15,9 @@ from workers.quantization.compressed_tensors import CompressedTensorsFormat
 from workers.quantization.formats import CheckpointFormat, config_value
 from workers.quantization.gguf import is_gguf
 from workers.quantization.gptq import GPTQFormat
-from workers.quantization.int8 import quantize_int8_model
+from workers.quantization.online import quantize_model_rows
 
+ONLINE_METHODS = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 CHECKPOINT_FORMATS: dict[str, type] = {"compressed-tensors": CompressedTensorsFormat, "gptq": GPTQFormat,
                                        "awq": AWQFormat}
 METHODS = QUANTIZATION_METHODS
@@ -60,5 +63,5 @@ def checkpoint_format(config: PretrainedConfig, method: str | None = None) -> Ch
 
 def quantize_model(model: nn.Module, method: str | None, quantize_lm_head: bool = False) -> None:
     """Quantize the loaded model's weights in place for an online method (no-op otherwise)."""
-    if method == "int8":
-        quantize_int8_model(model, quantize_lm_head)
+    if method in ONLINE_METHODS:
+        quantize_model_rows(model, quantize_lm_head, ONLINE_METHODS[method])
