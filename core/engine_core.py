@@ -14,6 +14,7 @@ from ipc import EngineConfig, EngineCoreOutput, EngineCoreRequest, EngineInfo, F
 from ipc.request_rules import context_room
 from workers.executor import Executor, InProcessExecutor
 from workers.model_config import check_parallel_sizes, load_hf_config, model_max_len
+from workers.lora.validation import AdapterValidator
 from workers.quantization import check_quantization
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ class EngineCore:
                              self.config.enable_expert_parallel)
         check_quantization(self.config.model, hf_config, self.config.quantization)  # here, not in a rank
         _check_draft_model(self.config, hf_config.vocab_size)
+        self.lora_validator = AdapterValidator(hf_config, config.max_lora_rank) if config.enable_lora else None
         self.executor = _make_executor(self.config)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         _check_capacity(self.config, self.num_kv_blocks)
@@ -60,6 +62,11 @@ class EngineCore:
         self.info.validate_request(request)
         if self.has_request(request_id or request.request_id):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.lora_request is not None:
+            if self.lora_validator is None:
+                raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True "
+                                 "(--enable-lora)")
+            self.lora_validator.check(request.lora_request)
 
     def is_overloaded(self) -> bool:
         """The waiting queue is at max_waiting_requests: new requests are refused until it drains."""

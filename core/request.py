@@ -49,7 +49,11 @@ class Request:
         self.request_id = core_request.request_id
         self.prompt_token_ids = core_request.prompt_token_ids
         self.all_token_ids = list(core_request.prompt_token_ids)  # prompt + outputs, what block hashes cover
-        self.cache_salt = core_request.cache_salt
+        self.lora_request = core_request.lora_request
+        # Blocks computed under an adapter hold its keys and values: only requests with the same adapter (and salt)
+        # may share them.
+        self.cache_salt = core_request.cache_salt if self.lora_request is None else \
+            f"{core_request.cache_salt or ''}\x00{self.lora_request.cache_key}"
         self.block_hashes: list[bytes] = []  # one per full block of all_token_ids, filled in by the KV manager
         self.sampling_params: SamplingParams = core_request.sampling_params
         self.eos_token_id = core_request.eos_token_id

@@ -31,6 +31,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
+        self.max_loras = config.max_loras  # distinct LoRA adapters among the running requests
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}
         self.waiting: list[tuple[tuple[int, int], Request]] = []  # heap by sort_key
@@ -127,14 +128,22 @@ class Scheduler:
 
     def _schedule_waiting(self, num_scheduled: dict[str, int], new_reqs: list[NewRequestData],
                           cached_reqs: list[CachedRequestData], budget: int) -> None:
+        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        skipped: list[tuple[tuple[int, int], Request]] = []  # their adapter would exceed max_loras this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0][1]
+            lora = request.lora_request
+            if lora is not None and lora.lora_int_id not in adapters and len(adapters) >= self.max_loras:
+                skipped.append(heapq.heappop(self.waiting))
+                continue
             computed_blocks = self.kv.computed_blocks(request)
             num_cached = len(computed_blocks) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if self.kv.allocate_slots(request, self._with_lookahead(num_cached, num_new), computed_blocks) is None:
                 break
             heapq.heappop(self.waiting)
+            if lora is not None:
+                adapters.add(lora.lora_int_id)
             self.kv.record_lookup(request, num_cached)
             request.num_computed_tokens = num_cached
             resumed = request.status == RequestStatus.PREEMPTED
@@ -146,11 +155,14 @@ class Scheduler:
                 new_reqs.append(NewRequestData(
                     req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                     sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
-                    block_ids=list(self.kv.block_ids(request)), num_computed_tokens=num_cached))
+                    block_ids=list(self.kv.block_ids(request)), num_computed_tokens=num_cached,
+                    lora_request=request.lora_request))
             request.set_status(RequestStatus.RUNNING)
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             self._commit(request, num_new, num_scheduled)
             budget -= num_new
+        for entry in skipped:
+            heapq.heappush(self.waiting, entry)
 
     def _cached_data(self, request: Request, new_blocks: list[int], resumed: bool) -> CachedRequestData:
         data = CachedRequestData(req_id=request.request_id, new_token_ids=request.unsent_token_ids,

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from frontend.core_client import EngineCoreClient, EngineDeadError, RequestFailedError
     from frontend.llm import LLM
     from frontend.outputs import CompletionOutput, Logprob, RequestOutput
-    from ipc import RequestOutputKind, SamplingParams, StructuredOutputsParams
+    from ipc import LoRARequest, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # Loaded on first use (PEP 562), so that a program embedding only the client library loads neither
 # transformers nor the LLM machinery.
@@ -21,11 +21,11 @@ _HOMES = {
     "BeamSearchSequence": "frontend.beam_search", "CompletionOutput": "frontend.outputs",
     "EngineCoreClient": "frontend.core_client", "EngineDeadError": "frontend.core_client", "LLM": "frontend.llm",
     "Logprob": "frontend.outputs", "RequestOutput": "frontend.outputs", "RequestFailedError": "frontend.core_client",
-    "RequestOutputKind": "ipc", "SamplingParams": "ipc", "StructuredOutputsParams": "ipc",
+    "RequestOutputKind": "ipc", "SamplingParams": "ipc", "StructuredOutputsParams": "ipc", "LoRARequest": "ipc",
 }
 
 __all__ = ["AsyncEngineCoreClient", "AsyncLLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence",
-           "CompletionOutput", "EngineCoreClient", "EngineDeadError", "LLM", "Logprob", "RequestOutput",
+           "CompletionOutput", "EngineCoreClient", "EngineDeadError", "LLM", "Logprob", "LoRARequest", "RequestOutput",
            "RequestFailedError", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
 
 

@@ -17,7 +17,7 @@ from frontend.prompts import PromptType, check_sampling_params, tokenize_prompt
 from frontend.request_group import FinalOutputs
 from frontend.request_router import RequestRouter
 from frontend.tokenizer import apply_chat_template, load_tokenizer, model_folder, tokenizer_folder
-from ipc import RequestOutputKind, SamplingParams, SchedulerStats
+from ipc import LoRARequest, RequestOutputKind, SamplingParams, SchedulerStats
 
 
 class LLM:
@@ -44,20 +44,24 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Outputs in input order. Prompts: text, {"prompt": text} or {"prompt_token_ids": [...]}, optionally
-        with "cache_salt". With n > 1 each output holds n samples (n engine requests sharing prompt blocks)."""
+        with "cache_salt". With n > 1 each output holds n samples (n engine requests sharing prompt blocks).
+        lora_request: one adapter for every prompt, or one (or None: the base model) per prompt."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = _per_prompt(sampling_params or self.default_sampling_params, len(prompts), "sampling_params")
         priorities = _per_prompt(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)
+        adapters = _per_prompt(lora_request, len(prompts), "lora_request") if not isinstance(
+            lora_request, LoRARequest) and lora_request is not None else [lora_request] * len(prompts)
         finals = FinalOutputs(len(prompts))
         groups = []
         try:
-            for position, (prompt, sp, prio) in enumerate(zip(prompts, params, priorities)):
+            for position, (prompt, sp, prio, lora) in enumerate(zip(prompts, params, priorities, adapters)):
                 # Only final outputs are needed here: skip building per-step ones.
                 sp = msgspec.structs.replace(check_sampling_params(sp), output_kind=RequestOutputKind.FINAL_ONLY)
                 groups.append(self.router.add(str(next(self._request_counter)), prompt, sp, finals.callback(position),
-                                              prio))
+                                              prio, lora))
             self._run(finals, use_tqdm)
         finally:  # an error, or Ctrl-C: nothing may stay running in the engine
             for group in groups:

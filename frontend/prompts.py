@@ -5,7 +5,7 @@ import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from frontend.tokenizer import check_text, encode
-from ipc import EngineCoreRequest, EngineInfo, SamplingParams
+from ipc import EngineCoreRequest, EngineInfo, LoRARequest, SamplingParams
 
 PromptType = str | dict
 
@@ -41,14 +41,15 @@ def prompt_cache_salt(prompt: PromptType) -> str | None:
 
 
 def engine_request(tokenizer: PreTrainedTokenizerBase, info: EngineInfo, request_id: str, prompt: PromptType,
-                   params: SamplingParams, priority: int = 0) -> EngineCoreRequest:
+                   params: SamplingParams, priority: int = 0, lora_request: LoRARequest | None = None
+                   ) -> EngineCoreRequest:
     """The validated engine-core request for one prompt (ValueError naming what is wrong)."""
     check_sampling_params(params)
     if params.bad_words and params.bad_words_token_ids is None:
         params = msgspec.structs.replace(params, bad_words_token_ids=bad_words_token_ids(tokenizer, params.bad_words))
     request = EngineCoreRequest(request_id=request_id, prompt_token_ids=tokenize_prompt(tokenizer, prompt),
                                 sampling_params=params, eos_token_id=tokenizer.eos_token_id, priority=int(priority),
-                                cache_salt=prompt_cache_salt(prompt))
+                                cache_salt=prompt_cache_salt(prompt), lora_request=lora_request)
     info.validate_request(request)
     return request
 

@@ -12,7 +12,7 @@ from frontend.generation_config import with_stop_token_ids
 from frontend.output_processor import OutputProcessor
 from frontend.prompts import PromptType, check_sampling_params, engine_request, prompt_text
 from frontend.request_group import OutputCallback, RequestGroup, child_params
-from ipc import EngineCoreOutput, EngineCoreRequest, EngineInfo, RequestError, SamplingParams
+from ipc import EngineCoreOutput, EngineCoreRequest, EngineInfo, LoRARequest, RequestError, SamplingParams
 
 
 class EngineSender(Protocol):
@@ -33,7 +33,7 @@ class RequestRouter:
         self.children: dict[str, tuple[RequestGroup, int]] = {}  # engine request id → (its group, sample index)
 
     def add(self, request_id: str, prompt: PromptType, params: SamplingParams, on_output: OutputCallback,
-            priority: int = 0) -> RequestGroup:
+            priority: int = 0, lora_request: LoRARequest | None = None) -> RequestGroup:
         """Validate the request (ValueError naming what is wrong) and send its n engine requests; the group's
         outputs, then its final output or error, go to on_output. release() it once they are no longer wanted."""
         check_sampling_params(params)
@@ -42,7 +42,7 @@ class RequestRouter:
         params = with_stop_token_ids(params, self.model_stop_token_ids)
         group = RequestGroup(request_id, params, on_output)
         first = engine_request(self.tokenizer, self.info, group.child_ids[0], prompt, child_params(params, 0),
-                               priority)  # tokenized and validated once for all n
+                               priority, lora_request)  # tokenized and validated once for all n
         requests = [first] + [msgspec.structs.replace(first, request_id=group.child_ids[index],
                                                       sampling_params=child_params(params, index))
                               for index in range(1, params.n)]

@@ -1,5 +1,6 @@
 """Contracts between processes: every msgspec Struct that crosses a process boundary."""
 from ipc.config import EngineConfig, parse_memory_size
+from ipc.lora import LoRARequest
 from ipc.messages import (
     AbortRequests,
     EngineCoreInput,
@@ -36,6 +37,7 @@ __all__ = [
     "Decoder",
     "Encoder",
     "GrammarBitmask",
+    "LoRARequest",
     "EngineCoreInput",
     "EngineCoreOutputs",
     "EngineDead",

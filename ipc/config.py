@@ -74,6 +74,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     tokenizer: str | None = None
     # A request whose structured_outputs constraint takes longer to compile fails with an error (HTTP 400).
     structured_outputs_compile_timeout: Annotated[float, Meta(gt=0.0, le=3600.0)] = 10.0
+    # Multi-LoRA: requests may name a PEFT adapter (LoRARequest). At most max_loras distinct adapters run in one
+    # step (each holds a slot of stacked weights, rank up to max_lora_rank); max_cpu_loras adapters stay loaded.
+    enable_lora: bool = False
+    max_loras: Annotated[int, Meta(ge=1, le=256)] = 1
+    max_lora_rank: Annotated[int, Meta(ge=1, le=512)] = 16
+    max_cpu_loras: Annotated[int, Meta(ge=1, le=4096)] | None = None  # None: max_loras
     # Draft tokens verified by the target model in the same step (None: no speculation). A dict or JSON text is
     # accepted and converted.
     speculative_config: SpeculativeConfig | None = None
@@ -89,6 +95,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
                  f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         _require(self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}")
+        _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+                 f"must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras}")
 
 
 def parse_memory_size(text: str) -> int:

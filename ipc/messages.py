@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from ipc.bounds import MAX_ID_LENGTH, MAX_PROMPT_TOKENS, Count, Fraction, Int64, RequestId, Seconds, TokenId, check_fields
+from ipc.lora import LoRARequest
 from ipc.request_rules import validate_request
 from ipc.sampling_params import SamplingParams
 from ipc.scheduler_output import PromptLogprobs
@@ -31,6 +32,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, tag="add"):
     priority: Int64 = 0
     # Requests with different salts never share prefix-cache blocks (tenant isolation).
     cache_salt: Annotated[str, Meta(max_length=MAX_ID_LENGTH)] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
     def __post_init__(self) -> None:
         check_fields(self, "EngineCoreRequest.")

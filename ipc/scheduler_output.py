@@ -4,6 +4,7 @@ from __future__ import annotations
 import msgspec
 
 from ipc.bounds import Count, TokenId
+from ipc.lora import LoRARequest
 from ipc.sampling_params import SamplingParams
 from ipc.structured_outputs import GrammarBitmask
 
@@ -17,6 +18,7 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     eos_token_id: TokenId | None
     block_ids: list[Count]
     num_computed_tokens: Count
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):

@@ -157,6 +157,32 @@ def test_quantized_checkpoint_parallel_equals_single_rank(cluster, kind):
         llm.shutdown()
 
 
+def test_lora_parallel_equals_single_rank(cluster):
+    """Column-parallel layers hold their rows of B, row-parallel ones their columns of A (the delta summed with
+    the products); an adapter's own LM head and embeddings are whole on every rank that uses them."""
+    from test_lora import ADAPTERS, lora
+
+    prompts = random_prompts(PROMPT_LENGTHS, vocab=1000)
+    adapters = [None, *(lora(name, i + 1) for i, name in enumerate(ADAPTERS))]  # one per prompt
+    engine = {"enable_lora": True, "max_loras": 3, "max_lora_rank": 8}
+
+    def run(llm: LLM) -> list[list[int]]:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
+                               lora_request=adapters)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    single = LLM(tiny_model("llama"), dtype="float32", in_process=True, **engine)
+    try:
+        expected = run(single)
+    finally:
+        single.shutdown()
+    llm = LLM(tiny_model("llama"), in_process=True, tensor_parallel_size=2, **SMALL_ENGINE, **engine)
+    try:
+        assert run(llm) == expected
+    finally:
+        llm.shutdown()
+
+
 def test_ranks_fall_back_to_zmq_without_shared_memory(cluster, monkeypatch):
     """As for ranks on another host than the engine: steps and replies go over ZMQ instead of shared memory."""
     import workers.ray_executor

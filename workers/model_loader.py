@@ -57,7 +57,7 @@ def load_weights(model: nn.Module, source: str, readers: dict, quantized: Checkp
     missing = set(params)
     consumed = _load_quantized_modules(model, readers, quantized, params, missing) if quantized else set()
     for name, reader in readers.items():
-        target = None if name in consumed else _target_of(name, params, model)
+        target = None if name in consumed else checkpoint_target(name, params, model)
         if target is None:
             continue
         param_name, shard_id = target
@@ -80,7 +80,7 @@ def _load_quantized_modules(model: nn.Module, readers: dict, quantized: Checkpoi
     for module in modules:
         tensor_names = quantized.module_tensors(module, names)
         consumed.update(tensor_names)
-        target = _target_of(module + ".weight", params, model)
+        target = checkpoint_target(module + ".weight", params, model)
         if target is None:
             continue
         part = quantized.convert(module, {n[len(module) + 1:]: readers[n].get_tensor(n) for n in tensor_names})
@@ -109,7 +109,7 @@ def _load_into(param: nn.Parameter, loaded: Sliceable, shard_id: int | tuple[int
     param.data.copy_(tensor)
 
 
-def _target_of(name: str, params: dict, model: nn.Module) -> tuple[str, int | tuple[int, int] | None] | None:
+def checkpoint_target(name: str, params: dict, model: nn.Module) -> tuple[str, int | tuple[int, int] | None] | None:
     """Checkpoint name → (parameter name, shard id); None for tensors this rank does not use (rotary buffers,
     other pipeline stages' layers). The model may declare `weight_aliases` (names loaded into another parameter),
     `renamed_modules` (checkpoint module names → ours), `expert_modules` (per-expert projections → stacked

@@ -16,6 +16,7 @@ from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
 from workers.layers.attention import Attention, AttentionMetadata, DecodeMetadata, StepMetadata
 from workers.layers.sampler import Sampler, gather_logprobs
+from workers.lora.manager import LoRAManager
 from workers.model_loader import load_model
 from workers.pinned_staging import PinnedStaging
 from workers.request_state import CachedRequestState
@@ -36,6 +37,7 @@ class ModelInputs:
     logits_indices: torch.Tensor
     sample_groups: list[SampleGroup]
     prompt_logprob_jobs: list[PromptLogprobJob]
+    lora_row_slots: list[int] | None = None  # the adapter slot of each row of logits_indices (workers.lora)
 
 
 @dataclass
@@ -46,6 +48,7 @@ class PromptLogprobJob:
     rows: np.ndarray
     next_token_ids: list[int]
     num_top: int
+    lora_slot: int = -1
 
 
 class ModelRunner:
@@ -66,6 +69,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.staging = PinnedStaging(_staging_bytes(config), device) if device.type == "cuda" else None
         self.decode_graphs: DecodeGraphs | None = None
+        self.lora = LoRAManager(self.model, config, dtype, device) if config.enable_lora else None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then capture the decode graphs, which write into it."""
@@ -137,9 +141,10 @@ class ModelRunner:
             pp_send(hidden)
             return ModelRunnerOutput(sampled_token_ids={})
         # Every TP rank takes part in computing logits; only the driver gets them, and samples.
-        prompt_logits = [self.model.compute_logits(hidden[self._tensor(job.rows)])
+        prompt_logits = [self._logits(hidden[self._tensor(job.rows)], [job.lora_slot] * len(job.rows))
                          for job in inputs.prompt_logprob_jobs]
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sample_groups else None
+        logits = self._logits(hidden[inputs.logits_indices], inputs.lora_row_slots) if inputs.sample_groups \
+            else None
         if not self.parallel.is_driver:
             return ModelRunnerOutput(sampled_token_ids={})
         failed: dict[str, str] = {}
@@ -158,6 +163,11 @@ class ModelRunner:
         if self.speculator is not None:
             output.draft_token_ids = self.speculator.propose(self.requests, output.sampled_token_ids)
         return output
+
+    def _logits(self, hidden: torch.Tensor, lora_slots: list[int] | None) -> torch.Tensor | None:
+        if self.lora is not None:
+            self.lora.set_row_slots(lora_slots or [])
+        return self.model.compute_logits(hidden)
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor | Intermediate:
         """This stage's layers; a stage after the first starts from the previous stage's hidden states."""
@@ -208,9 +218,13 @@ class ModelRunner:
             + positions % self.block_size
         sampled = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + len(drafts[i])]
         num_decodes = int((num_tokens == 1).sum())
+        lora_slots = self._lora_slots(states, num_tokens)
         jobs = [job for i, state in enumerate(states)
-                if (job := _prompt_logprob_job(state, int(starts[i]), int(seq_lens[i]), int(query_start_loc[i])))]
-        graph_size = self._graph_size(len(req_ids)) if num_decodes == len(req_ids) and not jobs else None
+                if (job := _prompt_logprob_job(state, int(starts[i]), int(seq_lens[i]), int(query_start_loc[i]),
+                                               lora_slots[i]))]
+        adapted = any(slot >= 0 for slot in lora_slots)  # captured graphs hold no adapter deltas
+        graph_size = self._graph_size(len(req_ids)) if num_decodes == len(req_ids) and not jobs and not adapted \
+            else None
         if graph_size is not None:
             batch = DecodeBatch.padded(input_ids, positions, slot_mapping, seq_lens, table, graph_size)
             input_ids_t, positions_t, metadata = self.decode_graphs.load(batch, self.staging)
@@ -219,7 +233,16 @@ class ModelRunner:
             metadata = self._attention_metadata(slot_mapping, table, query_start_loc, seq_lens, num_decodes)
         return ModelInputs(input_ids_t, positions_t, metadata,
                            self._tensor(_sampled_rows(query_start_loc[1:][sampled], [drafts[i] for i in sampled])),
-                           [self._sample_group(states[i], drafts[i]) for i in sampled], jobs)
+                           [self._sample_group(states[i], drafts[i]) for i in sampled], jobs,
+                           [lora_slots[i] for i in sampled for _ in range(1 + len(drafts[i]))])
+
+    def _lora_slots(self, states: list[CachedRequestState], num_tokens: np.ndarray) -> list[int]:
+        """Each request's adapter slot (-1: none), its adapter put in a slot; every token of the step tagged."""
+        if self.lora is None:
+            return [-1] * len(states)
+        slots = self.lora.slots_for([s.lora_request for s in states])
+        self.lora.set_token_slots(np.repeat(slots, num_tokens).tolist())
+        return slots
 
     def _sample_group(self, state: CachedRequestState, drafts: list[int]) -> SampleGroup:
         if not drafts or self.speculator is None:
@@ -275,7 +298,8 @@ def _prompt_logprobs(logits: torch.Tensor, job: PromptLogprobJob) -> PromptLogpr
     return PromptLogprobs(*gather_logprobs(logprobs, next_token_ids, job.num_top))
 
 
-def _prompt_logprob_job(state: CachedRequestState, start: int, end: int, first_row: int) -> PromptLogprobJob | None:
+def _prompt_logprob_job(state: CachedRequestState, start: int, end: int, first_row: int, lora_slot: int
+                        ) -> PromptLogprobJob | None:
     """Positions start..end-1 of this step; each one before the prompt's last predicts a prompt token. Once a
     token was sampled they were all reported (a preempted request recomputes its prompt without them)."""
     num_top = state.sampling_params.prompt_logprobs
@@ -283,7 +307,7 @@ def _prompt_logprob_job(state: CachedRequestState, start: int, end: int, first_r
     if num_top is None or state.num_output_tokens or last <= start:
         return None
     return PromptLogprobJob(state.req_id, np.arange(first_row, first_row + last - start),
-                            state.token_ids[start + 1:last + 1], num_top)
+                            state.token_ids[start + 1:last + 1], num_top, lora_slot)
 
 
 def _staging_bytes(config: EngineConfig) -> int:

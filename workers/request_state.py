@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ipc import NewRequestData, SamplingParams
+from ipc import LoRARequest, NewRequestData, SamplingParams
 
 
 @dataclass
@@ -18,13 +18,14 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None = field(default=None, repr=False)
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> CachedRequestState:
         params = data.sampling_params
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         return cls(data.req_id, list(data.prompt_token_ids), len(data.prompt_token_ids), params,
-                   data.eos_token_id, list(data.block_ids), data.num_computed_tokens, generator)
+                   data.eos_token_id, list(data.block_ids), data.num_computed_tokens, generator, data.lora_request)
 
     @property
     def num_output_tokens(self) -> int:

@@ -31,7 +31,8 @@ class Linear(nn.Module):
         copy_checked(param.data, loaded[:])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quantizable_linear(self, x, self.bias)
+        out = quantizable_linear(self, x, self.bias)
+        return out if self.lora is None else self.lora.add_delta(x, out)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -68,7 +69,8 @@ class ColumnParallelLinear(nn.Module):
                           loaded[offset + start:offset + end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quantizable_linear(self, x, self.bias)
+        out = quantizable_linear(self, x, self.bias)
+        return out if self.lora is None else self.lora.add_delta(x, out)
 
 
 class RowParallelLinear(Linear):
@@ -87,8 +89,11 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return quantizable_linear(self, x, self.bias)
-        out = tp_all_reduce(quantizable_linear(self, x, None))
+            return super().forward(x)
+        partial = quantizable_linear(self, x, None)
+        if self.lora is not None:  # this rank's share of the delta: summed with the products
+            partial = self.lora.add_delta(x, partial)
+        out = tp_all_reduce(partial)
         return out if self.bias is None else out + self.bias
 
 
@@ -99,9 +104,11 @@ class Sliceable(Protocol):
 
 
 def add_quantization_slots(layer: nn.Module) -> None:
-    """The tensors a quantized weight comes with, None while the weight is not quantized."""
+    """The tensors a quantized weight comes with, None while the weight is not quantized; and the layer's LoRA
+    adapter slots (workers.lora), None until an adapter targets it."""
     for name in ("weight_scale", "weight_zero", "weight_g_idx"):
         layer.register_buffer(name, None, persistent=False)
+    layer.lora = None
 
 
 def quantizable_linear(layer: Linear | ColumnParallelLinear, x: torch.Tensor, bias: torch.Tensor | None

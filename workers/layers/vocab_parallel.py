@@ -25,6 +25,7 @@ class VocabParallelEmbedding(nn.Module):
         # dequantized into `dtype` as they are looked up.
         self.register_buffer("weight_scale", None, persistent=False)
         self.dtype = self.weight.dtype
+        self.lora = None  # adapters' own tables (modules_to_save, workers.lora), once an adapter brings one
 
     def weight_loader(self, param: nn.Parameter, loaded: Sliceable, shard_id: int | None = None) -> None:
         rows = loaded[self.start:self.end]
@@ -35,10 +36,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self._lookup(input_ids)
-        mine = (input_ids >= self.start) & (input_ids < self.end)
-        out = self._lookup(torch.where(mine, input_ids - self.start, 0))
-        return tp_all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
+            out = self._lookup(input_ids)
+        else:
+            mine = (input_ids >= self.start) & (input_ids < self.end)
+            out = self._lookup(torch.where(mine, input_ids - self.start, 0))
+            out = tp_all_reduce(out.masked_fill_(~mine.unsqueeze(-1), 0))
+        return out if self.lora is None else self.lora.replace_embeddings(input_ids, out)
 
     def _lookup(self, rows: torch.Tensor) -> torch.Tensor:
         if self.weight_scale is None:
@@ -52,7 +55,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 [tokens, vocab] on TP rank 0; None on the other TP ranks (they only contribute)."""
         logits = tp_gather_last_dim(linear(hidden, self.weight, None, self.weight_scale))
-        return None if logits is None else logits[:, :self.vocab_size].float()
+        if logits is None:
+            return None
+        logits = logits[:, :self.vocab_size].float()
+        return logits if self.lora is None else self.lora.replace_logits(hidden, logits)
 
 
 def tie_lm_head(lm_head: ParallelLMHead | None, embed_tokens: VocabParallelEmbedding | None,

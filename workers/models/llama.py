@@ -149,6 +149,8 @@ class LlamaModel(nn.Module):
     """This pipeline stage's share: embeddings on the first stage, its layers (others are placeholders, so
     parameter names keep their checkpoint indices), the final norm on the last stage."""
 
+    lora_context = None  # set by workers.lora when adapters are enabled: which tokens run with which adapter
+
     def __init__(self, config: PretrainedConfig, layer_class: type[LlamaDecoderLayer]) -> None:
         super().__init__()
         state = parallel_state()
@@ -180,7 +182,8 @@ class LlamaModel(nn.Module):
 
     def _one_call_step(self, x: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata
                        ) -> cpu_decoder_layer.DecodeStep | None:
-        if not (self.one_call_layers and isinstance(metadata, AttentionMetadata)):
+        if not (self.one_call_layers and isinstance(metadata, AttentionMetadata)) or (
+                self.lora_context is not None and self.lora_context.token_groups):  # adapters need the op path
             return None
         return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
                                              metadata.query_start_loc)

@@ -1,0 +1,174 @@
+"""Multi-LoRA: every request equals HF transformers + PEFT (the adapter applied, not merged) for its adapter, with
+adapters of different ranks and base-model requests in one batch, slots swapped, chunked prefill, preemption and
+the prefix cache on; bad adapters are clear errors while the engine serves on."""
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import _MODEL_ROOT, assert_all_blocks_free, random_prompts, tiny_model
+from frontend import LLM, LoRARequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+# name → (rank, alpha, targets, rslora, modules_to_save)
+ADAPTERS = {
+    "attention-r2": (2, 4, ["q_proj", "v_proj"], False, None),
+    "everything-r8-rslora": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                             True, None),
+    "mlp-r4-saved-head": (4, 8, ["down_proj", "up_proj"], False, ["lm_head", "embed_tokens"]),
+}
+
+
+@functools.cache
+def adapter_dir(name: str, arch: str = "llama") -> str:
+    """A PEFT adapter folder with random (non-zero) A and B, made once per session."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    warnings.filterwarnings("ignore")
+    rank, alpha, targets, rslora, saved = ADAPTERS[name]
+    torch.manual_seed(rank)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model(arch), dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, modules_to_save=saved,
+                        init_lora_weights=False)
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for module_name, param in model.named_parameters():
+            if "lora_B" in module_name:  # PEFT's random B is tiny: make the adapters change the outputs
+                param.normal_(0, 0.3)
+            if "modules_to_save" in module_name:
+                param.add_(torch.randn_like(param) * 0.5)
+    folder = _MODEL_ROOT / f"{arch}-tiny-lora-{name}"
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def lora(name: str, int_id: int, arch: str = "llama") -> LoRARequest:
+    return LoRARequest(name, int_id, adapter_dir(name, arch))
+
+
+@functools.cache
+def _peft_model(name: str | None, arch: str):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model(arch), dtype=torch.float32).eval()
+    return base if name is None else PeftModel.from_pretrained(base, adapter_dir(name, arch)).eval()
+
+
+@torch.inference_mode()
+def peft_greedy(name: str | None, prompt: list[int], max_new_tokens: int, arch: str = "llama") -> list[int]:
+    model = _peft_model(name, arch)
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, min_new_tokens=0, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_mixed_adapters_equal_peft_with_slot_swaps_chunks_preemption_and_prefix_cache():
+    """Three adapters (ranks 2, 8 with rslora, 4 with its own LM head and embeddings) and the base model, every
+    prompt twice in the second pass (prefix-cache hits), max_loras=2 so that slots are swapped; 37-token steps
+    chunk the prompts and 40 blocks of 8 force preemption."""
+    names = [None, *ADAPTERS]
+    prompts = random_prompts([5, 40, 90, 17, 64, 33, 120, 9], vocab=1000)
+    requests = [(p, names[i % len(names)]) for i, p in enumerate(prompts)]
+    ids = {name: i + 1 for i, name in enumerate(ADAPTERS)}
+    llm = LLM(tiny_model("llama"), dtype="float32", in_process=True, enable_lora=True, max_loras=2,
+              max_lora_rank=8, max_cpu_loras=2, max_num_batched_tokens=37, block_size=8, num_kv_blocks=40,
+              max_model_len=256,
+              enable_prefix_caching=True)
+    try:
+        for _ in range(2):
+            outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], GREEDY, use_tqdm=False,
+                                   lora_request=[None if n is None else lora(n, ids[n]) for _, n in requests])
+            for (prompt, name), output in zip(requests, outputs):
+                assert output.outputs[0].token_ids == peft_greedy(name, prompt, GREEDY.max_tokens), (name, len(prompt))
+        stats = llm.get_stats()
+        assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_adapters_change_outputs_and_never_share_prefix_blocks():
+    """The same prompt under the base model and two adapters: three different continuations, each as PEFT's; a
+    block computed under one is never reused for another (their first pass hits nothing of the others')."""
+    prompt = random_prompts([64], vocab=1000)[0]
+    llm = LLM(tiny_model("llama"), dtype="float32", in_process=True, enable_lora=True, max_loras=2, block_size=8,
+              enable_prefix_caching=True)
+    try:
+        outputs = {}
+        for name, request in ((None, None), ("attention-r2", lora("attention-r2", 1)),
+                              ("everything-r8-rslora", lora("everything-r8-rslora", 2))):
+            [output] = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False, lora_request=request)
+            assert output.num_cached_tokens == 0, name
+            outputs[name] = output.outputs[0].token_ids
+            assert outputs[name] == peft_greedy(name, prompt, GREEDY.max_tokens), name
+        assert len({tuple(o) for o in outputs.values()}) == 3
+    finally:
+        llm.shutdown()
+
+
+def test_adapter_requests_need_enable_lora():
+    llm = LLM(tiny_model("llama"), dtype="float32", in_process=True)
+    try:
+        with pytest.raises(ValueError, match="start it with enable_lora=True"):
+            llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, use_tqdm=False, lora_request=lora("attention-r2", 1))
+    finally:
+        llm.shutdown()
+
+
+def _broken(tmp_path: Path, name: str, edit) -> str:
+    folder = tmp_path / name
+    shutil.copytree(adapter_dir("attention-r2"), folder)
+    edit(folder)
+    return str(folder)
+
+
+def _other_targets(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    save_file({k.replace("self_attn.q_proj", "self_attn.query_key_value"): v for k, v in tensors.items()},
+              str(folder / "adapter_model.safetensors"))
+
+
+def _config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config.update(changes)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("case, edit, message", [
+    ("no-match", _other_targets, "match no module of this model"),
+    ("corrupt", lambda f: (f / "adapter_model.safetensors").write_bytes(b"\x00" * 40), "is unreadable"),
+    ("dora", lambda f: _config(f, use_dora=True), "DoRA"),
+    ("no-config", lambda f: (f / "adapter_config.json").unlink(), "cannot read adapter_config.json")])
+def test_bad_adapters_are_clear_errors_and_the_engine_serves_on(tmp_path, case, edit, message):
+    llm = LLM(tiny_model("llama"), dtype="float32", in_process=True, enable_lora=True, max_lora_rank=8)
+    try:
+        with pytest.raises(ValueError, match=message):
+            llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False,
+                         lora_request=LoRARequest(case, 7, _broken(tmp_path, case, edit)))
+        [output] = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False,
+                                lora_request=lora("attention-r2", 1))
+        assert output.outputs[0].token_ids == peft_greedy("attention-r2", [5, 6, 7], GREEDY.max_tokens)
+    finally:
+        llm.shutdown()
+
+
+def test_a_rank_above_max_lora_rank_is_refused():
+    llm = LLM(tiny_model("llama"), dtype="float32", in_process=True, enable_lora=True, max_lora_rank=4)
+    try:
+        with pytest.raises(ValueError, match="rank 8 of .* exceeds max_lora_rank 4"):
+            llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, use_tqdm=False,
+                         lora_request=lora("everything-r8-rslora", 2))
+    finally:
+        llm.shutdown()
