@@ -17,7 +17,7 @@ from frontend.prompts import PromptType, check_sampling_params
 from frontend.request_group import OutputCallback, RequestGroup
 from frontend.request_router import RequestRouter
 from frontend.tokenizer import load_tokenizer, model_folder, tokenizer_folder
-from ipc import EngineCoreOutputs, SamplingParams, SchedulerStats
+from ipc import EngineCoreOutputs, LoRARequest, SamplingParams, SchedulerStats
 
 logger = logging.getLogger("pagedserve.async_llm")
 # Outputs of one engine step are turned into RequestOutputs this many at a time, yielding to the event loop
@@ -48,17 +48,19 @@ class AsyncLLM:
         return self.client.dead_reason is not None
 
     def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                 request_id: str | None = None, *, priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+                 request_id: str | None = None, *, priority: int = 0,
+                 lora_request: LoRARequest | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Stream the request's outputs (each step's, as sampling_params.output_kind says); the last one has
         finished=True. Closing or cancelling the stream aborts the request in the engine. With n > 1 each
         output carries the sample (CompletionOutput.index) it is about; FINAL_ONLY gives one output of all n."""
         params = sampling_params or SamplingParams()
-        return self._generate(prompt, params, uuid.uuid4().hex if request_id is None else request_id, priority)
+        return self._generate(prompt, params, uuid.uuid4().hex if request_id is None else request_id, priority,
+                              lora_request)
 
-    async def _generate(self, prompt: PromptType, params: SamplingParams, request_id: str,
-                        priority: int) -> AsyncGenerator[RequestOutput, None]:
+    async def _generate(self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int,
+                        lora_request: LoRARequest | None) -> AsyncGenerator[RequestOutput, None]:
         collector = RequestOutputCollector(check_sampling_params(params).output_kind)
-        group = self.add_request(request_id, prompt, params, collector.put, priority)
+        group = self.add_request(request_id, prompt, params, collector.put, priority, lora_request)
         try:
             while True:
                 output = await collector.get()
@@ -69,12 +71,12 @@ class AsyncLLM:
             self.release(group)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, on_output: OutputCallback,
-                    priority: int = 0) -> RequestGroup:
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> RequestGroup:
         """Send the request (its n samples) to the engine; its outputs, then its final output or the error that ends
         it, go to on_output (on the event loop, as they arrive). The caller must release() the returned group
         once it no longer wants them. generate() is this with a collector in between; a server writing each
         output out at once needs none."""
-        group = self.router.add(request_id, prompt, params, on_output, priority)
+        group = self.router.add(request_id, prompt, params, on_output, priority, lora_request)
         if self.output_handler is None or self.output_handler.done():
             self.output_handler = asyncio.get_running_loop().create_task(self._handle_outputs())
         return group

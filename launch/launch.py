@@ -24,7 +24,8 @@ if not __package__:  # run as `python launch/launch.py`: `launch` must be this p
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from core.engine_spawn import EngineProcess, child_env  # noqa: E402
-from frontend.api.cli_args import API_KEY_ENV, add_gateway_flags, auto_tool_parser, gateway_argv  # noqa: E402
+from frontend.api.cli_args import (API_KEY_ENV, add_gateway_flags, auto_tool_parser, check_lora_flags,  # noqa: E402
+                                   gateway_argv)
 from ipc import EngineConfig  # noqa: E402
 from ipc.config import QUANTIZATION_METHODS  # noqa: E402
 from ipc.lifeline import make_lifeline  # noqa: E402
@@ -69,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "the checkpoint's format (found without it)")
     engine.add_argument("--quantize-lm-head", action="store_true",
                         help="with --quantization: the LM head (and embeddings tied to it) too")
+    engine.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (--lora-modules, or loaded "
+                                                                   "at run time with --allow-runtime-lora)")
+    engine.add_argument("--max-loras", type=int, default=1, help="most distinct adapters in one step")
+    engine.add_argument("--max-lora-rank", type=int, default=16)
+    engine.add_argument("--max-cpu-loras", type=int, help="adapters kept loaded (default: --max-loras)")
     engine.add_argument("--enable-expert-parallel", action="store_true",
                         help="MoE models under --tp: divide whole experts among the ranks")
     engine.add_argument("--ray-address", help="with --tp/--pp > 1: join this Ray cluster ('auto' or HOST:6379; "
@@ -142,6 +148,9 @@ def check_gateway_flags(args: argparse.Namespace) -> None:
     if getattr(args, "ssl_keyfile", None) and not getattr(args, "ssl_certfile", None):
         raise ValueError("--ssl-keyfile needs --ssl-certfile")
     auto_tool_parser(args)
+    if (getattr(args, "lora_modules", None) or getattr(args, "allow_runtime_lora", False)) and not args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora need --enable-lora")
+    check_lora_flags(args)
 
 
 def curl_example(args: argparse.Namespace, model_name: str, chat: bool) -> str:
@@ -182,6 +191,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         pipeline_parallel_size=args.pipeline_parallel_size,
                         enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
                         quantize_lm_head=args.quantize_lm_head, ray_address=args.ray_address,
+                        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        max_cpu_loras=args.max_cpu_loras,
                         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
                         enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                         profiler_dir=args.profiler_dir, profiler_max_seconds=args.profiler_max_seconds,

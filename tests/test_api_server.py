@@ -353,7 +353,7 @@ class _StubEngine:
         self.added = 0
         self.running: set[str] = set()
 
-    def add_request(self, request_id: str, prompt, params, on_output, priority: int = 0) -> str:
+    def add_request(self, request_id: str, prompt, params, on_output, priority: int = 0, lora_request=None) -> str:
         if prompt.get("prompt") == "bug":
             raise OverflowError("an injected bug")
         self.added += 1

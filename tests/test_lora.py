@@ -172,3 +172,72 @@ def test_a_rank_above_max_lora_rank_is_refused():
                          lora_request=lora("everything-r8-rslora", 2))
     finally:
         llm.shutdown()
+
+
+def offline_text(prompt: list[int], max_tokens: int, adapter: LoRARequest | None) -> str:
+    """The text the offline engine (whose tokens equal PEFT's, above) writes for the prompt under the adapter."""
+    llm = LLM(tiny_model("llama"), dtype="float32", in_process=True, enable_lora=True, max_lora_rank=8)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        [output] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False, lora_request=adapter)
+    finally:
+        llm.shutdown()
+    assert output.outputs[0].token_ids == peft_greedy(None if adapter is None else adapter.lora_name, prompt,
+                                                      max_tokens)
+    return output.outputs[0].text
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory):
+    """(base URL, runtime adapter folder): the launcher with one adapter from --lora-modules and runtime loading
+    from a --lora-dir holding a second one, behind an API key."""
+    from launcher import start_launcher, stop_launcher
+
+    lora_dir = tmp_path_factory.mktemp("adapters")
+    shutil.copytree(adapter_dir("everything-r8-rslora"), lora_dir / "everything")
+    process, base_url = start_launcher(
+        ["--model", tiny_model("llama"), "--dtype", "float32", "--enable-lora", "--max-loras", "2",
+         "--max-lora-rank", "8", "--lora-modules", f"attn={adapter_dir('attention-r2')}", "--allow-runtime-lora",
+         "--lora-dir", str(lora_dir), "--api-key", "secret"])
+    yield base_url
+    stop_launcher(process)
+
+
+def test_http_model_selects_the_adapter_and_models_lists_it(lora_server):
+    import openai
+
+    client = openai.OpenAI(base_url=lora_server + "/v1", api_key="secret")
+    models = {m.id: m for m in client.models.list().data}
+    base = next(name for name, m in models.items() if m.model_extra["parent"] is None)
+    assert models["attn"].model_extra["parent"] == base
+    prompt = random_prompts([20], vocab=1000)[0]
+    texts = set()
+    for model, adapter in ((base, None), ("attn", lora("attention-r2", 1))):
+        completion = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0.0,
+                                               extra_body={"ignore_eos": True})
+        assert completion.model == model
+        assert completion.choices[0].text == offline_text(prompt, 8, adapter)
+        texts.add(completion.choices[0].text)
+    assert len(texts) == 2
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi", max_tokens=2)
+
+
+def test_http_runtime_loading_only_from_under_the_lora_dir(lora_server):
+    import httpx
+
+    headers = {"Authorization": "Bearer secret"}
+    load = lambda body: httpx.post(lora_server + "/v1/load_lora_adapter", json=body, headers=headers)  # noqa: E731
+    assert httpx.post(lora_server + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "everything"}
+                      ).status_code == 401
+    for path in ("../", adapter_dir("attention-r2"), "missing"):
+        response = load({"lora_name": "x", "lora_path": path})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "lora_path", response.text
+    assert load({"lora_name": "every", "lora_path": "everything"}).status_code == 200
+    prompt = random_prompts([12], vocab=1000)[0]
+    body = {"model": "every", "prompt": prompt, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    choice = httpx.post(lora_server + "/v1/completions", json=body, headers=headers).json()["choices"][0]
+    assert choice["text"] == offline_text(prompt, 6, lora("everything-r8-rslora", 2))
+    assert httpx.post(lora_server + "/v1/unload_lora_adapter", json={"lora_name": "every"},
+                      headers=headers).status_code == 200
+    assert httpx.post(lora_server + "/v1/completions", json=body, headers=headers).status_code == 404

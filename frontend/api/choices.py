@@ -17,7 +17,7 @@ from frontend.api.sse import SSE_DONE, ChoiceEvents, PushedSSEResponse, sse_even
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import RequestOutput
 from frontend.request_group import FinalOutputs, RequestGroup, child_request_id
-from ipc import SamplingParams
+from ipc import LoRARequest, SamplingParams
 
 logger = logging.getLogger("pagedserve.api")
 
@@ -50,6 +50,7 @@ class PromptChoices:
 
     prompt: dict  # {"prompt": text (if given as text), "prompt_token_ids": [...]}
     params: SamplingParams
+    lora_request: LoRARequest | None = None  # the adapter the request's model names
     num_completion_tokens: int = 0
 
     @property
@@ -67,7 +68,8 @@ async def final_outputs(engine: AsyncLLM, prompts: list[PromptChoices], request_
     try:
         for position, choices in enumerate(prompts):
             part_id = child_request_id(request_id, position, len(prompts))
-            groups.append(engine.add_request(part_id, choices.prompt, choices.params, finals.callback(position)))
+            groups.append(engine.add_request(part_id, choices.prompt, choices.params, finals.callback(position),
+                                             lora_request=choices.lora_request))
         await ended
         if finals.error is not None:
             raise finals.error
@@ -121,7 +123,8 @@ class StreamedChoices:
             for position, choices in enumerate(self.prompts):
                 part_id = child_request_id(self.request_id, position, len(self.prompts))
                 self.groups.append(self.engine.add_request(part_id, choices.prompt, choices.params,
-                                                           functools.partial(self.put, position)))
+                                                           functools.partial(self.put, position),
+                                                           lora_request=choices.lora_request))
             await self.answered  # raises the error that came first, if one did
         except Exception as error:
             self.close()

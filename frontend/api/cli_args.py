@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from frontend.api.push import HEADER_TIMEOUT_S
@@ -38,6 +39,14 @@ def auto_tool_parser(args: argparse.Namespace) -> str | None:
     if getattr(args, "tool_call_parser", None) is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     return args.tool_call_parser
+
+
+def check_lora_flags(args: argparse.Namespace) -> None:
+    """ValueError for --allow-runtime-lora without a --lora-dir folder (network clients name no arbitrary paths)."""
+    if getattr(args, "allow_runtime_lora", False):
+        lora_dir = getattr(args, "lora_dir", None)
+        if not lora_dir or not Path(lora_dir).is_dir():
+            raise ValueError("--allow-runtime-lora needs --lora-dir, an existing folder the adapters lie under")
 
 
 def str_list(text: str) -> list[str]:
@@ -88,6 +97,11 @@ GATEWAY_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
                                 "llama3_json")),
     ("--reasoning-parser", dict(choices=("deepseek_r1", "qwen3"), help="split the model's <think>...</think> "
                                 "section into reasoning_content; an output constraint applies after it")),
+    ("--lora-modules", dict(nargs="+", help="LoRA adapters served as models: NAME=PATH ... (the request's model "
+                                           "names one; needs the engine's --enable-lora)")),
+    ("--allow-runtime-lora", dict(action="store_true", help="serve /v1/load_lora_adapter and "
+                                                            "/v1/unload_lora_adapter (needs --lora-dir)")),
+    ("--lora-dir", dict(help="with --allow-runtime-lora: the folder runtime-loaded adapters must lie under")),
     ("--disable-log-requests", dict(action="store_true", help="no log line per finished request")),
     ("--log-prompts", dict(action="store_true", help="put each request's prompt and output text in its log line "
                                                      "(they may hold personal data)")),

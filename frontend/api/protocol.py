@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -238,3 +238,12 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    lora_name: Annotated[str, Field(min_length=1, max_length=512)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]  # under the server's --lora-dir
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    lora_name: Annotated[str, Field(min_length=1, max_length=512)]

@@ -22,11 +22,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from frontend.api.choices import RequestObservers
-from frontend.api.cli_args import CorsOptions, auto_tool_parser, build_parser, cors_options
+from frontend.api.cli_args import CorsOptions, auto_tool_parser, build_parser, check_lora_flags, cors_options
 from frontend.api.errors import APIError, error_body
+from frontend.api.lora_adapters import LoRAAdapters, parse_lora_modules
 from frontend.api.route_errors import add_error_handlers, cancel_on_disconnect
 from frontend.api.metrics import ServerMetrics
-from frontend.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from frontend.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
+                                   TokenizeRequest, UnloadLoRAAdapterRequest)
 from frontend.api.push import PushHttpToolsProtocol
 from frontend.api.request_log import RequestLogger
 from frontend.api.sampling import ServerLimits
@@ -45,14 +47,16 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
               max_stall_s: float = DEFAULT_MAX_STALL_S, *, chat_template: str | None = None,
               model_root: str | None = None, generation_defaults: dict[str, float | int] | None = None,
               request_logger: RequestLogger | None = None, cors: CorsOptions | None = None,
-              tool_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              tool_parser: str | None = None, reasoning_parser: str | None = None,
+              adapters: LoRAAdapters | None = None) -> FastAPI:
     """The gateway's app. `chat_template` (a template's text) replaces the tokenizer's, whose gateway this is;
     `model_root` is the model's root in /v1/models (default: the engine's model folder)."""
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
     metrics = ServerMetrics(model_name)
+    adapters = adapters or LoRAAdapters(model_name, {})
     serving = OpenAIServing(engine, model_name, limits, RequestObservers(metrics, request_logger), generation_defaults,
-                            tool_parser, reasoning_parser)
+                            tool_parser, reasoning_parser, adapters)
     # The contract is served (behind the key) for clients and fuzzers; the docs UIs would load scripts from a CDN.
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
@@ -76,9 +80,21 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "pagedserve", "root": model_root or engine.info.model,
-                                            "parent": None, "max_model_len": limits.max_model_len}]}
+        created = int(time.time())
+        base = {"id": model_name, "object": "model", "created": created, "owned_by": "pagedserve",
+                "root": model_root or engine.info.model, "parent": None, "max_model_len": limits.max_model_len}
+        return {"object": "list", "data": [base, *({**base, "id": name, "root": path, "parent": model_name}
+                                                   for name, path in adapters.models())]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict:
+        adapters.load(body.lora_name, body.lora_path)
+        return {"object": "lora_adapter", "id": body.lora_name, "loaded": True}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict:
+        adapters.unload(body.lora_name)
+        return {"object": "lora_adapter", "id": body.lora_name, "loaded": False}
 
     @app.get("/version")
     async def server_version() -> dict:
@@ -199,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.ssl_keyfile and not args.ssl_certfile:
             raise ValueError("--ssl-keyfile needs --ssl-certfile")
         tool_parser = auto_tool_parser(args)
+        check_lora_flags(args)
         engine = AsyncLLM(args.tokenizer or args.model, engine_address=args.engine_address,
                           curve_key_file=args.curve_key_file)
     except ValueError as error:
@@ -212,13 +229,20 @@ def main(argv: list[str] | None = None) -> int:
         engine.shutdown()
         return 2
     model_name = args.served_model_name or args.model or engine.info.model
+    try:
+        adapters = LoRAAdapters(model_name, parse_lora_modules(args.lora_modules),
+                                args.lora_dir if args.allow_runtime_lora else None)
+    except ValueError as error:
+        logger.error("%s", error)
+        engine.shutdown()
+        return 2
     limits = ServerLimits(max_model_len=engine.info.max_model_len, max_n=args.max_n, max_stop=args.max_stop,
                           max_choices_per_request=args.max_choices_per_request)
     request_logger = None if args.disable_log_requests else RequestLogger(args.log_prompts, args.max_log_len)
     app = build_app(engine, model_name, limits, args.api_key, args.max_body_bytes, args.max_header_bytes,
                     args.engine_stall_timeout, chat_template=chat_template, model_root=args.model_root or model_folder,
                     generation_defaults=generation_defaults, request_logger=request_logger, cors=cors_options(args),
-                    tool_parser=tool_parser, reasoning_parser=args.reasoning_parser)
+                    tool_parser=tool_parser, reasoning_parser=args.reasoning_parser, adapters=adapters)
     sock = listening_socket(args.host, args.port, args.reuse_port)
     server = uvicorn.Server(uvicorn_config(app, args))
     if args.parent_fd is not None:

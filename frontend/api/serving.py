@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from frontend.api.choices import PromptChoices, RequestObservers, StreamedChoices, final_outputs
 from frontend.api.errors import APIError
+from frontend.api.lora_adapters import LoRAAdapters
 from frontend.api.logprobs import chat_logprobs, completion_logprobs, join_logprobs, prompt_logprobs
 from frontend.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, TokenizeRequest
 from frontend.api.reasoning_parsers import (
@@ -35,29 +36,31 @@ from frontend.api.tools import read_tool_calls, template_tools, tool_mode
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import RequestOutput
 from frontend.tokenizer import apply_chat_template, check_template_kwargs, encode
-from ipc import SamplingParams
+from ipc import LoRARequest, SamplingParams
 from ipc.request_rules import InvalidRequestError, check_max_tokens
 
 
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str, limits: ServerLimits, observers: RequestObservers,
                  generation_defaults: Mapping[str, float | int] | None = None, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, adapters: LoRAAdapters | None = None) -> None:
         self.engine, self.model_name, self.limits, self.observers = engine, model_name, limits, observers
+        self.adapters = adapters or LoRAAdapters(model_name, {})  # the request's model: the base or an adapter
         self.generation_defaults = generation_defaults or {}
         self.tool_parser = tool_parser  # for tool_choice "auto"; None: "auto" is refused
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
 
     async def completions(self, body: CompletionRequest):
-        self._check_model(body.model)
+        lora = self.adapters.resolve(body.model)
+        served = self.model_name if lora is None else lora.lora_name  # the model the response names
         prompt_list = _prompt_list(body.prompt)
         check_limits(body, self.limits, len(prompt_list))
         params = sampling_params(body, self.limits, self.generation_defaults)
-        prompts = [self._prompt_choices(body, self._completion_prompt(p), params, "prompt") for p in prompt_list]
+        prompts = [self._prompt_choices(body, self._completion_prompt(p), params, "prompt", lora) for p in prompt_list]
         echo = [self._prompt_text(p.prompt) if body.echo else "" for p in prompts]
         if body.stream:
             # Plain dicts on the per-token path: a pydantic model per chunk costs more than the rest of the chunk.
-            head = CompletionResponse(model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
+            head = CompletionResponse(model=served, choices=[]).model_dump(exclude={"choices", "usage"})
             return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers, head,
                                          self._completion_choice(body, echo),
                                          _usage_chunks(head, body, prompts)).open()
@@ -71,11 +74,12 @@ class OpenAIServing:
                     logprobs=join_logprobs(prefix, completion_logprobs(completion, body.logprobs or 0,
                                                                        len(echo[position]))),
                     finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
-        response = CompletionResponse(model=self.model_name, usage=_usage(prompts), choices=choices)
+        response = CompletionResponse(model=served, usage=_usage(prompts), choices=choices)
         return JSONResponse(response.model_dump())
 
     async def chat(self, body: ChatCompletionRequest):
-        self._check_model(body.model)
+        lora = self.adapters.resolve(body.model)
+        served = self.model_name if lora is None else lora.lora_name  # the model the response names
         check_limits(body, self.limits)
         if body.chat_template is not None:
             raise APIError(400, "chat_template is not accepted: the server uses the model's own template",
@@ -89,11 +93,11 @@ class OpenAIServing:
             constraint = msgspec.structs.replace(params.structured_outputs,
                                                  reasoning=reasoning_section(start, self.engine.tokenizer))
             params = msgspec.structs.replace(params, structured_outputs=constraint)
-        prompts = [self._prompt_choices(body, prompt, params, "messages")]
+        prompts = [self._prompt_choices(body, prompt, params, "messages", lora)]
         tools = _ToolReader(tool_mode(body, self.tool_parser), self.tool_parser)
         if body.stream:
             head = ChatCompletionChunk(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
-                                       model=self.model_name, choices=[]).model_dump(exclude={"choices", "usage"})
+                                       model=served, choices=[]).model_dump(exclude={"choices", "usage"})
             role_chunks = [{**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], "usage": None}
                            for index in range(body.n)]
@@ -108,7 +112,7 @@ class OpenAIServing:
             message.reasoning_content = reasoning
             choices.append(ChatChoice(index=c.index, message=message, logprobs=chat_logprobs(c, body.top_logprobs or 0),
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
-        response = ChatCompletionResponse(model=self.model_name, usage=_usage(prompts), choices=choices)
+        response = ChatCompletionResponse(model=served, usage=_usage(prompts), choices=choices)
         return JSONResponse(response.model_dump())
 
     def tokenize(self, body: TokenizeRequest) -> dict:
@@ -120,11 +124,6 @@ class OpenAIServing:
             tokens = self._encode(self._chat_text(body.messages, True, template_kwargs=body.chat_template_kwargs),
                                   "messages", add_special_tokens=False)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.limits.max_model_len}
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:  # no model: the one this server has, as vLLM does
-            raise APIError(404, f"the model {model!r} does not exist; this server has {self.model_name!r}", "model",
-                           "model_not_found")
 
     def _completion_prompt(self, prompt: str | list[int]) -> dict:
         if isinstance(prompt, str):
@@ -157,7 +156,7 @@ class OpenAIServing:
             raise APIError(400, str(error), field) from error
 
     def _prompt_choices(self, body: SamplingFields, prompt: dict, params: SamplingParams,
-                        field: str) -> PromptChoices:
+                        field: str, lora: LoRARequest | None = None) -> PromptChoices:
         """The prompt's choices, once the prompt fits the context with the max_tokens asked for (OpenAI's rule;
         a default max_tokens ends where the context does)."""
         try:
@@ -166,7 +165,7 @@ class OpenAIServing:
             raise APIError(400, str(error), field if error.param == "prompt" else error.param) from None
         if body.cache_salt is not None:
             prompt = {**prompt, "cache_salt": body.cache_salt}
-        return PromptChoices(prompt, params)
+        return PromptChoices(prompt, params, lora)
 
     def _prompt_text(self, prompt: dict) -> str:
         """The prompt as text (what echo shows): as sent, or decoded from the token ids sent."""
