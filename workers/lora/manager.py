@@ -45,7 +45,7 @@ class LoRAManager:
         return [-1 if r is None else self.slot_of[r.lora_int_id] for r in requests]
 
     def set_token_slots(self, slots: list[int]) -> None:
-        self.context.token_groups = LoRAContext.groups_of(slots, self.device)
+        self.context.set_tokens(slots, self.device)
 
     def set_row_slots(self, slots: list[int]) -> None:
         self.context.row_groups = LoRAContext.groups_of(slots, self.device)

@@ -14,10 +14,22 @@ from kernels.cpu_features import matmul_dtype
 @dataclass
 class LoRAContext:
     """Which rows of this step's tokens (and of the logits being computed) run with which slot: shared by every
-    adapted layer of the model and set by the runner before each forward / logits computation."""
+    adapted layer of the model and set by the runner before each forward / logits computation. Token groups are
+    also kept as one order of the adapted tokens, sorted by slot, with each slot's run in it: a layer gathers its
+    adapted rows once and scatters their deltas once."""
 
     token_groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     row_groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    token_order: torch.Tensor | None = None  # adapted token rows, grouped by slot
+    token_runs: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, start, end) in token_order
+
+    def set_tokens(self, slots: list[int], device: torch.device) -> None:
+        self.token_groups = self.groups_of(slots, device)
+        self.token_order = torch.cat([rows for _, rows in self.token_groups]) if self.token_groups else None
+        sizes = [rows.numel() for _, rows in self.token_groups]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.token_runs = [(slot, start, start + size) for (slot, _), start, size in
+                           zip(self.token_groups, starts, sizes)]
 
     @staticmethod
     def groups_of(slots: list[int], device: torch.device) -> list[tuple[int, torch.Tensor]]:
@@ -26,51 +38,74 @@ class LoRAContext:
         for row, slot in enumerate(slots):
             if slot >= 0:
                 by_slot.setdefault(slot, []).append(row)
-        return [(slot, torch.tensor(rows, dtype=torch.long, device=device)) for slot, rows in by_slot.items()]
+        return [(slot, torch.tensor(rows, dtype=torch.long, device=device)) for slot, rows in sorted(by_slot.items())]
 
 
 class LoRALayerSlots:
-    """A linear layer's adapter slots: per output part (q/k/v of a merged projection) A [slots, rank, K] and
-    B [slots, N_part, rank], zero where an adapter does not touch that part. `row_parallel`: x is this rank's
-    share of the input, and the delta is a partial sum like the base product (added before the all-reduce)."""
+    """A linear layer's adapter slots. A merged projection's parts (q/k/v) are stacked: A [slots, parts * rank, K]
+    and a block-diagonal B [slots, N, parts * rank], zero where an adapter does not touch a part, so a group's delta
+    is two GEMMs whatever the parts. `row_parallel` layers: x is this rank's share of the input, and the delta a
+    partial sum like the base product (added before the all-reduce)."""
 
     def __init__(self, context: LoRAContext, part_sizes: list[int], input_size: int, max_loras: int,
                  max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.context = context
-        self.offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
-        self.a = [torch.zeros(max_loras, max_rank, input_size, dtype=dtype, device=device) for _ in part_sizes]
-        self.b = [torch.zeros(max_loras, size, max_rank, dtype=dtype, device=device) for size in part_sizes]
-        self.used = [[False] * len(part_sizes) for _ in range(max_loras)]  # slot, part → holds weights
+        self.context, self.max_rank = context, max_rank
+        self.offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes) + 1)]
+        parts = len(part_sizes)
+        compute = matmul_dtype(dtype, device)  # kept in the GEMM dtype: nothing converted per step
+        self.a = torch.zeros(max_loras, parts * max_rank, input_size, dtype=compute, device=device)
+        self.b = torch.zeros(max_loras, self.offsets[-1], parts * max_rank, dtype=compute, device=device)
+        self.used = [False] * max_loras
 
     def set(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        rank = a.shape[0]
-        self.a[part][slot].zero_()
-        self.b[part][slot].zero_()
-        self.a[part][slot, :rank].copy_(a)
-        self.b[part][slot, :, :rank].copy_(b)
-        self.used[slot][part] = True
+        """Part `part` of the adapter in `slot` (its rank may be below max_rank: the rest stays zero)."""
+        if not self.used[slot]:
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+        rank, first = a.shape[0], part * self.max_rank
+        self.a[slot, first:first + rank].copy_(a)
+        self.b[slot, self.offsets[part]:self.offsets[part + 1], first:first + rank].copy_(b)
+        self.used[slot] = True
 
     def clear(self, slot: int) -> None:
-        self.used[slot] = [False] * len(self.used[slot])
+        self.used[slot] = False
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out + each token's adapter delta (out unchanged when no adapted token runs through this layer)."""
-        groups = [(slot, rows) for slot, rows in self.context.token_groups if any(self.used[slot])]
-        if not groups:
+        context = self.context
+        runs = [run for run in context.token_runs if self.used[run[0]]]
+        if not runs:
             return out
-        compute = matmul_dtype(x.dtype, x.device)
+        compute = self.a.dtype
         out = out.to(compute)  # the layer's fresh output (or a float32 copy of it): added to in place
         x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-        for slot, rows in groups:
-            xs = x2.index_select(0, rows).to(compute)
-            delta = torch.zeros(rows.numel(), out2.shape[1], dtype=compute, device=out.device)
-            for part, offset in enumerate(self.offsets):
-                if self.used[slot][part]:
-                    b = self.b[part][slot]
-                    shrunk = F.linear(xs, self.a[part][slot].to(compute))
-                    delta[:, offset:offset + b.shape[0]] = F.linear(shrunk, b.to(compute))
-            out2.index_add_(0, rows, delta)
+        adapted = x2.index_select(0, context.token_order).to(compute)
+        longest = max(end - start for _, start, end in runs)
+        if len(runs) > 1 and longest * len(runs) <= 2 * adapted.shape[0]:
+            delta = self._batched(adapted, runs, longest)
+        else:  # one adapter, or runs too uneven to pad: a pair of GEMMs per run
+            delta = torch.zeros(adapted.shape[0], out2.shape[1], dtype=compute, device=out.device)
+            for slot, start, end in runs:
+                delta[start:end] = F.linear(F.linear(adapted[start:end], self.a[slot]), self.b[slot])
+        out2.index_add_(0, context.token_order, delta)
         return out.to(x.dtype)
+
+    def _batched(self, adapted: torch.Tensor, runs: list[tuple[int, int, int]], longest: int) -> torch.Tensor:
+        """Every run padded to the longest: two batched GEMMs for all the adapters of the step."""
+        padded = adapted.new_zeros(len(runs), longest, adapted.shape[1])
+        for index, (_, start, end) in enumerate(runs):
+            padded[index, :end - start] = adapted[start:end]
+        slots = [slot for slot, _, _ in runs]
+        if slots == list(range(slots[0], slots[0] + len(slots))):  # (runs are in slot order) a view, no copy
+            a, b = self.a[slots[0]:slots[0] + len(slots)], self.b[slots[0]:slots[0] + len(slots)]
+        else:
+            index = torch.tensor(slots, device=adapted.device)
+            a, b = self.a[index], self.b[index]
+        expanded = torch.bmm(torch.bmm(padded, a.transpose(1, 2)), b.transpose(1, 2))
+        delta = adapted.new_zeros(adapted.shape[0], expanded.shape[2])
+        for index, (_, start, end) in enumerate(runs):
+            delta[start:end] = expanded[index, :end - start]
+        return delta
 
 
 class SavedModuleSlots:
