@@ -203,3 +203,23 @@ def test_quantized_matmul_equals_twin(storage, dtype):
     got = quantized_matmul_triton.quantized_linear(*args)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected.float(), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("runs", [[(0, 0, 5)], [(0, 0, 3), (2, 3, 20), (3, 20, 21)], [(1, 0, 17), (3, 17, 19)]],
+                         ids=["one adapter", "three uneven", "two, slots apart"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_delta_equals_twin(runs, dtype):
+    """The shrink/expand kernels against lora_ref: runs of other lengths than the blocks, slots not in a row, ranks
+    (48: three parts of 16) not a power of two."""
+    from kernels import lora_ref, lora_triton
+
+    generator = torch.Generator().manual_seed(len(runs))
+    rows, k, n, ranks = runs[-1][2], 40, 72, 48
+    x = torch.randn(rows, k, generator=generator).to(dtype).to(DEVICE)
+    a = torch.randn(4, ranks, k, generator=generator).to(dtype).to(DEVICE)
+    b = torch.randn(4, n, ranks, generator=generator).to(dtype).to(DEVICE)
+    expected = lora_ref.lora_delta(x.float(), a.float(), b.float(), runs)
+    got = lora_triton.lora_delta(x, a, b, runs)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, **{torch.float32: {"atol": 1e-3, "rtol": 1e-4},
+                                                         torch.bfloat16: {"atol": 0.5, "rtol": 3e-2}}[dtype])

@@ -112,7 +112,7 @@ class LoRAManager:
         if layer is None or (kind is ParallelLMHead and not parallel_state().is_driver):
             return None
         if layer.lora is None:
-            layer.lora = SavedModuleSlots(self.context, self.max_loras, logits=kind is ParallelLMHead)
+            layer.lora = SavedModuleSlots(self.context, self.max_loras)
             self.layers.append(layer.lora)
         return layer.lora
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kernels import lora_ref
+from kernels.backend import use_triton
 from kernels.cpu_features import matmul_dtype
 
 
@@ -80,40 +82,22 @@ class LoRALayerSlots:
         out = out.to(compute)  # the layer's fresh output (or a float32 copy of it): added to in place
         x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
         adapted = x2.index_select(0, context.token_order).to(compute)
-        longest = max(end - start for _, start, end in runs)
-        if len(runs) > 1 and longest * len(runs) <= 2 * adapted.shape[0]:
-            delta = self._batched(adapted, runs, longest)
-        else:  # one adapter, or runs too uneven to pad: a pair of GEMMs per run
-            delta = torch.zeros(adapted.shape[0], out2.shape[1], dtype=compute, device=out.device)
-            for slot, start, end in runs:
-                delta[start:end] = F.linear(F.linear(adapted[start:end], self.a[slot]), self.b[slot])
+        if use_triton(adapted):
+            from kernels import lora_triton  # triton is optional: imported only on CUDA
+
+            delta = lora_triton.lora_delta(adapted, self.a, self.b, runs)
+        else:
+            delta = lora_ref.lora_delta(adapted, self.a, self.b, runs)
         out2.index_add_(0, context.token_order, delta)
         return out.to(x.dtype)
-
-    def _batched(self, adapted: torch.Tensor, runs: list[tuple[int, int, int]], longest: int) -> torch.Tensor:
-        """Every run padded to the longest: two batched GEMMs for all the adapters of the step."""
-        padded = adapted.new_zeros(len(runs), longest, adapted.shape[1])
-        for index, (_, start, end) in enumerate(runs):
-            padded[index, :end - start] = adapted[start:end]
-        slots = [slot for slot, _, _ in runs]
-        if slots == list(range(slots[0], slots[0] + len(slots))):  # (runs are in slot order) a view, no copy
-            a, b = self.a[slots[0]:slots[0] + len(slots)], self.b[slots[0]:slots[0] + len(slots)]
-        else:
-            index = torch.tensor(slots, device=adapted.device)
-            a, b = self.a[index], self.b[index]
-        expanded = torch.bmm(torch.bmm(padded, a.transpose(1, 2)), b.transpose(1, 2))
-        delta = adapted.new_zeros(adapted.shape[0], expanded.shape[2])
-        for index, (_, start, end) in enumerate(runs):
-            delta[start:end] = expanded[index, :end - start]
-        return delta
 
 
 class SavedModuleSlots:
     """An adapter's own embeddings or LM head (PEFT's modules_to_save), whole, per slot: the rows of its tokens (or
     logits) are looked up in (multiplied by) its table instead of the model's."""
 
-    def __init__(self, context: LoRAContext, max_loras: int, logits: bool) -> None:
-        self.context, self.logits = context, logits
+    def __init__(self, context: LoRAContext, max_loras: int) -> None:
+        self.context = context
         self.tables: list[torch.Tensor | None] = [None] * max_loras
 
     def set(self, slot: int, table: torch.Tensor) -> None:
