@@ -138,7 +138,8 @@ def test_int8_quantized_parallel_equals_single_rank(cluster):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["gptq-4bit-act-order", "ct-w4a16-asymmetric", "gguf-q8_0"])
+@pytest.mark.parametrize("kind", ["gptq-4bit-act-order", pytest.param("ct-w4a16-asymmetric", marks=pytest.mark.slow),
+                                  "gguf-q8_0"])
 def test_quantized_checkpoint_parallel_equals_single_rank(cluster, kind):
     """Packed 4-bit weights split over the ranks in whole bytes and groups (row-parallel layers take their columns'
     share of the scales and zero points; with act-order, the whole scales and their columns' g_idx); GGUF's Q8_0
@@ -157,9 +158,11 @@ def test_quantized_checkpoint_parallel_equals_single_rank(cluster, kind):
         llm.shutdown()
 
 
-def test_lora_parallel_equals_single_rank(cluster):
+@pytest.mark.parametrize("tp, pp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
+def test_lora_parallel_equals_single_rank(cluster, tp, pp):
     """Column-parallel layers hold their rows of B, row-parallel ones their columns of A (the delta summed with
-    the products); an adapter's own LM head and embeddings are whole on every rank that uses them."""
+    the products); an adapter's own LM head and embeddings are whole on every rank that uses them; pipeline stages
+    hold the adapter's modules of their own layers."""
     from test_lora import ADAPTERS, lora
 
     prompts = random_prompts(PROMPT_LENGTHS, vocab=1000)
@@ -176,7 +179,8 @@ def test_lora_parallel_equals_single_rank(cluster):
         expected = run(single)
     finally:
         single.shutdown()
-    llm = LLM(tiny_model("llama"), in_process=True, tensor_parallel_size=2, **SMALL_ENGINE, **engine)
+    llm = LLM(tiny_model("llama"), in_process=True, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              **SMALL_ENGINE, **engine)
     try:
         assert run(llm) == expected
     finally:
