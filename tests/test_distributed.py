@@ -139,7 +139,7 @@ def test_int8_quantized_parallel_equals_single_rank(cluster):
 
 
 @pytest.mark.parametrize("kind", ["gptq-4bit-act-order", pytest.param("ct-w4a16-asymmetric", marks=pytest.mark.slow),
-                                  "gguf-q8_0"])
+                                  pytest.param("gguf-q8_0", marks=pytest.mark.slow)])
 def test_quantized_checkpoint_parallel_equals_single_rank(cluster, kind):
     """Packed 4-bit weights split over the ranks in whole bytes and groups (row-parallel layers take their columns'
     share of the scales and zero points; with act-order, the whole scales and their columns' g_idx); GGUF's Q8_0
