@@ -52,8 +52,8 @@ class LLM:
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = _per_prompt(sampling_params or self.default_sampling_params, len(prompts), "sampling_params")
         priorities = _per_prompt(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)
-        adapters = _per_prompt(lora_request, len(prompts), "lora_request") if not isinstance(
-            lora_request, LoRARequest) and lora_request is not None else [lora_request] * len(prompts)
+        adapters = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else _per_prompt(lora_request, len(prompts), "lora_request")
         finals = FinalOutputs(len(prompts))
         groups = []
         try:

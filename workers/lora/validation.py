@@ -38,9 +38,6 @@ class AdapterValidator:
         while len(self.known) > KNOWN_ADAPTERS:
             self.known.popitem(last=False)
 
-    def forget(self, int_id: int) -> None:
-        self.known.pop(int_id, None)
-
     @property
     def model(self) -> torch.nn.Module:
         """The whole model's structure on the meta device (no memory): what adapters are checked against."""

@@ -12,7 +12,7 @@ from workers.quantization.formats import QuantizedTensors, config_value, to_cano
 WEIGHT_TENSORS = ("qweight", "qzeros", "scales")
 # Nibble i of a packed int32 holds column PACK_ORDER[i] of its 8; this reads them back in column order.
 PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-UNPACK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+UNPACK_ORDER = tuple(PACK_ORDER.index(column) for column in range(8))
 
 
 class AWQFormat:
