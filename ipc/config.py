@@ -17,6 +17,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Online methods quantize a plain checkpoint at load; the others name the format a checkpoint is stored in.
 QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors", "gptq", "awq", "gguf")
 _DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -42,6 +43,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # embedding table tied to it) stays in the model dtype unless quantize_lm_head.
     quantization: str | None = None
     quantize_lm_head: bool = False
+    # "auto": the folder's safetensors (or the GGUF file); "dummy": random weights of the config's shapes, no
+    # checkpoint read (benchmarks of models too large to write out).
+    load_format: str = "auto"
     # tp * pp > 1 runs one Ray actor per rank: joins the Ray cluster here ("auto", "HOST:6379"), or, when None,
     # starts a private Ray on this machine (loopback only).
     ray_address: str | None = None
@@ -94,6 +98,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                  f"must be a power of two, got {self.block_size}")
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
                  f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        _require(self.load_format in LOAD_FORMATS, "load_format",
+                 f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _require(self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}")
         _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
                  f"must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras}")

@@ -27,7 +27,7 @@ from core.engine_spawn import EngineProcess, child_env  # noqa: E402
 from frontend.api.cli_args import (API_KEY_ENV, add_gateway_flags, auto_tool_parser, check_lora_flags,  # noqa: E402
                                    gateway_argv)
 from ipc import EngineConfig  # noqa: E402
-from ipc.config import QUANTIZATION_METHODS  # noqa: E402
+from ipc.config import LOAD_FORMATS, QUANTIZATION_METHODS  # noqa: E402
 from ipc.lifeline import make_lifeline  # noqa: E402
 from ipc.sockets import private_ipc_address  # noqa: E402
 from launch.shipped import DEMO_CHAT_PROMPT, DEMO_MODEL_NAME, shipped_model  # noqa: E402
@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "the checkpoint's format (found without it)")
     engine.add_argument("--quantize-lm-head", action="store_true",
                         help="with --quantization: the LM head (and embeddings tied to it) too")
+    engine.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                        help="dummy: random weights of the config's shapes, no checkpoint read (benchmarking)")
     engine.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (--lora-modules, or loaded "
                                                                    "at run time with --allow-runtime-lora)")
     engine.add_argument("--max-loras", type=int, default=1, help="most distinct adapters in one step")
@@ -190,7 +192,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,
                         enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-                        quantize_lm_head=args.quantize_lm_head, ray_address=args.ray_address,
+                        quantize_lm_head=args.quantize_lm_head, load_format=args.load_format,
+                        ray_address=args.ray_address,
                         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                         max_cpu_loras=args.max_cpu_loras,
                         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,

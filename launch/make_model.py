@@ -19,6 +19,7 @@ import torch
 import transformers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from launch.demo_corpus import stdlib_sources
@@ -98,19 +99,25 @@ SIZES = {
     "tiny": SizeSpec(64, 2, 4, 2, 128, 1024, vocab=1024, sliding_window=64),
     "30m": SizeSpec(512, 8, 8, 4, 1408, 2048, vocab=8192, sliding_window=512),
     "100m": SizeSpec(768, 12, 12, 4, 2560, 2048, vocab=8192, sliding_window=512),  # 102M as a llama
+    # Llama-3-8B's shapes but its vocabulary (the config's; the trained tokenizer knows its first 8192 ids):
+    # for GPU benchmarks, made without weights and served with load_format="dummy".
+    "8b": SizeSpec(4096, 32, 32, 8, 14336, 8192, vocab=8192, sliding_window=4096),
 }
+# What a size's config holds beyond the SizeSpec.
+SIZE_OVERRIDES = {"8b": {"vocab_size": 128256, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}}
 
 
 def make_model(
     out_dir: str | Path, arch: str = "llama", size: str = "tiny", seed: int = 0, random_biases: bool = False,
-    **config_overrides: Any
+    weights: bool = True, **config_overrides: Any
 ) -> Path:
     """Write a random-weight model folder at `out_dir`, or reuse the one already made from this spec.
-    HF initialises biases to zero; `random_biases` draws them too, so a test sees how they are added."""
+    HF initialises biases to zero; `random_biases` draws them too, so a test sees how they are added. Without
+    `weights` the folder holds the config and tokenizer only (served with load_format="dummy")."""
     _check_choice("arch", arch, ARCHS)
     _check_choice("size", size, tuple(SIZES))
     out = Path(out_dir).expanduser().resolve()
-    spec = _spec(arch, size, seed, config_overrides, random_biases)
+    spec = _spec(arch, size, seed, SIZE_OVERRIDES.get(size, {}) | config_overrides, random_biases, weights)
     if _read_marker(out) == spec:
         return out
     _check_replaceable(out)
@@ -164,10 +171,14 @@ def _check_choice(field: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"unknown {field} {value!r}; choose one of: {', '.join(allowed)}")
 
 
-def _spec(arch: str, size: str, seed: int, overrides: dict[str, Any], random_biases: bool) -> dict[str, Any]:
+def _spec(arch: str, size: str, seed: int, overrides: dict[str, Any], random_biases: bool,
+          weights: bool) -> dict[str, Any]:
     spec = {"maker_version": MAKER_VERSION, "arch": arch, "size": size, "seed": seed, "overrides": overrides}
-    if random_biases:  # only when set: folders made before the option still match their markers
+    # Each only when set: folders made before the option still match their markers.
+    if random_biases:
         spec["random_biases"] = True
+    if not weights:
+        spec["weights"] = False
     # Round-trip through JSON so the spec compares equal to the marker read back from disk.
     return json.loads(json.dumps(spec, sort_keys=True))
 
@@ -205,15 +216,20 @@ def _write_model(folder: Path, spec: dict[str, Any]) -> None:
     tokenizer.model_max_length = size.max_positions
     kwargs = _config_kwargs(spec["arch"], size, len(tokenizer)) | spec["overrides"]
     config = AutoConfig.for_model(spec["arch"], **kwargs)
+    generation_config = GenerationConfig(bos_token_id=ENDOFTEXT_ID, eos_token_id=ENDOFTEXT_ID,
+                                         pad_token_id=ENDOFTEXT_ID)
     with quiet_transformers(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec["seed"])
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        if spec.get("random_biases"):
-            _randomize_biases(model)
-        model.generation_config = GenerationConfig(
-            bos_token_id=ENDOFTEXT_ID, eos_token_id=ENDOFTEXT_ID, pad_token_id=ENDOFTEXT_ID
-        )
-        model.save_pretrained(folder)
+        if spec.get("weights", True):
+            torch.manual_seed(spec["seed"])
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            if spec.get("random_biases"):
+                _randomize_biases(model)
+            model.generation_config = generation_config
+            model.save_pretrained(folder)
+        else:
+            config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]  # as save_pretrained writes
+            config.save_pretrained(folder)
+            generation_config.save_pretrained(folder)
         tokenizer.save_pretrained(folder, save_jinja_files=False)
     (folder / MARKER_FILE).write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
 
@@ -340,8 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
     parser.add_argument("--out", type=Path, required=True, help="folder to write the model to")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-weights", action="store_true",
+                        help="config and tokenizer only, for load_format dummy (the 8b size is made this way)")
     args = parser.parse_args(argv)
-    print(make_model(args.out, args.arch, args.size, args.seed))
+    print(make_model(args.out, args.arch, args.size, args.seed, weights=not args.no_weights))
     return 0
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import zlib
 from pathlib import Path
 
 import torch
@@ -22,13 +23,23 @@ QUANTIZED_STORAGE = frozenset({"int8", "uint8", "int32", "float8_e4m3fn", "float
                                "I8", "U8", "I32", "F8_E4M3", "F8_E5M2"})
 
 
+# Dummy weights: small enough that 80 random layers keep activations finite in bfloat16.
+DUMMY_STD = 0.02
+
+
 def load_model(model_path: str, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-               quantization: str | None = None, quantize_lm_head: bool = False) -> nn.Module:
-    """The model of a folder of safetensors files or of a GGUF file, its weights loaded (and quantized when an
-    online `quantization` asks)."""
+               quantization: str | None = None, quantize_lm_head: bool = False,
+               load_format: str = "auto") -> nn.Module:
+    """The model of a folder of safetensors files or of a GGUF file, its weights loaded (or random, when
+    `load_format` is "dummy"; then quantized when an online `quantization` asks)."""
     with _default_dtype(dtype), torch.device(device):
         model = get_model_class(config)(config)
-    if is_gguf(model_path):
+    if load_format == "dummy":
+        if checkpoint_format(config, quantization) is not None:
+            raise ValueError(f"model {model_path!r}: dummy weights are plain weights; the config's "
+                             "quantization_config names a quantized checkpoint")
+        fill_dummy_weights(model)
+    elif is_gguf(model_path):
         gguf = GGUFCheckpoint(model_path, config)
         load_weights(model, model_path, {name: gguf for name in gguf.keys()}, gguf)
     else:
@@ -36,6 +47,20 @@ def load_model(model_path: str, config: PretrainedConfig, dtype: torch.dtype, de
             load_weights(model, model_path, readers, checkpoint_format(config, quantization))
     quantize_model(model, quantization, quantize_lm_head)
     return model.eval()
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: nn.Module) -> None:
+    """Random weights: norms' scales 1, everything else normal(0, DUMMY_STD). Each tensor's generator is seeded by
+    its name, so every tensor-parallel rank draws the same values for the tensors they all hold whole."""
+    for name, param in model.named_parameters():
+        if param.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            continue  # integer bookkeeping a layer keeps as a parameter
+        if "norm" in name and name.endswith("weight"):
+            param.fill_(1.0)
+            continue
+        generator = torch.Generator(device=param.device).manual_seed(zlib.crc32(name.encode()))
+        param.normal_(0.0, DUMMY_STD, generator=generator)
 
 
 @contextlib.contextmanager

@@ -58,7 +58,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.hidden_size: int = hf_config.hidden_size
         self.parallel = parallel_state()
-        self.model = load_model(config.model, hf_config, dtype, device, config.quantization, config.quantize_lm_head)
+        self.model = load_model(config.model, hf_config, dtype, device, config.quantization, config.quantize_lm_head,
+                                config.load_format)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed))
         self.step_sampler = StepSampler(self.sampler, device)
         # Only the driver samples, so only it proposes drafts (and holds a draft model).

@@ -1,0 +1,280 @@
+"""The CUDA path end to end on an 8B-shaped model (Llama-3-8B's shapes, random bf16 weights): one stage per run,
+each in its own process so that every stage starts with the whole GPU. Results go to --results as JSON lines.
+
+Stages (issue 26's figures):
+    make        the model folder (config and tokenizer; weights are load_format="dummy")
+    batch1      batch-1 decode tok/s, CUDA graphs or --enforce-eager, against the bandwidth floor (the bytes of the
+                weights a token reads, every linear layer and the LM head, over a measured device-to-device copy,
+                read + write bytes per second): (T(out) - T(1)) / (out - 1), best of 3 each
+    throughput  offline: N requests of random tokens, input/output lengths fixed, ignore_eos, output tok/s
+    hf          the same requests (the first --num-requests) through HF transformers `generate` in padded
+                batches, on a model of the same shapes and random weights, output tok/s
+    overhead    engine overhead per decode step with N requests running: GPU idle time between kernels over the
+                steps' span, from the torch profiler's kernel timeline
+
+    python benchmarks/cuda_e2e.py make --model /tmp/llama3-8b
+    python benchmarks/cuda_e2e.py batch1 --model /tmp/llama3-8b [--enforce-eager]
+    python benchmarks/cuda_e2e.py throughput --model /tmp/llama3-8b --num-requests 1000
+    python benchmarks/cuda_e2e.py hf --model /tmp/llama3-8b --num-requests 256
+    python benchmarks/cuda_e2e.py overhead --model /tmp/llama3-8b --num-requests 256
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import platform
+import pstats
+import random
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ipc import EngineConfig, EngineCoreRequest, SamplingParams  # noqa: E402
+from launch.make_model import make_model, quiet_transformers  # noqa: E402
+
+COPY_BYTES = 1 << 30
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a device-to-device copy of 1 GiB, read + write, median of 20 after warm-up."""
+    src = torch.randint(0, 255, (COPY_BYTES,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(25):
+        _synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _synchronize(device)
+        if i >= 5:
+            times.append(time.perf_counter() - start)
+    return 2 * COPY_BYTES / sorted(times)[len(times) // 2]
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def weight_bytes_per_token(model_dir: str, dtype_bytes: int = 2) -> int:
+    """Bytes of every linear layer and the LM head (not the embedding table): what one decode step reads."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    attention = c.hidden_size * head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return dtype_bytes * (c.num_hidden_layers * (attention + mlp) + c.hidden_size * c.vocab_size)
+
+
+def random_prompts(args: argparse.Namespace, count: int) -> list[list[int]]:
+    """Random ids the tokenizer knows (the 8b config's vocabulary is larger); id 0 is eos: never drawn."""
+    from transformers import AutoConfig
+
+    vocab = min(8000, AutoConfig.from_pretrained(args.model).vocab_size)
+    rng = random.Random(0)
+    return [[rng.randrange(1, vocab) for _ in range(args.input_len)] for _ in range(count)]
+
+
+def engine_args(args: argparse.Namespace, **extra) -> dict:
+    return dict(dtype="bfloat16", load_format="dummy", device=args.device, enforce_eager=args.enforce_eager,
+                max_model_len=args.max_model_len, **extra)
+
+
+def freeze_startup_objects() -> None:
+    """As the engine-core process does once it is ready (core/engine_process.py): the model's and libraries'
+    objects out of the cyclic collector's sight, so its full collections do not walk them mid-step."""
+    gc.collect()
+    gc.freeze()
+
+
+def record(args: argparse.Namespace, result: dict) -> None:
+    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    result = {"stage": args.stage, "device": device, "torch": torch.__version__,
+              "triton": _triton_version(), "date": time.strftime("%Y-%m-%d"), **result}
+    print(json.dumps(result), flush=True)
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def stage_make(args: argparse.Namespace) -> None:
+    print(make_model(args.model, "llama", args.size, weights=False))
+
+
+def stage_batch1(args: argparse.Namespace) -> None:
+    from frontend import LLM
+
+    floor_s = weight_bytes_per_token(args.model) / copy_bandwidth(args.device)
+    llm = LLM(args.model, in_process=True, max_num_seqs=8, cuda_graph_sizes=[1, 2, 4, 8], **engine_args(args))
+    freeze_startup_objects()
+    prompt = [{"prompt_token_ids": random_prompts(args, 1)[0]}]
+
+    def best_of_3(max_tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        llm.generate(prompt, params, use_tqdm=False)  # warm-up
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            out = llm.generate(prompt, params, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+            assert len(out[0].outputs[0].token_ids) == max_tokens
+        return min(times)
+
+    per_token = (best_of_3(args.output_len) - best_of_3(1)) / (args.output_len - 1)
+    llm.shutdown()
+    record(args, {"cuda_graphs": not args.enforce_eager, "decode_tok_s": 1 / per_token,
+                  "floor_tok_s": 1 / floor_s, "fraction_of_floor": floor_s / per_token})
+
+
+def stage_throughput(args: argparse.Namespace) -> None:
+    from frontend import LLM
+
+    llm = LLM(args.model, in_process=True, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=args.max_num_seqs, **engine_args(args))
+    freeze_startup_objects()
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(args, args.num_requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert generated == args.num_requests * args.output_len
+    stats = llm.get_stats()
+    llm.shutdown()
+    record(args, {"requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
+                  "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+                  "cuda_graphs": not args.enforce_eager, "seconds": seconds, "output_tok_s": generated / seconds,
+                  "total_tok_s": (generated + args.num_requests * args.input_len) / seconds,
+                  "preemptions": stats.num_preemptions})
+
+
+def stage_hf(args: argparse.Namespace) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(args.model)
+    config.initializer_range = 0.02  # the maker's 0.15 suits tiny models; 32 layers of it overflow bfloat16
+    with quiet_transformers(), torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    prompts = random_prompts(args, args.num_requests)
+    kwargs = dict(max_new_tokens=args.output_len, min_new_tokens=args.output_len, do_sample=False,
+                  pad_token_id=0)
+
+    def run(batch: list[list[int]]) -> int:
+        ids = torch.tensor(batch, device=args.device)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+        return (out.shape[1] - ids.shape[1]) * len(batch)
+
+    with torch.inference_mode():
+        run(prompts[:2])  # warm-up
+        _synchronize(args.device)
+        start = time.perf_counter()
+        generated = sum(run(prompts[i:i + args.hf_batch_size]) for i in range(0, len(prompts), args.hf_batch_size))
+        _synchronize(args.device)
+        seconds = time.perf_counter() - start
+    record(args, {"requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
+                  "batch_size": args.hf_batch_size, "seconds": seconds, "output_tok_s": generated / seconds})
+
+
+def stage_overhead(args: argparse.Namespace) -> None:
+    from core import EngineCore
+
+    engine = EngineCore(EngineConfig(model=args.model, max_num_seqs=args.num_requests,
+                                     max_num_batched_tokens=args.max_num_batched_tokens, **engine_args(args)))
+    freeze_startup_objects()
+    for i, prompt in enumerate(random_prompts(args, args.num_requests)):
+        engine.add_request(EngineCoreRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=SamplingParams(
+            temperature=0.0, max_tokens=args.output_len, ignore_eos=True)))
+    while engine.scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)
+                                          for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):  # decode-only from here
+        engine.step()
+    assert len(engine.scheduler.running) == args.num_requests
+    steps = args.profile_steps
+    _synchronize(args.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _synchronize(args.device)
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(steps):
+            engine.step()
+        _synchronize(args.device)
+    trace = Path(tempfile.mkdtemp()) / "trace.json"
+    profile.export_chrome_trace(str(trace))
+    busy, span, kernels = _gpu_busy(json.loads(trace.read_text()))
+    if args.host_profile:  # where the host's share of a step goes
+        with cProfile.Profile() as host:
+            for _ in range(steps):
+                engine.step()
+        pstats.Stats(host).sort_stats("tottime").print_stats(25)
+    engine.shutdown()
+    record(args, {"running": args.num_requests, "context": args.input_len, "cuda_graphs": not args.enforce_eager,
+                  "step_ms": step_ms, "profiled_steps": steps, "kernels": kernels, "gpu_busy_ms": busy / 1e3,
+                  "span_ms": span / 1e3, "idle_fraction": 1 - busy / span if span else None})
+
+
+def _gpu_busy(trace: dict) -> tuple[float, float, int]:
+    """Microseconds the GPU ran a kernel, copy or memset (overlaps merged), the span from the first start to the
+    last end (0 where the trace holds no GPU activity), and their count."""
+    intervals = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in trace["traceEvents"]
+                       if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X")
+    if not intervals:
+        return 0.0, 0.0, 0
+    busy, end = 0.0, float("-inf")
+    for lo, hi in intervals:
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return busy, end - intervals[0][0], len(intervals)
+
+
+STAGES = {"make": stage_make, "batch1": stage_batch1, "throughput": stage_throughput, "hf": stage_hf,
+          "overhead": stage_overhead}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("stage", choices=STAGES)
+    parser.add_argument("--model", required=True, help="the model folder (stage make writes it)")
+    parser.add_argument("--results", help="append each result here as a JSON line")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test of the stages")
+    parser.add_argument("--size", default="8b", help="stage make: the model maker's size")
+    parser.add_argument("--num-requests", type=int, default=1000)
+    parser.add_argument("--input-len", type=int, default=None, help="default: 64 (batch1), 1024 (throughput, hf), "
+                                                                    "512 (overhead)")
+    parser.add_argument("--output-len", type=int, default=None, help="default: 256 (batch1), 128 (throughput, hf), "
+                                                                     "64 (overhead)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--hf-batch-size", type=int, default=128)
+    parser.add_argument("--profile-steps", type=int, default=20)
+    parser.add_argument("--host-profile", action="store_true", help="overhead: also print cProfile's top functions")
+    args = parser.parse_args()
+    args.input_len = args.input_len or {"batch1": 64, "overhead": 512}.get(args.stage, 1024)
+    args.output_len = args.output_len or {"batch1": 256, "overhead": 64}.get(args.stage, 128)
+    warnings.filterwarnings("ignore")
+    STAGES[args.stage](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Issue 26's checks on one CUDA GPU, each step bounded in time so that one hang leaves the rest their turn:
+# the CUDA and Triton tests, then the stages of benchmarks/cuda_e2e.py on an 8B-shaped model.
+#   bash benchmarks/cuda_e2e.sh OUT_DIR [STEP ...]    steps: tests batch1 eager kernels overhead
+#                                                      overhead1 throughput hf (default: all)
+# Results: OUT_DIR/results.jsonl (one JSON line per figure), OUT_DIR/log.txt, OUT_DIR/pytest_kernels.txt.
+set -u
+out=${1:?usage: cuda_e2e.sh OUT_DIR [STEP ...]}
+shift
+steps=${*:-tests batch1 eager kernels overhead overhead1 throughput hf}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+model=${PAGEDSERVE_8B_MODEL:-/tmp/llama3-8b}
+bench=(python3 benchmarks/cuda_e2e.py --model "$model" --results "$out/results.jsonl")
+
+step() {  # step SECONDS NAME COMMAND...: run it under a time limit, its output in the log
+  local limit=$1 name=$2 start=$SECONDS
+  shift 2
+  echo "=== $name (limit ${limit}s)" | tee -a "$out/log.txt"
+  timeout -k 10 "$limit" "$@" >>"$out/log.txt" 2>&1
+  echo "=== $name: exit $? after $((SECONDS - start))s" | tee -a "$out/log.txt"
+}
+
+nvidia-smi -L | tee -a "$out/log.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/log.txt"
+# The tests' session fixture loads the C++ CPU kernels: build them meanwhile, on a core the GPU work leaves idle.
+nice -n 19 python3 -c "from kernels import cpu_extension; cpu_extension.load()" >"$out/cpu_build.txt" 2>&1 &
+step 60 make "${bench[@]}" make
+for s in $steps; do
+  case $s in
+    tests) wait  # the kernel tests beside the engine's: both only check results
+           python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs tests/test_triton_kernels.py \
+             >"$out/pytest_kernels.txt" 2>&1 &
+           step 400 tests python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs --durations=20 tests/test_cuda.py
+           wait; tail -3 "$out/pytest_kernels.txt" | tee -a "$out/log.txt" ;;
+    batch1) step 100 batch1-graphs "${bench[@]}" batch1 ;;
+    eager) step 80 batch1-eager "${bench[@]}" batch1 --enforce-eager ;;
+    kernels) step 60 kernels python3 benchmarks/kernels.py ;;
+    overhead) step 120 overhead "${bench[@]}" overhead --num-requests 256 --host-profile ;;
+    overhead1) step 60 overhead-batch1 "${bench[@]}" overhead --num-requests 1 --host-profile ;;
+    throughput) step 150 throughput "${bench[@]}" throughput --num-requests 1000 ;;
+    hf) step 120 hf "${bench[@]}" hf --num-requests 256 ;;
+    *) echo "unknown step $s"; exit 2 ;;
+  esac
+done
+grep -h "^=== \|passed\|failed\|Error" "$out/log.txt" | tail -40
+sed -n '/^=== kernels (/,/^=== kernels:/p' "$out/log.txt"
+cat "$out/results.jsonl" 2>/dev/null
