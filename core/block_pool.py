@@ -9,8 +9,8 @@ class BlockPool:
     """A free block keeps its hash (and so its cached content) until it is taken for new content."""
 
     def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
+        if num_blocks < 0:
+            raise ValueError(f"num_kv_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         # Oldest freed first: blocks freed long ago are evicted before recently freed ones (future prefix hits).

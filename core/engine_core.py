@@ -15,6 +15,7 @@ from ipc.request_rules import context_room
 from workers.executor import Executor, InProcessExecutor
 from workers.model_config import check_parallel_sizes, load_hf_config, model_max_len
 from workers.lora.validation import AdapterValidator
+from workers.pooling.config import is_encoder, max_seq_length, pooling_info
 from workers.quantization import check_quantization
 
 if TYPE_CHECKING:
@@ -30,7 +31,16 @@ CACHE_RESET_METHODS = frozenset({"reset_prefix_cache"})
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         hf_config = load_hf_config(config.model)
-        self.config = _resolve_max_model_len(config, model_max_len(hf_config))
+        encoder = is_encoder(hf_config)
+        pooling = pooling_info(config.model, hf_config, config.pooler_config)
+        runner = _resolve_runner(config.runner, encoder)
+        if encoder:
+            _check_encoder_config(config)
+        # A sentence-transformers folder's max_seq_length is where its own library truncates: the default limit.
+        limit = min(model_max_len(hf_config), max_seq_length(config.model) or model_max_len(hf_config))
+        self.config = _resolve_max_model_len(config, limit)
+        if encoder and self.config.max_num_batched_tokens < self.config.max_model_len:  # a request runs whole
+            self.config = msgspec.structs.replace(self.config, max_num_batched_tokens=self.config.max_model_len)
         self.vocab_size: int = hf_config.vocab_size
         check_parallel_sizes(hf_config, self.config.tensor_parallel_size, self.config.pipeline_parallel_size,
                              self.config.enable_expert_parallel)
@@ -39,12 +49,13 @@ class EngineCore:
         self.lora_validator = AdapterValidator(hf_config, config.max_lora_rank) if config.enable_lora else None
         self.executor = _make_executor(self.config)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
-        _check_capacity(self.config, self.num_kv_blocks)
+        if not encoder:
+            _check_capacity(self.config, self.num_kv_blocks)
         weight_bytes = self.executor.weight_bytes()  # before the KV cache: Ray ranks then enter their step loop
         self.executor.initialize_kv_cache(self.num_kv_blocks)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, self.config.block_size,
                                                self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.kv_cache_manager)
+        self.scheduler = Scheduler(self.config, self.kv_cache_manager, whole_prompts=encoder)
         self._structured: StructuredOutputManager | None = None  # made for the first constrained request
         self._arrivals = itertools.count()
         self.profiler = None if config.profiler_dir is None else EngineProfiler(
@@ -54,7 +65,7 @@ class EngineCore:
                                block_size=self.config.block_size, weight_bytes=weight_bytes,
                                scheduling_policy=self.config.scheduling_policy,
                                privileged_utilities=sorted(self._privileged_utilities()),
-                               max_logprobs=self.config.max_logprobs)
+                               max_logprobs=self.config.max_logprobs, runner=runner, pooling=pooling)
 
     def validate_request(self, request: EngineCoreRequest, request_id: str | None = None) -> None:
         """Raise ValueError naming what is wrong; nothing is queued. `request_id`: the id the engine will hold it
@@ -79,6 +90,11 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request that passed validate_request (a constrained one once its grammar has compiled)."""
+        if request.pooling_params is not None:
+            queued = Request(request, next(self._arrivals), max_tokens=0)
+            queued.reads_prefix_cache = self.info.pooling.pooling_type == "LAST"  # the one row it pools is computed
+            self.scheduler.add_request(queued)
+            return
         room = context_room(self.info, len(request.prompt_token_ids))
         max_tokens = min(request.sampling_params.max_tokens or room, room)
         queued = Request(request, next(self._arrivals), max_tokens)
@@ -194,6 +210,24 @@ def _make_executor(config: EngineConfig) -> Executor:
     from workers.ray_executor import RayExecutor
 
     return RayExecutor(config)
+
+
+def _resolve_runner(runner: str, encoder: bool) -> str:
+    if runner == "auto":
+        return "pooling" if encoder else "generate"
+    if runner == "generate" and encoder:
+        raise ValueError("runner 'generate' needs a decoder with a language-model head; this encoder-only model "
+                         "embeds, scores and classifies: use runner 'pooling'")
+    return runner
+
+
+def _check_encoder_config(config: EngineConfig) -> None:
+    """What an encoder-only model's engine cannot do (ValueError naming it)."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        raise ValueError("encoder-only models run on one rank: tensor_parallel_size and pipeline_parallel_size "
+                         "must be 1")
+    if config.enable_lora or config.speculative_config is not None or config.quantization is not None:
+        raise ValueError("encoder-only models take no LoRA adapters, speculative decoding or quantization")
 
 
 def _resolve_max_model_len(config: EngineConfig, model_limit: int) -> EngineConfig:

@@ -22,13 +22,13 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks if self.pool.num_blocks else 0.0
 
     def computed_blocks(self, request: Request) -> list[int]:
         """The longest run of cached blocks that starts the request's tokens; at least one token stays to
         compute, since the step that computes a request's last token is the one that samples from it."""
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return []  # prompt logprobs need every prompt position's logits, so nothing may be skipped
+        if not self.enable_prefix_caching or not request.reads_prefix_cache:
+            return []
         self._update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = []

@@ -76,6 +76,11 @@ class Request:
         # Its structured-output matcher (core/structured_output), attached once its grammar has compiled.
         self.grammar: RequestGrammar | None = None
         self.grammar_error: str | None = None  # why its matcher failed: it ends with this error
+        self.pooling_params = core_request.pooling_params  # a pooling request ends once its prompt is computed
+        self.token_type_ids = core_request.token_type_ids
+        # Whether cached blocks may stand in for its first tokens: not when each prompt position's output is wanted
+        # (prompt logprobs; pooling other than the last token's).
+        self.reads_prefix_cache = self.sampling_params.prompt_logprobs is None
 
     @property
     def num_tokens(self) -> int:

@@ -27,7 +27,10 @@ logger = logging.getLogger("pagedserve.scheduler")
 class Scheduler:
     """No prefill or decode phases: each request computes `num_tokens - num_computed_tokens` tokens, capped."""
 
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, whole_prompts: bool = False) -> None:
+        """whole_prompts: an encoder-only model's engine; each request runs whole in one step and holds no KV
+        blocks (its attention sees only that step's tokens)."""
+        self.whole_prompts = whole_prompts
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -136,11 +139,16 @@ class Scheduler:
             if lora is not None and lora.lora_int_id not in adapters and len(adapters) >= self.max_loras:
                 skipped.append(heapq.heappop(self.waiting))
                 continue
-            computed_blocks = self.kv.computed_blocks(request)
-            num_cached = len(computed_blocks) * self.kv.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
-            if self.kv.allocate_slots(request, self._with_lookahead(num_cached, num_new), computed_blocks) is None:
-                break
+            if self.whole_prompts:
+                if request.num_tokens > budget:
+                    break
+                num_cached, num_new = 0, request.num_tokens
+            else:
+                computed_blocks = self.kv.computed_blocks(request)
+                num_cached = len(computed_blocks) * self.kv.block_size
+                num_new = min(request.num_tokens - num_cached, budget)
+                if self.kv.allocate_slots(request, self._with_lookahead(num_cached, num_new), computed_blocks) is None:
+                    break
             heapq.heappop(self.waiting)
             if lora is not None:
                 adapters.add(lora.lora_int_id)
@@ -156,7 +164,8 @@ class Scheduler:
                     req_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
                     sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
                     block_ids=list(self.kv.block_ids(request)), num_computed_tokens=num_cached,
-                    lora_request=request.lora_request))
+                    lora_request=request.lora_request, pooling_params=request.pooling_params,
+                    token_type_ids=request.token_type_ids))
             request.set_status(RequestStatus.RUNNING)
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             self._commit(request, num_new, num_scheduled)
@@ -197,6 +206,11 @@ class Scheduler:
                 request.add_prompt_logprobs(chunk)
         outputs = [self._fail(request, message) for req_id, message in runner_output.failed.items()
                    if (request := self._still_current(scheduled, req_id)) is not None]
+        for req_id, pooled in runner_output.pooled.items():
+            if (request := self._still_current(scheduled, req_id)) is not None:
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                outputs.append(EngineCoreOutput(request_id=req_id, new_token_ids=[], finish_reason=FinishReason.STOP,
+                                                num_cached_tokens=request.num_cached_tokens, pooled=pooled))
         for req_id, token_ids in runner_output.sampled_token_ids.items():
             request = self._still_current(scheduled, req_id)
             if request is None:

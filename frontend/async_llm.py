@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 import weakref
@@ -17,7 +18,7 @@ from frontend.prompts import PromptType, check_sampling_params
 from frontend.request_group import OutputCallback, RequestGroup
 from frontend.request_router import RequestRouter
 from frontend.tokenizer import load_tokenizer, model_folder, tokenizer_folder
-from ipc import EngineCoreOutputs, LoRARequest, SamplingParams, SchedulerStats
+from ipc import EngineCoreOutputs, EngineCoreRequest, LoRARequest, SamplingParams, SchedulerStats
 
 logger = logging.getLogger("pagedserve.async_llm")
 # Outputs of one engine step are turned into RequestOutputs this many at a time, yielding to the event loop
@@ -77,9 +78,26 @@ class AsyncLLM:
         once it no longer wants them. generate() is this with a collector in between; a server writing each
         output out at once needs none."""
         group = self.router.add(request_id, prompt, params, on_output, priority, lora_request)
+        self._handle_outputs_soon()
+        return group
+
+    async def encode(self, requests: list[EngineCoreRequest]) -> list[bytes]:
+        """Run validated pooling requests (frontend.pooling_inputs); their pooled vectors in order. The first
+        error raises, and the requests still running are aborted (also when the caller is cancelled)."""
+        loop = asyncio.get_running_loop()
+        results = [loop.create_future() for _ in requests]
+        try:
+            for request, result in zip(requests, results):
+                self.router.add_pooling(request, functools.partial(_settle, result))
+            self._handle_outputs_soon()
+            return await asyncio.gather(*results)
+        finally:
+            for request in requests:
+                self.router.release_pooling(request.request_id)
+
+    def _handle_outputs_soon(self) -> None:
         if self.output_handler is None or self.output_handler.done():
             self.output_handler = asyncio.get_running_loop().create_task(self._handle_outputs())
-        return group
 
     def release(self, group: RequestGroup) -> None:
         """Stop handing the group's outputs on, and abort whatever of it has not finished."""
@@ -131,3 +149,12 @@ class AsyncLLM:
             if start:
                 await asyncio.sleep(0)
             self.router.route(outputs[start:start + OUTPUT_CHUNK_SIZE])
+
+
+def _settle(result: asyncio.Future, item: bytes | Exception) -> None:
+    if result.done():
+        return
+    if isinstance(item, Exception):
+        result.set_exception(item)
+    else:
+        result.set_result(item)

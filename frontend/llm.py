@@ -12,12 +12,19 @@ from transformers import PreTrainedTokenizerBase
 from frontend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from frontend.connect import connect_engine
 from frontend.generation_config import load_generation_defaults, model_stop_token_ids
-from frontend.outputs import RequestOutput
+from frontend.outputs import (ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, RequestOutput,
+                              ScoringOutput)
+from frontend.pooling_inputs import PoolingInput, input_token_ids, pooling_request, score_pairs
+from frontend.pooling_results import cosine, probabilities, vector
 from frontend.prompts import PromptType, check_sampling_params, tokenize_prompt
 from frontend.request_group import FinalOutputs
 from frontend.request_router import RequestRouter
 from frontend.tokenizer import apply_chat_template, load_tokenizer, model_folder, tokenizer_folder
-from ipc import LoRARequest, RequestOutputKind, SamplingParams, SchedulerStats
+from ipc import LoRARequest, PoolingParams, RequestOutputKind, SamplingParams, SchedulerStats
+
+# vLLM's `task` names → the runner that serves them.
+_TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling", "classify": "pooling",
+                 "score": "pooling"}
 
 
 class LLM:
@@ -29,6 +36,11 @@ class LLM:
         or attaches to a running engine core (`engine_address`, with `curve_key_file` if it uses CURVE).
         generate() without sampling params samples as the model's generation_config.json recommends ("auto"), or
         with SamplingParams() ("vllm"), or as a generation_config.json in another folder (vLLM's rule)."""
+        if "task" in engine_args:
+            task = engine_args.pop("task")
+            if task not in _TASK_RUNNERS:
+                raise ValueError(f"task must be one of {sorted(_TASK_RUNNERS)}, got {task!r}")
+            engine_args.setdefault("runner", _TASK_RUNNERS[task])
         files = tokenizer_folder(model, engine_args.get("tokenizer")) if model else None  # before an engine starts
         self.client = connect_engine(model, engine_args, in_process=in_process, engine_address=engine_address,
                                      curve_key_file=curve_key_file)
@@ -100,6 +112,47 @@ class LLM:
                 search.step([next(outputs).outputs[0].logprobs[0] for _ in search.running])
         return [search.output(self.tokenizer) for search in searches]
 
+    def embed(self, prompts: PoolingInput | Sequence[PoolingInput], *, truncate_prompt_tokens: int | None = None,
+              pooling_params: PoolingParams | None = None, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Embeddings in input order (`.outputs.embedding`). truncate_prompt_tokens: keep each input's first k
+        tokens (-1: the model's limit); without it an input over the limit is an error."""
+        params = pooling_params or PoolingParams()
+        if not isinstance(params, PoolingParams) or params.task != "embed":
+            raise ValueError("pooling_params must be PoolingParams with task 'embed'")
+        ids, _ = input_token_ids(self.tokenizer, self.info, _inputs(prompts), truncate_prompt_tokens)
+        return [PoolingRequestOutput(str(i), token_ids, EmbeddingOutput(vector(pooled).tolist()))
+                for i, (token_ids, pooled) in enumerate(zip(ids, self._pool(ids, params, use_tqdm)))]
+
+    def classify(self, prompts: PoolingInput | Sequence[PoolingInput], *, truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """A sequence classifier's class probabilities in input order (`.outputs.probs`)."""
+        ids, _ = input_token_ids(self.tokenizer, self.info, _inputs(prompts), truncate_prompt_tokens)
+        return [PoolingRequestOutput(str(i), token_ids, ClassificationOutput(probabilities(pooled)))
+                for i, (token_ids, pooled) in enumerate(zip(ids, self._pool(ids, PoolingParams(task="classify"),
+                                                                                 use_tqdm)))]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str], *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """The score of each pair (text_1 against every text_2, or pair by pair for two lists of one length):
+        a cross-encoder's sigmoid-activated logit, or the cosine of a bi-encoder's embeddings."""
+        firsts, seconds = score_pairs(text_1, text_2)
+        pooling = self.info.pooling
+        if pooling is not None and pooling.num_labels:
+            if pooling.num_labels != 1:
+                raise ValueError(f"score needs a cross-encoder with one label; this classifier has "
+                                 f"{pooling.num_labels}: use classify")
+            ids, types = input_token_ids(self.tokenizer, self.info, firsts, truncate_prompt_tokens, pairs=seconds)
+            pooled = self._pool(ids, PoolingParams(task="classify"), use_tqdm, types)
+            return [PoolingRequestOutput(str(i), token_ids, ScoringOutput(probabilities(logit)[0]))
+                    for i, (token_ids, logit) in enumerate(zip(ids, pooled))]
+        texts = list(dict.fromkeys([*firsts, *seconds]))  # each distinct text embedded once
+        ids, _ = input_token_ids(self.tokenizer, self.info, texts, truncate_prompt_tokens)
+        embedding = dict(zip(texts, self._pool(ids, PoolingParams(), use_tqdm)))
+        token_ids = dict(zip(texts, ids))
+        return [PoolingRequestOutput(str(i), token_ids[a] + token_ids[b], ScoringOutput(cosine(embedding[a],
+                                                                                                embedding[b])))
+                for i, (a, b) in enumerate(zip(firsts, seconds))]
+
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
 
@@ -123,6 +176,22 @@ class LLM:
         """Stop the engine core this LLM started (also done when the LLM is garbage collected or at exit)."""
         self._shutdown()
 
+    def _pool(self, ids: list[list[int]], params: PoolingParams, use_tqdm: bool,
+              token_type_ids: list[list[int]] | None = None) -> list[bytes]:
+        """Every input validated first, then sent longest first (inputs of like length then share a step, which
+        pads an encoder's attention least); the pooled results in input order."""
+        requests = [pooling_request(self.info, str(next(self._request_counter)), token_ids, params,
+                                    token_type_ids[i] if token_type_ids else None) for i, token_ids in enumerate(ids)]
+        finals = FinalOutputs(len(requests))
+        try:
+            for i in sorted(range(len(requests)), key=lambda i: -len(ids[i])):
+                self.router.add_pooling(requests[i], finals.callback(i))
+            self._run(finals, use_tqdm)
+        finally:
+            for request in requests:
+                self.router.release_pooling(request.request_id)
+        return finals.outputs
+
     def _run(self, finals: FinalOutputs, use_tqdm: bool) -> None:
         """Pull the engine's outputs until every request has its final output; the first error raises."""
         with tqdm(total=finals.remaining, desc="Processed prompts", disable=not use_tqdm) as bar:
@@ -142,3 +211,12 @@ def _per_prompt(value, count: int, name: str) -> list:
             raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
         return list(value)
     return [value] * count
+
+
+def _inputs(prompts: PoolingInput | Sequence[PoolingInput]) -> list[PoolingInput]:
+    """One input (a text, a prompt dict, or a list of token ids) or a list of them."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                            and all(isinstance(t, int) for t in prompts)):
+        return [prompts]
+    return list(prompts)
+

@@ -46,3 +46,36 @@ def merge_delta(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
                                        new.cumulative_logprob, logprobs, new.finish_reason, new.stop_reason))
     return RequestOutput(newer.request_id, newer.prompt, newer.prompt_token_ids, merged, newer.finished,
                          newer.num_cached_tokens, older.prompt_logprobs or newer.prompt_logprobs)
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]  # softmax over the labels (sigmoid of the one logit of a one-label model)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float  # cosine similarity (bi-encoder) or the cross-encoder's sigmoid-activated logit
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """One input's result from LLM.embed / classify / score (vLLM's EmbeddingRequestOutput and kin)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | ClassificationOutput | ScoringOutput
+    finished: bool = True

@@ -2,6 +2,7 @@
 and errors to their groups, and aborts in the engine whatever no group wants any more."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import msgspec
@@ -12,7 +13,11 @@ from frontend.generation_config import with_stop_token_ids
 from frontend.output_processor import OutputProcessor
 from frontend.prompts import PromptType, check_sampling_params, engine_request, prompt_text
 from frontend.request_group import OutputCallback, RequestGroup, child_params
-from ipc import EngineCoreOutput, EngineCoreRequest, EngineInfo, LoRARequest, RequestError, SamplingParams
+from ipc import (EngineCoreOutput, EngineCoreRequest, EngineInfo, FinishReason, LoRARequest, RequestError,
+                 SamplingParams)
+
+# Where a pooling request's result goes: the pooled vector (float32 little-endian bytes) or the error that ends it.
+PooledCallback = Callable[[bytes | Exception], None]
 
 
 class EngineSender(Protocol):
@@ -31,6 +36,7 @@ class RequestRouter:
         self.output_processor = OutputProcessor(tokenizer)
         self.groups: dict[str, RequestGroup] = {}
         self.children: dict[str, tuple[RequestGroup, int]] = {}  # engine request id → (its group, sample index)
+        self.pooling: dict[str, PooledCallback] = {}  # pooling requests in flight
 
     def add(self, request_id: str, prompt: PromptType, params: SamplingParams, on_output: OutputCallback,
             priority: int = 0, lora_request: LoRARequest | None = None) -> RequestGroup:
@@ -59,11 +65,25 @@ class RequestRouter:
         self.groups[request_id] = group
         return group
 
+    def add_pooling(self, request: EngineCoreRequest, on_result: PooledCallback) -> None:
+        """Send a validated pooling request (frontend.pooling_inputs); its result or error goes to on_result."""
+        if request.request_id in self.pooling or request.request_id in self.groups:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.client.add_request(request)
+        self.pooling[request.request_id] = on_result
+
+    def release_pooling(self, request_id: str) -> None:
+        """Its result is no longer wanted: abort it in the engine if it is still running."""
+        if self.pooling.pop(request_id, None) is not None:
+            self.client.abort_requests([request_id])
+
     def has_requests(self) -> bool:
-        return bool(self.groups)
+        return bool(self.groups) or bool(self.pooling)
 
     def route(self, outputs: list[EngineCoreOutput]) -> None:
         """Hand one step's outputs to their groups; abort in the engine the requests a stop string ended here."""
+        if self.pooling:
+            outputs = [output for output in outputs if not self._pooled(output)]
         results, to_abort = self.output_processor.process_outputs(outputs)
         for result in results:
             entry = self.children.get(result.request_id)
@@ -81,6 +101,9 @@ class RequestRouter:
         """End the groups whose engine requests were refused or failed; the errors that are no group's."""
         strays = []
         for error in errors:
+            if (on_result := self.pooling.pop(error.request_id, None)) is not None:
+                on_result(request_error(error))
+                continue
             entry = self.children.get(error.request_id)
             if entry is None:
                 strays.append(error)
@@ -111,6 +134,21 @@ class RequestRouter:
     def fail_all(self, error: Exception) -> None:
         for group in list(self.groups.values()):
             self.fail(group, error)
+        pooling, self.pooling = self.pooling, {}
+        for on_result in pooling.values():
+            on_result(error)
+
+    def _pooled(self, output: EngineCoreOutput) -> bool:
+        """Deliver a pooling request's final output; False for any other request's output."""
+        on_result = self.pooling.get(output.request_id)
+        if on_result is None:
+            return False
+        if output.finish_reason is not None:
+            del self.pooling[output.request_id]
+            on_result(output.pooled if output.finish_reason == FinishReason.STOP and output.pooled is not None
+                      else RuntimeError(f"pooling request {output.request_id} ended without a result "
+                                        f"({output.finish_reason.value})"))
+        return True
 
     def release(self, group: RequestGroup) -> None:
         """Its consumer wants no more outputs: abort whatever of the group is still running, deliver nothing."""

@@ -1,6 +1,7 @@
 """Contracts between processes: every msgspec Struct that crosses a process boundary."""
 from ipc.config import EngineConfig, parse_memory_size
 from ipc.lora import LoRARequest
+from ipc.pooling import PoolerConfig, PoolingInfo, PoolingParams
 from ipc.messages import (
     AbortRequests,
     EngineCoreInput,
@@ -38,6 +39,9 @@ __all__ = [
     "Encoder",
     "GrammarBitmask",
     "LoRARequest",
+    "PoolerConfig",
+    "PoolingInfo",
+    "PoolingParams",
     "EngineCoreInput",
     "EngineCoreOutputs",
     "EngineDead",

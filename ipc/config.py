@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from ipc.bounds import INT32_MAX, Int64, check_fields
+from ipc.pooling import RUNNERS, PoolerConfig, parse_pooler_config
 from ipc.sampling_params import NumLogprobs
 from ipc.speculative import SpeculativeConfig, parse_speculative_config
 
@@ -46,6 +47,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # "auto": the folder's safetensors (or the GGUF file); "dummy": random weights of the config's shapes, no
     # checkpoint read (benchmarks of models too large to write out).
     load_format: str = "auto"
+    # "generate", "pooling" (prefill only: embeddings, classification; no generation requests) or "auto": pooling
+    # for a model without an LM head (BERT), else generate (a decoder then serves pooling requests beside).
+    runner: str = "auto"
+    pooler_config: PoolerConfig | None = None
     # tp * pp > 1 runs one Ray actor per rank: joins the Ray cluster here ("auto", "HOST:6379"), or, when None,
     # starts a private Ray on this machine (loopback only).
     ray_address: str | None = None
@@ -92,12 +97,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        self.pooler_config = parse_pooler_config(self.pooler_config)
         check_fields(self)
         _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         _require(self.block_size & (self.block_size - 1) == 0, "block_size",
                  f"must be a power of two, got {self.block_size}")
         _require(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
                  f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        _require(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}, got {self.runner!r}")
         _require(self.load_format in LOAD_FORMATS, "load_format",
                  f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _require(self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}")

@@ -9,6 +9,7 @@ from msgspec import Meta
 
 from ipc.bounds import MAX_ID_LENGTH, MAX_PROMPT_TOKENS, Count, Fraction, Int64, RequestId, Seconds, TokenId, check_fields
 from ipc.lora import LoRARequest
+from ipc.pooling import PoolingInfo, PoolingParams
 from ipc.request_rules import validate_request
 from ipc.sampling_params import SamplingParams
 from ipc.scheduler_output import PromptLogprobs
@@ -33,6 +34,9 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, tag="add"):
     # Requests with different salts never share prefix-cache blocks (tenant isolation).
     cache_salt: Annotated[str, Meta(max_length=MAX_ID_LENGTH)] | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    # A pooling request: its prompt is computed (never sampled from) and pooled; sampling_params are unused.
+    pooling_params: PoolingParams | None = None
+    token_type_ids: Annotated[list[Count], Meta(max_length=MAX_PROMPT_TOKENS)] | None = None  # BERT's segments
 
     def __post_init__(self) -> None:
         check_fields(self, "EngineCoreRequest.")
@@ -53,6 +57,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: PromptLogprobs | None = None  # the whole prompt's, on the request's first output
     error: str | None = None  # why, when finish_reason is ERROR
     error_kind: str = "failed"  # the RequestError kind it ends with: "invalid" when its input was at fault
+    pooled: bytes | None = None  # a pooling request's result, float32 little-endian, on its final output
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -145,6 +150,8 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     scheduling_policy: str
     privileged_utilities: list[str] = []  # those of the profiler and cache reset this engine allows
     max_logprobs: Count = 20
+    runner: str = "generate"  # or "pooling": generation requests are refused
+    pooling: PoolingInfo | None = None  # None: the model cannot pool
 
     def validate_request(self, request: EngineCoreRequest) -> None:
         """Raise InvalidRequestError naming what is wrong with a request this engine would refuse."""

@@ -17,6 +17,12 @@ class InvalidRequestError(ValueError):
 
 def validate_request(info: EngineInfo, request: EngineCoreRequest) -> None:
     """Raise InvalidRequestError naming what is wrong with a request this engine would refuse."""
+    if request.pooling_params is not None:
+        _check_pooling_request(info, request)
+        return
+    if info.runner == "pooling":
+        raise InvalidRequestError("this model runs as a pooling model (runner 'pooling'): it embeds, scores and "
+                                  "classifies, it does not generate", "model")
     context_room(info, len(request.prompt_token_ids))
     _check_token_ids(info, request)
     params = request.sampling_params
@@ -69,3 +75,37 @@ def _check_token_ids(info: EngineInfo, request: EngineCoreRequest) -> None:
         if bad is not None:
             raise InvalidRequestError(f"{name} token id {bad} is outside the vocabulary [0, {info.vocab_size})",
                                       name)
+
+
+def _check_pooling_request(info: EngineInfo, request: EngineCoreRequest) -> None:
+    pooling, params, num_tokens = info.pooling, request.pooling_params, len(request.prompt_token_ids)
+    if pooling is None:
+        raise InvalidRequestError("this model cannot pool: it serves generation requests only", "model")
+    if num_tokens == 0:
+        raise InvalidRequestError("the input is empty", "input")
+    if num_tokens > info.max_model_len:
+        raise InvalidRequestError(f"the input has {num_tokens} tokens, but this model takes at most "
+                                  f"{info.max_model_len} (max_model_len); shorten it or set truncate_prompt_tokens",
+                                  "input")
+    bad = next((t for t in request.prompt_token_ids if not 0 <= t < info.vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(f"input token id {bad} is outside the vocabulary [0, {info.vocab_size})", "input")
+    if params.task == "classify" and not pooling.num_labels:
+        raise InvalidRequestError("this model has no classification head: it embeds", "model")
+    if params.task == "embed" and pooling.num_labels:
+        raise InvalidRequestError("this model is a classifier: it classifies and scores, it does not embed", "model")
+    if params.dimensions is not None:
+        if not pooling.matryoshka:
+            raise InvalidRequestError("this model does not support matryoshka representation: it cannot change its "
+                                      "output dimensions", "dimensions")
+        if params.dimensions > pooling.hidden_size:
+            raise InvalidRequestError(f"dimensions={params.dimensions} is over the model's {pooling.hidden_size}",
+                                      "dimensions")
+    types = request.token_type_ids
+    if types is not None:
+        if len(types) != num_tokens:
+            raise InvalidRequestError(f"token_type_ids has {len(types)} entries for {num_tokens} input tokens",
+                                      "token_type_ids")
+        if any(t >= pooling.type_vocab_size for t in types):
+            raise InvalidRequestError(f"token_type_ids must be below {pooling.type_vocab_size} for this model",
+                                      "token_type_ids")

@@ -5,6 +5,7 @@ import msgspec
 
 from ipc.bounds import Count, TokenId
 from ipc.lora import LoRARequest
+from ipc.pooling import PoolingParams
 from ipc.sampling_params import SamplingParams
 from ipc.structured_outputs import GrammarBitmask
 
@@ -19,6 +20,8 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     block_ids: list[Count]
     num_computed_tokens: Count
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
+    token_type_ids: list[Count] | None = None
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):
@@ -77,3 +80,5 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     # Requests this step could not prepare or sample (why, by request id): they end with an error; the rest of
     # the batch is unaffected.
     failed: dict[str, str] = {}
+    # Pooling requests whose prompt this step completed: their pooled vector (float32 little-endian).
+    pooled: dict[str, bytes] = {}

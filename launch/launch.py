@@ -28,6 +28,7 @@ from frontend.api.cli_args import (API_KEY_ENV, add_gateway_flags, auto_tool_par
                                    gateway_argv)
 from ipc import EngineConfig  # noqa: E402
 from ipc.config import LOAD_FORMATS, QUANTIZATION_METHODS  # noqa: E402
+from ipc.pooling import RUNNERS  # noqa: E402
 from ipc.lifeline import make_lifeline  # noqa: E402
 from ipc.sockets import private_ipc_address  # noqa: E402
 from launch.shipped import DEMO_CHAT_PROMPT, DEMO_MODEL_NAME, shipped_model  # noqa: E402
@@ -70,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "the checkpoint's format (found without it)")
     engine.add_argument("--quantize-lm-head", action="store_true",
                         help="with --quantization: the LM head (and embeddings tied to it) too")
+    engine.add_argument("--runner", choices=RUNNERS, default="auto",
+                        help="pooling: embeddings, scores and classification only (the default for encoder-only "
+                             "models like BERT); generate: a decoder serves generation and embedding requests")
+    engine.add_argument("--pooler-config", metavar="JSON",
+                        help='override the model\'s pooling, e.g. \'{"pooling_type": "MEAN", "normalize": false}\'')
     engine.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                         help="dummy: random weights of the config's shapes, no checkpoint read (benchmarking)")
     engine.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (--lora-modules, or loaded "
@@ -155,17 +161,20 @@ def check_gateway_flags(args: argparse.Namespace) -> None:
     check_lora_flags(args)
 
 
-def curl_example(args: argparse.Namespace, model_name: str, chat: bool) -> str:
-    """A request to paste into a shell: the key stays in $PAGEDSERVE_API_KEY, never on the screen."""
+def curl_example(args: argparse.Namespace, model_name: str, chat: bool, pooling: bool = False) -> str:
+    """A request to paste into a shell: the key stays in $PAGEDSERVE_API_KEY, never on the screen. A pooling
+    model's is an embeddings request."""
     host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(args.host, args.host)
     scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
     url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{args.port}/v1/"
-    if chat:
+    if pooling:
+        url, body = url + "embeddings", {"input": "Hello, my name is"}
+    elif chat:
         content = DEMO_CHAT_PROMPT if model_name == DEMO_MODEL_NAME else "Hello!"
         url, body = url + "chat/completions", {"messages": [{"role": "user", "content": content}]}
     else:
         url, body = url + "completions", {"prompt": "Hello, my name is"}
-    body = {"model": model_name, **body, "max_tokens": 32}
+    body = {"model": model_name, **body, **({} if pooling else {"max_tokens": 32})}
     command = f"curl {shlex.quote(url)} -H 'Content-Type: application/json'"
     if args.api_key or os.environ.get(API_KEY_ENV):
         command += f' -H "Authorization: Bearer ${API_KEY_ENV}"'
@@ -203,7 +212,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         max_logprobs=args.max_logprobs, enable_prefix_caching=args.enable_prefix_caching,
                         tokenizer=getattr(args, "tokenizer", None),
                         structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
-                        speculative_config=args.speculative_config)
+                        speculative_config=args.speculative_config, runner=args.runner,
+                        pooler_config=args.pooler_config)
 
 
 class Launcher:
@@ -220,13 +230,13 @@ class Launcher:
         address = self.args.engine_address or private_ipc_address()
         engine = EngineProcess(self.config, address, self.args.curve_key_file)
         try:
-            engine.wait_ready()
+            info = engine.wait_ready()
             self._start_gateways(address)
             model_name = self.args.served_model_name or self.config.model
             logger.info("serving %s at %s://%s:%d/v1 (%d gateway process(es)); engine core at %s", model_name,
                         "https" if getattr(self.args, "ssl_certfile", None) else "http", self.args.host,
                         self.args.port, len(self.gateways), address)
-            self._print_example(model_name)
+            self._print_example(model_name, info.runner == "pooling")
             gateway_died = self._supervise(engine)
         finally:
             self._stop_gateways()
@@ -235,13 +245,13 @@ class Launcher:
                 shutil.rmtree(self.metrics_dir, ignore_errors=True)
         return 1 if gateway_died else 0
 
-    def _print_example(self, model_name: str) -> None:
+    def _print_example(self, model_name: str, pooling: bool) -> None:
         args = self.args
         chat = getattr(args, "chat_template", None) is not None or has_chat_template(
             getattr(args, "tokenizer", None) or self.config.model)
         if (args.api_key or os.environ.get(API_KEY_ENV)) and not os.environ.get(API_KEY_ENV):
             print(f"# with the server's API key in ${API_KEY_ENV}:")
-        print(f"Ready. Try:\n{curl_example(args, model_name, chat)}", flush=True)
+        print(f"Ready. Try:\n{curl_example(args, model_name, chat, pooling)}", flush=True)
 
     def _start_gateways(self, address: str) -> None:
         count = self.args.api_server_count

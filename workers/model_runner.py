@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from ipc import EngineConfig, ModelRunnerOutput, NewRequestData, PromptLogprobs, SamplingParams, SchedulerOutput
+from ipc import (EngineConfig, ModelRunnerOutput, NewRequestData, PoolingInfo, PromptLogprobs, SamplingParams,
+                 SchedulerOutput)
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
 from workers.layers.attention import Attention, AttentionMetadata, DecodeMetadata, StepMetadata
@@ -19,6 +20,7 @@ from workers.layers.sampler import Sampler, gather_logprobs
 from workers.lora.manager import LoRAManager
 from workers.model_loader import load_model
 from workers.pinned_staging import PinnedStaging
+from workers.pooling.pooler import ChunkedPooling, finish_embedding
 from workers.request_state import CachedRequestState
 from workers.spec_decode import DraftModel, make_speculator
 from workers.step_sampling import SampleGroup, StepSampler, fails_alone
@@ -38,6 +40,18 @@ class ModelInputs:
     sample_groups: list[SampleGroup]
     prompt_logprob_jobs: list[PromptLogprobJob]
     lora_row_slots: list[int] | None = None  # the adapter slot of each row of logits_indices (workers.lora)
+    pooling_jobs: list[PoolingJob] = field(default_factory=list)
+
+
+@dataclass
+class PoolingJob:
+    """A pooling request's rows in this step: `count` rows from `first_row`, its prompt positions from `start`."""
+
+    state: CachedRequestState
+    first_row: int
+    count: int
+    start: int
+    is_last: bool
 
 
 @dataclass
@@ -53,7 +67,7 @@ class PromptLogprobJob:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, pooling: PoolingInfo) -> None:
         self.config, self.dtype, self.device = config, dtype, device
         self.block_size = config.block_size
         self.hidden_size: int = hf_config.hidden_size
@@ -71,6 +85,8 @@ class ModelRunner:
         self.staging = PinnedStaging(_staging_bytes(config), device) if device.type == "cuda" else None
         self.decode_graphs: DecodeGraphs | None = None
         self.lora = LoRAManager(self.model, config, dtype, device) if config.enable_lora else None
+        self.pooling = pooling
+        self.chunked_pooling = ChunkedPooling(pooling.pooling_type)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then capture the decode graphs, which write into it."""
@@ -149,21 +165,34 @@ class ModelRunner:
         if not self.parallel.is_driver:
             return ModelRunnerOutput(sampled_token_ids={})
         failed: dict[str, str] = {}
+        pooled = self._pool(hidden, inputs.pooling_jobs, failed)
         prompt_logprobs = {}
         for job, job_logits in zip(inputs.prompt_logprob_jobs, prompt_logits):
             with fails_alone(job.req_id, failed):
                 prompt_logprobs[job.req_id] = _prompt_logprobs(job_logits, job)
         groups = [group for group in inputs.sample_groups if group.state.req_id not in failed]
         if logits is None or not groups:
-            return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs, failed=failed)
+            return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs, failed=failed,
+                                     pooled=pooled)
         if len(groups) < len(inputs.sample_groups):
             logits = logits[_rows_of(inputs.sample_groups, failed)]
         output = self.step_sampler.sample(logits, groups, scheduler_output.grammar_bitmask)
-        output.prompt_logprobs = prompt_logprobs
+        output.prompt_logprobs, output.pooled = prompt_logprobs, pooled
         output.failed.update(failed)
         if self.speculator is not None:
             output.draft_token_ids = self.speculator.propose(self.requests, output.sampled_token_ids)
         return output
+
+    def _pool(self, hidden: torch.Tensor, jobs: list[PoolingJob], failed: dict[str, str]) -> dict[str, bytes]:
+        """The pooled results of the pooling requests whose prompt this step completed."""
+        pooled = {}
+        for job in jobs:
+            with fails_alone(job.state.req_id, failed):
+                rows = hidden[job.first_row:job.first_row + job.count]
+                vector = self.chunked_pooling.add(job.state.req_id, rows, job.start, job.is_last)
+                if vector is not None:
+                    pooled[job.state.req_id] = finish_embedding(vector, job.state.pooling_params, self.pooling)
+        return pooled
 
     def _logits(self, hidden: torch.Tensor, lora_slots: list[int] | None) -> torch.Tensor | None:
         if self.lora is not None:
@@ -183,6 +212,7 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self.chunked_pooling.forget(req_id)
             if self.speculator is not None:
                 self.speculator.forget(req_id)
         for new in so.scheduled_new_reqs:
@@ -217,7 +247,11 @@ class ModelRunner:
         table = self._block_table(states)
         slot_mapping = table[row_of_token, positions // self.block_size] * self.block_size \
             + positions % self.block_size
-        sampled = [i for i, s in enumerate(states) if seq_lens[i] == len(s.token_ids) + len(drafts[i])]
+        sampled = [i for i, s in enumerate(states)
+                   if seq_lens[i] == len(s.token_ids) + len(drafts[i]) and s.pooling_params is None]
+        pooling_jobs = [PoolingJob(s, int(query_start_loc[i]), int(num_tokens[i]), int(starts[i]),
+                                   bool(seq_lens[i] == len(s.token_ids)))
+                        for i, s in enumerate(states) if s.pooling_params is not None]
         num_decodes = int((num_tokens == 1).sum())
         lora_slots = self._lora_slots(states, num_tokens)
         jobs = [job for i, state in enumerate(states)
@@ -235,7 +269,7 @@ class ModelRunner:
         return ModelInputs(input_ids_t, positions_t, metadata,
                            self._tensor(_sampled_rows(query_start_loc[1:][sampled], [drafts[i] for i in sampled])),
                            [self._sample_group(states[i], drafts[i]) for i in sampled], jobs,
-                           [lora_slots[i] for i in sampled for _ in range(1 + len(drafts[i]))])
+                           [lora_slots[i] for i in sampled for _ in range(1 + len(drafts[i]))], pooling_jobs)
 
     def _lora_slots(self, states: list[CachedRequestState], num_tokens: np.ndarray) -> list[int]:
         """Each request's adapter slot (-1: none), its adapter put in a slot; every token of the step tagged."""

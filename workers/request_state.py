@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ipc import LoRARequest, NewRequestData, SamplingParams
+from ipc import LoRARequest, NewRequestData, PoolingParams, SamplingParams
 
 
 @dataclass
@@ -19,13 +19,15 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = field(default=None, repr=False)
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request: its prompt is pooled, never sampled from
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> CachedRequestState:
         params = data.sampling_params
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         return cls(data.req_id, list(data.prompt_token_ids), len(data.prompt_token_ids), params,
-                   data.eos_token_id, list(data.block_ids), data.num_computed_tokens, generator, data.lora_request)
+                   data.eos_token_id, list(data.block_ids), data.num_computed_tokens, generator, data.lora_request,
+                   data.pooling_params)
 
     @property
     def num_output_tokens(self) -> int:

@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from kernels import start_cpu_kernels_build
+from kernels.cpu_features import cpu_has_native_bf16
 from workers.cpu_allocator import keep_freed_memory_in_heap
 from workers.device import select_device
 from workers.gpu_memory import kv_cache_budget, profile_memory
 from workers.layers.attention import Attention
 from workers.model_config import load_hf_config, resolve_dtype
 from workers.model_runner import ModelRunner
+from workers.pooling.config import is_encoder, pooling_info
+from workers.pooling.encoder_runner import EncoderRunner
 
 _DEFAULT_CPU_KV_BYTES = 2 * 2**30
 _DEFAULT_CPU_KV_FRACTION = 0.25
@@ -24,8 +29,14 @@ class Worker:
         if self.device.type == "cpu":
             start_cpu_kernels_build()  # the torch paths serve until it is ready: no wait at start-up
         self.hf_config = load_hf_config(config.model)
-        self.dtype = resolve_dtype(config.dtype)
-        self.model_runner = ModelRunner(config, self.hf_config, self.dtype, self.device)
+        self.encoder = is_encoder(self.hf_config)
+        pooling = pooling_info(config.model, self.hf_config, config.pooler_config)
+        # Encoders are small and their outputs compared to float32 references: "auto" keeps float32 on a CPU
+        # whose bfloat16 GEMMs would be emulated (no faster), bfloat16 where it is native.
+        self.dtype = torch.float32 if self.encoder and config.dtype == "auto" and self.device.type == "cpu" \
+            and not cpu_has_native_bf16() else resolve_dtype(config.dtype)
+        runner = EncoderRunner if self.encoder else ModelRunner
+        self.model_runner = runner(config, self.hf_config, self.dtype, self.device, pooling)
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's model parameters and buffers as held (int8 weights count one byte each)."""
@@ -46,6 +57,8 @@ class Worker:
         leaves after a profiled step, and on CPU min(2 GiB, 25% of free memory), capped at what max_num_seqs
         sequences of max_model_len tokens could ever hold."""
         config = self.config
+        if self.encoder:
+            return 0  # attention within each step's sequences: nothing is cached
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         if config.kv_cache_memory is not None:

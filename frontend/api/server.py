@@ -29,6 +29,8 @@ from frontend.api.route_errors import add_error_handlers, cancel_on_disconnect
 from frontend.api.metrics import ServerMetrics
 from frontend.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
                                    TokenizeRequest, UnloadLoRAAdapterRequest)
+from frontend.api.pooling_protocol import ClassificationRequest, EmbeddingRequest, RerankRequest, ScoreRequest
+from frontend.api.pooling_serving import PoolingServing
 from frontend.api.push import PushHttpToolsProtocol
 from frontend.api.request_log import RequestLogger
 from frontend.api.sampling import ServerLimits
@@ -122,6 +124,26 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await cancel_on_disconnect(request, serving.chat(body))
+
+    pooling = PoolingServing(engine, model_name, adapters, limits.max_choices_per_request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await cancel_on_disconnect(request, pooling.embeddings(body))
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        return await cancel_on_disconnect(request, pooling.score(body))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        return await cancel_on_disconnect(request, pooling.rerank(body))
+
+    @app.post("/classify")
+    async def classify(body: ClassificationRequest, request: Request) -> Response:
+        return await cancel_on_disconnect(request, pooling.classify(body))
 
     return app
 

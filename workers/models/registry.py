@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch import nn
 from transformers import PretrainedConfig
 
+from workers.models.bert import BertForSequenceClassification, BertModel
 from workers.models.deepseek_v2 import DeepseekV2ForCausalLM
 from workers.models.gemma2 import Gemma2ForCausalLM
 from workers.models.gpt_neox import GPTNeoXForCausalLM
@@ -30,6 +31,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
 }
 
 
