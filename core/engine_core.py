@@ -33,7 +33,7 @@ class EngineCore:
         hf_config = load_hf_config(config.model)
         encoder = is_encoder(hf_config)
         pooling = pooling_info(config.model, hf_config, config.pooler_config)
-        runner = _resolve_runner(config.runner, encoder)
+        runner = _resolve_runner(config.runner, pooling.generates)
         if encoder:
             _check_encoder_config(config)
         # A sentence-transformers folder's max_seq_length is where its own library truncates: the default limit.
@@ -212,12 +212,12 @@ def _make_executor(config: EngineConfig) -> Executor:
     return RayExecutor(config)
 
 
-def _resolve_runner(runner: str, encoder: bool) -> str:
+def _resolve_runner(runner: str, generates: bool) -> str:
     if runner == "auto":
-        return "pooling" if encoder else "generate"
-    if runner == "generate" and encoder:
-        raise ValueError("runner 'generate' needs a decoder with a language-model head; this encoder-only model "
-                         "embeds, scores and classifies: use runner 'pooling'")
+        return "generate" if generates else "pooling"
+    if runner == "generate" and not generates:
+        raise ValueError("runner 'generate' needs a decoder with a language-model head; this model embeds, scores "
+                         "and classifies: use runner 'pooling'")
     return runner
 
 

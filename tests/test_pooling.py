@@ -186,6 +186,23 @@ def test_decoder_last_token_pooling_equals_hf_chunked_and_prefix_cached(llama_po
         llama_pooling.generate({"prompt_token_ids": prompts[0]}, use_tqdm=False)
 
 
+def test_a_decoder_saved_without_its_head_is_an_embedding_model(tmp_path):
+    """E5-Mistral's layout: the checkpoint is MistralModel (no lm_head); runner "auto" makes it a pooling model."""
+    source = tiny_model("mistral")
+    AutoModel.from_pretrained(source, dtype=torch.float32).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(source).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=64, in_process=True)
+    assert llm.info.runner == "pooling" and not llm.info.pooling.generates
+    prompts = random_prompts([9, 30], vocab=1000, seed=9)
+    outputs = llm.embed([{"prompt_token_ids": p} for p in prompts], pooling_params=PoolingParams(normalize=False),
+                        use_tqdm=False)
+    for output, hidden in zip(outputs, hf_hidden_states(str(tmp_path), prompts)):
+        assert torch.allclose(torch.tensor(output.outputs.embedding), hidden[-1], atol=1e-5)
+    llm.shutdown()
+    with pytest.raises(ValueError, match="runner 'generate' needs a decoder"):
+        LLM(str(tmp_path), runner="generate", num_kv_blocks=64, in_process=True)
+
+
 def test_decoder_mean_pooling_over_chunks_equals_hf():
     llm = LLM(tiny_model("qwen2"), runner="pooling", dtype="float32", max_num_batched_tokens=16, num_kv_blocks=64,
               pooler_config={"pooling_type": "MEAN", "normalize": False}, in_process=True)

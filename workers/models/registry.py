@@ -18,6 +18,19 @@ from workers.models.qwen2_moe import Qwen2MoeForCausalLM
 from workers.models.qwen3 import Qwen3ForCausalLM
 from workers.models.qwen3_moe import Qwen3MoeForCausalLM
 
+
+def _base_model(causal_lm: type[nn.Module]) -> type[nn.Module]:
+    """A checkpoint of the decoder alone, as embedding models are saved (E5-Mistral's MistralModel): the causal
+    LM without its head; it pools, it cannot generate."""
+    class BaseModel(causal_lm):
+        def __init__(self, config: PretrainedConfig) -> None:
+            super().__init__(config)
+            self.lm_head, self.weight_aliases = None, {}
+
+    BaseModel.__name__ = BaseModel.__qualname__ = causal_lm.__name__.replace("ForCausalLM", "Model")
+    return BaseModel
+
+
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
@@ -33,6 +46,9 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "BertModel": BertModel,
     "BertForSequenceClassification": BertForSequenceClassification,
+    **{base: _base_model(causal_lm) for base, causal_lm in (
+        ("LlamaModel", LlamaForCausalLM), ("MistralModel", MistralForCausalLM), ("Qwen2Model", Qwen2ForCausalLM),
+        ("Qwen3Model", Qwen3ForCausalLM))},
 }
 
 

@@ -11,6 +11,8 @@ from ipc import PoolerConfig, PoolingInfo
 
 ENCODER_ARCHITECTURES = frozenset({"BertModel", "BertForSequenceClassification"})
 CLASSIFIER_ARCHITECTURES = frozenset({"BertForSequenceClassification"})
+# Decoders saved without their LM head (embedding models such as E5-Mistral): they pool, they cannot generate.
+BASE_MODEL_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
 _ST_POOLING_MODES = {"pooling_mode_cls_token": "CLS", "pooling_mode_mean_tokens": "MEAN",
                      "pooling_mode_lasttoken": "LAST"}
 _ST_MODULES = ("sentence_transformers.models.Transformer", "sentence_transformers.models.Pooling",
@@ -30,11 +32,12 @@ def pooling_info(model_dir: str, config: PretrainedConfig, overrides: PoolerConf
         pooling_type = overrides.pooling_type or pooling_type
         normalize = normalize if overrides.normalize is None else overrides.normalize
     labels = [str(config.id2label[i]) for i in range(config.num_labels)] if classifier else []
+    headless = bool(BASE_MODEL_ARCHITECTURES & set(config.architectures or ()))
     return PoolingInfo(pooling_type=pooling_type, normalize=normalize, hidden_size=config.hidden_size,
                        num_labels=len(labels), labels=labels,
                        matryoshka=bool(getattr(config, "matryoshka_dimensions", None)
                                        or getattr(config, "is_matryoshka", False)),
-                       generates=not is_encoder(config),
+                       generates=not (is_encoder(config) or headless),
                        type_vocab_size=getattr(config, "type_vocab_size", 0) if is_encoder(config) else 0)
 
 
