@@ -25,14 +25,20 @@ def input_token_ids(tokenizer: PreTrainedTokenizerBase, info: EngineInfo, inputs
         if any(text is None for text in texts) or not all(isinstance(text, str) for text in pairs):
             raise ValueError("a cross-encoder scores pairs of texts, not token ids")
         encoded = tokenizer(texts, list(pairs), truncation="longest_first" if limit else False, max_length=limit)
-        return encoded["input_ids"], encoded.get("token_type_ids")
+        types = encoded.get("token_type_ids")
+        # The tokenizer leaves an input whole when the limit cannot hold its special tokens: cut it here.
+        return _cut(encoded["input_ids"], limit), _cut(types, limit) if types is not None else None
     ids: list[list[int] | None] = [_token_ids(item) for item in inputs]
     to_encode = [i for i, item in enumerate(ids) if item is None]
     if to_encode:
         encoded = tokenizer([texts[i] for i in to_encode], truncation=bool(limit), max_length=limit)["input_ids"]
         for i, item in zip(to_encode, encoded):
             ids[i] = item
-    return [item[:limit] if limit else item for item in ids], None
+    return _cut(ids, limit), None
+
+
+def _cut(rows: list[list[int]], limit: int | None) -> list[list[int]]:
+    return [row[:limit] for row in rows] if limit else rows
 
 
 def truncation_limit(info: EngineInfo, truncate_prompt_tokens: int | None) -> int | None:

@@ -139,7 +139,8 @@ def test_launch_reports_bad_arguments(llama_model):
     assert result.returncode == 2 and "tensor_parallel_size" in result.stderr
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+                         ids=["SIGTERM", "SIGINT"])
 def test_operator_stop_after_an_engine_crash_exits_0(llama_model, stop_signal):
     """The gateways outlive a crashed engine core (503s by design); the operator's stop is still a clean one."""
     process, base_url = start_launcher(["--model", llama_model])

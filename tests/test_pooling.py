@@ -72,6 +72,8 @@ def test_minilm_inputs_over_its_length_are_refused_unless_truncated(minilm):
         minilm.embed([long, "short"], use_tqdm=False)
     [output] = minilm.embed(long, truncate_prompt_tokens=16, use_tqdm=False)
     assert len(output.prompt_token_ids) == 16 and output.prompt_token_ids[-1] == minilm.tokenizer.sep_token_id
+    [output] = minilm.embed(long, truncate_prompt_tokens=1, use_tqdm=False)  # too short for [CLS] ... [SEP]
+    assert output.prompt_token_ids == [minilm.tokenizer.cls_token_id]
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         minilm.embed(long, truncate_prompt_tokens=0, use_tqdm=False)
 
@@ -258,6 +260,8 @@ def test_bert_cross_encoder_equals_hf_logits(cross_encoder):
     if reference.config.num_labels == 1:
         scores = [o.outputs.score for o in llm.score(query, documents, use_tqdm=False)]
         assert np.allclose(scores, torch.sigmoid(logits[:, 0]).numpy(), atol=1e-5)
+        cut = llm.score(query, documents, truncate_prompt_tokens=8, use_tqdm=False)  # segments cut alike
+        assert max(len(o.prompt_token_ids) for o in cut) == 8
         assert np.allclose([o.outputs.probs for o in classified], torch.sigmoid(single).numpy(), atol=1e-5)
     else:
         assert np.allclose([o.outputs.probs for o in classified], torch.softmax(single, -1).numpy(), atol=1e-5)

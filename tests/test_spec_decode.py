@@ -266,9 +266,15 @@ def _two_sample_p_value(a: np.ndarray, b: np.ndarray) -> float:
                                          torch.tensor(statistic / 2, dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("setting", SAMPLED_SETTINGS)
-@pytest.mark.parametrize("rank, draft_model", [(0, False), (3, False), (None, True)],
-                         ids=["likely draft", "unlikely draft", "drafts drawn from a draft model's q"])
+_DRAFTS = [(0, False, "likely draft"), (3, False, "unlikely draft"), (None, True, "drafts drawn from a draft model's q")]
+
+
+# Drafts from a draft model's q take every setting by default; a likely and an unlikely draft token take the first
+# one (the other pairings are slow: each case draws thousands of samples).
+@pytest.mark.parametrize("setting, rank, draft_model", [
+    pytest.param(setting, rank, draft_model, id=f"{name}-{setting}",
+                 marks=() if draft_model or setting == next(iter(SAMPLED_SETTINGS)) else pytest.mark.slow)
+    for rank, draft_model, name in _DRAFTS for setting in SAMPLED_SETTINGS])
 def test_verified_tokens_follow_the_distribution_sampling_would_use(setting, rank, draft_model):
     """20k requests each verify one draft: the first token's distribution is the target's, and after an accepted
     draft the next one is the target's given that draft (penalties count it)."""
