@@ -14,7 +14,7 @@ from frontend.connect import connect_engine
 from frontend.generation_config import load_generation_defaults, model_stop_token_ids
 from frontend.outputs import (ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, RequestOutput,
                               ScoringOutput)
-from frontend.pooling_inputs import PoolingInput, input_token_ids, pooling_request, score_pairs
+from frontend.pooling_inputs import PoolingInput, as_inputs, input_token_ids, pooling_request, score_pairs
 from frontend.pooling_results import cosine, probabilities, vector
 from frontend.prompts import PromptType, check_sampling_params, tokenize_prompt
 from frontend.request_group import FinalOutputs
@@ -119,14 +119,14 @@ class LLM:
         params = pooling_params or PoolingParams()
         if not isinstance(params, PoolingParams) or params.task != "embed":
             raise ValueError("pooling_params must be PoolingParams with task 'embed'")
-        ids, _ = input_token_ids(self.tokenizer, self.info, _inputs(prompts), truncate_prompt_tokens)
+        ids, _ = input_token_ids(self.tokenizer, self.info, as_inputs(prompts), truncate_prompt_tokens)
         return [PoolingRequestOutput(str(i), token_ids, EmbeddingOutput(vector(pooled).tolist()))
                 for i, (token_ids, pooled) in enumerate(zip(ids, self._pool(ids, params, use_tqdm)))]
 
     def classify(self, prompts: PoolingInput | Sequence[PoolingInput], *, truncate_prompt_tokens: int | None = None,
                  use_tqdm: bool = True) -> list[PoolingRequestOutput]:
         """A sequence classifier's class probabilities in input order (`.outputs.probs`)."""
-        ids, _ = input_token_ids(self.tokenizer, self.info, _inputs(prompts), truncate_prompt_tokens)
+        ids, _ = input_token_ids(self.tokenizer, self.info, as_inputs(prompts), truncate_prompt_tokens)
         return [PoolingRequestOutput(str(i), token_ids, ClassificationOutput(probabilities(pooled)))
                 for i, (token_ids, pooled) in enumerate(zip(ids, self._pool(ids, PoolingParams(task="classify"),
                                                                                  use_tqdm)))]
@@ -211,12 +211,4 @@ def _per_prompt(value, count: int, name: str) -> list:
             raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
         return list(value)
     return [value] * count
-
-
-def _inputs(prompts: PoolingInput | Sequence[PoolingInput]) -> list[PoolingInput]:
-    """One input (a text, a prompt dict, or a list of token ids) or a list of them."""
-    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                            and all(isinstance(t, int) for t in prompts)):
-        return [prompts]
-    return list(prompts)
 

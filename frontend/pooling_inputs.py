@@ -20,7 +20,8 @@ def input_token_ids(tokenizer: PreTrainedTokenizerBase, info: EngineInfo, inputs
     tokenizer's special tokens; truncate_prompt_tokens k keeps the first k tokens (-1: the model's limit), the
     special ones included; without it an input over max_model_len is refused by validation."""
     limit = truncation_limit(info, truncate_prompt_tokens)
-    texts = [_text(item) for item in inputs]
+    ids: list[list[int] | None] = [_token_ids(item) for item in inputs]
+    texts = [_text(item) if item_ids is None else None for item, item_ids in zip(inputs, ids)]
     if pairs is not None:
         if any(text is None for text in texts) or not all(isinstance(text, str) for text in pairs):
             raise ValueError("a cross-encoder scores pairs of texts, not token ids")
@@ -28,7 +29,6 @@ def input_token_ids(tokenizer: PreTrainedTokenizerBase, info: EngineInfo, inputs
         types = encoded.get("token_type_ids")
         # The tokenizer leaves an input whole when the limit cannot hold its special tokens: cut it here.
         return _cut(encoded["input_ids"], limit), _cut(types, limit) if types is not None else None
-    ids: list[list[int] | None] = [_token_ids(item) for item in inputs]
     to_encode = [i for i, item in enumerate(ids) if item is None]
     if to_encode:
         encoded = tokenizer([texts[i] for i in to_encode], truncation=bool(limit), max_length=limit)["input_ids"]
@@ -60,15 +60,20 @@ def pooling_request(info: EngineInfo, request_id: str, token_ids: list[int], par
     return request
 
 
-def _text(item: PoolingInput) -> str | None:
+def as_inputs(value: PoolingInput | Sequence[PoolingInput]) -> list[PoolingInput]:
+    """One input (a text, a prompt dict, or a list of token ids) or a list of them, as a list of inputs."""
+    if isinstance(value, (str, dict)) or (isinstance(value, list) and value and all(isinstance(t, int) for t in value)):
+        return [value]
+    return list(value)
+
+
+def _text(item: PoolingInput) -> str:
     if isinstance(item, str):
         return item
     if isinstance(item, dict) and isinstance(item.get("prompt"), str):
         return item["prompt"]
-    if _token_ids(item) is None:
-        raise ValueError(f"an input must be a str, {{'prompt': str}}, {{'prompt_token_ids': [...]}} or a list of "
-                         f"token ids, got {type(item).__name__}")
-    return None
+    raise ValueError(f"an input must be a str, {{'prompt': str}}, {{'prompt_token_ids': [...]}} or a list of "
+                     f"token ids, got {type(item).__name__}")
 
 
 def _token_ids(item: PoolingInput) -> list[int] | None:

@@ -15,7 +15,7 @@ from frontend.api.errors import APIError, raise_api_error
 from frontend.api.lora_adapters import LoRAAdapters
 from frontend.api.pooling_protocol import ClassificationRequest, EmbeddingRequest, RerankRequest, ScoreRequest
 from frontend.async_llm import AsyncLLM
-from frontend.pooling_inputs import PoolingInput, input_token_ids, pooling_request, score_pairs
+from frontend.pooling_inputs import PoolingInput, as_inputs, input_token_ids, pooling_request, score_pairs
 from frontend.pooling_results import cosine, probabilities, vector
 from ipc import PoolingParams
 
@@ -26,7 +26,7 @@ class PoolingServing:
 
     async def embeddings(self, body: EmbeddingRequest) -> Response:
         self._check_model(body.model)
-        inputs = _embedding_inputs(body.input)
+        inputs = as_inputs(body.input)
         params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
         ids, pooled = await self._run(inputs, params, body.truncate_prompt_tokens)
         data = [{"object": "embedding", "index": i,
@@ -55,7 +55,7 @@ class PoolingServing:
 
     async def classify(self, body: ClassificationRequest) -> Response:
         self._check_model(body.model)
-        inputs = [body.input] if isinstance(body.input, str) else body.input
+        inputs = as_inputs(body.input)
         ids, pooled = await self._run(inputs, PoolingParams(task="classify"), body.truncate_prompt_tokens)
         labels = self.engine.info.pooling.labels
         data = []
@@ -108,15 +108,6 @@ class PoolingServing:
     def _check_model(self, model: str | None) -> None:
         if self.adapters.resolve(model) is not None:
             raise APIError(400, "LoRA adapters serve generation requests only; name the base model", "model")
-
-
-def _embedding_inputs(value: str | list) -> list[PoolingInput]:
-    """OpenAI's input forms: a string, strings, token ids, or lists of token ids."""
-    if isinstance(value, str):
-        return [value]
-    if value and all(isinstance(t, int) for t in value):
-        return [value]
-    return list(value)
 
 
 def _json(body: dict) -> Response:
