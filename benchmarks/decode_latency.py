@@ -18,14 +18,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import random
-import subprocess
 import sys
 import time
-import urllib.request
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import serve  # noqa: E402
 import serve_compare  # noqa: E402
+from llamacpp import complete, llamacpp_server  # noqa: E402
 
 from frontend import LLM, SamplingParams  # noqa: E402
 from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
@@ -44,6 +42,7 @@ from launch.make_model import ensure_benchmark_model  # noqa: E402
 from workers.model_config import load_hf_config  # noqa: E402
 
 PROMPT_TOKENS, OUTPUT_TOKENS, REPEATS = 64, 256, 3
+SLOT_TOKENS = PROMPT_TOKENS + OUTPUT_TOKENS + 16
 
 
 def prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -78,25 +77,10 @@ def pagedserve_run(llm: LLM, requests: list[list[int]]) -> Callable[[int], None]
     return run
 
 
-@contextlib.contextmanager
-def llamacpp_server(server: str, gguf: str, slots: int) -> Iterator[str]:
-    """llama-server's base URL: `slots` slots, 2 threads, on a free loopback port, while the block runs."""
-    port = serve_compare.free_port()
-    process = subprocess.Popen([server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-tb", "2",
-                                "-np", str(slots), "-c", str(slots * (PROMPT_TOKENS + OUTPUT_TOKENS + 16)),
-                                "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_ready(f"http://127.0.0.1:{port}/health", process)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(30)
-
-
 def llamacpp_run(base_url: str, requests: list[list[int]]) -> Callable[[int], None]:
     def run(max_tokens: int) -> None:
         with ThreadPoolExecutor(len(requests)) as pool:
-            counts = list(pool.map(lambda p: _complete(f"{base_url}/completion", p, max_tokens), requests))
+            counts = list(pool.map(lambda p: complete(base_url, p, max_tokens), requests))
         assert all(n == max_tokens for n in counts), counts
     return run
 
@@ -132,7 +116,7 @@ def http_figures(model: str, server: str | None, gguf: str | None, batches: list
             with contextlib.ExitStack() as stack:
                 runs = {"pagedserve": http_tpot_ms(launched.base_url, served, requests)}
                 if gguf:
-                    url = stack.enter_context(llamacpp_server(server, gguf, batch))
+                    url = stack.enter_context(llamacpp_server(server, gguf, batch, SLOT_TOKENS))
                     runs["llama.cpp"] = http_tpot_ms(url, "gguf", requests)
                 best = _alternating_best(runs)
             ours[batch] = best["pagedserve"]
@@ -146,28 +130,6 @@ def _alternating_best(runs: dict[str, Callable[[], float]]) -> dict[str, float]:
         run()  # warm-up
     rounds = [{name: run() for name, run in runs.items()} for _ in range(REPEATS)]
     return {name: min(r[name] for r in rounds) for name in runs}
-
-
-def _complete(url: str, prompt: list[int], max_tokens: int) -> int:
-    body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "ignore_eos": True, "temperature": 0.0,
-                       "cache_prompt": False}).encode()
-    request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=600) as response:
-        return json.load(response)["timings"]["predicted_n"]
-
-
-def _wait_ready(url: str, process: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    raise TimeoutError("llama-server did not become ready")
 
 
 def copy_bandwidth() -> float:
@@ -212,7 +174,7 @@ def main() -> int:
             with contextlib.ExitStack() as stack:
                 runs = {"pagedserve": pagedserve_run(llm, requests)}
                 if args.gguf:
-                    url = stack.enter_context(llamacpp_server(args.compare_llamacpp, args.gguf, batch))
+                    url = stack.enter_context(llamacpp_server(args.compare_llamacpp, args.gguf, batch, SLOT_TOKENS))
                     runs["llama.cpp"] = llamacpp_run(url, requests)
                 for run in runs.values():
                     run(8)  # warm-up: first use of the kernels and the allocator's pages

@@ -10,10 +10,23 @@ prints the ratio process / in-process (target, issue 3: >= 95%). The two kinds r
 (process, in-process, process, ... for --compare-rounds rounds) so that slow drift on the machine hits both
 alike; each run is printed, and the ratio is of total output tokens over total seconds per kind. The first
 process run is also the engine figure compared with HF.
+
+--compare-llamacpp PATH/llama-server --gguf MODEL-bf16.gguf also sends the same requests, all at once, to llama.cpp's
+server (16 slots with continuous batching, 2 threads; the README says how to build it and convert the model), and
+--http to this engine's own server (`python -m launch`); both through the same OpenAI /v1/completions streaming
+client (benchmarks/serve.py). Targets (issue 24): >= 2x llama.cpp offline and through HTTP.
+
+Always printed: the GEMM floor, the workload's matmul work (every linear layer for each token fed through the model,
+the LM head for each token sampled) over the rate of the same GEMMs timed alone (the faster of the model dtype and
+float32, weights already in it, the best of several row counts), and the engine's share of it (target: >= 70%).
+The issue's workload:
+    python benchmarks/throughput.py --num-requests 96 --input-len 16 400 --output-len 8 200 --skip-hf \
+        --compare-llamacpp PATH/llama-server --gguf bench-bf16.gguf --http
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import sys
@@ -22,13 +35,22 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import serve  # noqa: E402
+import serve_compare  # noqa: E402
+from llamacpp import llamacpp_server  # noqa: E402
+
 from frontend import LLM, SamplingParams  # noqa: E402
+from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
 from launch.make_model import ensure_benchmark_model  # noqa: E402
+from workers.model_config import load_hf_config  # noqa: E402
 
 PROCESS_RATIO_TARGET = 0.95  # issue 3: the engine-core process keeps >= 95% of in-process throughput
+LLAMACPP_SLOTS = 16
+GEMM_ROWS = (128, 512, 2048)  # row counts the floor's GEMMs are timed at (decode batches to prefill chunks)
 _TORCH_THREADS = torch.get_num_threads()  # before an engine process lowers it
 
 
@@ -72,6 +94,68 @@ def compare_in_process(model: str, requests, args) -> dict:
     return {**runs, "process_output_tokens_per_s": rates["process"],
             "in_process_output_tokens_per_s": rates["in_process"],
             "ratio": rates["process"] / rates["in_process"], "target_ratio": PROCESS_RATIO_TARGET}
+
+
+def run_http(base_url: str, model: str, requests) -> dict:
+    """The requests all at once through an OpenAI /v1/completions server, streamed; after one warm-up request."""
+    specs = [serve.RequestSpec(prompt=p, output_len=n) for p, n in requests]
+    asyncio.run(serve.run_benchmark(base_url, model, specs[:1]))
+    metrics = asyncio.run(serve.run_benchmark(base_url, model, specs))["metrics"]
+    expected = sum(n for _, n in requests)
+    if metrics["failed"] or metrics["total_output_tokens"] != expected:
+        raise RuntimeError(f"{metrics['failed']} failed, {metrics['total_output_tokens']} of {expected} tokens: "
+                           f"{metrics['errors']}")
+    return {"seconds": metrics["duration_s"], "output_tokens": expected,
+            "output_tokens_per_s": metrics["output_token_throughput"]}
+
+
+def run_pagedserve_http(model: str, requests, args) -> dict:
+    settings = serve_compare.EngineSettings(args.dtype, args.max_num_seqs, args.max_num_batched_tokens,
+                                            max(1024, len(requests)))
+    with serve_compare.launched_server(model, settings) as launched:
+        return run_http(launched.base_url, serve.first_model(launched.base_url, None), requests)
+
+
+def run_llamacpp(server: str, gguf: str, requests) -> dict:
+    slot_tokens = max(len(p) + n for p, n in requests) + 16
+    with llamacpp_server(server, gguf, LLAMACPP_SLOTS, slot_tokens) as url:
+        return run_http(url, "gguf", requests)
+
+
+@torch.inference_mode()
+def gemm_floor(model: str, requests, dtype: str) -> dict:
+    """The seconds the workload's linear layers take at the rate of the same GEMMs timed alone."""
+    config = load_hf_config(model)
+    heads, hidden, inter = config.num_attention_heads, config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    fed = sum(len(p) + n - 1 for p, n in requests)  # the last sampled token is never fed back
+    sampled = sum(n for _, n in requests)
+    shapes = [((heads + 2 * kv_heads) * head_dim, hidden, fed * config.num_hidden_layers),
+              (hidden, heads * head_dim, fed * config.num_hidden_layers),
+              (2 * inter, hidden, fed * config.num_hidden_layers),
+              (hidden, inter, fed * config.num_hidden_layers),
+              (config.vocab_size, hidden, sampled)]
+    model_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+    seconds = flops = 0.0
+    for n, k, rows in shapes:
+        rate = max(_gemm_rate(n, k, m, compute) for m in GEMM_ROWS for compute in {model_dtype, torch.float32})
+        flops += 2 * n * k * rows
+        seconds += 2 * n * k * rows / rate
+    return {"flops": flops, "seconds": seconds, "gflop_per_s": flops / seconds / 1e9,
+            "output_tokens_per_s": sampled / seconds}
+
+
+def _gemm_rate(n: int, k: int, m: int, dtype: torch.dtype) -> float:
+    """FLOP/s of F.linear(x [m, k], w [n, k]) in dtype, best of 5 (after a warm-up)."""
+    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    F.linear(x, w)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        F.linear(x, w)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n * k * m / best
 
 
 @torch.inference_mode()
@@ -118,11 +202,16 @@ def main() -> int:
                         help="also run the in-process engine and report process / in-process throughput")
     parser.add_argument("--compare-rounds", type=int, default=2,
                         help="alternating (process, in-process) pairs for --compare-in-process")
+    parser.add_argument("--compare-llamacpp", metavar="LLAMA_SERVER", help="path to llama.cpp's llama-server")
+    parser.add_argument("--gguf", help="the same model as a bf16 GGUF (with --compare-llamacpp)")
+    parser.add_argument("--http", action="store_true", help="also run the requests through `python -m launch`")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if args.compare_rounds < 1:
         parser.error("--compare-rounds must be >= 1")
+    if bool(args.compare_llamacpp) != bool(args.gguf):
+        parser.error("--compare-llamacpp and --gguf go together")
 
     model = args.model or str(ensure_benchmark_model())
     from transformers import AutoConfig
@@ -141,6 +230,23 @@ def main() -> int:
             print(f"{label}: {comparison[f'{kind}_output_tokens_per_s']:.1f} output tok/s overall (runs: {each})")
         print(f"ratio process / in-process: {comparison['ratio']:.1%} over {args.compare_rounds} rounds "
               f"(target >= {PROCESS_RATIO_TARGET:.0%})")
+    floor = results["gemm_floor"] = gemm_floor(model, requests, args.dtype)
+    print(f"GEMM floor (CPU native bf16: {cpu_has_native_bf16()}): {floor['flops'] / 1e12:.2f} TFLOP at "
+          f"{floor['gflop_per_s']:.0f} GFLOP/s = {floor['seconds']:.1f} s ({floor['output_tokens_per_s']:.0f} output "
+          f"tok/s); pagedserve reaches {floor['seconds'] / engine['seconds']:.0%} of it")
+    peers = {}
+    if args.http:
+        peers["pagedserve HTTP"] = results["http"] = run_pagedserve_http(model, requests, args)
+    if args.compare_llamacpp:
+        peers["llama.cpp"] = results["llamacpp"] = run_llamacpp(args.compare_llamacpp, args.gguf, requests)
+    for name, peer in peers.items():
+        print(f"{name}: {peer['output_tokens_per_s']:.1f} output tok/s ({peer['seconds']:.1f} s)")
+    if "llama.cpp" in peers:
+        theirs = peers["llama.cpp"]["output_tokens_per_s"]
+        for name, ours in (("offline", engine), ("HTTP", results.get("http"))):
+            if ours is not None:
+                print(f"ratio pagedserve {name} / llama.cpp: {ours['output_tokens_per_s'] / theirs:.2f}x "
+                      f"(target >= 2x)")
     if not args.skip_hf:
         hf = results["hf"] = run_hf(model, requests, args)
         results["ratio"] = engine["output_tokens_per_s"] / hf["output_tokens_per_s"]

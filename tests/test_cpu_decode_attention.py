@@ -82,6 +82,27 @@ def test_soft_cap_matches_reference(window):
     assert not torch.allclose(out, reference(query, k_cache, v_cache, tables, LENGTHS, 1.0, window), atol=1e-3)
 
 
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("head_dim", [32, 64, 24])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_one_sequence_attend_causally(window, head_dim, dtype):
+    """Consecutive rows sharing a block table (a verified run of drafts, a prompt chunk) are attended together:
+    each still sees only its own first seq_len positions (and window)."""
+    generator = torch.Generator().manual_seed(head_dim + (window or 0))
+    contexts = [45, 9, 130]  # each sequence's context after the step
+    runs = [5, 1, 9]  # its tokens in the step: the last ones of its context
+    k_cache, v_cache, tables = build_caches(contexts, 8, 2, head_dim, generator)
+    rows = [i for i, run in enumerate(runs) for _ in range(run)]
+    lengths = [contexts[i] - runs[i] + 1 + j for i, run in enumerate(runs) for j in range(run)]
+    tables = tables[rows]
+    query = torch.randn(len(rows), 6, head_dim, generator=generator)
+    q, k, v = (t.to(dtype) for t in (query, k_cache, v_cache))
+    expected = reference(q.float(), k.float(), v.float(), tables, lengths, head_dim**-0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused(q, k, v, tables, lengths, head_dim**-0.5, window).float(), expected,
+                               atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("head_dim", [16, 40, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_other_head_dims(head_dim, dtype):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -84,13 +85,32 @@ def oracle(monkeypatch):
 
 
 def test_ngram_draft_follows_the_latest_longest_suffix_match():
-    tokens = np.array([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 2, 3])
+    tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 2, 3]
     assert ngram_draft(tokens, 3, 2, 4) == [7, 8, 2]  # [2, 3] occurs twice: the later one
-    assert ngram_draft(np.array([5, 1, 2, 3, 4, 0, 2, 3, 6, 1, 2, 3]), 2, 1, 3) == [4, 0]  # [1, 2, 3] beats [2, 3]
-    assert ngram_draft(np.array([5, 1, 2, 3, 4, 0, 2, 3, 6, 1, 2, 3]), 2, 1, 2) == [6, 1]  # capped at max_n = 2
-    assert ngram_draft(np.array([4, 2, 3, 9, 2, 3]), 5, 3, 4) == []  # shorter than min_n
-    assert ngram_draft(np.array([1, 2, 3, 1]), 8, 1, 4) == [2, 3, 1]  # as many as followed
-    assert ngram_draft(np.array([7]), 2, 1, 3) == [] and ngram_draft(np.array([3, 3]), 2, 1, 3) == [3]
+    assert ngram_draft([5, 1, 2, 3, 4, 0, 2, 3, 6, 1, 2, 3], 2, 1, 3) == [4, 0]  # [1, 2, 3] beats [2, 3]
+    assert ngram_draft([5, 1, 2, 3, 4, 0, 2, 3, 6, 1, 2, 3], 2, 1, 2) == [6, 1]  # capped at max_n = 2
+    assert ngram_draft([4, 2, 3, 9, 2, 3], 5, 3, 4) == []  # shorter than min_n
+    assert ngram_draft([1, 2, 3, 1], 8, 1, 4) == [2, 3, 1]  # as many as followed
+    assert ngram_draft([7], 2, 1, 3) == [] and ngram_draft([3, 3], 2, 1, 3) == [3]
+    # the bytes of [256, 0, 0] hold those of [1, 0] one byte in: not an occurrence
+    assert ngram_draft([256, 0, 0, 9, 1, 0], 2, 2, 2) == []
+
+
+def test_ngram_draft_equals_a_direct_search():
+    """Random short token streams over a small vocabulary (many partial matches) against the definition."""
+    def direct(tokens, num_tokens, min_n, max_n):
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            for end in range(len(tokens) - 2, n - 2, -1):  # latest occurrence ending before the last token
+                if tokens[end - n + 1:end + 1] == tokens[-n:]:
+                    return tokens[end + 1:end + 1 + num_tokens]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        tokens = [rng.choice([0, 1, 2, 256, 65536, 70000]) for _ in range(rng.randint(1, 40))]
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        assert ngram_draft(tokens, 4, min_n, max_n) == direct(tokens, 4, min_n, max_n), tokens
 
 
 def test_greedy_output_and_logprobs_equal_no_speculation(arch_model, oracle):

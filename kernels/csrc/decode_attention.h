@@ -40,62 +40,111 @@ inline void for_each_row(const T* cache, const int64_t* table, int64_t h, int64_
   }
 }
 
+// Rows [first, end) that share one block table: the tokens of one sequence in this step (speculative verification,
+// a short prompt chunk). They are attended together, so each K and V row is read once for all of them.
+inline int64_t run_end(const int64_t* tables, int64_t max_blocks, int64_t first, int64_t num_rows) {
+  int64_t end = first + 1;
+  while (end < num_rows && std::equal(tables + end * max_blocks, tables + (end + 1) * max_blocks,
+                                      tables + first * max_blocks))
+    ++end;
+  return end;
+}
+
 // D > 0 fixes head_dim at compile time so the inner loops fully unroll; D == 0 handles any head_dim.
 // soft_cap > 0: scores become soft_cap * tanh(score / soft_cap) before the softmax (Gemma 2).
+// Row s attends to its context [max(0, lens[s] - window), lens[s]) over block table row s.
 template <typename T, int D>
 void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
             int64_t num_seqs, int64_t num_heads, int64_t kv_heads, int64_t bs, int64_t head_dim,
-            int64_t max_blocks, float scale, float soft_cap, int64_t window, int64_t max_len) {
+            int64_t max_blocks, float scale, float soft_cap, int64_t window) {
   const int64_t dim = D ? D : head_dim, G = num_heads / kv_heads;
+  std::vector<int64_t> runs{0};  // row ranges sharing a table
+  while (runs.back() < num_seqs) runs.push_back(run_end(tables, max_blocks, runs.back(), num_seqs));
+  const int64_t num_runs = int64_t(runs.size()) - 1;
 #pragma omp parallel
   {
     // Two passes over keys (scores, then V) with the scores kept here: each K and V row is read exactly once.
-    std::vector<float> scores(G * std::max<int64_t>(max_len, 1)), qf(G * dim), acc(G * dim), row(dim), inv(G);
+    std::vector<float> scores, qf, acc, row(dim), inv;
+    std::vector<int64_t> starts;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t pair = 0; pair < num_seqs * kv_heads; ++pair) {
-      const int64_t s = pair / kv_heads, h = pair % kv_heads, len = lens[s];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - start;
-      const int64_t* table = tables + s * max_blocks;
-      T* o = out + (s * num_heads + h * G) * dim;
-      if (n <= 0) {
-        for (int64_t i = 0; i < G * dim; ++i) store(0.f, o + i);
-        continue;
+    for (int64_t item = 0; item < num_runs * kv_heads; ++item) {
+      const int64_t first = runs[item / kv_heads], rows = runs[item / kv_heads + 1] - first, h = item % kv_heads;
+      const int64_t* table = tables + first * max_blocks;
+      // The run's span of positions, and each row's own window start; a row sees [starts[r], lens[first + r]).
+      starts.resize(rows);
+      int64_t lo = INT64_MAX, hi = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t len = lens[first + r];
+        starts[r] = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        if (starts[r] < len) lo = std::min(lo, starts[r]), hi = std::max(hi, len);
       }
-      const T* qs = q + (s * num_heads + h * G) * dim;
-      for (int64_t i = 0; i < G * dim; ++i) qf[i] = widen(qs[i]) * scale;
-
-      for_each_row<D>(kc, table, h, kv_heads, bs, dim, start, len, row.data(), [&](int64_t j, const float* k) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float* __restrict qg = qf.data() + g * dim;
-          float dot = 0.f;
+      const int64_t n = hi > lo ? hi - lo : 0, queries = rows * G;
+      scores.resize(queries * std::max<int64_t>(n, 1));
+      qf.resize(queries * dim);
+      acc.assign(queries * dim, 0.f);
+      inv.resize(queries);
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* qs = q + ((first + r) * num_heads + h * G) * dim;
+        for (int64_t i = 0; i < G * dim; ++i) qf[r * G * dim + i] = widen(qs[i]) * scale;
+      }
+      if (n > 0) {
+        for_each_row<D>(kc, table, h, kv_heads, bs, dim, lo, hi, row.data(), [&](int64_t j, const float* k) {
+          for (int64_t r = 0; r < rows; ++r) {
+            if (j < starts[r] || j >= lens[first + r]) continue;
+            for (int64_t g = 0; g < G; ++g) {
+              const float* __restrict qg = qf.data() + (r * G + g) * dim;
+              float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < dim; ++d) dot += qg[d] * k[d];
-          scores[g * n + j - start] = dot;
-        }
-      });
-
-      for (int64_t g = 0; g < G; ++g) {
-        float* sc = scores.data() + g * n;
-        if (soft_cap > 0.f)
-          for (int64_t i = 0; i < n; ++i) sc[i] = soft_cap * std::tanh(sc[i] / soft_cap);
-        const float m = *std::max_element(sc, sc + n);
-        float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) sum += (sc[i] = std::exp(sc[i] - m));
-        inv[g] = 1.f / sum;
+              for (int64_t d = 0; d < dim; ++d) dot += qg[d] * k[d];
+              scores[(r * G + g) * n + j - lo] = dot;
+            }
+          }
+        });
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t a = starts[r] - lo, b = lens[first + r] - lo;  // this query's scores
+            if (b <= a) continue;
+            float* sc = scores.data() + (r * G + g) * n;
+            if (soft_cap > 0.f)
+              for (int64_t i = a; i < b; ++i) sc[i] = soft_cap * std::tanh(sc[i] / soft_cap);
+            inv[r * G + g] = 1.f / exp_sum(sc + a, b - a, *std::max_element(sc + a, sc + b));
+          }
+        for_each_row<D>(vc, table, h, kv_heads, bs, dim, lo, hi, row.data(), [&](int64_t j, const float* v) {
+          for (int64_t r = 0; r < rows; ++r) {
+            if (j < starts[r] || j >= lens[first + r]) continue;
+            for (int64_t g = 0; g < G; ++g) {
+              float* __restrict a = acc.data() + (r * G + g) * dim;
+              const float p = scores[(r * G + g) * n + j - lo];
+#pragma omp simd
+              for (int64_t d = 0; d < dim; ++d) a[d] += p * v[d];
+            }
+          }
+        });
       }
-
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_row<D>(vc, table, h, kv_heads, bs, dim, start, len, row.data(), [&](int64_t j, const float* v) {
-        for (int64_t g = 0; g < G; ++g) {
-          float* __restrict a = acc.data() + g * dim;
-          const float p = scores[g * n + j - start];
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * v[d];
-        }
-      });
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < dim; ++d) store(acc[g * dim + d] * inv[g], o + g * dim + d);
+      for (int64_t r = 0; r < rows; ++r) {
+        T* o = out + ((first + r) * num_heads + h * G) * dim;
+        const bool empty = starts[r] >= lens[first + r];
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < dim; ++d)
+            store(empty ? 0.f : acc[(r * G + g) * dim + d] * inv[r * G + g], o + g * dim + d);
+      }
     }
   }
+}
+
+// decode() with the common head sizes' loops unrolled.
+template <typename T>
+void decode_any(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
+                int64_t num_seqs, int64_t num_heads, int64_t kv_heads, int64_t bs, int64_t head_dim,
+                int64_t max_blocks, float scale, float soft_cap, int64_t window) {
+  auto run = [&](auto kernel) {
+    kernel(q, kc, vc, tables, lens, out, num_seqs, num_heads, kv_heads, bs, head_dim, max_blocks, scale, soft_cap,
+           window);
+  };
+  if (head_dim == 32) run(decode<T, 32>);
+  else if (head_dim == 64) run(decode<T, 64>);
+  else if (head_dim == 128) run(decode<T, 128>);
+  else run(decode<T, 0>);
 }
 
 }  // namespace pagedserve

@@ -89,14 +89,12 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
   rms_norm_rows(residual_out, L.input_norm, L.eps, normed.data(), M, H);
   project(L.qkv, normed.data(), L.qkv_bias, qkv.data(), M, qkv_size, H);
 
-  int64_t max_len = 0;
   for (int64_t m = 0; m < M; ++m) {
     T* row = qkv.data() + m * qkv_size;
     const float *cos = L.cos + positions[m] * D, *sin = L.sin + positions[m] * D;
     rotate(row, L.heads, D, cos, sin);
     rotate(row + q_size, L.kv_heads, D, cos, sin);
     std::copy(row, row + q_size, q.data() + m * q_size);
-    max_len = std::max(max_len, seq_lens[m]);
     if (slots[m] < 0) continue;
     const int64_t block = slots[m] / block_size, offset = slots[m] % block_size;
     for (int64_t h = 0; h < L.kv_heads; ++h) {
@@ -105,13 +103,8 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
       std::copy(row + q_size + kv_size + h * D, row + q_size + kv_size + (h + 1) * D, v_cache + at);
     }
   }
-  const int64_t bs = block_size;
-  if (D == 64) decode<T, 64>(q.data(), k_cache, v_cache, tables, seq_lens, attn.data(), M, L.heads, L.kv_heads, bs, D,
-                             max_blocks, L.scale, 0.f, L.window, max_len);
-  else if (D == 128) decode<T, 128>(q.data(), k_cache, v_cache, tables, seq_lens, attn.data(), M, L.heads,
-                                    L.kv_heads, bs, D, max_blocks, L.scale, 0.f, L.window, max_len);
-  else decode<T, 0>(q.data(), k_cache, v_cache, tables, seq_lens, attn.data(), M, L.heads, L.kv_heads, bs, D,
-                    max_blocks, L.scale, 0.f, L.window, max_len);
+  decode_any<T>(q.data(), k_cache, v_cache, tables, seq_lens, attn.data(), M, L.heads, L.kv_heads, block_size, D,
+                max_blocks, L.scale, 0.f, L.window);
 
   std::vector<T> o(M * H), gate_up(M * 2 * L.intermediate), act(M * L.intermediate);
   project(L.o, attn.data(), L.o_bias, o.data(), M, H, q_size);

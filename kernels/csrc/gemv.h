@@ -4,9 +4,6 @@
 #pragma once
 #include <cstdint>
 #include <vector>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
 
 #include "common.h"
 
@@ -20,11 +17,6 @@ inline __m256 load8(const uint16_t* p) {
 }
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #endif
 

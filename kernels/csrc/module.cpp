@@ -22,14 +22,9 @@ T* out(uintptr_t p) { return reinterpret_cast<T*>(p); }
 template <typename T>
 void decode_attention(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t bt, uintptr_t lens, uintptr_t o,
                       int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t bs, int64_t dim,
-                      int64_t max_blocks, float scale, float soft_cap, int64_t window, int64_t max_len) {
-  auto run = [&](auto kernel) {
-    kernel(in<T>(q), in<T>(k), in<T>(v), in<int64_t>(bt), in<int64_t>(lens), out<T>(o), num_seqs, heads, kv_heads,
-           bs, dim, max_blocks, scale, soft_cap, window, max_len);
-  };
-  if (dim == 64) run(pagedserve::decode<T, 64>);
-  else if (dim == 128) run(pagedserve::decode<T, 128>);
-  else run(pagedserve::decode<T, 0>);
+                      int64_t max_blocks, float scale, float soft_cap, int64_t window) {
+  pagedserve::decode_any(in<T>(q), in<T>(k), in<T>(v), in<int64_t>(bt), in<int64_t>(lens), out<T>(o), num_seqs,
+                         heads, kv_heads, bs, dim, max_blocks, scale, soft_cap, window);
 }
 
 template <typename T>
@@ -75,11 +70,10 @@ void decoder_layer(const std::vector<uintptr_t>& w, const std::vector<int64_t>& 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", [](bool bf16, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t bt, uintptr_t lens,
                                uintptr_t o, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t bs,
-                               int64_t dim, int64_t max_blocks, double scale, double soft_cap, int64_t window,
-                               int64_t max_len) {
+                               int64_t dim, int64_t max_blocks, double scale, double soft_cap, int64_t window) {
     (bf16 ? decode_attention<uint16_t> : decode_attention<float>)(q, k, v, bt, lens, o, num_seqs, heads, kv_heads,
                                                                   bs, dim, max_blocks, float(scale), float(soft_cap),
-                                                                  window, max_len);
+                                                                  window);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gemv", [](bool bf16, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m, int64_t n,
                    int64_t k) {

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from ipc import SpeculativeConfig
@@ -30,7 +29,7 @@ class PromptLookup:
 
     def propose(self, states: list[CachedRequestState], new_tokens: list[list[int]]) -> list[list[int]]:
         config = self.config
-        return [ngram_draft(np.array(state.token_ids + tokens, dtype=np.int64), config.num_speculative_tokens,
+        return [ngram_draft(state.token_ids + tokens, config.num_speculative_tokens,
                             config.prompt_lookup_min, config.prompt_lookup_max)
                 for state, tokens in zip(states, new_tokens)]
 
