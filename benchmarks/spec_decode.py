@@ -11,11 +11,13 @@ turns speculation off). Both engines of a run are loaded at once and take turns;
 Example:
     python benchmarks/spec_decode.py                      # k=4, batch 1 and 64
     python benchmarks/spec_decode.py --requests 4 --batch 0
+    python benchmarks/spec_decode.py --cutoff-sweep 1 2 4 8 16 32   # where disable_by_batch_size should cut in
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 import warnings
@@ -75,6 +77,37 @@ def since(before: SpecDecodingStats | None, after: SpecDecodingStats | None) -> 
         accepted_per_position=[a - b for a, b in zip(after.accepted_per_position, pad(before.accepted_per_position))])
 
 
+def compare(args: argparse.Namespace, texts: list[str], batch: int, spec: dict, label: str) -> None:
+    """Print the speed-up of `spec` over no speculation on `texts` (all at once past batch 1, else one by one) and
+    its acceptance figures."""
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    engines = {name: LLM(str(args.model), dtype=args.dtype, in_process=True, speculative_config=config)
+               for name, config in (("none", None), ("spec", spec))}
+    for llm in engines.values():
+        timed(llm, texts[:1], params, batch > 1)  # warm-up: kernels, allocator
+    before = engines["spec"].get_stats().spec_decoding
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(args.rounds):  # taking turns, so a slow spell of this shared machine hits both
+        for name, llm in engines.items():
+            seconds, tokens = timed(llm, texts, params, batch > 1)
+            rates[name].append(tokens / seconds)
+    stats = since(before, engines["spec"].get_stats().spec_decoding)
+    for llm in engines.values():
+        llm.shutdown()
+    plain, fast = max(rates["none"]), max(rates["spec"])
+    ratios = sorted(b / a for a, b in zip(rates["none"], rates["spec"]))
+    print(f"{label}: {plain:.1f} tok/s without, {fast:.1f} with (best of {args.rounds}): speedup {fast / plain:.2f}x; "
+          f"median of the rounds' ratios {statistics.median(ratios):.2f}x (each: "
+          f"{', '.join(f'{b / a:.2f}x' for a, b in zip(rates['none'], rates['spec']))})")
+    if stats is not None and stats.num_drafts:
+        by_position = [f"{a / d:.2f}" for a, d in zip(stats.accepted_per_position, stats.drafted_per_position)]
+        print(f"  drafts {stats.num_drafts}, draft tokens {stats.num_draft_tokens}, accepted "
+              f"{stats.num_accepted_tokens} (rate {stats.acceptance_rate:.2f}), tokens per verification step "
+              f"{stats.mean_acceptance_length:.2f}, acceptance by position {by_position}")
+    else:
+        print("  no drafts verified")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=WEIGHTS_DIR / "demo")
@@ -87,40 +120,26 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--rounds", type=int, default=3, help="turns each engine takes; the best counts")
+    parser.add_argument("--cutoff-sweep", type=int, nargs="*", default=[], metavar="BATCH",
+                        help="instead: each method at these batch sizes with disable_by_batch_size off (where "
+                             "speculation stops paying)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    code = held_out_code(args.model, max(args.requests, args.batch), lines=12)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    code = held_out_code(args.model, max(args.requests, args.batch, *args.cutoff_sweep), lines=12)
     configs = {"ngram": json.loads(args.ngram_config), "draft": json.loads(args.draft_config)}
     print(f"{args.model.name}, greedy, {args.max_tokens} tokens per request; {configs}")
+    if args.cutoff_sweep:
+        for workload, method in (("edit", "ngram"), ("free", "ngram"), ("free", "draft")):
+            for batch in args.cutoff_sweep:
+                texts = prompts(workload, code)[:args.requests if batch == 1 else batch]
+                compare(args, texts, batch, {**configs[method], "disable_by_batch_size": None},
+                        f"{workload} batch {batch} {method}, always speculating")
+        return 0
     runs = [("edit", 1, "ngram"), ("free", 1, "draft")]
     runs += [("free", args.batch, "ngram"), ("free", args.batch, "draft")] if args.batch else []
     for workload, batch, method in runs:
         texts = prompts(workload, code)[:args.requests if batch == 1 else batch]
-        engines = {name: LLM(str(args.model), dtype=args.dtype, in_process=True, speculative_config=spec)
-                   for name, spec in (("none", None), ("spec", configs[method]))}
-        for llm in engines.values():
-            timed(llm, texts[:1], params, batch > 1)  # warm-up: kernels, allocator
-        before = engines["spec"].get_stats().spec_decoding
-        rates: dict[str, list[float]] = {name: [] for name in engines}
-        for _ in range(args.rounds):  # taking turns, so a slow spell of this shared machine hits both
-            for name, llm in engines.items():
-                seconds, tokens = timed(llm, texts, params, batch > 1)
-                rates[name].append(tokens / seconds)
-        stats = since(before, engines["spec"].get_stats().spec_decoding)
-        for llm in engines.values():
-            llm.shutdown()
-        plain, fast = max(rates["none"]), max(rates["spec"])
-        print(f"{workload} batch {batch} {method}: {plain:.1f} tok/s without, {fast:.1f} with (best of "
-              f"{args.rounds}): speedup {fast / plain:.2f}x; round by round "
-              f"{', '.join(f'{b / a:.2f}x' for a, b in zip(rates['none'], rates['spec']))}")
-        if stats is not None and stats.num_drafts:
-            rates = [f"{a / d:.2f}" for a, d in zip(stats.accepted_per_position, stats.drafted_per_position)]
-            print(f"  drafts {stats.num_drafts}, draft tokens {stats.num_draft_tokens}, accepted "
-                  f"{stats.num_accepted_tokens} (rate {stats.acceptance_rate:.2f}), tokens per verification step "
-                  f"{stats.mean_acceptance_length:.2f}, acceptance by position {rates}")
-        else:
-            print("  no drafts verified")
+        compare(args, texts, batch, configs[method], f"{workload} batch {batch} {method}")
     return 0
 
 
