@@ -25,8 +25,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     prompt_lookup_max: NgramLength = 4
     prompt_lookup_min: NgramLength = 2
     # Steps with more requests than this verify no drafts: on CPU the verification cost grows with the batch.
-    # `python benchmarks/spec_decode.py --cutoff-sweep 1 2 4 8 16 32` (demo model, k = 4, 2-core CPU): prompt lookup
-    # 1.2-1.9x up to 4 requests, 0.5-0.6x from 8 (8 x 5 rows leave the one-call C++ layer for the op path).
+    # `python benchmarks/spec_decode.py --cutoff-sweep 1 2 4 8 12 16` (demo model, k = 4, 2-core CPU): prompt lookup
+    # 1.2-1.7x up to 4 requests, 0.95-1.1x at 8-16 (median of rounds): past 4 it no longer pays.
     disable_by_batch_size: Annotated[int, Meta(ge=1)] | None = 4
 
     def __post_init__(self) -> None:

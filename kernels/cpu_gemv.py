@@ -21,11 +21,15 @@ INT8_MAX_ROWS = 64
 
 
 def max_rows(dtype: torch.dtype) -> int:
-    """The most rows the kernel takes. On a 2-core AVX2 CPU (benchmarks/cpu_gemv.py) it beats torch on every shape
-    of the benchmark model up to 32 rows, 1.5-3.7x; 16 keeps a margin. With bf16 instructions (AMX, AVX512-BF16)
-    torch's bf16 GEMMs gain with every row while this kernel widens bf16 in software: there only up to 4 rows,
-    where a step is surely memory-bound (unmeasured: no such CPU here)."""
-    return 4 if dtype == torch.bfloat16 and cpu_has_native_bf16() else 16
+    """The most rows the kernel takes (and so the one-call decoder layer, kernels.cpu_decoder_layer). On a 2-core
+    AVX2 CPU without bf16 instructions, against torch's path (F.linear in float32, bf16 weights converted per call):
+    the benchmark model's 33 matrices (benchmarks/cpu_gemv.py) 2.1-2.9x at 16-32 bf16 rows, 1.2-1.5x at 48-64, and
+    float32 1.7x at 16, 1.2-1.3x at 32-48; whole decode steps (benchmarks/decode_latency.py, bf16, the layer taking
+    the step) 1.8x faster at batch 24, 1.6x at 32, 1.3-1.5x at 48-64 than with 16 rows, no faster at 96 and slower
+    at 128: so 64. With bf16 instructions (AMX, AVX512-BF16) torch's bf16 GEMMs gain with every row while this
+    kernel widens bf16 in software: there only up to 4 rows, where a step is surely memory-bound (unmeasured: no
+    such CPU here)."""
+    return 4 if dtype == torch.bfloat16 and cpu_has_native_bf16() else 64
 
 
 def serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
