@@ -51,7 +51,7 @@ def main() -> int:
         for dtype in (torch.bfloat16, torch.float32):
             weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
             size = sum(w.numel() * w.element_size() for w in weights)
-            for rows in (1, 2, 4, 8, 16, 32):
+            for rows in (1, 2, 4, 8, 16, 32, 48, 64):
                 inputs = {k: torch.randn(rows, k).to(dtype) for k in (512, 1408)}
                 ours = seconds_per_pass(cpu_gemv.gemv, weights, inputs)
                 theirs = seconds_per_pass(torch_path, weights, inputs)

@@ -124,7 +124,8 @@ def run_llamacpp(server: str, gguf: str, requests) -> dict:
 
 @torch.inference_mode()
 def gemm_floor(model: str, requests, dtype: str) -> dict:
-    """The seconds the workload's linear layers take at the rate of the same GEMMs timed alone."""
+    """The seconds the workload's linear layers take at the rate of the same GEMMs timed alone (a llama-shaped
+    model: fused qkv, o, gated MLP, LM head)."""
     config = load_hf_config(model)
     heads, hidden, inter = config.num_attention_heads, config.hidden_size, config.intermediate_size
     head_dim = getattr(config, "head_dim", None) or hidden // heads
