@@ -84,7 +84,8 @@ CASES = {
     [(6, 6)],  # a short prompt from its start
     [(9, 1), (70, 5), (130, 3), (17, 2)],  # decodes and speculative verifications
     [(300, 16)],
-], ids=["one decode", "three decodes", "eight decodes", "short prompt", "mixed", "sixteen tokens"])
+    [(9, 1), (70, 5), (300, 40), (130, 18)],  # prompt chunks beside decodes, up to the kernel's 64 rows
+], ids=["one decode", "three decodes", "eight decodes", "short prompt", "mixed", "sixteen tokens", "sixty-four tokens"])
 @pytest.mark.parametrize("first_layer", [True, False])
 def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer):
     layer_class, config = CASES[case]
@@ -140,7 +141,10 @@ def assert_fused_matches(layer: LlamaDecoderLayer, layer_class, config, dtype: t
     for i, (tensor, reference) in enumerate(zip(got, expected)):
         assert tensor.dtype == dtype
         if dtype == torch.float32:
-            torch.testing.assert_close(tensor, reference, rtol=1e-5, atol=1e-5)
+            # Past 16 tokens the op path attends to prompt chunks with SDPA's blocked sums: the sums' order differs
+            # more, so the bound is a few float32 ulps of the output's scale there.
+            atol = 1e-5 if sum(new for _, new in seqs) <= 16 else 4e-6 * reference.abs().max().item()
+            torch.testing.assert_close(tensor, reference, rtol=1e-5, atol=atol)
         else:
             # bf16 takes roundings in other places (the op path's SDPA rounds prompt attention to bf16; the
             # kernel keeps float32): the kernel must be as close to the float32 layer as the op path is.
