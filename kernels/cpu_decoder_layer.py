@@ -81,6 +81,12 @@ def takes_projection(weight: torch.Tensor, scale: torch.Tensor | None, zero: tor
                              and _scale_group(weight, scale) is not None)
 
 
+# A prompt chunk of more than LONG_RUN_ROWS tokens deep into a long context goes to the op path: SDPA's GEMMs attend
+# to it faster than the kernel's rows (64 rows at 8K and 32K positions: 1.5x; at 512-2048 the same), and the kernel's
+# scores for such a run grow with rows x context.
+LONG_RUN_ROWS, LONG_RUN_CONTEXT = 16, 4096
+
+
 @dataclass(frozen=True)
 class DecodeStep:
     """What every layer of one step reads, one row per token: int64 tensors."""
@@ -108,6 +114,8 @@ def decode_step(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Te
     tables = block_tables.long()
     if tokens != len(query_start_loc) - 1:  # some sequence has several tokens: repeat its table row for each
         counts = torch.tensor(query_start_loc).diff()
+        if int(counts.max()) > LONG_RUN_ROWS and int(positions.max()) >= LONG_RUN_CONTEXT:
+            return None
         tables = tables.repeat_interleave(counts, dim=0)
     return DecodeStep(positions, slot_mapping.long().contiguous(), tables.contiguous(), positions + 1)
 

@@ -191,6 +191,12 @@ def test_declines_steps_it_does_not_compute():
         n = cpu_gemv.max_rows(torch.float32) + 1
         assert cpu_decoder_layer.decode_step(torch.randn(n, 8), torch.arange(n), torch.arange(n), torch.zeros(1, 1),
                                              [0, n]) is None
+        # a long prompt chunk deep into its context: the op path; as deep with few rows, or shallow: the kernel
+        rows = cpu_decoder_layer.LONG_RUN_ROWS + 1
+        for first, many, takes in ((cpu_decoder_layer.LONG_RUN_CONTEXT, rows, False),
+                                   (cpu_decoder_layer.LONG_RUN_CONTEXT, rows - 1, True), (0, rows, True)):
+            assert (cpu_decoder_layer.decode_step(torch.randn(many, 8), torch.arange(first, first + many),
+                                                  torch.arange(many), torch.zeros(1, 1), [0, many]) is not None) == takes
     assert cpu_decoder_layer.decode_step(x, positions, slots, tables, [0, 1, 2]) is None  # autograd on
 
 
