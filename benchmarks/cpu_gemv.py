@@ -1,4 +1,5 @@
-"""The GEMV kernel against torch's path for the same products, by row count: where cpu_gemv.max_rows comes from.
+"""The CPU linear kernels (GEMV, then GEMM tiles from 12 rows) against torch's path for the same products, by row
+count: where cpu_gemv.max_rows comes from.
 
 The benchmark model's 33 matrices of one decode step (8 layers' qkv, o, gate_up, down and the LM head), each
 multiplied once per pass by `rows` random rows, so the weights stream from memory as in decode. torch's path is
@@ -51,12 +52,13 @@ def main() -> int:
         for dtype in (torch.bfloat16, torch.float32):
             weights = [torch.randn(n, k).to(dtype) for n, k in SHAPES]
             size = sum(w.numel() * w.element_size() for w in weights)
-            for rows in (1, 2, 4, 8, 16, 32, 48, 64):
+            for rows in (1, 2, 4, 8, 12, 16, 32, 64, 128, 256, 512, 1024, 2048):
                 inputs = {k: torch.randn(rows, k).to(dtype) for k in (512, 1408)}
                 ours = seconds_per_pass(cpu_gemv.gemv, weights, inputs)
                 theirs = seconds_per_pass(torch_path, weights, inputs)
-                print(f"{str(dtype):15s} rows {rows:2d}: kernel {ours * 1e3:6.2f} ms ({size / ours / 1e9:5.1f} GB/s), "
-                      f"torch {theirs * 1e3:6.2f} ms: kernel {theirs / ours:.2f}x")
+                flops = 2 * rows * sum(w.numel() for w in weights)
+                print(f"{str(dtype):15s} rows {rows:4d}: kernel {ours * 1e3:7.2f} ms ({size / ours / 1e9:5.1f} GB/s, "
+                      f"{flops / ours / 1e9:5.1f} GFLOP/s), torch {theirs * 1e3:7.2f} ms: kernel {theirs / ours:.2f}x")
         compare_int8()
     return 0
 

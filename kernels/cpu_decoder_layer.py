@@ -81,10 +81,10 @@ def takes_projection(weight: torch.Tensor, scale: torch.Tensor | None, zero: tor
                              and _scale_group(weight, scale) is not None)
 
 
-# A prompt chunk of more than LONG_RUN_ROWS tokens deep into a long context goes to the op path: SDPA's GEMMs attend
-# to it faster than the kernel's rows (64 rows at 8K and 32K positions: 1.5x; at 512-2048 the same), and the kernel's
-# scores for such a run grow with rows x context.
-LONG_RUN_ROWS, LONG_RUN_CONTEXT = 16, 4096
+# A prompt chunk of more than LONG_RUN_ROWS tokens deep into a long context, or in a step of more than
+# CHUNKED_MAX_ROWS tokens, goes to the op path: SDPA's GEMMs attend to it faster than the kernel's rows (64 rows at
+# 8K and 32K positions: 1.5x; at 512-2048 the same), and the kernel's scores for such a run grow with rows x context.
+LONG_RUN_ROWS, LONG_RUN_CONTEXT, CHUNKED_MAX_ROWS = 16, 4096, 64
 
 
 @dataclass(frozen=True)
@@ -98,15 +98,18 @@ class DecodeStep:
 
 
 def decode_step(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                query_start_loc: list[int]) -> DecodeStep | None:
-    """The step's inputs for decoder_layer() when the kernel takes this step: a few tokens on the CPU, float32 or
-    bfloat16, at inference, kernel built; else None.
+                query_start_loc: list[int], int8_weights: bool = False) -> DecodeStep | None:
+    """The step's inputs for decoder_layer() when the kernel takes this step, else None: on the CPU, float32 or
+    bfloat16, at inference, kernel built, no more tokens than the projections' kernels take (cpu_gemv), and no
+    sequence with more than LONG_RUN_ROWS of them in a step of more than CHUNKED_MAX_ROWS tokens or deep in a long
+    context.
 
     Each token is its own attention row over its sequence's blocks, seeing the first position + 1 slots: causal
     attention, so decodes, speculative verification (1 + k tokens of a sequence) and short prompt chunks all fit.
     """
     tokens = x.shape[0]
-    if not (0 < tokens <= cpu_gemv.max_rows(x.dtype) and x.device.type == "cpu"
+    limit = cpu_gemv.INT8_MAX_ROWS if int8_weights else cpu_gemv.max_rows(x.dtype)
+    if not (0 < tokens <= limit and x.device.type == "cpu"
             and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()
             and cpu_extension.ready() is not None):
         return None
@@ -114,7 +117,8 @@ def decode_step(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Te
     tables = block_tables.long()
     if tokens != len(query_start_loc) - 1:  # some sequence has several tokens: repeat its table row for each
         counts = torch.tensor(query_start_loc).diff()
-        if int(counts.max()) > LONG_RUN_ROWS and int(positions.max()) >= LONG_RUN_CONTEXT:
+        if int(counts.max()) > LONG_RUN_ROWS and (tokens > CHUNKED_MAX_ROWS
+                                                  or int(positions.max()) >= LONG_RUN_CONTEXT):
             return None
         tables = tables.repeat_interleave(counts, dim=0)
     return DecodeStep(positions, slot_mapping.long().contiguous(), tables.contiguous(), positions + 1)

@@ -1,17 +1,22 @@
-"""Linear layers over a few rows on CPU (kernels/csrc/gemv.h): each weight streamed once, at memory speed.
+"""Linear layers on CPU in the C++ kernels (kernels/csrc/gemv.h, gemm.h): weights streamed once at few rows,
+register-tiled GEMMs at many.
 
 At batch-1 decode every weight is read once per token and little else is done, so the step is as fast as the
 weights stream. torch's F.linear at one row streams distinct bf16 weights at about half the memory bandwidth, and
-on CPUs without bf16 instructions the weights were first converted to float32 (three passes over memory); this
-kernel widens bf16 in registers and splits the output rows over the threads. Same arithmetic as the float32
-path: float32 products and sums, one rounding to the output dtype.
+on CPUs without bf16 instructions the weights were first converted to float32 (three passes over memory); the
+GEMV widens bf16 in registers and splits the output rows over the threads. From 12 rows on, gemm.h's packed
+outer-product tiles take over and run near the FMA peak, still widening bf16 weights in registers rather than
+converting them per call. Same arithmetic as the float32 path: float32 products and sums, one rounding to the
+output dtype.
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 
 from kernels import cpu_extension
-from kernels.cpu_features import cpu_has_native_bf16
+from kernels.cpu_features import cpu_flags, cpu_has_native_bf16
 
 
 # int8 weights: the alternative past the kernel dequantizes the whole weight per call, so the kernel wins longer.
@@ -20,21 +25,26 @@ from kernels.cpu_features import cpu_has_native_bf16
 INT8_MAX_ROWS = 64
 
 
+# float32 weights on AVX2 CPUs: torch's float32 GEMM catches up past this many rows (measured below).
+FLOAT32_MAX_ROWS = 512
+
+
 def max_rows(dtype: torch.dtype) -> int:
-    """The most rows the kernel takes (and so the one-call decoder layer, kernels.cpu_decoder_layer). On a 2-core
-    AVX2 CPU without bf16 instructions, against torch's path (F.linear in float32, bf16 weights converted per call):
-    the benchmark model's 33 matrices (benchmarks/cpu_gemv.py) 2.1-2.9x at 16-32 bf16 rows, 1.2-1.5x at 48-64, and
-    float32 1.7x at 16, 1.2-1.3x at 32-48; whole decode steps (benchmarks/decode_latency.py, bf16, the layer taking
-    the step) 1.8x faster at batch 24, 1.6x at 32, 1.3-1.5x at 48-64 than with 16 rows, no faster at 96 and slower
-    at 128: so 64. With bf16 instructions (AMX, AVX512-BF16) torch's bf16 GEMMs gain with every row while this
-    kernel widens bf16 in software: there only up to 4 rows, where a step is surely memory-bound (unmeasured: no
-    such CPU here)."""
-    return 4 if dtype == torch.bfloat16 and cpu_has_native_bf16() else 64
+    """The most rows the kernels take for a weight of `dtype`. Measured on a 2-core AVX2 CPU without bf16
+    instructions against torch's path (F.linear in float32, bf16 weights converted per call), the benchmark model's
+    33 matrices (benchmarks/cpu_gemv.py): bf16 2-3x faster up to 64 rows, 1.5-2x at 128, 1.1-1.2x at 256-2048;
+    float32 1.5-2x up to 128 rows, 1.1x at 256-512, 0.9x at 1024-2048, hence FLOAT32_MAX_ROWS. On CPUs with
+    AVX-512 torch's GEMMs use instructions this AVX2 code does not (and bf16 ones where the CPU has them): there the
+    kernels keep to where a step is surely memory-bound, 4 bf16 rows or 64 float32 ones (unmeasured: no such CPU
+    here)."""
+    if cpu_has_native_bf16() or "avx512f" in cpu_flags():
+        return 4 if dtype == torch.bfloat16 else 64
+    return sys.maxsize if dtype == torch.bfloat16 else FLOAT32_MAX_ROWS
 
 
 def serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether gemv() (or gemv_int8() for an int8 weight) takes this product: a few rows on the CPU, float32 or
-    bfloat16 activations, weight and bias, kernel built."""
+    """Whether gemv() (or gemv_int8() for an int8 weight) takes this product: on the CPU, up to max_rows (or
+    INT8_MAX_ROWS) rows, float32 or bfloat16 activations, weight and bias, kernel built."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
             and weight.dtype in (x.dtype, torch.int8)
             and x.numel() <= (INT8_MAX_ROWS if weight.dtype == torch.int8 else max_rows(x.dtype)) * weight.shape[-1]

@@ -85,7 +85,9 @@ CASES = {
     [(9, 1), (70, 5), (130, 3), (17, 2)],  # decodes and speculative verifications
     [(300, 16)],
     [(9, 1), (70, 5), (300, 40), (130, 18)],  # prompt chunks beside decodes, up to the kernel's 64 rows
-], ids=["one decode", "three decodes", "eight decodes", "short prompt", "mixed", "sixteen tokens", "sixty-four tokens"])
+    [(length, 1) for length in range(5, 405, 4)] + [(77, 5)] * 6,  # past 64 rows: decodes and verifications only
+], ids=["one decode", "three decodes", "eight decodes", "short prompt", "mixed", "sixteen tokens", "sixty-four tokens",
+        "a hundred decodes"])
 @pytest.mark.parametrize("first_layer", [True, False])
 def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer):
     layer_class, config = CASES[case]
@@ -188,9 +190,13 @@ def test_declines_steps_it_does_not_compute():
     with torch.inference_mode():
         assert cpu_decoder_layer.decode_step(x, positions, slots, tables, [0, 1, 2]) is not None
         assert cpu_decoder_layer.decode_step(x.half(), positions, slots, tables, [0, 1, 2]) is None
-        n = cpu_gemv.max_rows(torch.float32) + 1
+        n = cpu_decoder_layer.CHUNKED_MAX_ROWS + 1  # a prompt chunk past the kernel's 64 rows: the op path
         assert cpu_decoder_layer.decode_step(torch.randn(n, 8), torch.arange(n), torch.arange(n), torch.zeros(1, 1),
                                              [0, n]) is None
+        for n in (n, cpu_gemv.max_rows(torch.float32), cpu_gemv.max_rows(torch.float32) + 1):  # n decodes
+            taken = cpu_decoder_layer.decode_step(torch.randn(n, 8), torch.arange(n), torch.arange(n),
+                                                  torch.zeros(n, 1), list(range(n + 1))) is not None
+            assert taken == (n <= cpu_gemv.max_rows(torch.float32))
         # a long prompt chunk deep into its context: the op path; as deep with few rows, or shallow: the kernel
         rows = cpu_decoder_layer.LONG_RUN_ROWS + 1
         for first, many, takes in ((cpu_decoder_layer.LONG_RUN_CONTEXT, rows, False),

@@ -1,5 +1,8 @@
-"""The small-batch GEMV kernel against torch's F.linear (its twin), and when the linear layers use it."""
+"""The CPU linear kernels (GEMV at few rows, packed GEMM tiles from 12 rows) against F.linear in float64 (their
+twin), and when the linear layers use them."""
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -21,7 +24,8 @@ def twin(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8])
+# 12 rows on: the GEMM tiles, with blocks of 16 and 8 rows, partial ones, and a second pass of 128 rows.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 12, 16, 21, 40, 131])
 @pytest.mark.parametrize("shape", [(64, 32), (1003, 517), (37, 8), (5, 3)])
 def test_matches_float64_twin(dtype, rows, shape):
     out_features, in_features = shape
@@ -53,17 +57,32 @@ def test_keeps_leading_dimensions():
     torch.testing.assert_close(cpu_gemv.gemv(x, weight), F.linear(x, weight))
 
 
-def test_linear_layers_use_it_for_few_rows_at_inference(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_layers_use_it_up_to_max_rows_at_inference(monkeypatch, dtype):
     calls = []
     kernel = cpu_gemv.gemv
     monkeypatch.setattr(cpu_gemv, "gemv", lambda *args: calls.append(args[0].shape) or kernel(*args))
-    weight, bias = torch.randn(40, 24).bfloat16(), torch.randn(40).bfloat16()
+    weight, bias = torch.randn(40, 24).to(dtype), torch.randn(40).to(dtype)
+    limit = cpu_gemv.max_rows(dtype)
+    served = [rows for rows in (1, 12, 300) if rows <= limit] + ([limit] if limit <= 1024 else [])
+    declined = [limit + 1] if limit <= 1024 else []
     with torch.inference_mode():
-        for rows in (1, cpu_gemv.max_rows(torch.bfloat16), cpu_gemv.max_rows(torch.bfloat16) + 1):
-            x = torch.randn(rows, 24).bfloat16()
-            expected = F.linear(x.float(), weight.float(), bias.float()).bfloat16()
+        for rows in served + declined:
+            x = torch.randn(rows, 24).to(dtype)
+            expected = F.linear(x.float(), weight.float(), bias.float()).to(dtype)
             torch.testing.assert_close(linear(x, weight, bias), expected, rtol=2**-7, atol=1e-2)
-    assert calls == [(1, 24), (cpu_gemv.max_rows(torch.bfloat16), 24)]
+    assert calls == [(rows, 24) for rows in served]
+
+
+def test_row_limits_follow_the_cpu(monkeypatch):
+    """AVX2 only: bf16 weights at any row count, float32 up to FLOAT32_MAX_ROWS; AVX-512 or bf16 instructions:
+    the kernels keep to few rows, where torch's GEMMs cannot use those instructions' width."""
+    for flags, bf16, float32 in ((frozenset({"avx2", "fma"}), sys.maxsize, cpu_gemv.FLOAT32_MAX_ROWS),
+                                 (frozenset({"avx2", "avx512f"}), 4, 64),
+                                 (frozenset({"avx2", "avx512f", "avx512_bf16"}), 4, 64)):
+        monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(cpu_gemv, "cpu_has_native_bf16", lambda flags=flags: "avx512_bf16" in flags)
+        assert (cpu_gemv.max_rows(torch.bfloat16), cpu_gemv.max_rows(torch.float32)) == (bf16, float32)
 
 
 @pytest.mark.parametrize("case", ["grad", "mixed dtypes", "float16", "strided weight", "too many rows"])

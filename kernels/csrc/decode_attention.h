@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -11,14 +10,14 @@
 namespace pagedserve {
 
 // float32 rows are used in place; bf16 rows are widened once into `buf` and then reused by every query head.
-template <int D, typename T>
-inline const float* load_row(const T* __restrict src, float* __restrict buf, int64_t dim) {
-  if constexpr (std::is_same_v<T, float>) {
-    return src;
-  } else {
-    for (int64_t d = 0; d < (D ? D : dim); ++d) buf[d] = widen(src[d]);
-    return buf;
-  }
+inline const float* widen_rows(const float* src, float*, int64_t) { return src; }
+inline const float* widen_rows(const uint16_t* src, float* buf, int64_t count) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(buf + i, load8(src + i));
+#endif
+  for (; i < count; ++i) buf[i] = widen(src[i]);
+  return buf;
 }
 
 // The hardware prefetcher stops at the scattered block boundaries: request the next block while on this one.
@@ -28,15 +27,85 @@ inline void prefetch(const T* block, int64_t elems) {
   for (int64_t off = 0; off < elems * int64_t(sizeof(T)); off += 64) __builtin_prefetch(p + off);
 }
 
-// fn(j, row) for each context position j in [start, len) of KV head h, the row as float32, in block order.
-template <int D, typename T, typename Fn>
-inline void for_each_row(const T* cache, const int64_t* table, int64_t h, int64_t kv_heads, int64_t bs, int64_t dim,
-                         int64_t start, int64_t len, float* buf, Fn fn) {
+// fn(j0, j1, rows) for each block's share [j0, j1) of the positions [start, len) of KV head h, in block order; the
+// rows as float32, position j at rows + (j - j0) * dim (bf16 widened into buf, bs * dim floats).
+template <typename T, typename Fn>
+inline void for_each_block(const T* cache, const int64_t* table, int64_t h, int64_t kv_heads, int64_t bs, int64_t dim,
+                           int64_t start, int64_t len, float* buf, Fn fn) {
   for (int64_t b = start / bs; b * bs < len; ++b) {
     const int64_t j0 = std::max(start, b * bs), j1 = std::min(len, (b + 1) * bs);
     const T* block = cache + (table[b] * kv_heads + h) * bs * dim;
     if ((b + 1) * bs < len) prefetch(cache + (table[b + 1] * kv_heads + h) * bs * dim, bs * dim);
-    for (int64_t j = j0; j < j1; ++j) fn(j, load_row<D>(block + (j - b * bs) * dim, buf, dim));
+    fn(j0, j1, widen_rows(block + (j0 - b * bs) * dim, buf, (j1 - j0) * dim));
+  }
+}
+
+// out[i] = q . k_i for `count` consecutive rows k_i of dim floats. With D fixed (a multiple of 8), four rows at a
+// time, two accumulators each from 64 dims on, so that the FMA chains overlap; one shuffle tree sums the four.
+template <int D>
+inline void dot_rows(const float* __restrict q, const float* __restrict k, int64_t count, int64_t dim,
+                     float* __restrict out) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  if constexpr (D > 0 && D % 8 == 0) {
+    constexpr int A = D >= 64 ? 2 : 1;
+    for (; i + 4 <= count; i += 4) {
+      __m256 acc[4][A];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 2
+        for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+      for (int d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r)
+          acc[r][(d / 8) % A] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (i + r) * D + d), acc[r][(d / 8) % A]);
+      }
+      __m256 sums[4];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) sums[r] = A == 2 ? _mm256_add_ps(acc[r][0], acc[r][A - 1]) : acc[r][0];
+      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(sums[0], sums[1]), _mm256_hadd_ps(sums[2], sums[3]));
+      _mm_storeu_ps(out + i, _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)));
+    }
+  }
+#endif
+  for (; i < count; ++i) {
+    const float* __restrict row = k + i * dim;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < (D ? D : dim); ++d) dot += q[d] * row[d];
+    out[i] = dot;
+  }
+}
+
+// acc += sum_i p[i] * v_i over `count` consecutive rows v_i of dim floats. With D fixed (a multiple of 8), acc stays
+// in registers over the rows, up to 64 dims per pass.
+template <int D>
+inline void accumulate_rows(const float* __restrict p, const float* __restrict v, int64_t count, int64_t dim,
+                            float* __restrict acc) {
+#ifdef __AVX2__
+  if constexpr (D > 0 && D % 8 == 0) {
+    constexpr int C = D < 64 ? D / 8 : 8;
+    for (int d0 = 0; d0 < D; d0 += C * 8) {
+      __m256 a[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) a[c] = _mm256_loadu_ps(acc + d0 + c * 8);
+      for (int64_t i = 0; i < count; ++i) {
+        const __m256 pv = _mm256_broadcast_ss(p + i);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i * D + d0 + c * 8), a[c]);
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + d0 + c * 8, a[c]);
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) {
+    const float* __restrict row = v + i * dim;
+#pragma omp simd
+    for (int64_t d = 0; d < (D ? D : dim); ++d) acc[d] += p[i] * row[d];
   }
 }
 
@@ -64,7 +133,7 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
 #pragma omp parallel
   {
     // Two passes over keys (scores, then V) with the scores kept here: each K and V row is read exactly once.
-    std::vector<float> scores, qf, acc, row(dim), inv;
+    std::vector<float> scores, qf, acc, row(bs * dim), inv;
     std::vector<int64_t> starts;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_runs * kv_heads; ++item) {
@@ -88,16 +157,13 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
         for (int64_t i = 0; i < G * dim; ++i) qf[r * G * dim + i] = widen(qs[i]) * scale;
       }
       if (n > 0) {
-        for_each_row<D>(kc, table, h, kv_heads, bs, dim, lo, hi, row.data(), [&](int64_t j, const float* k) {
+        for_each_block(kc, table, h, kv_heads, bs, dim, lo, hi, row.data(),
+                       [&](int64_t j0, int64_t j1, const float* k) {
           for (int64_t r = 0; r < rows; ++r) {
-            if (j < starts[r] || j >= lens[first + r]) continue;
-            for (int64_t g = 0; g < G; ++g) {
-              const float* __restrict qg = qf.data() + (r * G + g) * dim;
-              float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-              for (int64_t d = 0; d < dim; ++d) dot += qg[d] * k[d];
-              scores[(r * G + g) * n + j - lo] = dot;
-            }
+            const int64_t a = std::max(j0, starts[r]), b = std::min(j1, lens[first + r]);
+            for (int64_t g = 0; a < b && g < G; ++g)
+              dot_rows<D>(qf.data() + (r * G + g) * dim, k + (a - j0) * dim, b - a, dim,
+                          scores.data() + (r * G + g) * n + a - lo);
           }
         });
         for (int64_t r = 0; r < rows; ++r)
@@ -109,15 +175,13 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
               for (int64_t i = a; i < b; ++i) sc[i] = soft_cap * std::tanh(sc[i] / soft_cap);
             inv[r * G + g] = 1.f / exp_sum(sc + a, b - a, *std::max_element(sc + a, sc + b));
           }
-        for_each_row<D>(vc, table, h, kv_heads, bs, dim, lo, hi, row.data(), [&](int64_t j, const float* v) {
+        for_each_block(vc, table, h, kv_heads, bs, dim, lo, hi, row.data(),
+                       [&](int64_t j0, int64_t j1, const float* v) {
           for (int64_t r = 0; r < rows; ++r) {
-            if (j < starts[r] || j >= lens[first + r]) continue;
-            for (int64_t g = 0; g < G; ++g) {
-              float* __restrict a = acc.data() + (r * G + g) * dim;
-              const float p = scores[(r * G + g) * n + j - lo];
-#pragma omp simd
-              for (int64_t d = 0; d < dim; ++d) a[d] += p * v[d];
-            }
+            const int64_t a = std::max(j0, starts[r]), b = std::min(j1, lens[first + r]);
+            for (int64_t g = 0; a < b && g < G; ++g)
+              accumulate_rows<D>(scores.data() + (r * G + g) * n + a - lo, v + (a - j0) * dim, b - a, dim,
+                                 acc.data() + (r * G + g) * dim);
           }
         });
       }

@@ -46,16 +46,39 @@ inline T round_to(float x) {
   return out;
 }
 
-// out = weight * round(x * rsqrt(mean(x^2) + eps)), statistics in float32 (HF's RMSNorm).
+// out = weight * round(x * rsqrt(mean(x^2) + eps)) for one row, statistics in float32 (HF's RMSNorm).
 template <typename T>
-void rms_norm_rows(const T* x, const T* weight, float eps, T* out, int64_t rows, int64_t dim) {
-  for (int64_t m = 0; m < rows; ++m) {
-    const T* xr = x + m * dim;
-    float sq = 0.f;
-    for (int64_t d = 0; d < dim; ++d) sq += widen(xr[d]) * widen(xr[d]);
-    const float r = 1.f / std::sqrt(sq / float(dim) + eps);
-    for (int64_t d = 0; d < dim; ++d)
-      store(widen(weight[d]) * widen(round_to<T>(widen(xr[d]) * r)), out + m * dim + d);
+void rms_norm_row(const T* x, const T* weight, float eps, T* out, int64_t dim) {
+  float sq = 0.f;
+  for (int64_t d = 0; d < dim; ++d) sq += widen(x[d]) * widen(x[d]);
+  const float r = 1.f / std::sqrt(sq / float(dim) + eps);
+  for (int64_t d = 0; d < dim; ++d) store(widen(weight[d]) * widen(round_to<T>(widen(x[d]) * r)), out + d);
+}
+
+// residual = round(x + residual) (x alone in the first layer), then out = its norm; one row.
+template <typename T>
+void add_and_norm_row(const T* x, const T* residual, const T* weight, float eps, T* residual_out, T* out,
+                      int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) residual_out[d] = residual ? round_to<T>(widen(x[d]) + widen(residual[d])) : x[d];
+  rms_norm_row(residual_out, weight, eps, out, dim);
+}
+
+// act = round(round(silu(gate)) * up) for one row of [gate | up], silu(g) = g / (1 + e^-g) as torch computes it.
+template <typename T>
+void silu_and_mul_row(const T* gate_up, T* act, int64_t I) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  alignas(32) float silu[8];
+  for (; i + 8 <= I; i += 8) {
+    const __m256 g = load8(gate_up + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_store_ps(silu, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+    for (int j = 0; j < 8; ++j) act[i + j] = round_to<T>(widen(round_to<T>(silu[j])) * widen(gate_up[I + i + j]));
+  }
+#endif
+  for (; i < I; ++i) {
+    const float g = widen(gate_up[i]);
+    act[i] = round_to<T>(widen(round_to<T>(g / (1.f + std::exp(-g)))) * widen(gate_up[I + i]));
   }
 }
 
@@ -82,13 +105,16 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
                    const int64_t* positions, const int64_t* slots, T* k_cache, T* v_cache, int64_t block_size,
                    const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M) {
   const int64_t H = L.hidden, D = L.head_dim, q_size = L.heads * D, kv_size = L.kv_heads * D;
-  const int64_t qkv_size = q_size + 2 * kv_size;
-  for (int64_t i = 0; i < M * H; ++i)
-    residual_out[i] = residual ? round_to<T>(widen(x[i]) + widen(residual[i])) : x[i];
+  const int64_t qkv_size = q_size + 2 * kv_size, I = L.intermediate;
   std::vector<T> normed(M * H), qkv(M * qkv_size), q(M * q_size), attn(M * q_size);
-  rms_norm_rows(residual_out, L.input_norm, L.eps, normed.data(), M, H);
+  // The elementwise work goes row by row over the threads; one row is not worth waking them.
+#pragma omp parallel for if (M > 1)
+  for (int64_t m = 0; m < M; ++m)
+    add_and_norm_row(x + m * H, residual ? residual + m * H : nullptr, L.input_norm, L.eps, residual_out + m * H,
+                     normed.data() + m * H, H);
   project(L.qkv, normed.data(), L.qkv_bias, qkv.data(), M, qkv_size, H);
 
+#pragma omp parallel for if (M > 1)
   for (int64_t m = 0; m < M; ++m) {
     T* row = qkv.data() + m * qkv_size;
     const float *cos = L.cos + positions[m] * D, *sin = L.sin + positions[m] * D;
@@ -106,17 +132,15 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
   decode_any<T>(q.data(), k_cache, v_cache, tables, seq_lens, attn.data(), M, L.heads, L.kv_heads, block_size, D,
                 max_blocks, L.scale, 0.f, L.window);
 
-  std::vector<T> o(M * H), gate_up(M * 2 * L.intermediate), act(M * L.intermediate);
+  std::vector<T> o(M * H), gate_up(M * 2 * I), act(M * I);
   project(L.o, attn.data(), L.o_bias, o.data(), M, H, q_size);
-  for (int64_t i = 0; i < M * H; ++i) residual_out[i] = round_to<T>(widen(o[i]) + widen(residual_out[i]));
-  rms_norm_rows(residual_out, L.post_norm, L.eps, normed.data(), M, H);
-  project(L.gate_up, normed.data(), static_cast<const T*>(nullptr), gate_up.data(), M, 2 * L.intermediate, H);
-  const int64_t I = L.intermediate;
+#pragma omp parallel for if (M > 1)
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < I; ++i) {
-      const float g = widen(gate_up[m * 2 * I + i]), u = widen(gate_up[m * 2 * I + I + i]);
-      act[m * I + i] = round_to<T>(widen(round_to<T>(g / (1.f + std::exp(-g)))) * u);
-    }
+    add_and_norm_row(o.data() + m * H, residual_out + m * H, L.post_norm, L.eps, residual_out + m * H,
+                     normed.data() + m * H, H);
+  project(L.gate_up, normed.data(), static_cast<const T*>(nullptr), gate_up.data(), M, 2 * I, H);
+#pragma omp parallel for if (M > 1)
+  for (int64_t m = 0; m < M; ++m) silu_and_mul_row(gate_up.data() + m * 2 * I, act.data() + m * I, I);
   project(L.down, act.data(), static_cast<const T*>(nullptr), out, M, H, I);
 }
 

@@ -3,22 +3,13 @@
 // group of G input columns (GGUF's Q8_0: G = 32): y = sum over groups of (x_g . q_g) * scale_g + b.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
+#include "gemm.h"
 
 namespace pagedserve {
-
-#ifdef __AVX2__
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-#endif
 
 // R weight rows against MB input rows: R * MB independent accumulators hide the FMA latency.
 template <int R, int MB, typename T>
@@ -84,6 +75,10 @@ inline void output_tile(const WT* w, const float* x, const T* bias, const float*
 template <typename T, typename WT = T>
 void gemv(const T* x, const WT* w, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
           const float* scale = nullptr) {
+#ifdef __AVX2__
+  if constexpr (std::is_same_v<T, WT>)
+    if (M >= kGemmMinRows) return gemm(x, w, bias, y, M, N, K);
+#endif
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(x[i]);
   if (M == 1) {

@@ -186,7 +186,12 @@ class LlamaModel(nn.Module):
                 self.lora_context is not None and self.lora_context.token_groups):  # adapters need the op path
             return None
         return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
-                                             metadata.query_start_loc)
+                                             metadata.query_start_loc, self.int8_projections)
+
+    @functools.cached_property
+    def int8_projections(self) -> bool:
+        """Whether some projection of this stage is int8 (its kernel takes fewer rows)."""
+        return any(p.dtype == torch.int8 for i in self.stage_layers for p in self.layers[i].parameters())
 
 
 class LlamaForCausalLM(nn.Module):
