@@ -26,17 +26,17 @@ INT8_MAX_ROWS = 64
 
 
 # float32 weights on AVX2 CPUs: torch's float32 GEMM catches up past this many rows (measured below).
-FLOAT32_MAX_ROWS = 512
+FLOAT32_MAX_ROWS = 256
 
 
 def max_rows(dtype: torch.dtype) -> int:
     """The most rows the kernels take for a weight of `dtype`. Measured on a 2-core AVX2 CPU without bf16
     instructions against torch's path (F.linear in float32, bf16 weights converted per call), the benchmark model's
-    33 matrices (benchmarks/cpu_gemv.py): bf16 2-3x faster up to 64 rows, 1.5-2x at 128, 1.1-1.2x at 256-2048;
-    float32 1.5-2x up to 128 rows, 1.1x at 256-512, 0.9x at 1024-2048, hence FLOAT32_MAX_ROWS. On CPUs with
-    AVX-512 torch's GEMMs use instructions this AVX2 code does not (and bf16 ones where the CPU has them): there the
-    kernels keep to where a step is surely memory-bound, 4 bf16 rows or 64 float32 ones (unmeasured: no such CPU
-    here)."""
+    33 matrices (python benchmarks/cpu_gemv.py): bf16 1.9-3.3x faster at 1-64 rows, 1.5x at 128-256, 1.0-1.2x at
+    512-2048; float32 2.1-3.1x at 1-32 rows, 1.3-1.6x at 64-128, 1.07x at 256, 0.93-1.0x at 512-2048, hence
+    FLOAT32_MAX_ROWS. On CPUs with AVX-512 torch's GEMMs use instructions this AVX2 code does not (and bf16 ones
+    where the CPU has them): there the kernels keep to where a step is surely memory-bound, 4 bf16 rows or 64
+    float32 ones (unmeasured: no such CPU here)."""
     if cpu_has_native_bf16() or "avx512f" in cpu_flags():
         return 4 if dtype == torch.bfloat16 else 64
     return sys.maxsize if dtype == torch.bfloat16 else FLOAT32_MAX_ROWS
