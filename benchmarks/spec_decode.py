@@ -34,18 +34,21 @@ from launch.train_demo import HELD_OUT_FRACTION  # noqa: E402
 
 
 def held_out_code(model: Path, count: int, lines: int) -> list[str]:
-    """`count` stretches of `lines` non-blank lines from the run's held-out files."""
+    """`count` distinct stretches of `lines` non-blank lines from the run's held-out files: one from a third of the
+    way into each file first, then the files' other non-overlapping stretches in turn (a batch of 64 needs more than
+    one per file)."""
     run = json.loads((model / "training_log.json").read_text())
     _, held = split(stdlib_files(), HELD_OUT_FRACTION, run["seed"])
-    stretches = []
-    for source in held:
-        body = [line for line in source.text.splitlines() if line.strip()]
-        if len(body) >= 2 * lines:
-            start = len(body) // 3
-            stretches.append("\n".join(body[start:start + lines]) + "\n")
-        if len(stretches) == count:
-            break
-    return stretches
+    bodies = [body for source in held
+              if len(body := [line for line in source.text.splitlines() if line.strip()]) >= 2 * lines]
+    windows = [[len(body) // 3] + [start for start in range(0, len(body) - lines + 1, lines)
+                                   if abs(start - len(body) // 3) >= lines] for body in bodies]
+    stretches = ["\n".join(body[start:start + lines]) + "\n"
+                 for turn in range(max(map(len, windows), default=0))
+                 for body, starts in zip(bodies, windows) if turn < len(starts) for start in starts[turn:turn + 1]]
+    if len(stretches) < count:
+        raise SystemExit(f"the held-out files give {len(stretches)} stretches of {lines} lines, not {count}")
+    return stretches[:count]
 
 
 def prompts(workload: str, code: list[str]) -> list[str]:

@@ -25,9 +25,11 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     prompt_lookup_max: NgramLength = 4
     prompt_lookup_min: NgramLength = 2
     # Steps with more requests than this verify no drafts: on CPU the verification cost grows with the batch.
-    # `python benchmarks/spec_decode.py --cutoff-sweep 1 2 4 8 12 16` (demo model, k = 4, 2-core CPU): prompt lookup
-    # 1.2-1.7x up to 4 requests, 0.95-1.1x at 8-16 (median of rounds): past 4 it no longer pays.
-    disable_by_batch_size: Annotated[int, Meta(ge=1)] | None = 4
+    # `python benchmarks/spec_decode.py --cutoff-sweep 1 2 4 8 12 16` and `... 8 16 24 32 64` (demo model, k = 4, 2-core
+    # AVX2 CPU, the GEMM tiles of kernels/csrc/gemm.h; medians of rounds): prompt lookup 1.4-1.9x at 1-4 requests,
+    # 1.04-1.24x at 8-24, at 32 and 64 1.02-1.15x and 1.04x with single rounds below 1: past 24 it stops paying
+    # reliably.
+    disable_by_batch_size: Annotated[int, Meta(ge=1)] | None = 24
 
     def __post_init__(self) -> None:
         check_fields(self, "speculative_config.")
