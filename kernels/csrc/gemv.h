@@ -1,4 +1,5 @@
-// Small-batch matrix-vector products y = x W^T + b that stream W once at memory speed, bf16 widened in registers.
+// Small-batch matrix-vector products y = x W^T + b that stream W once at memory speed, bf16 widened in registers
+// (12 rows or more of a plain weight go to gemm.h's register tiles).
 // W may be int8 with a float32 scale per output row (weight-only quantization): y = (x . q) * scale + b, or per
 // group of G input columns (GGUF's Q8_0: G = 32): y = sum over groups of (x_g . q_g) * scale_g + b.
 #pragma once
