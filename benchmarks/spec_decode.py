@@ -43,9 +43,11 @@ def held_out_code(model: Path, count: int, lines: int) -> list[str]:
               if len(body := [line for line in source.text.splitlines() if line.strip()]) >= 2 * lines]
     windows = [[len(body) // 3] + [start for start in range(0, len(body) - lines + 1, lines)
                                    if abs(start - len(body) // 3) >= lines] for body in bodies]
-    stretches = ["\n".join(body[start:start + lines]) + "\n"
-                 for turn in range(max(map(len, windows), default=0))
-                 for body, starts in zip(bodies, windows) if turn < len(starts) for start in starts[turn:turn + 1]]
+    stretches = []
+    for turn in range(max(map(len, windows), default=0)):
+        for body, starts in zip(bodies, windows):
+            if turn < len(starts):
+                stretches.append("\n".join(body[starts[turn]:starts[turn] + lines]) + "\n")
     if len(stretches) < count:
         raise SystemExit(f"the held-out files give {len(stretches)} stretches of {lines} lines, not {count}")
     return stretches[:count]

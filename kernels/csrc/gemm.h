@@ -2,13 +2,13 @@
 //
 // The dot-product tiles of gemv.h load an input vector and a weight vector for every few FMAs, which caps them
 // near 40% of the FMA peak once a step has more than a few rows. Here the input rows are packed k-major in
-// blocks of 16 ([K][16] float32, two vectors per k) and a block of 6 weight rows is widened to float32 once per
-// call; each k then costs two vector loads and six broadcasts for twelve FMAs into 6 x 16 accumulators that stay in
-// registers over the whole of K. Sums run over k in order, in float32, rounded once to the output dtype.
+// blocks of 16 ([K][16] float32, two vectors per k) and a tile of 6 weight rows is widened to float32 once per pass
+// of up to 128 rows; each k then costs two vector loads and six broadcasts for twelve FMAs into 6 x 16 accumulators
+// that stay in registers over 512 columns at a time. Sums run over k in order, in float32, rounded once to the output
+// dtype.
 #pragma once
 #ifdef __AVX2__
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -58,7 +58,6 @@ void pack_rows(const T* x, int64_t M, int64_t m0, int64_t K, float* block, int l
     for (int i = 0; i < 8; ++i) block[k * kTileRows + lane0 + i] = m0 + i < M ? widen(x[(m0 + i) * K + k]) : 0.f;
 }
 
-// NR weight rows (float32, row stride K) against V vectors of packed input rows: out [NR][V * 8].
 // NR weight rows (float32, row stride ldw) against V vectors of packed input rows over kc columns, added to
 // out [NR][16] (or written there, when `first`).
 template <int NR, int V>
