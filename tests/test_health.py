@@ -17,10 +17,12 @@ from launcher import descendants, start_launcher, stop_launcher
 def test_health_stays_200_under_500_concurrent_requests(server):
     async def scenario() -> tuple[list[int], list[int]]:
         limits = httpx.Limits(max_connections=600, max_keepalive_connections=600)
-        # Polls on their own connection: one that a finished completion left idle past the server's keep-alive
-        # timeout can be closed just as a poll reuses it (HTTP's keep-alive race, not an unhealthy server).
+        # Each poll on a new connection, as a load balancer's probe does: a kept-alive one left idle past the server's
+        # keep-alive timeout (a client starved of CPU among the busy processes) can be closed just as a poll reuses
+        # it (HTTP's keep-alive race, not an unhealthy server).
+        fresh = httpx.Limits(max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=server[1], headers=AUTH, timeout=120, limits=limits) as http, \
-                httpx.AsyncClient(base_url=server[1], headers=AUTH, timeout=30) as poller:
+                httpx.AsyncClient(base_url=server[1], headers=AUTH, timeout=30, limits=fresh) as poller:
             body = {"model": server_model(server), "prompt": "Hello there", "max_tokens": 16, "ignore_eos": True}
             load = asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(500)))
             polls = []
