@@ -6,8 +6,8 @@ weights stream. torch's F.linear at one row streams distinct bf16 weights at abo
 on CPUs without bf16 instructions the weights were first converted to float32 (three passes over memory); the
 GEMV widens bf16 in registers and splits the output rows over the threads. From 12 rows on, gemm.h's packed
 outer-product tiles take over and run near the FMA peak, still widening bf16 weights in registers rather than
-converting them per call. Same arithmetic as the float32 path: float32 products and sums, one rounding to the
-output dtype.
+converting them per call. Where the CPU has AVX-512 BF16, bf16 products are its dot-product instruction's instead
+(gemv_bf16.h). Same arithmetic as the float32 path: float32 products and sums, one rounding to the output dtype.
 """
 from __future__ import annotations
 
@@ -25,19 +25,27 @@ from kernels.cpu_features import cpu_flags, cpu_has_native_bf16
 INT8_MAX_ROWS = 64
 
 
-# float32 weights on AVX2 CPUs: torch's float32 GEMM catches up past this many rows (measured below).
+# float32 weights: torch's float32 GEMM catches up past this many rows (measured below).
 FLOAT32_MAX_ROWS = 256
+
+# bf16 weights on CPUs with AVX-512 BF16 (gemv_bf16.h's dot products): torch's bf16 GEMMs catch up past this.
+NATIVE_BF16_MAX_ROWS = 8
 
 
 def max_rows(dtype: torch.dtype) -> int:
-    """The most rows the kernels take for a weight of `dtype`. Measured on a 2-core AVX2 CPU without bf16
-    instructions against torch's path (F.linear in float32, bf16 weights converted per call), the benchmark model's
-    33 matrices (python benchmarks/cpu_gemv.py): bf16 1.9-3.3x faster at 1-64 rows, 1.5x at 128-256, 1.0-1.2x at
-    512-2048; float32 2.1-3.1x at 1-32 rows, 1.3-1.6x at 64-128, 1.07x at 256, 0.93-1.0x at 512-2048, hence
-    FLOAT32_MAX_ROWS. On CPUs with AVX-512 torch's GEMMs use instructions this AVX2 code does not (and bf16 ones
-    where the CPU has them): there the kernels keep to where a step is surely memory-bound, 4 bf16 rows or 64
-    float32 ones (unmeasured: no such CPU here)."""
-    if cpu_has_native_bf16() or "avx512f" in cpu_flags():
+    """The most rows the kernels take for a weight of `dtype`, each measured against torch's path on the benchmark
+    model's 33 matrices (python benchmarks/cpu_gemv.py, best of 7).
+
+    2-core AVX2 CPU without bf16 instructions (torch's path: F.linear in float32, bf16 weights converted per call):
+    bf16 1.9-3.3x faster at 1-64 rows, 1.5x at 128-256, 1.0-1.2x at 512-2048; float32 2.1-3.1x at 1-32 rows,
+    1.3-1.6x at 64-128, 1.07x at 256, 0.93-1.0x at 512-2048, hence FLOAT32_MAX_ROWS.
+    2-core AVX-512 BF16 CPU (AMD EPYC, torch's bf16 GEMMs use the bf16 instructions): bf16 3.5x at 1 row, 3.1x at 2,
+    2.4x at 4, 1.5x at 8, 0.95x at 12, 0.86x at 16, hence NATIVE_BF16_MAX_ROWS; float32 1.4-2.9x at 1-64 rows,
+    1.1-1.2x at 128-512, 0.94x at 1024. With AVX-512 but no bf16 instructions the kernels keep to 4 bf16 and 64
+    float32 rows, where a step is surely memory-bound (unmeasured: no such CPU here)."""
+    if cpu_has_native_bf16():
+        return NATIVE_BF16_MAX_ROWS if dtype == torch.bfloat16 else FLOAT32_MAX_ROWS
+    if "avx512f" in cpu_flags():
         return 4 if dtype == torch.bfloat16 else 64
     return sys.maxsize if dtype == torch.bfloat16 else FLOAT32_MAX_ROWS
 

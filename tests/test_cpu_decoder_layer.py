@@ -1,6 +1,8 @@
 """The C++ decoder layer against its twin, the model's own op-by-op layer, and in the engine."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import LlamaConfig, Qwen2Config
@@ -91,7 +93,7 @@ CASES = {
 @pytest.mark.parametrize("first_layer", [True, False])
 def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer):
     layer_class, config = CASES[case]
-    while sum(new for _, new in seqs) > cpu_gemv.max_rows(dtype):  # fewer where the CPU has bf16 GEMMs
+    while sum(new for _, new in seqs) > cpu_decoder_layer.max_rows(dtype):  # fewer where the CPU has bf16 GEMMs
         seqs = seqs[:-1] if len(seqs) > 1 else [(seqs[0][0], seqs[0][1] - 1)]
     tokens = sum(new for _, new in seqs)
     layer = make_layer(layer_class, config, dtype, seed=tokens)
@@ -127,7 +129,7 @@ def quantize_groups(model: torch.nn.Module) -> None:
 
 def assert_fused_matches(layer: LlamaDecoderLayer, layer_class, config, dtype: torch.dtype, seqs, first_layer: bool,
                          int8: str | None = None) -> None:
-    """fused_decode equals forward() (float32), or (bf16) is as close to the float32 layer as forward() is."""
+    """The one-call layer equals forward() (float32), or (bf16) is as close to the float32 layer as forward() is."""
     exact = None
     if dtype == torch.bfloat16:  # the same step in float32, from the same bf16 values
         exact = make_layer(layer_class, config, torch.float32, seed=0)
@@ -149,14 +151,18 @@ def assert_fused_matches(layer: LlamaDecoderLayer, layer_class, config, dtype: t
             torch.testing.assert_close(tensor, reference, rtol=1e-5, atol=atol)
         else:
             # bf16 takes roundings in other places (the op path's SDPA rounds prompt attention to bf16; the
-            # kernel keeps float32): the kernel must be as close to the float32 layer as the op path is.
-            kernel_error, op_error = ((t.float() - exact[i]).abs().max().item() for t in (tensor, reference))
-            assert kernel_error <= 1.25 * op_error + 1e-3, (kernel_error, op_error)
+            # kernel keeps float32): the kernel must be as close to the float32 layer as the op path is, on average
+            # and at worst. The worst element may round the other way (one bf16 step of the outputs' magnitude, a
+            # coin flip where torch's bf16 GEMMs and the kernel's sums run in other orders): two steps of slack.
+            kernel_error, op_error = ((t.float() - exact[i]).abs() for t in (tensor, reference))
+            step = 2.0 ** (math.floor(math.log2(exact[i].abs().max().item())) - 7)
+            assert kernel_error.mean() <= 1.1 * op_error.mean() + 1e-5, (kernel_error.mean(), op_error.mean())
+            assert kernel_error.max() <= op_error.max() + 2 * step, (kernel_error.max(), op_error.max(), step)
 
 
 def fused_and_op_by_op(layer: LlamaDecoderLayer, config, dtype: torch.dtype, seqs, first_layer: bool,
                        values: torch.dtype | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(fused_decode's outputs and caches, forward()'s) on random caches and inputs, rounded to `values` (default:
+    """(the one-call layer's outputs and caches, forward()'s) on random caches and inputs, rounded to `values` (default:
     dtype) before they are cast to dtype."""
     tokens = sum(new for _, new in seqs)
     generator = torch.Generator().manual_seed(tokens * 7 + first_layer)
@@ -178,11 +184,32 @@ def fused_and_op_by_op(layer: LlamaDecoderLayer, config, dtype: torch.dtype, seq
     with torch.inference_mode():
         expected = op_by_op(layer, dtype)
         step = cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
-                                             metadata.query_start_loc)
+                                             metadata.query_start_loc,
+                                             int8_weights=layer.self_attn.qkv_proj.weight.dtype == torch.int8)
         assert step is not None
         layer.self_attn.attn.kv_cache = tuple(c.clone() for c in caches)
-        got = [*layer.fused_decode(x, residual, step), *layer.self_attn.attn.kv_cache]
+        got = [*cpu_decoder_layer.decoder_layers([layer.fused_weights], [layer.self_attn.attn.kv_cache], x, residual,
+                                                 step), *layer.self_attn.attn.kv_cache]
     return got, expected
+
+
+def test_takes_more_bf16_tokens_than_the_products_where_the_cpu_has_bf16_dot_products(monkeypatch):
+    for native, flags in ((True, frozenset({"avx2", "avx512f", "avx512_bf16"})), (False, frozenset({"avx2"}))):
+        monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda flags=flags: flags)
+        for module in (cpu_gemv, cpu_decoder_layer):
+            monkeypatch.setattr(module, "cpu_has_native_bf16", lambda native=native: native)
+        layer_rows = cpu_decoder_layer.max_rows(torch.bfloat16)
+        assert layer_rows == (cpu_decoder_layer.NATIVE_BF16_LAYER_ROWS if native else cpu_gemv.max_rows(torch.bfloat16))
+        assert layer_rows >= cpu_gemv.max_rows(torch.bfloat16)
+        assert cpu_decoder_layer.max_rows(torch.float32) == cpu_gemv.max_rows(torch.float32)
+        assert cpu_decoder_layer.max_rows(torch.bfloat16, int8_weights=True) == cpu_gemv.INT8_MAX_ROWS
+        with torch.inference_mode():
+            n = min(layer_rows, 1000)
+            x = torch.randn(n + 1, 8).bfloat16()
+            for tokens in (n, n + 1):  # decodes
+                taken = cpu_decoder_layer.decode_step(x[:tokens], torch.arange(tokens), torch.arange(tokens),
+                                                      torch.zeros(tokens, 1), list(range(tokens + 1))) is not None
+                assert taken == (tokens <= layer_rows)
 
 
 def test_declines_steps_it_does_not_compute():
@@ -213,8 +240,8 @@ def test_engine_outputs_equal_the_op_by_op_path(arch, monkeypatch):
     prompts = [{"prompt_token_ids": list(range(5 + i, 45 + 13 * i))} for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=3, ignore_eos=True)
     calls = []
-    layer = cpu_decoder_layer.decoder_layer
-    monkeypatch.setattr(cpu_decoder_layer, "decoder_layer", lambda *args: calls.append(1) or layer(*args))
+    layers = cpu_decoder_layer.decoder_layers
+    monkeypatch.setattr(cpu_decoder_layer, "decoder_layers", lambda *args: calls.append(1) or layers(*args))
 
     def run() -> list:
         llm = LLM(model, in_process=True, dtype="float32", block_size=16)

@@ -75,11 +75,12 @@ def test_linear_layers_use_it_up_to_max_rows_at_inference(monkeypatch, dtype):
 
 
 def test_row_limits_follow_the_cpu(monkeypatch):
-    """AVX2 only: bf16 weights at any row count, float32 up to FLOAT32_MAX_ROWS; AVX-512 or bf16 instructions:
-    the kernels keep to few rows, where torch's GEMMs cannot use those instructions' width."""
+    """AVX2 only: bf16 weights at any row count, float32 up to FLOAT32_MAX_ROWS; AVX-512 BF16: the bf16 dot
+    products up to NATIVE_BF16_MAX_ROWS; AVX-512 without it: few rows, where torch's GEMMs cannot use its width."""
     for flags, bf16, float32 in ((frozenset({"avx2", "fma"}), sys.maxsize, cpu_gemv.FLOAT32_MAX_ROWS),
                                  (frozenset({"avx2", "avx512f"}), 4, 64),
-                                 (frozenset({"avx2", "avx512f", "avx512_bf16"}), 4, 64)):
+                                 (frozenset({"avx2", "avx512f", "avx512_bf16"}), cpu_gemv.NATIVE_BF16_MAX_ROWS,
+                                  cpu_gemv.FLOAT32_MAX_ROWS)):
         monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda flags=flags: flags)
         monkeypatch.setattr(cpu_gemv, "cpu_has_native_bf16", lambda flags=flags: "avx512_bf16" in flags)
         assert (cpu_gemv.max_rows(torch.bfloat16), cpu_gemv.max_rows(torch.float32)) == (bf16, float32)

@@ -144,4 +144,12 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
   project(L.down, act.data(), static_cast<const T*>(nullptr), out, M, H, I);
 }
 
+// The model's final norm after its last layer: residual = round(x + residual), out = its norm; in place is fine.
+template <typename T>
+void final_norm(const T* x, T* residual, const T* weight, float eps, T* out, int64_t M, int64_t H) {
+#pragma omp parallel for if (M > 1)
+  for (int64_t m = 0; m < M; ++m) add_and_norm_row(x + m * H, residual + m * H, weight, eps, residual + m * H,
+                                                   out + m * H, H);
+}
+
 }  // namespace pagedserve

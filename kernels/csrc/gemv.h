@@ -1,5 +1,6 @@
 // Small-batch matrix-vector products y = x W^T + b that stream W once at memory speed, bf16 widened in registers
-// (12 rows or more of a plain weight go to gemm.h's register tiles).
+// (12 rows or more of a plain weight go to gemm.h's register tiles; bf16 ones to gemv_bf16.h's bf16 dot products
+// where the CPU has them).
 // W may be int8 with a float32 scale per output row (weight-only quantization): y = (x . q) * scale + b, or per
 // group of G input columns (GGUF's Q8_0: G = 32): y = sum over groups of (x_g . q_g) * scale_g + b.
 #pragma once
@@ -9,6 +10,7 @@
 
 #include "common.h"
 #include "gemm.h"
+#include "gemv_bf16.h"
 
 namespace pagedserve {
 
@@ -76,6 +78,9 @@ inline void output_tile(const WT* w, const float* x, const T* bias, const float*
 template <typename T, typename WT = T>
 void gemv(const T* x, const WT* w, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
           const float* scale = nullptr) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<WT, uint16_t>) return gemv_bf16(x, w, bias, y, M, N, K);
+#endif
 #ifdef __AVX2__
   if constexpr (std::is_same_v<T, WT>)
     if (M >= kGemmMinRows) return gemm(x, w, bias, y, M, N, K);

@@ -65,6 +65,25 @@ void decoder_layer(const std::vector<uintptr_t>& w, const std::vector<int64_t>& 
                             max_blocks, in<int64_t>(seq_lens), m);
 }
 
+// A stage's layers in order, the hidden states and residual carried in out and residual_out (x and residual are
+// only read), then the final norm if final_norm is set: out = its norm, residual_out = the last sum. One entry per
+// layer in weights, dims, eps, scales and the caches.
+template <typename T>
+void decoder_layers(const std::vector<std::vector<uintptr_t>>& weights, const std::vector<std::vector<int64_t>>& dims,
+                    const std::vector<double>& eps, const std::vector<double>& scales,
+                    const std::vector<uintptr_t>& k_caches, const std::vector<uintptr_t>& v_caches,
+                    uintptr_t final_norm, double final_eps, uintptr_t x, uintptr_t residual, uintptr_t o,
+                    uintptr_t residual_out, uintptr_t positions, uintptr_t slots, int64_t block_size,
+                    uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, int64_t m) {
+  for (size_t i = 0; i < weights.size(); ++i)
+    decoder_layer<T>(weights[i], dims[i], float(eps[i]), float(scales[i]), i ? o : x, i ? residual_out : residual,
+                     o, residual_out, positions, slots, k_caches[i], v_caches[i], block_size, tables, max_blocks,
+                     seq_lens, m);
+  if (final_norm)
+    pagedserve::final_norm(in<T>(o), out<T>(residual_out), in<T>(final_norm), float(final_eps), out<T>(o), m,
+                           dims[0][0]);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -87,13 +106,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                 int64_t m, int64_t n, int64_t k, int64_t group) {
     (bf16 ? gemv_int8_grouped<uint16_t> : gemv_int8_grouped<float>)(x, w, scale, bias, y, m, n, k, group);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("decoder_layer", [](bool bf16, const std::vector<uintptr_t>& weights, const std::vector<int64_t>& dims,
-                            double eps, double scale, uintptr_t x, uintptr_t residual, uintptr_t o,
-                            uintptr_t residual_out, uintptr_t positions, uintptr_t slots, uintptr_t k_cache,
-                            uintptr_t v_cache, int64_t block_size, uintptr_t tables, int64_t max_blocks,
-                            uintptr_t seq_lens, int64_t m) {
-    (bf16 ? decoder_layer<uint16_t> : decoder_layer<float>)(weights, dims, float(eps), float(scale), x, residual, o,
-                                                            residual_out, positions, slots, k_cache, v_cache,
-                                                            block_size, tables, max_blocks, seq_lens, m);
+  m.def("decoder_layers", [](bool bf16, const std::vector<std::vector<uintptr_t>>& weights,
+                             const std::vector<std::vector<int64_t>>& dims, const std::vector<double>& eps,
+                             const std::vector<double>& scales, const std::vector<uintptr_t>& k_caches,
+                             const std::vector<uintptr_t>& v_caches, uintptr_t final_norm, double final_eps,
+                             uintptr_t x, uintptr_t residual, uintptr_t o, uintptr_t residual_out,
+                             uintptr_t positions, uintptr_t slots, int64_t block_size, uintptr_t tables,
+                             int64_t max_blocks, uintptr_t seq_lens, int64_t m) {
+    (bf16 ? decoder_layers<uint16_t> : decoder_layers<float>)(weights, dims, eps, scales, k_caches, v_caches,
+                                                              final_norm, final_eps, x, residual, o, residual_out,
+                                                              positions, slots, block_size, tables, max_blocks,
+                                                              seq_lens, m);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

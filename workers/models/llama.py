@@ -126,15 +126,9 @@ class LlamaDecoderLayer(nn.Module):
         return all(cpu_decoder_layer.takes_projection(p.weight, p.weight_scale, p.weight_zero, p.weight_g_idx)
                    for p in projections)
 
-    def fused_decode(self, x: torch.Tensor, residual: torch.Tensor | None, step: cpu_decoder_layer.DecodeStep
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward() of a step of few tokens in one C++ call (kernels.cpu_decoder_layer), same results."""
-        if self.self_attn.attn.kv_cache is None:
-            raise RuntimeError("the KV cache was not bound to this attention layer")
-        return cpu_decoder_layer.decoder_layer(self._fused_weights, x, residual, step, *self.self_attn.attn.kv_cache)
-
     @functools.cached_property
-    def _fused_weights(self) -> cpu_decoder_layer.DecoderLayerWeights:
+    def fused_weights(self) -> cpu_decoder_layer.DecoderLayerWeights:
+        """This layer's parameters as the one-call layer reads them (kernels.cpu_decoder_layer)."""
         attn, mlp = self.self_attn, self.mlp
         return cpu_decoder_layer.DecoderLayerWeights(
             self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
@@ -165,20 +159,35 @@ class LlamaModel(nn.Module):
     def one_call_layers(self) -> bool:
         """Whether the C++ one-call layer serves this stage's steps of few tokens: tp 1 only (it has no all-reduce
         between attention and MLP), and every layer takes it."""
-        return parallel_state().tp_size == 1 and all(self.layers[i].takes_one_call for i in self.stage_layers)
+        return parallel_state().tp_size == 1 and bool(self.stage_layers) and \
+            all(self.layers[i].takes_one_call for i in self.stage_layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
         """Final hidden states on the last stage, else (hidden, residual) for the next stage."""
         x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
         step = self._one_call_step(x, positions, metadata)
+        if step is not None:
+            return self._one_call_forward(x, residual, step)
         for i in self.stage_layers:
-            layer = self.layers[i]
-            x, residual = layer.fused_decode(x, residual, step) if step else layer(positions, x, residual, metadata)
+            x, residual = self.layers[i](positions, x, residual, metadata)
         if self.norm is None:
             return x, residual
         x, _ = self.norm(x, residual)
         return x
+
+    def _one_call_forward(self, x: torch.Tensor, residual: torch.Tensor | None, step: cpu_decoder_layer.DecodeStep
+                          ) -> torch.Tensor | Intermediate:
+        """forward() of a step of few tokens: the stage's layers, and the final norm on the last stage, in one C++
+        call (kernels.cpu_decoder_layer), same results."""
+        layers = [self.layers[i] for i in self.stage_layers]
+        caches = [layer.self_attn.attn.kv_cache for layer in layers]
+        if any(cache is None for cache in caches):
+            raise RuntimeError("the KV cache was not bound to an attention layer")
+        norm = None if self.norm is None else self.norm.weight
+        x, residual = cpu_decoder_layer.decoder_layers([layer.fused_weights for layer in layers], caches, x, residual,
+                                                       step, norm, 0.0 if self.norm is None else self.norm.eps)
+        return (x, residual) if self.norm is None else x
 
     def _one_call_step(self, x: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata
                        ) -> cpu_decoder_layer.DecodeStep | None:
