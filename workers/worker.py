@@ -7,7 +7,6 @@ import torch
 
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from kernels import start_cpu_kernels_build
-from kernels.cpu_features import cpu_has_native_bf16
 from workers.cpu_allocator import keep_freed_memory_in_heap
 from workers.device import select_device
 from workers.gpu_memory import kv_cache_budget, profile_memory
@@ -31,10 +30,11 @@ class Worker:
         self.hf_config = load_hf_config(config.model)
         self.encoder = is_encoder(self.hf_config)
         pooling = pooling_info(config.model, self.hf_config, config.pooler_config)
-        # Encoders are small and their outputs compared to float32 references: "auto" keeps float32 on a CPU
-        # whose bfloat16 GEMMs would be emulated (no faster), bfloat16 where it is native.
+        # Encoders are small and their outputs compared to float32 references (sentence-transformers): "auto" keeps
+        # them in float32 on every CPU, so an embedding is the same wherever it is computed. With bf16 GEMMs where the
+        # CPU has them, MiniLM's embeddings came within cosine 0.99983 of the reference instead of 1 - 1e-12.
         self.dtype = torch.float32 if self.encoder and config.dtype == "auto" and self.device.type == "cpu" \
-            and not cpu_has_native_bf16() else resolve_dtype(config.dtype)
+            else resolve_dtype(config.dtype)
         runner = EncoderRunner if self.encoder else ModelRunner
         self.model_runner = runner(config, self.hf_config, self.dtype, self.device, pooling)
 
