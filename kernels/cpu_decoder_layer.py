@@ -3,17 +3,18 @@
 At batch-1 decode the weights stream in ~3 ms per token on this project's benchmark model, while the ~50 tensor
 ops per layer that norm, rotate, cache, attend and gate cost several more in dispatch alone. The kernel runs the
 layer's ops in order with the same roundings to the model dtype (its twin is the model's own op-by-op path,
-tests/test_cpu_decoder_layer.py), with the GEMV kernel's products.
+tests/test_cpu_decoder_layer.py), with the GEMV kernel's products. Past the rows those products pay at, torch's GEMMs
+run them and the kernel does the rest between them, three calls per layer.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from kernels import cpu_extension, cpu_gemv
-from kernels.cpu_features import cpu_has_native_bf16
 
 
 @dataclass(frozen=True)
@@ -89,18 +90,12 @@ def takes_projection(weight: torch.Tensor, scale: torch.Tensor | None, zero: tor
 LONG_RUN_ROWS, LONG_RUN_CONTEXT, CHUNKED_MAX_ROWS = 16, 4096, 64
 
 
-# Where the CPU has AVX-512 BF16 the kernels' bf16 products lose to torch's GEMMs past 8 rows (cpu_gemv), but a
-# layer in one call still beats the op path up to 16 tokens: in-process decode of the benchmark model, 12.7 against
-# 14.7 ms per step at 16 requests, 26.7 against 23.7 at 32 (2-core AMD EPYC with AVX-512 BF16).
-NATIVE_BF16_LAYER_ROWS = 16
-
-
 def max_rows(dtype: torch.dtype, int8_weights: bool = False) -> int:
-    """The most tokens of a step the one-call layer takes."""
-    if int8_weights:
-        return cpu_gemv.INT8_MAX_ROWS
-    rows = cpu_gemv.max_rows(dtype)
-    return max(rows, NATIVE_BF16_LAYER_ROWS) if dtype == torch.bfloat16 and cpu_has_native_bf16() else rows
+    """The most tokens of a step whose products the layer runs in the kernels (cpu_gemv's limits); past them torch's
+    GEMMs are faster, and the layer takes them between its calls (decoder_layers_with_products: in-process decode
+    of the benchmark model on a 2-core AVX-512 BF16 EPYC, 10.5 ms per step at 16 requests against 12.3 with the
+    kernels' products and 14.0 on the op path; 14.6 against 18.3 on the op path at 32, 25.0 against 29.1 at 64)."""
+    return cpu_gemv.INT8_MAX_ROWS if int8_weights else cpu_gemv.max_rows(dtype)
 
 
 @dataclass(frozen=True)
@@ -111,22 +106,22 @@ class DecodeStep:
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor  # the block table of each token's sequence
     seq_lens: torch.Tensor  # position + 1: the slots each token attends to
+    kernel_products: bool  # few enough tokens for the kernels' products (max_rows): decoder_layers(), else
+    # decoder_layers_with_products() with torch's GEMMs
 
 
 def decode_step(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                 query_start_loc: list[int], int8_weights: bool = False) -> DecodeStep | None:
-    """The step's inputs for decoder_layers() when the kernel takes this step, else None: on the CPU, float32 or
-    bfloat16, at inference, kernel built, no more tokens than max_rows(), and no
-    sequence with more than LONG_RUN_ROWS of them in a step of more than CHUNKED_MAX_ROWS tokens or deep in a long
-    context.
+    """The step's inputs for the C++ layer when it takes this step, else None: on the CPU, float32 or bfloat16, at
+    inference, kernel built, and no sequence with more than LONG_RUN_ROWS tokens in a step of more than
+    CHUNKED_MAX_ROWS tokens or deep in a long context. Up to max_rows() tokens its products run in the kernels too.
 
     Each token is its own attention row over its sequence's blocks, seeing the first position + 1 slots: causal
     attention, so decodes, speculative verification (1 + k tokens of a sequence) and short prompt chunks all fit.
     """
     tokens = x.shape[0]
-    if not (0 < tokens <= max_rows(x.dtype, int8_weights) and x.device.type == "cpu"
-            and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()
-            and cpu_extension.ready() is not None):
+    if not (tokens > 0 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and not torch.is_grad_enabled() and cpu_extension.ready() is not None):
         return None
     positions = positions.long().contiguous()
     tables = block_tables.long()
@@ -136,7 +131,11 @@ def decode_step(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Te
                                                   or int(positions.max()) >= LONG_RUN_CONTEXT):
             return None
         tables = tables.repeat_interleave(counts, dim=0)
-    return DecodeStep(positions, slot_mapping.long().contiguous(), tables.contiguous(), positions + 1)
+    return DecodeStep(positions, slot_mapping.long().contiguous(), tables.contiguous(), positions + 1,
+                      tokens <= max_rows(x.dtype, int8_weights))
+
+
+Product = Callable[[torch.Tensor], torch.Tensor]
 
 
 def decoder_layers(layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -145,6 +144,63 @@ def decoder_layers(layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple
     """Layers in order in one call (a stage's, with each its (key, value) cache): (mlp output, residual) as the last
     one's forward returns them; with final_norm, (the model's RMSNorm of their sum, the sum) as its norm returns them.
     Saves the per-layer Python and dispatch of a step (~0.3 ms per token of batch-1 decode on the benchmark model)."""
+    module = _checked(layers, caches, x, final_norm)
+    x = x.contiguous()  # kept in locals: the kernel gets raw pointers, which must outlive the call
+    residual = None if residual is None else residual.contiguous()
+    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    module.decoder_layers(x.dtype == torch.bfloat16, [w.pointers() for w in layers], [w.dims() for w in layers],
+                          [w.eps for w in layers], [w.scale for w in layers], [k.data_ptr() for k, _ in caches],
+                          [v.data_ptr() for _, v in caches], 0 if final_norm is None else final_norm.data_ptr(),
+                          final_eps, x.data_ptr(), 0 if residual is None else residual.data_ptr(), out.data_ptr(),
+                          residual_out.data_ptr(), step.positions.data_ptr(), step.slot_mapping.data_ptr(),
+                          caches[0][0].shape[2], step.block_tables.data_ptr(), step.block_tables.shape[1],
+                          step.seq_lens.data_ptr(), x.shape[0])
+    return out, residual_out
+
+
+def decoder_layers_with_products(layers: Sequence[DecoderLayerWeights],
+                                 products: Sequence[tuple[Product, Product, Product, Product]],
+                                 caches: Sequence[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
+                                 residual: torch.Tensor | None, step: DecodeStep,
+                                 final_norm: torch.Tensor | None = None, final_eps: float = 0.0
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """decoder_layers() for a step of more tokens than the kernels' products take: each layer's (qkv, o, gate_up,
+    down) products are the given functions (the model's linear layers: torch's GEMMs), everything between them the
+    kernel's, in three calls per layer instead of the op path's ~50 tensor ops."""
+    module = _checked(layers, caches, x, final_norm)
+    bf16, tokens, hidden = x.dtype == torch.bfloat16, x.shape[0], x.shape[1]
+    rows = step.positions.data_ptr(), step.slot_mapping.data_ptr()
+    tables = step.block_tables.data_ptr(), step.block_tables.shape[1], step.seq_lens.data_ptr()
+    x = x.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    residual_out, normed = torch.empty_like(x), torch.empty_like(x)
+    for i, (weights, (qkv_proj, o_proj, gate_up_proj, down_proj), (key_cache, value_cache)) in enumerate(
+            zip(layers, products, caches, strict=True)):
+        before = residual_out.data_ptr() if i else 0 if residual is None else residual.data_ptr()
+        module.add_and_norm(bf16, x.data_ptr(), before, weights.input_norm.data_ptr(), weights.eps,
+                            residual_out.data_ptr(), normed.data_ptr(), tokens, hidden)
+        qkv = qkv_proj(normed).contiguous()
+        attn = torch.empty(tokens, weights.num_heads * weights.head_dim, dtype=x.dtype)
+        module.attend(bf16, weights.pointers(), weights.dims(), weights.scale, qkv.data_ptr(), *rows,
+                      key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[2], *tables, attn.data_ptr(),
+                      tokens)
+        o = o_proj(attn).contiguous()
+        module.add_and_norm(bf16, o.data_ptr(), residual_out.data_ptr(), weights.post_norm.data_ptr(), weights.eps,
+                            residual_out.data_ptr(), normed.data_ptr(), tokens, hidden)
+        gate_up = gate_up_proj(normed).contiguous()
+        act = torch.empty(tokens, gate_up.shape[1] // 2, dtype=x.dtype)
+        module.silu_and_mul(bf16, gate_up.data_ptr(), act.data_ptr(), tokens, act.shape[1])
+        x = down_proj(act).contiguous()
+    if final_norm is None:
+        return x, residual_out
+    module.add_and_norm(bf16, x.data_ptr(), residual_out.data_ptr(), final_norm.data_ptr(), final_eps,
+                        residual_out.data_ptr(), normed.data_ptr(), tokens, hidden)
+    return normed, residual_out
+
+
+def _checked(layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+             x: torch.Tensor, final_norm: torch.Tensor | None) -> ModuleType:
+    """The kernels' module, once the layers, caches and final norm are found fit for x's dtype."""
     module = cpu_extension.load()
     if module is None:
         raise RuntimeError("the C++ CPU kernels could not be built")
@@ -159,14 +215,4 @@ def decoder_layers(layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple
             raise ValueError("the caches must be contiguous")
     if final_norm is not None and final_norm.dtype != dtype:
         raise TypeError("the final norm must share the hidden states' dtype")
-    x = x.contiguous()  # kept in locals: the kernel gets raw pointers, which must outlive the call
-    residual = None if residual is None else residual.contiguous()
-    out, residual_out = torch.empty_like(x), torch.empty_like(x)
-    module.decoder_layers(dtype == torch.bfloat16, [w.pointers() for w in layers], [w.dims() for w in layers],
-                          [w.eps for w in layers], [w.scale for w in layers], [k.data_ptr() for k, _ in caches],
-                          [v.data_ptr() for _, v in caches], 0 if final_norm is None else final_norm.data_ptr(),
-                          final_eps, x.data_ptr(), 0 if residual is None else residual.data_ptr(), out.data_ptr(),
-                          residual_out.data_ptr(), step.positions.data_ptr(), step.slot_mapping.data_ptr(),
-                          caches[0][0].shape[2], step.block_tables.data_ptr(), step.block_tables.shape[1],
-                          step.seq_lens.data_ptr(), x.shape[0])
-    return out, residual_out
+    return module

@@ -1,6 +1,7 @@
 """The C++ decoder layer against its twin, the model's own op-by-op layer, and in the engine."""
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -91,24 +92,28 @@ CASES = {
 ], ids=["one decode", "three decodes", "eight decodes", "short prompt", "mixed", "sixteen tokens", "sixty-four tokens",
         "a hundred decodes"])
 @pytest.mark.parametrize("first_layer", [True, False])
-def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer):
+@pytest.mark.parametrize("products", ["kernel", "torch"])
+def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer, products):
+    """Products in the kernels (up to max_rows tokens: fewer where the CPU has bf16 GEMMs) or torch's between the
+    kernel's calls (any count)."""
     layer_class, config = CASES[case]
-    while sum(new for _, new in seqs) > cpu_decoder_layer.max_rows(dtype):  # fewer where the CPU has bf16 GEMMs
+    while products == "kernel" and sum(new for _, new in seqs) > cpu_decoder_layer.max_rows(dtype):
         seqs = seqs[:-1] if len(seqs) > 1 else [(seqs[0][0], seqs[0][1] - 1)]
     tokens = sum(new for _, new in seqs)
     layer = make_layer(layer_class, config, dtype, seed=tokens)
-    assert_fused_matches(layer, layer_class, config, dtype, seqs, first_layer)
+    assert_fused_matches(layer, layer_class, config, dtype, seqs, first_layer, products=products)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seqs", [[(1, 1)], [(9, 1), (70, 5), (130, 3)]], ids=["one decode", "mixed"])
 @pytest.mark.parametrize("scales", ["rows", "groups"])
-def test_int8_projections_equal_the_layers_own_forward(dtype, seqs, scales):
+@pytest.mark.parametrize("products", ["kernel", "torch"])
+def test_int8_projections_equal_the_layers_own_forward(dtype, seqs, scales, products):
     """Weight-only int8: the kernel reads each projection as int8 with its row scales (workers/quantization) or
     its scales per 32 columns (GGUF's Q8_0; 8 where 32 does not divide the columns: the llama case's 344)."""
     layer_class, config = CASES["qwen2 biases, head_dim 128, window" if scales == "rows" else "llama head_dim 64"]
     layer = make_layer(layer_class, config, dtype, seed=3)
-    assert_fused_matches(layer, layer_class, config, dtype, seqs, first_layer=False, int8=scales)
+    assert_fused_matches(layer, layer_class, config, dtype, seqs, first_layer=False, int8=scales, products=products)
     assert layer.self_attn.qkv_proj.weight.dtype == torch.int8
     assert layer.mlp.down_proj.weight_scale.dim() == (1 if scales == "rows" else 2)
     assert layer.takes_one_call
@@ -128,7 +133,7 @@ def quantize_groups(model: torch.nn.Module) -> None:
 
 
 def assert_fused_matches(layer: LlamaDecoderLayer, layer_class, config, dtype: torch.dtype, seqs, first_layer: bool,
-                         int8: str | None = None) -> None:
+                         int8: str | None = None, products: str = "kernel") -> None:
     """The one-call layer equals forward() (float32), or (bf16) is as close to the float32 layer as forward() is."""
     exact = None
     if dtype == torch.bfloat16:  # the same step in float32, from the same bf16 values
@@ -139,7 +144,7 @@ def assert_fused_matches(layer: LlamaDecoderLayer, layer_class, config, dtype: t
             quantize_model_rows(each, quantize_lm_head=False)
         if int8 == "groups" and each is not None:
             quantize_groups(each)
-    got, expected = fused_and_op_by_op(layer, config, dtype, seqs, first_layer)
+    got, expected = fused_and_op_by_op(layer, config, dtype, seqs, first_layer, products=products)
     if exact is not None:
         exact = fused_and_op_by_op(exact, config, torch.float32, seqs, first_layer, values=torch.bfloat16)[1]
     for i, (tensor, reference) in enumerate(zip(got, expected)):
@@ -161,9 +166,10 @@ def assert_fused_matches(layer: LlamaDecoderLayer, layer_class, config, dtype: t
 
 
 def fused_and_op_by_op(layer: LlamaDecoderLayer, config, dtype: torch.dtype, seqs, first_layer: bool,
-                       values: torch.dtype | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(the one-call layer's outputs and caches, forward()'s) on random caches and inputs, rounded to `values` (default:
-    dtype) before they are cast to dtype."""
+                       values: torch.dtype | None = None, products: str = "kernel"
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(the C++ layer's outputs and caches, its products the kernels' or torch's, forward()'s) on random caches and
+    inputs, rounded to `values` (default: dtype) before they are cast to dtype."""
     tokens = sum(new for _, new in seqs)
     generator = torch.Generator().manual_seed(tokens * 7 + first_layer)
     head_dim, kv_heads = head_dim_of(config), config.num_key_value_heads
@@ -187,29 +193,17 @@ def fused_and_op_by_op(layer: LlamaDecoderLayer, config, dtype: torch.dtype, seq
                                              metadata.query_start_loc,
                                              int8_weights=layer.self_attn.qkv_proj.weight.dtype == torch.int8)
         assert step is not None
+        if products == "torch":
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            run = functools.partial(cpu_decoder_layer.decoder_layers_with_products, products=linears)
+        else:
+            assert step.kernel_products
+            run = cpu_decoder_layer.decoder_layers
         layer.self_attn.attn.kv_cache = tuple(c.clone() for c in caches)
-        got = [*cpu_decoder_layer.decoder_layers([layer.fused_weights], [layer.self_attn.attn.kv_cache], x, residual,
-                                                 step), *layer.self_attn.attn.kv_cache]
+        got = [*run([layer.fused_weights], caches=[layer.self_attn.attn.kv_cache], x=x, residual=residual, step=step),
+               *layer.self_attn.attn.kv_cache]
     return got, expected
-
-
-def test_takes_more_bf16_tokens_than_the_products_where_the_cpu_has_bf16_dot_products(monkeypatch):
-    for native, flags in ((True, frozenset({"avx2", "avx512f", "avx512_bf16"})), (False, frozenset({"avx2"}))):
-        monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda flags=flags: flags)
-        for module in (cpu_gemv, cpu_decoder_layer):
-            monkeypatch.setattr(module, "cpu_has_native_bf16", lambda native=native: native)
-        layer_rows = cpu_decoder_layer.max_rows(torch.bfloat16)
-        assert layer_rows == (cpu_decoder_layer.NATIVE_BF16_LAYER_ROWS if native else cpu_gemv.max_rows(torch.bfloat16))
-        assert layer_rows >= cpu_gemv.max_rows(torch.bfloat16)
-        assert cpu_decoder_layer.max_rows(torch.float32) == cpu_gemv.max_rows(torch.float32)
-        assert cpu_decoder_layer.max_rows(torch.bfloat16, int8_weights=True) == cpu_gemv.INT8_MAX_ROWS
-        with torch.inference_mode():
-            n = min(layer_rows, 1000)
-            x = torch.randn(n + 1, 8).bfloat16()
-            for tokens in (n, n + 1):  # decodes
-                taken = cpu_decoder_layer.decode_step(x[:tokens], torch.arange(tokens), torch.arange(tokens),
-                                                      torch.zeros(tokens, 1), list(range(tokens + 1))) is not None
-                assert taken == (tokens <= layer_rows)
 
 
 def test_declines_steps_it_does_not_compute():
@@ -220,10 +214,14 @@ def test_declines_steps_it_does_not_compute():
         n = cpu_decoder_layer.CHUNKED_MAX_ROWS + 1  # a prompt chunk past the kernel's 64 rows: the op path
         assert cpu_decoder_layer.decode_step(torch.randn(n, 8), torch.arange(n), torch.arange(n), torch.zeros(1, 1),
                                              [0, n]) is None
-        for n in (n, cpu_gemv.max_rows(torch.float32), cpu_gemv.max_rows(torch.float32) + 1):  # n decodes
-            taken = cpu_decoder_layer.decode_step(torch.randn(n, 8), torch.arange(n), torch.arange(n),
-                                                  torch.zeros(n, 1), list(range(n + 1))) is not None
-            assert taken == (n <= cpu_gemv.max_rows(torch.float32))
+        # n decodes: always taken, their products in the kernels up to the kernels' rows (torch's past them)
+        for dtype, int8, limit in ((torch.float32, False, cpu_gemv.max_rows(torch.float32)),
+                                   (torch.bfloat16, False, cpu_gemv.max_rows(torch.bfloat16)),
+                                   (torch.bfloat16, True, cpu_gemv.INT8_MAX_ROWS)):
+            for n in (min(limit, 1024), min(limit, 1024) + 1):
+                step = cpu_decoder_layer.decode_step(torch.randn(n, 8).to(dtype), torch.arange(n), torch.arange(n),
+                                                     torch.zeros(n, 1), list(range(n + 1)), int8_weights=int8)
+                assert step.kernel_products == (n <= limit)
         # a long prompt chunk deep into its context: the op path; as deep with few rows, or shallow: the kernel
         rows = cpu_decoder_layer.LONG_RUN_ROWS + 1
         for first, many, takes in ((cpu_decoder_layer.LONG_RUN_CONTEXT, rows, False),
@@ -233,15 +231,20 @@ def test_declines_steps_it_does_not_compute():
     assert cpu_decoder_layer.decode_step(x, positions, slots, tables, [0, 1, 2]) is None  # autograd on
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_engine_outputs_equal_the_op_by_op_path(arch, monkeypatch):
-    """Greedy float32 through the engine, batch 1 and 3: the same tokens and logprobs with the kernel as without."""
+@pytest.mark.parametrize(("arch", "products"), [("llama", "kernel"), ("qwen2", "kernel"), ("mistral", "kernel"),
+                                               ("llama", "torch")])
+def test_engine_outputs_equal_the_op_by_op_path(arch, products, monkeypatch):
+    """Greedy float32 through the engine, batch 1 and 3: the same tokens and logprobs with the kernel as without
+    (its products the kernels', or torch's as past max_rows)."""
     model = tiny_model(arch)
     prompts = [{"prompt_token_ids": list(range(5 + i, 45 + 13 * i))} for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=3, ignore_eos=True)
     calls = []
-    layers = cpu_decoder_layer.decoder_layers
-    monkeypatch.setattr(cpu_decoder_layer, "decoder_layers", lambda *args: calls.append(1) or layers(*args))
+    name = "decoder_layers" if products == "kernel" else "decoder_layers_with_products"
+    if products == "torch":
+        monkeypatch.setattr(cpu_decoder_layer, "max_rows", lambda *args: 0)
+    layers = getattr(cpu_decoder_layer, name)
+    monkeypatch.setattr(cpu_decoder_layer, name, lambda *args: calls.append(1) or layers(*args))
 
     def run() -> list:
         llm = LLM(model, in_process=True, dtype="float32", block_size=16)

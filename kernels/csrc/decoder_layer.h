@@ -98,25 +98,34 @@ void rotate(T* heads, int64_t count, int64_t dim, const float* cos, const float*
   }
 }
 
-// x [M, hidden] (this layer's input), residual [M, hidden] or null (first layer); writes out [M, hidden] and
-// residual_out [M, hidden]. Caches [blocks, kv_heads, block_size, head_dim]; a negative slot writes no KV.
+// Rows of add_and_norm_row over the threads (one row is not worth waking them); in place is fine.
 template <typename T>
-void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* out, T* residual_out,
-                   const int64_t* positions, const int64_t* slots, T* k_cache, T* v_cache, int64_t block_size,
-                   const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M) {
-  const int64_t H = L.hidden, D = L.head_dim, q_size = L.heads * D, kv_size = L.kv_heads * D;
-  const int64_t qkv_size = q_size + 2 * kv_size, I = L.intermediate;
-  std::vector<T> normed(M * H), qkv(M * qkv_size), q(M * q_size), attn(M * q_size);
-  // The elementwise work goes row by row over the threads; one row is not worth waking them.
+void add_and_norm_rows(const T* x, const T* residual, const T* weight, float eps, T* residual_out, T* out, int64_t M,
+                       int64_t H) {
 #pragma omp parallel for if (M > 1)
   for (int64_t m = 0; m < M; ++m)
-    add_and_norm_row(x + m * H, residual ? residual + m * H : nullptr, L.input_norm, L.eps, residual_out + m * H,
-                     normed.data() + m * H, H);
-  project(L.qkv, normed.data(), L.qkv_bias, qkv.data(), M, qkv_size, H);
+    add_and_norm_row(x + m * H, residual ? residual + m * H : nullptr, weight, eps, residual_out + m * H, out + m * H,
+                     H);
+}
 
+template <typename T>
+void silu_and_mul_rows(const T* gate_up, T* act, int64_t M, int64_t I) {
+#pragma omp parallel for if (M > 1)
+  for (int64_t m = 0; m < M; ++m) silu_and_mul_row(gate_up + m * 2 * I, act + m * I, I);
+}
+
+// The attention between the layer's qkv and o products: rotary on q and k of qkv [M, q + 2 kv] (in place), the
+// step's K/V written into the caches [blocks, kv_heads, block_size, head_dim] (a negative slot writes none), and
+// each row's attention over its sequence into attn [M, q].
+template <typename T>
+void attend(const DecoderLayer<T>& L, T* qkv, const int64_t* positions, const int64_t* slots, T* k_cache, T* v_cache,
+            int64_t block_size, const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, T* attn,
+            int64_t M) {
+  const int64_t D = L.head_dim, q_size = L.heads * D, kv_size = L.kv_heads * D, qkv_size = q_size + 2 * kv_size;
+  std::vector<T> q(M * q_size);
 #pragma omp parallel for if (M > 1)
   for (int64_t m = 0; m < M; ++m) {
-    T* row = qkv.data() + m * qkv_size;
+    T* row = qkv + m * qkv_size;
     const float *cos = L.cos + positions[m] * D, *sin = L.sin + positions[m] * D;
     rotate(row, L.heads, D, cos, sin);
     rotate(row + q_size, L.kv_heads, D, cos, sin);
@@ -129,27 +138,28 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
       std::copy(row + q_size + kv_size + h * D, row + q_size + kv_size + (h + 1) * D, v_cache + at);
     }
   }
-  decode_any<T>(q.data(), k_cache, v_cache, tables, seq_lens, attn.data(), M, L.heads, L.kv_heads, block_size, D,
-                max_blocks, L.scale, 0.f, L.window);
-
-  std::vector<T> o(M * H), gate_up(M * 2 * I), act(M * I);
-  project(L.o, attn.data(), L.o_bias, o.data(), M, H, q_size);
-#pragma omp parallel for if (M > 1)
-  for (int64_t m = 0; m < M; ++m)
-    add_and_norm_row(o.data() + m * H, residual_out + m * H, L.post_norm, L.eps, residual_out + m * H,
-                     normed.data() + m * H, H);
-  project(L.gate_up, normed.data(), static_cast<const T*>(nullptr), gate_up.data(), M, 2 * I, H);
-#pragma omp parallel for if (M > 1)
-  for (int64_t m = 0; m < M; ++m) silu_and_mul_row(gate_up.data() + m * 2 * I, act.data() + m * I, I);
-  project(L.down, act.data(), static_cast<const T*>(nullptr), out, M, H, I);
+  decode_any<T>(q.data(), k_cache, v_cache, tables, seq_lens, attn, M, L.heads, L.kv_heads, block_size, D, max_blocks,
+                L.scale, 0.f, L.window);
 }
 
-// The model's final norm after its last layer: residual = round(x + residual), out = its norm; in place is fine.
+// x [M, hidden] (this layer's input), residual [M, hidden] or null (first layer); writes out [M, hidden] and
+// residual_out [M, hidden] (either may be x or residual: each is read before it is written).
 template <typename T>
-void final_norm(const T* x, T* residual, const T* weight, float eps, T* out, int64_t M, int64_t H) {
-#pragma omp parallel for if (M > 1)
-  for (int64_t m = 0; m < M; ++m) add_and_norm_row(x + m * H, residual + m * H, weight, eps, residual + m * H,
-                                                   out + m * H, H);
+void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* out, T* residual_out,
+                   const int64_t* positions, const int64_t* slots, T* k_cache, T* v_cache, int64_t block_size,
+                   const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M) {
+  const int64_t H = L.hidden, q_size = L.heads * L.head_dim, qkv_size = q_size + 2 * L.kv_heads * L.head_dim;
+  const int64_t I = L.intermediate;
+  std::vector<T> normed(M * H), qkv(M * qkv_size), attn(M * q_size);
+  add_and_norm_rows(x, residual, L.input_norm, L.eps, residual_out, normed.data(), M, H);
+  project(L.qkv, normed.data(), L.qkv_bias, qkv.data(), M, qkv_size, H);
+  attend(L, qkv.data(), positions, slots, k_cache, v_cache, block_size, tables, max_blocks, seq_lens, attn.data(), M);
+  std::vector<T> o(M * H), gate_up(M * 2 * I), act(M * I);
+  project(L.o, attn.data(), L.o_bias, o.data(), M, H, q_size);
+  add_and_norm_rows(o.data(), residual_out, L.post_norm, L.eps, residual_out, normed.data(), M, H);
+  project(L.gate_up, normed.data(), static_cast<const T*>(nullptr), gate_up.data(), M, 2 * I, H);
+  silu_and_mul_rows(gate_up.data(), act.data(), M, I);
+  project(L.down, act.data(), static_cast<const T*>(nullptr), out, M, H, I);
 }
 
 }  // namespace pagedserve

@@ -49,20 +49,14 @@ void gemv_int8_grouped(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias
 // dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none), then the scale group sizes of
 // qkv, o, gate_up and down (0: a scale per row, or no scale).
 template <typename T>
-void decoder_layer(const std::vector<uintptr_t>& w, const std::vector<int64_t>& dims, float eps, float scale,
-                   uintptr_t x, uintptr_t residual, uintptr_t o, uintptr_t residual_out, uintptr_t positions,
-                   uintptr_t slots, uintptr_t k_cache, uintptr_t v_cache, int64_t block_size, uintptr_t tables,
-                   int64_t max_blocks, uintptr_t seq_lens, int64_t m) {
+pagedserve::DecoderLayer<T> layer_of(const std::vector<uintptr_t>& w, const std::vector<int64_t>& dims, float eps,
+                                     float scale) {
   auto projection = [&](int weight, int scale) {
     return pagedserve::Projection{reinterpret_cast<const void*>(w[weight]), in<float>(w[scale]), dims[scale - 4]};
   };
-  const pagedserve::DecoderLayer<T> layer{in<T>(w[0]), in<T>(w[2]), in<T>(w[4]), in<T>(w[5]),
-                                          projection(1, 10), projection(3, 11), projection(6, 12), projection(7, 13),
-                                          in<float>(w[8]), in<float>(w[9]), eps, scale, dims[0], dims[1], dims[2],
-                                          dims[3], dims[4], dims[5]};
-  pagedserve::decoder_layer(layer, in<T>(x), in<T>(residual), out<T>(o), out<T>(residual_out), in<int64_t>(positions),
-                            in<int64_t>(slots), out<T>(k_cache), out<T>(v_cache), block_size, in<int64_t>(tables),
-                            max_blocks, in<int64_t>(seq_lens), m);
+  return {in<T>(w[0]), in<T>(w[2]), in<T>(w[4]), in<T>(w[5]), projection(1, 10), projection(3, 11), projection(6, 12),
+          projection(7, 13), in<float>(w[8]), in<float>(w[9]), eps, scale, dims[0], dims[1], dims[2], dims[3],
+          dims[4], dims[5]};
 }
 
 // A stage's layers in order, the hidden states and residual carried in out and residual_out (x and residual are
@@ -76,12 +70,22 @@ void decoder_layers(const std::vector<std::vector<uintptr_t>>& weights, const st
                     uintptr_t residual_out, uintptr_t positions, uintptr_t slots, int64_t block_size,
                     uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, int64_t m) {
   for (size_t i = 0; i < weights.size(); ++i)
-    decoder_layer<T>(weights[i], dims[i], float(eps[i]), float(scales[i]), i ? o : x, i ? residual_out : residual,
-                     o, residual_out, positions, slots, k_caches[i], v_caches[i], block_size, tables, max_blocks,
-                     seq_lens, m);
+    pagedserve::decoder_layer(layer_of<T>(weights[i], dims[i], float(eps[i]), float(scales[i])),
+                              in<T>(i ? o : x), in<T>(i ? residual_out : residual), out<T>(o), out<T>(residual_out),
+                              in<int64_t>(positions), in<int64_t>(slots), out<T>(k_caches[i]), out<T>(v_caches[i]),
+                              block_size, in<int64_t>(tables), max_blocks, in<int64_t>(seq_lens), m);
   if (final_norm)
-    pagedserve::final_norm(in<T>(o), out<T>(residual_out), in<T>(final_norm), float(final_eps), out<T>(o), m,
-                           dims[0][0]);
+    pagedserve::add_and_norm_rows(in<T>(o), in<T>(residual_out), in<T>(final_norm), float(final_eps),
+                                  out<T>(residual_out), out<T>(o), m, dims[0][0]);
+}
+
+template <typename T>
+void attend(const std::vector<uintptr_t>& weights, const std::vector<int64_t>& dims, float scale, uintptr_t qkv,
+            uintptr_t positions, uintptr_t slots, uintptr_t k_cache, uintptr_t v_cache, int64_t block_size,
+            uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, uintptr_t attn, int64_t m) {
+  pagedserve::attend(layer_of<T>(weights, dims, 0.f, scale), out<T>(qkv), in<int64_t>(positions), in<int64_t>(slots),
+                     out<T>(k_cache), out<T>(v_cache), block_size, in<int64_t>(tables), max_blocks,
+                     in<int64_t>(seq_lens), out<T>(attn), m);
 }
 
 }  // namespace
@@ -105,6 +109,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_int8_grouped", [](bool bf16, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uintptr_t y,
                                 int64_t m, int64_t n, int64_t k, int64_t group) {
     (bf16 ? gemv_int8_grouped<uint16_t> : gemv_int8_grouped<float>)(x, w, scale, bias, y, m, n, k, group);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  // The pieces of a layer between its products, for steps whose products run elsewhere (torch's GEMMs).
+  m.def("add_and_norm", [](bool bf16, uintptr_t x, uintptr_t residual, uintptr_t weight, double eps,
+                           uintptr_t residual_out, uintptr_t o, int64_t m, int64_t h) {
+    if (bf16)
+      pagedserve::add_and_norm_rows(in<uint16_t>(x), in<uint16_t>(residual), in<uint16_t>(weight), float(eps),
+                                    out<uint16_t>(residual_out), out<uint16_t>(o), m, h);
+    else
+      pagedserve::add_and_norm_rows(in<float>(x), in<float>(residual), in<float>(weight), float(eps),
+                                    out<float>(residual_out), out<float>(o), m, h);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("attend", [](bool bf16, const std::vector<uintptr_t>& weights, const std::vector<int64_t>& dims, double scale,
+                     uintptr_t qkv, uintptr_t positions, uintptr_t slots, uintptr_t k_cache, uintptr_t v_cache,
+                     int64_t block_size, uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, uintptr_t attn,
+                     int64_t m) {
+    (bf16 ? attend<uint16_t> : attend<float>)(weights, dims, float(scale), qkv, positions, slots, k_cache, v_cache,
+                                              block_size, tables, max_blocks, seq_lens, attn, m);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("silu_and_mul", [](bool bf16, uintptr_t gate_up, uintptr_t act, int64_t m, int64_t i) {
+    if (bf16)
+      pagedserve::silu_and_mul_rows(in<uint16_t>(gate_up), out<uint16_t>(act), m, i);
+    else
+      pagedserve::silu_and_mul_rows(in<float>(gate_up), out<float>(act), m, i);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decoder_layers", [](bool bf16, const std::vector<std::vector<uintptr_t>>& weights,
                              const std::vector<std::vector<int64_t>>& dims, const std::vector<double>& eps,

@@ -178,15 +178,22 @@ class LlamaModel(nn.Module):
 
     def _one_call_forward(self, x: torch.Tensor, residual: torch.Tensor | None, step: cpu_decoder_layer.DecodeStep
                           ) -> torch.Tensor | Intermediate:
-        """forward() of a step of few tokens: the stage's layers, and the final norm on the last stage, in one C++
-        call (kernels.cpu_decoder_layer), same results."""
+        """forward() of a step of decodes or short chunks: the stage's layers, and the final norm on the last stage,
+        in one C++ call, or with torch's products between C++ calls past the kernels' rows (kernels.cpu_decoder_layer);
+        same results."""
         layers = [self.layers[i] for i in self.stage_layers]
         caches = [layer.self_attn.attn.kv_cache for layer in layers]
         if any(cache is None for cache in caches):
             raise RuntimeError("the KV cache was not bound to an attention layer")
-        norm = None if self.norm is None else self.norm.weight
-        x, residual = cpu_decoder_layer.decoder_layers([layer.fused_weights for layer in layers], caches, x, residual,
-                                                       step, norm, 0.0 if self.norm is None else self.norm.eps)
+        weights = [layer.fused_weights for layer in layers]
+        norm, eps = (None, 0.0) if self.norm is None else (self.norm.weight, self.norm.eps)
+        if step.kernel_products:
+            x, residual = cpu_decoder_layer.decoder_layers(weights, caches, x, residual, step, norm, eps)
+        else:
+            products = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                        for layer in layers]
+            x, residual = cpu_decoder_layer.decoder_layers_with_products(weights, products, caches, x, residual, step,
+                                                                         norm, eps)
         return (x, residual) if self.norm is None else x
 
     def _one_call_step(self, x: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata
