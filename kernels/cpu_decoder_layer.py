@@ -1,4 +1,4 @@
-"""A stage's llama-style decoder layers for a step of few tokens in one C++ call (kernels/csrc/decoder_layer.h).
+"""A stage's llama-style decoder layers for a step of decodes or short chunks in C++ (kernels/csrc/decoder_layer.h).
 
 At batch-1 decode the weights stream in ~3 ms per token on this project's benchmark model, while the ~50 tensor
 ops per layer that norm, rotate, cache, attend and gate cost several more in dispatch alone. The kernel runs the
@@ -106,8 +106,8 @@ class DecodeStep:
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor  # the block table of each token's sequence
     seq_lens: torch.Tensor  # position + 1: the slots each token attends to
-    kernel_products: bool  # few enough tokens for the kernels' products (max_rows): decoder_layers(), else
-    # decoder_layers_with_products() with torch's GEMMs
+    # Few enough tokens for the kernels' products (max_rows): decoder_layers(); else decoder_layers_with_products().
+    kernel_products: bool
 
 
 def decode_step(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,

@@ -157,8 +157,8 @@ class LlamaModel(nn.Module):
 
     @functools.cached_property
     def one_call_layers(self) -> bool:
-        """Whether the C++ one-call layer serves this stage's steps of few tokens: tp 1 only (it has no all-reduce
-        between attention and MLP), and every layer takes it."""
+        """Whether the C++ layer serves this stage's steps of decodes and short chunks: tp 1 only (it has no
+        all-reduce between attention and MLP), and every layer takes it."""
         return parallel_state().tp_size == 1 and bool(self.stage_layers) and \
             all(self.layers[i].takes_one_call for i in self.stage_layers)
 
