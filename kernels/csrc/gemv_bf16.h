@@ -12,26 +12,7 @@
 
 namespace pagedserve {
 
-inline __m512bh load32(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh load32(const uint16_t* p, __mmask32 mask) { return (__m512bh)_mm512_maskz_loadu_epi16(mask, p); }
-
-// One weight row against one input row, four sums over k: one sequential stream (M = 1).
-inline float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t K) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  int64_t k = 0;
-  for (; k + 128 <= K; k += 128) {
-    a0 = _mm512_dpbf16_ps(a0, load32(w + k), load32(x + k));
-    a1 = _mm512_dpbf16_ps(a1, load32(w + k + 32), load32(x + k + 32));
-    a2 = _mm512_dpbf16_ps(a2, load32(w + k + 64), load32(x + k + 64));
-    a3 = _mm512_dpbf16_ps(a3, load32(w + k + 96), load32(x + k + 96));
-  }
-  for (; k + 32 <= K; k += 32) a0 = _mm512_dpbf16_ps(a0, load32(w + k), load32(x + k));
-  if (k < K) {
-    const __mmask32 tail = _cvtu32_mask32((1u << (K - k)) - 1);
-    a1 = _mm512_dpbf16_ps(a1, load32(w + k, tail), load32(x + k, tail));
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-}
 
 // One weight row against input rows m0..m0+MB: MB sums, the weight vector loaded once per k for all of them.
 template <int MB>
@@ -62,11 +43,6 @@ inline void output_rows_bf16(const uint16_t* w, const uint16_t* x, float bias, u
 // 16 rows on, where the sums are compute-bound and the wider block loads each weight vector fewer times).
 inline void gemv_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N,
                       int64_t K) {
-  if (M == 1) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; ++n) store(dot_bf16(w + n * K, x, K) + (bias ? widen(bias[n]) : 0.f), y + n);
-    return;
-  }
   const bool wide = M >= 16;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
