@@ -9,6 +9,8 @@ import torch
 import triton  # noqa: E402,F401  (the test extra; on CPU, conftest has set TRITON_INTERPRET=1 before anything imported it)
 
 from kernels import (  # noqa: E402
+    activation_ref,
+    activation_triton,
     attention_ref,
     attention_triton,
     decode_split_k_triton,
@@ -144,6 +146,15 @@ def test_rms_norm(dtype, with_residual):
     residual = residual if with_residual else None
     torch.testing.assert_close(norm_triton.rms_norm(x, weight, 1e-6, residual),
                                norm_ref.rms_norm(x, weight, 1e-6, residual), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 96), (2, 3, 2 * 1100)])  # 1100: a row spans two programs, the last masked
+def test_silu_and_mul(dtype, shape):
+    x = (4 * torch.randn(*shape, generator=torch.Generator().manual_seed(3))).to(DEVICE, dtype)
+    out = activation_triton.silu_and_mul(x)
+    assert out.shape == (*shape[:-1], shape[-1] // 2)
+    torch.testing.assert_close(out, activation_ref.silu_and_mul(x), **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

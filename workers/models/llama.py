@@ -8,9 +8,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from kernels import cpu_decoder_layer
+from kernels import cpu_decoder_layer, silu_and_mul
 from workers.distributed import Intermediate, parallel_state
-from workers.layers.activation import silu_and_mul
 from workers.layers.attention import Attention, AttentionMetadata, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
