@@ -85,6 +85,7 @@ def random_prompts(args: argparse.Namespace, count: int) -> list[list[int]]:
 
 def engine_args(args: argparse.Namespace, **extra) -> dict:
     return dict(dtype="bfloat16", load_format="dummy", device=args.device, enforce_eager=args.enforce_eager,
+                decode_ahead=not args.no_decode_ahead,
                 max_model_len=args.max_model_len, **extra)
 
 
@@ -99,6 +100,8 @@ def record(args: argparse.Namespace, result: dict) -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     result = {"stage": args.stage, "device": device, "torch": torch.__version__,
               "triton": _triton_version(), "date": time.strftime("%Y-%m-%d"), **result}
+    if args.stage in ("batch1", "throughput", "overhead"):
+        result["decode_ahead"] = not args.no_decode_ahead
     print(json.dumps(result), flush=True)
     if args.results:
         with open(args.results, "a") as f:
@@ -135,8 +138,9 @@ def stage_batch1(args: argparse.Namespace) -> None:
         return min(times)
 
     per_token = (best_of_3(args.output_len) - best_of_3(1)) / (args.output_len - 1)
+    hits = llm.client.engine.executor.worker.model_runner.ahead_hits
     llm.shutdown()
-    record(args, {"cuda_graphs": not args.enforce_eager, "decode_tok_s": 1 / per_token,
+    record(args, {"cuda_graphs": not args.enforce_eager, "ahead_hits": hits, "decode_tok_s": 1 / per_token,
                   "floor_tok_s": 1 / floor_s, "fraction_of_floor": floor_s / per_token})
 
 
@@ -219,16 +223,33 @@ def stage_overhead(args: argparse.Namespace) -> None:
         _synchronize(args.device)
     trace = Path(tempfile.mkdtemp()) / "trace.json"
     profile.export_chrome_trace(str(trace))
-    busy, span, kernels = _gpu_busy(json.loads(trace.read_text()))
+    events = json.loads(trace.read_text())
+    busy, span, kernels = _gpu_busy(events)
+    _print_kernel_table(events, steps)
     if args.host_profile:  # where the host's share of a step goes
         with cProfile.Profile() as host:
             for _ in range(steps):
                 engine.step()
         pstats.Stats(host).sort_stats("tottime").print_stats(25)
+    hits = engine.executor.worker.model_runner.ahead_hits
     engine.shutdown()
     record(args, {"running": args.num_requests, "context": args.input_len, "cuda_graphs": not args.enforce_eager,
+                  "ahead_hits": hits,
                   "step_ms": step_ms, "profiled_steps": steps, "kernels": kernels, "gpu_busy_ms": busy / 1e3,
                   "span_ms": span / 1e3, "idle_fraction": 1 - busy / span if span else None})
+
+
+def _print_kernel_table(trace: dict, steps: int, top: int = 20) -> None:
+    """The kernels that took the most GPU time: per step, their time and launches."""
+    total: dict[str, list[float]] = {}
+    for e in trace["traceEvents"]:
+        if e.get("cat") == "kernel" and e.get("ph") == "X":
+            entry = total.setdefault(e["name"][:90], [0.0, 0])
+            entry[0] += e.get("dur", 0)
+            entry[1] += 1
+    print(f"{'us/step':>9} {'launches/step':>13}  kernel")
+    for name, (dur, count) in sorted(total.items(), key=lambda item: -item[1][0])[:top]:
+        print(f"{dur / steps:9.1f} {count / steps:13.1f}  {name}")
 
 
 def _gpu_busy(trace: dict) -> tuple[float, float, int]:
@@ -256,6 +277,7 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="the model folder (stage make writes it)")
     parser.add_argument("--results", help="append each result here as a JSON line")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-decode-ahead", action="store_true", help="the engine's --no-decode-ahead")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test of the stages")
     parser.add_argument("--size", default="8b", help="stage make: the model maker's size")
     parser.add_argument("--num-requests", type=int, default=1000)

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Issue 26's checks on one CUDA GPU, each step bounded in time so that one hang leaves the rest their turn:
 # the CUDA and Triton tests, then the stages of benchmarks/cuda_e2e.py on an 8B-shaped model.
-#   bash benchmarks/cuda_e2e.sh OUT_DIR [STEP ...]    steps: tests batch1 eager kernels overhead
-#                                                      overhead1 throughput hf (default: all)
-# Results: OUT_DIR/results.jsonl (one JSON line per figure), OUT_DIR/log.txt, OUT_DIR/pytest_kernels.txt.
+#   bash benchmarks/cuda_e2e.sh OUT_DIR [STEP ...]    steps: tests batch1 batch1-noahead eager kernels overhead
+#                                                      overhead-noahead overhead1 throughput hf (default: all)
+# CUDA_E2E_DEADLINE=SECONDS: a step gets at most what is left of them (a lease's end), and none starts with
+# under 20 s left. Results: OUT_DIR/results.jsonl (one JSON line per figure), OUT_DIR/log.txt,
+# OUT_DIR/pytest_kernels.txt.
 set -u
 out=${1:?usage: cuda_e2e.sh OUT_DIR [STEP ...]}
 shift
-steps=${*:-tests batch1 eager kernels overhead overhead1 throughput hf}
+steps=${*:-tests batch1 batch1-noahead eager kernels overhead overhead-noahead overhead1 throughput hf}
+deadline=${CUDA_E2E_DEADLINE:-0}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 model=${PAGEDSERVE_8B_MODEL:-/tmp/llama3-8b}
@@ -16,6 +19,10 @@ bench=(python3 benchmarks/cuda_e2e.py --model "$model" --results "$out/results.j
 step() {  # step SECONDS NAME COMMAND...: run it under a time limit, its output in the log
   local limit=$1 name=$2 start=$SECONDS
   shift 2
+  if ((deadline > 0)); then
+    ((deadline - SECONDS < 20)) && { echo "=== $name: skipped, the deadline is near" | tee -a "$out/log.txt"; return; }
+    ((limit > deadline - SECONDS)) && limit=$((deadline - SECONDS))
+  fi
   echo "=== $name (limit ${limit}s)" | tee -a "$out/log.txt"
   timeout -k 10 "$limit" "$@" >>"$out/log.txt" 2>&1
   echo "=== $name: exit $? after $((SECONDS - start))s" | tee -a "$out/log.txt"
@@ -28,15 +35,23 @@ nice -n 19 python3 -c "from kernels import cpu_extension; cpu_extension.load()" 
 step 60 make "${bench[@]}" make
 for s in $steps; do
   case $s in
-    tests) wait  # the kernel tests beside the engine's: both only check results
+    tests) wait  # the kernel tests beside the engine's: all only check results
            python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs tests/test_triton_kernels.py \
-             >"$out/pytest_kernels.txt" 2>&1 &
-           step 400 tests python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs --durations=20 tests/test_cuda.py
+             tests/test_decode_ahead.py >"$out/pytest_kernels.txt" 2>&1 &
+           # The test models first: four workers would otherwise each write them. The KV-budget test reads the
+           # GPU's free memory, so it runs alone.
+           python3 -c "import sys; sys.path.insert(0, 'tests'); from conftest import tiny_model; \
+             [tiny_model(arch) for arch in ('llama', 'qwen2')]" >>"$out/log.txt" 2>&1
+           step 200 tests python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs -n 4 -k "not kv_budget" \
+             tests/test_cuda.py
+           step 60 tests-kv-budget python3 -m pytest -q -p no:cacheprovider --timeout 60 -k kv_budget tests/test_cuda.py
            wait; tail -3 "$out/pytest_kernels.txt" | tee -a "$out/log.txt" ;;
     batch1) step 100 batch1-graphs "${bench[@]}" batch1 ;;
+    batch1-noahead) step 100 batch1-graphs-noahead "${bench[@]}" batch1 --no-decode-ahead ;;
     eager) step 80 batch1-eager "${bench[@]}" batch1 --enforce-eager ;;
     kernels) step 60 kernels python3 benchmarks/kernels.py ;;
     overhead) step 120 overhead "${bench[@]}" overhead --num-requests 256 --host-profile ;;
+    overhead-noahead) step 120 overhead-noahead "${bench[@]}" overhead --num-requests 256 --no-decode-ahead ;;
     overhead1) step 60 overhead-batch1 "${bench[@]}" overhead --num-requests 1 --host-profile ;;
     throughput) step 150 throughput "${bench[@]}" throughput --num-requests 1000 ;;
     hf) step 120 hf "${bench[@]}" hf --num-requests 256 ;;

@@ -27,9 +27,11 @@ logger = logging.getLogger("pagedserve.scheduler")
 class Scheduler:
     """No prefill or decode phases: each request computes `num_tokens - num_computed_tokens` tokens, capped."""
 
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, whole_prompts: bool = False) -> None:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, whole_prompts: bool = False,
+                 decode_ahead: bool = False) -> None:
         """whole_prompts: an encoder-only model's engine; each request runs whole in one step and holds no KV
-        blocks (its attention sees only that step's tokens)."""
+        blocks (its attention sees only that step's tokens). decode_ahead: the worker runs a decode step's
+        forward pass ahead (SchedulerOutput.decode_ahead), so each decode holds the slot of its next token too."""
         self.whole_prompts = whole_prompts
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -53,6 +55,9 @@ class Scheduler:
         self.peak_num_running = 0
         self.spec_stats = SpecDecodingStats() if config.speculative_config is not None else None
         self.num_lookahead_slots = config.speculative_config.num_lookahead_slots if self.spec_stats else 0
+        self.decode_ahead = decode_ahead
+        if decode_ahead:
+            self.num_lookahead_slots = max(self.num_lookahead_slots, 1)
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -81,7 +86,8 @@ class Scheduler:
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
                                num_scheduled_tokens=num_scheduled,
                                total_num_scheduled_tokens=sum(num_scheduled.values()), finished_req_ids=finished,
-                               scheduled_spec_decode_tokens=spec_tokens)
+                               scheduled_spec_decode_tokens=spec_tokens,
+                               decode_ahead=self.decode_ahead and self._same_decodes_next(num_scheduled, spec_tokens))
 
     def _schedule_running(self, num_scheduled: dict[str, int], cached_reqs: list[CachedRequestData],
                           spec_tokens: dict[str, list[int]], budget: int) -> bool:
@@ -116,6 +122,18 @@ class Scheduler:
             budget -= num_new
             index += 1
         return preempted_any
+
+    def _same_decodes_next(self, num_scheduled: dict[str, int], spec_tokens: dict[str, list[int]]) -> bool:
+        """Whether this decode-only step's requests, less any that finish, make the next step: not all of them end
+        by length with this token, and no request waits that could join (none, or the running ones fill
+        max_num_seqs and none ends by length)."""
+        if spec_tokens or any(count != 1 for count in num_scheduled.values()):
+            return False
+        ends = [len(r.output_token_ids) + 1 >= r.max_tokens or r.num_tokens + 1 >= self.max_model_len
+                for r in (self.requests[req_id] for req_id in num_scheduled)]
+        if all(ends):
+            return False
+        return not self.waiting or (len(self.running) >= self.max_num_seqs and not any(ends))
 
     def _with_lookahead(self, num_computed: int, num_new: int) -> int:
         """Slots for a step's tokens and the positions a draft model writes after them (not past max_model_len)."""

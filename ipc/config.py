@@ -69,6 +69,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # CUDA: decode batch sizes to capture graphs for; None: 1, 2, 4, 8, then multiples of 8 up to
     # min(max_num_seqs, 512). A decode batch is padded up to the next captured size.
     cuda_graph_sizes: Annotated[list[Positive], Meta(min_length=1)] | None = None
+    # CUDA graphs: while the host turns a decode step's tokens into outputs and schedules the next step, the GPU
+    # already runs the next step's forward pass for the same requests (workers/decode_ahead.py); off: the GPU
+    # waits for the host between decode steps.
+    decode_ahead: bool = True
     # The privileged utilities a client of the engine socket may call. start_profile/stop_profile only when
     # profiler_dir is set: every trace goes there, and a profile stops itself (its trace written) after
     # profiler_max_seconds or profiler_max_steps steps, which bounds its memory and its trace's size.

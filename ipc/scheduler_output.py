@@ -48,6 +48,10 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # Draft tokens to verify, by request: they follow its last token in this step's input (counted in
     # num_scheduled_tokens), and its output is the accepted ones plus one more.
     scheduled_spec_decode_tokens: dict[str, list[TokenId]] = {}
+    # A decode-only step after which the scheduler expects to decode the same requests again (or those of them that
+    # do not finish): nothing waiting could join, and none reaches its length limit with this step's token. The
+    # worker may then start the next step's forward pass before this one's tokens reach the engine.
+    decode_ahead: bool = False
 
 
 class PromptLogprobs(msgspec.Struct):

@@ -76,6 +76,26 @@ def test_bfloat16_cuda_graphs_equal_eager_steps_padded_and_past_the_largest_grap
     graphed.shutdown()
 
 
+def test_decode_ahead_leaves_greedy_and_seeded_outputs_as_they_were():
+    """The next decode step's graph replayed before this step's tokens reach the host, fed them on the device:
+    tokens equal those of the engine without it while 9 requests finish one after another (the steps computed
+    ahead then hold rows no longer needed), greedy and seeded."""
+    model_dir = tiny_model("llama")
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([4 + 7 * i for i in range(9)], vocab=1000, seed=5)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=6 + 3 * i, ignore_eos=True)
+              for i in range(9)]
+    tokens = {}
+    for ahead in (False, True):
+        llm = LLM(model_dir, in_process=True, device="cuda", dtype="float32", decode_ahead=ahead,
+                  cuda_graph_sizes=[1, 2, 4, 8], **SMALL_CACHE)
+        tokens[ahead] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert (model_runner(llm).ahead_hits > 0) == ahead
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+    assert [len(t) for t in tokens[True]] == [p.max_tokens for p in params]
+    assert tokens[True] == tokens[False]
+
+
 def test_kv_budget_grows_with_gpu_memory_utilization():
     model_dir = tiny_model("llama")
     blocks = {}

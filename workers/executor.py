@@ -20,6 +20,9 @@ class Executor(Protocol):
 
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
+    def decodes_ahead(self) -> bool:
+        """Whether the workers run decode steps' forward passes ahead (SchedulerOutput.decode_ahead)."""
+
     def submit_batch(self, scheduler_output: SchedulerOutput) -> None: ...
 
     def collect_output(self) -> ModelRunnerOutput: ...
@@ -44,6 +47,9 @@ class InProcessExecutor:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
+
+    def decodes_ahead(self) -> bool:
+        return self.worker.model_runner.decodes_ahead
 
     def submit_batch(self, scheduler_output: SchedulerOutput) -> None:
         """Runs the step right away: one process computes one batch at a time."""

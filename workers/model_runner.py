@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 from ipc import (EngineConfig, ModelRunnerOutput, NewRequestData, PoolingInfo, PromptLogprobs, SamplingParams,
                  SchedulerOutput)
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
+from workers.decode_ahead import AheadForward, DecodeRows, next_rows
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
 from workers.layers.attention import Attention, AttentionMetadata, DecodeMetadata, StepMetadata
 from workers.layers.sampler import Sampler, gather_logprobs
@@ -41,6 +42,7 @@ class ModelInputs:
     prompt_logprob_jobs: list[PromptLogprobJob]
     lora_row_slots: list[int] | None = None  # the adapter slot of each row of logits_indices (workers.lora)
     pooling_jobs: list[PoolingJob] = field(default_factory=list)
+    hidden: torch.Tensor | None = None  # the step's final hidden states where a forward pass ahead computed them
 
 
 @dataclass
@@ -84,6 +86,11 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.staging = PinnedStaging(_staging_bytes(config), device) if device.type == "cuda" else None
         self.decode_graphs: DecodeGraphs | None = None
+        # Decode ahead (workers/decode_ahead.py): the rows the sampling of this step launches the next forward pass
+        # for, with the graph size, and the forward pass last launched, until the next step takes or drops it.
+        self.ahead_plan: tuple[DecodeRows, int] | None = None
+        self.ahead: AheadForward | None = None
+        self.ahead_hits = 0  # decode steps whose forward pass ran ahead
         self.lora = LoRAManager(self.model, config, dtype, device) if config.enable_lora else None
         self.pooling = pooling
         self.chunked_pooling = ChunkedPooling(pooling.pooling_type)
@@ -118,6 +125,11 @@ class ModelRunner:
             self.draft_model.bind_kv_cache(None)
 
     @property
+    def decodes_ahead(self) -> bool:
+        """Whether decode steps' forward passes run ahead: CUDA graphs captured, no draft tokens to propose."""
+        return self.decode_graphs is not None and self.config.decode_ahead and self.speculator is None
+
+    @property
     def draft_model(self) -> DraftModel | None:
         return self.speculator.proposer if self.speculator and isinstance(self.speculator.proposer, DraftModel) \
             else None
@@ -150,9 +162,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        ahead, self.ahead = self.ahead, None
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={})
-        inputs = self._prepare_inputs(scheduler_output)
+        inputs = self._prepare_inputs(scheduler_output, ahead)
         hidden = self._forward(inputs)
         if not self.parallel.is_last_stage:
             pp_send(hidden)
@@ -176,7 +189,12 @@ class ModelRunner:
                                      pooled=pooled)
         if len(groups) < len(inputs.sample_groups):
             logits = logits[_rows_of(inputs.sample_groups, failed)]
-        output = self.step_sampler.sample(logits, groups, scheduler_output.grammar_bitmask)
+        output = self.step_sampler.sample(logits, groups, scheduler_output.grammar_bitmask,
+                                          self._launch_ahead if self.ahead_plan is not None else None)
+        self.ahead_plan = None
+        if self.ahead is not None:
+            self.ahead.token_ids = np.array([output.sampled_token_ids.get(req_id, [-1])[-1]
+                                             for req_id in self.ahead.rows.req_ids], dtype=np.int64)
         output.prompt_logprobs, output.pooled = prompt_logprobs, pooled
         output.failed.update(failed)
         if self.speculator is not None:
@@ -201,6 +219,8 @@ class ModelRunner:
 
     def _forward(self, inputs: ModelInputs) -> torch.Tensor | Intermediate:
         """This stage's layers; a stage after the first starts from the previous stage's hidden states."""
+        if inputs.hidden is not None:
+            return inputs.hidden
         if isinstance(inputs.metadata, DecodeMetadata):
             return self.decode_graphs.replay(len(inputs.input_ids))
         args = (inputs.input_ids, inputs.positions, inputs.metadata)
@@ -228,7 +248,26 @@ class ModelRunner:
                 state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> ModelInputs:
+    def _launch_ahead(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Sampling's hook, with this step's tokens still on the device: replay the next decode step's graph for the
+        planned rows, fed those tokens, and return a host copy of them queued before it, so reading them waits for
+        this step's work alone (tolist() on the device tensor would wait for the whole stream)."""
+        host_tokens = tokens.to("cpu", non_blocking=True)
+        copied = torch.cuda.Event() if tokens.is_cuda else None  # on CPU, host_tokens is tokens
+        if copied is not None:
+            copied.record()
+        rows, size = self.ahead_plan
+        if len(tokens) == len(rows.req_ids):  # else a request's sampling failed: its row is gone
+            batch = DecodeBatch.padded(np.zeros(len(tokens), dtype=np.int64), rows.positions, rows.slot_mapping,
+                                       rows.seq_lens, rows.block_tables, size)
+            input_ids, _, _ = self.decode_graphs.load(batch, self.staging)
+            input_ids[:len(tokens)].copy_(tokens)
+            self.ahead = AheadForward(rows, self.decode_graphs.replay(size))
+        if copied is not None:
+            copied.synchronize()
+        return host_tokens
+
+    def _prepare_inputs(self, so: SchedulerOutput, ahead: AheadForward | None = None) -> ModelInputs:
         if self.staging is not None:
             self.staging.begin_step()
         counts, spec = so.num_scheduled_tokens, so.scheduled_spec_decode_tokens
@@ -244,7 +283,7 @@ class ModelRunner:
         positions = np.repeat(starts - query_start_loc[:-1], num_tokens) + np.arange(query_start_loc[-1])
         input_ids = np.concatenate([s.token_ids[a:b] + d[:max(0, b - len(s.token_ids))]
                                     for s, d, a, b in zip(states, drafts, starts, seq_lens)])
-        table = self._block_table(states)
+        table, num_blocks = self._block_table(states)
         slot_mapping = table[row_of_token, positions // self.block_size] * self.block_size \
             + positions % self.block_size
         sampled = [i for i, s in enumerate(states)
@@ -260,16 +299,28 @@ class ModelRunner:
         adapted = any(slot >= 0 for slot in lora_slots)  # captured graphs hold no adapter deltas
         graph_size = self._graph_size(len(req_ids)) if num_decodes == len(req_ids) and not jobs and not adapted \
             else None
+        hidden = None
         if graph_size is not None:
-            batch = DecodeBatch.padded(input_ids, positions, slot_mapping, seq_lens, table, graph_size)
-            input_ids_t, positions_t, metadata = self.decode_graphs.load(batch, self.staging)
+            rows = DecodeRows(req_ids, positions, slot_mapping, seq_lens, table, num_blocks)
+            picked = None if ahead is None else ahead.rows_for(rows, input_ids, self.block_size)
+            if picked is None:
+                batch = DecodeBatch.padded(input_ids, positions, slot_mapping, seq_lens, table, graph_size)
+                input_ids_t, positions_t, metadata = self.decode_graphs.load(batch, self.staging)
+            else:
+                self.ahead_hits += 1
+                hidden = ahead.hidden[self._tensor(picked)]
+                input_ids_t, positions_t = self.decode_graphs.input_ids, self.decode_graphs.positions
+                metadata = self.decode_graphs.metadata(graph_size)
+            if so.decode_ahead and self.decodes_ahead and len(sampled) == len(states) and not pooling_jobs:
+                planned = next_rows(rows, self.block_size, self.config.max_model_len)
+                self.ahead_plan = None if planned is None else (planned, graph_size)
         else:
             input_ids_t, positions_t = self._tensor(input_ids), self._tensor(positions)
             metadata = self._attention_metadata(slot_mapping, table, query_start_loc, seq_lens, num_decodes)
         return ModelInputs(input_ids_t, positions_t, metadata,
                            self._tensor(_sampled_rows(query_start_loc[1:][sampled], [drafts[i] for i in sampled])),
                            [self._sample_group(states[i], drafts[i]) for i in sampled], jobs,
-                           [lora_slots[i] for i in sampled for _ in range(1 + len(drafts[i]))], pooling_jobs)
+                           [lora_slots[i] for i in sampled for _ in range(1 + len(drafts[i]))], pooling_jobs, hidden)
 
     def _lora_slots(self, states: list[CachedRequestState], num_tokens: np.ndarray) -> list[int]:
         """Each request's adapter slot (-1: none), its adapter put in a slot; every token of the step tagged."""
@@ -298,11 +349,13 @@ class ModelRunner:
             metadata.device_seq_lens = self.staging.to_device(seq_lens.astype(np.int32))
         return metadata
 
-    def _block_table(self, states: list[CachedRequestState]) -> np.ndarray:
-        table = np.zeros((len(states), max(len(s.block_ids) for s in states)), dtype=np.int64)
+    def _block_table(self, states: list[CachedRequestState]) -> tuple[np.ndarray, np.ndarray]:
+        """The step's block table (zero past each request's blocks) and how many blocks each request holds."""
+        num_blocks = np.array([len(s.block_ids) for s in states], dtype=np.int64)
+        table = np.zeros((len(states), num_blocks.max()), dtype=np.int64)
         for row, state in enumerate(states):
             table[row, :len(state.block_ids)] = state.block_ids
-        return table
+        return table, num_blocks
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         """An int64 index array on this rank's device: shared with numpy on CPU, staged through pinned memory on
@@ -348,7 +401,8 @@ def _prompt_logprob_job(state: CachedRequestState, start: int, end: int, first_r
 def _staging_bytes(config: EngineConfig) -> int:
     """Pinned bytes for the most one step stages, each array aligned: four int64 arrays indexed by token (ids,
     positions, slots, prompt-logprob rows; a padded decode batch may exceed the token budget, never max_num_seqs),
-    the block table, the logits indices, and the int32 query starts and lengths."""
+    the block table, the logits indices, and the int32 query starts and lengths; and a decode batch launched ahead
+    (ids, positions, slots, block table, int32 lengths)."""
     rows, seqs = max(config.max_num_batched_tokens, config.max_num_seqs), config.max_num_seqs
     table = seqs * -(-config.max_model_len // config.block_size)
-    return 8 * (4 * rows + table + seqs) + 4 * (2 * seqs + 1) + 16 * (seqs + 8)
+    return 8 * (4 * rows + table + seqs) + 4 * (2 * seqs + 1) + 16 * (seqs + 8) + 8 * (3 * seqs + table) + 4 * seqs + 16 * 5

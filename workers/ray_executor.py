@@ -109,6 +109,10 @@ class RayExecutor:
         which switches the actors to their step loop."""
         return sum(self._gather([actor.weight_bytes.remote() for actor in self.actors]))
 
+    def decodes_ahead(self) -> bool:
+        """Never: several ranks replay no CUDA graphs (ModelRunner._captures_cuda_graphs)."""
+        return False
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every rank's cache, then switch the actors to the step loop."""
         self._gather([actor.initialize_kv_cache.remote(num_blocks) for actor in self.actors])

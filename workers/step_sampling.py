@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -34,12 +34,12 @@ class StepSampler:
     def __init__(self, sampler: Sampler, device: torch.device) -> None:
         self.sampler, self.device = sampler, device
 
-    def sample(self, logits: torch.Tensor, groups: list[SampleGroup], bitmask: GrammarBitmask | None
-               ) -> ModelRunnerOutput:
+    def sample(self, logits: torch.Tensor, groups: list[SampleGroup], bitmask: GrammarBitmask | None,
+               before_sync: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ModelRunnerOutput:
         """Sample the batch; if that fails, sample each request alone, so that only the one at fault fails (the
-        sampler leaves its inputs untouched when it raises)."""
+        sampler leaves its inputs untouched when it raises). before_sync: see Sampler.__call__ (batch only)."""
         try:
-            return self._sample_batch(logits, groups, bitmask)
+            return self._sample_batch(logits, groups, bitmask, before_sync)
         except Exception:
             logger.exception("sampling %d requests together failed; sampling each alone", len(groups))
         outputs, first = [], 0
@@ -51,13 +51,13 @@ class StepSampler:
             first += group.num_rows
         return _merged(outputs)
 
-    def _sample_batch(self, logits: torch.Tensor, groups: list[SampleGroup], bitmask: GrammarBitmask | None
-                      ) -> ModelRunnerOutput:
+    def _sample_batch(self, logits: torch.Tensor, groups: list[SampleGroup], bitmask: GrammarBitmask | None,
+                      before_sync: Callable[[torch.Tensor], torch.Tensor] | None = None) -> ModelRunnerOutput:
         meta = self._sampling_metadata(groups)
         if bitmask is not None:  # a constrained request verifies no drafts: it has one row
             meta.grammar = _grammar_rows(bitmask, [g.state.req_id for g in groups for _ in range(g.num_rows)],
                                          self.device)
-        return _grouped_output(self.sampler(logits, meta), groups)
+        return _grouped_output(self.sampler(logits, meta, before_sync), groups)
 
     def _sampling_metadata(self, groups: list[SampleGroup]) -> SamplingMetadata:
         """One row per logits row; a row verifying draft i sees drafts 0..i-1 as already sampled (min_tokens, bad
@@ -82,21 +82,28 @@ def _draft_rows(group: SampleGroup, vocab: int, device: torch.device) -> torch.T
 def sampling_metadata(rows: list[tuple[CachedRequestState, list[int]]], device: torch.device) -> SamplingMetadata:
     """One row per (request, tokens taken as sampled after its own): its options, bans and penalties there."""
     params = [state.sampling_params for state, _ in rows]
-    temperature = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params], device=device)
     top_k = [p.top_k for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
     return SamplingMetadata(
-        temperature=temperature,
-        top_k=torch.tensor(top_k, device=device) if any(k > 0 for k in top_k) else None,
-        top_p=torch.tensor(top_p, device=device) if any(p < 1.0 for p in top_p) else None,
-        min_p=torch.tensor(min_p, device=device) if any(p > 0.0 for p in min_p) else None,
+        temperature=_to_device([0.0 if p.is_greedy else p.temperature for p in params], device),
+        top_k=_to_device(top_k, device) if any(k > 0 for k in top_k) else None,
+        top_p=_to_device(top_p, device) if any(p < 1.0 for p in top_p) else None,
+        min_p=_to_device(min_p, device) if any(p > 0.0 for p in min_p) else None,
+        every_row_greedy=all(p.is_greedy for p in params),
         generators={row: state.generator for row, (state, _) in enumerate(rows) if state.generator is not None},
         banned_token_ids={row: ids for row, (state, before) in enumerate(rows)
                           if (ids := state.banned_token_ids(before))},
         num_logprobs={row: p.logprobs for row, p in enumerate(params) if p.logprobs is not None},
         penalties=_penalties(rows, device),
         logit_bias={row: p.logit_bias for row, p in enumerate(params) if p.logit_bias} or None)
+
+
+def _to_device(values: list, device: torch.device) -> torch.Tensor:
+    """A tensor of `values` on `device`, its copy queued behind the step's work: torch.tensor(values, device=...)
+    would first wait for the GPU to finish everything queued (the forward pass), which keeps the host from
+    launching the next step's forward pass ahead (workers/decode_ahead.py)."""
+    return torch.tensor(values).to(device, non_blocking=True)
 
 
 def _grouped_output(out: SamplerOutput, groups: list[SampleGroup]) -> ModelRunnerOutput:

@@ -1,6 +1,7 @@
 """Batched sampling from the last-token logits: bias, penalties, bans, greedy, temperature, top-k/p, min-p, seeds."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +45,13 @@ class SamplingMetadata:
     draft_token_ids: torch.Tensor | None = None
     # [rows, vocab]: the distribution each draft was drawn from (a draft model's); None: drafts are one-hot guesses
     draft_probs: torch.Tensor | None = None
+    # Whether every row is greedy, as the host knows it; None: read from temperature (which waits for the device).
+    every_row_greedy: bool | None = None
 
     @property
     def all_greedy(self) -> bool:
+        if self.every_row_greedy is not None:
+            return self.every_row_greedy
         return bool((self.temperature == 0).all())
 
 
@@ -62,17 +67,22 @@ class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for rows without a seed of their own
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
+                 before_sync: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SamplerOutput:
         """logits: [rows, vocab] float32, changed in place. If sampling fails, the logits and every generator are
-        left as they were, so the caller can sample the rows again (e.g. one by one, to find the bad one)."""
+        left as they were, so the caller can sample the rows again (e.g. one by one, to find the bad one).
+        before_sync: where no row verifies a draft, called with the sampled tokens (a device tensor, one per row)
+        once everything else is queued; it returns the tokens to read (e.g. a host copy queued before work of its own
+        that reading must not wait for)."""
         saved = _SavedInputs(logits, meta, self.generator)
         try:
-            return self._sample(logits, meta)
+            return self._sample(logits, meta, before_sync)
         except Exception:
             saved.restore(logits)
             raise
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata,
+                before_sync: Callable[[torch.Tensor], torch.Tensor] | None) -> SamplerOutput:
         # Logprobs are those of the model's own distribution (vLLM's default): before bias, penalties,
         # bans and temperature, whatever the token was then sampled from.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
@@ -85,10 +95,11 @@ class Sampler:
             tokens, accepted = self._random_sample(logits, meta, greedy_tokens)
         if accepted is not None:
             tokens = torch.where(accepted, meta.draft_token_ids, tokens)
-        token_list = tokens.tolist()
-        logprobs = {row: _top_logprobs(raw_logprobs[row], token_list[row], n)
+        logprobs = {row: _top_logprobs(raw_logprobs[row], tokens[row:row + 1], n)
                     for row, n in meta.num_logprobs.items()} if raw_logprobs is not None else {}
-        return SamplerOutput(token_list, logprobs, None if accepted is None else accepted.tolist())
+        if accepted is None and before_sync is not None:
+            tokens = before_sync(tokens)
+        return SamplerOutput(tokens.tolist(), logprobs, None if accepted is None else accepted.tolist())
 
     def draft(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A draft model's tokens, its logits processed as the target's will be; and the distribution each row drew
@@ -244,6 +255,7 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
     return ids.tolist(), values.tolist(), ranks.tolist()
 
 
-def _top_logprobs(logprobs: torch.Tensor, token: int, n: int) -> tuple[list[int], list[float], int]:
-    ids, values, ranks = gather_logprobs(logprobs.unsqueeze(0), torch.tensor([token], device=logprobs.device), n)
+def _top_logprobs(logprobs: torch.Tensor, token: torch.Tensor, n: int) -> tuple[list[int], list[float], int]:
+    """token: [1], on the logits' device."""
+    ids, values, ranks = gather_logprobs(logprobs.unsqueeze(0), token, n)
     return ids[0], values[0], ranks[0]
