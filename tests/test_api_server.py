@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -309,7 +310,12 @@ def test_back_pressure_and_engine_death(llama_model):
             async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
                 running = await _open_stream(http, body)  # runs
                 waiting = asyncio.create_task(http.post("/v1/completions", json=body))  # waits in the queue
-                await asyncio.sleep(0.5)
+                # Polled, not slept on: on a fast machine the running request's 1000 tokens take under a second.
+                deadline = time.monotonic() + 10
+                while not re.search(r"^pagedserve:num_requests_waiting\{.*\} 1\.0$",
+                                    (await http.get("/metrics")).text, re.MULTILINE):
+                    assert time.monotonic() < deadline, "the second request never waited"
+                    await asyncio.sleep(0.01)
                 refused = await http.post("/v1/completions", json=body)
                 engine_pid = next(pid for pid, command in descendants(process.pid) if "core.engine_process" in command)
                 os.kill(engine_pid, signal.SIGKILL)
