@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
 # Issue 26's checks on one CUDA GPU, each step bounded in time so that one hang leaves the rest their turn:
-# the CUDA and Triton tests, then the stages of benchmarks/cuda_e2e.py on an 8B-shaped model.
+# the CUDA and Triton tests, then the stages of benchmarks/cuda_e2e.py on an 8B-shaped model; then the tests and
+# benchmarks of speculative decoding, LoRA, quantization and MoE on the GPU.
 #   bash benchmarks/cuda_e2e.sh OUT_DIR [STEP ...]    steps: tests batch1 batch1-noahead eager kernels overhead
-#                                                      overhead-noahead overhead1 throughput hf (default: all)
+#                                                      overhead-noahead overhead1 throughput hf later-tests
+#                                                      later-bench (default: all)
 # CUDA_E2E_DEADLINE=SECONDS: a step gets at most what is left of them (a lease's end), and none starts with
 # under 20 s left. Results: OUT_DIR/results.jsonl (one JSON line per figure), OUT_DIR/log.txt,
 # OUT_DIR/pytest_kernels.txt.
 set -u
 out=${1:?usage: cuda_e2e.sh OUT_DIR [STEP ...]}
 shift
-steps=${*:-tests batch1 batch1-noahead eager kernels overhead overhead-noahead overhead1 throughput hf}
+steps=${*:-tests batch1 batch1-noahead eager kernels overhead overhead-noahead overhead1 throughput hf later-tests
+later-bench}
 deadline=${CUDA_E2E_DEADLINE:-0}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 model=${PAGEDSERVE_8B_MODEL:-/tmp/llama3-8b}
 bench=(python3 benchmarks/cuda_e2e.py --model "$model" --results "$out/results.jsonl")
+# Those four benchmarks at sizes that take about 150 s together on an H100, the cheapest first; each runs whatever
+# the one before did.
+later_bench=(bash -xc 'rc=0
+  python3 benchmarks/moe.py --device cuda --num-requests 16 --input-len 32 128 --output-len 16 64 \
+    --hf-batch-size 16 --layer-rounds 10 || rc=1
+  python3 benchmarks/spec_decode.py --device cuda --requests 2 --batch 16 --max-tokens 64 --rounds 2 || rc=1
+  python3 benchmarks/lora.py --device cuda --requests 16 --prompt-tokens 64 --output-tokens 32 --rounds 2 || rc=1
+  python3 benchmarks/quant.py --device cuda --windows 4 --decode-tokens 64 --rounds 2 --batch 16 || rc=1
+  exit $rc')
 
 step() {  # step SECONDS NAME COMMAND...: run it under a time limit, its output in the log
   local limit=$1 name=$2 start=$SECONDS
@@ -55,6 +67,11 @@ for s in $steps; do
     overhead1) step 60 overhead-batch1 "${bench[@]}" overhead --num-requests 1 --host-profile ;;
     throughput) step 150 throughput "${bench[@]}" throughput --num-requests 1000 ;;
     hf) step 120 hf "${bench[@]}" hf --num-requests 256 ;;
+    later-tests) wait  # the CPU kernels built
+           # One worker: engines that size their KV cache by gpu_memory_utilization count each other's as used.
+           step 300 later-tests python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs \
+             tests/test_spec_decode.py tests/test_lora.py tests/test_quantization.py tests/test_fused_moe.py ;;
+    later-bench) step 200 later-bench "${later_bench[@]}" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

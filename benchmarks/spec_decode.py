@@ -8,6 +8,7 @@ Workloads (held-out stdlib code the model never saw in training):
 Runs: edit with prompt lookup and free with the shipped draft model at batch 1 (requests one after another:
 tokens per second of one stream), then both methods on one batch of --batch requests (where disable_by_batch_size
 turns speculation off). Both engines of a run are loaded at once and take turns; each one's best round counts.
+--device picks where they run ("auto": CUDA when torch sees a GPU).
 Example:
     python benchmarks/spec_decode.py                      # k=4, batch 1 and 64
     python benchmarks/spec_decode.py --requests 4 --batch 0
@@ -31,6 +32,7 @@ from ipc import SpecDecodingStats  # noqa: E402
 from launch.demo_corpus import split, stdlib_files  # noqa: E402
 from launch.shipped import WEIGHTS_DIR  # noqa: E402
 from launch.train_demo import HELD_OUT_FRACTION  # noqa: E402
+import bench_device  # noqa: E402
 
 
 def held_out_code(model: Path, count: int, lines: int) -> list[str]:
@@ -86,7 +88,8 @@ def compare(args: argparse.Namespace, texts: list[str], batch: int, spec: dict, 
     """Print the speed-up of `spec` over no speculation on `texts` (all at once past batch 1, else one by one) and
     its acceptance figures."""
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    engines = {name: LLM(str(args.model), dtype=args.dtype, in_process=True, speculative_config=config)
+    engines = {name: LLM(str(args.model), dtype=args.dtype, in_process=True, speculative_config=config,
+                         **bench_device.engine_args(args.device))
                for name, config in (("none", None), ("spec", spec))}
     for llm in engines.values():
         timed(llm, texts[:1], params, batch > 1)  # warm-up: kernels, allocator
@@ -128,10 +131,13 @@ def main() -> int:
     parser.add_argument("--cutoff-sweep", type=int, nargs="*", default=[], metavar="BATCH",
                         help="instead: each method at these batch sizes with disable_by_batch_size off (where "
                              "speculation stops paying)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     args = parser.parse_args()
+    args.device = bench_device.resolve(args.device)
     warnings.filterwarnings("ignore")
     code = held_out_code(args.model, max(args.requests, args.batch, *args.cutoff_sweep), lines=12)
     configs = {"ngram": json.loads(args.ngram_config), "draft": json.loads(args.draft_config)}
+    print(bench_device.describe(args.device))
     print(f"{args.model.name}, greedy, {args.max_tokens} tokens per request; {configs}")
     if args.cutoff_sweep:
         for workload, method in (("edit", "ngram"), ("free", "ngram"), ("free", "draft")):

@@ -61,9 +61,10 @@ def make_requests(n: int, vocab: int, seed: int, input_range, output_range) -> l
             for _ in range(n)]
 
 
-def run_engine(model: str, requests, args, in_process: bool = False) -> dict:
+def run_engine(model: str, requests, args, in_process: bool = False, **engine_args) -> dict:
+    """engine_args: more of LLM's (e.g. device)."""
     llm = LLM(model, in_process=in_process, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, **engine_args)
     try:
         prompts = [{"prompt_token_ids": p} for p, _ in requests]
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
@@ -160,7 +161,7 @@ def _gemm_rate(n: int, k: int, m: int, dtype: torch.dtype) -> float:
 
 
 @torch.inference_mode()
-def run_hf(model_dir: str, requests, args) -> dict:
+def run_hf(model_dir: str, requests, args, device: str = "cpu") -> dict:
     """Static batches in arrival order, left-padded to the longest prompt, all run to the longest output."""
     from transformers import AutoModelForCausalLM
     from transformers import logging as hf_logging
@@ -168,7 +169,7 @@ def run_hf(model_dir: str, requests, args) -> dict:
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().to(device)
     start = time.perf_counter()
     for i in range(0, len(requests), args.hf_batch_size):
         batch = requests[i:i + args.hf_batch_size]
@@ -179,8 +180,10 @@ def run_hf(model_dir: str, requests, args) -> dict:
             ids[row, width - len(prompt):] = torch.tensor(prompt)
             mask[row, width - len(prompt):] = 1
         longest = max(n for _, n in batch)
-        model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
-                       eos_token_id=None, pad_token_id=0)
+        model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
+                       min_new_tokens=longest, do_sample=False, eos_token_id=None, pad_token_id=0)
+    if device == "cuda":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     useful = sum(n for _, n in requests)  # tokens past a request's own max_tokens are padding waste
     return {"seconds": elapsed, "output_tokens": useful, "output_tokens_per_s": useful / elapsed,

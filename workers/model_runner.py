@@ -162,7 +162,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
-        ahead, self.ahead = self.ahead, None
+        ahead, self.ahead, self.ahead_plan = self.ahead, None, None  # a step ahead serves the next step only
         if scheduler_output.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = self._prepare_inputs(scheduler_output, ahead)
@@ -191,7 +191,6 @@ class ModelRunner:
             logits = logits[_rows_of(inputs.sample_groups, failed)]
         output = self.step_sampler.sample(logits, groups, scheduler_output.grammar_bitmask,
                                           self._launch_ahead if self.ahead_plan is not None else None)
-        self.ahead_plan = None
         if self.ahead is not None:
             self.ahead.token_ids = np.array([output.sampled_token_ids.get(req_id, [-1])[-1]
                                              for req_id in self.ahead.rows.req_ids], dtype=np.int64)
