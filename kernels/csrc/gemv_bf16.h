@@ -95,18 +95,21 @@ inline void tile_bf16(const uint16_t* w, const uint16_t* x, const uint16_t* bias
   }
 }
 
-// From this many input rows on, 4 x 4 tiles: the products are compute-bound there (2-core AVX-512 BF16 EPYC, the
-// demo model's 4 layers of hidden 192: 3.0x faster at 8 rows, 2.0x at 4; the benchmark model's 8 layers, streamed
-// from memory: equal at 8 rows, 1.3x faster at 12 and 16, 16% slower at 4).
-constexpr int64_t kTileMinRows = 8;
+// 4 x 4 tiles from kTileMinRows input rows on, and from kSmallTileMinRows for a weight under kSmallWeightBytes:
+// where the products are compute-bound rather than streaming weights from memory (2-core AVX-512 BF16 EPYC: the
+// demo model's matrices, all under 512 KiB and cache-resident, 1.7-2.4x faster at 8 rows in a scratch harness,
+// 2.0x at 4; benchmarks/cpu_gemv.py's 33 benchmark-model matrices, 0.5-5.8 MB streamed from memory: 4.82 ms against
+// 3.98 at 8 rows, 5.58 against 5.86 at 12, 6.17 against 7.85 at 16).
+constexpr int64_t kTileMinRows = 12, kSmallTileMinRows = 8, kSmallWeightBytes = 1 << 19;
 
-// x [M, K], w [N, K], bias [N] or null, y [M, N], all bf16. Under kTileMinRows input rows, one weight row at a time
-// per thread, the prefetchers following one sequential stream best where the weights stream from memory (tiles of
-// 2-4 weight rows ran 1.5-2x slower at 1-8 input rows in an earlier A/B; 4 x 4 tiles 16% slower at 4): the row
-// stays in L1 while the input rows pass over it, 4 at a time.
+// x [M, K], w [N, K], bias [N] or null, y [M, N], all bf16. Short of the tiles' rows, one weight row at a time per
+// thread, the prefetchers following one sequential stream best where the weights stream from memory (tiles of 2-4
+// weight rows ran 1.5-2x slower at 1-8 input rows in an earlier A/B): the row stays in L1 while the input rows pass
+// over it, 4 at a time.
 inline void gemv_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N,
                       int64_t K) {
-  const int64_t tiled_rows = M >= kTileMinRows ? M - M % 4 : 0;
+  const bool tiled = M >= kTileMinRows || (M >= kSmallTileMinRows && 2 * N * K < kSmallWeightBytes);
+  const int64_t tiled_rows = tiled ? M - M % 4 : 0;
 #pragma omp parallel for schedule(static)
   for (int64_t n0 = 0; n0 < N; n0 += 4) {
     const int64_t n1 = std::min(n0 + 4, N);
