@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
@@ -128,3 +129,16 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+class CopyStaging:
+    """PinnedStaging's interface with plain copies: the CUDA path's staging, on CPU."""
+
+    def begin_step(self) -> None:
+        """No buffers to switch."""
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array))
+
+    def copy_into(self, target: torch.Tensor, array: np.ndarray) -> None:
+        target.copy_(torch.from_numpy(array))

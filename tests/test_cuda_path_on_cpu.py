@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_model
+from conftest import CopyStaging, tiny_model
 from frontend import LLM
 from ipc import EngineConfig
 from launch.launch import build_parser, engine_config
@@ -113,13 +113,6 @@ def test_cuda_without_a_gpu_is_a_clear_error_at_engine_start(llama_model, in_pro
         LLM(llama_model, device="cuda", in_process=in_process)
 
 
-class _CopyStaging:
-    """PinnedStaging's interface without pinned memory (on CPU the copies are plain copies)."""
-
-    def copy_into(self, target: torch.Tensor, array: np.ndarray) -> None:
-        target.copy_(torch.from_numpy(array))
-
-
 def test_padded_decode_batch_run_eagerly_equals_the_unpadded_batch():
     """What a replayed graph computes, on CPU: the decode graphs' static inputs loaded with a padded batch and run
     through the model give the unpadded batch's hidden states in the real rows and touch no other KV slot."""
@@ -147,7 +140,7 @@ def test_padded_decode_batch_run_eagerly_equals_the_unpadded_batch():
     graphs = DecodeGraphs(model, [1, 2, 4, 8], max_model_len=64, block_size=block_size,
                           num_kv_heads=layers[0].num_kv_heads, device=torch.device("cpu"))
     batch = DecodeBatch.padded(input_ids, positions, slots, seq_lens, table, padded_batch_size(3, graphs.sizes))
-    hidden, written = run(graphs.load(batch, _CopyStaging()))
+    hidden, written = run(graphs.load(batch, CopyStaging()))
     assert hidden.shape[0] == 4 and graphs.block_tables.shape == (8, 8)
     torch.testing.assert_close(hidden[:3], expected, rtol=1e-5, atol=1e-5)
     untouched = torch.ones(16 * block_size, dtype=torch.bool)

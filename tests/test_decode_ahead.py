@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_all_blocks_free, random_prompts, tiny_model
+from conftest import CopyStaging, assert_all_blocks_free, random_prompts, tiny_model
 from core import EngineCore
 from core.kv_cache_manager import KVCacheManager
 from core.scheduler import Scheduler
@@ -123,19 +123,6 @@ class _EagerGraphs(DecodeGraphs):
             return self.model(self.input_ids[:size], self.positions[:size], self.metadata(size))
 
 
-class _CopyStaging:
-    """PinnedStaging's interface with plain copies."""
-
-    def begin_step(self) -> None:
-        """No buffers to switch."""
-
-    def to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array))
-
-    def copy_into(self, target: torch.Tensor, array: np.ndarray) -> None:
-        target.copy_(torch.from_numpy(array))
-
-
 def emulate_graphs(engine: EngineCore, decode_ahead: bool) -> ModelRunner:
     """Send a CPU engine's decode-only steps the CUDA-graph way, with decode ahead as EngineCore sets it up when its
     executor reports CUDA graphs (or without it); its model runner."""
@@ -143,7 +130,7 @@ def emulate_graphs(engine: EngineCore, decode_ahead: bool) -> ModelRunner:
     runner.decode_graphs = _EagerGraphs(runner.model, [1, 2, 4, 8], engine.config.max_model_len,
                                         engine.config.block_size, runner.attention_layers[0].num_kv_heads,
                                         runner.device)
-    runner.staging = _CopyStaging()
+    runner.staging = CopyStaging()
     if decode_ahead:
         engine.scheduler.decode_ahead, engine.scheduler.num_lookahead_slots = True, 1
     return runner
