@@ -4,7 +4,8 @@
 # benchmarks of speculative decoding, LoRA, quantization and MoE on the GPU.
 #   bash benchmarks/cuda_e2e.sh OUT_DIR [STEP ...]    steps: tests batch1 batch1-noahead eager kernels overhead
 #                                                      overhead-noahead overhead1 throughput hf later-tests
-#                                                      later-bench (default: all)
+#                                                      later-bench (= moe-bench spec-bench lora-bench quant-bench)
+#                                                      (default: all)
 # CUDA_E2E_DEADLINE=SECONDS: a step gets at most what is left of them (a lease's end), and none starts with
 # under 20 s left. Results: OUT_DIR/results.jsonl (one JSON line per figure), OUT_DIR/log.txt,
 # OUT_DIR/pytest_kernels.txt.
@@ -18,15 +19,12 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 model=${PAGEDSERVE_8B_MODEL:-/tmp/llama3-8b}
 bench=(python3 benchmarks/cuda_e2e.py --model "$model" --results "$out/results.jsonl")
-# Those four benchmarks at sizes that take about 150 s together on an H100, the cheapest first; each runs whatever
-# the one before did.
-later_bench=(bash -xc 'rc=0
-  python3 benchmarks/moe.py --device cuda --num-requests 16 --input-len 32 128 --output-len 16 64 \
-    --hf-batch-size 16 --layer-rounds 10 || rc=1
-  python3 benchmarks/spec_decode.py --device cuda --requests 2 --batch 16 --max-tokens 64 --rounds 2 || rc=1
-  python3 benchmarks/lora.py --device cuda --requests 16 --prompt-tokens 64 --output-tokens 32 --rounds 2 || rc=1
-  python3 benchmarks/quant.py --device cuda --windows 4 --decode-tokens 64 --rounds 2 --batch 16 || rc=1
-  exit $rc')
+# Those four benchmarks at sizes that take about 150 s together on an H100 (later-bench: all four, the cheapest first).
+moe_bench=(python3 benchmarks/moe.py --device cuda --num-requests 16 --input-len 32 128 --output-len 16 64
+  --hf-batch-size 16 --layer-rounds 10)
+spec_bench=(python3 benchmarks/spec_decode.py --device cuda --requests 2 --batch 16 --max-tokens 64 --rounds 2)
+lora_bench=(python3 benchmarks/lora.py --device cuda --requests 16 --prompt-tokens 64 --output-tokens 32 --rounds 2)
+quant_bench=(python3 benchmarks/quant.py --device cuda --windows 4 --decode-tokens 64 --rounds 2 --batch 16)
 
 step() {  # step SECONDS NAME COMMAND...: run it under a time limit, its output in the log
   local limit=$1 name=$2 start=$SECONDS
@@ -40,11 +38,20 @@ step() {  # step SECONDS NAME COMMAND...: run it under a time limit, its output 
   echo "=== $name: exit $? after $((SECONDS - start))s" | tee -a "$out/log.txt"
 }
 
+steps_of_later() {  # steps_of_later moe|spec|lora|quant
+  local -n command=${1}_bench
+  step 90 "$1-bench" "${command[@]}"
+}
+
 nvidia-smi -L | tee -a "$out/log.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/log.txt"
 # The tests' session fixture loads the C++ CPU kernels: build them meanwhile, on a core the GPU work leaves idle.
 nice -n 19 python3 -c "from kernels import cpu_extension; cpu_extension.load()" >"$out/cpu_build.txt" 2>&1 &
-step 60 make "${bench[@]}" make
+made=0
+model_made() {  # the 8B-shaped model, before the first step that runs it
+  ((made)) || step 60 make "${bench[@]}" make
+  made=1
+}
 for s in $steps; do
   case $s in
     tests) wait  # the kernel tests beside the engine's: all only check results
@@ -58,20 +65,22 @@ for s in $steps; do
              tests/test_cuda.py
            step 60 tests-kv-budget python3 -m pytest -q -p no:cacheprovider --timeout 60 -k kv_budget tests/test_cuda.py
            wait; tail -3 "$out/pytest_kernels.txt" | tee -a "$out/log.txt" ;;
-    batch1) step 100 batch1-graphs "${bench[@]}" batch1 ;;
-    batch1-noahead) step 100 batch1-graphs-noahead "${bench[@]}" batch1 --no-decode-ahead ;;
-    eager) step 80 batch1-eager "${bench[@]}" batch1 --enforce-eager ;;
+    batch1) model_made; step 100 batch1-graphs "${bench[@]}" batch1 ;;
+    batch1-noahead) model_made; step 100 batch1-graphs-noahead "${bench[@]}" batch1 --no-decode-ahead ;;
+    eager) model_made; step 80 batch1-eager "${bench[@]}" batch1 --enforce-eager ;;
     kernels) step 60 kernels python3 benchmarks/kernels.py ;;
-    overhead) step 120 overhead "${bench[@]}" overhead --num-requests 256 --host-profile ;;
-    overhead-noahead) step 120 overhead-noahead "${bench[@]}" overhead --num-requests 256 --no-decode-ahead ;;
-    overhead1) step 60 overhead-batch1 "${bench[@]}" overhead --num-requests 1 --host-profile ;;
-    throughput) step 150 throughput "${bench[@]}" throughput --num-requests 1000 ;;
-    hf) step 120 hf "${bench[@]}" hf --num-requests 256 ;;
+    overhead) model_made; step 120 overhead "${bench[@]}" overhead --num-requests 256 --host-profile ;;
+    overhead-noahead) model_made; step 120 overhead-noahead "${bench[@]}" overhead --num-requests 256 --no-decode-ahead ;;
+    overhead1) model_made; step 60 overhead-batch1 "${bench[@]}" overhead --num-requests 1 --host-profile ;;
+    throughput) model_made; step 150 throughput "${bench[@]}" throughput --num-requests 1000 ;;
+    hf) model_made; step 120 hf "${bench[@]}" hf --num-requests 256 ;;
     later-tests) wait  # the CPU kernels built
            # One worker: engines that size their KV cache by gpu_memory_utilization count each other's as used.
-           step 300 later-tests python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs \
+           # About 8-10 minutes on an H100 (each engine profiles its memory and captures graphs): a call of its own.
+           step 560 later-tests python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs \
              tests/test_spec_decode.py tests/test_lora.py tests/test_quantization.py tests/test_fused_moe.py ;;
-    later-bench) step 200 later-bench "${later_bench[@]}" ;;
+    later-bench) for b in moe spec lora quant; do steps_of_later "$b"; done ;;
+    moe-bench|spec-bench|lora-bench|quant-bench) steps_of_later "${s%-bench}" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

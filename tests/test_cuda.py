@@ -112,6 +112,20 @@ def test_kv_budget_grows_with_gpu_memory_utilization():
     assert blocks[0.08] - blocks[0.04] == pytest.approx(growth, rel=0.05)
 
 
+def test_in_process_shutdown_frees_the_gpu_for_the_next_engine():
+    """Two in-process engines in turn, each taking 90% of the GPU: the first's KV cache and weights are gone once
+    it shuts down, while the LLM object lives on."""
+    model_dir = tiny_model("llama")
+    blocks = []
+    for _ in range(2):
+        llm = LLM(model_dir, device="cuda", in_process=True)
+        blocks.append(llm.info.num_kv_blocks)
+        [output] = llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False)
+        assert len(output.outputs[0].token_ids) == MAX_NEW_TOKENS
+        llm.shutdown()
+    assert blocks[1] == pytest.approx(blocks[0], rel=0.01)
+
+
 def test_too_small_a_gpu_share_is_a_clear_error():
     with pytest.raises(ValueError, match="gpu_memory_utilization=1e-05 .* holds no KV block"):
         LLM(tiny_model("llama"), device="cuda", gpu_memory_utilization=1e-5)

@@ -1,8 +1,10 @@
 """Front end: incremental detokenization, stop strings and stop tokens, chat templates, output order."""
 from __future__ import annotations
 
+import gc
 import json
 import shutil
+import weakref
 
 import pytest
 
@@ -136,3 +138,12 @@ def test_an_error_mid_generation_returns_every_block(llama_model, monkeypatch, i
     monkeypatch.undo()
     [again] = llm.generate("one", SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(again.outputs[0].token_ids) == 3
+
+
+def test_in_process_shutdown_frees_the_model_while_the_llm_lives(llama_model):
+    """So a process can start its next engine straight away (on a GPU: the memory is back)."""
+    llm = LLM(llama_model, dtype="float32", in_process=True)
+    model = weakref.ref(llm.client.engine.executor.worker.model_runner.model)
+    llm.shutdown()
+    gc.collect()
+    assert model() is None

@@ -18,6 +18,7 @@ from frontend.api.metrics import _spec_decoding_metrics
 from ipc import EngineConfig, EngineCoreOutputs, EngineCoreRequest, SamplingParams, SpecDecodingStats
 from workers.layers.sampler import Sampler
 from workers.request_state import CachedRequestState
+from workers.executor import InProcessExecutor
 from workers.spec_decode import Speculator
 from workers.spec_decode.ngram import ngram_draft
 from workers.step_sampling import SampleGroup, StepSampler
@@ -73,6 +74,8 @@ def oracle(monkeypatch):
         def propose(self, requests, sampled):
             drafts = {}
             for req_id, new_tokens in sampled.items():
+                if req_id not in futures:  # the memory profile's requests (on a GPU)
+                    continue
                 state = requests[req_id]
                 done = state.num_output_tokens + len(new_tokens)
                 future = futures[req_id][done:done + self.config.num_speculative_tokens]
@@ -371,3 +374,22 @@ def test_metrics_give_every_acceptance_figure():
     assert samples[("pagedserve:spec_decode_num_accepted_tokens", None)] == 4
     assert samples[("pagedserve:spec_decode_num_accepted_tokens_per_pos", "2")] == 1
     assert samples[("pagedserve:spec_decode_num_drafted_tokens_per_pos", "2")] == 2
+
+
+def test_memory_profile_step_runs_the_drafts_and_leaves_nothing_behind(llama_model, monkeypatch):
+    """A GPU sizes its KV cache after one step of the largest batch: with a draft model, that step drafts too, into
+    slots the throwaway cache holds, and forgets its requests after."""
+    drafted: list[dict[str, list[int]]] = []
+    real_propose = Speculator.propose
+    monkeypatch.setattr(Speculator, "propose", lambda self, *args: drafted.append(real_propose(self, *args))
+                        or drafted[-1])
+    config = EngineConfig(model=llama_model, speculative_config=_draft_config("llama"), max_num_seqs=4,
+                          max_num_batched_tokens=30, **ENGINE)
+    executor = InProcessExecutor(config)
+    try:
+        runner = executor.worker.model_runner
+        runner.profile_run()
+        assert [len(draft) for draft in drafted[0].values()] == [3] * 4
+        assert not runner.requests and not runner.speculator.proposer.fed and not runner.speculator.proposer.probs
+    finally:
+        executor.shutdown()

@@ -6,6 +6,7 @@ from collections import deque
 from typing import Protocol
 
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
+from workers.gpu_memory import release_device_memory
 from workers.worker import Worker
 
 
@@ -62,4 +63,10 @@ class InProcessExecutor:
         """Nothing here can fail apart from this process itself."""
 
     def shutdown(self) -> None:
-        """Nothing to release in-process; the Ray executor tears down its actors here."""
+        """The model, its KV cache and CUDA graphs freed now, not when the LLM is collected: the process can start
+        another engine on the same GPU straight after (the Ray executor tears down its actors here)."""
+        if not hasattr(self, "worker"):
+            return  # shut down before
+        device = self.worker.device
+        del self.worker
+        release_device_memory(device)

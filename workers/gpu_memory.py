@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -38,3 +39,11 @@ def profile_memory(run_step: Callable[[], None], device: torch.device) -> Memory
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return MemoryProfile(total=total, free=free, torch_peak=peak, torch_in_use=torch.cuda.memory_allocated(device))
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Hand what torch caches on `device` back to the driver, once the objects holding it are dropped (some, like
+    the model runner, sit in reference cycles only a collection frees)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -142,7 +142,9 @@ class ModelRunner:
         num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
         num_tokens = min(config.max_num_batched_tokens, num_seqs * config.max_model_len)
         lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-        blocks = [-(-length // self.block_size) for length in lengths]
+        # Slots for the drafts a draft model writes after the sampled token: its steps are profiled too.
+        drafted = config.speculative_config.num_speculative_tokens if self.speculator is not None else 0
+        blocks = [-(-(length + drafted) // self.block_size) for length in lengths]
         first_blocks = [0, *itertools.accumulate(blocks)]
         requests = [NewRequestData(req_id=f"profile-{i}", prompt_token_ids=[0] * length,
                                    sampling_params=_PROFILE_SAMPLING, eos_token_id=None,
@@ -155,6 +157,9 @@ class ModelRunner:
                 num_scheduled_tokens={r.req_id: len(r.prompt_token_ids) for r in requests},
                 total_num_scheduled_tokens=num_tokens))
         finally:
+            if self.speculator is not None:
+                for request in requests:
+                    self.speculator.forget(request.req_id)
             self.requests.clear()
             self._release_kv_cache()
             self.sampler.generator.manual_seed(config.seed)

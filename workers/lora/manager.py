@@ -76,7 +76,7 @@ class LoRAManager:
         for name, weight in adapter.saved.items():
             table = self._saved_slots(name)
             if table is not None:
-                table.set(slot, weight.to(self.dtype))
+                table.set(slot, weight.to(self.device, self.dtype))
         self.slot_of[adapter.int_id] = slot
 
     def _set(self, layer: nn.Module, part: int | None, slot: int, module: LoRAModule) -> None:
