@@ -66,7 +66,7 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, runs: Runs) ->
                               for column in zip(*((slot, start, end - start) for slot, start, end in runs)))
     blocks = triton.cdiv(max(end - start for _, start, end in runs), BLOCK_M)
     shrunk = torch.zeros(x.shape[0], ranks, dtype=torch.float32, device=x.device)
-    block_r = triton.next_power_of_2(ranks)
+    block_r = max(16, triton.next_power_of_2(ranks))  # tl.dot's minimum on older Triton versions' NVIDIA backend
     _shrink_kernel[(len(runs), blocks)](x, a, shrunk, slots, starts, lengths, x.shape[1], ranks, x.stride(0),
                                         a.stride(0), a.stride(1), shrunk.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=block_r,
                                         BLOCK_K=BLOCK_K)

@@ -64,8 +64,10 @@ def _fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     rows = x.reshape(-1, x.shape[-1])
     x_scale = (rows.abs().amax(dim=1, keepdim=True).float() / 448.0).clamp_(min=1e-12)
     x_fp8 = (rows.float() / x_scale).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+    # bf16 out: the only output type cuBLAS takes with row-wise scales on some GPUs and versions (sm89; sm90 before
+    # cuBLAS 12.9); float16 activations get theirs converted.
     out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1).float(),
-                           out_dtype=x.dtype)
+                           out_dtype=torch.bfloat16).to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
