@@ -56,7 +56,7 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, self.config.block_size,
                                                self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, whole_prompts=encoder,
-                                   decode_ahead=self.executor.decodes_ahead())
+                                   decode_ahead=self.executor.decodes_ahead(), multi_step=self.executor.multi_steps())
         self._structured: StructuredOutputManager | None = None  # made for the first constrained request
         self._arrivals = itertools.count()
         self.profiler = None if config.profiler_dir is None else EngineProfiler(

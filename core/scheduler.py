@@ -7,6 +7,7 @@ import heapq
 import logging
 from collections import deque
 
+from core import multi_step
 from core.kv_cache_manager import KVCacheManager
 from core.request import Request, RequestStatus
 from ipc import (
@@ -28,10 +29,12 @@ class Scheduler:
     """No prefill or decode phases: each request computes `num_tokens - num_computed_tokens` tokens, capped."""
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, whole_prompts: bool = False,
-                 decode_ahead: bool = False) -> None:
+                 decode_ahead: bool = False, multi_step: int = 1) -> None:
         """whole_prompts: an encoder-only model's engine; each request runs whole in one step and holds no KV
         blocks (its attention sees only that step's tokens). decode_ahead: the worker runs a decode step's
-        forward pass ahead (SchedulerOutput.decode_ahead), so each decode holds the slot of its next token too."""
+        forward pass ahead (SchedulerOutput.decode_ahead), so each decode holds the slot of its next token too.
+        multi_step: the most greedy decode steps the worker runs in one call (core/multi_step.py); each decode then
+        holds the slots of that many tokens."""
         self.whole_prompts = whole_prompts
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -56,6 +59,7 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats() if config.speculative_config is not None else None
         self.num_lookahead_slots = config.speculative_config.num_lookahead_slots if self.spec_stats else 0
         self.decode_ahead = decode_ahead
+        self.multi_step = multi_step
         if decode_ahead:
             self.num_lookahead_slots = max(self.num_lookahead_slots, 1)
 
@@ -72,7 +76,8 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         spec_tokens: dict[str, list[int]] = {}
-        preempted = self._schedule_running(num_scheduled, cached_reqs, spec_tokens, budget)
+        steps = self._planned_steps()
+        preempted = self._schedule_running(num_scheduled, cached_reqs, spec_tokens, budget, steps - 1)
         budget -= sum(num_scheduled.values())
         if not preempted:
             self._schedule_waiting(num_scheduled, new_reqs, cached_reqs, budget)
@@ -81,17 +86,23 @@ class Scheduler:
             return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[], num_scheduled_tokens={},
                                    total_num_scheduled_tokens=0, finished_req_ids=[])
         finished, self.finished_req_ids = self.finished_req_ids, []
+        if preempted or len(num_scheduled) != len(self.running) or any(n != 1 for n in num_scheduled.values()):
+            steps = 1  # not the batch planned for
+        for req_id in num_scheduled:
+            self.requests[req_id].scheduled_steps = steps
         self.in_flight.append({req_id: (self.requests[req_id], self.requests[req_id].num_preemptions)
                                for req_id in num_scheduled})
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
                                num_scheduled_tokens=num_scheduled,
                                total_num_scheduled_tokens=sum(num_scheduled.values()), finished_req_ids=finished,
                                scheduled_spec_decode_tokens=spec_tokens,
-                               decode_ahead=self.decode_ahead and self._same_decodes_next(num_scheduled, spec_tokens))
+                               decode_ahead=self.decode_ahead and self._same_decodes_next(num_scheduled, spec_tokens),
+                               num_steps=steps)
 
     def _schedule_running(self, num_scheduled: dict[str, int], cached_reqs: list[CachedRequestData],
-                          spec_tokens: dict[str, list[int]], budget: int) -> bool:
-        """Running requests first, in order; preempt from the back when blocks run out. True if any preempted."""
+                          spec_tokens: dict[str, list[int]], budget: int, extra_steps: int) -> bool:
+        """Running requests first, in order; preempt from the back when blocks run out. True if any preempted.
+        extra_steps: decode steps after this one that each request holds slots for (multi-step)."""
         preempted_any = False
         index = 0
         while index < len(self.running) and budget > 0:
@@ -101,7 +112,7 @@ class Scheduler:
             if num_new <= 0:  # waiting for the token its last step samples
                 index += 1
                 continue
-            num_slots = self._with_lookahead(request.num_computed_tokens, num_new)
+            num_slots = self._with_lookahead(request.num_computed_tokens, num_new, extra_steps)
             new_blocks = self.kv.allocate_slots(request, num_slots)
             while new_blocks is None:
                 victim = self.running[-1]
@@ -135,9 +146,21 @@ class Scheduler:
             return False
         return not self.waiting or (len(self.running) >= self.max_num_seqs and not any(ends))
 
-    def _with_lookahead(self, num_computed: int, num_new: int) -> int:
-        """Slots for a step's tokens and the positions a draft model writes after them (not past max_model_len)."""
-        return max(num_new, min(num_new + self.num_lookahead_slots, self.max_model_len - num_computed))
+    def _planned_steps(self) -> int:
+        """Greedy decode steps for this step's one call (core/multi_step.py), planned before any slot is allocated,
+        so that only the decodes of such a call hold slots ahead: several only when every running request decodes
+        one token and nothing waiting could join (a new request would otherwise wait out the extra steps)."""
+        if self.multi_step <= 1 or not self.running or (self.waiting and len(self.running) < self.max_num_seqs):
+            return 1
+        if any(r.num_tokens - r.num_computed_tokens != 1 or r.spec_token_ids for r in self.running):
+            return 1
+        return multi_step.num_steps(self.running, self.multi_step, self.max_model_len)
+
+    def _with_lookahead(self, num_computed: int, num_new: int, extra_steps: int = 0) -> int:
+        """Slots for a step's tokens and the positions a draft model or a multi-step call's extra steps write after
+        them (not past max_model_len)."""
+        ahead = max(self.num_lookahead_slots, extra_steps)
+        return max(num_new, min(num_new + ahead, self.max_model_len - num_computed))
 
     def _drafts_to_verify(self, request: Request) -> list[int]:
         """Its proposed drafts that could still become output: none past max_model_len, and at most max_tokens
@@ -233,6 +256,8 @@ class Scheduler:
             request = self._still_current(scheduled, req_id)
             if request is None:
                 continue
+            if request.scheduled_steps > 1:  # the call computed the K/V of each token it sampled but the last
+                request.num_computed_tokens += len(token_ids) - 1
             self._roll_back_rejected(request, len(token_ids) - 1)
             output = self._append_tokens(request, token_ids, runner_output)
             if request.status == RequestStatus.RUNNING:

@@ -138,52 +138,74 @@ def decode_step(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Te
 Product = Callable[[torch.Tensor], torch.Tensor]
 
 
-def decoder_layers(layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                   x: torch.Tensor, residual: torch.Tensor | None, step: DecodeStep,
-                   final_norm: torch.Tensor | None = None, final_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layers in order in one call (a stage's, with each its (key, value) cache): (mlp output, residual) as the last
-    one's forward returns them; with final_norm, (the model's RMSNorm of their sum, the sum) as its norm returns them.
-    Saves the per-layer Python and dispatch of a step (~0.3 ms per token of batch-1 decode on the benchmark model)."""
-    module = _checked(layers, caches, x, final_norm)
+class PreparedLayers:
+    """A stage's layers, their (key, value) caches and the final norm as the kernel takes them, checked and turned
+    into pointer lists once rather than every step (the weights stay where loading put them; a model makes these
+    again when its caches are bound anew)."""
+
+    def __init__(self, layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 dtype: torch.dtype, final_norm: torch.Tensor | None = None, final_eps: float = 0.0) -> None:
+        self.module = _checked(layers, caches, dtype, final_norm)
+        self.layers, self.caches, self.dtype = list(layers), list(caches), dtype
+        self.pointers = [w.pointers() for w in layers]
+        self.dims = [w.dims() for w in layers]
+        self.eps = [w.eps for w in layers]
+        self.scales = [w.scale for w in layers]
+        self.key_caches = [k.data_ptr() for k, _ in caches]
+        self.value_caches = [v.data_ptr() for _, v in caches]
+        self.block_size = caches[0][0].shape[2]
+        self.final_norm, self.final_eps = final_norm, final_eps
+
+    def serves(self, caches: Sequence[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> bool:
+        """Whether these are still the caches (and dtype) it was prepared for."""
+        return dtype == self.dtype and len(caches) == len(self.caches) and all(
+            a is b for a, b in zip(caches, self.caches))
+
+
+def decoder_layers(prepared: PreparedLayers, x: torch.Tensor, residual: torch.Tensor | None, step: DecodeStep
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prepared layers in order in one call: (mlp output, residual) as the last one's forward returns them; with
+    a final norm, (the model's RMSNorm of their sum, the sum) as its norm returns them. Saves the per-layer Python
+    and dispatch of a step (~0.3 ms per token of batch-1 decode on the benchmark model)."""
+    if x.dtype != prepared.dtype:
+        raise TypeError(f"the layers were prepared for {prepared.dtype}, not {x.dtype}")
     x = x.contiguous()  # kept in locals: the kernel gets raw pointers, which must outlive the call
     residual = None if residual is None else residual.contiguous()
     out, residual_out = torch.empty_like(x), torch.empty_like(x)
-    module.decoder_layers(x.dtype == torch.bfloat16, [w.pointers() for w in layers], [w.dims() for w in layers],
-                          [w.eps for w in layers], [w.scale for w in layers], [k.data_ptr() for k, _ in caches],
-                          [v.data_ptr() for _, v in caches], 0 if final_norm is None else final_norm.data_ptr(),
-                          final_eps, x.data_ptr(), 0 if residual is None else residual.data_ptr(), out.data_ptr(),
-                          residual_out.data_ptr(), step.positions.data_ptr(), step.slot_mapping.data_ptr(),
-                          caches[0][0].shape[2], step.block_tables.data_ptr(), step.block_tables.shape[1],
-                          step.seq_lens.data_ptr(), x.shape[0])
+    final_norm = prepared.final_norm
+    prepared.module.decoder_layers(
+        x.dtype == torch.bfloat16, prepared.pointers, prepared.dims, prepared.eps, prepared.scales,
+        prepared.key_caches, prepared.value_caches, 0 if final_norm is None else final_norm.data_ptr(),
+        prepared.final_eps, x.data_ptr(), 0 if residual is None else residual.data_ptr(), out.data_ptr(),
+        residual_out.data_ptr(), step.positions.data_ptr(), step.slot_mapping.data_ptr(), prepared.block_size,
+        step.block_tables.data_ptr(), step.block_tables.shape[1], step.seq_lens.data_ptr(), x.shape[0])
     return out, residual_out
 
 
-def decoder_layers_with_products(layers: Sequence[DecoderLayerWeights],
-                                 products: Sequence[tuple[Product, Product, Product, Product]],
-                                 caches: Sequence[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
-                                 residual: torch.Tensor | None, step: DecodeStep,
-                                 final_norm: torch.Tensor | None = None, final_eps: float = 0.0
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def decoder_layers_with_products(prepared: PreparedLayers,
+                                 products: Sequence[tuple[Product, Product, Product, Product]], x: torch.Tensor,
+                                 residual: torch.Tensor | None, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
     """decoder_layers() for a step of more tokens than the kernels' products take: each layer's (qkv, o, gate_up,
     down) products are the given functions (the model's linear layers: torch's GEMMs), everything between them the
     kernel's, in three calls per layer instead of the op path's ~50 tensor ops."""
-    module = _checked(layers, caches, x, final_norm)
+    if x.dtype != prepared.dtype:
+        raise TypeError(f"the layers were prepared for {prepared.dtype}, not {x.dtype}")
+    module = prepared.module
     bf16, tokens, hidden = x.dtype == torch.bfloat16, x.shape[0], x.shape[1]
     rows = step.positions.data_ptr(), step.slot_mapping.data_ptr()
     tables = step.block_tables.data_ptr(), step.block_tables.shape[1], step.seq_lens.data_ptr()
     x = x.contiguous()
     residual = None if residual is None else residual.contiguous()
     residual_out, normed = torch.empty_like(x), torch.empty_like(x)
-    for i, (weights, (qkv_proj, o_proj, gate_up_proj, down_proj), (key_cache, value_cache)) in enumerate(
-            zip(layers, products, caches, strict=True)):
+    for i, (weights, (qkv_proj, o_proj, gate_up_proj, down_proj), pointers, dims) in enumerate(
+            zip(prepared.layers, products, prepared.pointers, prepared.dims, strict=True)):
         before = residual_out.data_ptr() if i else 0 if residual is None else residual.data_ptr()
         module.add_and_norm(bf16, x.data_ptr(), before, weights.input_norm.data_ptr(), weights.eps,
                             residual_out.data_ptr(), normed.data_ptr(), tokens, hidden)
         qkv = qkv_proj(normed).contiguous()
         attn = torch.empty(tokens, weights.num_heads * weights.head_dim, dtype=x.dtype)
-        module.attend(bf16, weights.pointers(), weights.dims(), weights.scale, qkv.data_ptr(), *rows,
-                      key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[2], *tables, attn.data_ptr(),
-                      tokens)
+        module.attend(bf16, pointers, dims, weights.scale, qkv.data_ptr(), *rows, prepared.key_caches[i],
+                      prepared.value_caches[i], prepared.block_size, *tables, attn.data_ptr(), tokens)
         o = o_proj(attn).contiguous()
         module.add_and_norm(bf16, o.data_ptr(), residual_out.data_ptr(), weights.post_norm.data_ptr(), weights.eps,
                             residual_out.data_ptr(), normed.data_ptr(), tokens, hidden)
@@ -191,22 +213,21 @@ def decoder_layers_with_products(layers: Sequence[DecoderLayerWeights],
         act = torch.empty(tokens, gate_up.shape[1] // 2, dtype=x.dtype)
         module.silu_and_mul(bf16, gate_up.data_ptr(), act.data_ptr(), tokens, act.shape[1])
         x = down_proj(act).contiguous()
-    if final_norm is None:
+    if prepared.final_norm is None:
         return x, residual_out
-    module.add_and_norm(bf16, x.data_ptr(), residual_out.data_ptr(), final_norm.data_ptr(), final_eps,
-                        residual_out.data_ptr(), normed.data_ptr(), tokens, hidden)
+    module.add_and_norm(bf16, x.data_ptr(), residual_out.data_ptr(), prepared.final_norm.data_ptr(),
+                        prepared.final_eps, residual_out.data_ptr(), normed.data_ptr(), tokens, hidden)
     return normed, residual_out
 
 
 def _checked(layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-             x: torch.Tensor, final_norm: torch.Tensor | None) -> ModuleType:
-    """The kernels' module, once the layers, caches and final norm are found fit for x's dtype."""
+             dtype: torch.dtype, final_norm: torch.Tensor | None) -> ModuleType:
+    """The kernels' module, once the layers, caches and final norm are found fit for hidden states of `dtype`."""
     module = cpu_extension.load()
     if module is None:
         raise RuntimeError("the C++ CPU kernels could not be built")
     if not layers:
         raise ValueError("no layers to run")
-    dtype = x.dtype
     for weights, (key_cache, value_cache) in zip(layers, caches, strict=True):
         if key_cache.dtype != dtype or value_cache.dtype != dtype or weights.input_norm.dtype != dtype:
             raise TypeError("the caches and norms must share the hidden states' dtype")

@@ -201,8 +201,10 @@ def fused_and_op_by_op(layer: LlamaDecoderLayer, config, dtype: torch.dtype, seq
             assert step.kernel_products
             run = cpu_decoder_layer.decoder_layers
         layer.self_attn.attn.kv_cache = tuple(c.clone() for c in caches)
-        got = [*run([layer.fused_weights], caches=[layer.self_attn.attn.kv_cache], x=x, residual=residual, step=step),
-               *layer.self_attn.attn.kv_cache]
+        prepared = cpu_decoder_layer.PreparedLayers([layer.fused_weights], [layer.self_attn.attn.kv_cache], x.dtype)
+        assert prepared.serves([layer.self_attn.attn.kv_cache], x.dtype)
+        assert not prepared.serves([caches], x.dtype)  # caches bound anew: prepared again
+        got = [*run(prepared, x=x, residual=residual, step=step), *layer.self_attn.attn.kv_cache]
     return got, expected
 
 

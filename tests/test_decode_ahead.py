@@ -131,6 +131,7 @@ def emulate_graphs(engine: EngineCore, decode_ahead: bool) -> ModelRunner:
                                         engine.config.block_size, runner.attention_layers[0].num_kv_heads,
                                         runner.device)
     runner.staging = CopyStaging()
+    engine.scheduler.multi_step, engine.scheduler.num_lookahead_slots = 1, 0  # as with graphs (ModelRunner.multi_steps)
     if decode_ahead:
         engine.scheduler.decode_ahead, engine.scheduler.num_lookahead_slots = True, 1
     return runner

@@ -24,6 +24,9 @@ class Executor(Protocol):
     def decodes_ahead(self) -> bool:
         """Whether the workers run decode steps' forward passes ahead (SchedulerOutput.decode_ahead)."""
 
+    def multi_steps(self) -> int:
+        """The most greedy decode steps one call of the workers runs (SchedulerOutput.num_steps)."""
+
     def submit_batch(self, scheduler_output: SchedulerOutput) -> None: ...
 
     def collect_output(self) -> ModelRunnerOutput: ...
@@ -51,6 +54,9 @@ class InProcessExecutor:
 
     def decodes_ahead(self) -> bool:
         return self.worker.model_runner.decodes_ahead
+
+    def multi_steps(self) -> int:
+        return self.worker.model_runner.multi_steps
 
     def submit_batch(self, scheduler_output: SchedulerOutput) -> None:
         """Runs the step right away: one process computes one batch at a time."""

@@ -17,6 +17,7 @@ from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded
 from workers.decode_ahead import AheadForward, DecodeRows, next_rows
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
 from workers.layers.attention import Attention, AttentionMetadata, DecodeMetadata, StepMetadata
+from workers.layers.fused_moe import FusedMoE
 from workers.layers.sampler import Sampler, gather_logprobs
 from workers.lora.manager import LoRAManager
 from workers.model_loader import load_model
@@ -106,9 +107,10 @@ class ModelRunner:
 
     def _captures_cuda_graphs(self) -> bool:
         """On CUDA unless enforce_eager; single rank only, as the TP/PP collectives are not known to be
-        capture-safe."""
+        capture-safe; no mixture of experts, whose fused kernel sizes its grid from the step's routing on the host."""
         return (self.device.type == "cuda" and not self.config.enforce_eager
-                and self.parallel.tp_size * self.parallel.pp_size == 1)
+                and self.parallel.tp_size * self.parallel.pp_size == 1
+                and not any(isinstance(m, FusedMoE) for m in self.model.modules()))
 
     def _bind_kv_cache(self, num_blocks: int) -> None:
         """One cache tensor per attention layer (Attention.bind_kv_cache)."""
@@ -128,6 +130,15 @@ class ModelRunner:
     def decodes_ahead(self) -> bool:
         """Whether decode steps' forward passes run ahead: CUDA graphs captured, no draft tokens to propose."""
         return self.decode_graphs is not None and self.config.decode_ahead and self.speculator is None
+
+    @property
+    def multi_steps(self) -> int:
+        """The most greedy decode steps one call runs (core/multi_step.py): on the CPU of a single rank only (CUDA
+        graphs and decode ahead take that cost off the GPU's path), not with speculative decoding."""
+        if (self.device.type != "cpu" or self.decode_graphs is not None or self.speculator is not None
+                or self.parallel.tp_size * self.parallel.pp_size > 1):
+            return 1
+        return self.config.num_scheduler_steps
 
     @property
     def draft_model(self) -> DraftModel | None:
@@ -201,9 +212,33 @@ class ModelRunner:
                                              for req_id in self.ahead.rows.req_ids], dtype=np.int64)
         output.prompt_logprobs, output.pooled = prompt_logprobs, pooled
         output.failed.update(failed)
+        if scheduler_output.num_steps > 1 and not output.failed:
+            self._decode_more(output, [group.state for group in groups], scheduler_output.num_steps)
         if self.speculator is not None:
             output.draft_token_ids = self.speculator.propose(self.requests, output.sampled_token_ids)
         return output
+
+    def _decode_more(self, output: ModelRunnerOutput, states: list[CachedRequestState], num_steps: int) -> None:
+        """A multi-step call's greedy decode steps after the first, each fed the tokens of the one before, into the
+        slots the scheduler allocated ahead; their tokens appended to `output`. Stops early once each request has
+        sampled a stop token (the scheduler drops what follows one)."""
+        tokens = [output.sampled_token_ids[state.req_id] for state in states]
+        stops = [state.stop_token_ids() for state in states]  # min_tokens is reached before a multi-step call
+        table, _ = self._block_table(states)
+        rows = np.arange(len(states))
+        first_positions = np.array([state.num_computed_tokens for state in states], dtype=np.int64)
+        for step in range(1, num_steps):
+            if all(t[-1] in stop for t, stop in zip(tokens, stops)):
+                break
+            positions = first_positions + step
+            slots = table[rows, positions // self.block_size] * self.block_size + positions % self.block_size
+            metadata = self._attention_metadata(slots, table, np.arange(len(states) + 1), positions + 1, len(states))
+            inputs = ModelInputs(self._tensor(np.array([t[-1] for t in tokens])), self._tensor(positions), metadata,
+                                 self._tensor(rows), [], [])
+            hidden = self._forward(inputs)
+            # As the sampler takes a plain greedy row: the argmax of the logits.
+            for t, token in zip(tokens, self._logits(hidden, [-1] * len(states)).argmax(dim=-1).tolist()):
+                t.append(token)
 
     def _pool(self, hidden: torch.Tensor, jobs: list[PoolingJob], failed: dict[str, str]) -> dict[str, bytes]:
         """The pooled results of the pooling requests whose prompt this step completed."""

@@ -113,6 +113,10 @@ class RayExecutor:
         """Never: several ranks replay no CUDA graphs (ModelRunner._captures_cuda_graphs)."""
         return False
 
+    def multi_steps(self) -> int:
+        """One: several ranks would each have to run the extra steps in lockstep (ModelRunner.multi_steps)."""
+        return 1
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every rank's cache, then switch the actors to the step loop."""
         self._gather([actor.initialize_kv_cache.remote(num_blocks) for actor in self.actors])

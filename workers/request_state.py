@@ -33,6 +33,13 @@ class CachedRequestState:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def stop_token_ids(self) -> set[int]:
+        """The tokens that end it once min_tokens outputs exist: its stop tokens, and EOS unless ignored."""
+        stops = set(self.sampling_params.stop_token_ids or ())
+        if self.eos_token_id is not None and not self.sampling_params.ignore_eos:
+            stops.add(self.eos_token_id)
+        return stops
+
     def banned_token_ids(self, drafts: list[int] = ()) -> list[int]:
         """Stop tokens until min_tokens outputs exist, and the last token of any bad word that the tokens so far
         would complete (a one-token bad word always; transformers' NoBadWordsLogitsProcessor rule). `drafts`:
@@ -41,9 +48,7 @@ class CachedRequestState:
         banned = []
         num_output_tokens = self.num_output_tokens + len(drafts)
         if num_output_tokens < params.min_tokens and params.structured_outputs is None:  # the grammar ends it
-            banned += params.stop_token_ids or []
-            if self.eos_token_id is not None and not params.ignore_eos:
-                banned.append(self.eos_token_id)
+            banned += sorted(self.stop_token_ids())
         for word in params.bad_words_token_ids or ():
             prefix = word[:-1]
             if not prefix or [*self.token_ids[-len(prefix):], *drafts][-len(prefix):] == prefix:

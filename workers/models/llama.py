@@ -153,6 +153,8 @@ class LlamaModel(nn.Module):
         self.stage_layers, self.layers = build_stage_layers(config.num_hidden_layers,
                                                             lambda i: layer_class(config, i, rotary))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if state.is_last_stage else None
+        # The C++ layer's arguments, made for the caches bound when it first ran (kernels.cpu_decoder_layer).
+        self._prepared_layers: cpu_decoder_layer.PreparedLayers | None = None
 
     @functools.cached_property
     def one_call_layers(self) -> bool:
@@ -180,20 +182,27 @@ class LlamaModel(nn.Module):
         """forward() of a step of decodes or short chunks: the stage's layers, and the final norm on the last stage,
         in one C++ call, or with torch's products between C++ calls past the kernels' rows (kernels.cpu_decoder_layer);
         same results."""
-        layers = [self.layers[i] for i in self.stage_layers]
-        caches = [layer.self_attn.attn.kv_cache for layer in layers]
-        if any(cache is None for cache in caches):
-            raise RuntimeError("the KV cache was not bound to an attention layer")
-        weights = [layer.fused_weights for layer in layers]
-        norm, eps = (None, 0.0) if self.norm is None else (self.norm.weight, self.norm.eps)
+        caches = [attention.kv_cache for attention in self._stage_attention]
+        prepared = self._prepared_layers
+        if prepared is None or not prepared.serves(caches, x.dtype):
+            if any(cache is None for cache in caches):
+                raise RuntimeError("the KV cache was not bound to an attention layer")
+            layers = [self.layers[i] for i in self.stage_layers]
+            norm, eps = (None, 0.0) if self.norm is None else (self.norm.weight, self.norm.eps)
+            prepared = self._prepared_layers = cpu_decoder_layer.PreparedLayers(
+                [layer.fused_weights for layer in layers], caches, x.dtype, norm, eps)
         if step.kernel_products:
-            x, residual = cpu_decoder_layer.decoder_layers(weights, caches, x, residual, step, norm, eps)
+            x, residual = cpu_decoder_layer.decoder_layers(prepared, x, residual, step)
         else:
             products = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                        for layer in layers]
-            x, residual = cpu_decoder_layer.decoder_layers_with_products(weights, products, caches, x, residual, step,
-                                                                         norm, eps)
+                        for layer in (self.layers[i] for i in self.stage_layers)]
+            x, residual = cpu_decoder_layer.decoder_layers_with_products(prepared, products, x, residual, step)
         return (x, residual) if self.norm is None else x
+
+    @functools.cached_property
+    def _stage_attention(self) -> list[nn.Module]:
+        """This stage's attention layers, whose kv_cache each step reads (a plain list: no module lookups)."""
+        return [self.layers[i].self_attn.attn for i in self.stage_layers]
 
     def _one_call_step(self, x: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata
                        ) -> cpu_decoder_layer.DecodeStep | None:

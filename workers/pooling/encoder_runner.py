@@ -16,6 +16,7 @@ from workers.step_sampling import fails_alone
 class EncoderRunner:
     draft_model = None  # the Worker's KV accounting asks; an encoder has no cache to share with one
     decodes_ahead = False  # no decode steps
+    multi_steps = 1
 
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                  pooling: PoolingInfo) -> None:

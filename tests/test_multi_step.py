@@ -1,0 +1,85 @@
+"""Multi-step decoding (core/multi_step.py): several greedy decode steps per worker call give the tokens, stops and
+freed blocks of one call per step."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import assert_all_blocks_free, random_prompts, tiny_model
+from core.multi_step import num_steps
+from core.request import Request
+from frontend import LLM, SamplingParams
+from ipc import EngineCoreRequest
+
+ENGINE = {"dtype": "float32", "in_process": True, "block_size": 8, "max_model_len": 96}
+
+
+def _generate(steps: int, prompts: list[list[int]], params: list[SamplingParams], **engine_args
+              ) -> tuple[list[list[int]], list[str], int]:
+    """Each request's tokens and finish reason, all at once, and the engine steps it took."""
+    llm = LLM(tiny_model("llama"), num_scheduler_steps=steps, **{**ENGINE, **engine_args})
+    engine = llm.client.engine
+    calls = []
+    step = engine.step
+    engine.step = lambda: calls.append(1) or step()
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert_all_blocks_free(llm)
+        return [o.outputs[0].token_ids for o in outputs], [o.outputs[0].finish_reason for o in outputs], len(calls)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"num_kv_blocks": 14, "enable_prefix_caching": True}],
+                         ids=["roomy", "preempted, prefix cache"])
+def test_greedy_tokens_equal_one_call_per_step(engine_args):
+    """Lengths that end mid-run (max_tokens, max_model_len), EOS allowed or ignored, a sampled request that keeps the
+    batch on one step per call until it ends; fewer engine steps than tokens."""
+    prompts = random_prompts([5, 40, 17, 3, 60, 9], vocab=1000, seed=2)
+    prompts[5] = prompts[1][:30] + prompts[5]  # shares blocks with the second prompt
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=i % 2 == 0)
+              for i, n in enumerate([37, 3, 64, 1, 50, 20])]
+    params[3] = SamplingParams(temperature=0.8, seed=7, max_tokens=12)
+    one_by_one = _generate(1, prompts, params, **engine_args)
+    multi = _generate(8, prompts, params, **engine_args)
+    assert multi[:2] == one_by_one[:2]
+    assert "length" in multi[1]  # one ran into max_model_len or max_tokens
+    if not engine_args:
+        assert multi[2] < one_by_one[2] / 2
+
+
+def test_a_stop_token_inside_a_run_ends_the_request_there():
+    prompt = random_prompts([11], vocab=1000, seed=4)[0]
+    free = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    [tokens], _, _ = _generate(1, [prompt], [free])
+    stop = tokens[5]
+    first = tokens.index(stop)
+    stopped = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop])
+    for steps in (1, 8):
+        [out], [reason], _ = _generate(steps, [prompt], [stopped])
+        assert (out, reason) == (tokens[:first + 1], "stop")
+
+
+def _request(params: SamplingParams, prompt_len: int = 10, outputs: int = 0) -> Request:
+    request = Request(EngineCoreRequest(request_id="r", prompt_token_ids=list(range(prompt_len)),
+                                        sampling_params=params), arrival_index=0,
+                      max_tokens=params.max_tokens or 10**9)
+    for token in range(outputs):
+        request.append_output_token(token)
+    return request
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=2),
+    SamplingParams(temperature=0.0, presence_penalty=0.5), SamplingParams(temperature=0.0, logit_bias={5: 1.0}),
+    SamplingParams(temperature=0.0, bad_words_token_ids=[[3]]), SamplingParams(temperature=0.0, min_tokens=4),
+], ids=["sampled", "logprobs", "penalty", "logit bias", "bad words", "min_tokens ahead"])
+def test_only_plain_greedy_requests_take_several_steps(params):
+    assert num_steps([_request(SamplingParams(temperature=0.0, max_tokens=100)), _request(params)], 8, 1000) == 1
+
+
+def test_steps_stop_at_the_nearest_length_limit():
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=2)
+    assert num_steps([_request(greedy, outputs=2)], 8, 1000) == 8
+    assert num_steps([_request(greedy, outputs=15), _request(greedy, outputs=2)], 8, 1000) == 5  # max_tokens
+    assert num_steps([_request(greedy, prompt_len=995, outputs=2)], 8, 1000) == 3  # max_model_len
+    assert num_steps([_request(greedy, outputs=2)], 1, 1000) == 1
