@@ -134,8 +134,9 @@ class ModelRunner:
     @property
     def multi_steps(self) -> int:
         """The most greedy decode steps one call runs (core/multi_step.py): on the CPU of a single rank only (CUDA
-        graphs and decode ahead take that cost off the GPU's path), not with speculative decoding."""
-        if (self.device.type != "cpu" or self.decode_graphs is not None or self.speculator is not None
+        graphs and decode ahead take that cost off the GPU's path). With speculative decoding, for the steps that
+        verify no draft (none proposed, or speculation off at this batch size); the proposer catches up after."""
+        if (self.device.type != "cpu" or self.decode_graphs is not None
                 or self.parallel.tp_size * self.parallel.pp_size > 1):
             return 1
         return self.config.num_scheduler_steps
@@ -214,22 +215,28 @@ class ModelRunner:
         output.failed.update(failed)
         if scheduler_output.num_steps > 1 and not output.failed:
             self._decode_more(output, [group.state for group in groups], scheduler_output.num_steps)
-        if self.speculator is not None:
-            output.draft_token_ids = self.speculator.propose(self.requests, output.sampled_token_ids)
+        else:
+            output.draft_token_ids = self._propose(output)
         return output
+
+    def _propose(self, output: ModelRunnerOutput) -> dict[str, list[int]]:
+        """Drafts to verify next step, after the tokens sampled so far (none without speculative decoding)."""
+        return {} if self.speculator is None else self.speculator.propose(self.requests, output.sampled_token_ids)
 
     def _decode_more(self, output: ModelRunnerOutput, states: list[CachedRequestState], num_steps: int) -> None:
         """A multi-step call's greedy decode steps after the first, each fed the tokens of the one before, into the
         slots the scheduler allocated ahead; their tokens appended to `output`. Stops early once each request has
-        sampled a stop token (the scheduler drops what follows one)."""
+        sampled a stop token (the scheduler drops what follows one), or once there are drafts to verify (prompt
+        lookup found a match), which go with the output."""
         tokens = [output.sampled_token_ids[state.req_id] for state in states]
         stops = [state.stop_token_ids() for state in states]  # min_tokens is reached before a multi-step call
         table, _ = self._block_table(states)
         rows = np.arange(len(states))
         first_positions = np.array([state.num_computed_tokens for state in states], dtype=np.int64)
         for step in range(1, num_steps):
-            if all(t[-1] in stop for t, stop in zip(tokens, stops)):
-                break
+            output.draft_token_ids = self._propose(output)
+            if output.draft_token_ids or all(t[-1] in stop for t, stop in zip(tokens, stops)):
+                return
             positions = first_positions + step
             slots = table[rows, positions // self.block_size] * self.block_size + positions % self.block_size
             metadata = self._attention_metadata(slots, table, np.arange(len(states) + 1), positions + 1, len(states))
@@ -239,6 +246,7 @@ class ModelRunner:
             # As the sampler takes a plain greedy row: the argmax of the logits.
             for t, token in zip(tokens, self._logits(hidden, [-1] * len(states)).argmax(dim=-1).tolist()):
                 t.append(token)
+        output.draft_token_ids = self._propose(output)
 
     def _pool(self, hidden: torch.Tensor, jobs: list[PoolingJob], failed: dict[str, str]) -> dict[str, bytes]:
         """The pooled results of the pooling requests whose prompt this step completed."""
