@@ -65,7 +65,7 @@ class StepSampler:
         meta = sampling_metadata([(g.state, g.drafts[:i]) for g in groups for i in range(g.num_rows)], self.device)
         drafts = [draft for g in groups for draft in (*g.drafts, -1)]
         if len(drafts) > len(groups):
-            meta.draft_token_ids = torch.tensor(drafts, device=self.device)
+            meta.draft_token_ids = _to_device(drafts, self.device)
         vocab = next((g.draft_probs.shape[1] for g in groups if g.draft_probs is not None), None)
         if vocab is not None:
             meta.draft_probs = torch.cat([_draft_rows(g, vocab, self.device) for g in groups])
@@ -144,9 +144,9 @@ def _penalties(rows: list[tuple[CachedRequestState, list[int]]], device: torch.d
     params = [rows[row][0].sampling_params for row in penalized]
     contexts = [(state, [*state.token_ids, *before] if before else state.token_ids)
                 for state, before in (rows[row] for row in penalized)]
-    return Penalties(rows=penalized, presence=torch.tensor([p.presence_penalty for p in params], device=device),
-                     frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
-                     repetition=torch.tensor([p.repetition_penalty for p in params], device=device),
+    return Penalties(rows=penalized, presence=_to_device([p.presence_penalty for p in params], device),
+                     frequency=_to_device([p.frequency_penalty for p in params], device),
+                     repetition=_to_device([p.repetition_penalty for p in params], device),
                      output_token_ids=[tokens[state.num_prompt_tokens:] for state, tokens in contexts],
                      seen_token_ids=[tokens for _, tokens in contexts])
 
