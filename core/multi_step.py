@@ -21,7 +21,7 @@ def plain_greedy(request: Request) -> bool:
 def num_steps(requests: list[Request], limit: int, max_model_len: int) -> int:
     """Decode steps these requests (each scheduled for one token) can run in one call: at most `limit`, none past
     a request's max_tokens or max_model_len; 1 where any of them is not plain greedy."""
-    if limit <= 1 or not all(plain_greedy(r) for r in requests):
+    if not all(plain_greedy(r) for r in requests):
         return 1
     room = min(min(r.max_tokens - len(r.output_token_ids), max_model_len - r.num_tokens) for r in requests)
     return max(1, min(limit, room))

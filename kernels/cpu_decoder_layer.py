@@ -156,6 +156,10 @@ class PreparedLayers:
         self.block_size = caches[0][0].shape[2]
         self.final_norm, self.final_eps = final_norm, final_eps
 
+    def check(self, x: torch.Tensor) -> None:
+        if x.dtype != self.dtype:
+            raise TypeError(f"the layers were prepared for {self.dtype}, not {x.dtype}")
+
     def serves(self, caches: Sequence[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> bool:
         """Whether these are still the caches (and dtype) it was prepared for."""
         return dtype == self.dtype and len(caches) == len(self.caches) and all(
@@ -167,8 +171,7 @@ def decoder_layers(prepared: PreparedLayers, x: torch.Tensor, residual: torch.Te
     """The prepared layers in order in one call: (mlp output, residual) as the last one's forward returns them; with
     a final norm, (the model's RMSNorm of their sum, the sum) as its norm returns them. Saves the per-layer Python
     and dispatch of a step (~0.3 ms per token of batch-1 decode on the benchmark model)."""
-    if x.dtype != prepared.dtype:
-        raise TypeError(f"the layers were prepared for {prepared.dtype}, not {x.dtype}")
+    prepared.check(x)
     x = x.contiguous()  # kept in locals: the kernel gets raw pointers, which must outlive the call
     residual = None if residual is None else residual.contiguous()
     out, residual_out = torch.empty_like(x), torch.empty_like(x)
@@ -188,8 +191,7 @@ def decoder_layers_with_products(prepared: PreparedLayers,
     """decoder_layers() for a step of more tokens than the kernels' products take: each layer's (qkv, o, gate_up,
     down) products are the given functions (the model's linear layers: torch's GEMMs), everything between them the
     kernel's, in three calls per layer instead of the op path's ~50 tensor ops."""
-    if x.dtype != prepared.dtype:
-        raise TypeError(f"the layers were prepared for {prepared.dtype}, not {x.dtype}")
+    prepared.check(x)
     module = prepared.module
     bf16, tokens, hidden = x.dtype == torch.bfloat16, x.shape[0], x.shape[1]
     rows = step.positions.data_ptr(), step.slot_mapping.data_ptr()

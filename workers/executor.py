@@ -71,8 +71,6 @@ class InProcessExecutor:
     def shutdown(self) -> None:
         """The model, its KV cache and CUDA graphs freed now, not when the LLM is collected: the process can start
         another engine on the same GPU straight after (the Ray executor tears down its actors here)."""
-        if not hasattr(self, "worker"):
-            return  # shut down before
         device = self.worker.device
         del self.worker
         release_device_memory(device)
