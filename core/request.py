@@ -71,7 +71,6 @@ class Request:
         # Speculative decoding: drafts proposed for its next step, and those its step in flight verifies.
         self.spec_token_ids: list[int] = []
         self.scheduled_spec_token_ids: list[int] = []
-        self.scheduled_steps = 1  # the decode steps its step in flight runs (core/multi_step.py)
         # Prompt logprobs computed so far, chunk by chunk, until they go out with the first output.
         self.pending_prompt_logprobs: PromptLogprobs | None = None
         # Its structured-output matcher (core/structured_output), attached once its grammar has compiled.

@@ -33,8 +33,9 @@ class Scheduler:
         """whole_prompts: an encoder-only model's engine; each request runs whole in one step and holds no KV
         blocks (its attention sees only that step's tokens). decode_ahead: the worker runs a decode step's
         forward pass ahead (SchedulerOutput.decode_ahead), so each decode holds the slot of its next token too.
-        multi_step: the most greedy decode steps the worker runs in one call (core/multi_step.py); the decodes of
-        such a call hold the slots of all its tokens."""
+        multi_step: the most greedy decode steps the worker runs in one call (core/multi_step.py), each verifying
+        drafts where speculative decoding proposes them; the decodes of such a call hold the slots of all its
+        tokens."""
         self.whole_prompts = whole_prompts
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -56,6 +57,7 @@ class Scheduler:
         self.peak_kv_usage = 0.0
         self.kv_utilization_at_peak = 1.0
         self.peak_num_running = 0
+        self.speculative_config = config.speculative_config
         self.spec_stats = SpecDecodingStats() if config.speculative_config is not None else None
         self.num_lookahead_slots = config.speculative_config.num_lookahead_slots if self.spec_stats else 0
         self.decode_ahead = decode_ahead
@@ -77,7 +79,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         spec_tokens: dict[str, list[int]] = {}
         steps = self._planned_steps()
-        preempted = self._schedule_running(num_scheduled, cached_reqs, spec_tokens, budget, steps - 1)
+        preempted = self._schedule_running(num_scheduled, cached_reqs, spec_tokens, budget, steps)
         budget -= sum(num_scheduled.values())
         if not preempted:
             self._schedule_waiting(num_scheduled, new_reqs, cached_reqs, budget)
@@ -86,10 +88,9 @@ class Scheduler:
             return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[], num_scheduled_tokens={},
                                    total_num_scheduled_tokens=0, finished_req_ids=[])
         finished, self.finished_req_ids = self.finished_req_ids, []
-        if preempted or len(num_scheduled) != len(self.running) or any(n != 1 for n in num_scheduled.values()):
+        if preempted or len(num_scheduled) != len(self.running) or \
+                any(n != 1 + len(spec_tokens.get(req_id, ())) for req_id, n in num_scheduled.items()):
             steps = 1  # not the batch planned for
-        for req_id in num_scheduled:
-            self.requests[req_id].scheduled_steps = steps
         self.in_flight.append({req_id: (self.requests[req_id], self.requests[req_id].num_preemptions)
                                for req_id in num_scheduled})
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
@@ -100,10 +101,12 @@ class Scheduler:
                                num_steps=steps)
 
     def _schedule_running(self, num_scheduled: dict[str, int], cached_reqs: list[CachedRequestData],
-                          spec_tokens: dict[str, list[int]], budget: int, extra_steps: int) -> bool:
+                          spec_tokens: dict[str, list[int]], budget: int, steps: int) -> bool:
         """Running requests first, in order; preempt from the back when blocks run out. True if any preempted.
-        extra_steps: decode steps after this one that each request holds slots for (multi-step)."""
+        steps: the decode steps of the planned call (multi-step), whose later steps' tokens each request holds
+        slots for (_slots_ahead)."""
         preempted_any = False
+        slots_ahead = self._slots_ahead(steps)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -112,7 +115,7 @@ class Scheduler:
             if num_new <= 0:  # waiting for the token its last step samples
                 index += 1
                 continue
-            num_slots = self._with_lookahead(request.num_computed_tokens, num_new, extra_steps)
+            num_slots = self._with_lookahead(request.num_computed_tokens, num_new, slots_ahead)
             new_blocks = self.kv.allocate_slots(request, num_slots)
             while new_blocks is None:
                 victim = self.running[-1]
@@ -152,9 +155,23 @@ class Scheduler:
         one token and nothing waiting could join (a new request would otherwise wait out the extra steps)."""
         if self.multi_step <= 1 or not self.running or (self.waiting and len(self.running) < self.max_num_seqs):
             return 1
-        if any(r.num_tokens - r.num_computed_tokens != 1 or r.spec_token_ids for r in self.running):
+        if any(r.num_tokens - r.num_computed_tokens != 1 for r in self.running):
             return 1
         return multi_step.num_steps(self.running, self.multi_step, self.max_model_len)
+
+    def _slots_ahead(self, steps: int) -> int:
+        """The positions a multi-step call of `steps` steps may write after its first step's tokens: with drafts
+        proposed after each step (at most disable_by_batch_size requests), each later step verifies up to k drafts,
+        and a draft model writes k - 1 positions past the last, where blocks are to spare (twice every running
+        request's share free); else one token per later step (the worker keeps to the slots it got)."""
+        config = self.speculative_config
+        if steps <= 1 or config is None or (config.disable_by_batch_size is not None
+                                            and len(self.running) > config.disable_by_batch_size):
+            return steps - 1
+        ahead = (steps - 1) * (1 + config.num_speculative_tokens) + self.num_lookahead_slots
+        if 2 * len(self.running) * -(-ahead // self.kv.block_size) > self.kv.num_free_blocks:
+            return steps - 1
+        return ahead
 
     def _with_lookahead(self, num_computed: int, num_new: int, extra_steps: int = 0) -> int:
         """Slots for a step's tokens and the positions a draft model or a multi-step call's extra steps write after
@@ -256,22 +273,22 @@ class Scheduler:
             request = self._still_current(scheduled, req_id)
             if request is None:
                 continue
-            if request.scheduled_steps > 1:  # the call computed the K/V of each token it sampled but the last
-                request.num_computed_tokens += len(token_ids) - 1
-            self._roll_back_rejected(request, len(token_ids) - 1)
+            self._count_computed(request, token_ids, runner_output.verified.get(req_id, ()))
             output = self._append_tokens(request, token_ids, runner_output)
             if request.status == RequestStatus.RUNNING:
                 request.spec_token_ids = runner_output.draft_token_ids.get(req_id, [])
             outputs.append(output)
         return outputs
 
-    def _roll_back_rejected(self, request: Request, num_accepted: int) -> None:
-        """The rejected drafts' slots hold no token: they are computed again (the blocks stay, as the next step's
-        drafts fill them)."""
+    def _count_computed(self, request: Request, token_ids: list[int], verified: list[tuple[int, int]]) -> None:
+        """The step computed the K/V of each token it sampled but the last (a multi-step call's steps, accepted
+        drafts); its scheduled drafts were counted computed when scheduled. Rejected drafts' slots hold no token:
+        they are computed again (the blocks stay, as the next step's drafts fill them). verified: each verification
+        of the step (drafted, accepted)."""
         drafts, request.scheduled_spec_token_ids = request.scheduled_spec_token_ids, []
-        if drafts:
-            request.num_computed_tokens -= len(drafts) - num_accepted
-            self.spec_stats.observe(len(drafts), num_accepted)
+        request.num_computed_tokens += len(token_ids) - 1 - len(drafts)
+        for num_drafted, num_accepted in verified:
+            self.spec_stats.observe(num_drafted, num_accepted)
 
     def _append_tokens(self, request: Request, token_ids: list[int], runner_output: ModelRunnerOutput
                        ) -> EngineCoreOutput:

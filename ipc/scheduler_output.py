@@ -83,8 +83,10 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     logprob_token_ids: dict[str, list[list[TokenId]]] = {}
     logprobs: dict[str, list[list[float]]] = {}
     sampled_ranks: dict[str, list[Count]] = {}
-    # Drafts proposed for each request's next step (speculative decoding).
+    # Drafts proposed for each request's next step (speculative decoding), and each verification this step ran
+    # for it: (drafts, accepted).
     draft_token_ids: dict[str, list[TokenId]] = {}
+    verified: dict[str, list[tuple[Count, Count]]] = {}
     prompt_logprobs: dict[str, PromptLogprobs] = {}  # this step's chunk, for requests that asked
     # Requests this step could not prepare or sample (why, by request id): they end with an error; the rest of
     # the batch is unaffected.

@@ -26,7 +26,8 @@ def twin(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # 12 rows on: the GEMM tiles, with blocks of 16 and 8 rows, partial ones, and a second pass of 128 rows.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 12, 16, 21, 40, 131])
-@pytest.mark.parametrize("shape", [(64, 32), (1003, 517), (37, 8), (5, 3)])
+# (48, 200): blocks of 16 weight rows at any rows (short rows), with a partial last 32 columns.
+@pytest.mark.parametrize("shape", [(64, 32), (1003, 517), (48, 200), (37, 8), (5, 3)])
 def test_matches_float64_twin(dtype, rows, shape):
     out_features, in_features = shape
     generator = torch.Generator().manual_seed(rows * 1000 + out_features)
@@ -50,6 +51,14 @@ def test_bfloat16_rounds_exact_sums_like_torch():
     x = torch.randint(-8, 9, (3, 260), generator=generator).bfloat16()
     bias = torch.randint(-100, 100, (300,), generator=generator).bfloat16()
     assert torch.equal(cpu_gemv.gemv(x, weight, bias), F.linear(x.float(), weight.float(), bias.float()).bfloat16())
+
+
+def test_bfloat16_keeps_nan_and_infinity():
+    weight = torch.ones(32, 64).bfloat16()
+    x = torch.ones(2, 64).bfloat16()
+    x[0, 3], x[1, 5] = float("nan"), float("inf")
+    out = cpu_gemv.gemv(x, weight)
+    assert out[0].isnan().all() and (out[1] == float("inf")).all()
 
 
 def test_keeps_leading_dimensions():

@@ -71,11 +71,11 @@ def oracle(monkeypatch):
     """Make each draft the given continuation's next tokens, the first `right` of them as they are (None: all) and
     the rest off by one (rejected)."""
     def install(futures: dict[str, list[int]], vocab: int, right: int | None = None) -> None:
-        def propose(self, requests, sampled):
+        def propose(self, requests, sampled, only=None):
             drafts = {}
             for req_id, new_tokens in sampled.items():
-                if req_id not in futures:  # the memory profile's requests (on a GPU)
-                    continue
+                if req_id not in futures or (only is not None and req_id not in only):  # (the memory profile's
+                    continue  # requests on a GPU)
                 state = requests[req_id]
                 done = state.num_output_tokens + len(new_tokens)
                 future = futures[req_id][done:done + self.config.num_speculative_tokens]
@@ -174,6 +174,28 @@ def test_greedy_output_equals_no_speculation(llama_model, oracle, scenario, draf
         assert engine.get_stats().num_preemptions > 0
     if scenario == "prefix-cache hits":
         assert engine.get_stats().prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("drafts", ["ngram", "always right", "always wrong"])
+def test_multi_step_calls_verify_the_same_drafts_in_fewer_engine_steps(llama_model, oracle, drafts):
+    """A multi-step call verifies, after its first step, the drafts proposed after each step before: the same tokens
+    and the same verifications as one call per step, in fewer engine steps."""
+    prompts = _prompts(1000)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    expected = _tokens(_run(llama_model, prompts, params)[0])
+    if drafts != "ngram":
+        oracle(expected, 1000, right=0 if drafts == "always wrong" else None)
+    runs = {}
+    for steps in (1, 8):
+        engine_steps = []
+        step = EngineCore.step
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(EngineCore, "step", lambda self: engine_steps.append(1) or step(self))
+            results, engine = _run(llama_model, prompts, params, NGRAM, num_scheduler_steps=steps)
+        runs[steps] = _tokens(results), _spec_stats(engine), len(engine_steps)
+    assert runs[1][0] == runs[8][0] == expected
+    assert runs[1][1] == runs[8][1] and runs[8][1].num_drafts > 0
+    assert runs[8][2] < runs[1][2] / 2
 
 
 def _draft_config(arch: str) -> dict:

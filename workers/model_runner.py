@@ -15,6 +15,7 @@ from ipc import (EngineConfig, ModelRunnerOutput, NewRequestData, PoolingInfo, P
                  SchedulerOutput)
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.decode_ahead import AheadForward, DecodeRows, next_rows
+from workers.greedy_steps import GreedySteps
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
 from workers.layers.attention import Attention, AttentionMetadata, DecodeMetadata, StepMetadata
 from workers.layers.fused_moe import FusedMoE
@@ -134,8 +135,8 @@ class ModelRunner:
     @property
     def multi_steps(self) -> int:
         """The most greedy decode steps one call runs (core/multi_step.py): on the CPU of a single rank only (CUDA
-        graphs and decode ahead take that cost off the GPU's path). With speculative decoding, for the steps that
-        verify no draft (none proposed, or speculation off at this batch size); the proposer catches up after."""
+        graphs and decode ahead take that cost off the GPU's path). With speculative decoding, each step verifies
+        the drafts proposed after the one before."""
         if (self.device.type != "cpu" or self.decode_graphs is not None
                 or self.parallel.tp_size * self.parallel.pp_size > 1):
             return 1
@@ -213,40 +214,49 @@ class ModelRunner:
                                              for req_id in self.ahead.rows.req_ids], dtype=np.int64)
         output.prompt_logprobs, output.pooled = prompt_logprobs, pooled
         output.failed.update(failed)
+        output.verified = {group.state.req_id: [(len(group.drafts), len(output.sampled_token_ids[group.state.req_id]) - 1)]
+                           for group in groups if group.drafts and group.state.req_id in output.sampled_token_ids}
         if scheduler_output.num_steps > 1 and not output.failed:
             self._decode_more(output, [group.state for group in groups], scheduler_output.num_steps)
         else:
             output.draft_token_ids = self._propose(output)
         return output
 
-    def _propose(self, output: ModelRunnerOutput) -> dict[str, list[int]]:
-        """Drafts to verify next step, after the tokens sampled so far (none without speculative decoding)."""
-        return {} if self.speculator is None else self.speculator.propose(self.requests, output.sampled_token_ids)
+    def _propose(self, output: ModelRunnerOutput, states: list[CachedRequestState] | None = None
+                 ) -> dict[str, list[int]]:
+        """Drafts to verify next, after the tokens sampled so far (none without speculative decoding); for `states`
+        only if given."""
+        if self.speculator is None:
+            return {}
+        return self.speculator.propose(self.requests, output.sampled_token_ids,
+                                       None if states is None else [state.req_id for state in states])
 
     def _decode_more(self, output: ModelRunnerOutput, states: list[CachedRequestState], num_steps: int) -> None:
-        """A multi-step call's greedy decode steps after the first, each fed the tokens of the one before, into the
-        slots the scheduler allocated ahead; their tokens appended to `output`. Stops early once each request has
-        sampled a stop token (the scheduler drops what follows one), or once there are drafts to verify (prompt
-        lookup found a match), which go with the output."""
-        tokens = [output.sampled_token_ids[state.req_id] for state in states]
-        stops = [state.stop_token_ids() for state in states]  # min_tokens is reached before a multi-step call
-        table, _ = self._block_table(states)
-        rows = np.arange(len(states))
-        first_positions = np.array([state.num_computed_tokens for state in states], dtype=np.int64)
-        for step in range(1, num_steps):
-            output.draft_token_ids = self._propose(output)
-            if output.draft_token_ids or all(t[-1] in stop for t, stop in zip(tokens, stops)):
-                return
-            positions = first_positions + step
-            slots = table[rows, positions // self.block_size] * self.block_size + positions % self.block_size
-            metadata = self._attention_metadata(slots, table, np.arange(len(states) + 1), positions + 1, len(states))
-            inputs = ModelInputs(self._tensor(np.array([t[-1] for t in tokens])), self._tensor(positions), metadata,
-                                 self._tensor(rows), [], [])
-            hidden = self._forward(inputs)
+        """A multi-step call's greedy steps after the first, into the slots the scheduler allocated ahead: each
+        feeds every request its last token and the drafts proposed after it (speculative decoding); the accepted
+        drafts and one more token are appended to `output`, with the verification. Ends early once no request can
+        go on (workers.greedy_steps). The drafts proposed after the last step go with the output."""
+        steps = GreedySteps(states, [output.sampled_token_ids[s.req_id] for s in states], self.block_size,
+                            self.config.max_model_len)
+        draft_ahead = self.draft_model.num_drafts if self.draft_model is not None else 0
+        for _ in range(1, num_steps):
+            rows = steps.active()
+            if not rows:
+                break
+            proposed = self._propose(output, [states[i] for i in steps.with_room(rows, draft_ahead)])
+            batch = steps.batch(rows, {i: proposed[states[i].req_id] for i in rows if states[i].req_id in proposed})
+            metadata = self._attention_metadata(batch.slot_mapping, batch.block_table, batch.query_start_loc,
+                                                batch.seq_lens, batch.num_decodes)
+            hidden = self._forward(ModelInputs(self._tensor(batch.input_ids), self._tensor(batch.positions), metadata,
+                                               self._tensor(np.arange(len(batch.input_ids))), [], []))
             # As the sampler takes a plain greedy row: the argmax of the logits.
-            for t, token in zip(tokens, self._logits(hidden, [-1] * len(states)).argmax(dim=-1).tolist()):
-                t.append(token)
-        output.draft_token_ids = self._propose(output)
+            argmax = self._logits(hidden, [-1] * len(batch.input_ids)).argmax(dim=-1).tolist()
+            for i, feed, first in zip(batch.rows, batch.feeds, batch.query_start_loc):
+                accepted = steps.accept(i, feed[1:], argmax[first:first + len(feed)])
+                if len(feed) > 1:
+                    output.verified.setdefault(states[i].req_id, []).append((len(feed) - 1, accepted))
+        output.draft_token_ids = self._propose(output, [states[i] for i in steps.with_room(range(len(states)),
+                                                                                            draft_ahead)])
 
     def _pool(self, hidden: torch.Tensor, jobs: list[PoolingJob], failed: dict[str, str]) -> dict[str, bytes]:
         """The pooled results of the pooling requests whose prompt this step completed."""

@@ -29,6 +29,30 @@ inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// 8 lanes rounded to bf16 as store() rounds each, kept as float32 (widen(round_to<uint16_t>(x)) lane by lane);
+// float32 lanes stay as they are.
+inline __m256 round_bf16_8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
+                                     _mm256_set1_epi32(int32_t(0xffff0000u)));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)),
+                          _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+template <typename T>
+inline __m256 round8(__m256 x) {
+  if constexpr (sizeof(T) == 2) return round_bf16_8(x);
+  return x;
+}
+
+// 8 lanes stored as store() stores each.
+inline void store8(__m256 x, float* dst) { _mm256_storeu_ps(dst, x); }
+inline void store8(__m256 x, uint16_t* dst) {
+  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(x)), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

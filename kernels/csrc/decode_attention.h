@@ -5,6 +5,10 @@
 #include <cstdint>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "common.h"
 
 namespace pagedserve {
@@ -129,6 +133,21 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
   const int64_t dim = D ? D : head_dim, G = num_heads / kv_heads;
   std::vector<int64_t> runs{0};  // row ranges sharing a table
   while (runs.back() < num_seqs) runs.push_back(run_end(tables, max_blocks, runs.back(), num_seqs));
+#ifdef _OPENMP
+  // Fewer (run, KV head) items than two per thread (one sequence verifying drafts, few KV heads): the runs split
+  // into pieces of rows, each reading the run's K/V again (from cache), so that every thread gets a share.
+  const int64_t wanted = 2 * omp_get_max_threads(), items = (int64_t(runs.size()) - 1) * kv_heads;
+  if (items < wanted) {
+    const int64_t pieces = (wanted + items - 1) / items;
+    std::vector<int64_t> split{0};
+    for (size_t r = 1; r < runs.size(); ++r) {
+      const int64_t rows = runs[r] - runs[r - 1], size = std::max<int64_t>(1, (rows + pieces - 1) / pieces);
+      for (int64_t end = runs[r - 1] + size; end < runs[r]; end += size) split.push_back(end);
+      split.push_back(runs[r]);
+    }
+    runs.swap(split);
+  }
+#endif
   const int64_t num_runs = int64_t(runs.size()) - 1;
 #pragma omp parallel
   {

@@ -68,12 +68,11 @@ template <typename T>
 void silu_and_mul_row(const T* gate_up, T* act, int64_t I) {
   int64_t i = 0;
 #ifdef __AVX2__
-  alignas(32) float silu[8];
   for (; i + 8 <= I; i += 8) {
     const __m256 g = load8(gate_up + i);
     const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    _mm256_store_ps(silu, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
-    for (int j = 0; j < 8; ++j) act[i + j] = round_to<T>(widen(round_to<T>(silu[j])) * widen(gate_up[I + i + j]));
+    const __m256 silu = round8<T>(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+    store8(_mm256_mul_ps(silu, load8(gate_up + I + i)), act + i);
   }
 #endif
   for (; i < I; ++i) {
@@ -88,7 +87,18 @@ void rotate(T* heads, int64_t count, int64_t dim, const float* cos, const float*
   const int64_t half = dim / 2;
   for (int64_t h = 0; h < count; ++h) {
     T* x = heads + h * dim;
-    for (int64_t d = 0; d < half; ++d) {
+    int64_t d = 0;
+#ifdef __AVX2__
+    for (; d + 8 <= half; d += 8) {
+      const __m256 a = load8(x + d), b = load8(x + d + half);
+      const __m256 c0 = round8<T>(_mm256_loadu_ps(cos + d)), s0 = round8<T>(_mm256_loadu_ps(sin + d));
+      const __m256 c1 = round8<T>(_mm256_loadu_ps(cos + d + half)), s1 = round8<T>(_mm256_loadu_ps(sin + d + half));
+      const __m256 minus_b = _mm256_sub_ps(_mm256_setzero_ps(), b);
+      store8(_mm256_add_ps(round8<T>(_mm256_mul_ps(a, c0)), round8<T>(_mm256_mul_ps(minus_b, s0))), x + d);
+      store8(_mm256_add_ps(round8<T>(_mm256_mul_ps(b, c1)), round8<T>(_mm256_mul_ps(a, s1))), x + d + half);
+    }
+#endif
+    for (; d < half; ++d) {
       const float a = widen(x[d]), b = widen(x[d + half]);
       const float c0 = widen(round_to<T>(cos[d])), s0 = widen(round_to<T>(sin[d]));
       const float c1 = widen(round_to<T>(cos[d + half])), s1 = widen(round_to<T>(sin[d + half]));
@@ -98,11 +108,15 @@ void rotate(T* heads, int64_t count, int64_t dim, const float* cos, const float*
   }
 }
 
-// Rows of add_and_norm_row over the threads (one row is not worth waking them); in place is fine.
+// The elementwise steps between the products go over the threads from this many elements on: below it, waking
+// them costs more than the work (a few microseconds a region; a layer has several).
+constexpr int64_t kParallelMinElements = 1 << 14;
+
+// Rows of add_and_norm_row, over the threads for many; in place is fine.
 template <typename T>
 void add_and_norm_rows(const T* x, const T* residual, const T* weight, float eps, T* residual_out, T* out, int64_t M,
                        int64_t H) {
-#pragma omp parallel for if (M > 1)
+#pragma omp parallel for if (M * H >= kParallelMinElements)
   for (int64_t m = 0; m < M; ++m)
     add_and_norm_row(x + m * H, residual ? residual + m * H : nullptr, weight, eps, residual_out + m * H, out + m * H,
                      H);
@@ -110,7 +124,7 @@ void add_and_norm_rows(const T* x, const T* residual, const T* weight, float eps
 
 template <typename T>
 void silu_and_mul_rows(const T* gate_up, T* act, int64_t M, int64_t I) {
-#pragma omp parallel for if (M > 1)
+#pragma omp parallel for if (M * I >= kParallelMinElements)
   for (int64_t m = 0; m < M; ++m) silu_and_mul_row(gate_up + m * 2 * I, act + m * I, I);
 }
 
@@ -123,7 +137,7 @@ void attend(const DecoderLayer<T>& L, T* qkv, const int64_t* positions, const in
             int64_t M) {
   const int64_t D = L.head_dim, q_size = L.heads * D, kv_size = L.kv_heads * D, qkv_size = q_size + 2 * kv_size;
   std::vector<T> q(M * q_size);
-#pragma omp parallel for if (M > 1)
+#pragma omp parallel for if (M * qkv_size >= kParallelMinElements)
   for (int64_t m = 0; m < M; ++m) {
     T* row = qkv + m * qkv_size;
     const float *cos = L.cos + positions[m] * D, *sin = L.sin + positions[m] * D;

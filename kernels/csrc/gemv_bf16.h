@@ -67,18 +67,30 @@ inline __m512 sum_lanes_16(const __m512* a) {
                        _mm512_shuffle_f32x4(halves[0], halves[1], 0xdd));
 }
 
-// Weight rows n0..n0+3 against input rows m0..m0+3: 16 sums from 8 loads per 32 columns (the rows' loop loads 5 for
-// 4 sums), added across lanes together.
-inline void tile_bf16(const uint16_t* w, const uint16_t* x, const uint16_t* bias, uint16_t* y, int64_t n0,
-                      int64_t m0, int64_t N, int64_t K) {
+// 16 float32 sums rounded to bf16 as store() rounds each (nearest even, NaN kept quiet).
+inline __m256i round_16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// Weight rows n0..n0+NB against input rows m0..m0+MB (NB * MB = 16): 16 independent sums, so that short rows do
+// not wait on one accumulator's latency, added across lanes together and rounded and stored as vectors (per-sum
+// reductions and stores cost more than the products at K of a few hundred). NB + MB loads per 32 columns.
+template <int NB, int MB>
+inline void block_bf16(const uint16_t* w, const uint16_t* x, const uint16_t* bias, uint16_t* y, int64_t n0,
+                       int64_t m0, int64_t N, int64_t K) {
+  static_assert(NB * MB == 16, "a block holds 16 sums");
   __m512 a[16];
   for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
   auto step = [&](int64_t k, auto load) {
-    __m512bh xv[4];
-    for (int m = 0; m < 4; ++m) xv[m] = load(x + (m0 + m) * K + k);
-    for (int n = 0; n < 4; ++n) {
+    __m512bh xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = load(x + (m0 + m) * K + k);
+    for (int n = 0; n < NB; ++n) {
       const __m512bh wv = load(w + (n0 + n) * K + k);
-      for (int m = 0; m < 4; ++m) a[n * 4 + m] = _mm512_dpbf16_ps(a[n * 4 + m], wv, xv[m]);
+      for (int m = 0; m < MB; ++m) a[m * NB + n] = _mm512_dpbf16_ps(a[m * NB + n], wv, xv[m]);
     }
   };
   int64_t k = 0;
@@ -87,36 +99,53 @@ inline void tile_bf16(const uint16_t* w, const uint16_t* x, const uint16_t* bias
     const __mmask32 mask = _cvtu32_mask32((1u << (K - k)) - 1);
     step(k, [mask](const uint16_t* p) { return load32(p, mask); });
   }
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, sum_lanes_16(a));
-  for (int n = 0; n < 4; ++n) {
-    const float b = bias ? widen(bias[n0 + n]) : 0.f;
-    for (int m = 0; m < 4; ++m) store(sums[n * 4 + m] + b, y + (m0 + m) * N + n0 + n);
+  __m512 sums = sum_lanes_16(a);  // lane m * NB + n: input row m0 + m, weight row n0 + n
+  if (bias) {
+    alignas(64) float b[16];
+    for (int i = 0; i < 16; ++i) b[i] = widen(bias[n0 + i % NB]);
+    sums = _mm512_add_ps(sums, _mm512_load_ps(b));
   }
+  alignas(32) uint16_t out[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(out), round_16(sums));
+  for (int m = 0; m < MB; ++m) std::memcpy(y + (m0 + m) * N + n0, out + m * NB, NB * sizeof(uint16_t));
 }
 
-// 4 x 4 tiles from kTileMinRows input rows on, and from kSmallTileMinRows for a weight under kSmallWeightBytes:
-// where the products are compute-bound rather than streaming weights from memory (2-core AVX-512 BF16 EPYC: the
-// demo model's matrices, all under 512 KiB and cache-resident, 1.7-2.4x faster at 8 rows in a scratch harness,
-// 2.0x at 4; benchmarks/cpu_gemv.py's 33 benchmark-model matrices, 0.5-5.8 MB streamed from memory: 4.82 ms against
-// 3.98 at 8 rows, 5.58 against 5.86 at 12, 6.17 against 7.85 at 16).
-constexpr int64_t kTileMinRows = 12, kSmallTileMinRows = 8, kSmallWeightBytes = 1 << 19;
+// Weight rows n0..n0+16 against every input row: 4 x 4 blocks, then 8 x 2 and 16 x 1 for the rest.
+inline void blocks_bf16(const uint16_t* w, const uint16_t* x, const uint16_t* bias, uint16_t* y, int64_t n0,
+                        int64_t M, int64_t N, int64_t K) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= M; m0 += 4)
+    for (int64_t n = n0; n < n0 + 16; n += 4) block_bf16<4, 4>(w, x, bias, y, n, m0, N, K);
+  if (m0 + 2 <= M) {
+    for (int64_t n = n0; n < n0 + 16; n += 8) block_bf16<8, 2>(w, x, bias, y, n, m0, N, K);
+    m0 += 2;
+  }
+  if (m0 < M) block_bf16<16, 1>(w, x, bias, y, n0, m0, N, K);
+}
 
-// x [M, K], w [N, K], bias [N] or null, y [M, N], all bf16. Short of the tiles' rows, one weight row at a time per
-// thread, the prefetchers following one sequential stream best where the weights stream from memory (tiles of 2-4
-// weight rows ran 1.5-2x slower at 1-8 input rows in an earlier A/B): the row stays in L1 while the input rows pass
-// over it, 4 at a time.
+// Blocks from kTileMinRows input rows on, and at any rows for a weight under kSmallWeightBytes or rows of at most
+// kShortRow columns: where the products are compute- or latency-bound rather than streaming weights from memory
+// (2-core AVX-512 BF16 EPYC, the demo model's 192-column matrices, against one weight row at a time: 1152 x 192 at
+// 1 row 7.8 against 10.2 us on one thread, at 8 rows 17.9 against 30.1 us on two; its 4096 x 192 LM head at 8 rows
+// 94 against 204 us). Short of that, one weight row at a time keeps a single sequential stream, which the
+// prefetchers follow best where the weights stream from memory (the benchmark model's 33 matrices, 0.5-5.8 MB, in
+// blocks: 1.43-1.48x slower at 4 rows, 1.13-1.14x at 8): the row stays in L1 while the input rows pass over it, 4 at
+// a time.
+constexpr int64_t kTileMinRows = 12, kSmallWeightBytes = 1 << 19, kShortRow = 256;
+
+// x [M, K], w [N, K], bias [N] or null, y [M, N], all bf16.
 inline void gemv_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y, int64_t M, int64_t N,
                       int64_t K) {
-  const bool tiled = M >= kTileMinRows || (M >= kSmallTileMinRows && 2 * N * K < kSmallWeightBytes);
-  const int64_t tiled_rows = tiled ? M - M % 4 : 0;
+  const bool blocked = M >= kTileMinRows || 2 * N * K < kSmallWeightBytes || K <= kShortRow;
+  const int64_t chunk = blocked ? 16 : 4;
 #pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < N; n0 += 4) {
-    const int64_t n1 = std::min(n0 + 4, N);
-    int64_t m0 = 0;
-    if (n1 - n0 == 4)
-      for (; m0 < tiled_rows; m0 += 4) tile_bf16(w, x, bias, y, n0, m0, N, K);
-    for (int64_t n = n0; n < n1; ++n) rows_from_bf16(w, x, bias ? widen(bias[n]) : 0.f, y, n, m0, M, N, K);
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t n1 = std::min(n0 + chunk, N);
+    if (blocked && n1 - n0 == 16) {
+      blocks_bf16(w, x, bias, y, n0, M, N, K);
+      continue;
+    }
+    for (int64_t n = n0; n < n1; ++n) rows_from_bf16(w, x, bias ? widen(bias[n]) : 0.f, y, n, 0, M, N, K);
   }
 }
 

@@ -47,12 +47,15 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
         self.config, self.proposer = config, proposer
 
-    def propose(self, requests: dict[str, CachedRequestState], sampled: dict[str, list[int]]
-                ) -> dict[str, list[int]]:
+    def propose(self, requests: dict[str, CachedRequestState], sampled: dict[str, list[int]],
+                only: list[str] | None = None) -> dict[str, list[int]]:
+        """Drafts after each sampled request's tokens (its state's, then `sampled`'s), for those in `only` if given
+        (the batch, whose size turns speculation off, is still all of `sampled`)."""
         limit = self.config.disable_by_batch_size
         if limit is not None and len(sampled) > limit:
             return {}
-        req_ids = [req_id for req_id in sampled if requests[req_id].sampling_params.structured_outputs is None]
+        req_ids = [req_id for req_id in (sampled if only is None else only)
+                   if requests[req_id].sampling_params.structured_outputs is None]
         drafts = self.proposer.propose([requests[r] for r in req_ids], [sampled[r] for r in req_ids])
         return {req_id: draft for req_id, draft in zip(req_ids, drafts) if draft}
 
