@@ -43,6 +43,10 @@ class DecoderLayerWeights:
     gate_up_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
 
+    def max_rows(self) -> int:
+        """The most tokens of a step whose products the kernels run for these projections (max_rows)."""
+        return max_rows(self.input_norm.dtype, [self.qkv, self.o, self.gate_up, self.down])
+
     def pointers(self) -> list[int]:
         tensors = (self.input_norm, self.qkv, self.qkv_bias, self.o, self.o_bias, self.post_norm, self.gate_up,
                    self.down, self.cos, self.sin, self.qkv_scale, self.o_scale, self.gate_up_scale, self.down_scale)
@@ -90,12 +94,13 @@ def takes_projection(weight: torch.Tensor, scale: torch.Tensor | None, zero: tor
 LONG_RUN_ROWS, LONG_RUN_CONTEXT, CHUNKED_MAX_ROWS = 16, 4096, 64
 
 
-def max_rows(dtype: torch.dtype, int8_weights: bool = False) -> int:
-    """The most tokens of a step whose products the layer runs in the kernels (cpu_gemv's limits); past them torch's
+def max_rows(dtype: torch.dtype, weights: Sequence[torch.Tensor] = ()) -> int:
+    """The most tokens of a step whose products the layer runs in the kernels (the least of cpu_gemv's limits for
+    its projection weights, if given); past them torch's
     GEMMs are faster, and the layer takes them between its calls (decoder_layers_with_products: in-process decode
     of the benchmark model on a 2-core AVX-512 BF16 EPYC, 10.5 ms per step at 16 requests against 12.3 with the
     kernels' products and 14.0 on the op path; 14.6 against 18.3 on the op path at 32, 25.0 against 29.1 at 64)."""
-    return cpu_gemv.INT8_MAX_ROWS if int8_weights else cpu_gemv.max_rows(dtype)
+    return min((cpu_gemv.max_rows(dtype, weight) for weight in weights), default=cpu_gemv.max_rows(dtype))
 
 
 @dataclass(frozen=True)
@@ -111,10 +116,11 @@ class DecodeStep:
 
 
 def decode_step(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                query_start_loc: list[int], int8_weights: bool = False) -> DecodeStep | None:
+                query_start_loc: list[int], max_product_rows: int | None = None) -> DecodeStep | None:
     """The step's inputs for the C++ layer when it takes this step, else None: on the CPU, float32 or bfloat16, at
     inference, kernel built, and no sequence with more than LONG_RUN_ROWS tokens in a step of more than
-    CHUNKED_MAX_ROWS tokens or deep in a long context. Up to max_rows() tokens its products run in the kernels too.
+    CHUNKED_MAX_ROWS tokens or deep in a long context. Up to max_product_rows tokens (default: max_rows(x.dtype);
+    a model gives its weights' limit) its products run in the kernels too.
 
     Each token is its own attention row over its sequence's blocks, seeing the first position + 1 slots: causal
     attention, so decodes, speculative verification (1 + k tokens of a sequence) and short prompt chunks all fit.
@@ -132,7 +138,7 @@ def decode_step(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Te
             return None
         tables = tables.repeat_interleave(counts, dim=0)
     return DecodeStep(positions, slot_mapping.long().contiguous(), tables.contiguous(), positions + 1,
-                      tokens <= max_rows(x.dtype, int8_weights))
+                      tokens <= (max_rows(x.dtype) if max_product_rows is None else max_product_rows))
 
 
 Product = Callable[[torch.Tensor], torch.Tensor]

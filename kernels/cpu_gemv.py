@@ -31,10 +31,19 @@ FLOAT32_MAX_ROWS = 256
 # bf16 weights on CPUs with AVX-512 BF16 (gemv_bf16.h's dot products): torch's bf16 GEMMs catch up past this.
 NATIVE_BF16_MAX_ROWS = 8
 
+# ... and for a small weight, which gemv_bf16.h multiplies in blocks of 16 sums at every row count (under
+# SMALL_WEIGHT_BYTES, or rows of at most SHORT_ROW columns: its kSmallWeightBytes and kShortRow). 2-core AVX-512
+# BF16 EPYC, against F.linear, the demo model's 17 matrices (192 columns): 0.47x the time at 8 rows, 0.46x at 16,
+# 0.87x at 32, 0.92x at 64, 1.37x at 128; the draft model's 9 (64 columns): 0.58x at 8, 0.72x at 16, 0.95x at 32,
+# 1.43x at 64.
+SMALL_BF16_MAX_ROWS = 32
+SMALL_WEIGHT_BYTES, SHORT_ROW = 1 << 19, 256
 
-def max_rows(dtype: torch.dtype) -> int:
-    """The most rows the kernels take for a weight of `dtype`, each measured against torch's path on the benchmark
-    model's 33 matrices (python benchmarks/cpu_gemv.py, best of 7).
+
+def max_rows(dtype: torch.dtype, weight: torch.Tensor | None = None) -> int:
+    """The most rows of `dtype` the kernels take (for `weight`, if given: an int8 one takes INT8_MAX_ROWS, a small
+    bf16 one SMALL_BF16_MAX_ROWS where the CPU has bf16 instructions), each measured against torch's path on the
+    benchmark model's 33 matrices (python benchmarks/cpu_gemv.py, best of 7).
 
     2-core AVX2 CPU without bf16 instructions (torch's path: F.linear in float32, bf16 weights converted per call):
     bf16 1.9-3.3x faster at 1-64 rows, 1.5x at 128-256, 1.0-1.2x at 512-2048; float32 2.1-3.1x at 1-32 rows,
@@ -43,8 +52,13 @@ def max_rows(dtype: torch.dtype) -> int:
     2.4x at 4, 1.5x at 8, 0.95x at 12, 0.86x at 16, hence NATIVE_BF16_MAX_ROWS; float32 1.4-2.9x at 1-64 rows,
     1.1-1.2x at 128-512, 0.94x at 1024. With AVX-512 but no bf16 instructions the kernels keep to 4 bf16 and 64
     float32 rows, where a step is surely memory-bound (unmeasured: no such CPU here)."""
+    if weight is not None and weight.dtype == torch.int8:
+        return INT8_MAX_ROWS
     if cpu_has_native_bf16():
-        return NATIVE_BF16_MAX_ROWS if dtype == torch.bfloat16 else FLOAT32_MAX_ROWS
+        if dtype != torch.bfloat16:
+            return FLOAT32_MAX_ROWS
+        small = weight is not None and (weight.numel() * 2 < SMALL_WEIGHT_BYTES or weight.shape[-1] <= SHORT_ROW)
+        return SMALL_BF16_MAX_ROWS if small else NATIVE_BF16_MAX_ROWS
     if "avx512f" in cpu_flags():
         return 4 if dtype == torch.bfloat16 else 64
     return sys.maxsize if dtype == torch.bfloat16 else FLOAT32_MAX_ROWS
@@ -55,7 +69,7 @@ def serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     INT8_MAX_ROWS) rows, float32 or bfloat16 activations, weight and bias, kernel built."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
             and weight.dtype in (x.dtype, torch.int8)
-            and x.numel() <= (INT8_MAX_ROWS if weight.dtype == torch.int8 else max_rows(x.dtype)) * weight.shape[-1]
+            and x.numel() <= max_rows(x.dtype, weight) * weight.shape[-1]
             and weight.dim() == 2 and weight.is_contiguous()
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
             and not torch.is_grad_enabled() and cpu_extension.ready() is not None)

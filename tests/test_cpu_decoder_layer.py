@@ -97,7 +97,8 @@ def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer, products)
     """Products in the kernels (up to max_rows tokens: fewer where the CPU has bf16 GEMMs) or torch's between the
     kernel's calls (any count)."""
     layer_class, config = CASES[case]
-    while products == "kernel" and sum(new for _, new in seqs) > cpu_decoder_layer.max_rows(dtype):
+    limit = make_layer(layer_class, config, dtype, seed=0).fused_weights.max_rows()  # (its weights' shapes)
+    while products == "kernel" and sum(new for _, new in seqs) > limit:
         seqs = seqs[:-1] if len(seqs) > 1 else [(seqs[0][0], seqs[0][1] - 1)]
     tokens = sum(new for _, new in seqs)
     layer = make_layer(layer_class, config, dtype, seed=tokens)
@@ -190,8 +191,7 @@ def fused_and_op_by_op(layer: LlamaDecoderLayer, config, dtype: torch.dtype, seq
     with torch.inference_mode():
         expected = op_by_op(layer, dtype)
         step = cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
-                                             metadata.query_start_loc,
-                                             int8_weights=layer.self_attn.qkv_proj.weight.dtype == torch.int8)
+                                             metadata.query_start_loc, layer.fused_weights.max_rows())
         assert step is not None
         if products == "torch":
             attn, mlp = layer.self_attn, layer.mlp
@@ -208,6 +208,22 @@ def fused_and_op_by_op(layer: LlamaDecoderLayer, config, dtype: torch.dtype, seq
     return got, expected
 
 
+def test_a_layer_takes_the_fewest_rows_its_weights_allow(monkeypatch):
+    """int8 weights: INT8_MAX_ROWS; with bf16 instructions, small bf16 weights (the kernels' blocks at every row
+    count) SMALL_BF16_MAX_ROWS, others NATIVE_BF16_MAX_ROWS; the layer: the least of its weights'."""
+    monkeypatch.setattr(cpu_gemv, "cpu_has_native_bf16", lambda: True)
+    small, short_rows, large = torch.zeros(64, 64).bfloat16(), torch.zeros(4096, 256).bfloat16(), \
+        torch.zeros(1024, 512).bfloat16()
+    int8 = torch.zeros(1024, 512, dtype=torch.int8)
+    limits = {"small": cpu_gemv.SMALL_BF16_MAX_ROWS, "short rows": cpu_gemv.SMALL_BF16_MAX_ROWS,
+              "large": cpu_gemv.NATIVE_BF16_MAX_ROWS, "int8": cpu_gemv.INT8_MAX_ROWS}
+    for name, weight in (("small", small), ("short rows", short_rows), ("large", large), ("int8", int8)):
+        assert cpu_gemv.max_rows(torch.bfloat16, weight) == limits[name]
+    assert cpu_decoder_layer.max_rows(torch.bfloat16, [small, int8]) == cpu_gemv.SMALL_BF16_MAX_ROWS
+    assert cpu_decoder_layer.max_rows(torch.bfloat16, [small, large]) == cpu_gemv.NATIVE_BF16_MAX_ROWS
+    assert cpu_decoder_layer.max_rows(torch.float32, [torch.zeros(64, 64)]) == cpu_gemv.FLOAT32_MAX_ROWS
+
+
 def test_declines_steps_it_does_not_compute():
     x, positions, slots, tables = torch.randn(2, 8), torch.tensor([3, 4]), torch.tensor([3, 4]), torch.zeros(2, 1)
     with torch.inference_mode():
@@ -217,12 +233,12 @@ def test_declines_steps_it_does_not_compute():
         assert cpu_decoder_layer.decode_step(torch.randn(n, 8), torch.arange(n), torch.arange(n), torch.zeros(1, 1),
                                              [0, n]) is None
         # n decodes: always taken, their products in the kernels up to the kernels' rows (torch's past them)
-        for dtype, int8, limit in ((torch.float32, False, cpu_gemv.max_rows(torch.float32)),
-                                   (torch.bfloat16, False, cpu_gemv.max_rows(torch.bfloat16)),
-                                   (torch.bfloat16, True, cpu_gemv.INT8_MAX_ROWS)):
+        for dtype, given, limit in ((torch.float32, None, cpu_gemv.max_rows(torch.float32)),
+                                    (torch.bfloat16, None, cpu_gemv.max_rows(torch.bfloat16)),
+                                    (torch.bfloat16, 50, 50)):
             for n in (min(limit, 1024), min(limit, 1024) + 1):
                 step = cpu_decoder_layer.decode_step(torch.randn(n, 8).to(dtype), torch.arange(n), torch.arange(n),
-                                                     torch.zeros(n, 1), list(range(n + 1)), int8_weights=int8)
+                                                     torch.zeros(n, 1), list(range(n + 1)), given)
                 assert step.kernel_products == (n <= limit)
         # a long prompt chunk deep into its context: the op path; as deep with few rows, or shallow: the kernel
         rows = cpu_decoder_layer.LONG_RUN_ROWS + 1

@@ -72,7 +72,7 @@ def test_linear_layers_use_it_up_to_max_rows_at_inference(monkeypatch, dtype):
     kernel = cpu_gemv.gemv
     monkeypatch.setattr(cpu_gemv, "gemv", lambda *args: calls.append(args[0].shape) or kernel(*args))
     weight, bias = torch.randn(40, 24).to(dtype), torch.randn(40).to(dtype)
-    limit = cpu_gemv.max_rows(dtype)
+    limit = cpu_gemv.max_rows(dtype, weight)
     served = [rows for rows in (1, 12, 300) if rows <= limit] + ([limit] if limit <= 1024 else [])
     declined = [limit + 1] if limit <= 1024 else []
     with torch.inference_mode():
@@ -93,6 +93,7 @@ def test_row_limits_follow_the_cpu(monkeypatch):
         monkeypatch.setattr(cpu_gemv, "cpu_flags", lambda flags=flags: flags)
         monkeypatch.setattr(cpu_gemv, "cpu_has_native_bf16", lambda flags=flags: "avx512_bf16" in flags)
         assert (cpu_gemv.max_rows(torch.bfloat16), cpu_gemv.max_rows(torch.float32)) == (bf16, float32)
+        assert cpu_gemv.max_rows(torch.float32, torch.zeros(8, 8, dtype=torch.int8)) == cpu_gemv.INT8_MAX_ROWS
 
 
 @pytest.mark.parametrize("case", ["grad", "mixed dtypes", "float16", "strided weight", "too many rows"])

@@ -210,12 +210,13 @@ class LlamaModel(nn.Module):
                 self.lora_context is not None and self.lora_context.token_groups):  # adapters need the op path
             return None
         return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
-                                             metadata.query_start_loc, self.int8_projections)
+                                             metadata.query_start_loc, self.product_rows)
 
     @functools.cached_property
-    def int8_projections(self) -> bool:
-        """Whether some projection of this stage is int8 (its kernel takes fewer rows)."""
-        return any(p.dtype == torch.int8 for i in self.stage_layers for p in self.layers[i].parameters())
+    def product_rows(self) -> int:
+        """The most tokens of a step whose products the C++ layer runs: the least this stage's projection weights
+        allow (kernels.cpu_decoder_layer.max_rows: int8 and small bf16 weights take more)."""
+        return min(self.layers[i].fused_weights.max_rows() for i in self.stage_layers)
 
 
 class LlamaForCausalLM(nn.Module):
