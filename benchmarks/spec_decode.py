@@ -119,8 +119,9 @@ def compare(args: argparse.Namespace, texts: list[str], batch: int, spec: dict, 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=WEIGHTS_DIR / "demo")
-    # 7 drafts: the verification step's 8 tokens are the most the CPU kernels' products take with native bf16
-    # (kernels.cpu_gemv.max_rows); on the edit workload 7 gave 1.61x where 4 gave 1.35x (same machine and day).
+    # 7 drafts: on the edit workload (2-core AVX-512 BF16 EPYC) 7 gave 1.61x where 4 gave 1.35x (same day), and
+    # 1.58x where 11 gave 1.44x and 15 1.30x (same hour: longer drafts add few accepted tokens, 3.85 -> 4.18 per
+    # verifying step at 15, for a dearer verification).
     parser.add_argument("--ngram-config", default='{"method": "ngram", "num_speculative_tokens": 7, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
     parser.add_argument("--draft-config", default=json.dumps({"method": "draft_model", "num_speculative_tokens": 4,

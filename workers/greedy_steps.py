@@ -29,13 +29,10 @@ class GreedySteps:
     out the steps after a stop token (what follows one is dropped anyway) or max_tokens, or once its blocks (and
     max_model_len) have no slot for its next token; the K/V of all its tokens but the last are computed."""
 
-    def __init__(self, states: list[CachedRequestState], tokens: list[list[int]], block_size: int,
-                 max_model_len: int) -> None:
-        self.states, self.tokens, self.block_size = states, tokens, block_size
-        num_blocks = np.array([len(s.block_ids) for s in states], dtype=np.int64)
-        self.table = np.zeros((len(states), num_blocks.max()), dtype=np.int64)
-        for row, state in enumerate(states):
-            self.table[row, :len(state.block_ids)] = state.block_ids
+    def __init__(self, states: list[CachedRequestState], tokens: list[list[int]], table: np.ndarray,
+                 num_blocks: np.ndarray, block_size: int, max_model_len: int) -> None:
+        """table, num_blocks: the requests' block table and how many blocks each holds."""
+        self.states, self.tokens, self.table, self.block_size = states, tokens, table, block_size
         self.capacity = np.minimum(num_blocks * block_size, max_model_len)
         self.context = np.array([len(s.token_ids) + len(t) for s, t in zip(states, tokens)], dtype=np.int64)
         self.room = [max_model_len if s.sampling_params.max_tokens is None

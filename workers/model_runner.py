@@ -15,8 +15,8 @@ from ipc import (EngineConfig, ModelRunnerOutput, NewRequestData, PoolingInfo, P
                  SchedulerOutput)
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.decode_ahead import AheadForward, DecodeRows, next_rows
-from workers.greedy_steps import GreedySteps
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
+from workers.greedy_steps import GreedySteps
 from workers.layers.attention import Attention, AttentionMetadata, DecodeMetadata, StepMetadata
 from workers.layers.fused_moe import FusedMoE
 from workers.layers.sampler import Sampler, gather_logprobs
@@ -214,8 +214,9 @@ class ModelRunner:
                                              for req_id in self.ahead.rows.req_ids], dtype=np.int64)
         output.prompt_logprobs, output.pooled = prompt_logprobs, pooled
         output.failed.update(failed)
-        output.verified = {group.state.req_id: [(len(group.drafts), len(output.sampled_token_ids[group.state.req_id]) - 1)]
-                           for group in groups if group.drafts and group.state.req_id in output.sampled_token_ids}
+        sampled = output.sampled_token_ids
+        output.verified = {group.state.req_id: [(len(group.drafts), len(sampled[group.state.req_id]) - 1)]
+                           for group in groups if group.drafts and group.state.req_id in sampled}
         if scheduler_output.num_steps > 1 and not output.failed:
             self._decode_more(output, [group.state for group in groups], scheduler_output.num_steps)
         else:
@@ -236,8 +237,8 @@ class ModelRunner:
         feeds every request its last token and the drafts proposed after it (speculative decoding); the accepted
         drafts and one more token are appended to `output`, with the verification. Ends early once no request can
         go on (workers.greedy_steps). The drafts proposed after the last step go with the output."""
-        steps = GreedySteps(states, [output.sampled_token_ids[s.req_id] for s in states], self.block_size,
-                            self.config.max_model_len)
+        steps = GreedySteps(states, [output.sampled_token_ids[s.req_id] for s in states], *self._block_table(states),
+                            self.block_size, self.config.max_model_len)
         draft_ahead = self.draft_model.num_drafts if self.draft_model is not None else 0
         for _ in range(1, num_steps):
             rows = steps.active()
