@@ -67,15 +67,6 @@ inline __m512 sum_lanes_16(const __m512* a) {
                        _mm512_shuffle_f32x4(halves[0], halves[1], 0xdd));
 }
 
-// 16 float32 sums rounded to bf16 as store() rounds each (nearest even, NaN kept quiet).
-inline __m256i round_16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-  return _mm512_cvtepi32_epi16(r);
-}
-
 // Weight rows n0..n0+NB against input rows m0..m0+MB (NB * MB = 16): 16 independent sums, so that short rows do
 // not wait on one accumulator's latency, added across lanes together and rounded and stored as vectors (per-sum
 // reductions and stores cost more than the products at K of a few hundred). NB + MB loads per 32 columns.
@@ -106,7 +97,8 @@ inline void block_bf16(const uint16_t* w, const uint16_t* x, const uint16_t* bia
     sums = _mm512_add_ps(sums, _mm512_load_ps(b));
   }
   alignas(32) uint16_t out[16];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(out), round_16(sums));
+  store8(_mm512_castps512_ps256(sums), out);  // common.h's rounding, 8 lanes at a time
+  store8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1)), out + 8);
   for (int m = 0; m < MB; ++m) std::memcpy(y + (m0 + m) * N + n0, out + m * NB, NB * sizeof(uint16_t));
 }
 
