@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemv
+from kernels import cpu_gemv, cpu_prepacked
 from kernels.backend import use_triton
 from kernels.cpu_features import matmul_dtype
 from kernels.quantized_matmul import QUANTIZED_DTYPES, quantized_linear
@@ -13,18 +13,23 @@ from kernels.quantized_matmul import QUANTIZED_DTYPES, quantized_linear
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            weight_scale: torch.Tensor | None = None, weight_zero: torch.Tensor | None = None,
-           weight_g_idx: torch.Tensor | None = None) -> torch.Tensor:
+           weight_g_idx: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear in `matmul_dtype`: bf16 weights stay bf16 in memory but multiply as float32 on CPUs that
     would emulate bf16 GEMMs (about 3x faster end to end, same result as a native bf16 GEMM). A few rows on the
     CPU (decode at small batch) go to the GEMV kernel, which streams the weight once.
 
     A quantized weight (int8, packed 4-bit, fp8) comes with its scales and optional zero points and act-order
     g_idx. Symmetric int8 read by few rows stays int8 (the GEMV kernel); the rest is dequantized a tile of rows at
-    a time into the GEMM's dtype."""
+    a time into the GEMM's dtype.
+
+    `packed`, the weight's kernels.cpu_prepacked copy where the model keeps one, serves the GEMMs the GEMV kernel
+    does not take."""
     if weight.dtype in QUANTIZED_DTYPES:
         return _quantized_linear(x, weight, bias, weight_scale, weight_zero, weight_g_idx)
     if cpu_gemv.serves(x, weight, bias):
         return cpu_gemv.gemv(x, weight, bias)
+    if packed is not None and x.dtype == torch.bfloat16:
+        return cpu_prepacked.linear(x, packed, bias)
     compute = matmul_dtype(weight.dtype, weight.device)
     if compute == weight.dtype:
         return F.linear(x, weight, bias)

@@ -52,9 +52,13 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """hidden → logits over the full vocabulary, gathered on TP rank 0 (the rank that samples)."""
 
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.packed_weight = None  # the weight prepacked for torch's CPU GEMMs (workers.prepacking), if kept
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 [tokens, vocab] on TP rank 0; None on the other TP ranks (they only contribute)."""
-        logits = tp_gather_last_dim(linear(hidden, self.weight, None, self.weight_scale))
+        logits = tp_gather_last_dim(linear(hidden, self.weight, None, self.weight_scale, packed=self.packed_weight))
         if logits is None:
             return None
         logits = logits[:, :self.vocab_size].float()
