@@ -4,14 +4,16 @@ At batch-1 decode the weights stream in ~3 ms per token on this project's benchm
 ops per layer that norm, rotate, cache, attend and gate cost several more in dispatch alone. The kernel runs the
 layer's ops in order with the same roundings to the model dtype (its twin is the model's own op-by-op path,
 tests/test_cpu_decoder_layer.py), with the GEMV kernel's products. Past the rows those products pay at, torch's GEMMs
-run them and the kernel does the rest between them, three calls per layer.
+run them and the kernel does the rest between them, three calls per layer. greedy_decode() runs a multi-step
+call's later greedy steps (embedding to argmax) in one call.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from kernels import cpu_extension, cpu_gemv
@@ -88,10 +90,13 @@ def takes_projection(weight: torch.Tensor, scale: torch.Tensor | None, zero: tor
                              and _scale_group(weight, scale) is not None)
 
 
-# A prompt chunk of more than LONG_RUN_ROWS tokens deep into a long context, or in a step of more than
-# CHUNKED_MAX_ROWS tokens, goes to the op path: SDPA's GEMMs attend to it faster than the kernel's rows (64 rows at
-# 8K and 32K positions: 1.5x; at 512-2048 the same), and the kernel's scores for such a run grow with rows x context.
-LONG_RUN_ROWS, LONG_RUN_CONTEXT, CHUNKED_MAX_ROWS = 16, 4096, 64
+# A step with a prompt chunk of more than LONG_RUN_ROWS tokens that reaches position LONG_RUN_CONTEXT goes to the op
+# path: SDPA's GEMMs attend to such a run faster than the kernel's rows, whose scores grow with rows x context
+# (bf16, 8 heads over 4 KV heads of 64, 2-core AVX-512 BF16 EPYC: a whole prompt of 1024 tokens 15.9 ms against
+# 17.4, 1536 37 against 55; 256 rows at 2048 the same), while shorter ones are faster in the kernel (400 tokens
+# 1.7 against 3.2 ms, 768 7.7 against 9.4; float32 1.9 against 3.0 and 5.5 against 8.6) and the layer's other ops
+# with it (a throughput run whose prompts are 16-400 tokens: 0.90x the time with them in the kernel).
+LONG_RUN_ROWS, LONG_RUN_CONTEXT = 16, 768
 
 
 def max_rows(dtype: torch.dtype, weights: Sequence[torch.Tensor] = ()) -> int:
@@ -118,9 +123,9 @@ class DecodeStep:
 def decode_step(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                 query_start_loc: list[int], max_product_rows: int | None = None) -> DecodeStep | None:
     """The step's inputs for the C++ layer when it takes this step, else None: on the CPU, float32 or bfloat16, at
-    inference, kernel built, and no sequence with more than LONG_RUN_ROWS tokens in a step of more than
-    CHUNKED_MAX_ROWS tokens or deep in a long context. Up to max_product_rows tokens (default: max_rows(x.dtype);
-    a model gives its weights' limit) its products run in the kernels too.
+    inference, kernel built, and no sequence of more than LONG_RUN_ROWS tokens reaching position LONG_RUN_CONTEXT.
+    Up to max_product_rows tokens (default: max_rows(x.dtype); a model gives its weights' limit) its products run in
+    the kernels too.
 
     Each token is its own attention row over its sequence's blocks, seeing the first position + 1 slots: causal
     attention, so decodes, speculative verification (1 + k tokens of a sequence) and short prompt chunks all fit.
@@ -132,9 +137,10 @@ def decode_step(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Te
     positions = positions.long().contiguous()
     tables = block_tables.long()
     if tokens != len(query_start_loc) - 1:  # some sequence has several tokens: repeat its table row for each
-        counts = torch.tensor(query_start_loc).diff()
-        if int(counts.max()) > LONG_RUN_ROWS and (tokens > CHUNKED_MAX_ROWS
-                                                  or int(positions.max()) >= LONG_RUN_CONTEXT):
+        starts = torch.tensor(query_start_loc)
+        counts = starts.diff()
+        long_runs = counts > LONG_RUN_ROWS
+        if bool(long_runs.any()) and int(positions[starts[1:][long_runs] - 1].max()) >= LONG_RUN_CONTEXT:
             return None
         tables = tables.repeat_interleave(counts, dim=0)
     return DecodeStep(positions, slot_mapping.long().contiguous(), tables.contiguous(), positions + 1,
@@ -226,6 +232,37 @@ def decoder_layers_with_products(prepared: PreparedLayers,
     module.add_and_norm(bf16, x.data_ptr(), residual_out.data_ptr(), prepared.final_norm.data_ptr(),
                         prepared.final_eps, residual_out.data_ptr(), normed.data_ptr(), tokens, hidden)
     return normed, residual_out
+
+
+def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch.Tensor, vocab_size: int,
+                  tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
+                  stops: Sequence[Collection[int]], steps: int) -> np.ndarray:
+    """Up to `steps` greedy tokens for each row from its last token `tokens[m]` at `positions[m]`: per step the
+    embedding lookup, decoder_layers() with the final norm, the LM head `head` [rows, hidden] by the GEMV kernel and
+    the first argmax among its first vocab_size logits, as the model computes them, all in C++. Row m takes up to
+    limits[m] steps (its K/V slots come from its row of `table`, [rows, max_blocks] block ids) and none after a
+    token of stops[m]. Returns [rows, steps] int64: each row's tokens in order, then -1."""
+    if prepared.final_norm is None:
+        raise ValueError("greedy decoding needs the last stage's final norm")
+    dtype = prepared.dtype
+    for name, tensor in (("embedding", embedding), ("head", head)):
+        if tensor.dtype != dtype or tensor.device.type != "cpu" or tensor.dim() != 2 or not tensor.is_contiguous():
+            raise ValueError(f"the {name} must be a contiguous CPU matrix of the layers' dtype {dtype}")
+    rows = len(tokens)
+    tokens, positions, limits = (np.ascontiguousarray(a, dtype=np.int64) for a in (tokens, positions, limits))
+    table = np.ascontiguousarray(table, dtype=np.int64)
+    if table.shape[0] != rows or len(positions) != rows or len(limits) != rows or len(stops) != rows:
+        raise ValueError("tokens, positions, table, limits and stops need one entry per row")
+    stop_ids = np.fromiter((t for row in stops for t in row), dtype=np.int64)
+    stop_starts = np.concatenate(([0], np.cumsum([len(row) for row in stops], dtype=np.int64)))
+    out = np.empty((rows, steps), dtype=np.int64)
+    prepared.module.greedy_decode(
+        dtype == torch.bfloat16, prepared.pointers, prepared.dims, prepared.eps, prepared.scales,
+        prepared.key_caches, prepared.value_caches, prepared.final_norm.data_ptr(), prepared.final_eps,
+        embedding.data_ptr(), head.data_ptr(), head.shape[0], vocab_size, tokens.ctypes.data, positions.ctypes.data,
+        table.ctypes.data, table.shape[1], prepared.block_size, limits.ctypes.data, stop_ids.ctypes.data,
+        stop_starts.ctypes.data, out.ctypes.data, rows, steps)
+    return out
 
 
 def _checked(layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple[torch.Tensor, torch.Tensor]],

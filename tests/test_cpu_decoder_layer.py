@@ -229,9 +229,15 @@ def test_declines_steps_it_does_not_compute():
     with torch.inference_mode():
         assert cpu_decoder_layer.decode_step(x, positions, slots, tables, [0, 1, 2]) is not None
         assert cpu_decoder_layer.decode_step(x.half(), positions, slots, tables, [0, 1, 2]) is None
-        n = cpu_decoder_layer.CHUNKED_MAX_ROWS + 1  # a prompt chunk past the kernel's 64 rows: the op path
-        assert cpu_decoder_layer.decode_step(torch.randn(n, 8), torch.arange(n), torch.arange(n), torch.zeros(1, 1),
-                                             [0, n]) is None
+        # a whole prompt reaching position LONG_RUN_CONTEXT: the op path; one token shorter: the kernel
+        for n, takes in ((cpu_decoder_layer.LONG_RUN_CONTEXT + 1, False), (cpu_decoder_layer.LONG_RUN_CONTEXT, True)):
+            assert (cpu_decoder_layer.decode_step(torch.randn(n, 8), torch.arange(n), torch.arange(n),
+                                                  torch.zeros(1, 1), [0, n]) is not None) == takes
+        # a decode deep in its context beside a shallow prompt chunk: the kernel (each run's own depth counts)
+        n = cpu_decoder_layer.LONG_RUN_ROWS + 1
+        positions_of = torch.cat([torch.tensor([cpu_decoder_layer.LONG_RUN_CONTEXT * 4]), torch.arange(n)])
+        assert cpu_decoder_layer.decode_step(torch.randn(n + 1, 8), positions_of, torch.arange(n + 1),
+                                             torch.zeros(2, 1), [0, 1, n + 1]) is not None
         # n decodes: always taken, their products in the kernels up to the kernels' rows (torch's past them)
         for dtype, given, limit in ((torch.float32, None, cpu_gemv.max_rows(torch.float32)),
                                     (torch.bfloat16, None, cpu_gemv.max_rows(torch.bfloat16)),

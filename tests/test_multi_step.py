@@ -3,12 +3,14 @@ freed blocks of one call per step."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import assert_all_blocks_free, random_prompts, tiny_model
 from core.multi_step import num_steps
 from core.request import Request
 from frontend import LLM, SamplingParams
 from ipc import EngineCoreRequest
+from workers.model_runner import ModelRunner
 
 ENGINE = {"dtype": "float32", "in_process": True, "block_size": 8, "max_model_len": 96}
 
@@ -57,6 +59,43 @@ def test_a_stop_token_inside_a_run_ends_the_request_there():
     for steps in (1, 8):
         [out], [reason], _ = _generate(steps, [prompt], [stopped])
         assert (out, reason) == (tokens[:first + 1], "stop")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype):
+    """The model's greedy_decode (a call's later steps in one C++ call) gives the tokens, finish reasons and KV cache
+    bytes of the Python loop, with rows ending at different steps: a stop token mid-run, max_tokens, max_model_len
+    and the slots left in a tight cache."""
+    prompts = random_prompts([5, 40, 17, 70, 9], vocab=1000, seed=6)
+    free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (37, 11, 64, 50, 20)]
+    engine_args = {"dtype": dtype, "num_kv_blocks": 40, "enable_prefix_caching": False}
+    calls = []
+    greedy = ModelRunner._greedy_in_one_call
+
+    def counted(self, steps, count):
+        ran = greedy(self, steps, count)
+        calls.append(ran)
+        return ran
+
+    def run(cpp: bool) -> tuple[list[list[int]], list[str], list[torch.Tensor]]:
+        monkeypatch.setattr(ModelRunner, "_greedy_in_one_call", counted if cpp else lambda self, steps, count: False)
+        llm = LLM(tiny_model("llama"), num_scheduler_steps=8, **{**ENGINE, **engine_args})
+        try:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            assert_all_blocks_free(llm)
+            caches = [c.clone() for c in llm.client.engine.executor.worker.model_runner.kv_caches]
+            return [o.outputs[0].token_ids for o in outputs], [o.outputs[0].finish_reason for o in outputs], caches
+        finally:
+            llm.shutdown()
+
+    params = free
+    [first, *_], _, _ = run(cpp=False)
+    params = [SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True, stop_token_ids=[first[9]]), *free[1:]]
+    python, cpp = run(cpp=False), run(cpp=True)
+    assert cpp[:2] == python[:2]
+    assert {"stop", "length"} <= set(cpp[1])
+    assert all(torch.equal(a, b) for a, b in zip(cpp[2], python[2], strict=True))
+    assert any(calls)  # the C++ calls ran (not only the fallback)
 
 
 def _request(params: SamplingParams, prompt_len: int = 10, outputs: int = 0) -> Request:

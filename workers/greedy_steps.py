@@ -48,6 +48,11 @@ class GreedySteps:
         return [i for i in range(len(self.states))
                 if not self.stopped[i] and len(self.tokens[i]) < self.room[i] and self.free_slots(i) > 0]
 
+    def limits(self, rows: list[int]) -> np.ndarray:
+        """How many more plain steps each of `rows` may take: up to max_tokens and its last free slot (a stop token
+        may end it sooner)."""
+        return np.array([min(self.room[i] - len(self.tokens[i]), self.free_slots(i)) for i in rows], dtype=np.int64)
+
     def with_room(self, rows: list[int], ahead: int) -> list[int]:
         """Those with `ahead` free slots at least (a draft model writes its drafts' K/V ahead while drafting)."""
         return [i for i in rows if self.free_slots(i) >= ahead]

@@ -240,6 +240,8 @@ class ModelRunner:
         steps = GreedySteps(states, [output.sampled_token_ids[s.req_id] for s in states], *self._block_table(states),
                             self.block_size, self.config.max_model_len)
         draft_ahead = self.draft_model.num_drafts if self.draft_model is not None else 0
+        if self.speculator is None and self._greedy_in_one_call(steps, num_steps - 1):
+            return
         for _ in range(1, num_steps):
             rows = steps.active()
             if not rows:
@@ -258,6 +260,22 @@ class ModelRunner:
                     output.verified.setdefault(states[i].req_id, []).append((len(feed) - 1, accepted))
         output.draft_token_ids = self._propose(output, [states[i] for i in steps.with_room(range(len(states)),
                                                                                             draft_ahead)])
+
+    def _greedy_in_one_call(self, steps: GreedySteps, count: int) -> bool:
+        """Up to `count` plain greedy steps of the active requests in one call of the model's greedy_decode (where it
+        has one that takes them), accepted into `steps`; whether it ran."""
+        greedy = getattr(self.model, "greedy_decode", None)
+        rows = steps.active()
+        if greedy is None or self.lora is not None or not rows:
+            return False
+        tokens = greedy(np.array([steps.tokens[i][-1] for i in rows], dtype=np.int64), steps.context[rows] - 1,
+                        steps.table[rows], steps.limits(rows), [steps.stops[i] for i in rows], count)
+        if tokens is None:
+            return False
+        for i, row in zip(rows, tokens):
+            for token in row[row >= 0].tolist():
+                steps.accept(i, [], [token])
+        return True
 
     def _pool(self, hidden: torch.Tensor, jobs: list[PoolingJob], failed: dict[str, str]) -> dict[str, bytes]:
         """The pooled results of the pooling requests whose prompt this step completed."""

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -32,15 +33,15 @@ inline void prefetch(const T* block, int64_t elems) {
 }
 
 // fn(j0, j1, rows) for each block's share [j0, j1) of the positions [start, len) of KV head h, in block order; the
-// rows as float32, position j at rows + (j - j0) * dim (bf16 widened into buf, bs * dim floats).
+// rows as stored, position j at rows + (j - j0) * dim.
 template <typename T, typename Fn>
 inline void for_each_block(const T* cache, const int64_t* table, int64_t h, int64_t kv_heads, int64_t bs, int64_t dim,
-                           int64_t start, int64_t len, float* buf, Fn fn) {
+                           int64_t start, int64_t len, Fn fn) {
   for (int64_t b = start / bs; b * bs < len; ++b) {
     const int64_t j0 = std::max(start, b * bs), j1 = std::min(len, (b + 1) * bs);
     const T* block = cache + (table[b] * kv_heads + h) * bs * dim;
     if ((b + 1) * bs < len) prefetch(cache + (table[b + 1] * kv_heads + h) * bs * dim, bs * dim);
-    fn(j0, j1, widen_rows(block + (j0 - b * bs) * dim, buf, (j1 - j0) * dim));
+    fn(j0, j1, block + (j0 - b * bs) * dim);
   }
 }
 
@@ -113,6 +114,57 @@ inline void accumulate_rows(const float* __restrict p, const float* __restrict v
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The bf16 cache read as stored: vdpbf16ps multiplies query and key pairs exactly into float32 sums (scaled after),
+// and value rows widen in registers; no float32 copy of a block is written and read back.
+constexpr bool kNativeBf16Attention = true;
+
+// out[i] = scale * (q . k_i) for `count` consecutive bf16 rows k_i of D dims (a multiple of 32), 16 at a time with
+// their sums added across lanes together.
+template <int D>
+inline void score_rows_bf16(const uint16_t* __restrict q, const uint16_t* __restrict k, int64_t count, float scale,
+                            float* __restrict out) {
+  __m512bh qv[D / 32];
+  for (int c = 0; c < D / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + c * 32);
+  for (int64_t i = 0; i < count; i += 16) {
+    const int64_t n = std::min<int64_t>(16, count - i);
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      if (r < n)
+#pragma GCC unroll 4
+        for (int c = 0; c < D / 32; ++c)
+          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(k + (i + r) * D + c * 32), qv[c]);
+    }
+    _mm512_mask_storeu_ps(out + i, __mmask16((1u << n) - 1), _mm512_mul_ps(sum_lanes_16(acc), _mm512_set1_ps(scale)));
+  }
+}
+
+// acc += sum_i p[i] * v_i over `count` consecutive bf16 rows v_i of D dims (a multiple of 16), acc in registers.
+template <int D>
+inline void accumulate_rows_bf16(const float* __restrict p, const uint16_t* __restrict v, int64_t count,
+                                 float* __restrict acc) {
+  __m512 a[D / 16];
+  for (int c = 0; c < D / 16; ++c) a[c] = _mm512_loadu_ps(acc + c * 16);
+  for (int64_t i = 0; i < count; ++i) {
+    const __m512 pv = _mm512_set1_ps(p[i]);
+#pragma GCC unroll 8
+    for (int c = 0; c < D / 16; ++c) {
+      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i * D + c * 16));
+      a[c] = _mm512_fmadd_ps(pv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)), a[c]);
+    }
+  }
+  for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(acc + c * 16, a[c]);
+}
+#else
+constexpr bool kNativeBf16Attention = false;
+template <int D>
+inline void score_rows_bf16(const uint16_t*, const uint16_t*, int64_t, float, float*) {}
+template <int D>
+inline void accumulate_rows_bf16(const float*, const uint16_t*, int64_t, float*) {}
+#endif
+
 // Rows [first, end) that share one block table: the tokens of one sequence in this step (speculative verification,
 // a short prompt chunk). They are attended together, so each K and V row is read once for all of them.
 inline int64_t run_end(const int64_t* tables, int64_t max_blocks, int64_t first, int64_t num_rows) {
@@ -131,6 +183,8 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
             int64_t num_seqs, int64_t num_heads, int64_t kv_heads, int64_t bs, int64_t head_dim,
             int64_t max_blocks, float scale, float soft_cap, int64_t window) {
   const int64_t dim = D ? D : head_dim, G = num_heads / kv_heads;
+  // bf16 with AVX-512 BF16: products straight from the cache's rows (the query scaled after its products).
+  constexpr bool native = kNativeBf16Attention && std::is_same_v<T, uint16_t> && D > 0 && D % 32 == 0;
   std::vector<int64_t> runs{0};  // row ranges sharing a table
   while (runs.back() < num_seqs) runs.push_back(run_end(tables, max_blocks, runs.back(), num_seqs));
 #ifdef _OPENMP
@@ -168,21 +222,26 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
       }
       const int64_t n = hi > lo ? hi - lo : 0, queries = rows * G;
       scores.resize(queries * std::max<int64_t>(n, 1));
-      qf.resize(queries * dim);
+      qf.resize(native ? 0 : queries * dim);
       acc.assign(queries * dim, 0.f);
       inv.resize(queries);
-      for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t r = 0; !native && r < rows; ++r) {
         const T* qs = q + ((first + r) * num_heads + h * G) * dim;
         for (int64_t i = 0; i < G * dim; ++i) qf[r * G * dim + i] = widen(qs[i]) * scale;
       }
       if (n > 0) {
-        for_each_block(kc, table, h, kv_heads, bs, dim, lo, hi, row.data(),
-                       [&](int64_t j0, int64_t j1, const float* k) {
+        for_each_block(kc, table, h, kv_heads, bs, dim, lo, hi, [&](int64_t j0, int64_t j1, const T* block) {
+          const float* k = native ? nullptr : widen_rows(block, row.data(), (j1 - j0) * dim);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t a = std::max(j0, starts[r]), b = std::min(j1, lens[first + r]);
-            for (int64_t g = 0; a < b && g < G; ++g)
-              dot_rows<D>(qf.data() + (r * G + g) * dim, k + (a - j0) * dim, b - a, dim,
-                          scores.data() + (r * G + g) * n + a - lo);
+            for (int64_t g = 0; a < b && g < G; ++g) {
+              float* sc = scores.data() + (r * G + g) * n + a - lo;
+              if constexpr (native)
+                score_rows_bf16<D>(q + ((first + r) * num_heads + h * G + g) * dim, block + (a - j0) * dim, b - a,
+                                 scale, sc);
+              else
+                dot_rows<D>(qf.data() + (r * G + g) * dim, k + (a - j0) * dim, b - a, dim, sc);
+            }
           }
         });
         for (int64_t r = 0; r < rows; ++r)
@@ -194,13 +253,17 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
               for (int64_t i = a; i < b; ++i) sc[i] = soft_cap * std::tanh(sc[i] / soft_cap);
             inv[r * G + g] = 1.f / exp_sum(sc + a, b - a, *std::max_element(sc + a, sc + b));
           }
-        for_each_block(vc, table, h, kv_heads, bs, dim, lo, hi, row.data(),
-                       [&](int64_t j0, int64_t j1, const float* v) {
+        for_each_block(vc, table, h, kv_heads, bs, dim, lo, hi, [&](int64_t j0, int64_t j1, const T* block) {
+          const float* v = native ? nullptr : widen_rows(block, row.data(), (j1 - j0) * dim);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t a = std::max(j0, starts[r]), b = std::min(j1, lens[first + r]);
-            for (int64_t g = 0; a < b && g < G; ++g)
-              accumulate_rows<D>(scores.data() + (r * G + g) * n + a - lo, v + (a - j0) * dim, b - a, dim,
-                                 acc.data() + (r * G + g) * dim);
+            for (int64_t g = 0; a < b && g < G; ++g) {
+              const float* p = scores.data() + (r * G + g) * n + a - lo;
+              if constexpr (native)
+                accumulate_rows_bf16<D>(p, block + (a - j0) * dim, b - a, acc.data() + (r * G + g) * dim);
+              else
+                accumulate_rows<D>(p, v + (a - j0) * dim, b - a, dim, acc.data() + (r * G + g) * dim);
+            }
           }
         });
       }

@@ -50,23 +50,6 @@ inline void rows_from_bf16(const uint16_t* w, const uint16_t* x, float bias, uin
   }
 }
 
-// Lane i of the result: the sum of a[i]'s 16 lanes (a transposed tree: 15 adds for 16 sums, where one
-// _mm512_reduce_add_ps per sum takes 4).
-inline __m512 sum_lanes_16(const __m512* a) {
-  __m512 pairs[8], quads[4], halves[2];
-  for (int i = 0; i < 8; ++i)
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d lo = _mm512_castps_pd(pairs[2 * i]), hi = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
-  }
-  for (int i = 0; i < 2; ++i)
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0x88),
-                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], 0xdd));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], 0x88),
-                       _mm512_shuffle_f32x4(halves[0], halves[1], 0xdd));
-}
-
 // Weight rows n0..n0+NB against input rows m0..m0+MB (NB * MB = 16): 16 independent sums, so that short rows do
 // not wait on one accumulator's latency, added across lanes together and rounded and stored as vectors (per-sum
 // reductions and stores cost more than the products at K of a few hundred). NB + MB loads per 32 columns.

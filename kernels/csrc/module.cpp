@@ -11,6 +11,7 @@
 #include "decode_attention.h"
 #include "decoder_layer.h"
 #include "gemv.h"
+#include "greedy_decode.h"
 
 namespace {
 
@@ -63,20 +64,50 @@ pagedserve::DecoderLayer<T> layer_of(const std::vector<uintptr_t>& w, const std:
 // only read), then the final norm if final_norm is set: out = its norm, residual_out = the last sum. One entry per
 // layer in weights, dims, eps, scales and the caches.
 template <typename T>
+std::vector<pagedserve::DecoderLayer<T>> layers_of(const std::vector<std::vector<uintptr_t>>& weights,
+                                                   const std::vector<std::vector<int64_t>>& dims,
+                                                   const std::vector<double>& eps, const std::vector<double>& scales) {
+  std::vector<pagedserve::DecoderLayer<T>> layers;
+  for (size_t i = 0; i < weights.size(); ++i)
+    layers.push_back(layer_of<T>(weights[i], dims[i], float(eps[i]), float(scales[i])));
+  return layers;
+}
+
+template <typename T>
 void decoder_layers(const std::vector<std::vector<uintptr_t>>& weights, const std::vector<std::vector<int64_t>>& dims,
                     const std::vector<double>& eps, const std::vector<double>& scales,
                     const std::vector<uintptr_t>& k_caches, const std::vector<uintptr_t>& v_caches,
                     uintptr_t final_norm, double final_eps, uintptr_t x, uintptr_t residual, uintptr_t o,
                     uintptr_t residual_out, uintptr_t positions, uintptr_t slots, int64_t block_size,
                     uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, int64_t m) {
-  for (size_t i = 0; i < weights.size(); ++i)
-    pagedserve::decoder_layer(layer_of<T>(weights[i], dims[i], float(eps[i]), float(scales[i])),
+  const auto layers = layers_of<T>(weights, dims, eps, scales);
+  for (size_t i = 0; i < layers.size(); ++i)
+    pagedserve::decoder_layer(layers[i],
                               in<T>(i ? o : x), in<T>(i ? residual_out : residual), out<T>(o), out<T>(residual_out),
                               in<int64_t>(positions), in<int64_t>(slots), out<T>(k_caches[i]), out<T>(v_caches[i]),
                               block_size, in<int64_t>(tables), max_blocks, in<int64_t>(seq_lens), m);
   if (final_norm)
     pagedserve::add_and_norm_rows(in<T>(o), in<T>(residual_out), in<T>(final_norm), float(final_eps),
                                   out<T>(residual_out), out<T>(o), m, dims[0][0]);
+}
+
+// Greedy steps of the whole model (greedy_decode.h): the layers as decoder_layers() takes them, then the final norm,
+// the embedding table and the LM head [head_rows, hidden] of the model dtype.
+template <typename T>
+void greedy_decode(const std::vector<std::vector<uintptr_t>>& weights, const std::vector<std::vector<int64_t>>& dims,
+                   const std::vector<double>& eps, const std::vector<double>& scales,
+                   const std::vector<uintptr_t>& k_caches, const std::vector<uintptr_t>& v_caches,
+                   uintptr_t final_norm, double final_eps, uintptr_t embedding, uintptr_t head, int64_t head_rows,
+                   int64_t vocab, uintptr_t tokens, uintptr_t positions, uintptr_t tables, int64_t max_blocks,
+                   int64_t block_size, uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
+                   uintptr_t tokens_out, int64_t m, int64_t steps) {
+  pagedserve::GreedyModel<T> model{layers_of<T>(weights, dims, eps, scales), {}, {}, in<T>(final_norm),
+                                   float(final_eps), in<T>(embedding), in<T>(head), head_rows, vocab};
+  for (size_t i = 0; i < k_caches.size(); ++i)
+    model.k_caches.push_back(out<T>(k_caches[i])), model.v_caches.push_back(out<T>(v_caches[i]));
+  pagedserve::greedy_decode(model, in<int64_t>(tokens), in<int64_t>(positions), in<int64_t>(tables), max_blocks,
+                            block_size, in<int64_t>(limits), in<int64_t>(stop_ids), in<int64_t>(stop_starts),
+                            out<int64_t>(tokens_out), m, steps);
 }
 
 template <typename T>
@@ -144,5 +175,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                               final_norm, final_eps, x, residual, o, residual_out,
                                                               positions, slots, block_size, tables, max_blocks,
                                                               seq_lens, m);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("greedy_decode", [](bool bf16, const std::vector<std::vector<uintptr_t>>& weights,
+                            const std::vector<std::vector<int64_t>>& dims, const std::vector<double>& eps,
+                            const std::vector<double>& scales, const std::vector<uintptr_t>& k_caches,
+                            const std::vector<uintptr_t>& v_caches, uintptr_t final_norm, double final_eps,
+                            uintptr_t embedding, uintptr_t head, int64_t head_rows, int64_t vocab, uintptr_t tokens,
+                            uintptr_t positions, uintptr_t tables, int64_t max_blocks, int64_t block_size,
+                            uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts, uintptr_t tokens_out,
+                            int64_t m, int64_t steps) {
+    (bf16 ? greedy_decode<uint16_t> : greedy_decode<float>)(weights, dims, eps, scales, k_caches, v_caches, final_norm,
+                                                            final_eps, embedding, head, head_rows, vocab, tokens,
+                                                            positions, tables, max_blocks, block_size, limits,
+                                                            stop_ids, stop_starts, tokens_out, m, steps);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

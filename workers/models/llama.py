@@ -4,11 +4,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from kernels import cpu_decoder_layer, silu_and_mul
+from kernels import cpu_decoder_layer, cpu_gemv, silu_and_mul
 from workers.distributed import Intermediate, parallel_state
 from workers.layers.attention import Attention, AttentionMetadata, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -248,3 +249,24 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Last stage only; float32 logits on TP rank 0, None on the other TP ranks."""
         return self.lm_head.compute_logits(hidden)
+
+    def greedy_decode(self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
+                      stops: list[set[int]], steps: int) -> np.ndarray | None:
+        """A multi-step call's later greedy steps in one C++ call (kernels.cpu_decoder_layer.greedy_decode: same
+        tokens as forward(), compute_logits() and argmax step by step); None where that does not compute what they
+        do, and the caller steps in Python: another family's model, embedding or logits, pipeline stages, adapters,
+        a quantized table or head, layers not in C++ or not prepared for the bound caches, or more rows than the
+        kernels' products take."""
+        model, head = self.model, self.lm_head
+        if not (type(self).compute_logits is LlamaForCausalLM.compute_logits and type(model) is LlamaModel
+                and model.embed_tokens is not None and head is not None and model.one_call_layers
+                and model.lora_context is None and model.embed_tokens.lora is None and head.lora is None
+                and model.embed_tokens.weight_scale is None and head.weight_scale is None):
+            return None
+        prepared, embedding = model._prepared_layers, model.embed_tokens.weight
+        caches = [attention.kv_cache for attention in model._stage_attention]
+        if prepared is None or not prepared.serves(caches, embedding.dtype) or head.weight.dtype != embedding.dtype \
+                or len(tokens) > min(model.product_rows, cpu_gemv.max_rows(embedding.dtype, head.weight)):
+            return None
+        return cpu_decoder_layer.greedy_decode(prepared, embedding, head.weight, head.vocab_size, tokens, positions,
+                                               table, limits, stops, steps)
