@@ -1,9 +1,14 @@
-"""Keep glibc malloc from returning large tensors' memory to the OS between engine steps."""
+"""CPU memory placement: glibc malloc kept from returning large tensors' memory to the OS between engine steps, and
+the KV cache and weights on transparent huge pages."""
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
+import math
+import mmap
+
+import torch
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -23,3 +28,45 @@ def keep_freed_memory_in_heap() -> bool:
                     and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
     except (OSError, AttributeError):
         return False
+
+
+_HUGE_PAGE = 2 * 2**20
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor in a fresh private mapping, starting on a 2 MiB boundary and advised for transparent huge
+    pages before its first touch (THP "madvise" mode backs nothing otherwise, and heap memory reused from freed
+    tensors is already on 4 KiB pages). Paged attention reads scattered 2 KiB K/V pieces and decode streams every
+    weight: on 4 KiB pages each piece costs a TLB miss and the prefetchers stop at every page. Measured on a 2-core
+    AVX-512 BF16 EPYC: decode attention over 96 x 300 positions 0.83x the time, the benchmark model's 33 weights
+    streamed by the GEMV kernel 0.90x, batch-1 decode 0.87-0.90x. Where the kernel declines the advice, the same
+    tensor on ordinary pages."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping until the tensor's memory is freed
+    offset = -buffer.data_ptr() % _HUGE_PAGE
+    if nbytes >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE, offset, nbytes // _HUGE_PAGE * _HUGE_PAGE)
+        except OSError:  # THP compiled out: ordinary pages
+            pass
+    return buffer[offset:offset + nbytes].view(dtype).view(shape).zero_()
+
+
+def gather_parameters_in_huge_pages(model: torch.nn.Module) -> int:
+    """Copy the CPU model's parameters into one huge_page_zeros() arena (each at a 64-byte boundary) and point them
+    there; the bytes moved. One arena, not a buffer per parameter: at most 2 MiB of slack in all."""
+    params = [p for p in model.parameters() if p.device.type == "cpu" and p.numel() > 0]
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += -(-p.nbytes // 64) * 64
+    if total < _HUGE_PAGE:
+        return 0
+    arena = huge_page_zeros((total,), torch.uint8)
+    with torch.no_grad():
+        for p, offset in zip(params, offsets):
+            home = arena[offset:offset + p.nbytes].view(p.dtype).view(p.shape)
+            home.copy_(p.data)
+            p.data = home
+    return total

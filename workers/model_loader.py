@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 from workers.layers.fused_moe import expert_target
 from workers.layers.linear import Sliceable
 from workers.models import get_model_class
+from workers.cpu_allocator import gather_parameters_in_huge_pages
 from workers.prepacking import prepack_linear_weights
 from workers.quantization import checkpoint_format, quantize_model
 from workers.quantization.formats import CheckpointFormat
@@ -47,6 +48,8 @@ def load_model(model_path: str, config: PretrainedConfig, dtype: torch.dtype, de
         with _safetensors_readers(model_path) as readers:
             load_weights(model, model_path, readers, checkpoint_format(config, quantization))
     quantize_model(model, quantization, quantize_lm_head)
+    if device.type == "cpu":
+        gather_parameters_in_huge_pages(model)
     prepack_linear_weights(model)
     return model.eval()
 

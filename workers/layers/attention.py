@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from kernels import decode_attention, paged_attention, write_kv_cache
+from workers.cpu_allocator import huge_page_zeros
 
 
 @dataclass
@@ -61,8 +62,11 @@ class Attention(nn.Module):
                       ) -> torch.Tensor:
         """Allocate this layer's cache, [kv_entries, num_blocks, kv_heads, block_size, head_dim], and bind it."""
         # Zeroed: never-written slots are masked out, but garbage there could hold NaN, and 0 * NaN = NaN.
-        cache = torch.zeros(self.kv_entries, num_blocks, self.num_kv_heads, block_size, self.head_dim, dtype=dtype,
-                            device=device)
+        shape = (self.kv_entries, num_blocks, self.num_kv_heads, block_size, self.head_dim)
+        if device.type == "cpu":  # on huge pages: see workers.cpu_allocator
+            cache = huge_page_zeros(shape, dtype)
+        else:
+            cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_cache = (cache[0], cache[-1])
         return cache
 
