@@ -14,7 +14,8 @@
 
 namespace pagedserve {
 
-// float32 rows are used in place; bf16 rows are widened once into `buf` and then reused by every query head.
+// float32 rows are used in place; bf16 rows (on CPUs without AVX-512 BF16, or head sizes other than multiples of 32)
+// are widened once into `buf` and then reused by every query head.
 inline const float* widen_rows(const float* src, float*, int64_t) { return src; }
 inline const float* widen_rows(const uint16_t* src, float* buf, int64_t count) {
   int64_t i = 0;
