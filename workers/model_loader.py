@@ -10,10 +10,10 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
+from workers.cpu_allocator import gather_parameters_in_huge_pages
 from workers.layers.fused_moe import expert_target
 from workers.layers.linear import Sliceable
 from workers.models import get_model_class
-from workers.cpu_allocator import gather_parameters_in_huge_pages
 from workers.prepacking import prepack_linear_weights
 from workers.quantization import checkpoint_format, quantize_model
 from workers.quantization.formats import CheckpointFormat

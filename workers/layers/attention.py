@@ -63,8 +63,8 @@ class Attention(nn.Module):
         """Allocate this layer's cache, [kv_entries, num_blocks, kv_heads, block_size, head_dim], and bind it."""
         # Zeroed: never-written slots are masked out, but garbage there could hold NaN, and 0 * NaN = NaN.
         shape = (self.kv_entries, num_blocks, self.num_kv_heads, block_size, self.head_dim)
-        if device.type == "cpu":  # on huge pages: see workers.cpu_allocator
-            cache = huge_page_zeros(shape, dtype)
+        if device.type == "cpu":  # on huge pages (workers.cpu_allocator), written now so that no step page-faults
+            cache = huge_page_zeros(shape, dtype).zero_()
         else:
             cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_cache = (cache[0], cache[-1])
