@@ -176,4 +176,19 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
   project(L.down, act.data(), static_cast<const T*>(nullptr), out, M, H, I);
 }
 
+// A stage's layers in order, the hidden states and residual carried in out and residual_out (x and residual are
+// only read; residual null before the first layer), then the final norm if final_norm is set: out = its norm,
+// residual_out = the last sum. One cache pair per layer.
+template <typename T>
+void stage_layers(const std::vector<DecoderLayer<T>>& layers, const std::vector<T*>& k_caches,
+                  const std::vector<T*>& v_caches, const T* final_norm, float final_eps, const T* x, const T* residual,
+                  T* out, T* residual_out, const int64_t* positions, const int64_t* slots, int64_t block_size,
+                  const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M) {
+  for (size_t i = 0; i < layers.size(); ++i)
+    decoder_layer(layers[i], i ? out : x, i ? residual_out : residual, out, residual_out, positions, slots,
+                  k_caches[i], v_caches[i], block_size, tables, max_blocks, seq_lens, M);
+  if (final_norm)
+    add_and_norm_rows(out, residual_out, final_norm, final_eps, residual_out, out, M, layers.front().hidden);
+}
+
 }  // namespace pagedserve

@@ -62,12 +62,9 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
       std::copy(row_table, row_table + max_blocks, table.data() + a * max_blocks);
       pos[a] = p, lens[a] = p + 1, slots[a] = row_table[p / block_size] * block_size + p % block_size;
     }
-    for (size_t i = 0; i < model.layers.size(); ++i)
-      decoder_layer(model.layers[i], i ? hidden.data() : x.data(), i ? residual.data() : nullptr, hidden.data(),
-                    residual.data(), pos.data(), slots.data(), model.k_caches[i], model.v_caches[i], block_size,
-                    table.data(), max_blocks, lens.data(), A);
-    add_and_norm_rows(hidden.data(), residual.data(), model.final_norm, model.final_eps, residual.data(),
-                      hidden.data(), A, H);
+    stage_layers(model.layers, model.k_caches, model.v_caches, model.final_norm, model.final_eps, x.data(),
+                 static_cast<const T*>(nullptr), hidden.data(), residual.data(), pos.data(), slots.data(), block_size,
+                 table.data(), max_blocks, lens.data(), A);
     gemv(hidden.data(), model.head, static_cast<const T*>(nullptr), logits.data(), A, model.head_rows, H);
     for (int64_t a = 0; a < A; ++a) {
       const int64_t m = rows[a], token = argmax_row(logits.data() + a * model.head_rows, model.vocab);

@@ -60,9 +60,6 @@ pagedserve::DecoderLayer<T> layer_of(const std::vector<uintptr_t>& w, const std:
           dims[4], dims[5]};
 }
 
-// A stage's layers in order, the hidden states and residual carried in out and residual_out (x and residual are
-// only read), then the final norm if final_norm is set: out = its norm, residual_out = the last sum. One entry per
-// layer in weights, dims, eps, scales and the caches.
 template <typename T>
 std::vector<pagedserve::DecoderLayer<T>> layers_of(const std::vector<std::vector<uintptr_t>>& weights,
                                                    const std::vector<std::vector<int64_t>>& dims,
@@ -74,21 +71,24 @@ std::vector<pagedserve::DecoderLayer<T>> layers_of(const std::vector<std::vector
 }
 
 template <typename T>
+std::vector<T*> caches_of(const std::vector<uintptr_t>& pointers) {
+  std::vector<T*> caches;
+  for (uintptr_t p : pointers) caches.push_back(out<T>(p));
+  return caches;
+}
+
+// pagedserve::stage_layers(): one entry per layer in weights, dims, eps, scales and the caches.
+template <typename T>
 void decoder_layers(const std::vector<std::vector<uintptr_t>>& weights, const std::vector<std::vector<int64_t>>& dims,
                     const std::vector<double>& eps, const std::vector<double>& scales,
                     const std::vector<uintptr_t>& k_caches, const std::vector<uintptr_t>& v_caches,
                     uintptr_t final_norm, double final_eps, uintptr_t x, uintptr_t residual, uintptr_t o,
                     uintptr_t residual_out, uintptr_t positions, uintptr_t slots, int64_t block_size,
                     uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, int64_t m) {
-  const auto layers = layers_of<T>(weights, dims, eps, scales);
-  for (size_t i = 0; i < layers.size(); ++i)
-    pagedserve::decoder_layer(layers[i],
-                              in<T>(i ? o : x), in<T>(i ? residual_out : residual), out<T>(o), out<T>(residual_out),
-                              in<int64_t>(positions), in<int64_t>(slots), out<T>(k_caches[i]), out<T>(v_caches[i]),
-                              block_size, in<int64_t>(tables), max_blocks, in<int64_t>(seq_lens), m);
-  if (final_norm)
-    pagedserve::add_and_norm_rows(in<T>(o), in<T>(residual_out), in<T>(final_norm), float(final_eps),
-                                  out<T>(residual_out), out<T>(o), m, dims[0][0]);
+  pagedserve::stage_layers(layers_of<T>(weights, dims, eps, scales), caches_of<T>(k_caches), caches_of<T>(v_caches),
+                           in<T>(final_norm), float(final_eps), in<T>(x), in<T>(residual), out<T>(o),
+                           out<T>(residual_out), in<int64_t>(positions), in<int64_t>(slots), block_size,
+                           in<int64_t>(tables), max_blocks, in<int64_t>(seq_lens), m);
 }
 
 // Greedy steps of the whole model (greedy_decode.h): the layers as decoder_layers() takes them, then the final norm,
@@ -101,10 +101,9 @@ void greedy_decode(const std::vector<std::vector<uintptr_t>>& weights, const std
                    int64_t vocab, uintptr_t tokens, uintptr_t positions, uintptr_t tables, int64_t max_blocks,
                    int64_t block_size, uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
                    uintptr_t tokens_out, int64_t m, int64_t steps) {
-  pagedserve::GreedyModel<T> model{layers_of<T>(weights, dims, eps, scales), {}, {}, in<T>(final_norm),
-                                   float(final_eps), in<T>(embedding), in<T>(head), head_rows, vocab};
-  for (size_t i = 0; i < k_caches.size(); ++i)
-    model.k_caches.push_back(out<T>(k_caches[i])), model.v_caches.push_back(out<T>(v_caches[i]));
+  const pagedserve::GreedyModel<T> model{layers_of<T>(weights, dims, eps, scales), caches_of<T>(k_caches),
+                                         caches_of<T>(v_caches), in<T>(final_norm), float(final_eps),
+                                         in<T>(embedding), in<T>(head), head_rows, vocab};
   pagedserve::greedy_decode(model, in<int64_t>(tokens), in<int64_t>(positions), in<int64_t>(tables), max_blocks,
                             block_size, in<int64_t>(limits), in<int64_t>(stop_ids), in<int64_t>(stop_starts),
                             out<int64_t>(tokens_out), m, steps);
