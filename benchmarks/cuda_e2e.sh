@@ -77,8 +77,10 @@ for s in $steps; do
     later-tests) wait  # the CPU kernels built
            # One worker: engines that size their KV cache by gpu_memory_utilization count each other's as used.
            # About 8-10 minutes on an H100 (each engine profiles its memory and captures graphs): a call of its own.
+           # CUDA_E2E_LATER_TESTS narrows the files (a call that resumes where the last one stopped).
            step 560 later-tests python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs \
-             tests/test_spec_decode.py tests/test_lora.py tests/test_quantization.py tests/test_fused_moe.py ;;
+             ${CUDA_E2E_LATER_TESTS:-tests/test_spec_decode.py tests/test_lora.py tests/test_quantization.py \
+             tests/test_fused_moe.py} ;;
     later-bench) for b in moe spec lora quant; do steps_of_later "$b"; done ;;
     moe-bench|spec-bench|lora-bench|quant-bench) steps_of_later "${s%-bench}" ;;
     *) echo "unknown step $s"; exit 2 ;;

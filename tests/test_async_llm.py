@@ -86,7 +86,9 @@ def test_thousand_concurrent_streams_with_200_cancelled(engine):
     started = {i: asyncio.Event() for i in cancelled}
 
     async def consume(i: int) -> list:
-        params = SamplingParams(temperature=0.8, seed=i, max_tokens=300 if i in cancelled else 6, ignore_eos=True,
+        # A cancelled request must still be running when its cancel reaches the engine (a finished one is not
+        # aborted): it may run to the tiny llama's whole context, longer than any cancel takes under load.
+        params = SamplingParams(temperature=0.8, seed=i, max_tokens=1000 if i in cancelled else 6, ignore_eos=True,
                                 output_kind=RequestOutputKind.DELTA)
         outputs = []
         async for output in engine.generate({"prompt_token_ids": [5 + i % 50, 7, 9]}, params, f"req-{i}"):

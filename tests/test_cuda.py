@@ -123,7 +123,9 @@ def test_in_process_shutdown_frees_the_gpu_for_the_next_engine():
         [output] = llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False)
         assert len(output.outputs[0].token_ids) == MAX_NEW_TOKENS
         llm.shutdown()
-    assert blocks[1] == pytest.approx(blocks[0], rel=0.01)
+    # cuBLAS's workspaces and the allocator's rounding stay (the second engine measured 1.5% fewer blocks on an
+    # H100); without the release it found 90% of the GPU taken.
+    assert blocks[1] == pytest.approx(blocks[0], rel=0.05)
 
 
 def test_mixture_of_experts_runs_eagerly_and_equals_the_cpu():

@@ -198,7 +198,8 @@ def lora_server(tmp_path_factory):
     process, base_url = start_launcher(
         ["--model", tiny_model("llama"), "--dtype", "float32", "--enable-lora", "--max-loras", "2",
          "--max-lora-rank", "8", "--lora-modules", f"attn={adapter_dir('attention-r2')}", "--allow-runtime-lora",
-         "--lora-dir", str(lora_dir), "--api-key", "secret"])
+         "--lora-dir", str(lora_dir), "--api-key", "secret",
+         "--gpu-memory-utilization", "0.4"])  # on a GPU, the offline engines of the tests beside it need room
     yield base_url
     stop_launcher(process)
 
