@@ -9,6 +9,7 @@ call's later greedy steps (embedding to argmax) in one call.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -234,14 +235,37 @@ def decoder_layers_with_products(prepared: PreparedLayers,
     return normed, residual_out
 
 
+@dataclass(frozen=True)
+class PromptLookupDrafts:
+    """Drafts that greedy_decode() proposes and verifies itself: prompt lookup (workers/spec_decode/ngram.py) of up to
+    k tokens over each row's history (all its tokens, its last one's included)."""
+
+    k: int
+    min_n: int
+    max_n: int
+    history: Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True)
+class GreedyRun:
+    """greedy_decode()'s result. tokens [rows, columns]: each row's tokens in order, then -1. verified [rows, steps,
+    2]: each step's drafted and accepted counts (-1 where the row verified no draft); None without drafts."""
+
+    tokens: np.ndarray
+    verified: np.ndarray | None
+
+
 def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch.Tensor, vocab_size: int,
                   tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
-                  stops: Sequence[Collection[int]], steps: int) -> np.ndarray:
-    """Up to `steps` greedy tokens for each row from its last token `tokens[m]` at `positions[m]`: per step the
+                  stops: Sequence[Collection[int]], steps: int, drafts: PromptLookupDrafts | None = None,
+                  max_rows: int | None = None) -> GreedyRun:
+    """Up to `steps` greedy steps for each row from its last token `tokens[m]` at `positions[m]`: per step the
     embedding lookup, decoder_layers() with the final norm, the LM head `head` [rows, hidden] by the GEMV kernel and
     the first argmax among its first vocab_size logits, as the model computes them, all in C++. Row m takes up to
-    limits[m] steps (its K/V slots come from its row of `table`, [rows, max_blocks] block ids) and none after a
-    token of stops[m]. Returns [rows, steps] int64: each row's tokens in order, then -1."""
+    limits[m] tokens (its K/V slots come from its row of `table`, [rows, max_blocks] block ids) and none after a
+    step that gave it a token of stops[m]. With `drafts` a step also feeds each row its drafts (as many as its limit
+    leaves room for, at most max_rows token rows in all) and keeps those the argmax agrees with, and the argmax
+    after them: the same tokens."""
     if prepared.final_norm is None:
         raise ValueError("greedy decoding needs the last stage's final norm")
     dtype = prepared.dtype
@@ -253,16 +277,32 @@ def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch
     table = np.ascontiguousarray(table, dtype=np.int64)
     if table.shape[0] != rows or len(positions) != rows or len(limits) != rows or len(stops) != rows:
         raise ValueError("tokens, positions, table, limits and stops need one entry per row")
-    stop_ids = np.fromiter((t for row in stops for t in row), dtype=np.int64)
-    stop_starts = np.concatenate(([0], np.cumsum([len(row) for row in stops], dtype=np.int64)))
-    out = np.empty((rows, steps), dtype=np.int64)
+    stop_ids, stop_starts = _flat(stops)
+    k = 0 if drafts is None else drafts.k
+    if drafts is not None:
+        if len(drafts.history) != rows or min(drafts.min_n, k) < 1:
+            raise ValueError("prompt lookup needs a history per row, and k and min_n of 1 at least")
+        history, history_starts = _flat(drafts.history)
+        verified = np.empty((rows, steps, 2), dtype=np.int64)
+    else:
+        history = history_starts = verified = np.zeros(1, dtype=np.int64)
+    columns = max(1, min(int(limits.max(initial=0)), steps * (1 + k)))
+    out = np.empty((rows, columns), dtype=np.int64)
     prepared.module.greedy_decode(
         dtype == torch.bfloat16, prepared.pointers, prepared.dims, prepared.eps, prepared.scales,
         prepared.key_caches, prepared.value_caches, prepared.final_norm.data_ptr(), prepared.final_eps,
         embedding.data_ptr(), head.data_ptr(), head.shape[0], vocab_size, tokens.ctypes.data, positions.ctypes.data,
         table.ctypes.data, table.shape[1], prepared.block_size, limits.ctypes.data, stop_ids.ctypes.data,
-        stop_starts.ctypes.data, out.ctypes.data, rows, steps)
-    return out
+        stop_starts.ctypes.data, [k, drafts.min_n, drafts.max_n] if drafts else [0, 1, 0], history.ctypes.data,
+        history_starts.ctypes.data, verified.ctypes.data if drafts else 0, max(rows, max_rows or 0),
+        out.ctypes.data, columns, rows, steps)
+    return GreedyRun(out, verified if drafts else None)
+
+
+def _flat(lists: Sequence[Collection[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Lists of ints as one int64 array and each one's start in it (with the end after the last)."""
+    flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64)
+    return flat, np.concatenate(([0], np.cumsum([len(row) for row in lists], dtype=np.int64)))
 
 
 def _checked(layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple[torch.Tensor, torch.Tensor]],

@@ -62,39 +62,50 @@ def test_a_stop_token_inside_a_run_ends_the_request_there():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype):
+@pytest.mark.parametrize("lookup", [False, True], ids=["plain", "prompt lookup"])
+def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, lookup):
     """The model's greedy_decode (a call's later steps in one C++ call) gives the tokens, finish reasons and KV cache
     bytes of the Python loop, with rows ending at different steps: a stop token mid-run, max_tokens, max_model_len
-    and the slots left in a tight cache."""
-    prompts = random_prompts([5, 40, 17, 70, 9], vocab=1000, seed=6)
+    and the slots left in a tight cache. With prompt lookup it drafts and keeps what the Python steps do (the same
+    speculation counts; the K/V of rejected drafts included)."""
+    prompts = [p + p[:12] for p in random_prompts([5, 40, 17, 70, 9], vocab=1000, seed=6)]  # something to look up
     free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (37, 11, 64, 50, 20)]
-    engine_args = {"dtype": dtype, "num_kv_blocks": 40, "enable_prefix_caching": False}
+    engine_args = {"dtype": dtype, "num_kv_blocks": 40 + 8 * lookup, "enable_prefix_caching": False,
+                   "max_model_len": 120}
+    if lookup:
+        engine_args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                             "prompt_lookup_max": 3}
     calls = []
     greedy = ModelRunner._greedy_in_one_call
 
-    def counted(self, steps, count):
-        ran = greedy(self, steps, count)
+    def counted(self, steps, count, output):
+        ran = greedy(self, steps, count, output)
         calls.append(ran)
         return ran
 
-    def run(cpp: bool) -> tuple[list[list[int]], list[str], list[torch.Tensor]]:
-        monkeypatch.setattr(ModelRunner, "_greedy_in_one_call", counted if cpp else lambda self, steps, count: False)
+    def run(cpp: bool) -> tuple[list[list[int]], list[str], list[torch.Tensor], object]:
+        monkeypatch.setattr(ModelRunner, "_greedy_in_one_call",
+                            counted if cpp else lambda self, steps, count, output: False)
         llm = LLM(tiny_model("llama"), num_scheduler_steps=8, **{**ENGINE, **engine_args})
         try:
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             assert_all_blocks_free(llm)
             caches = [c.clone() for c in llm.client.engine.executor.worker.model_runner.kv_caches]
-            return [o.outputs[0].token_ids for o in outputs], [o.outputs[0].finish_reason for o in outputs], caches
+            return ([o.outputs[0].token_ids for o in outputs], [o.outputs[0].finish_reason for o in outputs], caches,
+                    llm.get_stats().spec_decoding)
         finally:
             llm.shutdown()
 
     params = free
-    [first, *_], _, _ = run(cpp=False)
+    [first, *_], _, _, _ = run(cpp=False)
     params = [SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True, stop_token_ids=[first[9]]), *free[1:]]
     python, cpp = run(cpp=False), run(cpp=True)
     assert cpp[:2] == python[:2]
     assert {"stop", "length"} <= set(cpp[1])
     assert all(torch.equal(a, b) for a, b in zip(cpp[2], python[2], strict=True))
+    assert cpp[3] == python[3]
+    if lookup:
+        assert cpp[3].num_drafts > 10 and 0 < cpp[3].num_accepted_tokens < cpp[3].num_draft_tokens
     assert any(calls)  # the C++ calls ran (not only the fallback)
 
 

@@ -13,6 +13,7 @@ from transformers import PretrainedConfig
 
 from ipc import (EngineConfig, ModelRunnerOutput, NewRequestData, PoolingInfo, PromptLogprobs, SamplingParams,
                  SchedulerOutput)
+from kernels.cpu_decoder_layer import PromptLookupDrafts
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.decode_ahead import AheadForward, DecodeRows, next_rows
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
@@ -240,9 +241,8 @@ class ModelRunner:
         steps = GreedySteps(states, [output.sampled_token_ids[s.req_id] for s in states], *self._block_table(states),
                             self.block_size, self.config.max_model_len)
         draft_ahead = self.draft_model.num_drafts if self.draft_model is not None else 0
-        if self.speculator is None and self._greedy_in_one_call(steps, num_steps - 1):
-            return
-        for _ in range(1, num_steps):
+        in_one_call = self._greedy_in_one_call(steps, num_steps - 1, output)
+        for _ in range(1, 1 if in_one_call else num_steps):
             rows = steps.active()
             if not rows:
                 break
@@ -261,20 +261,34 @@ class ModelRunner:
         output.draft_token_ids = self._propose(output, [states[i] for i in steps.with_room(range(len(states)),
                                                                                             draft_ahead)])
 
-    def _greedy_in_one_call(self, steps: GreedySteps, count: int) -> bool:
-        """Up to `count` plain greedy steps of the active requests in one call of the model's greedy_decode (where it
-        has one that takes them), accepted into `steps`; whether it ran."""
+    def _greedy_in_one_call(self, steps: GreedySteps, count: int, output: ModelRunnerOutput) -> bool:
+        """Up to `count` greedy steps of the active requests in one call of the model's greedy_decode (where it has
+        one that takes them), verifying prompt-lookup drafts where the speculator would propose them (a draft model
+        drafts in Python), accepted into `steps` and the verifications into `output`; whether it ran."""
         greedy = getattr(self.model, "greedy_decode", None)
         rows = steps.active()
         if greedy is None or self.lora is not None or not rows:
             return False
-        tokens = greedy(np.array([steps.tokens[i][-1] for i in rows], dtype=np.int64), steps.context[rows] - 1,
-                        steps.table[rows], steps.limits(rows), [steps.stops[i] for i in rows], count)
-        if tokens is None:
+        drafts = None
+        if self.speculator is not None and self.speculator.speculates(len(output.sampled_token_ids)):
+            if not self.speculator.lookup_in_kernel:
+                return False
+            config = self.speculator.config
+            drafts = PromptLookupDrafts(config.num_speculative_tokens, config.prompt_lookup_min,
+                                        config.prompt_lookup_max,
+                                        [steps.states[i].token_ids + steps.tokens[i] for i in rows])
+        run = greedy(np.array([steps.tokens[i][-1] for i in rows], dtype=np.int64), steps.context[rows] - 1,
+                     steps.table[rows], steps.limits(rows), [steps.stops[i] for i in rows], count, drafts)
+        if run is None:
             return False
-        for i, row in zip(rows, tokens):
+        for i, row in zip(rows, run.tokens):
             for token in row[row >= 0].tolist():
                 steps.accept(i, [], [token])
+        if run.verified is not None:
+            for i, checks in zip(rows, run.verified):
+                checks = checks[checks[:, 0] >= 0]
+                if len(checks):
+                    output.verified.setdefault(steps.states[i].req_id, []).extend(map(tuple, checks.tolist()))
         return True
 
     def _pool(self, hidden: torch.Tensor, jobs: list[PoolingJob], failed: dict[str, str]) -> dict[str, bytes]:

@@ -35,43 +35,99 @@ int64_t argmax_row(const T* v, int64_t n) {
   return best;
 }
 
+// Prompt lookup as workers/spec_decode/ngram.py proposes: up to k tokens, into drafts, that followed the latest
+// earlier occurrence of the longest suffix of `tokens` between min_n and max_n long; how many (0: no such suffix).
+inline int64_t lookup_drafts(const std::vector<int64_t>& tokens, int64_t k, int64_t min_n, int64_t max_n,
+                             int64_t* drafts) {
+  const int64_t L = int64_t(tokens.size());
+  for (int64_t n = std::min(max_n, L - 1); n >= std::max<int64_t>(min_n, 1); --n) {
+    const int64_t* suffix = tokens.data() + L - n;
+    for (int64_t at = L - 1 - n; at >= 0; --at)  // an occurrence ends before the last token
+      if (std::equal(suffix, suffix + n, tokens.data() + at)) {
+        const int64_t count = std::min(k, L - (at + n));
+        std::copy(tokens.data() + at + n, tokens.data() + at + n + count, drafts);
+        return count;
+      }
+  }
+  return 0;
+}
+
+// Drafts verified in the greedy steps (k = 0: none): each row's tokens so far (its last token's included) are
+// history[history_starts[m], history_starts[m + 1]); verified [M, steps, 2] gets each step's drafted and accepted
+// counts (-1 where the row verified no draft).
+struct PromptLookup {
+  int64_t k = 0, min_n = 1, max_n = 0;
+  const int64_t* history = nullptr;
+  const int64_t* history_starts = nullptr;
+  int64_t* verified = nullptr;
+};
+
 // M rows: tokens[m], the row's last token, at positions[m]; tables [M, max_blocks]; the row takes up to limits[m]
-// steps and none after a token of its stop set stop_ids[stop_starts[m], stop_starts[m + 1]). out [M, steps]: the
-// row's tokens in order, -1 after its last. A step's rows are those still going, in row order.
+// tokens and none after a step that gave it a token of its stop set stop_ids[stop_starts[m], stop_starts[m + 1]).
+// With prompt lookup a step feeds each row its last token and its drafts (what its limit leaves room for, and at
+// most max_rows token rows in all) and keeps the drafts up to the first the argmax disagrees with, then the argmax
+// there: the tokens plain steps give. out [M, out_cols]: the row's tokens in order, -1 after its last. A step's
+// rows are those still going, in row order.
 template <typename T>
 void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int64_t* positions,
                    const int64_t* tables, int64_t max_blocks, int64_t block_size, const int64_t* limits,
-                   const int64_t* stop_ids, const int64_t* stop_starts, int64_t* out, int64_t M, int64_t steps) {
-  const int64_t H = model.layers.front().hidden;
-  std::fill(out, out + M * steps, int64_t(-1));
-  std::vector<int64_t> last(tokens, tokens + M), taken(M, 0), rows, pos, slots, table, lens;
+                   const int64_t* stop_ids, const int64_t* stop_starts, const PromptLookup& lookup, int64_t max_rows,
+                   int64_t* out, int64_t out_cols, int64_t M, int64_t steps) {
+  const int64_t H = model.layers.front().hidden, k = lookup.k;
+  std::fill(out, out + M * out_cols, int64_t(-1));
+  if (lookup.verified) std::fill(lookup.verified, lookup.verified + M * steps * 2, int64_t(-1));
+  std::vector<std::vector<int64_t>> history(k > 0 ? M : 0);
+  for (int64_t m = 0; m < int64_t(history.size()); ++m)
+    history[m].assign(lookup.history + lookup.history_starts[m], lookup.history + lookup.history_starts[m + 1]);
+  std::vector<int64_t> last(tokens, tokens + M), taken(M, 0), seqs, feeds, drafts, pos, slots, table, lens;
   std::vector<char> stopped(M, 0);
   std::vector<T> x, hidden, residual, logits;
   for (int64_t s = 0; s < steps; ++s) {
-    rows.clear();
+    seqs.clear();
     for (int64_t m = 0; m < M; ++m)
-      if (!stopped[m] && taken[m] < limits[m]) rows.push_back(m);
-    const int64_t A = int64_t(rows.size());
+      if (!stopped[m] && taken[m] < limits[m]) seqs.push_back(m);
+    const int64_t A = int64_t(seqs.size());
     if (A == 0) break;
-    pos.resize(A), slots.resize(A), lens.resize(A), table.resize(A * max_blocks);
-    x.resize(A * H), hidden.resize(A * H), residual.resize(A * H), logits.resize(A * model.head_rows);
-    for (int64_t a = 0; a < A; ++a) {
-      const int64_t m = rows[a], p = positions[m] + taken[m];
+    feeds.assign(A, 0), drafts.resize(A * std::max<int64_t>(k, 1));
+    int64_t R = A;
+    for (int64_t a = 0; a < A && k > 0; ++a) {
+      const int64_t m = seqs[a], room = std::min(limits[m] - taken[m] - 1, max_rows - R);
+      if (room > 0) R += feeds[a] = lookup_drafts(history[m], std::min(k, room), lookup.min_n, lookup.max_n,
+                                                  drafts.data() + a * k);
+    }
+    pos.resize(R), slots.resize(R), lens.resize(R), table.resize(R * max_blocks);
+    x.resize(R * H), hidden.resize(R * H), residual.resize(R * H), logits.resize(R * model.head_rows);
+    for (int64_t a = 0, r = 0; a < A; ++a) {
+      const int64_t m = seqs[a];
       const int64_t* row_table = tables + m * max_blocks;
-      std::memcpy(x.data() + a * H, model.embedding + last[m] * H, H * sizeof(T));
-      std::copy(row_table, row_table + max_blocks, table.data() + a * max_blocks);
-      pos[a] = p, lens[a] = p + 1, slots[a] = row_table[p / block_size] * block_size + p % block_size;
+      for (int64_t j = 0; j <= feeds[a]; ++j, ++r) {
+        const int64_t p = positions[m] + taken[m] + j, token = j ? drafts[a * k + j - 1] : last[m];
+        std::memcpy(x.data() + r * H, model.embedding + token * H, H * sizeof(T));
+        std::copy(row_table, row_table + max_blocks, table.data() + r * max_blocks);
+        pos[r] = p, lens[r] = p + 1, slots[r] = row_table[p / block_size] * block_size + p % block_size;
+      }
     }
     stage_layers(model.layers, model.k_caches, model.v_caches, model.final_norm, model.final_eps, x.data(),
                  static_cast<const T*>(nullptr), hidden.data(), residual.data(), pos.data(), slots.data(), block_size,
-                 table.data(), max_blocks, lens.data(), A);
-    gemv(hidden.data(), model.head, static_cast<const T*>(nullptr), logits.data(), A, model.head_rows, H);
-    for (int64_t a = 0; a < A; ++a) {
-      const int64_t m = rows[a], token = argmax_row(logits.data() + a * model.head_rows, model.vocab);
-      out[m * steps + taken[m]] = token;
-      last[m] = token, ++taken[m];
-      stopped[m] = std::find(stop_ids + stop_starts[m], stop_ids + stop_starts[m + 1], token) !=
-                   stop_ids + stop_starts[m + 1];
+                 table.data(), max_blocks, lens.data(), R);
+    gemv(hidden.data(), model.head, static_cast<const T*>(nullptr), logits.data(), R, model.head_rows, H);
+    for (int64_t a = 0, r = 0; a < A; r += feeds[a] + 1, ++a) {
+      const int64_t m = seqs[a];
+      const int64_t* stops_begin = stop_ids + stop_starts[m];
+      const int64_t* stops_end = stop_ids + stop_starts[m + 1];
+      int64_t accepted = 0;
+      for (;; ++accepted) {
+        const int64_t token = argmax_row(logits.data() + (r + accepted) * model.head_rows, model.vocab);
+        out[m * out_cols + taken[m]] = token;
+        last[m] = token, ++taken[m];
+        if (k > 0) history[m].push_back(token);
+        stopped[m] = stopped[m] || std::find(stops_begin, stops_end, token) != stops_end;
+        if (accepted == feeds[a] || token != drafts[a * k + accepted]) break;
+      }
+      if (feeds[a] > 0 && lookup.verified) {
+        lookup.verified[(m * steps + s) * 2] = feeds[a];
+        lookup.verified[(m * steps + s) * 2 + 1] = accepted;
+      }
     }
   }
 }

@@ -100,13 +100,17 @@ void greedy_decode(const std::vector<std::vector<uintptr_t>>& weights, const std
                    uintptr_t final_norm, double final_eps, uintptr_t embedding, uintptr_t head, int64_t head_rows,
                    int64_t vocab, uintptr_t tokens, uintptr_t positions, uintptr_t tables, int64_t max_blocks,
                    int64_t block_size, uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
-                   uintptr_t tokens_out, int64_t m, int64_t steps) {
+                   const std::vector<int64_t>& lookup, uintptr_t history, uintptr_t history_starts,
+                   uintptr_t verified, int64_t max_rows, uintptr_t tokens_out, int64_t out_cols, int64_t m,
+                   int64_t steps) {
   const pagedserve::GreedyModel<T> model{layers_of<T>(weights, dims, eps, scales), caches_of<T>(k_caches),
                                          caches_of<T>(v_caches), in<T>(final_norm), float(final_eps),
                                          in<T>(embedding), in<T>(head), head_rows, vocab};
+  const pagedserve::PromptLookup drafts{lookup.at(0), lookup.at(1), lookup.at(2), in<int64_t>(history),
+                                        in<int64_t>(history_starts), out<int64_t>(verified)};
   pagedserve::greedy_decode(model, in<int64_t>(tokens), in<int64_t>(positions), in<int64_t>(tables), max_blocks,
-                            block_size, in<int64_t>(limits), in<int64_t>(stop_ids), in<int64_t>(stop_starts),
-                            out<int64_t>(tokens_out), m, steps);
+                            block_size, in<int64_t>(limits), in<int64_t>(stop_ids), in<int64_t>(stop_starts), drafts,
+                            max_rows, out<int64_t>(tokens_out), out_cols, m, steps);
 }
 
 template <typename T>
@@ -181,11 +185,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             const std::vector<uintptr_t>& v_caches, uintptr_t final_norm, double final_eps,
                             uintptr_t embedding, uintptr_t head, int64_t head_rows, int64_t vocab, uintptr_t tokens,
                             uintptr_t positions, uintptr_t tables, int64_t max_blocks, int64_t block_size,
-                            uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts, uintptr_t tokens_out,
-                            int64_t m, int64_t steps) {
+                            uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
+                            const std::vector<int64_t>& lookup, uintptr_t history, uintptr_t history_starts,
+                            uintptr_t verified, int64_t max_rows, uintptr_t tokens_out, int64_t out_cols, int64_t m,
+                            int64_t steps) {
     (bf16 ? greedy_decode<uint16_t> : greedy_decode<float>)(weights, dims, eps, scales, k_caches, v_caches, final_norm,
                                                             final_eps, embedding, head, head_rows, vocab, tokens,
                                                             positions, tables, max_blocks, block_size, limits,
-                                                            stop_ids, stop_starts, tokens_out, m, steps);
+                                                            stop_ids, stop_starts, lookup, history, history_starts,
+                                                            verified, max_rows, tokens_out, out_cols, m, steps);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -251,9 +251,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def greedy_decode(self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
-                      stops: list[set[int]], steps: int) -> np.ndarray | None:
+                      stops: list[set[int]], steps: int, drafts: cpu_decoder_layer.PromptLookupDrafts | None = None
+                      ) -> cpu_decoder_layer.GreedyRun | None:
         """A multi-step call's later greedy steps in one C++ call (kernels.cpu_decoder_layer.greedy_decode: same
-        tokens as forward(), compute_logits() and argmax step by step); None where that does not compute what they
+        tokens as forward(), compute_logits() and argmax step by step, prompt-lookup drafts verified as the Python
+        steps verify them); None where that does not compute what they
         do, and the caller steps in Python: another family's model, embedding or logits, pipeline stages, adapters,
         a quantized table or head, layers not in C++ or not prepared for the bound caches, or more rows than the
         kernels' products take."""
@@ -265,8 +267,9 @@ class LlamaForCausalLM(nn.Module):
             return None
         prepared, embedding = model._prepared_layers, model.embed_tokens.weight
         caches = [attention.kv_cache for attention in model._stage_attention]
+        max_rows = min(model.product_rows, cpu_gemv.max_rows(embedding.dtype, head.weight))
         if prepared is None or not prepared.serves(caches, embedding.dtype) or head.weight.dtype != embedding.dtype \
-                or len(tokens) > min(model.product_rows, cpu_gemv.max_rows(embedding.dtype, head.weight)):
+                or len(tokens) > max_rows:
             return None
         return cpu_decoder_layer.greedy_decode(prepared, embedding, head.weight, head.vocab_size, tokens, positions,
-                                               table, limits, stops, steps)
+                                               table, limits, stops, steps, drafts, max_rows)

@@ -51,13 +51,22 @@ class Speculator:
                 only: list[str] | None = None) -> dict[str, list[int]]:
         """Drafts after each sampled request's tokens (its state's, then `sampled`'s), for those in `only` if given
         (the batch, whose size turns speculation off, is still all of `sampled`)."""
-        limit = self.config.disable_by_batch_size
-        if limit is not None and len(sampled) > limit:
+        if not self.speculates(len(sampled)):
             return {}
         req_ids = [req_id for req_id in (sampled if only is None else only)
                    if requests[req_id].sampling_params.structured_outputs is None]
         drafts = self.proposer.propose([requests[r] for r in req_ids], [sampled[r] for r in req_ids])
         return {req_id: draft for req_id, draft in zip(req_ids, drafts) if draft}
+
+    def speculates(self, batch_size: int) -> bool:
+        """Whether a step of `batch_size` requests verifies drafts (disable_by_batch_size)."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or batch_size <= limit
+
+    @property
+    def lookup_in_kernel(self) -> bool:
+        """Whether a greedy kernel may propose the drafts itself: prompt lookup needs nothing but the tokens."""
+        return isinstance(self.proposer, PromptLookup)
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         return self.proposer.draft_probs(req_id)
