@@ -24,12 +24,12 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     model: str | None = None
     prompt_lookup_max: NgramLength = 4
     prompt_lookup_min: NgramLength = 2
-    # Steps with more requests than this verify no drafts: on CPU the verification cost grows with the batch.
-    # `python benchmarks/spec_decode.py --cutoff-sweep 1 2 4 8 12 16` and `... 8 16 24 32 64` (demo model, k = 4, 2-core
-    # AVX2 CPU, the GEMM tiles of kernels/csrc/gemm.h; medians of rounds): prompt lookup 1.4-1.9x at 1-4 requests,
-    # 1.04-1.24x at 8-24, at 32 and 64 1.02-1.15x and 1.04x with single rounds below 1: past 24 it stops paying
-    # reliably.
-    disable_by_batch_size: Annotated[int, Meta(ge=1)] | None = 24
+    # Steps with more requests than this verify no drafts: on CPU a step of a few rows already fills the cores, so
+    # drafts' rows cost nearly what they save. `python benchmarks/spec_decode.py --cutoff-sweep 1 2 4 8 --requests 4`
+    # (demo model, prompt lookup k = 7 verified in the C++ greedy steps, 2-core AVX-512 BF16 EPYC; medians of the
+    # rounds' ratios, edit / free workload): 1.61x / 1.36x at 1 request, 1.18x / 1.11x at 2, 1.14x / 1.18x at 4,
+    # 0.86x / 0.94x at 8 (best rounds 0.79-1.04x from 2 on): past 4 it loses.
+    disable_by_batch_size: Annotated[int, Meta(ge=1)] | None = 4
 
     def __post_init__(self) -> None:
         check_fields(self, "speculative_config.")

@@ -74,7 +74,7 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, look
                    "max_model_len": 120}
     if lookup:
         engine_args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                             "prompt_lookup_max": 3}
+                                             "prompt_lookup_max": 3, "disable_by_batch_size": None}
     calls = []
     greedy = ModelRunner._greedy_in_one_call
 
