@@ -7,6 +7,7 @@ preparation, sampling, output handling) is overhead. Only steps where every requ
 steps before are skipped). Target (issue 24): <= 10% of the step at 64 running requests.
     python benchmarks/step_overhead.py                    # 64 requests, multi-step as configured by default
     python benchmarks/step_overhead.py --scheduler-steps 1
+    python benchmarks/step_overhead.py --temperature 0.8      # sampled: the sampler's work counts as overhead
 """
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled requests (one step per call)")
     parser.add_argument("--scheduler-steps", type=int, default=None, help="num_scheduler_steps (default: the engine's)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -75,7 +77,7 @@ def main() -> int:
               **steps)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 8000) for _ in range(64)]} for _ in range(args.requests)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True)
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
     timers = Timers()
     for name in ("_forward", "_logits"):
@@ -84,7 +86,8 @@ def main() -> int:
     timers.wrap_step()
     llm.generate(prompts, params, use_tqdm=False)
     overhead = timers.steps - timers.model
-    print(f"CPU native bf16: {cpu_has_native_bf16()}; {args.requests} requests decoding {args.tokens} tokens, "
+    print(f"CPU native bf16: {cpu_has_native_bf16()}; {args.requests} requests decoding {args.tokens} tokens "
+          f"(temperature {args.temperature}), "
           f"{timers.count} engine steps of {timers.steps / timers.count * 1e3:.2f} ms: model {timers.model:.3f} s, "
           f"outside it {overhead:.3f} s = {overhead / timers.steps:.1%} of the steps (target <= 10%)")
     llm.shutdown()

@@ -168,3 +168,16 @@ def test_frequency_penalty_discourages_repeats(llm):
     penalized = texts(llm, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, frequency_penalty=2.0))
     repeats = [len(ids) - len(set(ids)) for ids in plain]
     assert sum(len(ids) - len(set(ids)) for ids in penalized) < sum(repeats)
+
+
+@pytest.mark.parametrize("draw, expected", [(0.0, 1), (float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))), 3)])
+def test_inverse_cdf_draws_only_tokens_with_weight(monkeypatch, draw, expected):
+    """The smallest and the largest uniform draws land on the first and the last token with weight, never on the
+    zero-weight tokens around them (a banned or grammar-masked token); an all-zero row stays in range."""
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    monkeypatch.setattr(sampler, "_draw", lambda fill, shape, meta: torch.full(shape, draw))
+    weights = torch.tensor([[0.0, 0.3, 0.0, 0.1, 0.0, 0.0], [0.0] * 6])
+    meta = SamplingMetadata(temperature=torch.ones(2), top_k=None, top_p=None, min_p=None, generators={},
+                            banned_token_ids={}, num_logprobs={})
+    tokens = sampler._inverse_cdf(weights, meta).tolist()
+    assert tokens[0] == expected and 0 <= tokens[1] < 6
