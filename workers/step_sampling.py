@@ -90,7 +90,7 @@ def sampling_metadata(rows: list[tuple[CachedRequestState, list[int]]], device: 
         top_k=_to_device(top_k, device) if any(k > 0 for k in top_k) else None,
         top_p=_to_device(top_p, device) if any(p < 1.0 for p in top_p) else None,
         min_p=_to_device(min_p, device) if any(p > 0.0 for p in min_p) else None,
-        every_row_greedy=all(p.is_greedy for p in params),
+        every_row_greedy=all(p.is_greedy for p in params), any_row_greedy=any(p.is_greedy for p in params),
         generators={row: state.generator for row, (state, _) in enumerate(rows) if state.generator is not None},
         banned_token_ids={row: ids for row, (state, before) in enumerate(rows)
                           if (ids := state.banned_token_ids(before))},

@@ -47,6 +47,7 @@ class SamplingMetadata:
     draft_probs: torch.Tensor | None = None
     # Whether every row is greedy, as the host knows it; None: read from temperature (which waits for the device).
     every_row_greedy: bool | None = None
+    any_row_greedy: bool | None = None  # as the host knows it; None: unknown (the argmax is taken)
 
     @property
     def all_greedy(self) -> bool:
@@ -87,7 +88,7 @@ class Sampler:
         # bans and temperature, whatever the token was then sampled from.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
         _process(logits, meta)
-        greedy_tokens = logits.argmax(dim=-1)
+        greedy_tokens = logits.argmax(dim=-1) if meta.any_row_greedy is not False else None
         if meta.all_greedy:
             tokens = greedy_tokens
             accepted = None if meta.draft_token_ids is None else greedy_tokens == meta.draft_token_ids
@@ -111,16 +112,21 @@ class Sampler:
         probs = _distribution(logits, meta)
         return torch.where(meta.temperature == 0, greedy_tokens, self._inverse_cdf(probs, meta)), probs
 
-    def _random_sample(self, logits: torch.Tensor, meta: SamplingMetadata, greedy_tokens: torch.Tensor
+    def _random_sample(self, logits: torch.Tensor, meta: SamplingMetadata, greedy_tokens: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Sampled tokens, and for draft rows whether the draft is accepted (greedy rows: if it is the argmax)."""
-        greedy = meta.temperature == 0
+        """Sampled tokens, and for draft rows whether the draft is accepted (greedy rows: if it is the argmax).
+        greedy_tokens: each row's argmax; None where no row is greedy."""
         probs = _distribution(logits, meta)
         accepted = None
         if meta.draft_token_ids is not None:
             accepted, probs = self._verify_drafts(probs, meta)
+        sampled = self._inverse_cdf(probs, meta)
+        if greedy_tokens is None:
+            return sampled, accepted
+        greedy = meta.temperature == 0
+        if accepted is not None:
             accepted = torch.where(greedy, greedy_tokens == meta.draft_token_ids, accepted)
-        return torch.where(greedy, greedy_tokens, self._inverse_cdf(probs, meta)), accepted
+        return torch.where(greedy, greedy_tokens, sampled), accepted
 
     def _inverse_cdf(self, weights: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """A token per row, drawn in proportion to its row of `weights` (>= 0, any positive sum), without a sync:
