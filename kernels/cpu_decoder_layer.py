@@ -264,8 +264,8 @@ def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch
     the first argmax among its first vocab_size logits, as the model computes them, all in C++. Row m takes up to
     limits[m] tokens (its K/V slots come from its row of `table`, [rows, max_blocks] block ids) and none after a
     step that gave it a token of stops[m]. With `drafts` a step also feeds each row its drafts (as many as its limit
-    leaves room for, at most max_rows token rows in all) and keeps those the argmax agrees with, and the argmax
-    after them: the same tokens."""
+    leaves room for, at most max_rows token rows in all, None: no cap) and keeps those the argmax agrees with, and
+    the argmax after them: the same tokens."""
     if prepared.final_norm is None:
         raise ValueError("greedy decoding needs the last stage's final norm")
     dtype = prepared.dtype
@@ -287,6 +287,7 @@ def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch
     else:
         history = history_starts = verified = np.zeros(1, dtype=np.int64)
     columns = max(1, min(int(limits.max(initial=0)), steps * (1 + k)))
+    row_budget = rows * (1 + k) if max_rows is None else max(rows, max_rows)
     out = np.empty((rows, columns), dtype=np.int64)
     prepared.module.greedy_decode(
         dtype == torch.bfloat16, prepared.pointers, prepared.dims, prepared.eps, prepared.scales,
@@ -294,7 +295,7 @@ def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch
         embedding.data_ptr(), head.data_ptr(), head.shape[0], vocab_size, tokens.ctypes.data, positions.ctypes.data,
         table.ctypes.data, table.shape[1], prepared.block_size, limits.ctypes.data, stop_ids.ctypes.data,
         stop_starts.ctypes.data, [k, drafts.min_n, drafts.max_n] if drafts else [0, 1, 0], history.ctypes.data,
-        history_starts.ctypes.data, verified.ctypes.data if drafts else 0, max(rows, max_rows or 0),
+        history_starts.ctypes.data, verified.ctypes.data if drafts else 0, row_budget,
         out.ctypes.data, columns, rows, steps)
     return GreedyRun(out, verified if drafts else None)
 
