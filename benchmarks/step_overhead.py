@@ -1,10 +1,10 @@
 """Engine overhead per decode step: the share of an engine step spent outside the model's own work.
 
 The in-process engine on the benchmark model (bf16), `--requests` requests of 64-token random prompts all decoding
-`--tokens` greedy tokens together. The model's work is timed where the worker calls it: the forward pass, the
-logits and the C++ greedy steps of a multi-step call (`LlamaForCausalLM.greedy_decode`); everything else in `EngineCore.step` (scheduling, input
-preparation, sampling, output handling) is overhead. Only steps where every request decodes count (the prompt
-steps before are skipped). Target (issue 24): <= 10% of the step at 64 running requests.
+`--tokens` tokens together. The model's work is timed where the worker calls it: the forward pass, the logits and
+the C++ greedy steps of a multi-step call (`LlamaForCausalLM.greedy_decode`); everything else in `EngineCore.step`
+(scheduling, input preparation, sampling, output handling) is overhead. Only steps where every request decodes
+count (the prompt steps before are skipped). Target (issue 24): <= 10% of the step at 64 running requests.
     python benchmarks/step_overhead.py                    # 64 requests, multi-step as configured by default
     python benchmarks/step_overhead.py --scheduler-steps 1
     python benchmarks/step_overhead.py --temperature 0.8      # sampled: the sampler's work counts as overhead

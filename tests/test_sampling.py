@@ -170,7 +170,10 @@ def test_frequency_penalty_discourages_repeats(llm):
     assert sum(len(ids) - len(set(ids)) for ids in penalized) < sum(repeats)
 
 
-@pytest.mark.parametrize("draw, expected", [(0.0, 1), (float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))), 3)])
+LARGEST_DRAW = float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)))  # uniform_ draws from [0, 1)
+
+
+@pytest.mark.parametrize("draw, expected", [(0.0, 1), (LARGEST_DRAW, 3)])
 def test_inverse_cdf_draws_only_tokens_with_weight(monkeypatch, draw, expected):
     """The smallest and the largest uniform draws land on the first and the last token with weight, never on the
     zero-weight tokens around them (a banned or grammar-masked token); an all-zero row stays in range."""
