@@ -71,7 +71,9 @@ def _executor_class(executor: type):
 
 def measure(model: str, batch: int, steps: int, rounds: int) -> dict[str, list[float]]:
     """Per round, the median step time of each engine, run one after the other."""
-    base = EngineConfig(model=model, dtype="float32", num_kv_blocks=1024, max_model_len=1024)
+    # One decode step per call: the Ray path runs no multi-step calls, so the in-process engine must not either (with
+    # its default of 8 it would run out of tokens in an eighth of the steps and time empty ones).
+    base = EngineConfig(model=model, dtype="float32", num_kv_blocks=1024, max_model_len=1024, num_scheduler_steps=1)
     setups = {"in-process tp=1": (base, InProcessExecutor), "Ray tp=1": (base, RayExecutor),
               "Ray tp=2": (msgspec.structs.replace(base, tensor_parallel_size=2), RayExecutor)}
     engines: dict[str, DecodeEngine] = {}
