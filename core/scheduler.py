@@ -33,7 +33,7 @@ class Scheduler:
         """whole_prompts: an encoder-only model's engine; each request runs whole in one step and holds no KV
         blocks (its attention sees only that step's tokens). decode_ahead: the worker runs a decode step's
         forward pass ahead (SchedulerOutput.decode_ahead), so each decode holds the slot of its next token too.
-        multi_step: the most greedy decode steps the worker runs in one call (core/multi_step.py), each verifying
+        multi_step: the most decode steps the worker runs in one call (core/multi_step.py), each verifying
         drafts where speculative decoding proposes them; the decodes of such a call hold the slots of all its
         tokens."""
         self.whole_prompts = whole_prompts

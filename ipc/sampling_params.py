@@ -85,6 +85,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         """Temperature ~0 means argmax (vLLM's rule); top_k=1 reaches the same token through the sampler."""
         return self.temperature < _GREEDY_TEMPERATURE
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether each token is the argmax of the model's logits as they are: greedy, with no logprobs to report and
+        no penalty, bias or ban that changes the logits (min_tokens aside: it depends on the output so far)."""
+        return (self.is_greedy and self.logprobs is None and not self.has_penalties and not self.logit_bias
+                and not self.bad_words_token_ids)
+
 
 def _require(ok: bool, field: str, message: str) -> None:
     if not ok:

@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CUDA graphs: the GPU waits for the host between decode steps instead of starting the "
                              "next step's forward pass early")
     engine.add_argument("--num-scheduler-steps", type=int, default=8,
-                        help="CPU: up to this many greedy decode steps per worker call while nothing waits to join "
+                        help="CPU: up to this many decode steps per worker call while nothing waits to join "
                              "(1: one call per step)")
     engine.add_argument("--cuda-graph-sizes", type=int, nargs="+",
                         help="CUDA: decode batch sizes to capture (default 1 2 4 8 16 ... min(max-num-seqs, 512))")

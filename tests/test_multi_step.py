@@ -1,5 +1,5 @@
-"""Multi-step decoding (core/multi_step.py): several greedy decode steps per worker call give the tokens, stops and
-freed blocks of one call per step."""
+"""Multi-step decoding (core/multi_step.py): several decode steps per worker call give the tokens, stops and freed
+blocks of one call per step."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ from conftest import assert_all_blocks_free, random_prompts, tiny_model
 from core.multi_step import num_steps
 from core.request import Request
 from frontend import LLM, SamplingParams
-from ipc import EngineCoreRequest
+from ipc import EngineCoreRequest, StructuredOutputsParams
 from workers.model_runner import ModelRunner
 
 ENGINE = {"dtype": "float32", "in_process": True, "block_size": 8, "max_model_len": 96}
@@ -31,22 +31,49 @@ def _generate(steps: int, prompts: list[list[int]], params: list[SamplingParams]
         llm.shutdown()
 
 
-@pytest.mark.parametrize("engine_args", [{}, {"num_kv_blocks": 14, "enable_prefix_caching": True}],
-                         ids=["roomy", "preempted, prefix cache"])
-def test_greedy_tokens_equal_one_call_per_step(engine_args):
-    """Lengths that end mid-run (max_tokens, max_model_len), EOS allowed or ignored, a sampled request that keeps the
-    batch on one step per call until it ends; fewer engine steps than tokens."""
-    prompts = random_prompts([5, 40, 17, 3, 60, 9], vocab=1000, seed=2)
+def _mixed_params() -> list[SamplingParams]:
+    """Greedy and seeded sampled requests with what the worker applies over a call's tokens: top-p/top-k/min-p,
+    penalties, logit bias, bad words, min_tokens (one step per call until it is reached); lengths that end mid-run
+    (max_tokens, max_model_len), EOS allowed or ignored."""
+    return [SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True),
+            SamplingParams(temperature=0.8, seed=7, max_tokens=30, top_p=0.9, ignore_eos=True),
+            SamplingParams(temperature=1.0, seed=8, max_tokens=64, top_k=20, min_p=0.05, presence_penalty=0.5,
+                           frequency_penalty=0.3),
+            SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.3, logit_bias={5: 3.0}),
+            SamplingParams(temperature=0.7, seed=9, max_tokens=50, bad_words_token_ids=[[3], [7, 8]], min_tokens=10),
+            SamplingParams(temperature=1.2, seed=10, max_tokens=20, ignore_eos=True, repetition_penalty=1.2),
+            SamplingParams(temperature=0.0, max_tokens=25)]
+
+
+@pytest.mark.parametrize("engine_args", [
+    {}, {"num_kv_blocks": 14, "enable_prefix_caching": True},
+    {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                            "prompt_lookup_max": 3}},
+    {"speculative_config": {"method": "draft_model", "model": "llama", "num_speculative_tokens": 3}},
+], ids=["roomy", "preempted, prefix cache", "prompt lookup", "draft model"])
+def test_tokens_equal_one_call_per_step(engine_args):
+    """Greedy and sampled (a seeded request draws the same numbers), with and without speculation; fewer engine
+    steps than tokens."""
+    if "speculative_config" in engine_args and "model" in engine_args["speculative_config"]:
+        engine_args = {"speculative_config": {**engine_args["speculative_config"], "model": tiny_model("llama")}}
+    prompts = random_prompts([5, 40, 17, 3, 60, 9, 12], vocab=1000, seed=2)
     prompts[5] = prompts[1][:30] + prompts[5]  # shares blocks with the second prompt
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=i % 2 == 0)
-              for i, n in enumerate([37, 3, 64, 1, 50, 20])]
-    params[3] = SamplingParams(temperature=0.8, seed=7, max_tokens=12)
-    one_by_one = _generate(1, prompts, params, **engine_args)
-    multi = _generate(8, prompts, params, **engine_args)
+    one_by_one = _generate(1, prompts, _mixed_params(), **engine_args)
+    multi = _generate(8, prompts, _mixed_params(), **engine_args)
     assert multi[:2] == one_by_one[:2]
-    assert "length" in multi[1]  # one ran into max_model_len or max_tokens
-    if not engine_args:
+    assert "length" in multi[1]
+    if "num_kv_blocks" not in engine_args:
         assert multi[2] < one_by_one[2] / 2
+
+
+def test_a_request_with_logprobs_keeps_the_batch_on_one_step_per_call():
+    prompts = random_prompts([5, 9], vocab=1000, seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, logprobs=2)]
+    one_by_one = _generate(1, prompts, params)
+    multi = _generate(8, prompts, params)
+    assert multi[:2] == one_by_one[:2]
+    assert multi[2] > 12  # one call per step while the logprobs request runs, several after
 
 
 def test_a_stop_token_inside_a_run_ends_the_request_there():
@@ -119,12 +146,22 @@ def _request(params: SamplingParams, prompt_len: int = 10, outputs: int = 0) -> 
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=2),
-    SamplingParams(temperature=0.0, presence_penalty=0.5), SamplingParams(temperature=0.0, logit_bias={5: 1.0}),
-    SamplingParams(temperature=0.0, bad_words_token_ids=[[3]]), SamplingParams(temperature=0.0, min_tokens=4),
-], ids=["sampled", "logprobs", "penalty", "logit bias", "bad words", "min_tokens ahead"])
-def test_only_plain_greedy_requests_take_several_steps(params):
+    SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.7, logprobs=0),
+    SamplingParams(temperature=0.0, min_tokens=4),
+    SamplingParams(temperature=0.7, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+], ids=["logprobs", "sampled logprobs", "min_tokens ahead", "grammar"])
+def test_requests_that_need_the_scheduler_between_steps_take_one(params):
     assert num_steps([_request(SamplingParams(temperature=0.0, max_tokens=100)), _request(params)], 8, 1000) == 1
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7), SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.1, seed=3),
+    SamplingParams(temperature=0.0, presence_penalty=0.5), SamplingParams(temperature=0.0, logit_bias={5: 1.0}),
+    SamplingParams(temperature=0.0, bad_words_token_ids=[[3]]), SamplingParams(temperature=0.0, min_tokens=2),
+], ids=["sampled", "top-k, top-p, min-p, seed", "penalty", "logit bias", "bad words", "min_tokens reached"])
+def test_requests_the_worker_samples_alone_take_several_steps(params):
+    assert num_steps([_request(SamplingParams(temperature=0.0, max_tokens=100)), _request(params, outputs=2)],
+                     8, 1000) == 8
 
 
 def test_steps_stop_at_the_nearest_length_limit():

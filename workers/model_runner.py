@@ -17,7 +17,7 @@ from kernels.cpu_decoder_layer import PromptLookupDrafts
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.decode_ahead import AheadForward, DecodeRows, next_rows
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
-from workers.greedy_steps import GreedySteps
+from workers.later_steps import LaterSteps, StepBatch, accepted_run
 from workers.layers.attention import Attention, AttentionMetadata, DecodeMetadata, StepMetadata
 from workers.layers.fused_moe import FusedMoE
 from workers.layers.sampler import Sampler, gather_logprobs
@@ -135,7 +135,7 @@ class ModelRunner:
 
     @property
     def multi_steps(self) -> int:
-        """The most greedy decode steps one call runs (core/multi_step.py): on the CPU of a single rank only (CUDA
+        """The most decode steps one call runs (core/multi_step.py): on the CPU of a single rank only (CUDA
         graphs and decode ahead take that cost off the GPU's path). With speculative decoding, each step verifies
         the drafts proposed after the one before."""
         if (self.device.type != "cpu" or self.decode_graphs is not None
@@ -234,14 +234,16 @@ class ModelRunner:
                                        None if states is None else [state.req_id for state in states])
 
     def _decode_more(self, output: ModelRunnerOutput, states: list[CachedRequestState], num_steps: int) -> None:
-        """A multi-step call's greedy steps after the first, into the slots the scheduler allocated ahead: each
-        feeds every request its last token and the drafts proposed after it (speculative decoding); the accepted
-        drafts and one more token are appended to `output`, with the verification. Ends early once no request can
-        go on (workers.greedy_steps). The drafts proposed after the last step go with the output."""
-        steps = GreedySteps(states, [output.sampled_token_ids[s.req_id] for s in states], *self._block_table(states),
+        """A multi-step call's steps after the first, into the slots the scheduler allocated ahead: each feeds every
+        request its last token and the drafts proposed after it (speculative decoding); the accepted drafts and one
+        more token (the argmax, or sampled as in any step, over the call's tokens so far) are appended to `output`,
+        with the verification. Ends early once no request can go on (workers.later_steps). The drafts proposed
+        after the last step go with the output."""
+        steps = LaterSteps(states, [output.sampled_token_ids[s.req_id] for s in states], *self._block_table(states),
                             self.block_size, self.config.max_model_len)
         draft_ahead = self.draft_model.num_drafts if self.draft_model is not None else 0
-        in_one_call = self._greedy_in_one_call(steps, num_steps - 1, output)
+        argmax_only = all(state.sampling_params.argmax_only for state in states)
+        in_one_call = argmax_only and self._greedy_in_one_call(steps, num_steps - 1, output)
         for _ in range(1, 1 if in_one_call else num_steps):
             rows = steps.active()
             if not rows:
@@ -252,19 +254,38 @@ class ModelRunner:
                                                 batch.seq_lens, batch.num_decodes)
             hidden = self._forward(ModelInputs(self._tensor(batch.input_ids), self._tensor(batch.positions), metadata,
                                                self._tensor(np.arange(len(batch.input_ids))), [], []))
-            # As the sampler takes a plain greedy row: the argmax of the logits.
-            argmax = self._logits(hidden, [-1] * len(batch.input_ids)).argmax(dim=-1).tolist()
-            for i, feed, first in zip(batch.rows, batch.feeds, batch.query_start_loc):
-                accepted = steps.accept(i, feed[1:], argmax[first:first + len(feed)])
+            logits = self._logits(hidden, [-1] * len(batch.input_ids))
+            if argmax_only:  # as the sampler takes a plain greedy row
+                argmax = logits.argmax(dim=-1).tolist()
+                runs = [accepted_run(feed[1:], argmax[first:first + len(feed)])
+                        for feed, first in zip(batch.feeds, batch.query_start_loc)]
+            else:
+                runs = self._sample_later_step(logits, steps, batch, output)
+            for i, feed, run in zip(batch.rows, batch.feeds, runs):
+                if run is None:
+                    steps.stop(i)
+                    continue
+                steps.take(i, run)
                 if len(feed) > 1:
-                    output.verified.setdefault(states[i].req_id, []).append((len(feed) - 1, accepted))
+                    output.verified.setdefault(states[i].req_id, []).append((len(feed) - 1, len(run) - 1))
         output.draft_token_ids = self._propose(output, [states[i] for i in steps.with_room(range(len(states)),
                                                                                             draft_ahead)])
 
-    def _greedy_in_one_call(self, steps: GreedySteps, count: int, output: ModelRunnerOutput) -> bool:
-        """Up to `count` greedy steps of the active requests in one call of the model's greedy_decode (where it has
-        one that takes them), verifying prompt-lookup drafts where the speculator would propose them (a draft model
-        drafts in Python), accepted into `steps` and the verifications into `output`; whether it ran."""
+    def _sample_later_step(self, logits: torch.Tensor, steps: LaterSteps, batch: StepBatch,
+                           output: ModelRunnerOutput) -> list[list[int] | None]:
+        """Each row's tokens from the sampler (its accepted drafts and the token after them; None where its sampling
+        failed, recorded in `output`): sampled, penalized and banned over its tokens and the call's so far."""
+        groups = [self._sample_group(steps.states[i], feed[1:], steps.tokens[i]) for i, feed in zip(batch.rows,
+                                                                                                     batch.feeds)]
+        sampled = self.step_sampler.sample(logits, groups, None)
+        output.failed.update(sampled.failed)
+        return [sampled.sampled_token_ids.get(group.state.req_id) for group in groups]
+
+    def _greedy_in_one_call(self, steps: LaterSteps, count: int, output: ModelRunnerOutput) -> bool:
+        """Up to `count` greedy steps of the active requests (argmax only) in one call of the model's greedy_decode
+        (where it has one that takes them), verifying prompt-lookup drafts where the speculator would propose them
+        (a draft model drafts in Python), accepted into `steps` and the verifications into `output`; whether it
+        ran."""
         greedy = getattr(self.model, "greedy_decode", None)
         rows = steps.active()
         if greedy is None or self.lora is not None or not rows:
@@ -282,8 +303,7 @@ class ModelRunner:
         if run is None:
             return False
         for i, row in zip(rows, run.tokens):
-            for token in row[row >= 0].tolist():
-                steps.accept(i, [], [token])
+            steps.take(i, row[row >= 0].tolist())
         if run.verified is not None:
             for i, checks in zip(rows, run.verified):
                 checks = checks[checks[:, 0] >= 0]
@@ -420,10 +440,10 @@ class ModelRunner:
         self.lora.set_token_slots(np.repeat(slots, num_tokens).tolist())
         return slots
 
-    def _sample_group(self, state: CachedRequestState, drafts: list[int]) -> SampleGroup:
-        if not drafts or self.speculator is None:
-            return SampleGroup(state, drafts)
-        return SampleGroup(state, drafts, self.speculator.draft_probs(state.req_id))
+    def _sample_group(self, state: CachedRequestState, drafts: list[int], earlier: list[int] | None = None
+                      ) -> SampleGroup:
+        probs = self.speculator.draft_probs(state.req_id) if drafts and self.speculator is not None else None
+        return SampleGroup(state, drafts, probs, earlier or [])
 
     def _graph_size(self, num_seqs: int) -> int | None:
         """The captured size a decode-only batch of num_seqs replays at; None: run it eagerly."""

@@ -40,17 +40,17 @@ class CachedRequestState:
             stops.add(self.eos_token_id)
         return stops
 
-    def banned_token_ids(self, drafts: list[int] = ()) -> list[int]:
+    def banned_token_ids(self, after: list[int] = ()) -> list[int]:
         """Stop tokens until min_tokens outputs exist, and the last token of any bad word that the tokens so far
-        would complete (a one-token bad word always; transformers' NoBadWordsLogitsProcessor rule). `drafts`:
-        draft tokens taken as already sampled (the row that verifies the next one)."""
+        would complete (a one-token bad word always; transformers' NoBadWordsLogitsProcessor rule). `after`: tokens
+        taken as sampled after its own (a multi-step call's so far, the drafts before the one a row verifies)."""
         params = self.sampling_params
         banned = []
-        num_output_tokens = self.num_output_tokens + len(drafts)
+        num_output_tokens = self.num_output_tokens + len(after)
         if num_output_tokens < params.min_tokens and params.structured_outputs is None:  # the grammar ends it
             banned += sorted(self.stop_token_ids())
         for word in params.bad_words_token_ids or ():
             prefix = word[:-1]
-            if not prefix or [*self.token_ids[-len(prefix):], *drafts][-len(prefix):] == prefix:
+            if not prefix or [*self.token_ids[-len(prefix):], *after][-len(prefix):] == prefix:
                 banned.append(word[-1])
         return banned

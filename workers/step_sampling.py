@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,11 +19,13 @@ logger = logging.getLogger("pagedserve.step_sampling")
 @dataclass(frozen=True)
 class SampleGroup:
     """One request's consecutive logits rows: row i verifies drafts[i]; the last row gives the token after them.
-    draft_probs: [len(drafts), vocab], the distributions a draft model drew them from (None: one-hot guesses)."""
+    draft_probs: [len(drafts), vocab], the distributions a draft model drew them from (None: one-hot guesses).
+    earlier: its tokens after state.token_ids that the rows follow (a multi-step call's tokens so far)."""
 
     state: CachedRequestState
     drafts: list[int]
     draft_probs: torch.Tensor | None = None
+    earlier: list[int] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -62,7 +64,8 @@ class StepSampler:
     def _sampling_metadata(self, groups: list[SampleGroup]) -> SamplingMetadata:
         """One row per logits row; a row verifying draft i sees drafts 0..i-1 as already sampled (min_tokens, bad
         words, penalties), so its distribution is the one sampling without speculation would use there."""
-        meta = sampling_metadata([(g.state, g.drafts[:i]) for g in groups for i in range(g.num_rows)], self.device)
+        meta = sampling_metadata([(g.state, g.earlier + g.drafts[:i]) for g in groups for i in range(g.num_rows)],
+                                 self.device)
         drafts = [draft for g in groups for draft in (*g.drafts, -1)]
         if len(drafts) > len(groups):
             meta.draft_token_ids = _to_device(drafts, self.device)
