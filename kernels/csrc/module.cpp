@@ -12,6 +12,7 @@
 #include "decoder_layer.h"
 #include "gemv.h"
 #include "greedy_decode.h"
+#include "sample.h"
 
 namespace {
 
@@ -178,6 +179,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                               final_norm, final_eps, x, residual, o, residual_out,
                                                               positions, slots, block_size, tables, max_blocks,
                                                               seq_lens, m);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("sample", [](uintptr_t logits, int64_t rows, int64_t vocab, uintptr_t temperature, uintptr_t uniform,
+                     uintptr_t tokens) {
+    pagedserve::sample_rows(in<float>(logits), rows, vocab, in<float>(temperature), in<double>(uniform),
+                            out<int64_t>(tokens));
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("greedy_decode", [](bool bf16, const std::vector<std::vector<uintptr_t>>& weights,
                             const std::vector<std::vector<int64_t>>& dims, const std::vector<double>& eps,

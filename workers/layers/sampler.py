@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import cpu_sampling
+
 
 @dataclass
 class Penalties:
@@ -116,11 +118,16 @@ class Sampler:
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sampled tokens, and for draft rows whether the draft is accepted (greedy rows: if it is the argmax).
         greedy_tokens: each row's argmax; None where no row is greedy."""
-        probs = _distribution(logits, meta)
         accepted = None
-        if meta.draft_token_ids is not None:
-            accepted, probs = self._verify_drafts(probs, meta)
-        sampled = self._inverse_cdf(probs, meta)
+        if meta.draft_token_ids is None and meta.top_k is None and meta.top_p is None and meta.min_p is None \
+                and cpu_sampling.serves(logits):  # temperature alone: one C++ pass per row
+            temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
+            sampled = cpu_sampling.sample(logits, temperature, self._uniform(meta, logits.shape[0]))
+        else:
+            probs = _distribution(logits, meta)
+            if meta.draft_token_ids is not None:
+                accepted, probs = self._verify_drafts(probs, meta)
+            sampled = self._inverse_cdf(probs, meta)
         if greedy_tokens is None:
             return sampled, accepted
         greedy = meta.temperature == 0
@@ -135,12 +142,16 @@ class Sampler:
         run in float64 so that a rare token's share is not lost to rounding over a large vocabulary."""
         cdf = weights.to(torch.float64).cumsum(dim=-1)
         total = cdf[:, -1:]
-        draw = self._draw(torch.Tensor.uniform_, (weights.shape[0], 1), meta).to(torch.float64)
+        draw = self._uniform(meta, weights.shape[0])
         # Strictly below the sum, so the token found has a weight above zero (u * sum can round up to the sum).
         point = torch.minimum(draw * total, torch.nextafter(total, torch.zeros_like(total)))
         # A row whose weights are all zero (a verified draft's residual where the draft is surely accepted) finds
         # none: its index is clamped, and the caller keeps the draft.
         return torch.searchsorted(cdf, point, right=True).squeeze(1).clamp_(max=weights.shape[1] - 1)
+
+    def _uniform(self, meta: SamplingMetadata, rows: int) -> torch.Tensor:
+        """The inverse CDF's draw for each row, [rows, 1] float64 (from float32: one number per row)."""
+        return self._draw(torch.Tensor.uniform_, (rows, 1), meta).to(torch.float64)
 
     def _verify_drafts(self, probs: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Speculative sampling: accept draft d, drawn from q, with probability min(1, p(d) / q(d)); a rejected row
