@@ -8,6 +8,7 @@ count (the prompt steps before are skipped). Target (issue 24): <= 10% of the st
     python benchmarks/step_overhead.py                    # 64 requests, multi-step as configured by default
     python benchmarks/step_overhead.py --scheduler-steps 1
     python benchmarks/step_overhead.py --temperature 0.8      # sampled: the sampler's work counts as overhead
+    python benchmarks/step_overhead.py --temperature 0.8 --top-p 0.9 --top-k 40
 """
 from __future__ import annotations
 
@@ -69,6 +70,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled requests (one step per call)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--scheduler-steps", type=int, default=None, help="num_scheduler_steps (default: the engine's)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -77,7 +80,8 @@ def main() -> int:
               **steps)
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 8000) for _ in range(64)]} for _ in range(args.requests)]
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.tokens,
+                            ignore_eos=True)
     llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
     timers = Timers()
     for name in ("_forward", "_logits"):
@@ -87,7 +91,7 @@ def main() -> int:
     llm.generate(prompts, params, use_tqdm=False)
     overhead = timers.steps - timers.model
     print(f"CPU native bf16: {cpu_has_native_bf16()}; {args.requests} requests decoding {args.tokens} tokens "
-          f"(temperature {args.temperature}), "
+          f"(temperature {args.temperature}, top-p {args.top_p}, top-k {args.top_k}), "
           f"{timers.count} engine steps of {timers.steps / timers.count * 1e3:.2f} ms: model {timers.model:.3f} s, "
           f"outside it {overhead:.3f} s = {overhead / timers.steps:.1%} of the steps (target <= 10%)")
     llm.shutdown()

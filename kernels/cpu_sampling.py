@@ -1,10 +1,11 @@
-"""Sampling by temperature alone on CPU in one C++ pass per row (kernels/csrc/sample.h).
+"""Sampling on CPU in one C++ pass per row (kernels/csrc/sample.h): temperature, top-k, top-p and min-p.
 
-torch's way, a softmax then a float64 cumsum over the whole vocabulary and a search, took 0.65 ms for 64 rows of
-8,256 on a 2-core AVX-512 EPYC, most of a sampled decode step's work outside the model; the kernel computes the
-weights and per-block sums in one pass and sums token by token only inside the block that holds the point. Same
-rule and float64 sums as Sampler._inverse_cdf over softmax(logits / t), so the same token but where rounding puts
-the point within a few ulps of a token's boundary.
+torch's way took 0.47 ms for 64 rows of 8,256 by temperature alone (a softmax, a float64 cumsum over the whole
+vocabulary, a search), 6.4 ms with top-k 40, 5.4 with min-p and 26 with top-p 0.9 (a sort of every row), on a 2-core
+AVX-512 EPYC: as much as the model's own step. The kernel finds top-k's and top-p's boundaries by radix selection,
+computes the weights and per-block sums in one pass and sums token by token only inside the block that holds the
+point. Same rules and float64 sums as Sampler._distribution and _inverse_cdf, so the same token but where rounding
+puts the point, or a top-p boundary, within a few ulps of the edge (ties at a top-p boundary are all kept).
 """
 from __future__ import annotations
 
@@ -19,21 +20,31 @@ def serves(logits: torch.Tensor) -> bool:
             and cpu_extension.ready() is not None)
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """A token per row of logits [rows, vocab] (float32), drawn from softmax(logits / temperature[row]) by the inverse
-    CDF at uniform[row] in [0, 1) (float64): the first token whose running sum of weights passes uniform x their
-    sum. Raises ValueError for a row where no token has weight (every logit -inf, or a NaN)."""
+def sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, top_k: torch.Tensor | None = None,
+           top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """A token per row of logits [rows, vocab] (float32) at uniform[row] in [0, 1) (float64): drawn from
+    softmax(logits / temperature) after top-k (<= 0: none), top-p (1: none) and min-p (0: none), per row (None: none
+    for any row). Raises ValueError for a row where no token has weight (every logit -inf, or a NaN)."""
     module = cpu_extension.load()
     if module is None:
         raise RuntimeError("the C++ CPU kernels could not be built")
     rows, vocab = logits.shape
+
+    def per_row(values: torch.Tensor | None, neutral: float, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.full((rows,), neutral, dtype=dtype) if values is None else values.to(dtype).reshape(-1)
+        if out.shape != (rows,):
+            raise ValueError("sample() needs one value per row")
+        return out.contiguous()
+
     logits = logits.contiguous()
-    temperature = temperature.to(torch.float32).contiguous()
-    uniform = uniform.to(torch.float64).reshape(rows).contiguous()
-    if temperature.shape != (rows,) or not bool((temperature > 0).all()):
-        raise ValueError("sample() needs one temperature > 0 per row")
+    temperature, uniform = per_row(temperature, 1.0, torch.float32), per_row(uniform, 0.0, torch.float64)
+    top_k, top_p, min_p = per_row(top_k, 0, torch.int64), per_row(top_p, 1.0, torch.float32), \
+        per_row(min_p, 0.0, torch.float32)
+    if not bool((temperature > 0).all()):
+        raise ValueError("sample() needs temperatures > 0")
     tokens = torch.empty(rows, dtype=torch.int64)
-    module.sample(logits.data_ptr(), rows, vocab, temperature.data_ptr(), uniform.data_ptr(), tokens.data_ptr())
+    module.sample(logits.data_ptr(), rows, vocab, temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
+                  min_p.data_ptr(), uniform.data_ptr(), tokens.data_ptr())
     if bool((tokens < 0).any()):
         bad = (tokens < 0).nonzero().flatten().tolist()
         raise ValueError(f"rows {bad} have no token to sample: every logit is -inf, or one is NaN")

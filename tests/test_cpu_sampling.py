@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import cpu_extension, cpu_sampling
-from workers.layers.sampler import Sampler, SamplingMetadata
+from workers.layers.sampler import Sampler, SamplingMetadata, _distribution
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -16,14 +16,15 @@ def extension():
         pytest.fail("the extension did not build")
 
 
-def twin(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def twin(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, filters: dict
+         ) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch path's tokens, and whether each draw is clear of a token boundary (rounding apart: the two
     compute the same weights within a few ulps, so a point that close to a boundary may fall either side)."""
     sampler = Sampler(torch.Generator())
     sampler._draw = lambda fill, shape, meta: uniform.reshape(shape).float()
-    meta = SamplingMetadata(temperature=temperature, top_k=None, top_p=None, min_p=None, generators={},
-                            banned_token_ids={}, num_logprobs={})
-    probs = torch.softmax(logits / temperature.unsqueeze(1), dim=-1)
+    meta = SamplingMetadata(temperature=temperature, top_k=filters.get("top_k"), top_p=filters.get("top_p"),
+                            min_p=filters.get("min_p"), generators={}, banned_token_ids={}, num_logprobs={})
+    probs = _distribution(logits, meta)
     tokens = sampler._inverse_cdf(probs, meta)
     cdf = probs.double().cumsum(dim=-1)
     point = uniform.reshape(-1, 1).float().double() * cdf[:, -1:]
@@ -31,17 +32,29 @@ def twin(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor)
     return tokens, distance > 1e-6
 
 
-@pytest.mark.parametrize("vocab", [7, 256, 257, 1000, 8256])
-def test_matches_the_torch_twin(vocab):
+def _filters(kind: str, rows: int, generator: torch.Generator) -> dict:
+    """Per-row top-k, top-p and min-p, some rows without (0, 1, 0)."""
+    top_k = torch.randint(1, 60, (rows,), generator=generator) * (torch.arange(rows) % 3 != 0)
+    top_p = torch.where(torch.arange(rows) % 4 != 1, torch.rand(rows, generator=generator) * 0.9 + 0.05, 1.0)
+    min_p = torch.where(torch.arange(rows) % 5 != 2, torch.rand(rows, generator=generator) * 0.2, 0.0)
+    every = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
+    return every if kind == "all" else {kind: every[kind]} if kind != "none" else {}
+
+
+@pytest.mark.parametrize("filters", ["none", "top_k", "top_p", "min_p", "all"])
+@pytest.mark.parametrize("vocab", [7, 257, 8256])
+@pytest.mark.parametrize("scale", [1.0, 6.0], ids=["flat", "peaked"])
+def test_matches_the_torch_twin(vocab, filters, scale):
     generator = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(48, vocab, generator=generator) * 4
+    logits = torch.randn(48, vocab, generator=generator) * scale
     logits[::5, ::3] = float("-inf")  # banned tokens in some rows
     temperature = torch.rand(48, generator=generator) * 1.5 + 0.2
+    chosen = _filters(filters, 48, generator)
     clear = compared = 0
-    for _ in range(20):
+    for _ in range(10):
         uniform = torch.rand(48, generator=generator)
-        expected, away = twin(logits, temperature, uniform)
-        tokens = cpu_sampling.sample(logits, temperature, uniform.float().double())
+        expected, away = twin(logits, temperature, uniform, chosen)
+        tokens = cpu_sampling.sample(logits, temperature, uniform.float().double(), **chosen)
         assert torch.equal(tokens[away], expected[away])
         assert torch.isfinite(logits[torch.arange(48), tokens]).all()
         clear += int(away.sum())
@@ -74,3 +87,17 @@ def test_a_row_without_weight_is_refused(bad):
         logits[1, 4] = float("nan")
     with pytest.raises(ValueError, match=r"rows \[1\]"):
         cpu_sampling.sample(logits, torch.ones(3), torch.full((3,), 0.5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("filters, kept", [({"top_k": torch.tensor([2])}, [0, 1]),
+                                           ({"top_p": torch.tensor([0.7])}, [0, 1]),
+                                           ({"min_p": torch.tensor([0.5])}, [0, 1]),
+                                           ({"top_p": torch.tensor([0.95]), "top_k": torch.tensor([3])}, [0, 1, 2])])
+def test_filters_keep_the_tokens_their_rules_name(filters, kept):
+    """Probabilities 0.5, 0.3, 0.15, 0.05: top-k 2, top-p 0.7 (0.5 < 0.7, then 0.8) and min-p 0.5 (>= 0.25) keep the
+    first two; top-p 0.95 after top-k 3 keeps all three (0.8 < 0.95 of their 0.95). The smallest and largest draws
+    land on the first and the last token kept."""
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    ends = [cpu_sampling.sample(logits, torch.ones(1), torch.tensor([u], dtype=torch.float64), **filters).item()
+            for u in (0.0, 1.0 - 2 ** -24)]
+    assert ends == [kept[0], kept[-1]]

@@ -180,10 +180,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                               positions, slots, block_size, tables, max_blocks,
                                                               seq_lens, m);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("sample", [](uintptr_t logits, int64_t rows, int64_t vocab, uintptr_t temperature, uintptr_t uniform,
-                     uintptr_t tokens) {
-    pagedserve::sample_rows(in<float>(logits), rows, vocab, in<float>(temperature), in<double>(uniform),
-                            out<int64_t>(tokens));
+  m.def("sample", [](uintptr_t logits, int64_t rows, int64_t vocab, uintptr_t temperature, uintptr_t top_k,
+                     uintptr_t top_p, uintptr_t min_p, uintptr_t uniform, uintptr_t tokens) {
+    pagedserve::sample_rows(in<float>(logits), rows, vocab, in<float>(temperature), in<int64_t>(top_k),
+                            in<float>(top_p), in<float>(min_p), in<double>(uniform), out<int64_t>(tokens));
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("greedy_decode", [](bool bf16, const std::vector<std::vector<uintptr_t>>& weights,
                             const std::vector<std::vector<int64_t>>& dims, const std::vector<double>& eps,

@@ -1,12 +1,15 @@
-// Sampling each row of float32 logits from softmax(logits / temperature) by the inverse CDF: the first token whose
-// running sum passes uniform x the row's sum, the rule of Sampler._inverse_cdf (workers/layers/sampler.py), sums in
-// float64. torch takes a softmax and a float64 cumsum over the whole vocabulary, a serial pass per row; here one
-// pass computes the weights e^(x / t - max) and float64 sums per block of kSampleBlock tokens, the point is found
-// among the blocks, and only its block is summed token by token.
+// Sampling each row of float32 logits by the inverse CDF, as Sampler._distribution and _inverse_cdf do
+// (workers/layers/sampler.py): temperature, top-k, top-p and min-p, then the first token whose running sum passes
+// uniform x the row's sum, sums in float64. torch sorts each row for top-p and takes a softmax and a float64 cumsum
+// over the whole vocabulary, serial passes per row; here top-k's and top-p's boundaries are found by radix
+// selection over the values' bits, one pass computes the weights e^((x - max) / t) and float64 sums per block of
+// kSampleBlock tokens, the point is found among the blocks, and only its block is summed token by token.
 #pragma once
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -40,15 +43,18 @@ inline float max_or_nan(const float* x, int64_t n) {
   return nan ? std::numeric_limits<float>::quiet_NaN() : max;
 }
 
-// w[0..n) = e^((x - max) / t), their sum in float64. Scaled by 1 / t where torch divides by t: within an ulp.
-inline double weights_f64(const float* x, float* w, int64_t n, float max, float inv_t) {
+// w[0..n) = e^((x - max) / t) where x >= floor, else 0; their sum in float64. Scaled by 1 / t where torch divides
+// by t: within an ulp.
+inline double weights_f64(const float* x, float* w, int64_t n, float max, float inv_t, float floor) {
   int64_t i = 0;
   double sum = 0.0;
 #ifdef __AVX2__
-  const __m256 m = _mm256_set1_ps(max), scale = _mm256_set1_ps(inv_t);
+  const __m256 m = _mm256_set1_ps(max), scale = _mm256_set1_ps(inv_t), low = _mm256_set1_ps(floor);
   __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
   for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), m), scale));
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 e = _mm256_and_ps(_mm256_cmp_ps(v, low, _CMP_GE_OQ),
+                                   exp8(_mm256_mul_ps(_mm256_sub_ps(v, m), scale)));
     _mm256_storeu_ps(w + i, e);
     lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
     hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
@@ -57,22 +63,147 @@ inline double weights_f64(const float* x, float* w, int64_t n, float max, float 
   _mm256_store_pd(lanes, _mm256_add_pd(lo, hi));
   sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
 #endif
-  for (; i < n; ++i) sum += (w[i] = std::exp((x[i] - max) * inv_t));
+  for (; i < n; ++i) sum += (w[i] = x[i] >= floor ? std::exp((x[i] - max) * inv_t) : 0.f);
   return sum;
 }
 
-// One row: its token, or -1 where no token has weight (every logit -inf, or a NaN). w: scratch of vocab floats,
-// sums: of its blocks.
-inline int64_t sample_row(const float* x, int64_t vocab, float temperature, double uniform, float* w,
-                          double* sums) {
+// w[0..n) below floor set to 0; the sum of the rest in float64.
+inline double keep_from(float* w, int64_t n, float floor) {
+  int64_t i = 0;
+  double sum = 0.0;
+#ifdef __AVX2__
+  const __m256 low = _mm256_set1_ps(floor);
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(w + i);
+    const __m256 kept = _mm256_and_ps(_mm256_cmp_ps(v, low, _CMP_GE_OQ), v);
+    _mm256_storeu_ps(w + i, kept);
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(kept)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(kept, 1)));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(lo, hi));
+  sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+#endif
+  for (; i < n; ++i) {
+    if (w[i] < floor) w[i] = 0.f;
+    sum += w[i];
+  }
+  return sum;
+}
+
+// Writes to out[count..] the values of x[0..n) at or above low (8 compared at a time where AVX2 allows), calling
+// cut(count) after each, which may shrink count; returns count. out has room for n more.
+template <typename Cut>
+inline int64_t append_from(const float* x, int64_t n, const float& low, float* out, int64_t count, Cut&& cut) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  for (; i + 8 <= n; i += 8) {
+    int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(low), _CMP_GE_OQ));
+    while (mask) {
+      out[count++] = x[i + __builtin_ctz(mask)];
+      mask &= mask - 1;
+      cut(count);
+    }
+  }
+#endif
+  for (; i < n; ++i)
+    if (x[i] >= low) {
+      out[count++] = x[i];
+      cut(count);
+    }
+  return count;
+}
+
+struct SampleScratch {
+  std::vector<float> w;  // the row's weights
+  std::vector<double> sums;  // of its blocks of kSampleBlock
+  std::vector<float> values;  // kth_largest's candidates, top_p_floor's: room for a row
+  std::vector<double> buckets;  // top_p_floor's histogram
+};
+
+// The k-th largest of x[0..n) (0 < k < n, no NaN): candidates at or above the k-th largest seen so far are kept,
+// cut back to the k largest whenever they reach 4k, so most values cost one comparison.
+inline float kth_largest(const float* x, int64_t n, int64_t k, SampleScratch& s) {
+  float* kept = s.values.data();
+  float low = -std::numeric_limits<float>::infinity();
+  auto cut = [&](int64_t& count) {
+    std::nth_element(kept, kept + (k - 1), kept + count, std::greater<float>());
+    count = k;
+    low = kept[k - 1];
+  };
+  int64_t count = append_from(x, n, low, kept, 0, [&](int64_t& count) {
+    if (count >= 4 * k) cut(count);
+  });
+  cut(count);
+  return low;
+}
+
+// A positive float's bits: an unsigned key in the floats' order.
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// top-p's boundary among the weights w[0..n) (>= 0) summing to total: the largest v such that the weights >= v sum
+// to target = top_p x total at least (those below v are dropped). A weight below (1 - top_p) x total / n is surely
+// dropped (all such weights together fall short of the mass left out), so only the rest are ranked: by radix
+// selection over their bits, 11 at a time for two levels (each narrowing to one bucket's members), then a sort of
+// the last bucket's few members.
+inline float top_p_floor(const float* w, int64_t n, double total, float top_p, SampleScratch& s) {
+  const double target = double(top_p) * total;
+  const float skip = float((1.0 - double(top_p)) * total / double(n));
+  float* values = s.values.data();
+  const int64_t count = append_from(w, n, std::max(skip, std::numeric_limits<float>::min()), values, 0,
+                                    [](int64_t&) {});
+  constexpr int kBits = 11, kTop = 31;  // below the sign bit: exponent and mantissa
+  constexpr uint32_t kBuckets = 1u << kBits;
+  s.buckets.resize(kBuckets);
+  double above = 0.0;  // the weight above the current bucket
+  float* last = values + count;  // values[0..last): the current bucket's members
+  for (int shift = kTop - kBits; shift > kTop - 3 * kBits; shift -= kBits) {
+    std::fill(s.buckets.begin(), s.buckets.end(), 0.0);
+    for (float* v = values; v != last; ++v)
+      s.buckets[(bits_of(*v) >> shift) & (kBuckets - 1)] += *v;
+    int64_t b = kBuckets - 1;
+    for (; b >= 0 && above + s.buckets[b] < target; --b) above += s.buckets[b];
+    if (b < 0) return 0.f;  // short of it by rounding: keep all
+    last = std::partition(values, last, [&](float v) { return ((bits_of(v) >> shift) & (kBuckets - 1)) == b; });
+  }
+  std::sort(values, last, std::greater<float>());
+  for (float* v = values; v != last; ++v)
+    if ((above += *v) >= target) return *v;
+  return last == values ? 0.f : *(last - 1);  // short of it by rounding: the bucket's smallest
+}
+
+// One row: its token, or -1 where no token has weight (every logit -inf, or a NaN). The distribution is
+// Sampler._distribution's: temperature, then top-k (logits below the k-th largest dropped; top_k <= 0 or >= vocab:
+// none), top-p (the fewest largest weights that reach top_p of the rest; ties with the last one kept too; 1: none),
+// then min-p (weights below min_p times the largest, which is e^0 = 1; 0: none).
+inline int64_t sample_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
+                          double uniform, SampleScratch& s) {
   const float max = max_or_nan(x, vocab);  // max(x) / t is max(x / t): t > 0
   if (!std::isfinite(max)) return -1;
+  const float kth = top_k > 0 && top_k < vocab ? kth_largest(x, vocab, top_k, s)
+                                               : -std::numeric_limits<float>::infinity();
   const float inv_t = 1.f / temperature;
   const int64_t blocks = (vocab + kSampleBlock - 1) / kSampleBlock;
+  float* w = s.w.data();
+  double* sums = s.sums.data();
   double total = 0.0;
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t start = b * kSampleBlock;
-    total += (sums[b] = weights_f64(x + start, w + start, std::min(kSampleBlock, vocab - start), max, inv_t));
+    total += (sums[b] = weights_f64(x + start, w + start, std::min(kSampleBlock, vocab - start), max, inv_t, kth));
+  }
+  float floor = min_p > 0.f ? min_p : 0.f;
+  if (top_p < 1.f) floor = std::max(floor, top_p_floor(w, vocab, total, top_p, s));
+  if (floor > 0.f) {
+    total = 0.0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t start = b * kSampleBlock;
+      total += (sums[b] = keep_from(w + start, std::min(kSampleBlock, vocab - start), floor));
+    }
   }
   if (!(total > 0.0) || !std::isfinite(total)) return -1;
   // Strictly below the sum, so the token found has a weight above zero (u * sum can round up to the sum).
@@ -90,16 +221,20 @@ inline int64_t sample_row(const float* x, int64_t vocab, float temperature, doub
   return last;
 }
 
-// logits [rows, vocab]; temperature, uniform [rows]; tokens [rows] (-1: see sample_row).
+// logits [rows, vocab]; temperature, top_k, top_p, min_p, uniform [rows]; tokens [rows] (-1: see sample_row).
 inline void sample_rows(const float* logits, int64_t rows, int64_t vocab, const float* temperature,
-                        const double* uniform, int64_t* tokens) {
+                        const int64_t* top_k, const float* top_p, const float* min_p, const double* uniform,
+                        int64_t* tokens) {
 #pragma omp parallel
   {
-    std::vector<float> w(vocab);
-    std::vector<double> sums((vocab + kSampleBlock - 1) / kSampleBlock);
+    SampleScratch scratch;
+    scratch.w.resize(vocab);
+    scratch.sums.resize((vocab + kSampleBlock - 1) / kSampleBlock);
+    scratch.values.resize(vocab);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r)
-      tokens[r] = sample_row(logits + r * vocab, vocab, temperature[r], uniform[r], w.data(), sums.data());
+      tokens[r] = sample_row(logits + r * vocab, vocab, temperature[r], top_k[r], top_p[r], min_p[r], uniform[r],
+                             scratch);
   }
 }
 

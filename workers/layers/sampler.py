@@ -119,10 +119,10 @@ class Sampler:
         """Sampled tokens, and for draft rows whether the draft is accepted (greedy rows: if it is the argmax).
         greedy_tokens: each row's argmax; None where no row is greedy."""
         accepted = None
-        if meta.draft_token_ids is None and meta.top_k is None and meta.top_p is None and meta.min_p is None \
-                and cpu_sampling.serves(logits):  # temperature alone: one C++ pass per row
+        if meta.draft_token_ids is None and cpu_sampling.serves(logits):  # _distribution and _inverse_cdf in C++
             temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
-            sampled = cpu_sampling.sample(logits, temperature, self._uniform(meta, logits.shape[0]))
+            sampled = cpu_sampling.sample(logits, temperature, self._uniform(meta, logits.shape[0]), meta.top_k,
+                                          meta.top_p, meta.min_p)
         else:
             probs = _distribution(logits, meta)
             if meta.draft_token_ids is not None:
