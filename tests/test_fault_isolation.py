@@ -90,3 +90,27 @@ def test_top_k_beyond_the_vocabulary_samples_from_all_of_it(engine):
         assert errors == []
         return tokens
     assert sample(INT32_MAX) == sample(engine.vocab_size + 1) == sample(0)
+
+
+def test_a_fault_in_a_later_step_of_a_call_fails_that_request_alone(engine, monkeypatch):
+    """Without logprobs in the batch its decode steps run several per worker call: the fault comes in a step after
+    a call's first (a ban over the call's tokens so far); the others run on with the tokens they had without it."""
+    def requests(with_faulty: bool) -> list[EngineCoreRequest]:
+        return [r for r in _requests(engine.vocab_size, with_faulty) if r.sampling_params.logprobs is None]
+    expected, errors = _run(engine, requests(with_faulty=False))
+    assert errors == []
+    banned = CachedRequestState.banned_token_ids
+
+    def faulty_bans(state: CachedRequestState, after: list[int] = ()) -> list[int]:
+        if state.token_ids[0] == MARKER and after:
+            raise IndexError("injected fault")
+        return banned(state, after)
+    monkeypatch.setattr(CachedRequestState, "banned_token_ids", faulty_bans)
+    steps = []
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: steps.append(1) or step())
+    tokens, errors = _run(engine, requests(with_faulty=True))
+    assert [(e.request_id, e.kind) for e in errors] == [("faulty", "failed")]
+    assert len(tokens.pop("faulty")) < 12
+    assert tokens == expected
+    assert len(steps) < 12  # several decode steps per call
