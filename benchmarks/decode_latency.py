@@ -1,7 +1,7 @@
 """Decode at small batch: this engine vs llama.cpp's llama-server on the same model and prompts, one run.
 
-For each batch size b, b requests of 64 random prompt tokens each decode 256 tokens (greedy, ignore_eos), all at
-once; the same requests with 1 output token give the prefill time, so the decode time per token is
+For each batch size b, b requests of 64 random prompt tokens each decode 256 tokens (greedy, ignore_eos; with
+--sampled by llama-server's default sampling: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05), all at once; the same requests with 1 output token give the prefill time, so the decode time per token is
 (T(256) - T(1)) / 255, best of 3 each, the two systems taking turns. pagedserve is timed offline (`LLM.generate`, engine-core process, bf16);
 llama.cpp through its HTTP server (b slots, 2 threads, the model converted to a bf16 GGUF), whose client cost is
 small against a 256-token request. --http also streams the same requests through both HTTP servers (pagedserve's
@@ -42,6 +42,7 @@ from launch.make_model import ensure_benchmark_model  # noqa: E402
 from workers.model_config import load_hf_config  # noqa: E402
 
 PROMPT_TOKENS, OUTPUT_TOKENS, REPEATS = 64, 256, 3
+SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}  # llama-server's defaults
 SLOT_TOKENS = PROMPT_TOKENS + OUTPUT_TOKENS + 16
 
 
@@ -67,20 +68,20 @@ def decode_ms_per_token(runs: dict[str, Callable[[int], None]]) -> dict[str, flo
     return {name: (b[OUTPUT_TOKENS] - b[1]) / (OUTPUT_TOKENS - 1) * 1e3 for name, b in best.items()}
 
 
-def pagedserve_run(llm: LLM, requests: list[list[int]]) -> Callable[[int], None]:
+def pagedserve_run(llm: LLM, requests: list[list[int]], sampling: dict | None) -> Callable[[int], None]:
     prompts = [{"prompt_token_ids": p} for p in requests]
 
     def run(max_tokens: int) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(**(sampling or {"temperature": 0.0}), max_tokens=max_tokens, ignore_eos=True)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs)
     return run
 
 
-def llamacpp_run(base_url: str, requests: list[list[int]]) -> Callable[[int], None]:
+def llamacpp_run(base_url: str, requests: list[list[int]], sampling: dict | None) -> Callable[[int], None]:
     def run(max_tokens: int) -> None:
         with ThreadPoolExecutor(len(requests)) as pool:
-            counts = list(pool.map(lambda p: complete(base_url, p, max_tokens), requests))
+            counts = list(pool.map(lambda p: complete(base_url, p, max_tokens, sampling), requests))
         assert all(n == max_tokens for n in counts), counts
     return run
 
@@ -159,6 +160,8 @@ def main() -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--http", action="store_true",
                         help="also stream through each system's HTTP server (pagedserve: `python -m launch`): TPOT")
+    parser.add_argument("--sampled", action="store_true",
+                        help="offline runs sample as llama-server does by default (HTTP streaming stays greedy)")
     args = parser.parse_args()
     if bool(args.compare_llamacpp) != bool(args.gguf):
         parser.error("--compare-llamacpp and --gguf go together")
@@ -172,10 +175,11 @@ def main() -> int:
         for batch in args.batch_sizes:
             requests = prompts(batch, vocab)
             with contextlib.ExitStack() as stack:
-                runs = {"pagedserve": pagedserve_run(llm, requests)}
+                sampling = SAMPLED if args.sampled else None
+                runs = {"pagedserve": pagedserve_run(llm, requests, sampling)}
                 if args.gguf:
                     url = stack.enter_context(llamacpp_server(args.compare_llamacpp, args.gguf, batch, SLOT_TOKENS))
-                    runs["llama.cpp"] = llamacpp_run(url, requests)
+                    runs["llama.cpp"] = llamacpp_run(url, requests, sampling)
                 for run in runs.values():
                     run(8)  # warm-up: first use of the kernels and the allocator's pages
                 figures = decode_ms_per_token(runs)
@@ -185,7 +189,8 @@ def main() -> int:
     finally:
         llm.shutdown()
     http = http_figures(model, args.compare_llamacpp, args.gguf, args.batch_sizes, vocab) if args.http else None
-    print(f"CPU native bf16: {cpu_has_native_bf16()}; memory floor of batch-1 decode: {floor_ms:.2f} ms/token")
+    print(f"CPU native bf16: {cpu_has_native_bf16()}; memory floor of batch-1 decode: {floor_ms:.2f} ms/token; "
+          f"offline: {'sampled ' + str(SAMPLED) if args.sampled else 'greedy'}")
     for batch in args.batch_sizes:
         line = (f"batch {batch:3d}: pagedserve {ours[batch]:6.2f} ms/step "
                 f"({batch * 1e3 / ours[batch]:7.1f} tok/s)")

@@ -27,10 +27,11 @@ def llamacpp_server(server: str, gguf: str, slots: int, slot_tokens: int) -> Ite
         process.wait(30)
 
 
-def complete(base_url: str, prompt: list[int], max_tokens: int) -> int:
-    """One greedy, non-streamed /completion of exactly max_tokens tokens (no prompt cache); the tokens it made."""
-    body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "ignore_eos": True, "temperature": 0.0,
-                       "cache_prompt": False}).encode()
+def complete(base_url: str, prompt: list[int], max_tokens: int, sampling: dict | None = None) -> int:
+    """One non-streamed /completion of exactly max_tokens tokens (no prompt cache), greedy unless `sampling` gives
+    its options (temperature, top_k, top_p, min_p); the tokens it made."""
+    body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "ignore_eos": True, "cache_prompt": False,
+                       **(sampling or {"temperature": 0.0})}).encode()
     request = urllib.request.Request(f"{base_url}/completion", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=600) as response:
         return json.load(response)["timings"]["predicted_n"]

@@ -86,10 +86,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return self.temperature < _GREEDY_TEMPERATURE
 
     @property
-    def argmax_only(self) -> bool:
-        """Whether each token is the argmax of the model's logits as they are: greedy, with no logprobs to report and
-        no penalty, bias or ban that changes the logits (min_tokens aside: it depends on the output so far)."""
-        return (self.is_greedy and self.logprobs is None and not self.has_penalties and not self.logit_bias
+    def logits_as_they_are(self) -> bool:
+        """Whether its tokens come from the model's logits as they are, the argmax or drawn by temperature, top-k,
+        top-p and min-p, and it reports no logprobs: no penalty, bias or ban changes them (min_tokens aside: it
+        depends on the output so far)."""
+        return (self.logprobs is None and not self.has_penalties and not self.logit_bias
                 and not self.bad_words_token_ids)
 
 

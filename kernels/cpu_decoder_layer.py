@@ -247,25 +247,41 @@ class PromptLookupDrafts:
 
 
 @dataclass(frozen=True)
+class SampledRows:
+    """Rows greedy_decode() samples instead of taking the argmax: those with temperature > 0 (float32 [rows]; 0: the
+    argmax), by kernels/csrc/sample.h's rule (Sampler's: top_k <= 0, top_p 1 and min_p 0 are none) at uniform[m, i]
+    (float64 [rows, steps]) for row m's i-th token."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    uniform: np.ndarray
+
+
+@dataclass(frozen=True)
 class GreedyRun:
     """greedy_decode()'s result. tokens [rows, columns]: each row's tokens in order, then -1. verified [rows, steps,
-    2]: each step's drafted and accepted counts (-1 where the row verified no draft); None without drafts."""
+    2]: each step's drafted and accepted counts (-1 where the row verified no draft); None without drafts.
+    failed [rows]: a sampled row that had no token to draw (a NaN, or no finite logit) and stopped there."""
 
     tokens: np.ndarray
     verified: np.ndarray | None
+    failed: np.ndarray
 
 
 def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch.Tensor, vocab_size: int,
                   tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
                   stops: Sequence[Collection[int]], steps: int, drafts: PromptLookupDrafts | None = None,
-                  max_rows: int | None = None) -> GreedyRun:
+                  max_rows: int | None = None, sampled: SampledRows | None = None) -> GreedyRun:
     """Up to `steps` greedy steps for each row from its last token `tokens[m]` at `positions[m]`: per step the
     embedding lookup, decoder_layers() with the final norm, the LM head `head` [rows, hidden] by the GEMV kernel and
     the first argmax among its first vocab_size logits, as the model computes them, all in C++. Row m takes up to
     limits[m] tokens (its K/V slots come from its row of `table`, [rows, max_blocks] block ids) and none after a
     step that gave it a token of stops[m]. With `drafts` a step also feeds each row its drafts (as many as its limit
     leaves room for, at most max_rows token rows in all, None: no cap) and keeps those the argmax agrees with, and
-    the argmax after them: the same tokens."""
+    the argmax after them: the same tokens. With `sampled` (no drafts then) its rows with a temperature draw their
+    tokens as the sampler does."""
     if prepared.final_norm is None:
         raise ValueError("greedy decoding needs the last stage's final norm")
     dtype = prepared.dtype
@@ -286,6 +302,19 @@ def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch
         verified = np.empty((rows, steps, 2), dtype=np.int64)
     else:
         history = history_starts = verified = np.zeros(1, dtype=np.int64)
+    pointers: list[int] = []
+    if sampled is not None:
+        if drafts is not None:
+            raise ValueError("sampled rows verify no drafts here (their verification is the rejection sampler's)")
+        arrays = (np.ascontiguousarray(sampled.temperature, dtype=np.float32),
+                  np.ascontiguousarray(sampled.top_k, dtype=np.int64),
+                  np.ascontiguousarray(sampled.top_p, dtype=np.float32),
+                  np.ascontiguousarray(sampled.min_p, dtype=np.float32),
+                  np.ascontiguousarray(sampled.uniform, dtype=np.float64))
+        if any(len(a) != rows for a in arrays) or arrays[4].shape != (rows, steps):
+            raise ValueError("sampled rows need one temperature, top_k, top_p and min_p per row, and [rows, steps] "
+                             "uniform draws")
+        pointers = [a.ctypes.data for a in arrays]
     columns = max(1, min(int(limits.max(initial=0)), steps * (1 + k)))
     row_budget = rows * (1 + k) if max_rows is None else max(rows, max_rows)
     out = np.empty((rows, columns), dtype=np.int64)
@@ -295,9 +324,9 @@ def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch
         embedding.data_ptr(), head.data_ptr(), head.shape[0], vocab_size, tokens.ctypes.data, positions.ctypes.data,
         table.ctypes.data, table.shape[1], prepared.block_size, limits.ctypes.data, stop_ids.ctypes.data,
         stop_starts.ctypes.data, [k, drafts.min_n, drafts.max_n] if drafts else [0, 1, 0], history.ctypes.data,
-        history_starts.ctypes.data, verified.ctypes.data if drafts else 0, row_budget,
+        history_starts.ctypes.data, verified.ctypes.data if drafts else 0, pointers, row_budget,
         out.ctypes.data, columns, rows, steps)
-    return GreedyRun(out, verified if drafts else None)
+    return GreedyRun(out, verified if drafts else None, (out == -2).any(axis=1))
 
 
 def _flat(lists: Sequence[Collection[int]]) -> tuple[np.ndarray, np.ndarray]:

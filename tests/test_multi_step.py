@@ -2,6 +2,7 @@
 blocks of one call per step."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,6 +11,7 @@ from core.multi_step import num_steps
 from core.request import Request
 from frontend import LLM, SamplingParams
 from ipc import EngineCoreRequest, StructuredOutputsParams
+from kernels.cpu_decoder_layer import SampledRows
 from workers.model_runner import ModelRunner
 
 ENGINE = {"dtype": "float32", "in_process": True, "block_size": 8, "max_model_len": 96}
@@ -89,29 +91,35 @@ def test_a_stop_token_inside_a_run_ends_the_request_there():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("lookup", [False, True], ids=["plain", "prompt lookup"])
-def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, lookup):
+@pytest.mark.parametrize("mode", ["plain", "prompt lookup", "sampled"])
+def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, mode):
     """The model's greedy_decode (a call's later steps in one C++ call) gives the tokens, finish reasons and KV cache
     bytes of the Python loop, with rows ending at different steps: a stop token mid-run, max_tokens, max_model_len
     and the slots left in a tight cache. With prompt lookup it drafts and keeps what the Python steps do (the same
-    speculation counts; the K/V of rejected drafts included)."""
+    speculation counts; the K/V of rejected drafts included). Sampled: seeded requests with temperature, top-k,
+    top-p and min-p among greedy ones draw the sampler's tokens."""
+    lookup = mode == "prompt lookup"
     prompts = [p + p[:12] for p in random_prompts([5, 40, 17, 70, 9], vocab=1000, seed=6)]  # something to look up
     free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (37, 11, 64, 50, 20)]
+    if mode == "sampled":
+        free[1:] = [SamplingParams(temperature=0.9, seed=4, max_tokens=11, ignore_eos=True, top_p=0.8),
+                    SamplingParams(temperature=1.3, seed=5, max_tokens=64, ignore_eos=True, top_k=30, min_p=0.02),
+                    free[3], SamplingParams(temperature=0.7, seed=6, max_tokens=20, ignore_eos=True)]
     engine_args = {"dtype": dtype, "num_kv_blocks": 40 + 8 * lookup, "enable_prefix_caching": False,
                    "max_model_len": 120}
     if lookup:
         engine_args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                              "prompt_lookup_max": 3, "disable_by_batch_size": None}
     calls = []
-    greedy = ModelRunner._greedy_in_one_call
+    in_one_call = ModelRunner._in_one_call
 
     def counted(self, steps, count, output):
-        ran = greedy(self, steps, count, output)
+        ran = in_one_call(self, steps, count, output)
         calls.append(ran)
         return ran
 
     def run(cpp: bool) -> tuple[list[list[int]], list[str], list[torch.Tensor], object]:
-        monkeypatch.setattr(ModelRunner, "_greedy_in_one_call",
+        monkeypatch.setattr(ModelRunner, "_in_one_call",
                             counted if cpp else lambda self, steps, count, output: False)
         llm = LLM(tiny_model("llama"), num_scheduler_steps=8, **{**ENGINE, **engine_args})
         try:
@@ -170,3 +178,22 @@ def test_steps_stop_at_the_nearest_length_limit():
     assert num_steps([_request(greedy, outputs=15), _request(greedy, outputs=2)], 8, 1000) == 5  # max_tokens
     assert num_steps([_request(greedy, prompt_len=995, outputs=2)], 8, 1000) == 3  # max_model_len
     assert num_steps([_request(greedy, outputs=2)], 1, 1000) == 1
+
+
+def test_a_sampled_row_without_a_token_to_draw_fails_alone_in_the_cpp_steps():
+    """A NaN among one row's logits (here every row's: the head's last row) ends a sampled row at its first step,
+    reported as failed; a greedy row beside it takes its steps (torch's argmax, which the kernel follows, takes the
+    NaN)."""
+    llm = LLM(tiny_model("llama"), **ENGINE)
+    try:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)  # prepares
+        model = llm.client.engine.executor.worker.model_runner.model
+        model.lm_head.weight[-1] = float("nan")  # tied to the embedding: token vocab - 1 is never fed here
+        sampled = SampledRows(np.array([1.0, 0.0], dtype=np.float32), np.zeros(2, dtype=np.int64),
+                              np.ones(2, dtype=np.float32), np.zeros(2, dtype=np.float32), np.full((2, 4), 0.5))
+        run = model.greedy_decode(np.array([7, 8]), np.array([3, 3]), np.array([[1, 2], [3, 4]]), np.array([4, 4]),
+                                  [set(), set()], 4, None, sampled)
+        assert run is not None and run.failed.tolist() == [True, False]
+        assert (run.tokens[0] < 0).all() and run.tokens.shape[1] >= 1
+    finally:
+        llm.shutdown()

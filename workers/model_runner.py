@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 
 from ipc import (EngineConfig, ModelRunnerOutput, NewRequestData, PoolingInfo, PromptLogprobs, SamplingParams,
                  SchedulerOutput)
-from kernels.cpu_decoder_layer import PromptLookupDrafts
+from kernels.cpu_decoder_layer import PromptLookupDrafts, SampledRows
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.decode_ahead import AheadForward, DecodeRows, next_rows
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
@@ -242,8 +242,9 @@ class ModelRunner:
         steps = LaterSteps(states, [output.sampled_token_ids[s.req_id] for s in states], *self._block_table(states),
                             self.block_size, self.config.max_model_len)
         draft_ahead = self.draft_model.num_drafts if self.draft_model is not None else 0
-        argmax_only = all(state.sampling_params.argmax_only for state in states)
-        in_one_call = argmax_only and self._greedy_in_one_call(steps, num_steps - 1, output)
+        as_they_are = all(state.sampling_params.logits_as_they_are for state in states)
+        argmax_only = as_they_are and all(state.sampling_params.is_greedy for state in states)
+        in_one_call = as_they_are and self._in_one_call(steps, num_steps - 1, output)
         for _ in range(1, 1 if in_one_call else num_steps):
             rows = steps.active()
             if not rows:
@@ -281,35 +282,56 @@ class ModelRunner:
         output.failed.update(sampled.failed)
         return [sampled.sampled_token_ids.get(group.state.req_id) for group in groups]
 
-    def _greedy_in_one_call(self, steps: LaterSteps, count: int, output: ModelRunnerOutput) -> bool:
-        """Up to `count` greedy steps of the active requests (argmax only) in one call of the model's greedy_decode
-        (where it has one that takes them), verifying prompt-lookup drafts where the speculator would propose them
-        (a draft model drafts in Python), accepted into `steps` and the verifications into `output`; whether it
-        ran."""
+    def _in_one_call(self, steps: LaterSteps, count: int, output: ModelRunnerOutput) -> bool:
+        """Up to `count` steps of the active requests (whose logits need no processing) in one call of the model's
+        greedy_decode (where it has one that takes them), drawing sampled requests' tokens as the sampler would and
+        verifying prompt-lookup drafts where the speculator would propose them (a draft model drafts in Python, and
+        sampled requests verify theirs by the rejection sampler there), the tokens taken into `steps`, failures and
+        verifications into `output`; whether it ran."""
         greedy = getattr(self.model, "greedy_decode", None)
         rows = steps.active()
         if greedy is None or self.lora is not None or not rows:
             return False
         drafts = None
+        sampled = not all(steps.states[i].sampling_params.is_greedy for i in rows)
         if self.speculator is not None and self.speculator.speculates(len(output.sampled_token_ids)):
-            if not self.speculator.lookup_in_kernel:
+            if not self.speculator.lookup_in_kernel or sampled:
                 return False
             config = self.speculator.config
             drafts = PromptLookupDrafts(config.num_speculative_tokens, config.prompt_lookup_min,
                                         config.prompt_lookup_max,
                                         [steps.states[i].token_ids + steps.tokens[i] for i in rows])
+        limits = steps.limits(rows)
         run = greedy(np.array([steps.tokens[i][-1] for i in rows], dtype=np.int64), steps.context[rows] - 1,
-                     steps.table[rows], steps.limits(rows), [steps.stops[i] for i in rows], count, drafts)
+                     steps.table[rows], limits, [steps.stops[i] for i in rows], count, drafts,
+                     self._sampled_rows([steps.states[i] for i in rows], limits, count) if sampled else None)
         if run is None:
             return False
-        for i, row in zip(rows, run.tokens):
+        for i, row, failed in zip(rows, run.tokens, run.failed):
             steps.take(i, row[row >= 0].tolist())
+            if failed:
+                output.failed[steps.states[i].req_id] = "no token to sample: every logit is -inf, or one is NaN"
+                steps.stop(i)
         if run.verified is not None:
             for i, checks in zip(rows, run.verified):
                 checks = checks[checks[:, 0] >= 0]
                 if len(checks):
                     output.verified.setdefault(steps.states[i].req_id, []).extend(map(tuple, checks.tolist()))
         return True
+
+    def _sampled_rows(self, states: list[CachedRequestState], limits: np.ndarray, count: int) -> SampledRows:
+        """The requests' sampling options and uniform draws for up to `count` steps, drawn as the sampler draws them
+        step by step: a seeded request's one per step it may take from its own generator, the others' from the
+        shared one (float32, as the sampler's)."""
+        params = [state.sampling_params for state in states]
+        uniform = torch.empty(len(states), count).uniform_(generator=self.sampler.generator).double()
+        for row, (state, limit) in enumerate(zip(states, limits.tolist())):
+            if state.generator is not None and not state.sampling_params.is_greedy:
+                uniform[row, :min(count, limit)] = torch.empty(min(count, limit)).uniform_(generator=state.generator)
+        return SampledRows(np.array([0.0 if p.is_greedy else p.temperature for p in params], dtype=np.float32),
+                           np.array([p.top_k for p in params], dtype=np.int64),
+                           np.array([p.top_p for p in params], dtype=np.float32),
+                           np.array([p.min_p for p in params], dtype=np.float32), uniform.numpy())
 
     def _pool(self, hidden: torch.Tensor, jobs: list[PoolingJob], failed: dict[str, str]) -> dict[str, bytes]:
         """The pooled results of the pooling requests whose prompt this step completed."""

@@ -1,6 +1,6 @@
-// Greedy decode steps of a whole llama-style model in one call: embedding, layers, final norm, LM head and argmax
-// for every step of a multi-step call after its first, what the Python loop computes step by step (the same
-// kernels in the same order, so the same tokens) without its per-step Python and tensor dispatch.
+// Decode steps of a whole llama-style model in one call: embedding, layers, final norm, LM head and the argmax (or a
+// sampled token) for every step of a multi-step call after its first, what the Python loop computes step by step
+// (the same kernels in the same order, so the same tokens) without its per-step Python and tensor dispatch.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "decoder_layer.h"
+#include "sample.h"
 
 namespace pagedserve {
 
@@ -62,17 +63,29 @@ struct PromptLookup {
   int64_t* verified = nullptr;
 };
 
+// Sampled rows instead of the argmax (null temperature: none): a row with temperature[m] > 0 draws its token by
+// sample.h's rule with its top_k, top_p and min_p at uniform[m * steps + i] for its i-th token of the call.
+struct RowSampling {
+  const float* temperature = nullptr;
+  const int64_t* top_k = nullptr;
+  const float* top_p = nullptr;
+  const float* min_p = nullptr;
+  const double* uniform = nullptr;
+};
+
 // M rows: tokens[m], the row's last token, at positions[m]; tables [M, max_blocks]; the row takes up to limits[m]
 // tokens and none after a step that gave it a token of its stop set stop_ids[stop_starts[m], stop_starts[m + 1]).
 // With prompt lookup a step feeds each row its last token and its drafts (what its limit leaves room for, and at
 // most max_rows token rows in all) and keeps the drafts up to the first the argmax disagrees with, then the argmax
-// there: the tokens plain steps give. out [M, out_cols]: the row's tokens in order, -1 after its last. A step's
-// rows are those still going, in row order.
+// there: the tokens plain steps give (no drafts with sampled rows). out [M, out_cols]: the row's tokens in order,
+// -1 after its last; -2 where a sampled row had no token to draw (a NaN, or no finite logit), which ends it. A
+// step's rows are those still going, in row order.
 template <typename T>
 void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int64_t* positions,
                    const int64_t* tables, int64_t max_blocks, int64_t block_size, const int64_t* limits,
-                   const int64_t* stop_ids, const int64_t* stop_starts, const PromptLookup& lookup, int64_t max_rows,
-                   int64_t* out, int64_t out_cols, int64_t M, int64_t steps) {
+                   const int64_t* stop_ids, const int64_t* stop_starts, const PromptLookup& lookup,
+                   const RowSampling& sampling, int64_t max_rows, int64_t* out, int64_t out_cols, int64_t M,
+                   int64_t steps) {
   const int64_t H = model.layers.front().hidden, k = lookup.k;
   std::fill(out, out + M * out_cols, int64_t(-1));
   if (lookup.verified) std::fill(lookup.verified, lookup.verified + M * steps * 2, int64_t(-1));
@@ -82,6 +95,12 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
   std::vector<int64_t> last(tokens, tokens + M), taken(M, 0), seqs, feeds, drafts, pos, slots, table, lens;
   std::vector<char> stopped(M, 0);
   std::vector<T> x, hidden, residual, logits;
+  std::vector<float> scores;  // a sampled row's logits, widened
+  SampleScratch scratch;
+  if (sampling.temperature) {
+    scores.resize(model.vocab), scratch.w.resize(model.vocab), scratch.values.resize(model.vocab);
+    scratch.sums.resize((model.vocab + kSampleBlock - 1) / kSampleBlock);
+  }
   for (int64_t s = 0; s < steps; ++s) {
     seqs.clear();
     for (int64_t m = 0; m < M; ++m)
@@ -117,7 +136,20 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
       const int64_t* stops_end = stop_ids + stop_starts[m + 1];
       int64_t accepted = 0;
       for (;; ++accepted) {
-        const int64_t token = argmax_row(logits.data() + (r + accepted) * model.head_rows, model.vocab);
+        const T* row = logits.data() + (r + accepted) * model.head_rows;
+        int64_t token;
+        if (sampling.temperature && sampling.temperature[m] > 0.f) {
+          for (int64_t v = 0; v < model.vocab; ++v) scores[v] = widen(row[v]);
+          token = sample_row(scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
+                             sampling.top_p[m], sampling.min_p[m], sampling.uniform[m * steps + taken[m]], scratch);
+          if (token < 0) {
+            out[m * out_cols + taken[m]] = -2;
+            stopped[m] = 1;
+            break;
+          }
+        } else {
+          token = argmax_row(row, model.vocab);
+        }
         out[m * out_cols + taken[m]] = token;
         last[m] = token, ++taken[m];
         if (k > 0) history[m].push_back(token);

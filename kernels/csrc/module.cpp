@@ -102,16 +102,20 @@ void greedy_decode(const std::vector<std::vector<uintptr_t>>& weights, const std
                    int64_t vocab, uintptr_t tokens, uintptr_t positions, uintptr_t tables, int64_t max_blocks,
                    int64_t block_size, uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
                    const std::vector<int64_t>& lookup, uintptr_t history, uintptr_t history_starts,
-                   uintptr_t verified, int64_t max_rows, uintptr_t tokens_out, int64_t out_cols, int64_t m,
-                   int64_t steps) {
+                   uintptr_t verified, const std::vector<uintptr_t>& sampled, int64_t max_rows,
+                   uintptr_t tokens_out, int64_t out_cols, int64_t m, int64_t steps) {
   const pagedserve::GreedyModel<T> model{layers_of<T>(weights, dims, eps, scales), caches_of<T>(k_caches),
                                          caches_of<T>(v_caches), in<T>(final_norm), float(final_eps),
                                          in<T>(embedding), in<T>(head), head_rows, vocab};
   const pagedserve::PromptLookup drafts{lookup.at(0), lookup.at(1), lookup.at(2), in<int64_t>(history),
                                         in<int64_t>(history_starts), out<int64_t>(verified)};
+  // sampled: temperature, top_k, top_p, min_p, uniform (empty: every row argmax)
+  const pagedserve::RowSampling sampling = sampled.empty() ? pagedserve::RowSampling{} : pagedserve::RowSampling{
+      in<float>(sampled.at(0)), in<int64_t>(sampled.at(1)), in<float>(sampled.at(2)), in<float>(sampled.at(3)),
+      in<double>(sampled.at(4))};
   pagedserve::greedy_decode(model, in<int64_t>(tokens), in<int64_t>(positions), in<int64_t>(tables), max_blocks,
                             block_size, in<int64_t>(limits), in<int64_t>(stop_ids), in<int64_t>(stop_starts), drafts,
-                            max_rows, out<int64_t>(tokens_out), out_cols, m, steps);
+                            sampling, max_rows, out<int64_t>(tokens_out), out_cols, m, steps);
 }
 
 template <typename T>
@@ -193,12 +197,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             uintptr_t positions, uintptr_t tables, int64_t max_blocks, int64_t block_size,
                             uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
                             const std::vector<int64_t>& lookup, uintptr_t history, uintptr_t history_starts,
-                            uintptr_t verified, int64_t max_rows, uintptr_t tokens_out, int64_t out_cols, int64_t m,
-                            int64_t steps) {
+                            uintptr_t verified, const std::vector<uintptr_t>& sampled, int64_t max_rows,
+                            uintptr_t tokens_out, int64_t out_cols, int64_t m, int64_t steps) {
     (bf16 ? greedy_decode<uint16_t> : greedy_decode<float>)(weights, dims, eps, scales, k_caches, v_caches, final_norm,
                                                             final_eps, embedding, head, head_rows, vocab, tokens,
                                                             positions, tables, max_blocks, block_size, limits,
                                                             stop_ids, stop_starts, lookup, history, history_starts,
-                                                            verified, max_rows, tokens_out, out_cols, m, steps);
+                                                            verified, sampled, max_rows, tokens_out, out_cols, m,
+                                                            steps);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

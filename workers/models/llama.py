@@ -251,11 +251,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def greedy_decode(self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
-                      stops: list[set[int]], steps: int, drafts: cpu_decoder_layer.PromptLookupDrafts | None = None
-                      ) -> cpu_decoder_layer.GreedyRun | None:
-        """A multi-step call's later greedy steps in one C++ call (kernels.cpu_decoder_layer.greedy_decode: same
-        tokens as forward(), compute_logits() and argmax step by step, prompt-lookup drafts verified as the Python
-        steps verify them); None where that does not compute what they
+                      stops: list[set[int]], steps: int, drafts: cpu_decoder_layer.PromptLookupDrafts | None = None,
+                      sampled: cpu_decoder_layer.SampledRows | None = None) -> cpu_decoder_layer.GreedyRun | None:
+        """A multi-step call's later steps in one C++ call (kernels.cpu_decoder_layer.greedy_decode: same tokens as
+        forward(), compute_logits() and the argmax or the sampler step by step, prompt-lookup drafts verified as the
+        Python steps verify them); None where that does not compute what they
         do, and the caller steps in Python: another family's model, embedding or logits, pipeline stages, adapters,
         a quantized table or head, layers not in C++ or not prepared for the bound caches, or more rows than the
         kernels' products take."""
@@ -272,4 +272,4 @@ class LlamaForCausalLM(nn.Module):
                 or len(tokens) > max_rows:
             return None
         return cpu_decoder_layer.greedy_decode(prepared, embedding, head.weight, head.vocab_size, tokens, positions,
-                                               table, limits, stops, steps, drafts, max_rows)
+                                               table, limits, stops, steps, drafts, max_rows, sampled)
