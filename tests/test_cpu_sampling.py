@@ -92,12 +92,17 @@ def test_a_row_without_weight_is_refused(bad):
 @pytest.mark.parametrize("filters, kept", [({"top_k": torch.tensor([2])}, [0, 1]),
                                            ({"top_p": torch.tensor([0.7])}, [0, 1]),
                                            ({"min_p": torch.tensor([0.5])}, [0, 1]),
-                                           ({"top_p": torch.tensor([0.95]), "top_k": torch.tensor([3])}, [0, 1, 2])])
+                                           ({"top_p": torch.tensor([0.95]), "top_k": torch.tensor([3])}, [0, 1, 2]),
+                                           ({"top_p": torch.tensor([0.35]), "equal": 10}, [0, 3]),
+                                           ({"top_p": torch.tensor([0.35]), "equal": 1000}, [0, 349])])
 def test_filters_keep_the_tokens_their_rules_name(filters, kept):
     """Probabilities 0.5, 0.3, 0.15, 0.05: top-k 2, top-p 0.7 (0.5 < 0.7, then 0.8) and min-p 0.5 (>= 0.25) keep the
-    first two; top-p 0.95 after top-k 3 keeps all three (0.8 < 0.95 of their 0.95). The smallest and largest draws
-    land on the first and the last token kept."""
-    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    first two; top-p 0.95 after top-k 3 keeps all three (0.8 < 0.95 of their 0.95). Equal probabilities: top-p keeps
+    the fewest that reach it, the first in token order. The smallest and largest draws land on the first and the
+    last token kept."""
+    filters = dict(filters)
+    equal = filters.pop("equal", None)
+    logits = torch.zeros(1, equal) if equal else torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     ends = [cpu_sampling.sample(logits, torch.ones(1), torch.tensor([u], dtype=torch.float64), **filters).item()
             for u in (0.0, 1.0 - 2 ** -24)]
     assert ends == [kept[0], kept[-1]]

@@ -118,8 +118,8 @@ inline int64_t append_from(const float* x, int64_t n, const float& low, float* o
 struct SampleScratch {
   std::vector<float> w;  // the row's weights
   std::vector<double> sums;  // of its blocks of kSampleBlock
-  std::vector<float> values;  // kth_largest's candidates, top_p_floor's: room for a row
-  std::vector<double> buckets;  // top_p_floor's histogram
+  std::vector<float> values;  // kth_largest's candidates, top_p_boundary's: room for a row
+  std::vector<double> buckets;  // top_p_boundary's histogram
 };
 
 // The k-th largest of x[0..n) (0 < k < n, no NaN): candidates at or above the k-th largest seen so far are kept,
@@ -146,12 +146,18 @@ inline uint32_t bits_of(float f) {
   return u;
 }
 
-// top-p's boundary among the weights w[0..n) (>= 0) summing to total: the largest v such that the weights >= v sum
-// to target = top_p x total at least (those below v are dropped). A weight below (1 - top_p) x total / n is surely
-// dropped (all such weights together fall short of the mass left out), so only the rest are ranked: by radix
-// selection over their bits, 11 at a time for two levels (each narrowing to one bucket's members), then a sort of
-// the last bucket's few members.
-inline float top_p_floor(const float* w, int64_t n, double total, float top_p, SampleScratch& s) {
+// top-p's boundary among the weights w[0..n) (>= 0) summing to total: the fewest largest weights that sum to
+// target = top_p x total at least are kept, the rest dropped; among weights equal to the last one kept, the first in
+// token order (torch's sort may keep any of them). A weight below (1 - top_p) x total / n is surely dropped (all
+// such weights together fall short of the mass left out), so only the rest are ranked: by radix selection over
+// their bits, 11 at a time for two levels (each narrowing to one bucket's members), then a sort of the last
+// bucket's few members.
+struct TopPBoundary {
+  float value = 0.f;  // weights below it are dropped (0: none)
+  int64_t ties = -1;  // of the weights equal to it, how many to keep, first in token order (-1: all)
+};
+
+inline TopPBoundary top_p_boundary(const float* w, int64_t n, double total, float top_p, SampleScratch& s) {
   const double target = double(top_p) * total;
   const float skip = float((1.0 - double(top_p)) * total / double(n));
   float* values = s.values.data();
@@ -168,18 +174,28 @@ inline float top_p_floor(const float* w, int64_t n, double total, float top_p, S
       s.buckets[(bits_of(*v) >> shift) & (kBuckets - 1)] += *v;
     int64_t b = kBuckets - 1;
     for (; b >= 0 && above + s.buckets[b] < target; --b) above += s.buckets[b];
-    if (b < 0) return 0.f;  // short of it by rounding: keep all
+    if (b < 0) return {};  // short of it by rounding: keep all
     last = std::partition(values, last, [&](float v) { return ((bits_of(v) >> shift) & (kBuckets - 1)) == b; });
   }
   std::sort(values, last, std::greater<float>());
   for (float* v = values; v != last; ++v)
-    if ((above += *v) >= target) return *v;
-  return last == values ? 0.f : *(last - 1);  // short of it by rounding: the bucket's smallest
+    if ((above += *v) >= target) {
+      const float* first_tie = std::find(values, last, *v);
+      const int64_t kept = v - first_tie + 1;
+      return {*v, std::find_if(v + 1, last, [&](float x) { return x != *v; }) == v + 1 ? -1 : kept};
+    }
+  return last == values ? TopPBoundary{} : TopPBoundary{*(last - 1), -1};  // short by rounding: the bucket's all
+}
+
+// Of w[0..n)'s weights equal to value, all but the first `keep` set to 0.
+inline void keep_first_ties(float* w, int64_t n, float value, int64_t keep) {
+  for (int64_t i = 0; i < n; ++i)
+    if (w[i] == value && keep-- <= 0) w[i] = 0.f;
 }
 
 // One row: its token, or -1 where no token has weight (every logit -inf, or a NaN). The distribution is
 // Sampler._distribution's: temperature, then top-k (logits below the k-th largest dropped; top_k <= 0 or >= vocab:
-// none), top-p (the fewest largest weights that reach top_p of the rest; ties with the last one kept too; 1: none),
+// none), top-p (the fewest largest weights that reach top_p of the rest, ties in token order; 1: none),
 // then min-p (weights below min_p times the largest, which is e^0 = 1; 0: none).
 inline int64_t sample_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
                           double uniform, SampleScratch& s) {
@@ -197,7 +213,11 @@ inline int64_t sample_row(const float* x, int64_t vocab, float temperature, int6
     total += (sums[b] = weights_f64(x + start, w + start, std::min(kSampleBlock, vocab - start), max, inv_t, kth));
   }
   float floor = min_p > 0.f ? min_p : 0.f;
-  if (top_p < 1.f) floor = std::max(floor, top_p_floor(w, vocab, total, top_p, s));
+  if (top_p < 1.f) {
+    const TopPBoundary boundary = top_p_boundary(w, vocab, total, top_p, s);
+    if (boundary.ties >= 0 && boundary.value >= floor) keep_first_ties(w, vocab, boundary.value, boundary.ties);
+    floor = std::max(floor, boundary.value);
+  }
   if (floor > 0.f) {
     total = 0.0;
     for (int64_t b = 0; b < blocks; ++b) {
