@@ -43,6 +43,20 @@ inline float max_or_nan(const float* x, int64_t n) {
   return nan ? std::numeric_limits<float>::quiet_NaN() : max;
 }
 
+#ifdef __AVX2__
+// Adds v's 8 floats to float64 sums: lanes 0-3 to lo, 4-7 to hi.
+inline void add_f64(__m256 v, __m256d& lo, __m256d& hi) {
+  lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+  hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+}
+
+inline double sum_f64(__m256d lo, __m256d hi) {
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(lo, hi));
+  return (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+}
+#endif
+
 // w[0..n) = e^((x - max) / t) where x >= floor, else 0; their sum in float64. Scaled by 1 / t where torch divides
 // by t: within an ulp.
 inline double weights_f64(const float* x, float* w, int64_t n, float max, float inv_t, float floor) {
@@ -56,12 +70,9 @@ inline double weights_f64(const float* x, float* w, int64_t n, float max, float 
     const __m256 e = _mm256_and_ps(_mm256_cmp_ps(v, low, _CMP_GE_OQ),
                                    exp8(_mm256_mul_ps(_mm256_sub_ps(v, m), scale)));
     _mm256_storeu_ps(w + i, e);
-    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    add_f64(e, lo, hi);
   }
-  alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, _mm256_add_pd(lo, hi));
-  sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  sum = sum_f64(lo, hi);
 #endif
   for (; i < n; ++i) sum += (w[i] = x[i] >= floor ? std::exp((x[i] - max) * inv_t) : 0.f);
   return sum;
@@ -78,12 +89,9 @@ inline double keep_from(float* w, int64_t n, float floor) {
     const __m256 v = _mm256_loadu_ps(w + i);
     const __m256 kept = _mm256_and_ps(_mm256_cmp_ps(v, low, _CMP_GE_OQ), v);
     _mm256_storeu_ps(w + i, kept);
-    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(kept)));
-    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(kept, 1)));
+    add_f64(kept, lo, hi);
   }
-  alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, _mm256_add_pd(lo, hi));
-  sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+  sum = sum_f64(lo, hi);
 #endif
   for (; i < n; ++i) {
     if (w[i] < floor) w[i] = 0.f;
