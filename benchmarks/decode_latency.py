@@ -1,14 +1,15 @@
 """Decode at small batch: this engine vs llama.cpp's llama-server on the same model and prompts, one run.
 
-For each batch size b, b requests of 64 random prompt tokens each decode 256 tokens (greedy, ignore_eos; with
---sampled by llama-server's default sampling: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05), all at once; the same requests with 1 output token give the prefill time, so the decode time per token is
-(T(256) - T(1)) / 255, best of 3 each, the two systems taking turns. pagedserve is timed offline (`LLM.generate`, engine-core process, bf16);
-llama.cpp through its HTTP server (b slots, 2 threads, the model converted to a bf16 GGUF), whose client cost is
-small against a 256-token request. --http also streams the same requests through both HTTP servers (pagedserve's
-`python -m launch`, OpenAI /v1/completions for both) and prints the mean time per output token, best of 3 rounds. Also printed: the memory floor of batch-1 decode, the bytes of the weights
-each token reads (every linear layer and the LM head, not the embedding table) over the copy bandwidth measured
-here (read + write bytes of a 256 MiB copy per second), and pagedserve's share of it. Target (issue 24): batch 1
->= 1x llama.cpp and >= 80% of the floor.
+For each batch size b, b requests of 64 random prompt tokens each decode 256 tokens (greedy, ignore_eos; with --sampled
+by llama-server's default sampling: temperature 0.8, top-k 40, top-p 0.95, min-p 0.05), all at once; the same requests
+with 1 output token give the prefill time, so the decode time per token is (T(256) - T(1)) / 255, best of 3 each, the
+two systems taking turns. pagedserve is timed offline (`LLM.generate`, engine-core process, bf16); llama.cpp through its
+HTTP server (b slots, 2 threads, the model converted to a bf16 GGUF), whose client cost is small against a 256-token
+request. --http also streams the same requests through both HTTP servers (pagedserve's `python -m launch`, OpenAI
+/v1/completions for both) and prints the mean time per output token, best of 3 rounds. Also printed: the memory floor of
+batch-1 decode, the bytes of the weights each token reads (every linear layer and the LM head, not the embedding table)
+over the copy bandwidth measured here (read + write bytes of a 256 MiB copy per second), and pagedserve's share of it.
+Target (issue 24): batch 1 >= 1x llama.cpp and >= 80% of the floor.
 
 Build llama-server and the GGUF as the README says, then:
     python benchmarks/decode_latency.py --compare-llamacpp PATH/llama-server --gguf model-bf16.gguf

@@ -73,9 +73,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # already runs the next step's forward pass for the same requests (workers/decode_ahead.py); off: the GPU
     # waits for the host between decode steps.
     decode_ahead: bool = True
-    # CPU, one rank: up to this many decode steps of a decode-only batch in one worker call, when nothing waits to
-    # join it and no request needs the scheduler between steps (core/multi_step.py); 1: a call per step. Its tokens reach
-    # the client together, and a request that arrives meanwhile waits for the call to end.
+    # CPU, one rank: up to this many decode steps of a decode-only batch in one worker call, when nothing waits to join
+    # it and no request needs the scheduler between steps (core/multi_step.py); 1: a call per step. Its tokens reach the
+    # client together, and a request that arrives meanwhile waits for the call to end.
     num_scheduler_steps: Positive = 8
     # The privileged utilities a client of the engine socket may call. start_profile/stop_profile only when
     # profiler_dir is set: every trace goes there, and a profile stops itself (its trace written) after

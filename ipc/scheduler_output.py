@@ -52,10 +52,10 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # do not finish): nothing waiting could join, and none reaches its length limit with this step's token. The
     # worker may then start the next step's forward pass before this one's tokens reach the engine.
     decode_ahead: bool = False
-    # Decode steps to run in this call (core/multi_step.py): after this step, num_steps - 1 more for the same
-    # requests, each fed the token sampled in the one before; every scheduled token is a request's only one, and its slots
-    # for the tokens in between are allocated. The output holds num_steps tokens per request (fewer where all of
-    # the requests stopped early).
+    # Decode steps to run in this call (core/multi_step.py): after this step, num_steps - 1 more for the same requests,
+    # each fed the token sampled in the one before; every scheduled token is a request's only one, and its slots for the
+    # tokens in between are allocated. The output holds num_steps tokens per request (fewer where all of the requests
+    # stopped early).
     num_steps: Count = 1
 
 

@@ -5,7 +5,8 @@ vocabulary, a search), 6.4 ms with top-k 40, 5.4 with min-p and 26 with top-p 0.
 AVX-512 EPYC: as much as the model's own step. The kernel finds top-k's and top-p's boundaries by radix selection,
 computes the weights and per-block sums in one pass and sums token by token only inside the block that holds the
 point. Same rules and float64 sums as Sampler._distribution and _inverse_cdf, so the same token but where rounding
-puts the point, or a top-p boundary, within a few ulps of the edge (ties at a top-p boundary are all kept).
+puts the point, or a top-p boundary, within a few ulps of the edge (tied weights at a top-p boundary: the first
+in token order, where torch keeps any).
 """
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ class StepBatch:
 class LaterSteps:
     """`tokens[i]`: what the call gave states[i] so far (the first step's tokens), extended in place. A request sits
     out the steps after a stop token (what follows one is dropped anyway), max_tokens or a failed sampling, or once
-    its blocks (and max_model_len) have no slot for its next token; the K/V of all its tokens but the last are computed."""
+    its blocks (and max_model_len) have no slot for its next token; the K/V of all its tokens but the last are
+    computed."""
 
     def __init__(self, states: list[CachedRequestState], tokens: list[list[int]], table: np.ndarray,
                  num_blocks: np.ndarray, block_size: int, max_model_len: int) -> None:
