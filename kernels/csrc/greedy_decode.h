@@ -97,10 +97,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
   std::vector<T> x, hidden, residual, logits;
   std::vector<float> scores;  // a sampled row's logits, widened
   SampleScratch scratch;
-  if (sampling.temperature) {
-    scores.resize(model.vocab), scratch.w.resize(model.vocab), scratch.values.resize(model.vocab);
-    scratch.sums.resize((model.vocab + kSampleBlock - 1) / kSampleBlock);
-  }
+  if (sampling.temperature) scores.resize(model.vocab), scratch = SampleScratch(model.vocab);
   for (int64_t s = 0; s < steps; ++s) {
     seqs.clear();
     for (int64_t m = 0; m < M; ++m)

@@ -123,7 +123,12 @@ inline int64_t append_from(const float* x, int64_t n, const float& low, float* o
   return count;
 }
 
+// What sample_row works in, for rows of `vocab` logits (empty: none yet).
 struct SampleScratch {
+  SampleScratch() = default;
+  explicit SampleScratch(int64_t vocab)
+      : w(vocab), sums((vocab + kSampleBlock - 1) / kSampleBlock), values(vocab) {}
+
   std::vector<float> w;  // the row's weights
   std::vector<double> sums;  // of its blocks of kSampleBlock
   std::vector<float> values;  // kth_largest's candidates, top_p_boundary's: room for a row
@@ -215,24 +220,25 @@ inline int64_t sample_row(const float* x, int64_t vocab, float temperature, int6
   const int64_t blocks = (vocab + kSampleBlock - 1) / kSampleBlock;
   float* w = s.w.data();
   double* sums = s.sums.data();
-  double total = 0.0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t start = b * kSampleBlock;
-    total += (sums[b] = weights_f64(x + start, w + start, std::min(kSampleBlock, vocab - start), max, inv_t, kth));
-  }
+  // sums[b] = block_sum(start, length) for each block; their total.
+  auto by_blocks = [&](auto&& block_sum) {
+    double total = 0.0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t start = b * kSampleBlock;
+      total += (sums[b] = block_sum(start, std::min(kSampleBlock, vocab - start)));
+    }
+    return total;
+  };
+  double total = by_blocks([&](int64_t start, int64_t n) {
+    return weights_f64(x + start, w + start, n, max, inv_t, kth);
+  });
   float floor = min_p > 0.f ? min_p : 0.f;
   if (top_p < 1.f) {
     const TopPBoundary boundary = top_p_boundary(w, vocab, total, top_p, s);
     if (boundary.ties >= 0 && boundary.value >= floor) keep_first_ties(w, vocab, boundary.value, boundary.ties);
     floor = std::max(floor, boundary.value);
   }
-  if (floor > 0.f) {
-    total = 0.0;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t start = b * kSampleBlock;
-      total += (sums[b] = keep_from(w + start, std::min(kSampleBlock, vocab - start), floor));
-    }
-  }
+  if (floor > 0.f) total = by_blocks([&](int64_t start, int64_t n) { return keep_from(w + start, n, floor); });
   if (!(total > 0.0) || !std::isfinite(total)) return -1;
   // Strictly below the sum, so the token found has a weight above zero (u * sum can round up to the sum).
   const double point = std::min(uniform * total, std::nextafter(total, 0.0));
@@ -255,10 +261,7 @@ inline void sample_rows(const float* logits, int64_t rows, int64_t vocab, const 
                         int64_t* tokens) {
 #pragma omp parallel
   {
-    SampleScratch scratch;
-    scratch.w.resize(vocab);
-    scratch.sums.resize((vocab + kSampleBlock - 1) / kSampleBlock);
-    scratch.values.resize(vocab);
+    SampleScratch scratch(vocab);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r)
       tokens[r] = sample_row(logits + r * vocab, vocab, temperature[r], top_k[r], top_p[r], min_p[r], uniform[r],
