@@ -247,6 +247,23 @@ class PromptLookupDrafts:
 
 
 @dataclass(frozen=True)
+class DraftModelDrafts:
+    """Drafts that greedy_decode() has a draft model with the target's vocabulary write, up to k per step, as
+    workers/spec_decode/draft_model.py drafts for greedy rows (its argmax, one token at a time): the draft's prepared
+    layers (with their caches over the target's block ids, and the final norm), embedding and LM head, all of the
+    target's dtype. history: each row's tokens, as PromptLookupDrafts'; known: int64 [rows], the positions below
+    which the draft's K/V holds each row's tokens (at most its last token's position), updated in place."""
+
+    k: int
+    prepared: PreparedLayers
+    embedding: torch.Tensor
+    head: torch.Tensor
+    vocab_size: int
+    history: Sequence[Sequence[int]]
+    known: np.ndarray
+
+
+@dataclass(frozen=True)
 class SampledRows:
     """Rows greedy_decode() samples instead of taking the argmax: those with temperature > 0 (float32 [rows]; 0: the
     argmax), by kernels/csrc/sample.h's rule (Sampler's: top_k <= 0, top_p 1 and min_p 0 are none) at uniform[m, i]
@@ -272,22 +289,18 @@ class GreedyRun:
 
 def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch.Tensor, vocab_size: int,
                   tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
-                  stops: Sequence[Collection[int]], steps: int, drafts: PromptLookupDrafts | None = None,
-                  max_rows: int | None = None, sampled: SampledRows | None = None) -> GreedyRun:
+                  stops: Sequence[Collection[int]], steps: int,
+                  drafts: PromptLookupDrafts | DraftModelDrafts | None = None, max_rows: int | None = None,
+                  sampled: SampledRows | None = None) -> GreedyRun:
     """Up to `steps` greedy steps for each row from its last token `tokens[m]` at `positions[m]`: per step the
     embedding lookup, decoder_layers() with the final norm, the LM head `head` [rows, hidden] by the GEMV kernel and
     the first argmax among its first vocab_size logits, as the model computes them, all in C++. Row m takes up to
     limits[m] tokens (its K/V slots come from its row of `table`, [rows, max_blocks] block ids) and none after a
-    step that gave it a token of stops[m]. With `drafts` a step also feeds each row its drafts (as many as its limit
-    leaves room for, at most max_rows token rows in all, None: no cap) and keeps those the argmax agrees with, and
-    the argmax after them: the same tokens. With `sampled` (no drafts then) its rows with a temperature draw their
-    tokens as the sampler does."""
-    if prepared.final_norm is None:
-        raise ValueError("greedy decoding needs the last stage's final norm")
-    dtype = prepared.dtype
-    for name, tensor in (("embedding", embedding), ("head", head)):
-        if tensor.dtype != dtype or tensor.device.type != "cpu" or tensor.dim() != 2 or not tensor.is_contiguous():
-            raise ValueError(f"the {name} must be a contiguous CPU matrix of the layers' dtype {dtype}")
+    step that gave it a token of stops[m]. With `drafts` a step also feeds each row its drafts (prompt lookup's, or
+    a draft model's: as many as its limit leaves room for, at most max_rows token rows in all, None: no cap) and
+    keeps those the argmax agrees with, and the argmax after them: the same tokens. With `sampled` (no drafts then)
+    its rows with a temperature draw their tokens as the sampler does."""
+    _check_model(prepared, embedding, head, prepared.dtype)
     rows = len(tokens)
     tokens, positions, limits = (np.ascontiguousarray(a, dtype=np.int64) for a in (tokens, positions, limits))
     table = np.ascontiguousarray(table, dtype=np.int64)
@@ -295,9 +308,12 @@ def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch
         raise ValueError("tokens, positions, table, limits and stops need one entry per row")
     stop_ids, stop_starts = _flat(stops)
     k = 0 if drafts is None else drafts.k
+    draft_model, known = None, np.zeros(1, dtype=np.int64)
+    if isinstance(drafts, DraftModelDrafts):
+        draft_model, known = _draft_model_args(drafts, prepared, embedding.shape[0], rows), drafts.known
     if drafts is not None:
-        if len(drafts.history) != rows or min(drafts.min_n, k) < 1:
-            raise ValueError("prompt lookup needs a history per row, and k and min_n of 1 at least")
+        if len(drafts.history) != rows or min(getattr(drafts, "min_n", 1), k) < 1:
+            raise ValueError("drafts need a history per row, and k (and prompt lookup's min_n) of 1 at least")
         history, history_starts = _flat(drafts.history)
         verified = np.empty((rows, steps, 2), dtype=np.int64)
     else:
@@ -319,14 +335,45 @@ def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch
     row_budget = rows * (1 + k) if max_rows is None else max(rows, max_rows)
     out = np.empty((rows, columns), dtype=np.int64)
     prepared.module.greedy_decode(
-        dtype == torch.bfloat16, prepared.pointers, prepared.dims, prepared.eps, prepared.scales,
+        prepared.dtype == torch.bfloat16, prepared.pointers, prepared.dims, prepared.eps, prepared.scales,
         prepared.key_caches, prepared.value_caches, prepared.final_norm.data_ptr(), prepared.final_eps,
         embedding.data_ptr(), head.data_ptr(), head.shape[0], vocab_size, tokens.ctypes.data, positions.ctypes.data,
         table.ctypes.data, table.shape[1], prepared.block_size, limits.ctypes.data, stop_ids.ctypes.data,
-        stop_starts.ctypes.data, [k, drafts.min_n, drafts.max_n] if drafts else [0, 1, 0], history.ctypes.data,
-        history_starts.ctypes.data, verified.ctypes.data if drafts else 0, pointers, row_budget,
-        out.ctypes.data, columns, rows, steps)
+        stop_starts.ctypes.data, [k, getattr(drafts, "min_n", 1), getattr(drafts, "max_n", 0)],
+        history.ctypes.data, history_starts.ctypes.data, verified.ctypes.data if drafts else 0, pointers,
+        draft_model, known.ctypes.data, row_budget, out.ctypes.data, columns, rows, steps)
     return GreedyRun(out, verified if drafts else None, (out == -2).any(axis=1))
+
+
+def _check_model(prepared: PreparedLayers, embedding: torch.Tensor, head: torch.Tensor, dtype: torch.dtype) -> None:
+    """A whole model for greedy_decode(): layers prepared with the final norm, embedding and head, all of `dtype`."""
+    if prepared.final_norm is None:
+        raise ValueError("greedy decoding needs the last stage's final norm")
+    if prepared.dtype != dtype:
+        raise TypeError(f"the layers were prepared for {prepared.dtype}, not {dtype}")
+    for name, tensor in (("embedding", embedding), ("head", head)):
+        if tensor.dtype != dtype or tensor.device.type != "cpu" or tensor.dim() != 2 or not tensor.is_contiguous():
+            raise ValueError(f"the {name} must be a contiguous CPU matrix of the layers' dtype {dtype}")
+
+
+def _draft_model_args(drafts: DraftModelDrafts, target: PreparedLayers, target_vocab: int, rows: int) -> tuple:
+    """The draft model as the kernel takes it, once it is found to fit the target's steps (its tokens index the
+    target's embedding of target_vocab rows)."""
+    draft = drafts.prepared
+    _check_model(draft, drafts.embedding, drafts.head, target.dtype)
+    if drafts.vocab_size > target_vocab:
+        raise ValueError("the draft's vocabulary must be the target's")
+    if draft.block_size != target.block_size:
+        raise ValueError("the draft's caches must have the target's block size (they share its block table)")
+    known, lengths = drafts.known, np.fromiter(map(len, drafts.history), dtype=np.int64, count=len(drafts.history))
+    if not (isinstance(known, np.ndarray) and known.dtype == np.int64 and known.flags.c_contiguous
+            and known.flags.writeable and known.shape == (rows,)):
+        raise ValueError("known must be a writable contiguous int64 array with one entry per row")
+    if len(lengths) == rows and not ((known >= 0) & (known < lengths)).all():
+        raise ValueError("a row's draft K/V must be known up to its last token's position at most")
+    return (draft.pointers, draft.dims, draft.eps, draft.scales, draft.key_caches, draft.value_caches,
+            draft.final_norm.data_ptr(), draft.final_eps, drafts.embedding.data_ptr(), drafts.head.data_ptr(),
+            drafts.head.shape[0], drafts.vocab_size)
 
 
 def _flat(lists: Sequence[Collection[int]]) -> tuple[np.ndarray, np.ndarray]:

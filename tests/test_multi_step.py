@@ -2,6 +2,8 @@
 blocks of one call per step."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from core.request import Request
 from frontend import LLM, SamplingParams
 from ipc import EngineCoreRequest, StructuredOutputsParams
 from kernels.cpu_decoder_layer import SampledRows
+from launch.make_model import make_model
 from workers.model_runner import ModelRunner
 
 ENGINE = {"dtype": "float32", "in_process": True, "block_size": 8, "max_model_len": 96}
@@ -90,15 +93,22 @@ def test_a_stop_token_inside_a_run_ends_the_request_there():
         assert (out, reason) == (tokens[:first + 1], "stop")
 
 
+def _near_draft() -> str:
+    """The tiny llama's weights with another norm epsilon: a draft right about half the time."""
+    return str(make_model(Path(tiny_model("llama")).parent / "llama-tiny-near-draft", arch="llama", size="tiny",
+                          rms_norm_eps=0.003))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("mode", ["plain", "prompt lookup", "sampled"])
+@pytest.mark.parametrize("mode", ["plain", "prompt lookup", "draft model", "sampled"])
 def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, mode):
     """The model's greedy_decode (a call's later steps in one C++ call) gives the tokens, finish reasons and KV cache
     bytes of the Python loop, with rows ending at different steps: a stop token mid-run, max_tokens, max_model_len
-    and the slots left in a tight cache. With prompt lookup it drafts and keeps what the Python steps do (the same
-    speculation counts; the K/V of rejected drafts included). Sampled: seeded requests with temperature, top-k,
-    top-p and min-p among greedy ones draw the sampler's tokens."""
-    lookup = mode == "prompt lookup"
+    and the slots left in a tight cache. With prompt lookup or a draft model it drafts and keeps what the Python
+    steps do (the K/V of rejected drafts included, so the same drafts; the same counts but where a draft model finds
+    fewer than k slots left: the kernel drafts into them). Sampled: seeded
+    requests with temperature, top-k, top-p and min-p among greedy ones draw the sampler's tokens."""
+    lookup = mode in ("prompt lookup", "draft model")
     prompts = [p + p[:12] for p in random_prompts([5, 40, 17, 70, 9], vocab=1000, seed=6)]  # something to look up
     free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (37, 11, 64, 50, 20)]
     if mode == "sampled":
@@ -107,9 +117,12 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, mode
                     free[3], SamplingParams(temperature=0.7, seed=6, max_tokens=20, ignore_eos=True)]
     engine_args = {"dtype": dtype, "num_kv_blocks": 40 + 8 * lookup, "enable_prefix_caching": False,
                    "max_model_len": 120}
-    if lookup:
+    if mode == "prompt lookup":
         engine_args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                              "prompt_lookup_max": 3, "disable_by_batch_size": None}
+    elif mode == "draft model":
+        engine_args["speculative_config"] = {"method": "draft_model", "model": _near_draft(),
+                                             "num_speculative_tokens": 3, "disable_by_batch_size": None}
     calls = []
     in_one_call = ModelRunner._in_one_call
 
@@ -138,7 +151,10 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, mode
     assert cpp[:2] == python[:2]
     assert {"stop", "length"} <= set(cpp[1])
     assert all(torch.equal(a, b) for a, b in zip(cpp[2], python[2], strict=True))
-    assert cpp[3] == python[3]
+    if mode == "draft model":  # the kernel also drafts into fewer than k slots left, which the Python steps skip
+        assert 0 <= cpp[3].num_drafts - python[3].num_drafts <= len(prompts)
+    else:
+        assert cpp[3] == python[3]
     if lookup:
         assert cpp[3].num_drafts > 10 and 0 < cpp[3].num_accepted_tokens < cpp[3].num_draft_tokens
     assert any(calls)  # the C++ calls ran (not only the fallback)

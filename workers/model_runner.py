@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 
 from ipc import (EngineConfig, ModelRunnerOutput, NewRequestData, PoolingInfo, PromptLogprobs, SamplingParams,
                  SchedulerOutput)
-from kernels.cpu_decoder_layer import PromptLookupDrafts, SampledRows
+from kernels.cpu_decoder_layer import SampledRows
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.decode_ahead import AheadForward, DecodeRows, next_rows
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
@@ -285,28 +285,28 @@ class ModelRunner:
     def _in_one_call(self, steps: LaterSteps, count: int, output: ModelRunnerOutput) -> bool:
         """Up to `count` steps of the active requests (whose logits need no processing) in one call of the model's
         greedy_decode (where it has one that takes them), drawing sampled requests' tokens as the sampler would and
-        verifying prompt-lookup drafts where the speculator would propose them (a draft model drafts in Python, and
-        sampled requests verify theirs by the rejection sampler there), the tokens taken into `steps`, failures and
-        verifications into `output`; whether it ran."""
+        verifying the drafts the speculator would propose, which the kernel writes itself (prompt lookup's, or a
+        draft model's; sampled requests verify theirs by the rejection sampler in Python), the tokens taken into
+        `steps`, failures and verifications into `output`; whether it ran."""
         greedy = getattr(self.model, "greedy_decode", None)
         rows = steps.active()
         if greedy is None or self.lora is not None or not rows:
             return False
         drafts = None
-        sampled = not all(steps.states[i].sampling_params.is_greedy for i in rows)
+        states = [steps.states[i] for i in rows]
+        sampled = not all(state.sampling_params.is_greedy for state in states)
         if self.speculator is not None and self.speculator.speculates(len(output.sampled_token_ids)):
-            if not self.speculator.lookup_in_kernel or sampled:
+            if sampled or (drafts := self.speculator.kernel_drafts(
+                    states, [steps.states[i].token_ids + steps.tokens[i] for i in rows])) is None:
                 return False
-            config = self.speculator.config
-            drafts = PromptLookupDrafts(config.num_speculative_tokens, config.prompt_lookup_min,
-                                        config.prompt_lookup_max,
-                                        [steps.states[i].token_ids + steps.tokens[i] for i in rows])
         limits = steps.limits(rows)
         run = greedy(np.array([steps.tokens[i][-1] for i in rows], dtype=np.int64), steps.context[rows] - 1,
                      steps.table[rows], limits, [steps.stops[i] for i in rows], count, drafts,
-                     self._sampled_rows([steps.states[i] for i in rows], limits, count) if sampled else None)
+                     self._sampled_rows(states, limits, count) if sampled else None)
         if run is None:
             return False
+        if drafts is not None:
+            self.speculator.resume(states, drafts)
         for i, row, failed in zip(rows, run.tokens, run.failed):
             steps.take(i, row[row >= 0].tolist())
             if failed:

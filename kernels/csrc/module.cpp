@@ -6,6 +6,8 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "decode_attention.h"
@@ -92,8 +94,15 @@ void decoder_layers(const std::vector<std::vector<uintptr_t>>& weights, const st
                            in<int64_t>(tables), max_blocks, in<int64_t>(seq_lens), m);
 }
 
+// A draft model for greedy_decode(): its layers as decoder_layers() takes them (weights, dims, eps, scales, key and
+// value caches), then its final norm, final eps, embedding, LM head, head rows and vocabulary size.
+using DraftArgs = std::tuple<std::vector<std::vector<uintptr_t>>, std::vector<std::vector<int64_t>>, std::vector<double>,
+                             std::vector<double>, std::vector<uintptr_t>, std::vector<uintptr_t>, uintptr_t, double,
+                             uintptr_t, uintptr_t, int64_t, int64_t>;
+
 // Greedy steps of the whole model (greedy_decode.h): the layers as decoder_layers() takes them, then the final norm,
-// the embedding table and the LM head [head_rows, hidden] of the model dtype.
+// the embedding table and the LM head [head_rows, hidden] of the model dtype; drafts from `draft` if given (its K/V
+// known per row at draft_known, int64 [m], updated), else by prompt lookup.
 template <typename T>
 void greedy_decode(const std::vector<std::vector<uintptr_t>>& weights, const std::vector<std::vector<int64_t>>& dims,
                    const std::vector<double>& eps, const std::vector<double>& scales,
@@ -102,11 +111,21 @@ void greedy_decode(const std::vector<std::vector<uintptr_t>>& weights, const std
                    int64_t vocab, uintptr_t tokens, uintptr_t positions, uintptr_t tables, int64_t max_blocks,
                    int64_t block_size, uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
                    const std::vector<int64_t>& lookup, uintptr_t history, uintptr_t history_starts,
-                   uintptr_t verified, const std::vector<uintptr_t>& sampled, int64_t max_rows,
-                   uintptr_t tokens_out, int64_t out_cols, int64_t m, int64_t steps) {
+                   uintptr_t verified, const std::vector<uintptr_t>& sampled, const std::optional<DraftArgs>& draft,
+                   uintptr_t draft_known, int64_t max_rows, uintptr_t tokens_out, int64_t out_cols, int64_t m,
+                   int64_t steps) {
   const pagedserve::GreedyModel<T> model{layers_of<T>(weights, dims, eps, scales), caches_of<T>(k_caches),
                                          caches_of<T>(v_caches), in<T>(final_norm), float(final_eps),
                                          in<T>(embedding), in<T>(head), head_rows, vocab};
+  std::optional<pagedserve::GreedyModel<T>> draft_model;
+  if (draft) {
+    const auto& [d_weights, d_dims, d_eps, d_scales, d_k, d_v, d_norm, d_norm_eps, d_embedding, d_head, d_head_rows,
+                 d_vocab] = *draft;
+    draft_model = pagedserve::GreedyModel<T>{layers_of<T>(d_weights, d_dims, d_eps, d_scales), caches_of<T>(d_k),
+                                             caches_of<T>(d_v), in<T>(d_norm), float(d_norm_eps), in<T>(d_embedding),
+                                             in<T>(d_head), d_head_rows, d_vocab};
+  }
+  const pagedserve::DraftModel<T> drafter{draft_model ? &*draft_model : nullptr, out<int64_t>(draft_known)};
   const pagedserve::PromptLookup drafts{lookup.at(0), lookup.at(1), lookup.at(2), in<int64_t>(history),
                                         in<int64_t>(history_starts), out<int64_t>(verified)};
   // sampled: temperature, top_k, top_p, min_p, uniform (empty: every row argmax)
@@ -115,7 +134,7 @@ void greedy_decode(const std::vector<std::vector<uintptr_t>>& weights, const std
       in<double>(sampled.at(4))};
   pagedserve::greedy_decode(model, in<int64_t>(tokens), in<int64_t>(positions), in<int64_t>(tables), max_blocks,
                             block_size, in<int64_t>(limits), in<int64_t>(stop_ids), in<int64_t>(stop_starts), drafts,
-                            sampling, max_rows, out<int64_t>(tokens_out), out_cols, m, steps);
+                            drafter, sampling, max_rows, out<int64_t>(tokens_out), out_cols, m, steps);
 }
 
 template <typename T>
@@ -197,13 +216,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             uintptr_t positions, uintptr_t tables, int64_t max_blocks, int64_t block_size,
                             uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
                             const std::vector<int64_t>& lookup, uintptr_t history, uintptr_t history_starts,
-                            uintptr_t verified, const std::vector<uintptr_t>& sampled, int64_t max_rows,
+                            uintptr_t verified, const std::vector<uintptr_t>& sampled,
+                            const std::optional<DraftArgs>& draft, uintptr_t draft_known, int64_t max_rows,
                             uintptr_t tokens_out, int64_t out_cols, int64_t m, int64_t steps) {
     (bf16 ? greedy_decode<uint16_t> : greedy_decode<float>)(weights, dims, eps, scales, k_caches, v_caches, final_norm,
                                                             final_eps, embedding, head, head_rows, vocab, tokens,
                                                             positions, tables, max_blocks, block_size, limits,
                                                             stop_ids, stop_starts, lookup, history, history_starts,
-                                                            verified, sampled, max_rows, tokens_out, out_cols, m,
-                                                            steps);
+                                                            verified, sampled, draft, draft_known, max_rows,
+                                                            tokens_out, out_cols, m, steps);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

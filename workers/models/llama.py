@@ -1,6 +1,7 @@
 """Llama decoder (also the base of qwen2 and mistral): RMSNorm, rotary, GQA attention, SwiGLU MLP."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -251,14 +252,24 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def greedy_decode(self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
-                      stops: list[set[int]], steps: int, drafts: cpu_decoder_layer.PromptLookupDrafts | None = None,
+                      stops: list[set[int]], steps: int,
+                      drafts: cpu_decoder_layer.PromptLookupDrafts | cpu_decoder_layer.DraftModelDrafts | None = None,
                       sampled: cpu_decoder_layer.SampledRows | None = None) -> cpu_decoder_layer.GreedyRun | None:
         """A multi-step call's later steps in one C++ call (kernels.cpu_decoder_layer.greedy_decode: same tokens as
-        forward(), compute_logits() and the argmax or the sampler step by step, prompt-lookup drafts verified as the
-        Python steps verify them); None where that does not compute what they
-        do, and the caller steps in Python: another family's model, embedding or logits, pipeline stages, adapters,
-        a quantized table or head, layers not in C++ or not prepared for the bound caches, or more rows than the
-        kernels' products take."""
+        forward(), compute_logits() and the argmax or the sampler step by step, drafts verified as the Python steps
+        verify them); None where that does not compute what they do, and the caller steps in Python (greedy_parts),
+        or more rows than the kernels' products take."""
+        parts = self.greedy_parts()
+        if parts is None or len(tokens) > parts.max_rows:
+            return None
+        return cpu_decoder_layer.greedy_decode(parts.prepared, parts.embedding, parts.head, parts.vocab_size, tokens,
+                                               positions, table, limits, stops, steps, drafts, parts.max_rows,
+                                               sampled)
+
+    def greedy_parts(self) -> GreedyParts | None:
+        """The model as greedy_decode() takes it; None for another family's model, embedding or logits, pipeline
+        stages, adapters, a quantized table or head, or layers not in C++ or not prepared for the bound caches (a
+        one-call step prepares them)."""
         model, head = self.model, self.lm_head
         if not (type(self).compute_logits is LlamaForCausalLM.compute_logits and type(model) is LlamaModel
                 and model.embed_tokens is not None and head is not None and model.one_call_layers
@@ -267,9 +278,19 @@ class LlamaForCausalLM(nn.Module):
             return None
         prepared, embedding = model._prepared_layers, model.embed_tokens.weight
         caches = [attention.kv_cache for attention in model._stage_attention]
-        max_rows = min(model.product_rows, cpu_gemv.max_rows(embedding.dtype, head.weight))
-        if prepared is None or not prepared.serves(caches, embedding.dtype) or head.weight.dtype != embedding.dtype \
-                or len(tokens) > max_rows:
+        if prepared is None or not prepared.serves(caches, embedding.dtype) or head.weight.dtype != embedding.dtype:
             return None
-        return cpu_decoder_layer.greedy_decode(prepared, embedding, head.weight, head.vocab_size, tokens, positions,
-                                               table, limits, stops, steps, drafts, max_rows, sampled)
+        return GreedyParts(prepared, embedding, head.weight, head.vocab_size,
+                           min(model.product_rows, cpu_gemv.max_rows(embedding.dtype, head.weight)))
+
+
+@dataclasses.dataclass(frozen=True)
+class GreedyParts:
+    """A llama model as kernels.cpu_decoder_layer.greedy_decode() takes it; max_rows: the most token rows of a step
+    its kernels' products take."""
+
+    prepared: cpu_decoder_layer.PreparedLayers
+    embedding: torch.Tensor
+    head: torch.Tensor
+    vocab_size: int
+    max_rows: int

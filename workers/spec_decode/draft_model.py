@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from ipc import SpeculativeConfig
+from kernels.cpu_decoder_layer import DraftModelDrafts
 from workers.distributed import single_rank
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.sampler import Sampler
@@ -22,9 +23,8 @@ class DraftModel:
     def __init__(self, config: SpeculativeConfig, dtype: torch.dtype, device: torch.device, block_size: int,
                  max_model_len: int, sampler: Sampler) -> None:
         self.num_drafts, self.block_size, self.max_model_len = config.num_speculative_tokens, block_size, max_model_len
-        # On CPU a draft's matmuls are too small for bf16 to pay: float32 skips the per-call weight conversion.
-        self.dtype = torch.float32 if device.type == "cpu" else dtype
-        self.device, self.sampler = device, sampler
+        # The target's dtype: on the CPU a multi-step call's later steps run both models in one kernel of one dtype.
+        self.dtype, self.device, self.sampler = dtype, device, sampler
         with single_rank():
             self.model = load_model(config.model, load_hf_config(config.model), self.dtype, device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -77,6 +77,25 @@ class DraftModel:
         for i, state in enumerate(states):
             self._record(state.req_id, len(contexts[i]), drafts[i], probs[i])
         return drafts
+
+    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]]) -> DraftModelDrafts | None:
+        """Its drafts for greedy requests (all their tokens so far in `contexts`) as the target's greedy_decode()
+        writes them in C++, where its model runs there (layers prepared by a one-call step for its bound caches);
+        resume() takes what its K/V holds after."""
+        greedy_parts = getattr(self.model, "greedy_parts", None)
+        parts = greedy_parts() if greedy_parts is not None else None
+        if parts is None:
+            return None
+        known = np.array([self._known(state.req_id, context) for state, context in zip(states, contexts)],
+                         dtype=np.int64)
+        return DraftModelDrafts(self.num_drafts, parts.prepared, parts.embedding, parts.head, parts.vocab_size,
+                                contexts, known)
+
+    def resume(self, states: list[CachedRequestState], drafts: DraftModelDrafts) -> None:
+        """After greedy_decode() drafted for `states`: its K/V holds each one's tokens below drafts.known."""
+        for state, position in zip(states, drafts.known.tolist()):
+            self.fed[state.req_id] = (position, [])
+            self.probs.pop(state.req_id, None)
 
     def _known(self, req_id: str, context: list[int]) -> int:
         """Up to which position the draft's KV holds this context: what it knew, and its drafts the target kept."""

@@ -6,10 +6,13 @@ from typing import Protocol
 import torch
 
 from ipc import SpeculativeConfig
+from kernels.cpu_decoder_layer import DraftModelDrafts, PromptLookupDrafts
 from workers.layers.sampler import Sampler
 from workers.request_state import CachedRequestState
 from workers.spec_decode.draft_model import DraftModel
 from workers.spec_decode.ngram import ngram_draft
+
+KernelDrafts = PromptLookupDrafts | DraftModelDrafts
 
 
 class Proposer(Protocol):
@@ -21,6 +24,13 @@ class Proposer(Protocol):
 
     def forget(self, req_id: str) -> None:
         """The request finished or lost its blocks."""
+
+    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]]) -> KernelDrafts | None:
+        """What the target's greedy_decode() needs to draft for these greedy requests itself, as propose() would
+        (`contexts`: all their tokens so far); None: it cannot."""
+
+    def resume(self, states: list[CachedRequestState], drafts: KernelDrafts) -> None:
+        """greedy_decode() drafted for `states` with `drafts`."""
 
 
 class PromptLookup:
@@ -37,6 +47,14 @@ class PromptLookup:
         return None
 
     def forget(self, req_id: str) -> None:
+        pass
+
+    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]]) -> PromptLookupDrafts:
+        config = self.config
+        return PromptLookupDrafts(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
+                                  contexts)
+
+    def resume(self, states: list[CachedRequestState], drafts: KernelDrafts) -> None:
         pass
 
 
@@ -63,10 +81,13 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         return limit is None or batch_size <= limit
 
-    @property
-    def lookup_in_kernel(self) -> bool:
-        """Whether a greedy kernel may propose the drafts itself: prompt lookup needs nothing but the tokens."""
-        return isinstance(self.proposer, PromptLookup)
+    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]]) -> KernelDrafts | None:
+        """What a greedy kernel needs to draft for these greedy requests itself (all their tokens so far in
+        `contexts`): prompt lookup, or the draft model's weights and caches; None where it cannot. resume() after."""
+        return self.proposer.kernel_drafts(states, contexts)
+
+    def resume(self, states: list[CachedRequestState], drafts: KernelDrafts) -> None:
+        self.proposer.resume(states, drafts)
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         return self.proposer.draft_probs(req_id)
