@@ -251,8 +251,9 @@ class DraftModelDrafts:
     """Drafts that greedy_decode() has a draft model with the target's vocabulary write, up to k per step, as
     workers/spec_decode/draft_model.py drafts for greedy rows (its argmax, one token at a time): the draft's prepared
     layers (with their caches over the target's block ids, and the final norm), embedding and LM head, all of the
-    target's dtype. history: each row's tokens, as PromptLookupDrafts'; known: int64 [rows], the positions below
-    which the draft's K/V holds each row's tokens (at most its last token's position), updated in place."""
+    target's dtype. history: each row's tokens, as PromptLookupDrafts'; known: int64 [rows], how many of each row's
+    positions the draft's K/V holds (at most its last token's position), then updated in place to how many it was
+    fed (those below the row's last token's position hold its tokens)."""
 
     k: int
     prepared: PreparedLayers
