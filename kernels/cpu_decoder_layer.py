@@ -309,9 +309,6 @@ def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch
         raise ValueError("tokens, positions, table, limits and stops need one entry per row")
     stop_ids, stop_starts = _flat(stops)
     k = 0 if drafts is None else drafts.k
-    draft_model, known = None, np.zeros(1, dtype=np.int64)
-    if isinstance(drafts, DraftModelDrafts):
-        draft_model, known = _draft_model_args(drafts, prepared, embedding.shape[0], rows), drafts.known
     if drafts is not None:
         if len(drafts.history) != rows or min(getattr(drafts, "min_n", 1), k) < 1:
             raise ValueError("drafts need a history per row, and k (and prompt lookup's min_n) of 1 at least")
@@ -319,6 +316,10 @@ def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch
         verified = np.empty((rows, steps, 2), dtype=np.int64)
     else:
         history = history_starts = verified = np.zeros(1, dtype=np.int64)
+    draft_model, known = None, np.zeros(1, dtype=np.int64)
+    if isinstance(drafts, DraftModelDrafts):
+        draft_model, known = _draft_model_args(drafts, prepared, embedding.shape[0], np.diff(history_starts)), \
+            drafts.known
     pointers: list[int] = []
     if sampled is not None:
         if drafts is not None:
@@ -357,20 +358,21 @@ def _check_model(prepared: PreparedLayers, embedding: torch.Tensor, head: torch.
             raise ValueError(f"the {name} must be a contiguous CPU matrix of the layers' dtype {dtype}")
 
 
-def _draft_model_args(drafts: DraftModelDrafts, target: PreparedLayers, target_vocab: int, rows: int) -> tuple:
+def _draft_model_args(drafts: DraftModelDrafts, target: PreparedLayers, target_vocab: int, lengths: np.ndarray
+                      ) -> tuple:
     """The draft model as the kernel takes it, once it is found to fit the target's steps (its tokens index the
-    target's embedding of target_vocab rows)."""
+    target's embedding of target_vocab rows; lengths: each row's history length)."""
     draft = drafts.prepared
     _check_model(draft, drafts.embedding, drafts.head, target.dtype)
     if drafts.vocab_size > target_vocab:
         raise ValueError("the draft's vocabulary must be the target's")
     if draft.block_size != target.block_size:
         raise ValueError("the draft's caches must have the target's block size (they share its block table)")
-    known, lengths = drafts.known, np.fromiter(map(len, drafts.history), dtype=np.int64, count=len(drafts.history))
+    known = drafts.known
     if not (isinstance(known, np.ndarray) and known.dtype == np.int64 and known.flags.c_contiguous
-            and known.flags.writeable and known.shape == (rows,)):
+            and known.flags.writeable and known.shape == lengths.shape):
         raise ValueError("known must be a writable contiguous int64 array with one entry per row")
-    if len(lengths) == rows and not ((known >= 0) & (known < lengths)).all():
+    if not ((known >= 0) & (known < lengths)).all():
         raise ValueError("a row's draft K/V must be known up to its last token's position at most")
     return (draft.pointers, draft.dims, draft.eps, draft.scales, draft.key_caches, draft.value_caches,
             draft.final_norm.data_ptr(), draft.final_eps, drafts.embedding.data_ptr(), drafts.head.data_ptr(),

@@ -297,7 +297,7 @@ class ModelRunner:
         sampled = not all(state.sampling_params.is_greedy for state in states)
         if self.speculator is not None and self.speculator.speculates(len(output.sampled_token_ids)):
             if sampled or (drafts := self.speculator.kernel_drafts(
-                    states, [steps.states[i].token_ids + steps.tokens[i] for i in rows])) is None:
+                    states, [state.token_ids + steps.tokens[i] for state, i in zip(states, rows)])) is None:
                 return False
         limits = steps.limits(rows)
         run = greedy(np.array([steps.tokens[i][-1] for i in rows], dtype=np.int64), steps.context[rows] - 1,

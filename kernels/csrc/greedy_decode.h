@@ -145,8 +145,8 @@ struct RowSampling {
 
 // M rows: tokens[m], the row's last token, at positions[m]; tables [M, max_blocks]; the row takes up to limits[m]
 // tokens and none after a step that gave it a token of its stop set stop_ids[stop_starts[m], stop_starts[m + 1]).
-// With prompt lookup a step feeds each row its last token and its drafts (what its limit leaves room for, and at
-// most max_rows token rows in all) and keeps the drafts up to the first the argmax disagrees with, then the argmax
+// With prompt lookup (or a draft model) a step feeds each row its last token and its drafts (what its limit leaves
+// room for, and at most max_rows token rows in all) and keeps the drafts up to the first the argmax disagrees with, then the argmax
 // there: the tokens plain steps give (no drafts with sampled rows). out [M, out_cols]: the row's tokens in order,
 // -1 after its last; -2 where a sampled row had no token to draw (a NaN, or no finite logit), which ends it. A
 // step's rows are those still going, in row order.

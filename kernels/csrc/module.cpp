@@ -96,9 +96,10 @@ void decoder_layers(const std::vector<std::vector<uintptr_t>>& weights, const st
 
 // A draft model for greedy_decode(): its layers as decoder_layers() takes them (weights, dims, eps, scales, key and
 // value caches), then its final norm, final eps, embedding, LM head, head rows and vocabulary size.
-using DraftArgs = std::tuple<std::vector<std::vector<uintptr_t>>, std::vector<std::vector<int64_t>>, std::vector<double>,
-                             std::vector<double>, std::vector<uintptr_t>, std::vector<uintptr_t>, uintptr_t, double,
-                             uintptr_t, uintptr_t, int64_t, int64_t>;
+using DraftArgs =
+    std::tuple<std::vector<std::vector<uintptr_t>>, std::vector<std::vector<int64_t>>, std::vector<double>,
+               std::vector<double>, std::vector<uintptr_t>, std::vector<uintptr_t>, uintptr_t, double, uintptr_t,
+               uintptr_t, int64_t, int64_t>;
 
 // Greedy steps of the whole model (greedy_decode.h): the layers as decoder_layers() takes them, then the final norm,
 // the embedding table and the LM head [head_rows, hidden] of the model dtype; drafts from `draft` if given (its K/V
