@@ -253,7 +253,9 @@ class DraftModelDrafts:
     layers (with their caches over the target's block ids, and the final norm), embedding and LM head, all of the
     target's dtype. history: each row's tokens, as PromptLookupDrafts'; known: int64 [rows], how many of each row's
     positions the draft's K/V holds (at most its last token's position), then updated in place to how many it was
-    fed (those below the row's last token's position hold its tokens)."""
+    fed (those below the row's last token's position hold its tokens). After the last step the kernel writes into
+    next (int64 [rows, k]) the k drafts of each row that goes on with k slots from its last token on (capacity:
+    int64 [rows], the positions its blocks and the model length give), -1 for the others."""
 
     k: int
     prepared: PreparedLayers
@@ -262,6 +264,8 @@ class DraftModelDrafts:
     vocab_size: int
     history: Sequence[Sequence[int]]
     known: np.ndarray
+    capacity: np.ndarray
+    next: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -368,15 +372,16 @@ def _draft_model_args(drafts: DraftModelDrafts, target: PreparedLayers, target_v
         raise ValueError("the draft's vocabulary must be the target's")
     if draft.block_size != target.block_size:
         raise ValueError("the draft's caches must have the target's block size (they share its block table)")
-    known = drafts.known
-    if not (isinstance(known, np.ndarray) and known.dtype == np.int64 and known.flags.c_contiguous
-            and known.flags.writeable and known.shape == lengths.shape):
-        raise ValueError("known must be a writable contiguous int64 array with one entry per row")
-    if not ((known >= 0) & (known < lengths)).all():
+    for name, shape in (("known", lengths.shape), ("capacity", lengths.shape), ("next", (len(lengths), drafts.k))):
+        array = getattr(drafts, name)
+        if not (isinstance(array, np.ndarray) and array.dtype == np.int64 and array.flags.c_contiguous
+                and array.flags.writeable and array.shape == shape):
+            raise ValueError(f"{name} must be a writable contiguous int64 array of shape {shape}")
+    if not ((drafts.known >= 0) & (drafts.known < lengths)).all():
         raise ValueError("a row's draft K/V must be known up to its last token's position at most")
     return (draft.pointers, draft.dims, draft.eps, draft.scales, draft.key_caches, draft.value_caches,
             draft.final_norm.data_ptr(), draft.final_eps, drafts.embedding.data_ptr(), drafts.head.data_ptr(),
-            drafts.head.shape[0], drafts.vocab_size)
+            drafts.head.shape[0], drafts.vocab_size, drafts.capacity.ctypes.data, drafts.next.ctypes.data)
 
 
 def _flat(lists: Sequence[Collection[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -297,7 +297,8 @@ class ModelRunner:
         sampled = not all(state.sampling_params.is_greedy for state in states)
         if self.speculator is not None and self.speculator.speculates(len(output.sampled_token_ids)):
             if sampled or (drafts := self.speculator.kernel_drafts(
-                    states, [state.token_ids + steps.tokens[i] for state, i in zip(states, rows)])) is None:
+                    states, [state.token_ids + steps.tokens[i] for state, i in zip(states, rows)],
+                    steps.capacity[rows])) is None:
                 return False
         limits = steps.limits(rows)
         run = greedy(np.array([steps.tokens[i][-1] for i in rows], dtype=np.int64), steps.context[rows] - 1,
@@ -305,13 +306,13 @@ class ModelRunner:
                      self._sampled_rows(states, limits, count) if sampled else None)
         if run is None:
             return False
-        if drafts is not None:
-            self.speculator.resume(states, drafts)
         for i, row, failed in zip(rows, run.tokens, run.failed):
             steps.take(i, row[row >= 0].tolist())
             if failed:
                 output.failed[steps.states[i].req_id] = "no token to sample: every logit is -inf, or one is NaN"
                 steps.stop(i)
+        if drafts is not None:
+            self.speculator.resume(states, drafts, steps.context[rows])
         if run.verified is not None:
             for i, checks in zip(rows, run.verified):
                 checks = checks[checks[:, 0] >= 0]

@@ -69,11 +69,15 @@ struct PromptLookup {
 
 // Drafts from a smaller model with the same vocabulary instead of prompt lookup (null model: lookup). known[m]: how
 // many positions of row m its K/V caches were fed, updated in place; those below the row's last token's position
-// hold its tokens (drafts fed past its last accepted one are fed again from its last token on).
+// hold its tokens (drafts fed past its last accepted one are fed again from its last token on). With next [M, k]:
+// after the last step, the k drafts of each row that goes on and has k slots from its last token on (capacity[m]:
+// the positions its blocks and the model length give), the others' -1: what the next call's first step verifies.
 template <typename T>
 struct DraftModel {
   const GreedyModel<T>* model = nullptr;
   int64_t* known = nullptr;
+  const int64_t* capacity = nullptr;
+  int64_t* next = nullptr;
 };
 
 // A draft round of at most this many token rows runs on one thread: a draft model's products are too small to pay
@@ -231,6 +235,17 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
         lookup.verified[(m * steps + s) * 2 + 1] = accepted;
       }
     }
+  }
+  if (draft.model && draft.next) {
+    std::fill(draft.next, draft.next + M * k, int64_t(-1));
+    seqs.clear(), feeds.clear();
+    for (int64_t m = 0; m < M; ++m)
+      if (!stopped[m] && taken[m] < limits[m] && draft.capacity[m] - (positions[m] + taken[m]) >= k)
+        seqs.push_back(m), feeds.push_back(k);
+    drafts.resize(seqs.size() * k);
+    model_drafts(draft, history, seqs, feeds, k, tables, max_blocks, block_size, drafts.data());
+    for (size_t a = 0; a < seqs.size(); ++a)
+      std::copy(drafts.data() + a * k, drafts.data() + (a + 1) * k, draft.next + seqs[a] * k);
   }
 }
 

@@ -95,11 +95,12 @@ void decoder_layers(const std::vector<std::vector<uintptr_t>>& weights, const st
 }
 
 // A draft model for greedy_decode(): its layers as decoder_layers() takes them (weights, dims, eps, scales, key and
-// value caches), then its final norm, final eps, embedding, LM head, head rows and vocabulary size.
+// value caches), then its final norm, final eps, embedding, LM head, head rows and vocabulary size, and where its
+// drafts after the last step go with the rows' capacities (pagedserve::DraftModel; 0: none).
 using DraftArgs =
     std::tuple<std::vector<std::vector<uintptr_t>>, std::vector<std::vector<int64_t>>, std::vector<double>,
                std::vector<double>, std::vector<uintptr_t>, std::vector<uintptr_t>, uintptr_t, double, uintptr_t,
-               uintptr_t, int64_t, int64_t>;
+               uintptr_t, int64_t, int64_t, uintptr_t, uintptr_t>;
 
 // Greedy steps of the whole model (greedy_decode.h): the layers as decoder_layers() takes them, then the final norm,
 // the embedding table and the LM head [head_rows, hidden] of the model dtype; drafts from `draft` if given (its K/V
@@ -119,14 +120,15 @@ void greedy_decode(const std::vector<std::vector<uintptr_t>>& weights, const std
                                          caches_of<T>(v_caches), in<T>(final_norm), float(final_eps),
                                          in<T>(embedding), in<T>(head), head_rows, vocab};
   std::optional<pagedserve::GreedyModel<T>> draft_model;
+  pagedserve::DraftModel<T> drafter{nullptr, out<int64_t>(draft_known)};
   if (draft) {
     const auto& [d_weights, d_dims, d_eps, d_scales, d_k, d_v, d_norm, d_norm_eps, d_embedding, d_head, d_head_rows,
-                 d_vocab] = *draft;
+                 d_vocab, d_capacity, d_next] = *draft;
     draft_model = pagedserve::GreedyModel<T>{layers_of<T>(d_weights, d_dims, d_eps, d_scales), caches_of<T>(d_k),
                                              caches_of<T>(d_v), in<T>(d_norm), float(d_norm_eps), in<T>(d_embedding),
                                              in<T>(d_head), d_head_rows, d_vocab};
+    drafter = {&*draft_model, out<int64_t>(draft_known), in<int64_t>(d_capacity), out<int64_t>(d_next)};
   }
-  const pagedserve::DraftModel<T> drafter{draft_model ? &*draft_model : nullptr, out<int64_t>(draft_known)};
   const pagedserve::PromptLookup drafts{lookup.at(0), lookup.at(1), lookup.at(2), in<int64_t>(history),
                                         in<int64_t>(history_starts), out<int64_t>(verified)};
   // sampled: temperature, top_k, top_p, min_p, uniform (empty: every row argmax)

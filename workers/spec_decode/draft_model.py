@@ -32,6 +32,8 @@ class DraftModel:
         # the target accepts them); the distributions its last drafts were drawn from (sampled requests).
         self.fed: dict[str, tuple[int, list[int]]] = {}
         self.probs: dict[str, torch.Tensor] = {}
+        # Greedy drafts the target's kernel already wrote after a request's first this-many tokens (resume()).
+        self.written: dict[str, tuple[int, list[int]]] = {}
 
     def block_bytes(self) -> int:
         return sum(layer.kv_block_bytes(self.block_size, self.dtype) for layer in self.attention_layers)
@@ -48,6 +50,7 @@ class DraftModel:
         """Its blocks were freed or replaced (finished, preempted): its draft KV is gone."""
         self.fed.pop(req_id, None)
         self.probs.pop(req_id, None)
+        self.written.pop(req_id, None)
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         return self.probs.get(req_id)
@@ -60,6 +63,10 @@ class DraftModel:
         counts = [min(self.num_drafts, self.max_model_len - len(context)) for context in contexts]
         drafts: list[list[int]] = [[] for _ in states]
         probs: list[list[torch.Tensor]] = [[] for _ in states]
+        for i, (state, context) in enumerate(zip(states, contexts)):
+            written = self.written.pop(state.req_id, None)
+            if written is not None and written[0] == len(context) and state.sampling_params.is_greedy:
+                drafts[i], counts[i] = written[1][:counts[i]], 0  # the kernel drafted after these tokens already
         starts = [self._known(state.req_id, context) for state, context in zip(states, contexts)]
         active = [i for i, count in enumerate(counts) if count > 0]
         feeds = {i: (starts[i], contexts[i][starts[i]:]) for i in active}
@@ -78,10 +85,11 @@ class DraftModel:
             self._record(state.req_id, len(contexts[i]), drafts[i], probs[i])
         return drafts
 
-    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]]) -> DraftModelDrafts | None:
-        """Its drafts for greedy requests (all their tokens so far in `contexts`) as the target's greedy_decode()
-        writes them in C++, where its model runs there (layers prepared by a one-call step for its bound caches);
-        resume() takes what its K/V holds after."""
+    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray
+                      ) -> DraftModelDrafts | None:
+        """Its drafts for greedy requests (all their tokens so far in `contexts`; the positions their blocks give in
+        `capacity`) as the target's greedy_decode() writes them in C++, where its model runs there (layers prepared by
+        a one-call step for its bound caches); resume() takes what its K/V holds after."""
         greedy_parts = getattr(self.model, "greedy_parts", None)
         parts = greedy_parts() if greedy_parts is not None else None
         if parts is None:
@@ -89,13 +97,19 @@ class DraftModel:
         known = np.array([self._known(state.req_id, context) for state, context in zip(states, contexts)],
                          dtype=np.int64)
         return DraftModelDrafts(self.num_drafts, parts.prepared, parts.embedding, parts.head, parts.vocab_size,
-                                contexts, known)
+                                contexts, known, np.ascontiguousarray(capacity, dtype=np.int64),
+                                np.full((len(states), self.num_drafts), -1, dtype=np.int64))
 
-    def resume(self, states: list[CachedRequestState], drafts: DraftModelDrafts) -> None:
-        """After greedy_decode() drafted for `states`: its K/V holds each one's tokens below drafts.known."""
-        for state, position in zip(states, drafts.known.tolist()):
-            self.fed[state.req_id] = (position, [])
+    def resume(self, states: list[CachedRequestState], drafts: DraftModelDrafts, lengths: np.ndarray) -> None:
+        """After greedy_decode() drafted for `states`, now `lengths` tokens long: its K/V holds each one's tokens
+        below drafts.known and its last token, then the drafts it wrote after the last step but their last (propose()
+        hands those out without running again)."""
+        for state, fed, length, after in zip(states, drafts.known.tolist(), lengths.tolist(), drafts.next.tolist()):
             self.probs.pop(state.req_id, None)
+            if after[0] >= 0:
+                self.fed[state.req_id], self.written[state.req_id] = (length, after[:-1]), (length, after)
+            else:
+                self.fed[state.req_id] = (min(fed, length - 1), [])
 
     def _known(self, req_id: str, context: list[int]) -> int:
         """Up to which position the draft's KV holds this context: what it knew, and its drafts the target kept."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ipc import SpeculativeConfig
@@ -25,12 +26,13 @@ class Proposer(Protocol):
     def forget(self, req_id: str) -> None:
         """The request finished or lost its blocks."""
 
-    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]]) -> KernelDrafts | None:
+    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray
+                      ) -> KernelDrafts | None:
         """What the target's greedy_decode() needs to draft for these greedy requests itself, as propose() would
-        (`contexts`: all their tokens so far); None: it cannot."""
+        (`contexts`: all their tokens so far; `capacity`: the positions their blocks give); None: it cannot."""
 
-    def resume(self, states: list[CachedRequestState], drafts: KernelDrafts) -> None:
-        """greedy_decode() drafted for `states` with `drafts`."""
+    def resume(self, states: list[CachedRequestState], drafts: KernelDrafts, lengths: np.ndarray) -> None:
+        """greedy_decode() drafted for `states` with `drafts`; they are `lengths` tokens long now."""
 
 
 class PromptLookup:
@@ -49,12 +51,13 @@ class PromptLookup:
     def forget(self, req_id: str) -> None:
         pass
 
-    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]]) -> PromptLookupDrafts:
+    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray
+                      ) -> PromptLookupDrafts:
         config = self.config
         return PromptLookupDrafts(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
                                   contexts)
 
-    def resume(self, states: list[CachedRequestState], drafts: KernelDrafts) -> None:
+    def resume(self, states: list[CachedRequestState], drafts: KernelDrafts, lengths: np.ndarray) -> None:
         pass
 
 
@@ -81,13 +84,15 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         return limit is None or batch_size <= limit
 
-    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]]) -> KernelDrafts | None:
+    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray
+                      ) -> KernelDrafts | None:
         """What a greedy kernel needs to draft for these greedy requests itself (all their tokens so far in
-        `contexts`): prompt lookup, or the draft model's weights and caches; None where it cannot. resume() after."""
-        return self.proposer.kernel_drafts(states, contexts)
+        `contexts`, the positions their blocks give in `capacity`): prompt lookup, or the draft model's weights and
+        caches; None where it cannot. resume() after."""
+        return self.proposer.kernel_drafts(states, contexts, capacity)
 
-    def resume(self, states: list[CachedRequestState], drafts: KernelDrafts) -> None:
-        self.proposer.resume(states, drafts)
+    def resume(self, states: list[CachedRequestState], drafts: KernelDrafts, lengths: np.ndarray) -> None:
+        self.proposer.resume(states, drafts, lengths)
 
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         return self.proposer.draft_probs(req_id)
