@@ -126,7 +126,7 @@ def main() -> int:
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}')
     parser.add_argument("--draft-config", default=json.dumps({"method": "draft_model", "num_speculative_tokens": 4,
                                                               "model": str(WEIGHTS_DIR / "draft")}))
-    parser.add_argument("--requests", type=int, default=8, help="requests per batch-1 workload")
+    parser.add_argument("--requests", type=int, default=8, help="requests per batch-1 workload (0: none)")
     parser.add_argument("--batch", type=int, default=64, help="the batched runs' size (0: none)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
@@ -149,7 +149,7 @@ def main() -> int:
                 compare(args, texts, batch, {**configs[method], "disable_by_batch_size": None},
                         f"{workload} batch {batch} {method}, always speculating")
         return 0
-    runs = [("edit", 1, "ngram"), ("free", 1, "draft")]
+    runs = [("edit", 1, "ngram"), ("free", 1, "draft")] if args.requests else []
     runs += [("free", args.batch, "ngram"), ("free", args.batch, "draft")] if args.batch else []
     for workload, batch, method in runs:
         texts = prompts(workload, code)[:args.requests if batch == 1 else batch]
