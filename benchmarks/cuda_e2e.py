@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import json
+import os
 import platform
 import pstats
 import random
@@ -96,12 +98,18 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def gemv_choices(runner) -> list[dict]:
+    """What start-up timing chose for the one-row products, per weight shape (kernels.gemv_choice)."""
+    return [dataclasses.asdict(choice) for choice in runner.gemv_choices]
+
+
 def record(args: argparse.Namespace, result: dict) -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     result = {"stage": args.stage, "device": device, "torch": torch.__version__,
               "triton": _triton_version(), "date": time.strftime("%Y-%m-%d"), **result}
     if args.stage in ("batch1", "throughput", "overhead"):
         result["decode_ahead"] = not args.no_decode_ahead
+        result["triton_gemv"] = args.triton_gemv
     print(json.dumps(result), flush=True)
     if args.results:
         with open(args.results, "a") as f:
@@ -138,10 +146,11 @@ def stage_batch1(args: argparse.Namespace) -> None:
         return min(times)
 
     per_token = (best_of_3(args.output_len) - best_of_3(1)) / (args.output_len - 1)
-    hits = llm.client.engine.executor.worker.model_runner.ahead_hits
+    runner = llm.client.engine.executor.worker.model_runner
+    hits, choices = runner.ahead_hits, gemv_choices(runner)
     llm.shutdown()
     record(args, {"cuda_graphs": not args.enforce_eager, "ahead_hits": hits, "decode_tok_s": 1 / per_token,
-                  "floor_tok_s": 1 / floor_s, "fraction_of_floor": floor_s / per_token})
+                  "floor_tok_s": 1 / floor_s, "fraction_of_floor": floor_s / per_token, "gemv_choices": choices})
 
 
 def stage_throughput(args: argparse.Namespace) -> None:
@@ -231,12 +240,14 @@ def stage_overhead(args: argparse.Namespace) -> None:
             for _ in range(steps):
                 engine.step()
         pstats.Stats(host).sort_stats("tottime").print_stats(25)
-    hits = engine.executor.worker.model_runner.ahead_hits
+    runner = engine.executor.worker.model_runner
+    hits, choices = runner.ahead_hits, gemv_choices(runner)
     engine.shutdown()
     record(args, {"running": args.num_requests, "context": args.input_len, "cuda_graphs": not args.enforce_eager,
                   "ahead_hits": hits,
                   "step_ms": step_ms, "profiled_steps": steps, "kernels": kernels, "gpu_busy_ms": busy / 1e3,
-                  "span_ms": span / 1e3, "idle_fraction": 1 - busy / span if span else None})
+                  "span_ms": span / 1e3, "idle_fraction": 1 - busy / span if span else None,
+                  "gemv_choices": choices})
 
 
 def _print_kernel_table(trace: dict, steps: int, top: int = 20) -> None:
@@ -278,6 +289,8 @@ def main() -> None:
     parser.add_argument("--results", help="append each result here as a JSON line")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-decode-ahead", action="store_true", help="the engine's --no-decode-ahead")
+    parser.add_argument("--triton-gemv", choices=["auto", "off", "always"], default="auto",
+                        help="one-row products: timed choice of cuBLAS or the Triton GEMV, cuBLAS only, Triton only")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test of the stages")
     parser.add_argument("--size", default="8b", help="stage make: the model maker's size")
     parser.add_argument("--num-requests", type=int, default=1000)
@@ -295,6 +308,9 @@ def main() -> None:
     args.input_len = args.input_len or {"batch1": 64, "overhead": 512}.get(args.stage, 1024)
     args.output_len = args.output_len or {"batch1": 256, "overhead": 64}.get(args.stage, 128)
     warnings.filterwarnings("ignore")
+    from kernels.gemv_choice import MODE_ENV
+
+    os.environ[MODE_ENV] = args.triton_gemv  # the engine runs in this process
     STAGES[args.stage](args)
 
 

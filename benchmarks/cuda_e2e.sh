@@ -2,8 +2,9 @@
 # Issue 26's checks on one CUDA GPU, each step bounded in time so that one hang leaves the rest their turn:
 # the CUDA and Triton tests, then the stages of benchmarks/cuda_e2e.py on an 8B-shaped model; then the tests and
 # benchmarks of speculative decoding, LoRA, quantization and MoE on the GPU.
-#   bash benchmarks/cuda_e2e.sh OUT_DIR [STEP ...]    steps: tests batch1 batch1-noahead eager kernels overhead
-#                                                      overhead-noahead overhead1 throughput hf later-tests
+#   bash benchmarks/cuda_e2e.sh OUT_DIR [STEP ...]    steps: tests batch1 batch1-noahead batch1-cublas eager
+#                                                      kernels gemv-tests overhead overhead-noahead overhead1
+#                                                      throughput hf later-tests
 #                                                      later-bench (= moe-bench spec-bench lora-bench quant-bench)
 #                                                      (default: all)
 # CUDA_E2E_DEADLINE=SECONDS: a step gets at most what is left of them (a lease's end), and none starts with
@@ -12,8 +13,8 @@
 set -u
 out=${1:?usage: cuda_e2e.sh OUT_DIR [STEP ...]}
 shift
-steps=${*:-tests batch1 batch1-noahead eager kernels overhead overhead-noahead overhead1 throughput hf later-tests
-later-bench}
+steps=${*:-tests batch1 batch1-noahead batch1-cublas eager kernels overhead overhead-noahead overhead1 throughput hf
+later-tests later-bench}
 deadline=${CUDA_E2E_DEADLINE:-0}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -65,8 +66,12 @@ for s in $steps; do
              tests/test_cuda.py
            step 60 tests-kv-budget python3 -m pytest -q -p no:cacheprovider --timeout 60 -k kv_budget tests/test_cuda.py
            wait; tail -3 "$out/pytest_kernels.txt" | tee -a "$out/log.txt" ;;
-    batch1) model_made; step 100 batch1-graphs "${bench[@]}" batch1 ;;
+    batch1) model_made; step 140 batch1-graphs "${bench[@]}" batch1 ;;  # the GEMV's timing and compiles: 140 s
     batch1-noahead) model_made; step 100 batch1-graphs-noahead "${bench[@]}" batch1 --no-decode-ahead ;;
+    batch1-cublas) model_made; step 100 batch1-graphs-cublas "${bench[@]}" batch1 --triton-gemv off ;;
+    gemv-tests) wait  # the CPU kernels built (the tests' session fixture loads them)
+           step 150 gemv-tests python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs -k gemv \
+             tests/test_triton_kernels.py tests/test_cuda.py ;;
     eager) model_made; step 80 batch1-eager "${bench[@]}" batch1 --enforce-eager ;;
     kernels) step 60 kernels python3 benchmarks/kernels.py ;;
     overhead) model_made; step 120 overhead "${bench[@]}" overhead --num-requests 256 --host-profile ;;

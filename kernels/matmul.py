@@ -8,12 +8,14 @@ import torch.nn.functional as F
 from kernels import cpu_gemv, cpu_prepacked
 from kernels.backend import use_triton
 from kernels.cpu_features import matmul_dtype
+from kernels.gemv_choice import GemvConfig
 from kernels.quantized_matmul import QUANTIZED_DTYPES, quantized_linear
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            weight_scale: torch.Tensor | None = None, weight_zero: torch.Tensor | None = None,
-           weight_g_idx: torch.Tensor | None = None, packed: torch.Tensor | None = None) -> torch.Tensor:
+           weight_g_idx: torch.Tensor | None = None, packed: torch.Tensor | None = None,
+           gemv: GemvConfig | None = None) -> torch.Tensor:
     """F.linear in `matmul_dtype`: bf16 weights stay bf16 in memory but multiply as float32 on CPUs that
     would emulate bf16 GEMMs (about 3x faster end to end, same result as a native bf16 GEMM). A few rows on the
     CPU (decode at small batch) go to the GEMV kernel, which streams the weight once.
@@ -23,7 +25,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     a time into the GEMM's dtype.
 
     `packed`, the weight's kernels.cpu_prepacked copy where the model keeps one, serves the GEMMs the GEMV kernel
-    does not take."""
+    does not take.
+
+    `gemv`, the Triton GEMV's launch shape that start-up timing chose for this weight on CUDA (workers.gemv_tuning),
+    serves products of one row (batch-1 decode) in place of cuBLAS."""
+    if gemv is not None and x.numel() == x.shape[-1]:
+        from kernels import gemv_triton  # lazily: see kernels.backend
+
+        return gemv_triton.gemv(x, weight, bias, gemv)
     if weight.dtype in QUANTIZED_DTYPES:
         return _quantized_linear(x, weight, bias, weight_scale, weight_zero, weight_g_idx)
     if cpu_gemv.serves(x, weight, bias):

@@ -8,6 +8,7 @@ import torch
 
 from conftest import assert_all_blocks_free, random_prompts, tiny_model
 from frontend import LLM, SamplingParams
+from kernels import gemv_choice
 from kernels.backend import use_triton
 from test_hf_exactness import GREEDY, MAX_NEW_TOKENS, PROMPT_LENGTHS, expected
 
@@ -52,7 +53,9 @@ def test_bfloat16_cuda_graphs_equal_eager_steps_padded_and_past_the_largest_grap
     prompts = [{"prompt_token_ids": p} for p in random_prompts([5 + 9 * i for i in range(11)], vocab=1000, seed=3)]
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(11)]
     # Contexts under 512 tokens keep every decode on the one-pass attention kernel in both modes (split-K starts
-    # at 512), so both sum in the same order and bfloat16 rounding cannot tell them apart.
+    # at 512), and cuBLAS serves one-row products in both (the graphs' own choice could be the Triton GEMV, eager
+    # steps' is cuBLAS), so both sum in the same order and bfloat16 rounding cannot tell them apart.
+    monkeypatch.setenv(gemv_choice.MODE_ENV, "off")
     common = {"device": "cuda", "max_model_len": 256, "cuda_graph_sizes": [1, 2, 4, 8], "in_process": True,
               **SMALL_CACHE}
     eager = LLM(model_dir, enforce_eager=True, **common)
@@ -94,6 +97,41 @@ def test_decode_ahead_leaves_greedy_and_seeded_outputs_as_they_were():
         llm.shutdown()
     assert [len(t) for t in tokens[True]] == [p.max_tokens for p in params]
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on the QKV projection
+def test_triton_gemv_for_every_one_row_product_still_equals_hf_in_float32(arch, monkeypatch):
+    """Mode "always": every linear layer and the LM head take the Triton GEMV for one-row products (batch-1
+    decode steps, captured in the graphs), and float32 greedy tokens stay HF's."""
+    monkeypatch.setenv(gemv_choice.MODE_ENV, "always")
+    model_dir = tiny_model(arch)
+    prompts, hf_outputs = expected(model_dir)
+    llm = LLM(model_dir, dtype="float32", device="cuda", in_process=True, **SMALL_CACHE)
+    runner = model_runner(llm)
+    layers = [m for m in runner.model.modules() if hasattr(m, "gemv_config") and m.weight.dim() == 2]
+    assert runner.decode_graphs is not None and len(layers) == 4 * len(runner.attention_layers) + 1
+    assert all(layer.gemv_config == gemv_choice.CONFIGS[0] for layer in layers)
+    for prompt, theirs in zip(prompts, hf_outputs):  # one at a time: batch-1 decode steps
+        [output] = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+        assert output.outputs[0].token_ids == theirs
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
+def test_gemv_timing_chooses_one_product_per_weight_shape():
+    """Mode "auto" (the default): each weight shape timed once against cuBLAS; its layers take what won."""
+    llm = LLM(tiny_model("llama"), device="cuda", in_process=True, **SMALL_CACHE)
+    runner = model_runner(llm)
+    layers = [m for m in runner.model.modules() if hasattr(m, "gemv_config") and m.weight.dim() == 2]
+    choices = {choice.shape: choice for choice in runner.gemv_choices}
+    assert set(choices) == {tuple(layer.weight.shape) for layer in layers}
+    for layer in layers:
+        choice = choices[tuple(layer.weight.shape)]
+        assert layer.gemv_config == choice.config and choice.cublas_us > 0 and choice.triton_us > 0
+        assert choice.config is None or (choice.config in gemv_choice.CONFIGS and choice.triton_us < choice.cublas_us)
+    [output] = llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == MAX_NEW_TOKENS
+    llm.shutdown()
 
 
 def test_kv_budget_grows_with_gpu_memory_utilization():

@@ -14,6 +14,7 @@ from kernels import (  # noqa: E402
     attention_ref,
     attention_triton,
     decode_split_k_triton,
+    gemv_triton,
     kv_cache_ref,
     kv_cache_triton,
     norm_ref,
@@ -21,6 +22,7 @@ from kernels import (  # noqa: E402
     rotary_ref,
     rotary_triton,
 )
+from kernels import gemv_choice, matmul  # noqa: E402
 from kernels.attention import triton_paged_attention  # noqa: E402
 from test_kernels import build_batch  # noqa: E402
 from workers.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -146,6 +148,42 @@ def test_rms_norm(dtype, with_residual):
     residual = residual if with_residual else None
     torch.testing.assert_close(norm_triton.rms_norm(x, weight, 1e-6, residual),
                                norm_ref.rms_norm(x, weight, 1e-6, residual), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("config", gemv_choice.CONFIGS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k, bias", [(37, 300, True), (64, 1024, False)], ids=["ragged-bias", "even"])
+def test_gemv_equals_linear_in_every_launch_shape(config, dtype, n, k, bias):
+    """Ragged: the last program's rows and the last input tile masked; even: no masks at all."""
+    generator = torch.Generator().manual_seed(n + k)
+    weight = (torch.randn(n, k, generator=generator) / k ** 0.5).to(DEVICE, dtype)
+    x = torch.randn(1, 1, k, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
+    out = gemv_triton.gemv(x, weight, b, config)
+    assert out.shape == (1, 1, n) and out.dtype == dtype
+    expected = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float()).to(dtype)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def test_gemv_choice_keeps_cublas_unless_a_launch_shape_beats_it_clearly():
+    first, second = gemv_choice.CONFIGS[:2]
+    assert gemv_choice.pick({None: 10.0, first: 9.0, second: 8.5}) == second
+    assert gemv_choice.pick({None: 10.0, first: 9.9, second: 12.0}) is None  # 1%: within the timing's noise
+    assert gemv_choice.pick({None: 8.0, first: 9.0, second: 8.5}) is None
+
+
+def test_linear_takes_the_gemv_for_one_row_only(monkeypatch):
+    """A layer's chosen launch shape serves its one-row products; more rows go to the GEMM as before."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(24, 40, generator=generator).to(DEVICE)
+    served = []
+    gemv = gemv_triton.gemv
+    monkeypatch.setattr(gemv_triton, "gemv", lambda *args: served.append(args[0].shape) or gemv(*args))
+    for rows in (1, 3):
+        x = torch.randn(rows, 40, generator=generator).to(DEVICE)
+        out = matmul.linear(x, weight, gemv=gemv_choice.CONFIGS[1])
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), **TOLERANCE[torch.float32])
+    assert served == [(1, 40)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -14,9 +14,11 @@ from transformers import PretrainedConfig
 from ipc import (EngineConfig, ModelRunnerOutput, NewRequestData, PoolingInfo, PromptLogprobs, SamplingParams,
                  SchedulerOutput)
 from kernels.cpu_decoder_layer import SampledRows
+from kernels.gemv_choice import GemvChoice
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.decode_ahead import AheadForward, DecodeRows, next_rows
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
+from workers.gemv_tuning import choose_gemvs
 from workers.later_steps import LaterSteps, StepBatch, accepted_run
 from workers.layers.attention import Attention, AttentionMetadata, DecodeMetadata, StepMetadata
 from workers.layers.fused_moe import FusedMoE
@@ -94,15 +96,20 @@ class ModelRunner:
         self.ahead_plan: tuple[DecodeRows, int] | None = None
         self.ahead: AheadForward | None = None
         self.ahead_hits = 0  # decode steps whose forward pass ran ahead
+        self.gemv_choices: list[GemvChoice] = []  # what start-up timing chose for one-row products (CUDA)
         self.lora = LoRAManager(self.model, config, dtype, device) if config.enable_lora else None
         self.pooling = pooling
         self.chunked_pooling = ChunkedPooling(pooling.pooling_type)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache, then capture the decode graphs, which write into it."""
+        """Allocate the KV cache, then capture the decode graphs, which write into it. Before a graph of one row
+        is captured, its products are chosen (timed on the GPU while it is otherwise idle): the Triton GEMV's
+        launches cost more host time than cuBLAS's, which only a graph's replay makes free."""
         self._bind_kv_cache(num_blocks)
         sizes = capture_sizes(self.config)
         if sizes and self._captures_cuda_graphs():
+            if sizes[0] == 1:
+                self.gemv_choices = choose_gemvs(self.model)
             self.decode_graphs = DecodeGraphs(self.model, sizes, self.config.max_model_len, self.block_size,
                                               self.attention_layers[0].num_kv_heads, self.device)
             self.decode_graphs.capture()

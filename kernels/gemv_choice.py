@@ -1,0 +1,107 @@
+"""Which product serves a one-row x W^T on CUDA, per weight shape: cuBLAS, or the Triton GEMV in one of its launch
+shapes, whichever streamed the model's own weights of that shape fastest when timed at start-up."""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# "auto" (default): timed at start-up; "off": cuBLAS only; "always": the Triton GEMV for every shape, in its first
+# launch shape (tests of its wiring, where timing would pick either).
+MODE_ENV = "PAGEDSERVE_TRITON_GEMV"
+_ROUNDS = 3  # each candidate timed this often, candidates interleaved, its best taken: the device drifts
+_MIN_GAIN = 0.02  # Triton must beat cuBLAS by this share: a tie within the timing's noise keeps cuBLAS
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """A launch shape: output rows per program, input columns per loop step, warps, software-pipeline stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Few rows per program (many programs, so every SM streams), input tiles wide enough for 16-byte loads per thread.
+CONFIGS = (GemvConfig(8, 512, 4, 3), GemvConfig(16, 256, 4, 3), GemvConfig(16, 512, 4, 3),
+           GemvConfig(32, 256, 8, 3), GemvConfig(32, 512, 8, 2), GemvConfig(64, 128, 4, 4),
+           GemvConfig(8, 1024, 8, 2))
+
+
+@dataclass(frozen=True)
+class GemvChoice:
+    """What start-up timing found for one weight shape: microseconds per product, and the launch shape chosen
+    (None: cuBLAS)."""
+
+    shape: tuple[int, int]
+    dtype: str
+    weights: int
+    cublas_us: float
+    triton_us: float
+    config: GemvConfig | None
+
+
+def mode() -> str:
+    value = os.environ.get(MODE_ENV, "auto")
+    if value not in ("auto", "off", "always"):
+        raise ValueError(f"{MODE_ENV}={value!r}: expected auto, off or always")
+    return value
+
+
+def choose(products: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> GemvChoice:
+    """Time cuBLAS and each launch shape on products (weight, bias) of one shape, dtype and bias presence, each
+    candidate streaming all of them in turn (their bytes, not the L2 cache's, as in a decode step), replayed from
+    a CUDA graph as the decode step's are: launched from Python, a product of a few microseconds would time the
+    host's launches instead."""
+    from kernels import gemv_triton  # lazily: see kernels.backend
+
+    weight = products[0][0]
+    x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+
+    def streamer(config: GemvConfig | None) -> Callable[[], None]:
+        if config is None:
+            return lambda: [F.linear(x, w, b) for w, b in products]
+        return lambda: [gemv_triton.gemv(x, w, b, config) for w, b in products]
+
+    candidates = (None, *CONFIGS)
+    graphs = {config: _captured(streamer(config), weight.device) for config in candidates}
+    best = {config: float("inf") for config in candidates}
+    for _ in range(_ROUNDS):
+        for config in candidates:
+            best[config] = min(best[config], _replay_us(graphs[config]) / len(products))
+    fastest = min(CONFIGS, key=best.__getitem__)
+    return GemvChoice(tuple(weight.shape), str(weight.dtype).removeprefix("torch."), len(products), best[None],
+                      best[fastest], pick(best))
+
+
+def pick(times_us: dict[GemvConfig | None, float]) -> GemvConfig | None:
+    """The fastest launch shape where it beats cuBLAS (key None) by more than the timing's noise, else None."""
+    fastest = min((config for config in times_us if config is not None), key=times_us.__getitem__)
+    return fastest if times_us[fastest] < (1 - _MIN_GAIN) * times_us[None] else None
+
+
+def _captured(run: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+    """run() captured in a graph, after one run outside it (which compiles and creates cuBLAS's state)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
+def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
+    """Microseconds of one replay, from CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
