@@ -2,12 +2,16 @@
 shapes, whichever streamed the model's own weights of that shape fastest when timed at start-up."""
 from __future__ import annotations
 
+import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 # "auto" (default): timed at start-up; "off": cuBLAS only; "always": the Triton GEMV for every shape, in its first
 # launch shape (tests of its wiring, where timing would pick either).
@@ -34,8 +38,8 @@ CONFIGS = (GemvConfig(8, 512, 4, 3), GemvConfig(16, 256, 4, 3), GemvConfig(16, 5
 
 @dataclass(frozen=True)
 class GemvChoice:
-    """What start-up timing found for one weight shape: microseconds per product, and the launch shape chosen
-    (None: cuBLAS)."""
+    """What start-up timing found for one weight shape: microseconds per product with cuBLAS and with the fastest
+    launch shape (NaN: none ran on this GPU), and the launch shape chosen (None: cuBLAS)."""
 
     shape: tuple[int, int]
     dtype: str
@@ -67,21 +71,26 @@ def choose(products: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> Gemv
             return lambda: [F.linear(x, w, b) for w, b in products]
         return lambda: [gemv_triton.gemv(x, w, b, config) for w, b in products]
 
-    candidates = (None, *CONFIGS)
-    graphs = {config: _captured(streamer(config), weight.device) for config in candidates}
-    best = {config: float("inf") for config in candidates}
+    graphs = {None: _captured(streamer(None), weight.device)}
+    for config in CONFIGS:
+        try:
+            graphs[config] = _captured(streamer(config), weight.device)
+        except Exception as error:  # noqa: BLE001 (a launch shape this GPU cannot compile is no candidate)
+            logger.warning("the Triton GEMV's launch shape %s does not run on this GPU: %s", config, error)
+    best = {config: float("inf") for config in graphs}
     for _ in range(_ROUNDS):
-        for config in candidates:
-            best[config] = min(best[config], _replay_us(graphs[config]) / len(products))
-    fastest = min(CONFIGS, key=best.__getitem__)
+        for config, graph in graphs.items():
+            best[config] = min(best[config], _replay_us(graph) / len(products))
+    triton_us = min((us for config, us in best.items() if config is not None), default=math.nan)
     return GemvChoice(tuple(weight.shape), str(weight.dtype).removeprefix("torch."), len(products), best[None],
-                      best[fastest], pick(best))
+                      triton_us, pick(best))
 
 
 def pick(times_us: dict[GemvConfig | None, float]) -> GemvConfig | None:
     """The fastest launch shape where it beats cuBLAS (key None) by more than the timing's noise, else None."""
-    fastest = min((config for config in times_us if config is not None), key=times_us.__getitem__)
-    return fastest if times_us[fastest] < (1 - _MIN_GAIN) * times_us[None] else None
+    shapes = [config for config in times_us if config is not None]
+    fastest = min(shapes, key=times_us.__getitem__, default=None)
+    return fastest if fastest is not None and times_us[fastest] < (1 - _MIN_GAIN) * times_us[None] else None
 
 
 def _captured(run: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:

@@ -170,6 +170,7 @@ def test_gemv_choice_keeps_cublas_unless_a_launch_shape_beats_it_clearly():
     assert gemv_choice.pick({None: 10.0, first: 9.0, second: 8.5}) == second
     assert gemv_choice.pick({None: 10.0, first: 9.9, second: 12.0}) is None  # 1%: within the timing's noise
     assert gemv_choice.pick({None: 8.0, first: 9.0, second: 8.5}) is None
+    assert gemv_choice.pick({None: 8.0}) is None  # no launch shape ran on this GPU
 
 
 def test_linear_takes_the_gemv_for_one_row_only(monkeypatch):
