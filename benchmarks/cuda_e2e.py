@@ -34,6 +34,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ipc import EngineConfig, EngineCoreRequest, SamplingParams  # noqa: E402
 from launch.make_model import make_model, quiet_transformers  # noqa: E402
+
+if TYPE_CHECKING:
+    from workers.model_runner import ModelRunner
 
 COPY_BYTES = 1 << 30
 
@@ -98,7 +102,7 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def gemv_choices(runner) -> list[dict]:
+def gemv_choices(runner: ModelRunner) -> list[dict]:
     """What start-up timing chose for the one-row products, per weight shape (kernels.gemv_choice)."""
     return [dataclasses.asdict(choice) for choice in runner.gemv_choices]
 

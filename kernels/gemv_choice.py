@@ -3,7 +3,6 @@ shapes, whichever streamed the model's own weights of that shape fastest when ti
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,18 +37,20 @@ CONFIGS = (GemvConfig(8, 512, 4, 3), GemvConfig(16, 256, 4, 3), GemvConfig(16, 5
 
 @dataclass(frozen=True)
 class GemvChoice:
-    """What start-up timing found for one weight shape: microseconds per product with cuBLAS and with the fastest
-    launch shape (NaN: none ran on this GPU), and the launch shape chosen (None: cuBLAS)."""
+    """What start-up timing found for one weight shape (and dtype, bias or not): microseconds per product with
+    cuBLAS and with the fastest launch shape (None: none ran on this GPU), and the launch shape chosen (None:
+    cuBLAS)."""
 
     shape: tuple[int, int]
     dtype: str
     weights: int
     cublas_us: float
-    triton_us: float
+    triton_us: float | None
     config: GemvConfig | None
 
 
 def mode() -> str:
+    """The choice's mode from MODE_ENV; a value other than auto, off or always is an error."""
     value = os.environ.get(MODE_ENV, "auto")
     if value not in ("auto", "off", "always"):
         raise ValueError(f"{MODE_ENV}={value!r}: expected auto, off or always")
@@ -58,15 +59,18 @@ def mode() -> str:
 
 def choose(products: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> GemvChoice:
     """Time cuBLAS and each launch shape on products (weight, bias) of one shape, dtype and bias presence, each
-    candidate streaming all of them in turn (their bytes, not the L2 cache's, as in a decode step), replayed from
-    a CUDA graph as the decode step's are: launched from Python, a product of a few microseconds would time the
-    host's launches instead."""
+    candidate streaming all of them in turn (from memory, as in a decode step, where together they outsize the L2
+    cache: an 8B model's do; a small model's are timed from L2 alike), replayed from a CUDA graph as the decode
+    step's are: launched from Python, a product of a few microseconds would time the host's launches instead."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources, PTXASError
+
     from kernels import gemv_triton  # lazily: see kernels.backend
 
     weight = products[0][0]
     x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
 
-    def streamer(config: GemvConfig | None) -> Callable[[], None]:
+    def streamer(config: GemvConfig | None) -> Callable[[], object]:
         if config is None:
             return lambda: [F.linear(x, w, b) for w, b in products]
         return lambda: [gemv_triton.gemv(x, w, b, config) for w, b in products]
@@ -75,13 +79,13 @@ def choose(products: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> Gemv
     for config in CONFIGS:
         try:
             graphs[config] = _captured(streamer(config), weight.device)
-        except Exception as error:  # noqa: BLE001 (a launch shape this GPU cannot compile is no candidate)
+        except (CompilationError, OutOfResources, PTXASError) as error:  # not a candidate on this GPU
             logger.warning("the Triton GEMV's launch shape %s does not run on this GPU: %s", config, error)
     best = {config: float("inf") for config in graphs}
     for _ in range(_ROUNDS):
         for config, graph in graphs.items():
             best[config] = min(best[config], _replay_us(graph) / len(products))
-    triton_us = min((us for config, us in best.items() if config is not None), default=math.nan)
+    triton_us = min((us for config, us in best.items() if config is not None), default=None)
     return GemvChoice(tuple(weight.shape), str(weight.dtype).removeprefix("torch."), len(products), best[None],
                       triton_us, pick(best))
 
@@ -93,7 +97,7 @@ def pick(times_us: dict[GemvConfig | None, float]) -> GemvConfig | None:
     return fastest if fastest is not None and times_us[fastest] < (1 - _MIN_GAIN) * times_us[None] else None
 
 
-def _captured(run: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+def _captured(run: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph:
     """run() captured in a graph, after one run outside it (which compiles and creates cuBLAS's state)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))

@@ -39,9 +39,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
     """F.linear(x, weight, bias) for an x of one row (any leading shape whose product is 1); the weight's rows
     contiguous. Rounds the float32 sums to x's dtype once, as cuBLAS does."""
     n, k = weight.shape
-    if x.numel() != k or weight.stride(1) != 1:
-        raise ValueError(f"gemv takes one row of {k} features and a row-major weight: got x of shape "
-                         f"{tuple(x.shape)}, weight strides {weight.stride()}")
+    if (x.numel() != k or weight.stride(1) != 1 or x.dtype != weight.dtype
+            or bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1)):
+        raise ValueError(f"gemv takes one row of {k} features, a row-major weight and a contiguous bias, all of one "
+                         f"dtype: got x {tuple(x.shape)} {x.dtype}, weight strides {weight.stride()} {weight.dtype}, "
+                         f"bias {None if bias is None else (bias.stride(), bias.dtype)}")
     row = x.reshape(k).contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](

@@ -29,7 +29,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     `gemv`, the Triton GEMV's launch shape that start-up timing chose for this weight on CUDA (workers.gemv_tuning),
     serves products of one row (batch-1 decode) in place of cuBLAS."""
-    if gemv is not None and x.numel() == x.shape[-1]:
+    if gemv is not None and x.numel() == x.shape[-1] and weight_scale is None:
         from kernels import gemv_triton  # lazily: see kernels.backend
 
         return gemv_triton.gemv(x, weight, bias, gemv)

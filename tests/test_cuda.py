@@ -79,7 +79,7 @@ def test_bfloat16_cuda_graphs_equal_eager_steps_padded_and_past_the_largest_grap
     graphed.shutdown()
 
 
-def test_decode_ahead_leaves_greedy_and_seeded_outputs_as_they_were():
+def test_decode_ahead_leaves_greedy_and_seeded_outputs_as_they_were(monkeypatch):
     """The next decode step's graph replayed before this step's tokens reach the host, fed them on the device:
     tokens equal those of the engine without it while 9 requests finish one after another (the steps computed
     ahead then hold rows no longer needed), greedy and seeded."""
@@ -87,6 +87,8 @@ def test_decode_ahead_leaves_greedy_and_seeded_outputs_as_they_were():
     prompts = [{"prompt_token_ids": p} for p in random_prompts([4 + 7 * i for i in range(9)], vocab=1000, seed=5)]
     params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=6 + 3 * i, ignore_eos=True)
               for i in range(9)]
+    # The same products in both engines: each one's own timing could choose differently where candidates tie.
+    monkeypatch.setenv(gemv_choice.MODE_ENV, "always")
     tokens = {}
     for ahead in (False, True):
         llm = LLM(model_dir, in_process=True, device="cuda", dtype="float32", decode_ahead=ahead,
@@ -102,8 +104,14 @@ def test_decode_ahead_leaves_greedy_and_seeded_outputs_as_they_were():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases on the QKV projection
 def test_triton_gemv_for_every_one_row_product_still_equals_hf_in_float32(arch, monkeypatch):
     """Mode "always": every linear layer and the LM head take the Triton GEMV for one-row products (batch-1
-    decode steps, captured in the graphs), and float32 greedy tokens stay HF's."""
+    decode steps: the layers' inside the captured graph, the LM head's outside), and float32 greedy tokens stay
+    HF's."""
+    from kernels import gemv_triton
+
     monkeypatch.setenv(gemv_choice.MODE_ENV, "always")
+    served = []
+    gemv = gemv_triton.gemv
+    monkeypatch.setattr(gemv_triton, "gemv", lambda x, w, *rest: served.append(w.shape) or gemv(x, w, *rest))
     model_dir = tiny_model(arch)
     prompts, hf_outputs = expected(model_dir)
     llm = LLM(model_dir, dtype="float32", device="cuda", in_process=True, **SMALL_CACHE)
@@ -111,15 +119,21 @@ def test_triton_gemv_for_every_one_row_product_still_equals_hf_in_float32(arch, 
     layers = [m for m in runner.model.modules() if hasattr(m, "gemv_config") and m.weight.dim() == 2]
     assert runner.decode_graphs is not None and len(layers) == 4 * len(runner.attention_layers) + 1
     assert all(layer.gemv_config == gemv_choice.CONFIGS[0] for layer in layers)
+    head = runner.model.lm_head
+    assert {tuple(shape) for shape in served} >= {tuple(m.weight.shape) for m in layers if m is not head}  # captured
+    served.clear()
     for prompt, theirs in zip(prompts, hf_outputs):  # one at a time: batch-1 decode steps
         [output] = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
         assert output.outputs[0].token_ids == theirs
+    assert served.count(head.weight.shape) >= sum(len(t) for t in hf_outputs)  # each token's logits: one row
     assert_all_blocks_free(llm)
     llm.shutdown()
 
 
-def test_gemv_timing_chooses_one_product_per_weight_shape():
-    """Mode "auto" (the default): each weight shape timed once against cuBLAS; its layers take what won."""
+def test_gemv_timing_chooses_one_product_per_weight_shape(monkeypatch):
+    """Mode "auto" (the default): each weight shape timed once against cuBLAS; its layers take what won (the tiny
+    llama's shapes have no biases and one dtype, so a shape is a group)."""
+    monkeypatch.setenv(gemv_choice.MODE_ENV, "auto")
     llm = LLM(tiny_model("llama"), device="cuda", in_process=True, **SMALL_CACHE)
     runner = model_runner(llm)
     layers = [m for m in runner.model.modules() if hasattr(m, "gemv_config") and m.weight.dim() == 2]

@@ -9,7 +9,9 @@ import torch
 from conftest import CopyStaging, tiny_model
 from frontend import LLM
 from ipc import EngineConfig
+from kernels import gemv_choice
 from launch.launch import build_parser, engine_config
+from workers import gemv_tuning
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.gpu_memory import MemoryProfile, kv_cache_budget
 from workers.layers.attention import Attention, AttentionMetadata
@@ -149,3 +151,49 @@ def test_padded_decode_batch_run_eagerly_equals_the_unpadded_batch():
         by_slot = [c.transpose(2, 3).reshape(2, -1, c.shape[2], c.shape[4]) for c in (before, ours, theirs)]
         assert torch.equal(by_slot[1][:, untouched], by_slot[0][:, untouched]), "a padding row wrote the KV cache"
         torch.testing.assert_close(by_slot[1], by_slot[2], rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_choice_times_each_group_of_plain_weights_once_and_sets_its_layers(monkeypatch):
+    """The one-row products' choice, its GPU timing stubbed: one timing per (shape, dtype, bias) group of plain
+    weights, its result on each layer of the group; quantized weights left out; modes off and always; a bad mode."""
+    model_dir = tiny_model("llama")
+    model = load_model(model_dir, load_hf_config(model_dir), torch.float32, torch.device("cpu"))
+    layers = [m for m in model.modules() if hasattr(m, "gemv_config") and m.weight.dim() == 2]
+    biased = model.model.layers[0].self_attn.o_proj  # the other layer's o_proj: same shape, no bias, another group
+    biased.bias = torch.nn.Parameter(torch.zeros(biased.weight.shape[0]), requires_grad=False)
+    quantized = model.model.layers[0].mlp.down_proj
+    quantized.weight_scale = torch.ones(quantized.weight.shape[0])
+    plain = [m for m in layers if m is not quantized]
+
+    def group_of(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+        return tuple(weight.shape), bias is not None
+
+    timed = []
+
+    def choose(products):
+        timed.append({group_of(w, b) for w, b in products})
+        return gemv_choice.GemvChoice(tuple(products[0][0].shape), "float32", len(products), 2.0, 1.0,
+                                      gemv_choice.CONFIGS[len(timed)])
+
+    monkeypatch.setattr(gemv_tuning, "triton_serves", lambda device: True)
+    monkeypatch.setattr(gemv_choice, "choose", choose)
+    monkeypatch.setenv(gemv_choice.MODE_ENV, "auto")
+    choices = gemv_tuning.choose_gemvs(model)
+    groups = [group_of(m.weight, getattr(m, "bias", None)) for m in plain]
+    assert all(len(products) == 1 for products in timed)  # each timing's products of one group
+    timed_groups = [products.pop() for products in timed]
+    assert sorted(timed_groups) == sorted(set(groups)) and len(choices) == len(timed_groups)
+    config_of = {group: choice.config for group, choice in zip(timed_groups, choices)}
+    assert [m.gemv_config for m in plain] == [config_of[group] for group in groups]
+    assert quantized.gemv_config is None
+
+    for layer in plain:
+        layer.gemv_config = None
+    monkeypatch.setenv(gemv_choice.MODE_ENV, "off")
+    assert gemv_tuning.choose_gemvs(model) == [] and all(m.gemv_config is None for m in plain)
+    monkeypatch.setenv(gemv_choice.MODE_ENV, "always")
+    assert gemv_tuning.choose_gemvs(model) == [] and all(m.gemv_config == gemv_choice.CONFIGS[0] for m in plain)
+    assert quantized.gemv_config is None
+    monkeypatch.setenv(gemv_choice.MODE_ENV, "fast")
+    with pytest.raises(ValueError, match="PAGEDSERVE_TRITON_GEMV='fast'"):
+        gemv_tuning.choose_gemvs(model)

@@ -150,19 +150,32 @@ def test_rms_norm(dtype, with_residual):
                                norm_ref.rms_norm(x, weight, 1e-6, residual), **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("config", gemv_choice.CONFIGS, ids=str)
+@pytest.mark.parametrize("config", gemv_choice.CONFIGS, ids=lambda c: f"{c.block_n}x{c.block_k}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, k, bias", [(37, 300, True), (64, 1024, False)], ids=["ragged-bias", "even"])
-def test_gemv_equals_linear_in_every_launch_shape(config, dtype, n, k, bias):
-    """Ragged: the last program's rows and the last input tile masked; even: no masks at all."""
+@pytest.mark.parametrize("n, k, bias, row_stride", [(37, 300, True, 300), (64, 1024, False, 1024),
+                                                    (37, 1024, False, 1024), (64, 300, True, 320)],
+                         ids=["ragged-bias", "even", "ragged-rows", "ragged-columns-bias-strided"])
+def test_gemv_equals_linear_in_every_launch_shape(config, dtype, n, k, bias, row_stride):
+    """Ragged rows, columns or both: the last program's rows or the last input tile masked; even: no masks; the
+    weight a view of every row's first k columns where its rows are longer (a row stride past k)."""
     generator = torch.Generator().manual_seed(n + k)
-    weight = (torch.randn(n, k, generator=generator) / k ** 0.5).to(DEVICE, dtype)
+    weight = (torch.randn(n, row_stride, generator=generator) / k ** 0.5).to(DEVICE, dtype)[:, :k]
     x = torch.randn(1, 1, k, generator=generator).to(DEVICE, dtype)
     b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
     out = gemv_triton.gemv(x, weight, b, config)
     assert out.shape == (1, 1, n) and out.dtype == dtype
     expected = torch.nn.functional.linear(x.float(), weight.float(), None if b is None else b.float()).to(dtype)
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def test_gemv_refuses_what_f_linear_would_not_compute_alike():
+    """Another dtype for x than the weight's (F.linear raises), a bias of another dtype or strided, more rows."""
+    weight, config = torch.randn(8, 32).to(DEVICE), gemv_choice.CONFIGS[0]
+    for x, bias in [(torch.randn(1, 32).to(DEVICE, torch.bfloat16), None), (torch.randn(1, 32).to(DEVICE),
+                    torch.randn(8).to(DEVICE, torch.bfloat16)), (torch.randn(1, 32).to(DEVICE),
+                    torch.randn(16).to(DEVICE)[::2]), (torch.randn(2, 32).to(DEVICE), None)]:
+        with pytest.raises(ValueError, match="gemv takes one row"):
+            gemv_triton.gemv(x, weight, bias, config)
 
 
 def test_gemv_choice_keeps_cublas_unless_a_launch_shape_beats_it_clearly():

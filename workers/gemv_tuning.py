@@ -17,7 +17,8 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def choose_gemvs(model: nn.Module) -> list[gemv_choice.GemvChoice]:
     """Set `gemv_config` on each linear layer with a plain CUDA weight (None: cuBLAS); what the timing found, one
-    entry per weight shape (none with the mode "off" or "always", nor off CUDA)."""
+    entry per group of weights of one shape, dtype and bias presence (none with the mode "off" or "always", nor
+    off CUDA)."""
     mode = gemv_choice.mode()
     layers = [m for m in model.modules() if getattr(m, "gemv_config", False) is None
               and getattr(m, "weight_scale", None) is None and m.weight.dim() == 2 and m.weight.dtype in _DTYPES

@@ -103,8 +103,9 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then capture the decode graphs, which write into it. Before a graph of one row
-        is captured, its products are chosen (timed on the GPU while it is otherwise idle): the Triton GEMV's
-        launches cost more host time than cuBLAS's, which only a graph's replay makes free."""
+        is captured, its products are chosen (timed on the GPU while it is otherwise idle); only then, as the
+        Triton GEMV's launches cost more host time than cuBLAS's: the graph's replay makes its layers' launches
+        free, and the LM head's, outside it, is one launch a step."""
         self._bind_kv_cache(num_blocks)
         sizes = capture_sizes(self.config)
         if sizes and self._captures_cuda_graphs():
