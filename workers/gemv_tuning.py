@@ -38,7 +38,8 @@ def choose_gemvs(model: nn.Module) -> list[gemv_choice.GemvChoice]:
         choice = gemv_choice.choose([(m.weight, getattr(m, "bias", None)) for m in group])
         for layer in group:
             layer.gemv_config = choice.config
-        logger.info("one-row products of %s %s weights (%d): cuBLAS %.1f us, Triton GEMV %.1f us: %s", choice.shape,
-                    choice.dtype, choice.weights, choice.cublas_us, choice.triton_us, choice.config or "cuBLAS")
+        triton = "none ran" if choice.triton_us is None else f"{choice.triton_us:.1f} us"
+        logger.info("one-row products of %s %s weights (%d): cuBLAS %.1f us, Triton GEMV %s: %s", choice.shape,
+                    choice.dtype, choice.weights, choice.cublas_us, triton, choice.config or "cuBLAS")
         choices.append(choice)
     return choices
