@@ -103,7 +103,8 @@ def freeze_startup_objects() -> None:
 
 
 def gemv_choices(runner: ModelRunner) -> list[dict]:
-    """What start-up timing chose for the one-row products, per weight shape (kernels.gemv_choice)."""
+    """What start-up timing chose for the one-row products, per group of weights of one shape, dtype and bias
+    presence (kernels.gemv_choice)."""
     return [dataclasses.asdict(choice) for choice in runner.gemv_choices]
 
 
