@@ -23,7 +23,8 @@ from kernels import cpu_extension, cpu_gemv
 @dataclass(frozen=True)
 class DecoderLayerWeights:
     """One layer's parameters (biases None where absent) and shape; tensors, so a reloaded weight is followed.
-    A projection may be int8 with a float32 scale per output row (weight-only quantization): its *_scale."""
+    A projection may be int8 with a float32 scale per output row (weight-only quantization): its *_scale. A bf16
+    projection may come with its kernels.cpu_gemv.pair_weight copy (*_pairs), which its products then read."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
@@ -45,14 +46,19 @@ class DecoderLayerWeights:
     o_scale: torch.Tensor | None = None
     gate_up_scale: torch.Tensor | None = None
     down_scale: torch.Tensor | None = None
+    qkv_pairs: torch.Tensor | None = None
+    o_pairs: torch.Tensor | None = None
+    gate_up_pairs: torch.Tensor | None = None
+    down_pairs: torch.Tensor | None = None
 
     def max_rows(self) -> int:
         """The most tokens of a step whose products the kernels run for these projections (max_rows)."""
-        return max_rows(self.input_norm.dtype, [self.qkv, self.o, self.gate_up, self.down])
+        return max_rows(self.input_norm.dtype, [self.qkv, self.o, self.gate_up, self.down], self._pairs())
 
     def pointers(self) -> list[int]:
         tensors = (self.input_norm, self.qkv, self.qkv_bias, self.o, self.o_bias, self.post_norm, self.gate_up,
-                   self.down, self.cos, self.sin, self.qkv_scale, self.o_scale, self.gate_up_scale, self.down_scale)
+                   self.down, self.cos, self.sin, self.qkv_scale, self.o_scale, self.gate_up_scale, self.down_scale,
+                   *self._pairs())
         return [0 if t is None else t.data_ptr() for t in tensors]
 
     def check_dtypes(self, dtype: torch.dtype) -> None:
@@ -63,6 +69,11 @@ class DecoderLayerWeights:
             if not (int8 or (weight.dtype == dtype and scale is None)):
                 raise TypeError("a projection's weight must be of the hidden states' dtype, or int8 with float32 "
                                 "scales per row [N] or per group of a multiple of 8 columns [N, K / group]")
+        for (weight, _), pairs in zip(self._projections(), self._pairs()):
+            if pairs is not None and not (weight.dtype == dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weight)
+                                          and cpu_gemv.fits_pairs(weight, pairs)):
+                raise ValueError("a projection's pairs must be kernels.cpu_gemv.pair_weight of its bf16 weight, on a "
+                                 "CPU with AVX-512 BF16")
 
     def dims(self) -> list[int]:
         groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self._projections()]
@@ -72,6 +83,9 @@ class DecoderLayerWeights:
     def _projections(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
         return ((self.qkv, self.qkv_scale), (self.o, self.o_scale), (self.gate_up, self.gate_up_scale),
                 (self.down, self.down_scale))
+
+    def _pairs(self) -> tuple[torch.Tensor | None, ...]:
+        return self.qkv_pairs, self.o_pairs, self.gate_up_pairs, self.down_pairs
 
 
 def _scale_group(weight: torch.Tensor, scale: torch.Tensor) -> int | None:
@@ -100,13 +114,15 @@ def takes_projection(weight: torch.Tensor, scale: torch.Tensor | None, zero: tor
 LONG_RUN_ROWS, LONG_RUN_CONTEXT = 16, 768
 
 
-def max_rows(dtype: torch.dtype, weights: Sequence[torch.Tensor] = ()) -> int:
+def max_rows(dtype: torch.dtype, weights: Sequence[torch.Tensor] = (),
+             pairs: Sequence[torch.Tensor | None] = ()) -> int:
     """The most tokens of a step whose products the layer runs in the kernels (the least of cpu_gemv's limits for
-    its projection weights, if given); past them torch's
+    its projection weights, if given, with their pairs copies where given); past them torch's
     GEMMs are faster, and the layer takes them between its calls (decoder_layers_with_products: in-process decode
     of the benchmark model on a 2-core AVX-512 BF16 EPYC, 10.5 ms per step at 16 requests against 12.3 with the
     kernels' products and 14.0 on the op path; 14.6 against 18.3 on the op path at 32, 25.0 against 29.1 at 64)."""
-    return min((cpu_gemv.max_rows(dtype, weight) for weight in weights), default=cpu_gemv.max_rows(dtype))
+    return min((cpu_gemv.max_rows(dtype, weight, paired) for weight, paired in itertools.zip_longest(weights, pairs)),
+               default=cpu_gemv.max_rows(dtype))
 
 
 @dataclass(frozen=True)
@@ -266,6 +282,7 @@ class DraftModelDrafts:
     known: np.ndarray
     capacity: np.ndarray
     next: np.ndarray
+    head_pairs: torch.Tensor | None = None  # the head's kernels.cpu_gemv.pair_weight copy, where the draft keeps one
 
 
 @dataclass(frozen=True)
@@ -296,7 +313,7 @@ def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch
                   tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
                   stops: Sequence[Collection[int]], steps: int,
                   drafts: PromptLookupDrafts | DraftModelDrafts | None = None, max_rows: int | None = None,
-                  sampled: SampledRows | None = None) -> GreedyRun:
+                  sampled: SampledRows | None = None, head_pairs: torch.Tensor | None = None) -> GreedyRun:
     """Up to `steps` greedy steps for each row from its last token `tokens[m]` at `positions[m]`: per step the
     embedding lookup, decoder_layers() with the final norm, the LM head `head` [rows, hidden] by the GEMV kernel and
     the first argmax among its first vocab_size logits, as the model computes them, all in C++. Row m takes up to
@@ -304,8 +321,9 @@ def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch
     step that gave it a token of stops[m]. With `drafts` a step also feeds each row its drafts (prompt lookup's, or
     a draft model's: as many as its limit leaves room for, at most max_rows token rows in all, None: no cap) and
     keeps those the argmax agrees with, and the argmax after them: the same tokens. With `sampled` (no drafts then)
-    its rows with a temperature draw their tokens as the sampler does."""
-    _check_model(prepared, embedding, head, prepared.dtype)
+    its rows with a temperature draw their tokens as the sampler does. `head_pairs`: the head's
+    kernels.cpu_gemv.pair_weight copy, which its products then read (as the model's compute_logits() does)."""
+    _check_model(prepared, embedding, head, prepared.dtype, head_pairs)
     rows = len(tokens)
     tokens, positions, limits = (np.ascontiguousarray(a, dtype=np.int64) for a in (tokens, positions, limits))
     table = np.ascontiguousarray(table, dtype=np.int64)
@@ -343,7 +361,8 @@ def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch
     prepared.module.greedy_decode(
         prepared.dtype == torch.bfloat16, prepared.pointers, prepared.dims, prepared.eps, prepared.scales,
         prepared.key_caches, prepared.value_caches, prepared.final_norm.data_ptr(), prepared.final_eps,
-        embedding.data_ptr(), head.data_ptr(), head.shape[0], vocab_size, tokens.ctypes.data, positions.ctypes.data,
+        embedding.data_ptr(), head.data_ptr(), head.shape[0], vocab_size, _pointer(head_pairs), tokens.ctypes.data,
+        positions.ctypes.data,
         table.ctypes.data, table.shape[1], prepared.block_size, limits.ctypes.data, stop_ids.ctypes.data,
         stop_starts.ctypes.data, [k, getattr(drafts, "min_n", 1), getattr(drafts, "max_n", 0)],
         history.ctypes.data, history_starts.ctypes.data, verified.ctypes.data if drafts else 0, pointers,
@@ -351,8 +370,10 @@ def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch
     return GreedyRun(out, verified if drafts else None, (out == -2).any(axis=1))
 
 
-def _check_model(prepared: PreparedLayers, embedding: torch.Tensor, head: torch.Tensor, dtype: torch.dtype) -> None:
-    """A whole model for greedy_decode(): layers prepared with the final norm, embedding and head, all of `dtype`."""
+def _check_model(prepared: PreparedLayers, embedding: torch.Tensor, head: torch.Tensor, dtype: torch.dtype,
+                 head_pairs: torch.Tensor | None) -> None:
+    """A whole model for greedy_decode(): layers prepared with the final norm, embedding and head, all of `dtype`;
+    the head's pairs copy, if given, fits it."""
     if prepared.final_norm is None:
         raise ValueError("greedy decoding needs the last stage's final norm")
     if prepared.dtype != dtype:
@@ -360,6 +381,9 @@ def _check_model(prepared: PreparedLayers, embedding: torch.Tensor, head: torch.
     for name, tensor in (("embedding", embedding), ("head", head)):
         if tensor.dtype != dtype or tensor.device.type != "cpu" or tensor.dim() != 2 or not tensor.is_contiguous():
             raise ValueError(f"the {name} must be a contiguous CPU matrix of the layers' dtype {dtype}")
+    if head_pairs is not None and not (dtype == torch.bfloat16 and cpu_gemv.pairs_serve(head)
+                                       and cpu_gemv.fits_pairs(head, head_pairs)):
+        raise ValueError("head_pairs must be kernels.cpu_gemv.pair_weight of the bf16 head, on a CPU with AVX-512 BF16")
 
 
 def _draft_model_args(drafts: DraftModelDrafts, target: PreparedLayers, target_vocab: int, lengths: np.ndarray
@@ -367,7 +391,7 @@ def _draft_model_args(drafts: DraftModelDrafts, target: PreparedLayers, target_v
     """The draft model as the kernel takes it, once it is found to fit the target's steps (its tokens index the
     target's embedding of target_vocab rows; lengths: each row's history length)."""
     draft = drafts.prepared
-    _check_model(draft, drafts.embedding, drafts.head, target.dtype)
+    _check_model(draft, drafts.embedding, drafts.head, target.dtype, drafts.head_pairs)
     if drafts.vocab_size > target_vocab:
         raise ValueError("the draft's vocabulary must be the target's")
     if draft.block_size != target.block_size:
@@ -381,7 +405,12 @@ def _draft_model_args(drafts: DraftModelDrafts, target: PreparedLayers, target_v
         raise ValueError("a row's draft K/V must be known up to its last token's position at most")
     return (draft.pointers, draft.dims, draft.eps, draft.scales, draft.key_caches, draft.value_caches,
             draft.final_norm.data_ptr(), draft.final_eps, drafts.embedding.data_ptr(), drafts.head.data_ptr(),
-            drafts.head.shape[0], drafts.vocab_size, drafts.capacity.ctypes.data, drafts.next.ctypes.data)
+            drafts.head.shape[0], drafts.vocab_size, _pointer(drafts.head_pairs), drafts.capacity.ctypes.data,
+            drafts.next.ctypes.data)
+
+
+def _pointer(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
 
 
 def _flat(lists: Sequence[Collection[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -7,7 +7,8 @@ on CPUs without bf16 instructions the weights were first converted to float32 (t
 GEMV widens bf16 in registers and splits the output rows over the threads. From 12 rows on, gemm.h's packed
 outer-product tiles take over and run near the FMA peak, still widening bf16 weights in registers rather than
 converting them per call. Where the CPU has AVX-512 BF16, bf16 products are its dot-product instruction's instead
-(gemv_bf16.h). Same arithmetic as the float32 path: float32 products and sums, one rounding to the output dtype.
+(gemv_bf16.h), and from a weight's pair_weight() copy, where the model keeps one, gemv_pairs.h's (any rows up to
+PAIRS_MAX_ROWS). Same arithmetic as the float32 path: float32 products and sums, one rounding to the output dtype.
 """
 from __future__ import annotations
 
@@ -39,11 +40,20 @@ NATIVE_BF16_MAX_ROWS = 8
 SMALL_BF16_MAX_ROWS = 32
 SMALL_WEIGHT_BYTES, SHORT_ROW = 1 << 19, 256
 
+# bf16 weights with a pair_weight() copy (AVX-512 BF16 only): gemv_pairs.h up to this many rows. python
+# benchmarks/cpu_gemv.py --pairs (2-core AVX-512 BF16 EPYC, one run, ms per pass over the benchmark model's 33
+# matrices): at 1 / 4 / 8 / 16 / 32 rows 1.23 / 1.34 / 1.77 / 2.91 / 4.96 against gemv_bf16.h's 1.19 / 2.05 / 3.71 /
+# 4.87 / 7.35 and the oneDNN-prepacked GEMM's 1.93 / 1.86 / 2.39 / 3.23 / 5.12; at 64 and 96 rows 9.06 and 13.21
+# against 9.18 and 13.17; from 128 rows the prepacked GEMM is faster (17.37 against 16.89, at 2048 280.6 against
+# 266.1; the demo model's 17 matrices: 1.88 against 1.84 at 128, 28.4 against 25.0 at 2048).
+PAIRS_MAX_ROWS = 64
 
-def max_rows(dtype: torch.dtype, weight: torch.Tensor | None = None) -> int:
+
+def max_rows(dtype: torch.dtype, weight: torch.Tensor | None = None, pairs: torch.Tensor | None = None) -> int:
     """The most rows of `dtype` the kernels take (for `weight`, if given: an int8 one takes INT8_MAX_ROWS, a small
-    bf16 one SMALL_BF16_MAX_ROWS where the CPU has bf16 instructions), each measured against torch's path on the
-    benchmark model's 33 matrices (python benchmarks/cpu_gemv.py, best of 7).
+    bf16 one SMALL_BF16_MAX_ROWS where the CPU has bf16 instructions, a bf16 one with its `pairs` copy
+    PAIRS_MAX_ROWS), each measured against torch's path on the benchmark model's 33 matrices (python
+    benchmarks/cpu_gemv.py, best of 7).
 
     2-core AVX2 CPU without bf16 instructions (torch's path: F.linear in float32, bf16 weights converted per call):
     bf16 1.9-3.3x faster at 1-64 rows, 1.5x at 128-256, 1.0-1.2x at 512-2048; float32 2.1-3.1x at 1-32 rows,
@@ -54,6 +64,8 @@ def max_rows(dtype: torch.dtype, weight: torch.Tensor | None = None) -> int:
     float32 rows, where a step is surely memory-bound (unmeasured: no such CPU here)."""
     if weight is not None and weight.dtype == torch.int8:
         return INT8_MAX_ROWS
+    if pairs is not None and dtype == torch.bfloat16:
+        return PAIRS_MAX_ROWS
     if cpu_has_native_bf16():
         if dtype != torch.bfloat16:
             return FLOAT32_MAX_ROWS
@@ -64,19 +76,50 @@ def max_rows(dtype: torch.dtype, weight: torch.Tensor | None = None) -> int:
     return sys.maxsize if dtype == torch.bfloat16 else FLOAT32_MAX_ROWS
 
 
-def serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether gemv() (or gemv_int8() for an int8 weight) takes this product: on the CPU, up to max_rows (or
-    INT8_MAX_ROWS) rows, float32 or bfloat16 activations, weight and bias, kernel built."""
+def pairs_serve(weight: torch.Tensor) -> bool:
+    """Whether a pair_weight() copy of this weight would serve its products: a bf16 CPU matrix, on a CPU with AVX-512
+    BF16 (the kernel's instruction)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and cpu_has_native_bf16())
+
+
+def pair_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The bf16 weight [N, K] as gemv_pairs.h reads it: [ceil(N / 32), ceil(K / 2), 32, 2], tile t's element
+    [p, r, e] = weight[32 t + r, 2 p + e], zero past N and K (one column pair of 32 output rows per 128 bytes)."""
+    rows, columns = weight.shape
+    padded = torch.nn.functional.pad(weight, (0, columns % 2, 0, -rows % 32))
+    return padded.view((rows + 31) // 32, 32, (columns + 1) // 2, 2).transpose(1, 2).contiguous()
+
+
+def fits_pairs(weight: torch.Tensor, pairs: torch.Tensor) -> bool:
+    """Whether `pairs` has pair_weight(weight)'s layout (shape, dtype, contiguous)."""
+    rows, columns = weight.shape
+    return (pairs.dtype == torch.bfloat16 and pairs.is_contiguous() and pairs.device.type == "cpu"
+            and pairs.shape == ((rows + 31) // 32, (columns + 1) // 2, 32, 2))
+
+
+def serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pairs: torch.Tensor | None = None
+           ) -> bool:
+    """Whether gemv() (or gemv_int8() for an int8 weight) takes this product: on the CPU, up to max_rows rows (for
+    this weight, and its `pairs` copy where given), float32 or bfloat16 activations, weight and bias, kernel
+    built."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
             and weight.dtype in (x.dtype, torch.int8)
-            and x.numel() <= max_rows(x.dtype, weight) * weight.shape[-1]
+            and x.numel() <= max_rows(x.dtype, weight, pairs) * weight.shape[-1]
             and weight.dim() == 2 and weight.is_contiguous()
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
             and not torch.is_grad_enabled() and cpu_extension.ready() is not None)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., K] with few rows; weight [N, K] contiguous, all one dtype."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         pairs: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K] with few rows; weight [N, K] contiguous, all one dtype. bf16 with
+    `pairs` (pair_weight(weight), kept by the model): from that copy, each output summed over the column pairs in
+    order whatever the rows beside it."""
+    if pairs is not None and x.dtype == torch.bfloat16:
+        if not (fits_pairs(weight, pairs) and pairs_serve(weight)):
+            raise ValueError("pairs must be pair_weight(weight) of a bf16 weight, on a CPU with AVX-512 BF16")
+        return _run(x, weight, None, bias, pairs)
     return _run(x, weight, None, bias)
 
 
@@ -98,7 +141,8 @@ def takes_groups(weight: torch.Tensor, scale: torch.Tensor) -> bool:
     return weight.shape[1] % groups == 0 and (weight.shape[1] // groups) % 8 == 0
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+def _run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+         pairs: torch.Tensor | None = None) -> torch.Tensor:
     module = cpu_extension.load()
     if module is None:
         raise RuntimeError("the C++ CPU kernels could not be built")
@@ -108,7 +152,10 @@ def _run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias
     rows = x.reshape(-1, in_features).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
     bf16, bias_ptr = x.dtype == torch.bfloat16, 0 if bias is None else bias.data_ptr()
-    if scale is None:
+    if pairs is not None:
+        module.gemv_pairs(rows.data_ptr(), pairs.data_ptr(), bias_ptr, out.data_ptr(), rows.shape[0], out_features,
+                          in_features)
+    elif scale is None:
         module.gemv(bf16, rows.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), rows.shape[0], out_features,
                     in_features)
     elif scale.dim() == 2:

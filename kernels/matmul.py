@@ -15,7 +15,7 @@ from kernels.quantized_matmul import QUANTIZED_DTYPES, quantized_linear
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            weight_scale: torch.Tensor | None = None, weight_zero: torch.Tensor | None = None,
            weight_g_idx: torch.Tensor | None = None, packed: torch.Tensor | None = None,
-           gemv: GemvConfig | None = None) -> torch.Tensor:
+           pairs: torch.Tensor | None = None, gemv: GemvConfig | None = None) -> torch.Tensor:
     """F.linear in `matmul_dtype`: bf16 weights stay bf16 in memory but multiply as float32 on CPUs that
     would emulate bf16 GEMMs (about 3x faster end to end, same result as a native bf16 GEMM). A few rows on the
     CPU (decode at small batch) go to the GEMV kernel, which streams the weight once.
@@ -24,8 +24,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     g_idx. Symmetric int8 read by few rows stays int8 (the GEMV kernel); the rest is dequantized a tile of rows at
     a time into the GEMM's dtype.
 
-    `packed`, the weight's kernels.cpu_prepacked copy where the model keeps one, serves the GEMMs the GEMV kernel
-    does not take.
+    `pairs`, the weight's kernels.cpu_gemv.pair_weight copy where the model keeps one, serves bf16 products of up to
+    cpu_gemv.PAIRS_MAX_ROWS rows; `packed`, its kernels.cpu_prepacked copy, the GEMMs the GEMV kernel does not take.
 
     `gemv`, the Triton GEMV's launch shape that start-up timing chose for this weight on CUDA (workers.gemv_tuning),
     serves products of one row (batch-1 decode) in place of cuBLAS."""
@@ -35,8 +35,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return gemv_triton.gemv(x, weight, bias, gemv)
     if weight.dtype in QUANTIZED_DTYPES:
         return _quantized_linear(x, weight, bias, weight_scale, weight_zero, weight_g_idx)
-    if cpu_gemv.serves(x, weight, bias):
-        return cpu_gemv.gemv(x, weight, bias)
+    if cpu_gemv.serves(x, weight, bias, pairs):
+        return cpu_gemv.gemv(x, weight, bias, pairs)
     if packed is not None and x.dtype == torch.bfloat16:
         return cpu_prepacked.linear(x, packed, bias)
     compute = matmul_dtype(weight.dtype, weight.device)

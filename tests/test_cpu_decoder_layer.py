@@ -10,6 +10,7 @@ from transformers import LlamaConfig, Qwen2Config
 
 from frontend import LLM, SamplingParams
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv
+from kernels.cpu_features import cpu_has_native_bf16
 from tests.conftest import tiny_model
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import ColumnParallelLinear, Linear
@@ -92,17 +93,31 @@ CASES = {
 ], ids=["one decode", "three decodes", "eight decodes", "short prompt", "mixed", "sixteen tokens", "sixty-four tokens",
         "a hundred decodes"])
 @pytest.mark.parametrize("first_layer", [True, False])
-@pytest.mark.parametrize("products", ["kernel", "torch"])
+@pytest.mark.parametrize("products", ["kernel", "torch", "pairs"])
 def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer, products):
-    """Products in the kernels (up to max_rows tokens: fewer where the CPU has bf16 GEMMs) or torch's between the
+    """Products in the kernels (up to max_rows tokens: fewer where the CPU has bf16 GEMMs; from the projections'
+    paired copies, which the op path's linear layers then read too, up to PAIRS_MAX_ROWS) or torch's between the
     kernel's calls (any count)."""
+    if products == "pairs" and not (dtype == torch.bfloat16 and cpu_has_native_bf16()):
+        pytest.skip("paired copies: bf16 weights on CPUs with AVX-512 BF16")
     layer_class, config = CASES[case]
-    limit = make_layer(layer_class, config, dtype, seed=0).fused_weights.max_rows()  # (its weights' shapes)
-    while products == "kernel" and sum(new for _, new in seqs) > limit:
+    limit = with_pairs(make_layer(layer_class, config, dtype, seed=0), products == "pairs").fused_weights.max_rows()
+    while products != "torch" and sum(new for _, new in seqs) > limit:
         seqs = seqs[:-1] if len(seqs) > 1 else [(seqs[0][0], seqs[0][1] - 1)]
     tokens = sum(new for _, new in seqs)
-    layer = make_layer(layer_class, config, dtype, seed=tokens)
-    assert_fused_matches(layer, layer_class, config, dtype, seqs, first_layer, products=products)
+    layer = with_pairs(make_layer(layer_class, config, dtype, seed=tokens), products == "pairs")
+    assert_fused_matches(layer, layer_class, config, dtype, seqs, first_layer,
+                         products="torch" if products == "torch" else "kernel")
+
+
+def with_pairs(layer: LlamaDecoderLayer, paired: bool) -> LlamaDecoderLayer:
+    """The layer, its projections given their paired copies (as workers.prepacking gives them) if `paired`."""
+    if paired:
+        for projection in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj):
+            projection.pairs_weight = cpu_gemv.pair_weight(projection.weight)
+        assert layer.fused_weights.max_rows() == cpu_gemv.PAIRS_MAX_ROWS
+    return layer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -222,6 +237,10 @@ def test_a_layer_takes_the_fewest_rows_its_weights_allow(monkeypatch):
     assert cpu_decoder_layer.max_rows(torch.bfloat16, [small, int8]) == cpu_gemv.SMALL_BF16_MAX_ROWS
     assert cpu_decoder_layer.max_rows(torch.bfloat16, [small, large]) == cpu_gemv.NATIVE_BF16_MAX_ROWS
     assert cpu_decoder_layer.max_rows(torch.float32, [torch.zeros(64, 64)]) == cpu_gemv.FLOAT32_MAX_ROWS
+    pairs = cpu_gemv.pair_weight(large)  # a paired copy: PAIRS_MAX_ROWS for its weight alone
+    assert cpu_decoder_layer.max_rows(torch.bfloat16, [large], [pairs]) == cpu_gemv.PAIRS_MAX_ROWS
+    assert cpu_decoder_layer.max_rows(torch.bfloat16, [large, int8], [pairs, None]) == cpu_gemv.INT8_MAX_ROWS
+    assert cpu_decoder_layer.max_rows(torch.bfloat16, [large, large], [pairs, None]) == cpu_gemv.NATIVE_BF16_MAX_ROWS
 
 
 def test_declines_steps_it_does_not_compute():

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_extension, cpu_gemv
+from kernels.cpu_features import cpu_has_native_bf16
 from workers.layers.linear import linear
 
 
@@ -111,3 +112,86 @@ def test_declines_what_it_does_not_compute(case):
         assert not cpu_gemv.serves(x, weight, bias)
     with torch.inference_mode():
         assert cpu_gemv.serves(torch.randn(2, 8), torch.randn(16, 8), torch.randn(16)) is True
+
+
+native_bf16 = pytest.mark.skipif(not cpu_has_native_bf16(), reason="gemv_pairs.h needs AVX-512 BF16")
+
+
+def test_pair_weight_lays_out_column_pairs_of_32_rows():
+    weight = torch.randn(45, 7).bfloat16()
+    pairs = cpu_gemv.pair_weight(weight)
+    assert pairs.shape == (2, 4, 32, 2) and pairs.is_contiguous() and cpu_gemv.fits_pairs(weight, pairs)
+    for tile, pair, row, half in torch.cartesian_prod(*(torch.arange(n) for n in pairs.shape)).tolist():
+        n, k = 32 * tile + row, 2 * pair + half
+        assert pairs[tile, pair, row, half] == (weight[n, k] if n < 45 and k < 7 else 0)
+    assert not any(cpu_gemv.fits_pairs(w, p) for w, p in ((weight[:32], pairs), (weight[:, :5], pairs),
+                                                         (weight, pairs.float())))
+
+
+@native_bf16
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 64])
+# Ragged tiles (45, 1003 rows), odd columns (7, 517, 1), one tile exactly (32, 64).
+@pytest.mark.parametrize("shape", [(64, 32), (1003, 517), (45, 7), (32, 64), (5, 3), (40, 1)])
+def test_pairs_products_match_float64_twin(rows, shape):
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16()
+    pairs = cpu_gemv.pair_weight(weight)
+    for b in (None, bias):
+        out = cpu_gemv.gemv(x, weight, b, pairs)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+        torch.testing.assert_close(out.float(), twin(x, weight, b).float(), rtol=2**-7, atol=1e-2)
+
+
+@native_bf16
+def test_pairs_row_results_do_not_depend_on_the_rows_beside_them():
+    """Each output sums its column pairs in one order whatever the row count, tiling or threads: a verify step's
+    rows equal the same tokens' one-row decode steps bit for bit."""
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(300, 193, generator=generator).bfloat16()
+    x = torch.randn(64, 193, generator=generator).bfloat16()
+    pairs = cpu_gemv.pair_weight(weight)
+    whole = cpu_gemv.gemv(x, weight, None, pairs)
+    for start, stop in ((0, 1), (1, 6), (6, 14), (14, 23), (23, 64)):
+        assert torch.equal(cpu_gemv.gemv(x[start:stop], weight, None, pairs), whole[start:stop])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(cpu_gemv.gemv(x, weight, None, pairs), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@native_bf16
+def test_pairs_round_exact_sums_like_torch_and_keep_nan_and_infinity():
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randint(-8, 9, (300, 261), generator=generator).bfloat16()
+    x = torch.randint(-8, 9, (3, 261), generator=generator).bfloat16()
+    bias = torch.randint(-100, 100, (300,), generator=generator).bfloat16()
+    pairs = cpu_gemv.pair_weight(weight)
+    assert torch.equal(cpu_gemv.gemv(x, weight, bias, pairs),
+                       F.linear(x.float(), weight.float(), bias.float()).bfloat16())
+    x[0, 3], x[1, 260] = float("nan"), float("inf")
+    out = cpu_gemv.gemv(x, torch.ones(32, 261).bfloat16(), None, cpu_gemv.pair_weight(torch.ones(32, 261).bfloat16()))
+    assert out[0].isnan().all() and (out[1] == float("inf")).all()
+
+
+@native_bf16
+def test_linear_reads_the_pairs_copy_up_to_its_row_limit(monkeypatch):
+    calls = []
+    kernel = cpu_gemv.gemv
+    monkeypatch.setattr(cpu_gemv, "gemv", lambda *args: calls.append(args[0].shape) or kernel(*args))
+    weight = torch.randn(2048, 512).bfloat16()  # past gemv_bf16.h's own limit without the copy
+    pairs = cpu_gemv.pair_weight(weight)
+    assert cpu_gemv.max_rows(torch.bfloat16, weight) < cpu_gemv.PAIRS_MAX_ROWS
+    with torch.inference_mode():
+        for rows in (1, cpu_gemv.PAIRS_MAX_ROWS, cpu_gemv.PAIRS_MAX_ROWS + 1):
+            x = torch.randn(rows, 512).bfloat16()
+            expected = twin(x, weight, None)
+            torch.testing.assert_close(linear(x, weight, pairs=pairs).float(), expected.float(), rtol=2**-7,
+                                       atol=1e-2)
+    assert calls == [(1, 512), (cpu_gemv.PAIRS_MAX_ROWS, 512)]
+    with pytest.raises(ValueError, match="pair_weight"):
+        cpu_gemv.gemv(torch.randn(1, 512).bfloat16(), weight, None, cpu_gemv.pair_weight(weight[:2000]))

@@ -1,5 +1,6 @@
-"""Prepacked bf16 weights for torch's CPU GEMMs (kernels.cpu_prepacked, workers.prepacking): the same products, kept
-only within the memory budget, and the same engine outputs."""
+"""Copies of bf16 weights for the CPU's products (workers.prepacking): prepacked for torch's GEMMs
+(kernels.cpu_prepacked: the same products) and paired for the GEMV kernel (kernels.cpu_gemv.pair_weight: the same
+products summed in another order), kept only within the memory budget, and the engine's outputs with them."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ import torch.nn.functional as F
 
 from conftest import random_prompts, tiny_model
 from frontend import LLM, SamplingParams
-from kernels import cpu_prepacked
+from kernels import cpu_gemv, cpu_prepacked
 from kernels.cpu_features import cpu_has_native_bf16
 from workers import prepacking
 from workers.layers.linear import Linear
@@ -37,20 +38,27 @@ def _bf16_model() -> torch.nn.Module:
 
 
 def test_copies_are_kept_only_within_the_memory_budget():
+    """Paired copies first (where the CPU has AVX-512 BF16), then prepacked ones (where torch's bf16 GEMMs run in
+    bf16, the same CPUs), each kind only if every copy so far fits 1/8 of the memory available."""
     model = _bf16_model()
     linears = [m for m in model.modules() if hasattr(m, "packed_weight")]
     assert any(isinstance(m, Linear) for m in linears) and isinstance(model.lm_head, ParallelLMHead)
-    for m in linears:
-        m.packed_weight = None
+
+    def copies(available: int) -> tuple[int, set[bool], set[bool]]:
+        for m in linears:
+            m.packed_weight = m.pairs_weight = None
+        copied = prepacking.prepack_linear_weights(model, available_bytes=available)
+        return copied, {m.pairs_weight is not None for m in linears}, {m.packed_weight is not None for m in linears}
+
     weight_bytes = sum(m.weight.nbytes for m in linears)
-    assert prepacking.prepack_linear_weights(model, available_bytes=weight_bytes) == 0  # over 1/8 of it
-    assert all(m.packed_weight is None for m in linears)
-    budget = int(weight_bytes / prepacking.PREPACK_MEMORY_FRACTION)
-    packed = prepacking.prepack_linear_weights(model, available_bytes=budget)
-    expected = cpu_has_native_bf16() and torch.backends.mkldnn.is_available()  # else bf16 GEMMs run as float32
-    assert packed == (weight_bytes if expected else 0)
-    assert all((m.packed_weight is not None) == expected for m in linears)
-    assert model.lm_head.packed_weight is not None or not expected
+    native = cpu_has_native_bf16()
+    prepacked = native and torch.backends.mkldnn.is_available()  # else bf16 GEMMs run as float32
+    one_copy = int(weight_bytes / prepacking.PREPACK_MEMORY_FRACTION)
+    assert copies(weight_bytes) == (0, {False}, {False})  # over 1/8 of it
+    assert copies(one_copy) == (weight_bytes if native else 0, {native}, {False})
+    assert copies(2 * one_copy) == ((native + prepacked) * weight_bytes, {native}, {prepacked})
+    pairs = model.lm_head.pairs_weight
+    assert (pairs is not None) == native and (pairs is None or cpu_gemv.fits_pairs(model.lm_head.weight, pairs))
     embedding = model.model.embed_tokens
     assert isinstance(embedding, VocabParallelEmbedding) and not hasattr(embedding, "packed_weight")  # a lookup
 
@@ -58,28 +66,50 @@ def test_copies_are_kept_only_within_the_memory_budget():
 def test_float32_weights_are_not_packed():
     model = tiny_model("llama")
     loaded = load_model(model, load_hf_config(model), torch.float32, torch.device("cpu"))
-    assert all(getattr(m, "packed_weight", None) is None for m in loaded.modules())
+    assert all(getattr(m, name, None) is None for m in loaded.modules() for name in ("packed_weight", "pairs_weight"))
 
 
-def test_engine_outputs_equal_without_copies(monkeypatch):
-    """bf16 greedy with prompts and decode batches past the kernels' rows (torch's GEMMs run the products): the same
-    tokens and logprobs whether the model keeps prepacked copies or not."""
-    prompts = [{"prompt_token_ids": p} for p in random_prompts([40, 90, 17, 60] * 10, vocab=1000, seed=3)]
+PROMPTS = [{"prompt_token_ids": p} for p in random_prompts([40, 90, 17, 60] * 10, vocab=1000, seed=3)]
+
+
+def _greedy_run(copy: str) -> tuple[list[tuple[list[int], list[dict]]], int]:
+    """bf16 greedy with prompts and decode batches past every kernel's rows: each output's tokens and logprobs, and
+    how many layers kept a `copy`."""
     params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)
+    llm = LLM(tiny_model("llama"), dtype="bfloat16", in_process=True)
+    try:
+        model = llm.client.engine.executor.worker.model_runner.model
+        copies = sum(getattr(m, copy, None) is not None for m in model.modules())
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+                for o in outputs], copies
+    finally:
+        llm.shutdown()
 
-    def run() -> tuple[list, int]:
-        llm = LLM(tiny_model("llama"), dtype="bfloat16", in_process=True)
-        try:
-            model = llm.client.engine.executor.worker.model_runner.model
-            copies = sum(getattr(m, "packed_weight", None) is not None for m in model.modules())
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            return [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs])
-                    for o in outputs], copies
-        finally:
-            llm.shutdown()
 
-    packed, copies = run()
+def test_engine_outputs_equal_without_prepacked_copies(monkeypatch):
+    """torch's GEMMs from prepacked copies compute the same products: the same tokens and logprobs bit for bit."""
+    monkeypatch.setattr(cpu_gemv, "pairs_serve", lambda weight: False)
+    packed, copies = _greedy_run("packed_weight")
     monkeypatch.setattr(prepacking, "PREPACK_MEMORY_FRACTION", 0.0)
-    plain, none = run()
+    plain, none = _greedy_run("packed_weight")
     assert none == 0 and (copies > 0) == (cpu_has_native_bf16() and torch.backends.mkldnn.is_available())
     assert packed == plain
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="paired copies need AVX-512 BF16")
+def test_engine_outputs_with_paired_copies_differ_at_most_by_rounding(monkeypatch):
+    """The paired copies' products sum each output in another order than the plain kernels (both round float32 sums
+    once to bf16): greedy tokens agree and the logprobs of the tokens both chose within bf16 rounding."""
+    paired, copies = _greedy_run("pairs_weight")
+    monkeypatch.setattr(prepacking, "PREPACK_MEMORY_FRACTION", 0.0)
+    plain, none = _greedy_run("pairs_weight")
+    assert copies > 0 and none == 0
+    agree = 0
+    for (tokens, logprobs), (plain_tokens, plain_logprobs) in zip(paired, plain, strict=True):
+        agree += tokens == plain_tokens
+        for token, plain_token, step, plain_step in zip(tokens, plain_tokens, logprobs, plain_logprobs):
+            if token != plain_token:
+                break
+            assert step[token] == pytest.approx(plain_step[token], abs=0.05)
+    assert agree >= 0.9 * len(PROMPTS)

@@ -9,6 +9,7 @@
 #include "common.h"
 #include "decode_attention.h"
 #include "gemv.h"
+#include "gemv_pairs.h"
 
 namespace pagedserve {
 
@@ -18,7 +19,18 @@ struct Projection {
   const void* weight;
   const float* scale;  // null: the weight is of the model dtype
   int64_t group;  // 0: one scale per row; else the columns sharing a scale (scale is [N, K / group])
+  const uint16_t* pairs = nullptr;  // a bf16 weight's gemv_pairs.h copy, which its products then read; or null
 };
+
+// y = x W^T + b from W's pairs copy where it has one (bf16 on AVX-512 BF16 CPUs), else from W.
+template <typename T>
+void products(const T* x, const T* w, const uint16_t* pairs, const T* bias, T* y, int64_t M, int64_t N, int64_t K) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, uint16_t>)
+    if (pairs) return gemv_pairs_bf16(x, pairs, bias, y, M, N, K);
+#endif
+  gemv(x, w, bias, y, M, N, K);
+}
 
 template <typename T>
 struct DecoderLayer {
@@ -36,7 +48,7 @@ void project(const Projection& p, const T* x, const T* bias, T* y, int64_t M, in
   else if (p.scale)
     gemv(x, static_cast<const int8_t*>(p.weight), bias, y, M, N, K, p.scale);
   else
-    gemv(x, static_cast<const T*>(p.weight), bias, y, M, N, K);
+    products(x, static_cast<const T*>(p.weight), p.pairs, bias, y, M, N, K);
 }
 
 template <typename T>

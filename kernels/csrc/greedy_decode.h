@@ -26,6 +26,7 @@ struct GreedyModel {
   const T* embedding;  // [vocab rows, hidden]
   const T* head;  // [head_rows, hidden]: logits for the first `vocab` rows are compared
   int64_t head_rows, vocab;
+  const uint16_t* head_pairs = nullptr;  // the head's gemv_pairs.h copy, or null
 };
 
 // The first index of the largest value, NaN above every number: torch.argmax's choice.
@@ -127,7 +128,7 @@ void model_drafts(const DraftModel<T>& draft, const std::vector<std::vector<int6
       r += j ? 1 : int64_t(history[m].size()) - draft.known[m];
       std::copy(hidden.data() + (r - 1) * H, hidden.data() + r * H, last.data() + i * H);
     }
-    gemv(last.data(), d.head, static_cast<const T*>(nullptr), logits.data(), n, d.head_rows, H);
+    products(last.data(), d.head, d.head_pairs, static_cast<const T*>(nullptr), logits.data(), n, d.head_rows, H);
     for (int64_t i = 0; i < n; ++i) drafts[owners[i] * k + j] = argmax_row(logits.data() + i * d.head_rows, d.vocab);
 #ifdef _OPENMP
     omp_set_num_threads(threads);
@@ -203,7 +204,8 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
     stage_layers(model.layers, model.k_caches, model.v_caches, model.final_norm, model.final_eps, x.data(),
                  static_cast<const T*>(nullptr), hidden.data(), residual.data(), pos.data(), slots.data(), block_size,
                  table.data(), max_blocks, lens.data(), R);
-    gemv(hidden.data(), model.head, static_cast<const T*>(nullptr), logits.data(), R, model.head_rows, H);
+    products(hidden.data(), model.head, model.head_pairs, static_cast<const T*>(nullptr), logits.data(), R,
+             model.head_rows, H);
     for (int64_t a = 0, r = 0; a < A; r += feeds[a] + 1, ++a) {
       const int64_t m = seqs[a];
       const int64_t* stops_begin = stop_ids + stop_starts[m];

@@ -7,12 +7,14 @@
 
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 #include <tuple>
 #include <vector>
 
 #include "decode_attention.h"
 #include "decoder_layer.h"
 #include "gemv.h"
+#include "gemv_pairs.h"
 #include "greedy_decode.h"
 #include "sample.h"
 
@@ -49,14 +51,16 @@ void gemv_int8_grouped(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias
 }
 
 // weights: input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, cos, sin, then the scales of qkv, o,
-// gate_up and down (0 for an absent bias, and for a weight of the model dtype; else it is int8);
+// gate_up and down (0 for an absent bias, and for a weight of the model dtype; else it is int8), then their
+// gemv_pairs.h copies (0: none);
 // dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none), then the scale group sizes of
 // qkv, o, gate_up and down (0: a scale per row, or no scale).
 template <typename T>
 pagedserve::DecoderLayer<T> layer_of(const std::vector<uintptr_t>& w, const std::vector<int64_t>& dims, float eps,
                                      float scale) {
   auto projection = [&](int weight, int scale) {
-    return pagedserve::Projection{reinterpret_cast<const void*>(w[weight]), in<float>(w[scale]), dims[scale - 4]};
+    return pagedserve::Projection{reinterpret_cast<const void*>(w[weight]), in<float>(w[scale]), dims[scale - 4],
+                                  in<uint16_t>(w[scale + 4])};
   };
   return {in<T>(w[0]), in<T>(w[2]), in<T>(w[4]), in<T>(w[5]), projection(1, 10), projection(3, 11), projection(6, 12),
           projection(7, 13), in<float>(w[8]), in<float>(w[9]), eps, scale, dims[0], dims[1], dims[2], dims[3],
@@ -95,22 +99,23 @@ void decoder_layers(const std::vector<std::vector<uintptr_t>>& weights, const st
 }
 
 // A draft model for greedy_decode(): its layers as decoder_layers() takes them (weights, dims, eps, scales, key and
-// value caches), then its final norm, final eps, embedding, LM head, head rows and vocabulary size, and where its
-// drafts after the last step go with the rows' capacities (pagedserve::DraftModel; 0: none).
+// value caches), then its final norm, final eps, embedding, LM head, head rows, vocabulary size and the head's
+// gemv_pairs.h copy (0: none), and where its drafts after the last step go with the rows' capacities
+// (pagedserve::DraftModel; 0: none).
 using DraftArgs =
     std::tuple<std::vector<std::vector<uintptr_t>>, std::vector<std::vector<int64_t>>, std::vector<double>,
                std::vector<double>, std::vector<uintptr_t>, std::vector<uintptr_t>, uintptr_t, double, uintptr_t,
-               uintptr_t, int64_t, int64_t, uintptr_t, uintptr_t>;
+               uintptr_t, int64_t, int64_t, uintptr_t, uintptr_t, uintptr_t>;
 
 // Greedy steps of the whole model (greedy_decode.h): the layers as decoder_layers() takes them, then the final norm,
-// the embedding table and the LM head [head_rows, hidden] of the model dtype; drafts from `draft` if given (its K/V
+// the embedding table and the LM head [head_rows, hidden] of the model dtype (and its pairs copy, or 0); drafts from `draft` if given (its K/V
 // known per row at draft_known, int64 [m], updated), else by prompt lookup.
 template <typename T>
 void greedy_decode(const std::vector<std::vector<uintptr_t>>& weights, const std::vector<std::vector<int64_t>>& dims,
                    const std::vector<double>& eps, const std::vector<double>& scales,
                    const std::vector<uintptr_t>& k_caches, const std::vector<uintptr_t>& v_caches,
                    uintptr_t final_norm, double final_eps, uintptr_t embedding, uintptr_t head, int64_t head_rows,
-                   int64_t vocab, uintptr_t tokens, uintptr_t positions, uintptr_t tables, int64_t max_blocks,
+                   int64_t vocab, uintptr_t head_pairs, uintptr_t tokens, uintptr_t positions, uintptr_t tables, int64_t max_blocks,
                    int64_t block_size, uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
                    const std::vector<int64_t>& lookup, uintptr_t history, uintptr_t history_starts,
                    uintptr_t verified, const std::vector<uintptr_t>& sampled, const std::optional<DraftArgs>& draft,
@@ -118,15 +123,16 @@ void greedy_decode(const std::vector<std::vector<uintptr_t>>& weights, const std
                    int64_t steps) {
   const pagedserve::GreedyModel<T> model{layers_of<T>(weights, dims, eps, scales), caches_of<T>(k_caches),
                                          caches_of<T>(v_caches), in<T>(final_norm), float(final_eps),
-                                         in<T>(embedding), in<T>(head), head_rows, vocab};
+                                         in<T>(embedding), in<T>(head), head_rows, vocab,
+                                         in<uint16_t>(head_pairs)};
   std::optional<pagedserve::GreedyModel<T>> draft_model;
   pagedserve::DraftModel<T> drafter{nullptr, out<int64_t>(draft_known)};
   if (draft) {
     const auto& [d_weights, d_dims, d_eps, d_scales, d_k, d_v, d_norm, d_norm_eps, d_embedding, d_head, d_head_rows,
-                 d_vocab, d_capacity, d_next] = *draft;
+                 d_vocab, d_head_pairs, d_capacity, d_next] = *draft;
     draft_model = pagedserve::GreedyModel<T>{layers_of<T>(d_weights, d_dims, d_eps, d_scales), caches_of<T>(d_k),
                                              caches_of<T>(d_v), in<T>(d_norm), float(d_norm_eps), in<T>(d_embedding),
-                                             in<T>(d_head), d_head_rows, d_vocab};
+                                             in<T>(d_head), d_head_rows, d_vocab, in<uint16_t>(d_head_pairs)};
     drafter = {&*draft_model, out<int64_t>(draft_known), in<int64_t>(d_capacity), out<int64_t>(d_next)};
   }
   const pagedserve::PromptLookup drafts{lookup.at(0), lookup.at(1), lookup.at(2), in<int64_t>(history),
@@ -162,6 +168,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", [](bool bf16, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m, int64_t n,
                    int64_t k) {
     (bf16 ? gemv<uint16_t> : gemv<float>)(x, w, bias, y, m, n, k);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  // bf16 only, where the CPU has AVX-512 BF16 (the Python side checks): pairs is the weight's pair_weight layout.
+  m.def("gemv_pairs", [](uintptr_t x, uintptr_t pairs, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    pagedserve::gemv_pairs_bf16(in<uint16_t>(x), in<uint16_t>(pairs), in<uint16_t>(bias), out<uint16_t>(y), m, n, k);
+#else
+    throw std::runtime_error("gemv_pairs needs AVX-512 BF16");
+#endif
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gemv_int8", [](bool bf16, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uintptr_t y,
                         int64_t m, int64_t n, int64_t k) {
@@ -215,15 +229,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             const std::vector<std::vector<int64_t>>& dims, const std::vector<double>& eps,
                             const std::vector<double>& scales, const std::vector<uintptr_t>& k_caches,
                             const std::vector<uintptr_t>& v_caches, uintptr_t final_norm, double final_eps,
-                            uintptr_t embedding, uintptr_t head, int64_t head_rows, int64_t vocab, uintptr_t tokens,
-                            uintptr_t positions, uintptr_t tables, int64_t max_blocks, int64_t block_size,
+                            uintptr_t embedding, uintptr_t head, int64_t head_rows, int64_t vocab,
+                            uintptr_t head_pairs, uintptr_t tokens, uintptr_t positions, uintptr_t tables, int64_t max_blocks, int64_t block_size,
                             uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
                             const std::vector<int64_t>& lookup, uintptr_t history, uintptr_t history_starts,
                             uintptr_t verified, const std::vector<uintptr_t>& sampled,
                             const std::optional<DraftArgs>& draft, uintptr_t draft_known, int64_t max_rows,
                             uintptr_t tokens_out, int64_t out_cols, int64_t m, int64_t steps) {
     (bf16 ? greedy_decode<uint16_t> : greedy_decode<float>)(weights, dims, eps, scales, k_caches, v_caches, final_norm,
-                                                            final_eps, embedding, head, head_rows, vocab, tokens,
+                                                            final_eps, embedding, head, head_rows, vocab, head_pairs,
+                                                            tokens,
                                                             positions, tables, max_blocks, block_size, limits,
                                                             stop_ids, stop_starts, lookup, history, history_starts,
                                                             verified, sampled, draft, draft_known, max_rows,

@@ -105,20 +105,22 @@ class Sliceable(Protocol):
 
 def add_quantization_slots(layer: nn.Module) -> None:
     """The tensors a quantized weight comes with, None while the weight is not quantized; the layer's LoRA
-    adapter slots (workers.lora), None until an adapter targets it; its weight prepacked for torch's CPU GEMMs
-    (workers.prepacking), None unless the model keeps one; and the Triton GEMV's launch shape for its one-row
+    adapter slots (workers.lora), None until an adapter targets it; its weight's copies for the CPU's products
+    (workers.prepacking: paired for the GEMV kernel, prepacked for torch's GEMMs), None unless the model keeps
+    them; and the Triton GEMV's launch shape for its one-row
     products on CUDA (workers.gemv_tuning), None: cuBLAS."""
     for name in ("weight_scale", "weight_zero", "weight_g_idx"):
         layer.register_buffer(name, None, persistent=False)
     layer.lora = None
     layer.packed_weight = None
+    layer.pairs_weight = None
     layer.gemv_config = None
 
 
 def quantizable_linear(layer: Linear | ColumnParallelLinear, x: torch.Tensor, bias: torch.Tensor | None
                        ) -> torch.Tensor:
     return linear(x, layer.weight, bias, layer.weight_scale, layer.weight_zero, layer.weight_g_idx, layer.packed_weight,
-                  layer.gemv_config)
+                  layer.pairs_weight, layer.gemv_config)
 
 
 def dequantized_weight(layer: Linear | ColumnParallelLinear) -> torch.Tensor:

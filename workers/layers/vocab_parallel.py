@@ -55,11 +55,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
         self.packed_weight = None  # the weight prepacked for torch's CPU GEMMs (workers.prepacking), if kept
+        self.pairs_weight = None  # ... and paired for the CPU's GEMV kernel (kernels.cpu_gemv.pair_weight)
         self.gemv_config = None  # the Triton GEMV's launch shape for one-row logits on CUDA (workers.gemv_tuning)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 [tokens, vocab] on TP rank 0; None on the other TP ranks (they only contribute)."""
-        logits = linear(hidden, self.weight, None, self.weight_scale, packed=self.packed_weight, gemv=self.gemv_config)
+        logits = linear(hidden, self.weight, None, self.weight_scale, packed=self.packed_weight, pairs=self.pairs_weight,
+                        gemv=self.gemv_config)
         logits = tp_gather_last_dim(logits)
         if logits is None:
             return None

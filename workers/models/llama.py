@@ -137,7 +137,8 @@ class LlamaDecoderLayer(nn.Module):
             attn.rotary.cos.float().contiguous(), attn.rotary.sin.float().contiguous(), self.input_layernorm.eps,
             attn.attn.scale, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.sliding_window,
             attn.qkv_proj.weight_scale, attn.o_proj.weight_scale, mlp.gate_up_proj.weight_scale,
-            mlp.down_proj.weight_scale)
+            mlp.down_proj.weight_scale, attn.qkv_proj.pairs_weight, attn.o_proj.pairs_weight,
+            mlp.gate_up_proj.pairs_weight, mlp.down_proj.pairs_weight)
 
 
 class LlamaModel(nn.Module):
@@ -264,7 +265,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         return cpu_decoder_layer.greedy_decode(parts.prepared, parts.embedding, parts.head, parts.vocab_size, tokens,
                                                positions, table, limits, stops, steps, drafts, parts.max_rows,
-                                               sampled)
+                                               sampled, parts.head_pairs)
 
     def greedy_parts(self) -> GreedyParts | None:
         """The model as greedy_decode() takes it; None for another family's model, embedding or logits, pipeline
@@ -281,16 +282,18 @@ class LlamaForCausalLM(nn.Module):
         if prepared is None or not prepared.serves(caches, embedding.dtype) or head.weight.dtype != embedding.dtype:
             return None
         return GreedyParts(prepared, embedding, head.weight, head.vocab_size,
-                           min(model.product_rows, cpu_gemv.max_rows(embedding.dtype, head.weight)))
+                           min(model.product_rows, cpu_gemv.max_rows(embedding.dtype, head.weight, head.pairs_weight)),
+                           head.pairs_weight)
 
 
 @dataclasses.dataclass(frozen=True)
 class GreedyParts:
     """A llama model as kernels.cpu_decoder_layer.greedy_decode() takes it; max_rows: the most token rows of a step
-    its kernels' products take."""
+    its kernels' products take; head_pairs: the head's kernels.cpu_gemv.pair_weight copy, where kept."""
 
     prepared: cpu_decoder_layer.PreparedLayers
     embedding: torch.Tensor
     head: torch.Tensor
     vocab_size: int
     max_rows: int
+    head_pairs: torch.Tensor | None = None

@@ -98,7 +98,7 @@ class DraftModel:
                          dtype=np.int64)
         return DraftModelDrafts(self.num_drafts, parts.prepared, parts.embedding, parts.head, parts.vocab_size,
                                 contexts, known, np.ascontiguousarray(capacity, dtype=np.int64),
-                                np.full((len(states), self.num_drafts), -1, dtype=np.int64))
+                                np.full((len(states), self.num_drafts), -1, dtype=np.int64), parts.head_pairs)
 
     def resume(self, states: list[CachedRequestState], drafts: DraftModelDrafts, lengths: np.ndarray) -> None:
         """After greedy_decode() drafted for `states`, now `lengths` tokens long: its K/V holds each one's tokens
