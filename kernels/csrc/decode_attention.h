@@ -147,28 +147,57 @@ inline void score_rows_bf16(const uint16_t* __restrict q, const uint16_t* __rest
   }
 }
 
-// acc += sum_i p[i] * v_i over `count` consecutive bf16 rows v_i of D dims (a multiple of 16), acc in registers.
-template <int D>
-inline void accumulate_rows_bf16(const float* __restrict p, const uint16_t* __restrict v, int64_t count,
-                                 float* __restrict acc) {
-  __m512 a[D / 16];
-  for (int c = 0; c < D / 16; ++c) a[c] = _mm512_loadu_ps(acc + c * 16);
+// acc[g] += sum_i p[g][i] * v_i for NG queries at once over `count` consecutive bf16 rows v_i of D dims (a multiple
+// of 16), the accumulators in registers: each V row widened once for all of them, and their sums independent chains
+// (one query's chain alone waits on each FMA's latency). Each query's sum runs over i in order, as alone.
+template <int D, int NG>
+inline void accumulate_heads_bf16(const float* __restrict p, int64_t p_stride, const uint16_t* __restrict v,
+                                  int64_t count, float* __restrict acc, int64_t acc_stride) {
+  constexpr int C = D / 16;
+  __m512 a[NG][C];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * acc_stride + c * 16);
   for (int64_t i = 0; i < count; ++i) {
-    const __m512 pv = _mm512_set1_ps(p[i]);
+    __m512 w[C];
 #pragma GCC unroll 8
-    for (int c = 0; c < D / 16; ++c) {
+    for (int c = 0; c < C; ++c) {
       const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i * D + c * 16));
-      a[c] = _mm512_fmadd_ps(pv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)), a[c]);
+      w[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g) {
+      const __m512 pv = _mm512_set1_ps(p[g * p_stride + i]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pv, w[c], a[g][c]);
     }
   }
-  for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(acc + c * 16, a[c]);
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * acc_stride + c * 16, a[g][c]);
+}
+
+// accumulate_heads_bf16 for the G query heads of one KV head (probabilities p_stride apart, accumulators D apart),
+// as many at once as 16 accumulator registers hold.
+template <int D>
+inline void accumulate_group_bf16(const float* p, int64_t p_stride, const uint16_t* v, int64_t count, float* acc,
+                                  int64_t G) {
+  constexpr int most = D <= 64 ? 4 : D <= 128 ? 2 : 1;
+  for (int64_t g = 0; g < G; g += most) {
+    const float* pg = p + g * p_stride;
+    float* ag = acc + g * D;
+    switch (std::min<int64_t>(most, G - g)) {
+      case 4: if constexpr (most >= 4) accumulate_heads_bf16<D, 4>(pg, p_stride, v, count, ag, D); break;
+      case 3: if constexpr (most >= 3) accumulate_heads_bf16<D, 3>(pg, p_stride, v, count, ag, D); break;
+      case 2: if constexpr (most >= 2) accumulate_heads_bf16<D, 2>(pg, p_stride, v, count, ag, D); break;
+      default: accumulate_heads_bf16<D, 1>(pg, p_stride, v, count, ag, D); break;
+    }
+  }
 }
 #else
 constexpr bool kNativeBf16Attention = false;
 template <int D>
 inline void score_rows_bf16(const uint16_t*, const uint16_t*, int64_t, float, float*) {}
 template <int D>
-inline void accumulate_rows_bf16(const float*, const uint16_t*, int64_t, float*) {}
+inline void accumulate_group_bf16(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t) {}
 #endif
 
 // Rows [first, end) that share one block table: the tokens of one sequence in this step (speculative verification,
@@ -257,19 +286,21 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
             float* sc = scores.data() + (r * G + g) * n;
             if (soft_cap > 0.f)
               for (int64_t i = a; i < b; ++i) sc[i] = soft_cap * std::tanh(sc[i] / soft_cap);
-            inv[r * G + g] = 1.f / exp_sum(sc + a, b - a, *std::max_element(sc + a, sc + b));
+            inv[r * G + g] = 1.f / exp_sum(sc + a, b - a, max_of(sc + a, b - a));
           }
         for_each_block(vc, table, h, kv_heads, bs, dim, lo, hi, [&](int64_t j0, int64_t j1, const T* block) {
           const float* v = native ? nullptr : widen_rows(block, row.data(), (j1 - j0) * dim);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t a = std::max(j0, starts[r]), b = std::min(j1, lens[first + r]);
-            for (int64_t g = 0; a < b && g < G; ++g) {
-              const float* p = scores.data() + (r * G + g) * n + a - lo;
-              if constexpr (native)
-                accumulate_rows_bf16<D>(p, block + (a - j0) * dim, b - a, acc.data() + (r * G + g) * dim);
-              else
-                accumulate_rows<D>(p, v + (a - j0) * dim, b - a, dim, acc.data() + (r * G + g) * dim);
+            if (a >= b) continue;
+            if constexpr (native) {  // the row's G query heads share its range of keys
+              accumulate_group_bf16<D>(scores.data() + r * G * n + a - lo, n, block + (a - j0) * dim, b - a,
+                                       acc.data() + r * G * dim, G);
+              continue;
             }
+            for (int64_t g = 0; g < G; ++g)
+              accumulate_rows<D>(scores.data() + (r * G + g) * n + a - lo, v + (a - j0) * dim, b - a, dim,
+                                 acc.data() + (r * G + g) * dim);
           }
         });
       }
