@@ -83,19 +83,26 @@ def pairs_serve(weight: torch.Tensor) -> bool:
             and cpu_has_native_bf16())
 
 
-def pair_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The bf16 weight [N, K] as gemv_pairs.h reads it: [ceil(N / 32), ceil(K / 2), 32, 2], tile t's element
-    [p, r, e] = weight[32 t + r, 2 p + e], zero past N and K (one column pair of 32 output rows per 128 bytes)."""
+def pairs_shape(weight: torch.Tensor) -> tuple[int, int, int, int]:
+    """pair_weight(weight)'s shape: [ceil(N / 32), ceil(K / 2), 32, 2] for a weight [N, K]."""
+    rows, columns = weight.shape
+    return (rows + 31) // 32, (columns + 1) // 2, 32, 2
+
+
+def pair_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bf16 weight [N, K] as gemv_pairs.h reads it (into `out`, if given): [ceil(N / 32), ceil(K / 2), 32, 2],
+    tile t's element [p, r, e] = weight[32 t + r, 2 p + e], zero past N and K (one column pair of 32 output rows per
+    128 bytes)."""
     rows, columns = weight.shape
     padded = torch.nn.functional.pad(weight, (0, columns % 2, 0, -rows % 32))
-    return padded.view((rows + 31) // 32, 32, (columns + 1) // 2, 2).transpose(1, 2).contiguous()
+    tiles = padded.view(pairs_shape(weight)[0], 32, (columns + 1) // 2, 2).transpose(1, 2)
+    return tiles.contiguous() if out is None else out.copy_(tiles)
 
 
 def fits_pairs(weight: torch.Tensor, pairs: torch.Tensor) -> bool:
     """Whether `pairs` has pair_weight(weight)'s layout (shape, dtype, contiguous)."""
-    rows, columns = weight.shape
     return (pairs.dtype == torch.bfloat16 and pairs.is_contiguous() and pairs.device.type == "cpu"
-            and pairs.shape == ((rows + 31) // 32, (columns + 1) // 2, 32, 2))
+            and pairs.shape == pairs_shape(weight))
 
 
 def serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pairs: torch.Tensor | None = None

@@ -7,6 +7,7 @@ import ctypes.util
 import functools
 import math
 import mmap
+from collections.abc import Sequence
 
 import torch
 
@@ -53,22 +54,26 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return buffer[offset:offset + nbytes].view(dtype).view(shape)
 
 
+def huge_page_views(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Zeroed CPU tensors of these shapes and dtypes in one huge_page_zeros() arena, each at a 64-byte boundary: one
+    arena, not a buffer per tensor, so at most 2 MiB of slack in all."""
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    offsets = [sum(-(-size // 64) * 64 for size in sizes[:i]) for i in range(len(sizes))]
+    arena = huge_page_zeros((offsets[-1] + -(-sizes[-1] // 64) * 64,), torch.uint8) if specs else None
+    return [arena[offset:offset + size].view(dtype).view(shape)
+            for (shape, dtype), size, offset in zip(specs, sizes, offsets)]
+
+
 def gather_parameters_in_huge_pages(model: torch.nn.Module) -> int:
-    """Copy the CPU model's parameters into one huge_page_zeros() arena (each at a 64-byte boundary) and point them
-    there; the bytes moved. One arena, not a buffer per parameter: at most 2 MiB of slack in all; its memory is taken
-    as each parameter moves in and the old one is freed, so loading peaks at about the weights' size plus one
+    """Copy the CPU model's parameters into huge_page_views() and point them there; the bytes moved. Its memory is
+    taken as each parameter moves in and the old one is freed, so loading peaks at about the weights' size plus one
     parameter, not twice the weights."""
     params = [p for p in model.parameters() if p.device.type == "cpu" and p.numel() > 0]
-    offsets, total = [], 0
-    for p in params:
-        offsets.append(total)
-        total += -(-p.nbytes // 64) * 64
+    total = sum(-(-p.nbytes // 64) * 64 for p in params)
     if total < _HUGE_PAGE:
         return 0
-    arena = huge_page_zeros((total,), torch.uint8)
     with torch.no_grad():
-        for p, offset in zip(params, offsets):
-            home = arena[offset:offset + p.nbytes].view(p.dtype).view(p.shape)
+        for p, home in zip(params, huge_page_views([(tuple(p.shape), p.dtype) for p in params])):
             home.copy_(p.data)
             p.data = home
     return total

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import os
 
+from collections.abc import Sequence
+
+import torch
 from torch import nn
 
 from kernels import cpu_gemv, cpu_prepacked
+from workers.cpu_allocator import huge_page_views
 
 PREPACK_MEMORY_FRACTION = 0.125
 
@@ -27,13 +31,24 @@ def prepack_linear_weights(model: nn.Module, available_bytes: int | None = None)
     if available_bytes is None:
         available_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     budget, copied = available_bytes * PREPACK_MEMORY_FRACTION, 0
-    for attribute, takes, copy in (("pairs_weight", cpu_gemv.pairs_serve, cpu_gemv.pair_weight),
-                                   ("packed_weight", cpu_prepacked.packable, cpu_prepacked.prepack)):
+    for attribute, takes, copy in (("pairs_weight", cpu_gemv.pairs_serve, _paired),
+                                   ("packed_weight", cpu_prepacked.packable, _prepacked)):
         layers = [m for m in plain if takes(m.weight)]
         total = sum(m.weight.nbytes for m in layers)
         if not layers or copied + total > budget:
             continue
-        for layer in layers:
-            setattr(layer, attribute, copy(layer.weight))
+        for layer, weight_copy in zip(layers, copy([m.weight for m in layers]), strict=True):
+            setattr(layer, attribute, weight_copy)
         copied += total
     return copied
+
+
+def _paired(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The weights' pairs copies in one arena on huge pages: batch-1 decode streams them, as it streams the weights
+    (workers.cpu_allocator)."""
+    homes = huge_page_views([(cpu_gemv.pairs_shape(w), torch.bfloat16) for w in weights])
+    return [cpu_gemv.pair_weight(w, out=home) for w, home in zip(weights, homes)]
+
+
+def _prepacked(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [cpu_prepacked.prepack(w) for w in weights]
