@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import itertools
 import math
 import mmap
 from collections.abc import Sequence
@@ -58,8 +59,8 @@ def huge_page_views(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> lis
     """Zeroed CPU tensors of these shapes and dtypes in one huge_page_zeros() arena, each at a 64-byte boundary: one
     arena, not a buffer per tensor, so at most 2 MiB of slack in all."""
     sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
-    offsets = [sum(-(-size // 64) * 64 for size in sizes[:i]) for i in range(len(sizes))]
-    arena = huge_page_zeros((offsets[-1] + -(-sizes[-1] // 64) * 64,), torch.uint8) if specs else None
+    offsets = [0, *itertools.accumulate(-(-size // 64) * 64 for size in sizes)]
+    arena = huge_page_zeros((offsets[-1],), torch.uint8)
     return [arena[offset:offset + size].view(dtype).view(shape)
             for (shape, dtype), size, offset in zip(specs, sizes, offsets)]
 

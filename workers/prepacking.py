@@ -10,7 +10,6 @@ machine) keeps its memory for the KV cache instead.
 from __future__ import annotations
 
 import os
-
 from collections.abc import Sequence
 
 import torch
