@@ -76,11 +76,15 @@ def max_rows(dtype: torch.dtype, weight: torch.Tensor | None = None, pairs: torc
     return sys.maxsize if dtype == torch.bfloat16 else FLOAT32_MAX_ROWS
 
 
+def pairs_cpu() -> bool:
+    """Whether this CPU runs gemv_pairs.h: AVX-512 BF16 and BW, what it is compiled for under -march=native (AMX
+    alone does not do)."""
+    return {"avx512_bf16", "avx512bw"} <= cpu_flags()
+
+
 def pairs_serve(weight: torch.Tensor) -> bool:
-    """Whether a pair_weight() copy of this weight would serve its products: a bf16 CPU matrix, on a CPU with AVX-512
-    BF16 (the kernel's instruction)."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and cpu_has_native_bf16())
+    """Whether a pair_weight() copy of this weight would serve its products: a bf16 CPU matrix, on a pairs_cpu()."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 and pairs_cpu()
 
 
 def pairs_shape(weight: torch.Tensor) -> tuple[int, int, int, int]:

@@ -10,7 +10,6 @@ from transformers import LlamaConfig, Qwen2Config
 
 from frontend import LLM, SamplingParams
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv
-from kernels.cpu_features import cpu_has_native_bf16
 from tests.conftest import tiny_model
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import ColumnParallelLinear, Linear
@@ -98,7 +97,7 @@ def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer, products)
     """Products in the kernels (up to max_rows tokens: fewer where the CPU has bf16 GEMMs; from the projections'
     paired copies, which the op path's linear layers then read too, up to PAIRS_MAX_ROWS) or torch's between the
     kernel's calls (any count)."""
-    if products == "pairs" and not (dtype == torch.bfloat16 and cpu_has_native_bf16()):
+    if products == "pairs" and not (dtype == torch.bfloat16 and cpu_gemv.pairs_cpu()):
         pytest.skip("paired copies: bf16 weights on CPUs with AVX-512 BF16")
     layer_class, config = CASES[case]
     limit = with_pairs(make_layer(layer_class, config, dtype, seed=0), products == "pairs").fused_weights.max_rows()

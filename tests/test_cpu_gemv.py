@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_extension, cpu_gemv
-from kernels.cpu_features import cpu_has_native_bf16
 from workers.layers.linear import linear
 
 
@@ -114,7 +113,7 @@ def test_declines_what_it_does_not_compute(case):
         assert cpu_gemv.serves(torch.randn(2, 8), torch.randn(16, 8), torch.randn(16)) is True
 
 
-native_bf16 = pytest.mark.skipif(not cpu_has_native_bf16(), reason="gemv_pairs.h needs AVX-512 BF16")
+native_bf16 = pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="gemv_pairs.h needs AVX-512 BF16")
 
 
 def test_pair_weight_lays_out_column_pairs_of_32_rows():

@@ -3,6 +3,8 @@
 products summed in another order), kept only within the memory budget, and the engine's outputs with them."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -39,7 +41,7 @@ def _bf16_model() -> torch.nn.Module:
 
 def test_copies_are_kept_only_within_the_memory_budget():
     """Paired copies first (where the CPU has AVX-512 BF16), then prepacked ones (where torch's bf16 GEMMs run in
-    bf16, the same CPUs), each kind only if every copy so far fits 1/8 of the memory available."""
+    bf16), each kind only if every copy so far (counted in its own bytes) fits 1/8 of the memory available."""
     model = _bf16_model()
     linears = [m for m in model.modules() if hasattr(m, "packed_weight")]
     assert any(isinstance(m, Linear) for m in linears) and isinstance(model.lm_head, ParallelLMHead)
@@ -51,14 +53,17 @@ def test_copies_are_kept_only_within_the_memory_budget():
         return copied, {m.pairs_weight is not None for m in linears}, {m.packed_weight is not None for m in linears}
 
     weight_bytes = sum(m.weight.nbytes for m in linears)
-    native = cpu_has_native_bf16()
-    prepacked = native and torch.backends.mkldnn.is_available()  # else bf16 GEMMs run as float32
-    one_copy = int(weight_bytes / prepacking.PREPACK_MEMORY_FRACTION)
+    paired = cpu_gemv.pairs_cpu()
+    pairs_bytes = sum(math.prod(cpu_gemv.pairs_shape(m.weight)) * 2 for m in linears) if paired else 0
+    prepacked = cpu_has_native_bf16() and torch.backends.mkldnn.is_available()  # else bf16 GEMMs run as float32
+    assert pairs_bytes >= weight_bytes or not paired  # (rows padded to tiles of 32)
+    fraction = prepacking.PREPACK_MEMORY_FRACTION
     assert copies(weight_bytes) == (0, {False}, {False})  # over 1/8 of it
-    assert copies(one_copy) == (weight_bytes if native else 0, {native}, {False})
-    assert copies(2 * one_copy) == ((native + prepacked) * weight_bytes, {native}, {prepacked})
+    assert copies(int(pairs_bytes / fraction) + 1) == (pairs_bytes, {paired}, {not paired and prepacked})
+    both = pairs_bytes + prepacked * weight_bytes
+    assert copies(int(both / fraction) + 1) == (both, {paired}, {prepacked})
     pairs = model.lm_head.pairs_weight
-    assert (pairs is not None) == native and (pairs is None or cpu_gemv.fits_pairs(model.lm_head.weight, pairs))
+    assert (pairs is not None) == paired and (pairs is None or cpu_gemv.fits_pairs(model.lm_head.weight, pairs))
     embedding = model.model.embed_tokens
     assert isinstance(embedding, VocabParallelEmbedding) and not hasattr(embedding, "packed_weight")  # a lookup
 
@@ -97,7 +102,7 @@ def test_engine_outputs_equal_without_prepacked_copies(monkeypatch):
     assert packed == plain
 
 
-@pytest.mark.skipif(not cpu_has_native_bf16(), reason="paired copies need AVX-512 BF16")
+@pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="paired copies need AVX-512 BF16")
 def test_engine_outputs_with_paired_copies_differ_at_most_by_rounding(monkeypatch):
     """The paired copies' products sum each output in another order than the plain kernels (both round float32 sums
     once to bf16): greedy tokens agree and the logprobs of the tokens both chose within bf16 rounding."""

@@ -9,6 +9,7 @@ machine) keeps its memory for the KV cache instead.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -24,16 +25,18 @@ PREPACK_MEMORY_FRACTION = 0.125
 def prepack_linear_weights(model: nn.Module, available_bytes: int | None = None) -> int:
     """Give each linear layer with a plain bf16 weight its paired copy (`pairs_weight`) where the CPU has the
     kernel's instruction, then its prepacked copy (`packed_weight`), each kind only if all copies fit the budget;
-    the bytes copied (0 when none was)."""
+    the bytes copied (0 when none was). Made once: nothing changes a weight after loading (a weight changed in place
+    would leave its copies, and the C++ layers' pointers to them, stale)."""
     plain = [m for m in model.modules() if getattr(m, "packed_weight", False) is None
              and getattr(m, "weight_scale", None) is None]
     if available_bytes is None:
         available_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     budget, copied = available_bytes * PREPACK_MEMORY_FRACTION, 0
-    for attribute, takes, copy in (("pairs_weight", cpu_gemv.pairs_serve, _paired),
-                                   ("packed_weight", cpu_prepacked.packable, _prepacked)):
+    for attribute, takes, nbytes, copy in (
+            ("pairs_weight", cpu_gemv.pairs_serve, lambda w: math.prod(cpu_gemv.pairs_shape(w)) * 2, _paired),
+            ("packed_weight", cpu_prepacked.packable, lambda w: w.nbytes, _prepacked)):
         layers = [m for m in plain if takes(m.weight)]
-        total = sum(m.weight.nbytes for m in layers)
+        total = sum(nbytes(m.weight) for m in layers)
         if not layers or copied + total > budget:
             continue
         for layer, weight_copy in zip(layers, copy([m.weight for m in layers]), strict=True):

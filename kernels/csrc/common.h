@@ -80,24 +80,25 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
-// The largest of n > 0 scores, 8 lanes at a time: a scalar running max waits on each comparison in turn (a tenth of
-// a verification step's attention at 400 positions). Any NaN among them makes every e^(s - max) after it NaN as
-// std::max_element's choice does, so attention's outputs are the same.
+// *std::max_element(s, s + n) for n > 0 scores, 8 lanes at a time: a scalar running max waits on each comparison in
+// turn (a tenth of a verification step's attention at 400 positions). The same value for every input: NaN only where
+// s[0] is (a NaN after it is skipped, as `top < NaN` is false; maxps keeps its second operand, the running max, when
+// either is NaN).
 inline float max_of(const float* s, int64_t n) {
   int64_t i = 0;
   float top = s[0];
 #ifdef __AVX2__
   if (n >= 32) {
-    __m256 m[4] = {_mm256_loadu_ps(s), _mm256_loadu_ps(s + 8), _mm256_loadu_ps(s + 16), _mm256_loadu_ps(s + 24)};
-    for (i = 32; i + 32 <= n; i += 32)
-      for (int j = 0; j < 4; ++j) m[j] = _mm256_max_ps(m[j], _mm256_loadu_ps(s + i + 8 * j));
-    const __m256 all = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, all);
-    for (float lane : lanes) top = std::isnan(lane) || lane > top ? lane : top;
+    const __m256 first = _mm256_set1_ps(s[0]);
+    __m256 m[4] = {first, first, first, first};
+    for (; i + 32 <= n; i += 32)
+      for (int j = 0; j < 4; ++j) m[j] = _mm256_max_ps(_mm256_loadu_ps(s + i + 8 * j), m[j]);
+    alignas(32) float lanes[32];
+    for (int j = 0; j < 4; ++j) _mm256_store_ps(lanes + 8 * j, m[j]);
+    for (float lane : lanes) top = top < lane ? lane : top;
   }
 #endif
-  for (; i < n; ++i) top = std::isnan(s[i]) || s[i] > top ? s[i] : top;
+  for (; i < n; ++i) top = top < s[i] ? s[i] : top;
   return top;
 }
 

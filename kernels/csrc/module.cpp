@@ -58,6 +58,7 @@ void gemv_int8_grouped(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias
 template <typename T>
 pagedserve::DecoderLayer<T> layer_of(const std::vector<uintptr_t>& w, const std::vector<int64_t>& dims, float eps,
                                      float scale) {
+  if (w.size() != 18 || dims.size() != 10) throw std::invalid_argument("a layer takes 18 pointers and 10 dims");
   auto projection = [&](int weight, int scale) {
     return pagedserve::Projection{reinterpret_cast<const void*>(w[weight]), in<float>(w[scale]), dims[scale - 4],
                                   in<uint16_t>(w[scale + 4])};
