@@ -109,15 +109,15 @@ using DraftArgs =
                uintptr_t, int64_t, int64_t, uintptr_t, uintptr_t, uintptr_t>;
 
 // Greedy steps of the whole model (greedy_decode.h): the layers as decoder_layers() takes them, then the final norm,
-// the embedding table and the LM head [head_rows, hidden] of the model dtype (and its pairs copy, or 0); drafts from `draft` if given (its K/V
-// known per row at draft_known, int64 [m], updated), else by prompt lookup.
+// the embedding table and the LM head [head_rows, hidden] of the model dtype (and its pairs copy, or 0); drafts from
+// `draft` if given (its K/V known per row at draft_known, int64 [m], updated), else by prompt lookup.
 template <typename T>
 void greedy_decode(const std::vector<std::vector<uintptr_t>>& weights, const std::vector<std::vector<int64_t>>& dims,
                    const std::vector<double>& eps, const std::vector<double>& scales,
                    const std::vector<uintptr_t>& k_caches, const std::vector<uintptr_t>& v_caches,
                    uintptr_t final_norm, double final_eps, uintptr_t embedding, uintptr_t head, int64_t head_rows,
-                   int64_t vocab, uintptr_t head_pairs, uintptr_t tokens, uintptr_t positions, uintptr_t tables, int64_t max_blocks,
-                   int64_t block_size, uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
+                   int64_t vocab, uintptr_t head_pairs, uintptr_t tokens, uintptr_t positions, uintptr_t tables,
+                   int64_t max_blocks, int64_t block_size, uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
                    const std::vector<int64_t>& lookup, uintptr_t history, uintptr_t history_starts,
                    uintptr_t verified, const std::vector<uintptr_t>& sampled, const std::optional<DraftArgs>& draft,
                    uintptr_t draft_known, int64_t max_rows, uintptr_t tokens_out, int64_t out_cols, int64_t m,
@@ -231,8 +231,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             const std::vector<double>& scales, const std::vector<uintptr_t>& k_caches,
                             const std::vector<uintptr_t>& v_caches, uintptr_t final_norm, double final_eps,
                             uintptr_t embedding, uintptr_t head, int64_t head_rows, int64_t vocab,
-                            uintptr_t head_pairs, uintptr_t tokens, uintptr_t positions, uintptr_t tables, int64_t max_blocks, int64_t block_size,
-                            uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
+                            uintptr_t head_pairs, uintptr_t tokens, uintptr_t positions, uintptr_t tables,
+                            int64_t max_blocks, int64_t block_size, uintptr_t limits, uintptr_t stop_ids,
+                            uintptr_t stop_starts,
                             const std::vector<int64_t>& lookup, uintptr_t history, uintptr_t history_starts,
                             uintptr_t verified, const std::vector<uintptr_t>& sampled,
                             const std::optional<DraftArgs>& draft, uintptr_t draft_known, int64_t max_rows,

@@ -60,8 +60,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 [tokens, vocab] on TP rank 0; None on the other TP ranks (they only contribute)."""
-        logits = linear(hidden, self.weight, None, self.weight_scale, packed=self.packed_weight, pairs=self.pairs_weight,
-                        gemv=self.gemv_config)
+        logits = linear(hidden, self.weight, None, self.weight_scale, packed=self.packed_weight,
+                        pairs=self.pairs_weight, gemv=self.gemv_config)
         logits = tp_gather_last_dim(logits)
         if logits is None:
             return None
