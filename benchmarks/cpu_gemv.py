@@ -72,8 +72,8 @@ def main() -> int:
 
 
 def compare_pairs() -> int:
-    if not cpu_has_native_bf16():
-        print("gemv_pairs.h needs AVX-512 BF16, which this CPU lacks")
+    if not cpu_gemv.pairs_cpu():
+        print("gemv_pairs.h needs AVX-512 BF16 and BW, which this CPU lacks")
         return 1
     print(f"CPU native bf16: True; torch threads: {torch.get_num_threads()}; each: ms per pass over the matrices "
           "(GFLOP/s), best of 3-40 passes")

@@ -98,9 +98,10 @@ def pair_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     tile t's element [p, r, e] = weight[32 t + r, 2 p + e], zero past N and K (one column pair of 32 output rows per
     128 bytes)."""
     rows, columns = weight.shape
+    tiles, pairs, _, _ = pairs_shape(weight)
     padded = torch.nn.functional.pad(weight, (0, columns % 2, 0, -rows % 32))
-    tiles = padded.view(pairs_shape(weight)[0], 32, (columns + 1) // 2, 2).transpose(1, 2)
-    return tiles.contiguous() if out is None else out.copy_(tiles)
+    laid_out = padded.view(tiles, 32, pairs, 2).transpose(1, 2)
+    return laid_out.contiguous() if out is None else out.copy_(laid_out)
 
 
 def fits_pairs(weight: torch.Tensor, pairs: torch.Tensor) -> bool:

@@ -40,10 +40,9 @@ inline void pair_tile(const uint16_t* tile, const uint16_t* x, const uint16_t* b
     step(p, [](const uint16_t* at) { int32_t v; std::memcpy(&v, at, 4); return v; });
   if (K % 2)  // the last column alone: its pair's other half is zero (never read past the row)
     step(pairs, [](const uint16_t* at) { return int32_t(*at); });
-  alignas(64) float b[32] = {};
-  if (bias)
-    for (int64_t i = 0; i < std::min<int64_t>(32, N - n0); ++i) b[i] = widen(bias[n0 + i]);
   const int64_t count = std::min<int64_t>(32, N - n0);
+  alignas(64) float b[32] = {};
+  for (int64_t i = 0; bias && i < count; ++i) b[i] = widen(bias[n0 + i]);
   for (int m = 0; m < MB; ++m) {
     alignas(64) uint16_t out[32];
     for (int h = 0; h < 2; ++h) {
