@@ -16,13 +16,14 @@ import httpx
 import pytest
 import uvicorn
 
-from conftest import API_KEY, AUTH, metric, wait_until
+from conftest import _MODEL_ROOT, API_KEY, AUTH, metric, wait_until
 from frontend import LLM, RequestFailedError, SamplingParams
 from frontend.api.push import PushHttpToolsProtocol
 from frontend.api.sampling import ServerLimits
 from frontend.api.server import build_app
 from frontend.tokenizer import load_tokenizer
 from ipc import EngineInfo
+from launch.make_model import make_model
 from launcher import descendants, start_launcher, stop_launcher
 
 SURROGATE = "a\ud800b"  # a lone UTF-16 surrogate: valid JSON ("a\\ud800b"), not valid Unicode
@@ -302,18 +303,20 @@ def test_sigterm_stops_everything(server):
     assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in children), timeout=10)
 
 
-def test_back_pressure_and_engine_death(llama_model):
-    process, base_url = start_launcher(["--model", llama_model, "--dtype", "float32", "--max-num-seqs", "1",
-                                        "--max-waiting-requests", "1"])
+def test_back_pressure_and_engine_death():
+    # The running request must outlive the scenario, so the queued one never gets its first output: the tiny llama's
+    # 1,000 tokens took 0.24 s on a fast machine, so this one has a 64k context and a KV pool for all of it.
+    model = str(make_model(_MODEL_ROOT / "llama-tiny-64k", arch="llama", size="tiny", max_position_embeddings=1 << 16))
+    process, base_url = start_launcher(["--model", model, "--dtype", "float32", "--max-num-seqs", "1",
+                                        "--max-waiting-requests", "1", "--kv-cache-memory", "40MiB"])
     try:
-        # 1000 tokens: the running request outlives the scenario, so the queued one never gets its first output.
-        body = {"model": llama_model, "prompt": "slow", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        body = {"model": model, "prompt": "slow", "max_tokens": 60_000, "ignore_eos": True, "stream": True}
 
         async def scenario():
             async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
                 running = await _open_stream(http, body)  # runs
                 waiting = asyncio.create_task(http.post("/v1/completions", json=body))  # waits in the queue
-                # Polled, not slept on: on a fast machine the running request's 1000 tokens take under a second.
+                # Polled, not slept on: the request waits as soon as the engine has read it.
                 deadline = time.monotonic() + 10
                 while not re.search(r"^pagedserve:num_requests_waiting\{.*\} 1\.0$",
                                     (await http.get("/metrics")).text, re.MULTILINE):
