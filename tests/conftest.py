@@ -54,6 +54,13 @@ def tiny_model(arch: str) -> str:
     return str(make_model(_MODEL_ROOT / f"{arch}-tiny", arch=arch, size="tiny"))
 
 
+@functools.cache
+def long_context_llama() -> str:
+    """The tiny llama with a 64k context, where a request can run for many seconds on any machine (the 1k-context
+    one's whole context took 0.15-0.25 s): a test acts while it runs. Serve it with a KV pool for its context."""
+    return str(make_model(_MODEL_ROOT / "llama-tiny-64k", arch="llama", size="tiny", max_position_embeddings=1 << 16))
+
+
 @pytest.fixture(scope="session", params=ARCHS)
 def arch_model(request) -> tuple[str, str]:
     return request.param, tiny_model(request.param)

@@ -16,14 +16,13 @@ import httpx
 import pytest
 import uvicorn
 
-from conftest import _MODEL_ROOT, API_KEY, AUTH, metric, wait_until
+from conftest import API_KEY, AUTH, long_context_llama, metric, wait_until
 from frontend import LLM, RequestFailedError, SamplingParams
 from frontend.api.push import PushHttpToolsProtocol
 from frontend.api.sampling import ServerLimits
 from frontend.api.server import build_app
 from frontend.tokenizer import load_tokenizer
 from ipc import EngineInfo
-from launch.make_model import make_model
 from launcher import descendants, start_launcher, stop_launcher
 
 SURROGATE = "a\ud800b"  # a lone UTF-16 surrogate: valid JSON ("a\\ud800b"), not valid Unicode
@@ -281,7 +280,9 @@ def test_two_gateway_processes_serve(server):
 
 def test_a_disconnected_stream_is_aborted_and_its_blocks_freed(server, llama_model):
     aborted = metric(server[1], "pagedserve:num_aborted_requests_total")
-    body = {"model": llama_model, "prompt": "go on", "max_tokens": 1000, "stream": True, "ignore_eos": True}
+    # 20 logprobs a token: ~0.8 s of engine work, where 1000 plain tokens took 0.15 s, a short window to hang up in.
+    body = {"model": llama_model, "prompt": "go on", "max_tokens": 1000, "stream": True, "ignore_eos": True,
+            "logprobs": 20}
     with httpx.stream("POST", f"{server[1]}/v1/completions", json=body, headers=AUTH) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
@@ -304,9 +305,8 @@ def test_sigterm_stops_everything(server):
 
 
 def test_back_pressure_and_engine_death():
-    # The running request must outlive the scenario, so the queued one never gets its first output: the tiny llama's
-    # 1,000 tokens took 0.24 s on a fast machine, so this one has a 64k context and a KV pool for all of it.
-    model = str(make_model(_MODEL_ROOT / "llama-tiny-64k", arch="llama", size="tiny", max_position_embeddings=1 << 16))
+    # The running request must outlive the scenario, so the queued one never gets its first output.
+    model = long_context_llama()
     process, base_url = start_launcher(["--model", model, "--dtype", "float32", "--max-num-seqs", "1",
                                         "--max-waiting-requests", "1", "--kv-cache-memory", "40MiB"])
     try:

@@ -264,8 +264,10 @@ def test_killed_worker_fails_pending_requests(cluster):
     generating = threading.Thread(target=run)
     generating.start()
     try:
-        time.sleep(1.5)  # the 8 requests need 900 steps: they are mid-generation now
-        assert len(rank_pids()) == 2
+        # The 8 requests' 900 steps took 2.0 s here: 0.3 s in, they are mid-generation on a machine several times
+        # faster (a kill after they finished would test nothing, hence the check).
+        time.sleep(0.3)
+        assert generating.is_alive() and len(rank_pids()) == 2
         os.kill(rank_pids()[0], signal.SIGKILL)
         killed = time.monotonic()
         generating.join(timeout=10)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import assert_all_blocks_free, child_pids, random_prompts, wait_until
+from conftest import assert_all_blocks_free, child_pids, long_context_llama, random_prompts, wait_until
 from core.engine_spawn import EngineProcess
 from frontend import LLM, EngineCoreClient, EngineDeadError, SamplingParams
 from ipc import EngineConfig
@@ -135,17 +135,20 @@ def test_sigterm_shuts_the_engine_down_cleanly(llama_model):
 _FRONT_END = textwrap.dedent("""
     import sys, time
     from frontend import LLM, SamplingParams
-    llm = LLM(sys.argv[1], dtype="float32")
+    llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory=40 << 20)
     print(llm.client.process.pid, flush=True)
     llm.generate(["keep going"] * 4, SamplingParams(max_tokens=100000, ignore_eos=True), use_tqdm=False)
 """)
 
 
 @pytest.mark.parametrize("how", ["kill -9", "SIGTERM"])
-def test_engine_exits_when_its_front_end_dies(llama_model, how):
-    front_end = subprocess.Popen([sys.executable, "-c", _FRONT_END, llama_model], stdout=subprocess.PIPE, text=True)
+def test_engine_exits_when_its_front_end_dies(how):
+    # The long-context llama: its requests still run when the front end dies (they do not end and let it exit).
+    front_end = subprocess.Popen([sys.executable, "-c", _FRONT_END, long_context_llama()], stdout=subprocess.PIPE,
+                                 text=True)
     engine_pid = int(front_end.stdout.readline())
     time.sleep(0.5)  # let it start generating
+    assert front_end.poll() is None
     front_end.send_signal(signal.SIGKILL if how == "kill -9" else signal.SIGTERM)
     front_end.wait(timeout=10)
     assert wait_until(lambda: not os.path.exists(f"/proc/{engine_pid}") or _is_zombie(engine_pid), timeout=5)
