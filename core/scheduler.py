@@ -5,9 +5,11 @@ import bisect
 import copy
 import heapq
 import logging
+import time
 from collections import deque
 
 from core import multi_step
+from core.multi_step import StepTimes
 from core.kv_cache_manager import KVCacheManager
 from core.request import Request, RequestStatus
 from ipc import (
@@ -62,6 +64,11 @@ class Scheduler:
         self.num_lookahead_slots = config.speculative_config.num_lookahead_slots if self.spec_stats else 0
         self.decode_ahead = decode_ahead
         self.multi_step = multi_step
+        budget_ms = config.multi_step_budget_ms
+        self.step_times = StepTimes(None if budget_ms is None else budget_ms / 1000)
+        # Beside in_flight: for each decode-only batch, (scheduled at, steps, batch size), timed when its output
+        # comes back; None for other batches.
+        self._decode_calls: deque[tuple[float, int, int] | None] = deque()
         if decode_ahead:
             self.num_lookahead_slots = max(self.num_lookahead_slots, 1)
 
@@ -88,11 +95,14 @@ class Scheduler:
             return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[], num_scheduled_tokens={},
                                    total_num_scheduled_tokens=0, finished_req_ids=[])
         finished, self.finished_req_ids = self.finished_req_ids, []
-        if preempted or len(num_scheduled) != len(self.running) or \
-                any(n != 1 + len(spec_tokens.get(req_id, ())) for req_id, n in num_scheduled.items()):
+        decode_only = not preempted and len(num_scheduled) == len(self.running) and \
+            all(n == 1 + len(spec_tokens.get(req_id, ())) for req_id, n in num_scheduled.items())
+        if not decode_only:
             steps = 1  # not the batch planned for
         self.in_flight.append({req_id: (self.requests[req_id], self.requests[req_id].num_preemptions)
                                for req_id in num_scheduled})
+        self._decode_calls.append((time.perf_counter(), steps, len(num_scheduled))
+                                  if decode_only and self.multi_step > 1 else None)
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
                                num_scheduled_tokens=num_scheduled,
                                total_num_scheduled_tokens=sum(num_scheduled.values()), finished_req_ids=finished,
@@ -157,7 +167,8 @@ class Scheduler:
             return 1
         if any(r.num_tokens - r.num_computed_tokens != 1 for r in self.running):
             return 1
-        return multi_step.num_steps(self.running, self.multi_step, self.max_model_len)
+        return multi_step.num_steps(self.running, self.step_times.limit(len(self.running), self.multi_step),
+                                    self.max_model_len)
 
     def _slots_ahead(self, steps: int) -> int:
         """The positions a multi-step call of `steps` steps may write after its first step's tokens: with drafts
@@ -258,7 +269,7 @@ class Scheduler:
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """For the oldest batch in flight: append sampled tokens, finish requests that stop, report new tokens."""
-        scheduled = self.in_flight.popleft()
+        scheduled, decode_call = self.in_flight.popleft(), self._decode_calls.popleft()
         for req_id, chunk in runner_output.prompt_logprobs.items():
             if (request := self._still_current(scheduled, req_id)) is not None:
                 request.add_prompt_logprobs(chunk)
@@ -278,6 +289,10 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 request.spec_token_ids = runner_output.draft_token_ids.get(req_id, [])
             outputs.append(output)
+        if decode_call is not None and any(request.status == RequestStatus.RUNNING for request, _ in
+                                           scheduled.values()):  # one goes on: the call ran all its steps
+            started, steps, batch = decode_call
+            self.step_times.observe(batch, steps, time.perf_counter() - started)
         return outputs
 
     def _count_computed(self, request: Request, token_ids: list[int], verified: list[tuple[int, int]]) -> None:

@@ -95,9 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--no-decode-ahead", dest="decode_ahead", action="store_false",
                         help="CUDA graphs: the GPU waits for the host between decode steps instead of starting the "
                              "next step's forward pass early")
-    engine.add_argument("--num-scheduler-steps", type=int, default=8,
+    engine.add_argument("--num-scheduler-steps", type=int, default=64,
                         help="CPU: up to this many decode steps per worker call while nothing waits to join "
                              "(1: one call per step)")
+    engine.add_argument("--multi-step-budget-ms", type=float, default=50.0,
+                        help="CPU: ... and only as many as fit this long by recent steps' times (how long a "
+                             "call holds its tokens back)")
     engine.add_argument("--cuda-graph-sizes", type=int, nargs="+",
                         help="CUDA: decode batch sizes to capture (default 1 2 4 8 16 ... min(max-num-seqs, 512))")
     engine.add_argument("--profiler-dir", help="allow POST /start_profile and /stop_profile; traces go here only")
@@ -214,6 +217,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
                         enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                         decode_ahead=args.decode_ahead, num_scheduler_steps=args.num_scheduler_steps,
+                        multi_step_budget_ms=args.multi_step_budget_ms,
                         profiler_dir=args.profiler_dir, profiler_max_seconds=args.profiler_max_seconds,
                         profiler_max_steps=args.profiler_max_steps, enable_cache_reset=args.enable_cache_reset,
                         max_logprobs=args.max_logprobs, enable_prefix_caching=args.enable_prefix_caching,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import assert_all_blocks_free, random_prompts, tiny_model
-from core.multi_step import num_steps
+from core.multi_step import UNTIMED_STEPS, StepTimes, num_steps
 from core.request import Request
 from frontend import LLM, SamplingParams
 from ipc import EngineCoreRequest, StructuredOutputsParams
@@ -22,8 +22,9 @@ ENGINE = {"dtype": "float32", "in_process": True, "block_size": 8, "max_model_le
 
 def _generate(steps: int, prompts: list[list[int]], params: list[SamplingParams], **engine_args
               ) -> tuple[list[list[int]], list[str], int]:
-    """Each request's tokens and finish reason, all at once, and the engine steps it took."""
-    llm = LLM(tiny_model("llama"), num_scheduler_steps=steps, **{**ENGINE, **engine_args})
+    """Each request's tokens and finish reason, all at once, and the engine steps it took (`steps` a call: no time
+    budget unless given)."""
+    llm = LLM(tiny_model("llama"), num_scheduler_steps=steps, **{**ENGINE, "multi_step_budget_ms": None, **engine_args})
     engine = llm.client.engine
     calls = []
     step = engine.step
@@ -134,7 +135,8 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, mode
     def run(cpp: bool) -> tuple[list[list[int]], list[str], list[torch.Tensor], object]:
         monkeypatch.setattr(ModelRunner, "_in_one_call",
                             counted if cpp else lambda self, steps, count, output: False)
-        llm = LLM(tiny_model("llama"), num_scheduler_steps=8, **{**ENGINE, **engine_args})
+        # No time budget: both runs make the same calls, so their caches hold the same blocks.
+        llm = LLM(tiny_model("llama"), num_scheduler_steps=8, multi_step_budget_ms=None, **{**ENGINE, **engine_args})
         try:
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             assert_all_blocks_free(llm)
@@ -194,6 +196,33 @@ def test_steps_stop_at_the_nearest_length_limit():
     assert num_steps([_request(greedy, outputs=15), _request(greedy, outputs=2)], 8, 1000) == 5  # max_tokens
     assert num_steps([_request(greedy, prompt_len=995, outputs=2)], 8, 1000) == 3  # max_model_len
     assert num_steps([_request(greedy, outputs=2)], 1, 1000) == 1
+
+
+def test_a_call_takes_the_steps_its_time_budget_holds_by_batch_size():
+    times = StepTimes(budget_s=0.05)
+    assert times.limit(1, 64) == UNTIMED_STEPS  # no timing yet: a short call to time
+    times.observe(batch=1, steps=2, seconds=0.2)  # 0.1 s a step: past the budget alone
+    assert times.limit(1, 64) == 1
+    times.observe(batch=4, steps=8, seconds=0.008)  # 1 ms a step for 4-7 requests
+    assert times.limit(4, 64) == times.limit(7, 64) == 50 and times.limit(6, 16) == 16
+    assert times.limit(8, 64) == UNTIMED_STEPS and times.limit(3, 64) == UNTIMED_STEPS
+    times.observe(batch=5, steps=4, seconds=0.012)  # 3 ms a step: the estimate moves half way
+    assert times.limit(4, 64) == 25
+    assert StepTimes(budget_s=None).limit(1, 64) == 64
+
+
+@pytest.mark.parametrize("budget_ms, most_calls", [(None, 4), (1e-6, None)])
+def test_the_engine_times_its_calls_against_the_budget(budget_ms, most_calls):
+    """Without a budget, num_scheduler_steps a call; with one no step fits, a step a call once timed. Same tokens."""
+    prompt = random_prompts([7], vocab=1000, seed=5)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    [reference], _, _ = _generate(1, [prompt], [params])
+    [tokens], _, calls = _generate(64, [prompt], [params], multi_step_budget_ms=budget_ms)
+    assert tokens == reference
+    if most_calls is not None:
+        assert calls <= most_calls
+    else:
+        assert calls >= 60 - UNTIMED_STEPS
 
 
 def test_a_sampled_row_without_a_token_to_draw_fails_alone_in_the_cpp_steps():

@@ -193,7 +193,8 @@ def test_multi_step_calls_verify_the_same_drafts_in_fewer_engine_steps(llama_mod
         step = EngineCore.step
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(EngineCore, "step", lambda self: engine_steps.append(1) or step(self))
-            results, engine = _run(llama_model, prompts, params, NGRAM, num_scheduler_steps=steps)
+            results, engine = _run(llama_model, prompts, params, NGRAM, num_scheduler_steps=steps,
+                                   multi_step_budget_ms=None)
         runs[steps] = _tokens(results), _spec_stats(engine), len(engine_steps)
     assert runs[1][0] == runs[8][0] == expected
     assert runs[1][1] == runs[8][1] and runs[8][1].num_drafts > 0
