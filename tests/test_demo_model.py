@@ -76,7 +76,7 @@ def test_the_shipped_draft_speeds_the_demo_without_changing_its_greedy_output():
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     outputs = {}
     for name, spec in (("plain", None), ("draft", {"method": "draft_model", "model": str(shipped_model("draft")),
-                                                   "num_speculative_tokens": 4})):
+                                                   "num_speculative_tokens": 4, "disable_by_batch_size": None})):
         llm = LLM(str(shipped_model("demo")), dtype="float32", in_process=True, speculative_config=spec)
         outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         stats = llm.get_stats().spec_decoding

@@ -322,6 +322,7 @@ def test_speculative_decoding_under_tp_and_pp_equals_one_rank(cluster, method):
     rank's greedy tokens."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2} \
         if method == "ngram" else {"method": method, "model": model_dir("llama-kv1"), "num_speculative_tokens": 3}
+    spec["disable_by_batch_size"] = None  # all three requests speculate
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     # Repeated short patterns: this random model's greedy output runs into loops that prompt lookup partly predicts.
     prompts = [{"prompt_token_ids": p * 8} for p in random_prompts([3, 4, 5], vocab=1000)]

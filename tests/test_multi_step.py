@@ -54,8 +54,9 @@ def _mixed_params() -> list[SamplingParams]:
 @pytest.mark.parametrize("engine_args", [
     {}, {"num_kv_blocks": 14, "enable_prefix_caching": True},
     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                            "prompt_lookup_max": 3}},
-    {"speculative_config": {"method": "draft_model", "model": "llama", "num_speculative_tokens": 3}},
+                            "prompt_lookup_max": 3, "disable_by_batch_size": None}},
+    {"speculative_config": {"method": "draft_model", "model": "llama", "num_speculative_tokens": 3,
+                            "disable_by_batch_size": None}},
 ], ids=["roomy", "preempted, prefix cache", "prompt lookup", "draft model"])
 def test_tokens_equal_one_call_per_step(engine_args):
     """Greedy and sampled (a seeded request draws the same numbers), with and without speculation; fewer engine
