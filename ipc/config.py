@@ -80,7 +80,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # ... and only as many of them as fit this long, by the measured time of recent steps at about that batch size
     # (core/multi_step.py's StepTimes): how long a call's tokens are held back from their streams at most, and a
     # request arriving meanwhile waits. None: always num_scheduler_steps (where allowed).
-    multi_step_budget_ms: Annotated[float, Meta(gt=0.0, le=60_000.0)] | None = 50.0
+    multi_step_budget_ms: Annotated[float, Meta(gt=0.0, le=60_000.0)] | None = 100.0
     # The privileged utilities a client of the engine socket may call. start_profile/stop_profile only when
     # profiler_dir is set: every trace goes there, and a profile stops itself (its trace written) after
     # profiler_max_seconds or profiler_max_steps steps, which bounds its memory and its trace's size.

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--num-scheduler-steps", type=int, default=64,
                         help="CPU: up to this many decode steps per worker call while nothing waits to join "
                              "(1: one call per step)")
-    engine.add_argument("--multi-step-budget-ms", type=float, default=50.0,
+    engine.add_argument("--multi-step-budget-ms", type=float, default=100.0,
                         help="CPU: ... and only as many as fit this long by recent steps' times (how long a "
                              "call holds its tokens back)")
     engine.add_argument("--cuda-graph-sizes", type=int, nargs="+",
