@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 #include <vector>
 
@@ -26,28 +27,31 @@ inline const float* widen_rows(const uint16_t* src, float* buf, int64_t count) {
   return buf;
 }
 
-// The hardware prefetcher stops at the scattered block boundaries: request the blocks kPrefetchBlocks ahead while on
-// this one, into L2. Into L1 (the default hint) the requests fill its few miss buffers and stall the loads of the
-// block at hand; one block ahead is less than a DRAM latency of work. python benchmarks/cpu_decode_attention.py
-// (2-core EPYC, 48-96 sequences): 8-12 -> 16-22 GB/s of K/V from DRAM, where a plain sum reads 26-37 GB/s.
-constexpr int64_t kPrefetchBlocks = 2;
-template <typename T>
+// The hardware prefetcher stops at the scattered block boundaries, so blocks are prefetched in two steps: those
+// kPrefetchBlocks ahead into L2 (and, during the K pass, the same V blocks, whose pass follows), then the next one
+// from L2 into L1. Straight into L1 from DRAM the requests fill its few miss buffers and stall the loads of the block
+// at hand (Zen 4); into L2 alone each block's first loads still wait on L2 (Zen 5). python
+// benchmarks/cpu_decode_attention.py, 2-core EPYC Zen 5, 16-96 sequences: L2 alone 24-26 GB/s of K/V from DRAM,
+// both steps 32-36 GB/s, where a pure gather of random 2 KiB blocks (the block size of one head) peaks at 36 GB/s.
+constexpr int64_t kPrefetchBlocks = 3;
+template <int Locality, typename T>
 inline void prefetch(const T* block, int64_t elems) {
   const char* p = reinterpret_cast<const char*>(block);
-  for (int64_t off = 0; off < elems * int64_t(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 1);
+  for (int64_t off = 0; off < elems * int64_t(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, Locality);
 }
 
 // fn(j0, j1, rows) for each block's share [j0, j1) of the positions [start, len) of KV head h, in block order; the
-// rows as stored, position j at rows + (j - j0) * dim.
+// rows as stored, position j at rows + (j - j0) * dim. The same head's blocks kPrefetchBlocks ahead are prefetched
+// into L2 from each cache in `ahead`, the next block of `cache` into L1.
 template <typename T, typename Fn>
 inline void for_each_block(const T* cache, const int64_t* table, int64_t h, int64_t kv_heads, int64_t bs, int64_t dim,
-                           int64_t start, int64_t len, Fn fn) {
+                           int64_t start, int64_t len, std::initializer_list<const T*> ahead, Fn fn) {
   for (int64_t b = start / bs; b * bs < len; ++b) {
     const int64_t j0 = std::max(start, b * bs), j1 = std::min(len, (b + 1) * bs);
-    const T* block = cache + (table[b] * kv_heads + h) * bs * dim;
-    for (int64_t a = b == start / bs ? b + 1 : b + kPrefetchBlocks; a <= b + kPrefetchBlocks && a * bs < len; ++a)
-      prefetch(cache + (table[a] * kv_heads + h) * bs * dim, bs * dim);
-    fn(j0, j1, block + (j0 - b * bs) * dim);
+    for (int64_t a = b == start / bs ? b : b + kPrefetchBlocks; a <= b + kPrefetchBlocks && a * bs < len; ++a)
+      for (const T* other : ahead) prefetch<1>(other + (table[a] * kv_heads + h) * bs * dim, bs * dim);
+    if ((b + 1) * bs < len) prefetch<3>(cache + (table[b + 1] * kv_heads + h) * bs * dim, bs * dim);
+    fn(j0, j1, cache + (table[b] * kv_heads + h) * bs * dim + (j0 - b * bs) * dim);
   }
 }
 
@@ -265,7 +269,7 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
         for (int64_t i = 0; i < G * dim; ++i) qf[r * G * dim + i] = widen(qs[i]) * scale;
       }
       if (n > 0) {
-        for_each_block(kc, table, h, kv_heads, bs, dim, lo, hi, [&](int64_t j0, int64_t j1, const T* block) {
+        for_each_block(kc, table, h, kv_heads, bs, dim, lo, hi, {kc, vc}, [&](int64_t j0, int64_t j1, const T* block) {
           const float* k = native ? nullptr : widen_rows(block, row.data(), (j1 - j0) * dim);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t a = std::max(j0, starts[r]), b = std::min(j1, lens[first + r]);
@@ -288,7 +292,7 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
               for (int64_t i = a; i < b; ++i) sc[i] = soft_cap * std::tanh(sc[i] / soft_cap);
             inv[r * G + g] = 1.f / exp_sum(sc + a, b - a, max_of(sc + a, b - a));
           }
-        for_each_block(vc, table, h, kv_heads, bs, dim, lo, hi, [&](int64_t j0, int64_t j1, const T* block) {
+        for_each_block(vc, table, h, kv_heads, bs, dim, lo, hi, {vc}, [&](int64_t j0, int64_t j1, const T* block) {
           const float* v = native ? nullptr : widen_rows(block, row.data(), (j1 - j0) * dim);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t a = std::max(j0, starts[r]), b = std::min(j1, lens[first + r]);

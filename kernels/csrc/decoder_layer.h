@@ -58,20 +58,41 @@ inline T round_to(float x) {
   return out;
 }
 
-// out = weight * round(x * rsqrt(mean(x^2) + eps)) for one row, statistics in float32 (HF's RMSNorm).
+// out = weight * round(x * rsqrt(mean(x^2) + eps)) for one row, statistics in float32 (HF's RMSNorm). The squares
+// sum in 16 lanes (torch's own reduction is vectorized too: neither sums in index order).
 template <typename T>
 void rms_norm_row(const T* x, const T* weight, float eps, T* out, int64_t dim) {
   float sq = 0.f;
-  for (int64_t d = 0; d < dim; ++d) sq += widen(x[d]) * widen(x[d]);
+  int64_t d = 0;
+#ifdef __AVX2__
+  __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+  for (; d + 16 <= dim; d += 16) {
+    const __m256 a = load8(x + d), b = load8(x + d + 8);
+    even = _mm256_fmadd_ps(a, a, even);
+    odd = _mm256_fmadd_ps(b, b, odd);
+  }
+  for (; d + 8 <= dim; d += 8) even = _mm256_fmadd_ps(load8(x + d), load8(x + d), even);
+  sq = hsum(_mm256_add_ps(even, odd));
+#endif
+  for (; d < dim; ++d) sq += widen(x[d]) * widen(x[d]);
   const float r = 1.f / std::sqrt(sq / float(dim) + eps);
-  for (int64_t d = 0; d < dim; ++d) store(widen(weight[d]) * widen(round_to<T>(widen(x[d]) * r)), out + d);
+  d = 0;
+#ifdef __AVX2__
+  for (const __m256 rv = _mm256_set1_ps(r); d + 8 <= dim; d += 8)
+    store8(_mm256_mul_ps(load8(weight + d), round8<T>(_mm256_mul_ps(load8(x + d), rv))), out + d);
+#endif
+  for (; d < dim; ++d) store(widen(weight[d]) * widen(round_to<T>(widen(x[d]) * r)), out + d);
 }
 
 // residual = round(x + residual) (x alone in the first layer), then out = its norm; one row.
 template <typename T>
 void add_and_norm_row(const T* x, const T* residual, const T* weight, float eps, T* residual_out, T* out,
                       int64_t dim) {
-  for (int64_t d = 0; d < dim; ++d) residual_out[d] = residual ? round_to<T>(widen(x[d]) + widen(residual[d])) : x[d];
+  int64_t d = 0;
+#ifdef __AVX2__
+  for (; residual && d + 8 <= dim; d += 8) store8(_mm256_add_ps(load8(x + d), load8(residual + d)), residual_out + d);
+#endif
+  for (; d < dim; ++d) residual_out[d] = residual ? round_to<T>(widen(x[d]) + widen(residual[d])) : x[d];
   rms_norm_row(residual_out, weight, eps, out, dim);
 }
 
@@ -79,6 +100,14 @@ void add_and_norm_row(const T* x, const T* residual, const T* weight, float eps,
 template <typename T>
 void silu_and_mul_row(const T* gate_up, T* act, int64_t I) {
   int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (; i + 16 <= I; i += 16) {
+    const __m512 g = load16(gate_up + i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 silu = round16<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    store16(_mm512_mul_ps(silu, load16(gate_up + I + i)), act + i);
+  }
+#endif
 #ifdef __AVX2__
   for (; i + 8 <= I; i += 8) {
     const __m256 g = load8(gate_up + i);
