@@ -83,6 +83,48 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The 16-lane twins of load8, round8, store8 and exp8: the same operations in the same order, so the same values.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+inline __m512 round_bf16_16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+                                     _mm512_set1_epi32(int32_t(0xffff0000u)));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_castsi512_ps(r),
+                              _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
+}
+template <typename T>
+inline __m512 round16(__m512 x) {
+  if constexpr (sizeof(T) == 2) return round_bf16_16(x);
+  return x;
+}
+inline void store16(__m512 x, float* dst) { _mm512_storeu_ps(dst, x); }
+inline void store16(__m512 x, uint16_t* dst) {
+  const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_16(x)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+}
+inline __m256 upper8(__m512 x) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)); }
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(kExpLow);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(kExpHigh));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), x);
+  __m512 y = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpPoly[i]));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(_knot_mask16(underflow), y, _mm512_castsi512_ps(pow2n));
+}
+#endif
+
 // *std::max_element(s, s + n) for n > 0 scores, 8 lanes at a time: a scalar running max waits on each comparison in
 // turn (a tenth of a verification step's attention at 400 positions). The same value for every input: NaN only where
 // s[0] is (a NaN after it is skipped, as `top < NaN` is false; maxps keeps its second operand, the running max, when
@@ -112,6 +154,13 @@ inline float exp_sum(float* s, int64_t n, float max) {
 #ifdef __AVX2__
   const __m256 m = _mm256_set1_ps(max);
   __m256 acc = _mm256_setzero_ps();
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (const __m512 m16 = _mm512_set1_ps(max); i + 16 <= n; i += 16) {  // the 8-lane loop's sums, in its order
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), m16));
+    _mm512_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(_mm256_add_ps(acc, _mm512_castps512_ps256(e)), upper8(e));
+  }
+#endif
   for (; i + 8 <= n; i += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
     _mm256_storeu_ps(s + i, e);
@@ -123,46 +172,6 @@ inline float exp_sum(float* s, int64_t n, float max) {
   return sum;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// The 16-lane twins of load8, round8, store8 and exp8: the same operations in the same order, so the same values.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-inline __m512 round_bf16_16(__m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
-                                     _mm512_set1_epi32(int32_t(0xffff0000u)));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_castsi512_ps(r),
-                              _mm512_castsi512_ps(_mm512_set1_epi32(0x7fc00000)));
-}
-template <typename T>
-inline __m512 round16(__m512 x) {
-  if constexpr (sizeof(T) == 2) return round_bf16_16(x);
-  return x;
-}
-inline void store16(__m512 x, float* dst) { _mm512_storeu_ps(dst, x); }
-inline void store16(__m512 x, uint16_t* dst) {
-  const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_16(x)), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
-}
-inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(kExpLow);
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(kExpHigh));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), x);
-  __m512 y = _mm512_set1_ps(kExpPoly[0]);
-  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kExpPoly[i]));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(_knot_mask16(underflow), y, _mm512_castsi512_ps(pow2n));
-}
-#endif
 
 #ifdef __AVX512F__
 // Lane i of the result: the sum of a[i]'s 16 lanes (a transposed tree: 15 adds for 16 sums, where one
