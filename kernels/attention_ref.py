@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.cpu_features import matmul_dtype
 
@@ -149,12 +150,17 @@ def prefill_chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     [1, kv_heads, context_len, dim]; value [1, kv_heads, context_len, value_dim] → [new, heads, value_dim]."""
     num_new, seq_len = query.shape[0], key.shape[2]
     q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, new, dim]
+    key, value = key.to(q.dtype), value.to(q.dtype)
+    if soft_cap is None and sliding_window is None:
+        # The causal mask as SDPA's own bias (the chunk's rows end at the context's end): its kernels skip the
+        # blocks above the diagonal that a materialized mask makes them compute, half the work of a whole prompt.
+        return F.scaled_dot_product_attention(q, key, value, attn_mask=causal_lower_right(num_new, seq_len),
+                                              scale=scale, enable_gqa=True)[0].transpose(0, 1)
     q_pos = torch.arange(seq_len - num_new, seq_len, device=query.device).unsqueeze(1)
     k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
-    key, value = key.to(q.dtype), value.to(q.dtype)
     if soft_cap is None:
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
     else:  # SDPA has no soft cap: the products written out, as HF's eager attention computes them
