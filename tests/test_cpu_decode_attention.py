@@ -103,6 +103,27 @@ def test_rows_of_one_sequence_attend_causally(window, head_dim, dtype):
                                atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_prompt_chunk_attends_in_pieces_as_each_row_alone(window, dtype):
+    """300 rows of one sequence over 700 positions: their scores outgrow the kernel's budget, so the run goes in
+    pieces of rows; every row equals itself attended alone (bit for bit) and the reference."""
+    generator = torch.Generator().manual_seed(7 + (window or 0))
+    context, run, heads, kv_heads, head_dim = 700, 300, 6, 2, 64
+    k_cache, v_cache, tables = build_caches([context], 16, kv_heads, head_dim, generator)
+    lengths = list(range(context - run + 1, context + 1))
+    tables = tables[[0] * run]
+    query = torch.randn(run, heads, head_dim, generator=generator)
+    q, k, v = (t.to(dtype) for t in (query, k_cache, v_cache))
+    together = fused(q, k, v, tables, lengths, head_dim**-0.5, window)
+    for row in (0, 61, 62, 63, 150, 299):  # about the pieces' edges and inside them
+        alone = fused(q[row:row + 1], k, v, tables[row:row + 1], lengths[row:row + 1], head_dim**-0.5, window)
+        assert torch.equal(together[row:row + 1], alone), row
+    expected = reference(q.float(), k.float(), v.float(), tables, lengths, head_dim**-0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(together.float(), expected, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("head_dim", [16, 40, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_other_head_dims(head_dim, dtype):

@@ -34,6 +34,7 @@ inline const float* widen_rows(const uint16_t* src, float* buf, int64_t count) {
 // benchmarks/cpu_decode_attention.py, 2-core EPYC Zen 5, 16-96 sequences: L2 alone 24-26 GB/s of K/V from DRAM,
 // both steps 32-36 GB/s, where a pure gather of random 2 KiB blocks (the block size of one head) peaks at 36 GB/s.
 constexpr int64_t kPrefetchBlocks = 3;
+constexpr int64_t kScoresBytes = 512 << 10;  // a piece of a run's scores at most (about half an L2): decode()
 template <int Locality, typename T>
 inline void prefetch(const T* block, int64_t elems) {
   const char* p = reinterpret_cast<const char*>(block);
@@ -226,21 +227,25 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
   constexpr bool native = kNativeBf16Attention && std::is_same_v<T, uint16_t> && D > 0 && D % 32 == 0;
   std::vector<int64_t> runs{0};  // row ranges sharing a table
   while (runs.back() < num_seqs) runs.push_back(run_end(tables, max_blocks, runs.back(), num_seqs));
+  // Runs split into pieces of rows, each reading the run's K/V again (from cache): so many rows that their scores
+  // [rows x G x positions] would outgrow kScoresBytes (a long prompt chunk: past L2 they cost more than the reread),
+  // and, with fewer (run, KV head) items than two per thread (one sequence verifying drafts, few KV heads), enough
+  // pieces that every thread gets a share. A row's values do not depend on the rows beside it.
+  const int64_t longest = std::max<int64_t>(1, *std::max_element(lens, lens + num_seqs));
+  const int64_t most_rows = std::max<int64_t>(16, kScoresBytes / int64_t(G * longest * sizeof(float)));
+  int64_t pieces = 1;
 #ifdef _OPENMP
-  // Fewer (run, KV head) items than two per thread (one sequence verifying drafts, few KV heads): the runs split
-  // into pieces of rows, each reading the run's K/V again (from cache), so that every thread gets a share.
   const int64_t wanted = 2 * omp_get_max_threads(), items = (int64_t(runs.size()) - 1) * kv_heads;
-  if (items < wanted) {
-    const int64_t pieces = (wanted + items - 1) / items;
-    std::vector<int64_t> split{0};
-    for (size_t r = 1; r < runs.size(); ++r) {
-      const int64_t rows = runs[r] - runs[r - 1], size = std::max<int64_t>(1, (rows + pieces - 1) / pieces);
-      for (int64_t end = runs[r - 1] + size; end < runs[r]; end += size) split.push_back(end);
-      split.push_back(runs[r]);
-    }
-    runs.swap(split);
-  }
+  if (items < wanted) pieces = (wanted + items - 1) / items;
 #endif
+  std::vector<int64_t> split{0};
+  for (size_t r = 1; r < runs.size(); ++r) {
+    const int64_t rows = runs[r] - runs[r - 1];
+    const int64_t size = std::min(most_rows, std::max<int64_t>(1, (rows + pieces - 1) / pieces));
+    for (int64_t end = runs[r - 1] + size; end < runs[r]; end += size) split.push_back(end);
+    split.push_back(runs[r]);
+  }
+  runs.swap(split);
   const int64_t num_runs = int64_t(runs.size()) - 1;
 #pragma omp parallel
   {
