@@ -112,8 +112,10 @@ def takes_projection(weight: torch.Tensor, scale: torch.Tensor | None, zero: tor
 # 1.7 against 3.2 ms, 768 7.7 against 9.4; float32 1.9 against 3.0 and 5.5 against 8.6) and the layer's other ops
 # with it (a throughput run whose prompts are 16-400 tokens: 0.90x the time with them in the kernel). Measured on a
 # Zen 4 against SDPA with a materialized mask; SDPA now takes the causal mask as its lower-right bias and skips the
-# blocks above the diagonal (2x at 2048 tokens), and on a Zen 5 the kernel still wins up to 1024-1536 rows (bf16:
-# 1024 tokens 5.3 against 9.1 ms, 2048 43 against 29). Not re-tuned without a Zen 4 to measure on.
+# blocks above the diagonal (2x at 2048 tokens), and the kernel attends a long run in pieces whose scores fit half
+# an L2: on a Zen 5 the kernel is then about 2x faster at every length measured (bf16: 1024 tokens 4.4 against 9.5
+# ms, 2048 15.6 against 30), but against SDPA it stood ~2.3x worse on the Zen 4 this was tuned on, where the two would
+# now be about even at 768-1024. Not re-tuned without a Zen 4 to measure on.
 LONG_RUN_ROWS, LONG_RUN_CONTEXT = 16, 768
 
 
