@@ -172,7 +172,6 @@ inline float exp_sum(float* s, int64_t n, float max) {
   return sum;
 }
 
-
 #ifdef __AVX512F__
 // Lane i of the result: the sum of a[i]'s 16 lanes (a transposed tree: 15 adds for 16 sums, where one
 // _mm512_reduce_add_ps per sum takes 4).
