@@ -31,8 +31,8 @@ inline const float* widen_rows(const uint16_t* src, float* buf, int64_t count) {
 // kPrefetchBlocks ahead into L2 (and, during the K pass, the same V blocks, whose pass follows), then the next one
 // from L2 into L1. Straight into L1 from DRAM the requests fill its few miss buffers and stall the loads of the block
 // at hand (Zen 4); into L2 alone each block's first loads still wait on L2 (Zen 5). python
-// benchmarks/cpu_decode_attention.py, 2-core EPYC Zen 5, 16-96 sequences: L2 alone 24-26 GB/s of K/V from DRAM,
-// both steps 32-36 GB/s, where a pure gather of random 2 KiB blocks (the block size of one head) peaks at 36 GB/s.
+// benchmarks/cpu_decode_attention.py, 2-core EPYC Zen 5, 16-96 sequences: L2 alone 20-27 GB/s of K/V from DRAM,
+// both steps 28-36 GB/s, where a pure gather of random 2 KiB blocks (the block size of one head) peaks at 36 GB/s.
 constexpr int64_t kPrefetchBlocks = 3;
 constexpr int64_t kScoresBytes = 512 << 10;  // a piece of a run's scores at most (about half an L2): decode()
 template <int Locality, typename T>
