@@ -10,7 +10,8 @@ from core.kv_cache_manager import KVCacheManager
 from core.profiler import EngineProfiler
 from core.request import Request
 from core.scheduler import Scheduler
-from ipc import EngineConfig, EngineCoreOutput, EngineCoreRequest, EngineInfo, FinishReason, SchedulerStats
+from ipc import (EngineConfig, EngineCoreOutput, EngineCoreRequest, EngineInfo, FinishReason, LoRARequest,
+                 SchedulerStats)
 from ipc.request_rules import context_room
 from workers.executor import Executor, InProcessExecutor
 from workers.model_config import check_parallel_sizes, load_hf_config, model_max_len
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from core.structured_output.manager import StructuredOutputManager
 
 _IDLE_COMPILE_WAIT_S = 0.05  # with only grammars compiling, the loop checks its inputs this often
-UTILITY_METHODS = frozenset({"get_info", "get_stats", "check_health"})
+UTILITY_METHODS = frozenset({"get_info", "get_stats", "check_health", "check_lora"})
 # Callable only when the engine's config allows them (EngineInfo.privileged_utilities lists those it does).
 PROFILER_METHODS = frozenset({"start_profile", "stop_profile"})
 CACHE_RESET_METHODS = frozenset({"reset_prefix_cache"})
@@ -46,7 +47,8 @@ class EngineCore:
                              self.config.enable_expert_parallel)
         check_quantization(self.config.model, hf_config, self.config.quantization)  # here, not in a rank
         _check_draft_model(self.config, hf_config.vocab_size)
-        self.lora_validator = AdapterValidator(hf_config, config.max_lora_rank) if config.enable_lora else None
+        self.lora_validator = AdapterValidator(hf_config, config.max_lora_rank, config.lora_dirs) \
+            if config.enable_lora else None
         self.executor = _make_executor(self.config)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         if not encoder:
@@ -109,8 +111,11 @@ class EngineCore:
         if self._structured is None:
             from core.structured_output.manager import StructuredOutputManager  # xgrammar: only when used
 
-            self._structured = StructuredOutputManager(self.config.tokenizer or self.config.model, self.vocab_size,
-                                                       self.config.structured_outputs_compile_timeout)
+            config = self.config
+            self._structured = StructuredOutputManager(config.tokenizer or config.model, self.vocab_size,
+                                                       config.structured_outputs_compile_timeout,
+                                                       config.structured_outputs_compile_memory_mb,
+                                                       config.structured_outputs_cache_mb << 20)
         return self._structured
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
@@ -140,6 +145,14 @@ class EngineCore:
 
     def get_info(self) -> EngineInfo:
         return self.info
+
+    def check_lora(self, name: str, int_id: int, path: str) -> bool:
+        """Read and check an adapter as a request naming it would (ValueError saying what is wrong with it)."""
+        if self.lora_validator is None:
+            raise ValueError("this engine serves no LoRA adapters (--enable-lora)")
+        self.lora_validator.check(msgspec.convert({"lora_name": name, "lora_int_id": int_id, "lora_path": path},
+                                                  LoRARequest))
+        return True
 
     def check_health(self) -> bool:
         """True, or the executor's error naming the worker rank that failed."""

@@ -146,7 +146,8 @@ class EngineCoreProc:
             self.engine.validate_request(request, scoped_id)
             request.request_id = scoped_id
         except ValueError as error:
-            self._refuse(identity, RequestError(request_id=client_request_id, message=str(error)))
+            self._refuse(identity, RequestError(request_id=client_request_id, message=str(error),
+                                                param=getattr(error, "param", None)))
             return
         if self.engine.is_overloaded():
             self._refuse(identity, RequestError(

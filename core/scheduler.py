@@ -311,7 +311,7 @@ class Scheduler:
         for count, token_id in enumerate(token_ids, start=1):
             request.append_output_token(token_id)
             if request.grammar is not None and (error := _advance_grammar(request, token_id)) is not None:
-                return self._fail(request, error)
+                return self._fail(request, *error)
             stopped = request.check_stop(self.max_model_len)
             if stopped is not None:
                 self._finish(request, stopped)
@@ -339,11 +339,13 @@ class Scheduler:
             output.new_sampled_ranks = runner_output.sampled_ranks[req_id][:count]
         return output
 
-    def _fail(self, request: Request, message: str) -> EngineCoreOutput:
-        """End a request the workers could not prepare or sample; its blocks go back to the pool."""
+    def _fail(self, request: Request, message: str, kind: str = "failed") -> EngineCoreOutput:
+        """End a request the workers could not prepare or sample (kind "invalid": its output constraint's fault); its
+        blocks go back to the pool."""
         self._finish(request, RequestStatus.FINISHED_ERROR)
         return EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
-                                error=message)
+                                error=message, error_kind=kind,
+                                error_param="structured_outputs" if kind == "invalid" else None)
 
     def abort_requests(self, req_ids: list[str]) -> list[EngineCoreOutput]:
         """Abort from outside the step; unknown or finished ids are ignored. One final output per abort."""
@@ -389,15 +391,18 @@ class Scheduler:
                               prefix_cache_hits=self.kv.prefix_cache_hits, spec_decoding=copy.deepcopy(self.spec_stats))
 
 
-def _advance_grammar(request: Request, token_id: int) -> str | None:
-    """Feed the sampled token to the request's matcher; why the request must fail, if it must."""
+def _advance_grammar(request: Request, token_id: int) -> tuple[str, str] | None:
+    """Feed the sampled token to the request's matcher; (why the request must fail, the error's kind) if it must."""
     if request.grammar_error is not None:
-        return request.grammar_error
+        return request.grammar_error, "failed"
     try:
         if request.grammar.accept(token_id):
             return None
     except Exception as error:  # a backend bug fails this request alone
         logger.exception("advancing the grammar of request %s failed", request.request_id)
-        return f"structured output failed: {type(error).__name__}: {error}"
-    return (f"token {token_id} breaks the request's structured_outputs constraint: its bad_words left the grammar "
-            "no allowed token")
+        return f"structured output failed: {type(error).__name__}: {error}", "failed"
+    # The mask allowed no token: the constraint leads nowhere from here (a $ref or rule cycle with no way out), or
+    # the request's bad_words took away every token it allowed. Either way the request's own parameters.
+    return (f"token {token_id} breaks the request's structured_outputs constraint: it allows no token after "
+            f"{len(request.output_token_ids) - 1} tokens of output (a $ref or rule cycle with no way out, or "
+            "bad_words that take away every token it allows)"), "invalid"

@@ -110,6 +110,10 @@ class AsyncLLM:
     async def get_stats(self) -> SchedulerStats:
         return await self.client.get_stats_async()
 
+    async def check_lora(self, lora: LoRARequest) -> None:
+        """RuntimeError with the engine's reason if it would refuse requests naming this adapter."""
+        await self.client.call_utility_async("check_lora", lora.lora_name, lora.lora_int_id, lora.lora_path)
+
     async def reset_prefix_cache(self) -> bool:
         return await self.client.call_utility_async("reset_prefix_cache")
 

@@ -30,6 +30,7 @@ from ipc import (
     UtilityCall,
     UtilityResult,
 )
+from ipc.request_rules import InvalidRequestError
 from ipc.sockets import CurveKeys, EngineEndpoints, connect_dealer, private_ipc_address
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def request_error(error: RequestError) -> Exception:
         return EngineOverloadedError(error.message)
     if error.kind == "failed":
         return RequestFailedError(f"the engine failed on request {error.request_id}: {error.message}")
-    return ValueError(error.message)
+    return ValueError(error.message) if error.param is None else InvalidRequestError(error.message, error.param)
 
 
 class EngineCoreClient:

@@ -95,12 +95,19 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     tokenizer: str | None = None
     # A request whose structured_outputs constraint takes longer to compile fails with an error (HTTP 400).
     structured_outputs_compile_timeout: Annotated[float, Meta(gt=0.0, le=3600.0)] = 10.0
+    # Memory one compile may take beyond its worker's own (a request past it fails, HTTP 400), and the compiled
+    # grammars kept for reuse.
+    structured_outputs_compile_memory_mb: Annotated[int, Meta(ge=64, le=1 << 20)] = 2048
+    structured_outputs_cache_mb: Annotated[int, Meta(ge=0, le=1 << 20)] = 512
     # Multi-LoRA: requests may name a PEFT adapter (LoRARequest). At most max_loras distinct adapters run in one
     # step (each holds a slot of stacked weights, rank up to max_lora_rank); max_cpu_loras adapters stay loaded.
     enable_lora: bool = False
     max_loras: Annotated[int, Meta(ge=1, le=256)] = 1
     max_lora_rank: Annotated[int, Meta(ge=1, le=512)] = 16
     max_cpu_loras: Annotated[int, Meta(ge=1, le=4096)] | None = None  # None: max_loras
+    # The folders adapters may lie under, symlinks resolved (the launcher's --lora-dir and --lora-modules folders),
+    # whichever client names them; None: anywhere (an engine a Python program starts for itself).
+    lora_dirs: list[str] | None = None
     # Draft tokens verified by the target model in the same step (None: no speculation). A dict or JSON text is
     # accepted and converted.
     speculative_config: SpeculativeConfig | None = None

@@ -57,6 +57,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: PromptLogprobs | None = None  # the whole prompt's, on the request's first output
     error: str | None = None  # why, when finish_reason is ERROR
     error_kind: str = "failed"  # the RequestError kind it ends with: "invalid" when its input was at fault
+    error_param: str | None = None  # the request field at fault, for an "invalid" one
     pooled: bytes | None = None  # a pooling request's result, float32 little-endian, on its final output
 
 
@@ -174,6 +175,7 @@ class RequestError(msgspec.Struct, omit_defaults=True):
     request_id: str
     message: str
     kind: str = "invalid"
+    param: str | None = None  # the request field at fault, where one is
 
 
 class EngineDead(msgspec.Struct):
@@ -204,6 +206,7 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
         failed = [o for o in outputs if o.finish_reason == FinishReason.ERROR]
         if not failed:
             return cls(outputs=outputs, timestamp=timestamp)
-        errors = [RequestError(request_id=o.request_id, message=o.error or "failed", kind=o.error_kind) for o in failed]
+        errors = [RequestError(request_id=o.request_id, message=o.error or "failed", kind=o.error_kind,
+                               param=o.error_param) for o in failed]
         return cls(outputs=[o for o in outputs if o.finish_reason != FinishReason.ERROR], errors=errors,
                    timestamp=timestamp)

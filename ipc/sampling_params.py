@@ -48,7 +48,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     min_p: Fraction = 0.0
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0  # 1: off
+    # Bounded away from 0 as from infinity: dividing logits by a tiny penalty overflows them to inf.
+    repetition_penalty: Annotated[float, Meta(ge=1 / MAX_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)] = 1.0  # 1: off
     seed: Int64 | None = None
     max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = 16
     min_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX)] = 0

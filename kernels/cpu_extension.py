@@ -17,6 +17,7 @@ from types import ModuleType
 import torch
 
 from kernels.cpu_features import cpu_flags
+from kernels.thread_priority import lowest_priority
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 
@@ -62,12 +63,7 @@ def ready() -> ModuleType | None:
 
 
 def _build_at_low_priority() -> None:
-    # Linux: this thread alone, and the compiler processes it starts, run only on CPU the engine leaves idle
-    # (SCHED_IDLE gives way at once when an engine thread wakes; nice 19 still takes whole time slices)
-    try:
-        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    lowest_priority()  # this thread alone, and the compiler processes it starts
     load()
 
 

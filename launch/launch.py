@@ -26,6 +26,7 @@ if not __package__:  # run as `python launch/launch.py`: `launch` must be this p
 from core.engine_spawn import EngineProcess, child_env  # noqa: E402
 from frontend.api.cli_args import (API_KEY_ENV, add_gateway_flags, auto_tool_parser, check_lora_flags,  # noqa: E402
                                    gateway_argv)
+from frontend.api.lora_adapters import parse_lora_modules  # noqa: E402
 from ipc import EngineConfig  # noqa: E402
 from ipc.config import LOAD_FORMATS, QUANTIZATION_METHODS  # noqa: E402
 from ipc.pooling import RUNNERS  # noqa: E402
@@ -120,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--structured-outputs-compile-timeout", type=float, default=10.0,
                         help="a request whose schema/regex/grammar takes longer to compile gets a 400 "
                         "(seconds, default: %(default)s)")
+    engine.add_argument("--structured-outputs-compile-memory-mb", type=int, default=2048,
+                        help="memory one grammar compile may use; past it the request gets a 400 "
+                        "(MiB, default: %(default)s)")
+    engine.add_argument("--structured-outputs-cache-mb", type=int, default=512,
+                        help="compiled grammars kept for reuse, in MiB (default: %(default)s)")
     limits = parser.add_argument_group("request limits")
     limits.add_argument("--max-n", type=int, default=16)
     limits.add_argument("--max-stop", type=int, default=16)
@@ -201,6 +207,15 @@ def has_chat_template(folder: str) -> bool:
         return False
 
 
+def served_lora_dirs(args: argparse.Namespace) -> list[str] | None:
+    """The folders the engine takes adapters from, whoever names them: each --lora-modules folder and, with
+    --allow-runtime-lora, --lora-dir (None without --enable-lora)."""
+    if not args.enable_lora:
+        return None
+    folders = list(parse_lora_modules(getattr(args, "lora_modules", None)).values())
+    return folders + [args.lora_dir] if getattr(args, "allow_runtime_lora", False) else folders
+
+
 def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     """The engine group's flags as an EngineConfig (ValueError naming a bad one)."""
     return EngineConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -213,7 +228,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         quantize_lm_head=args.quantize_lm_head, load_format=args.load_format,
                         ray_address=args.ray_address,
                         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                        max_cpu_loras=args.max_cpu_loras,
+                        max_cpu_loras=args.max_cpu_loras, lora_dirs=served_lora_dirs(args),
                         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
                         enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                         decode_ahead=args.decode_ahead, num_scheduler_steps=args.num_scheduler_steps,
@@ -223,6 +238,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         max_logprobs=args.max_logprobs, enable_prefix_caching=args.enable_prefix_caching,
                         tokenizer=getattr(args, "tokenizer", None),
                         structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
+                        structured_outputs_compile_memory_mb=args.structured_outputs_compile_memory_mb,
+                        structured_outputs_cache_mb=args.structured_outputs_cache_mb,
                         speculative_config=args.speculative_config, runner=args.runner,
                         pooler_config=args.pooler_config)
 

@@ -154,6 +154,9 @@ def test_logprobs_logit_bias(client, llama_model):
     ("/v1/completions", {"model": "M", "prompt": "Hello", "repetition_penalty": float("inf")}, 400,
      "repetition_penalty"),
     ("/v1/completions", {"model": "M", "prompt": "Hello", "seed": 2**64}, 400, "seed"),
+    # Positive but so small that dividing logits by it overflowed them all: once a 500.
+    ("/v1/completions", {"model": "M", "prompt": "Hello", "repetition_penalty": 1e-320}, 400, "repetition_penalty"),
+    ("/v1/completions", {"model": "M", "prompt": "Hello", "repetition_penalty": 1e-300}, 400, "repetition_penalty"),
     ("/v1/completions", {"model": "M", "prompt": "Hello", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     ("/v1/completions", {"model": SURROGATE, "prompt": "hi"}, 404, "model"),  # the error echoes it
     ("/tokenize", {"messages": []}, 400, "messages"),
@@ -333,6 +336,10 @@ def test_back_pressure_and_engine_death():
                 waiting_response = await waiting
                 later = await http.post("/v1/completions", json={**body, "stream": False})
                 metrics = await http.get("/metrics")
+                # Routes the gateway answers alone follow the engine too; no 503 names the engine's address.
+                alone = [await http.get("/v1/models"), await http.post("/tokenize", json={"prompt": "hi"}),
+                         await http.post("/detokenize", json={"tokens": [1, 2]})]
+                assert all(r.status_code == 503 and "://" not in r.text for r in [*alone, later, metrics]), alone
                 return refused, events, unhealthy_after, waiting_response, later, metrics
 
         refused, events, unhealthy_after, waiting_response, later, metrics = asyncio.run(scenario())
@@ -380,6 +387,9 @@ class _StubEngine:
 
     async def get_stats(self):
         raise RuntimeError("a bug")
+
+    async def check_health(self, max_stall_s: float) -> None:
+        return None  # alive
 
 
 @pytest.fixture(scope="module")

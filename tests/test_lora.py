@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -188,13 +190,26 @@ def offline_text(prompt: list[int], max_tokens: int, adapter: LoRARequest | None
 
 
 @pytest.fixture(scope="module")
-def lora_server(tmp_path_factory):
-    """(base URL, runtime adapter folder): the launcher with one adapter from --lora-modules and runtime loading
-    from a --lora-dir holding a second one, behind an API key."""
-    from launcher import start_launcher, stop_launcher
-
+def lora_dir(tmp_path_factory) -> Path:
+    """The runtime adapter folder: one good adapter, and folders whose files are a FIFO, a device, or a symlink out."""
     lora_dir = tmp_path_factory.mktemp("adapters")
     shutil.copytree(adapter_dir("everything-r8-rslora"), lora_dir / "everything")
+    for name in ("fifo", "device"):
+        shutil.copytree(adapter_dir("attention-r2"), lora_dir / name)
+    (lora_dir / "fifo" / "adapter_config.json").unlink()
+    os.mkfifo(lora_dir / "fifo" / "adapter_config.json")  # reading it would wait for a writer forever
+    (lora_dir / "device" / "adapter_model.safetensors").unlink()
+    (lora_dir / "device" / "adapter_model.safetensors").symlink_to("/dev/zero")  # never ends
+    (lora_dir / "outside").symlink_to(adapter_dir("attention-r2"), target_is_directory=True)
+    return lora_dir
+
+
+@pytest.fixture(scope="module")
+def lora_server(lora_dir):
+    """The base URL of the launcher with one adapter from --lora-modules and runtime loading from --lora-dir,
+    behind an API key."""
+    from launcher import start_launcher, stop_launcher
+
     process, base_url = start_launcher(
         ["--model", tiny_model("llama"), "--dtype", "float32", "--enable-lora", "--max-loras", "2",
          "--max-lora-rank", "8", "--lora-modules", f"attn={adapter_dir('attention-r2')}", "--allow-runtime-lora",
@@ -242,3 +257,33 @@ def test_http_runtime_loading_only_from_under_the_lora_dir(lora_server):
     assert httpx.post(lora_server + "/v1/unload_lora_adapter", json={"lora_name": "every"},
                       headers=headers).status_code == 200
     assert httpx.post(lora_server + "/v1/completions", json=body, headers=headers).status_code == 404
+
+
+@pytest.mark.parametrize("folder", ["fifo", "device", "outside", "every\x00thing"])
+def test_hostile_adapter_paths_are_refused_at_once_over_http(lora_server, folder):
+    import httpx
+
+    start = time.monotonic()
+    response = httpx.post(lora_server + "/v1/load_lora_adapter", json={"lora_name": "h", "lora_path": folder},
+                          headers={"Authorization": "Bearer secret"}, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "lora_path", response.text
+    assert time.monotonic() - start < 1.0
+    assert httpx.get(lora_server + "/health").status_code == 200
+
+
+def test_hostile_adapter_folders_are_refused_by_the_engine_at_once(lora_dir):
+    """Over the engine's socket, as any ZMQ client would name them: the engine checks files and folders itself."""
+    llm = LLM(tiny_model("llama"), dtype="float32", enable_lora=True, max_lora_rank=8, lora_dirs=[str(lora_dir)])
+    try:
+        for name, message in (("fifo", "not a regular file"), ("device", "not a regular file"),
+                              ("outside", "not under a folder this engine serves")):
+            start = time.monotonic()
+            with pytest.raises(ValueError, match=message):
+                llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False,
+                             lora_request=LoRARequest(name, 7, str(lora_dir / name)))
+            assert time.monotonic() - start < 1.0, name
+        [output] = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY, use_tqdm=False,
+                                lora_request=LoRARequest("everything", 2, str(lora_dir / "everything")))
+        assert output.outputs[0].token_ids == peft_greedy("everything-r8-rslora", [5, 6, 7], GREEDY.max_tokens)
+    finally:
+        llm.shutdown()

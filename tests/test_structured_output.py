@@ -208,9 +208,10 @@ def test_a_slow_compile_times_out_and_an_abort_while_compiling_ends_the_request(
 
 
 def test_a_compiler_bug_fails_its_request_as_the_engines_fault_not_the_clients(llama_model, monkeypatch):
-    def broken(self, params):
+    def broken(self, params, backend, payload):
         raise KeyError("injected")
-    monkeypatch.setattr("core.structured_output.backends.Backends.compile", broken)
+    # Compiles run in worker processes; the engine rebuilds each result in its own, where the bug is injected.
+    monkeypatch.setattr("core.structured_output.backends.Backends.restore", broken)
     engine = EngineCore(EngineConfig(model=llama_model, dtype="float32", max_model_len=256, num_kv_blocks=64))
     constrained = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"), max_tokens=8)
     engine.add_request(EngineCoreRequest(request_id="r", prompt_token_ids=[5, 6, 7], sampling_params=constrained))

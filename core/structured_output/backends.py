@@ -33,6 +33,9 @@ class RequestGrammar(Protocol):
 class CompiledConstraint(Protocol):
     def matcher(self, stop_token_ids: list[int]) -> RequestGrammar: ...
 
+    @property
+    def size_bytes(self) -> int: ...
+
 
 class Backends:
     """Compiles a constraint with the backend that can enforce it; each backend's vocabulary tables are built on
@@ -42,6 +45,7 @@ class Backends:
         self.tokenizer_dir, self.vocab_size = tokenizer_dir, vocab_size
         self._tokenizer: Any = None
         self._xgrammar: xgrammar.GrammarCompiler | None = None
+        self._info: xgrammar.TokenizerInfo | None = None
         self._guidance: Any = None
         self._tables_lock = threading.RLock()  # the vocabulary tables are built once, by whichever thread is first
 
@@ -51,15 +55,39 @@ class Backends:
         self._guidance_tokenizer()
 
     def compile(self, params: StructuredOutputsParams) -> CompiledConstraint:
-        """The compiled constraint, or ValueError with the backend's own message."""
+        """The compiled constraint, or ValueError with the backend's own message (also for a constraint that allows
+        no output at all, such as rules or $refs that only lead to each other)."""
         schema = with_exact_formats(params.spec) if params.kind == "json" else '{"type": "object"}'
         if params.kind == "json" and json_schema_backend(json.loads(schema)) == "guidance":
-            return self._compile_guidance(schema, params.disable_any_whitespace)
-        try:
-            return _XGrammarCompiled(self._compile_xgrammar(params, schema))
-        except (RuntimeError, ValueError, TypeError) as error:
-            raise ValueError(f"structured_outputs.{params.kind} could not be compiled: "
-                             f"{_LOCATION.sub('', str(error)).strip()}") from None
+            compiled = self._compile_guidance(schema, params.disable_any_whitespace)
+        else:
+            try:
+                compiled = _XGrammarCompiled(self._compile_xgrammar(params, schema))
+            except (RuntimeError, ValueError, TypeError) as error:
+                raise ValueError(f"structured_outputs.{params.kind} could not be compiled: "
+                                 f"{_LOCATION.sub('', str(error)).strip()}") from None
+        self._check_allows_output(compiled, params)
+        return compiled
+
+    def _check_allows_output(self, compiled: CompiledConstraint, params: StructuredOutputsParams) -> None:
+        row = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
+        compiled.matcher([]).fill(row, 0)
+        if not row.any():
+            raise ValueError(f"structured_outputs.{params.kind} allows no output at all: no token can begin it "
+                             "(rules or $refs that only lead to each other, with no way out)")
+
+    def export(self, compiled: CompiledConstraint) -> tuple[str, bytes]:
+        """(backend, payload) from which `restore` rebuilds the constraint in another process: xgrammar's serialized
+        grammar; nothing for llguidance, whose matcher is rebuilt from the schema in milliseconds."""
+        if isinstance(compiled, _XGrammarCompiled):
+            return "xgrammar", compiled.compiled.serialize_json().encode()
+        return "guidance", b""
+
+    def restore(self, params: StructuredOutputsParams, backend: str, payload: bytes) -> CompiledConstraint:
+        if backend == "xgrammar":
+            self._xgrammar_compiler()
+            return _XGrammarCompiled(xgrammar.CompiledGrammar.deserialize_json(payload.decode(), self._info))
+        return self._compile_guidance(with_exact_formats(params.spec), params.disable_any_whitespace)
 
     def _compile_xgrammar(self, params: StructuredOutputsParams, schema: str) -> xgrammar.CompiledGrammar:
         compiler = self._xgrammar_compiler()
@@ -80,7 +108,7 @@ class Backends:
         template = llguidance.LLMatcher(self._guidance_tokenizer(), grammar)
         if template.is_error():
             raise ValueError(f"structured_outputs.json could not be compiled: {template.get_error()}")
-        return _GuidanceCompiled(template, self._hf_tokenizer().eos_token_id)
+        return _GuidanceCompiled(template, self._hf_tokenizer().eos_token_id, len(schema))
 
     def _hf_tokenizer(self) -> Any:
         """The vocabulary's token strings come from the tokenizer files (the engine never tokenizes text)."""
@@ -94,8 +122,8 @@ class Backends:
     def _xgrammar_compiler(self) -> xgrammar.GrammarCompiler:
         with self._tables_lock:
             if self._xgrammar is None:
-                info = xgrammar.TokenizerInfo.from_huggingface(self._hf_tokenizer(), vocab_size=self.vocab_size)
-                self._xgrammar = xgrammar.GrammarCompiler(info, max_threads=1)
+                self._info = xgrammar.TokenizerInfo.from_huggingface(self._hf_tokenizer(), vocab_size=self.vocab_size)
+                self._xgrammar = xgrammar.GrammarCompiler(self._info, max_threads=1)
             return self._xgrammar
 
     def _guidance_tokenizer(self) -> Any:
@@ -115,6 +143,7 @@ def choice_grammar(choices: list[str]) -> str:
 class _XGrammarCompiled:
     def __init__(self, compiled: xgrammar.CompiledGrammar) -> None:
         self.compiled = compiled
+        self.size_bytes = compiled.memory_size_bytes
 
     def matcher(self, stop_token_ids: list[int]) -> RequestGrammar:
         return _XGrammarMatcher(xgrammar.GrammarMatcher(self.compiled, override_stop_tokens=stop_token_ids or None))
@@ -138,8 +167,9 @@ class _XGrammarMatcher:
 class _GuidanceCompiled:
     """llguidance ends a grammar with the tokenizer's EOS token (a request's other stop ids are not offered)."""
 
-    def __init__(self, template: Any, eos_token_id: int | None) -> None:
+    def __init__(self, template: Any, eos_token_id: int | None, schema_chars: int) -> None:
         self.template, self.eos_token_id = template, eos_token_id
+        self.size_bytes = 64 * schema_chars  # an estimate: llguidance reports no size; its lexer grows as it runs
 
     def matcher(self, stop_token_ids: list[int]) -> RequestGrammar:
         return _GuidanceMatcher(self.template.deep_copy(), self.eos_token_id)

@@ -26,8 +26,9 @@ class _Pending:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer_dir: str, vocab_size: int, compile_timeout_s: float) -> None:
-        self.compiler = GrammarCompiler(tokenizer_dir, vocab_size)
+    def __init__(self, tokenizer_dir: str, vocab_size: int, compile_timeout_s: float, compile_memory_mb: int,
+                 cache_bytes: int) -> None:
+        self.compiler = GrammarCompiler(tokenizer_dir, vocab_size, compile_timeout_s, compile_memory_mb, cache_bytes)
         self.words_per_row = (vocab_size + 31) // 32
         self.compile_timeout_s = compile_timeout_s
         self.pending: dict[str, _Pending] = {}
@@ -42,12 +43,12 @@ class StructuredOutputManager:
         return self._forget(request_id)
 
     def _forget(self, request_id: str) -> bool:
-        """Drop a waiting request; its compile is cancelled if it has not started and no other request waits."""
+        """Drop a waiting request; its compile is stopped if no other request waits for it."""
         pending = self.pending.pop(request_id, None)
         if pending is None:
             return False
         if all(other.future is not pending.future for other in self.pending.values()):
-            pending.future.cancel()
+            self.compiler.give_up(pending.request.sampling_params.structured_outputs, pending.future)
         return True
 
     def _deadline(self, pending: _Pending) -> float:
@@ -122,4 +123,4 @@ def _stop_tokens(request: Request) -> list[int]:
 
 def _ended(request_id: str, message: str, kind: str) -> EngineCoreOutput:
     return EngineCoreOutput(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=message,
-                            error_kind=kind)
+                            error_kind=kind, error_param="structured_outputs" if kind == "invalid" else None)

@@ -49,6 +49,13 @@ def check_lora_flags(args: argparse.Namespace) -> None:
             raise ValueError("--allow-runtime-lora needs --lora-dir, an existing folder the adapters lie under")
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def str_list(text: str) -> list[str]:
     """A JSON list ('["a", "b"]') or a comma-separated one ("a,b"), as vLLM's CORS flags take."""
     if text.lstrip().startswith("["):
@@ -102,6 +109,9 @@ GATEWAY_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--allow-runtime-lora", dict(action="store_true", help="serve /v1/load_lora_adapter and "
                                                             "/v1/unload_lora_adapter (needs --lora-dir)")),
     ("--lora-dir", dict(help="with --allow-runtime-lora: the folder runtime-loaded adapters must lie under")),
+    ("--max-concurrent-requests-per-key", dict(type=positive_int, help="most POST requests one client has in flight at once "
+                                               "(a client: its API key, or its connection without one); past it "
+                                               "a 429 (default: no limit)")),
     ("--disable-log-requests", dict(action="store_true", help="no log line per finished request")),
     ("--log-prompts", dict(action="store_true", help="put each request's prompt and output text in its log line "
                                                      "(they may hold personal data)")),

@@ -1,12 +1,15 @@
 """OpenAI-style errors: every failure is `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status."""
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 from typing import NoReturn
 
 from fastapi.responses import JSONResponse
 
 from frontend.core_client import EngineDeadError, EngineOverloadedError, RequestFailedError
+
+logger = logging.getLogger("pagedserve.api")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           408: "invalid_request_error", 413: "invalid_request_error", 431: "invalid_request_error",
@@ -52,8 +55,9 @@ def engine_error(error: Exception) -> APIError | None:
     """The HTTP error an engine-side failure maps to (None: not one of ours, a bug)."""
     if isinstance(error, EngineOverloadedError):
         return APIError(429, str(error), code="overloaded")
-    if isinstance(error, EngineDeadError):
-        return APIError(503, f"the engine is not available: {error}", code="engine_dead")
+    if isinstance(error, EngineDeadError):  # why goes to the log: it names the engine's address and internals
+        logger.info("answering 503: %s", error)
+        return APIError(503, "the engine is not available; see the server's log", code="engine_dead")
     if isinstance(error, RequestFailedError):  # the engine logged it; the gateway has no traceback to add
         return APIError(500, str(error), code="request_failed")
     if isinstance(error, ValueError):  # the request breaks a rule (InvalidRequestError names the field)

@@ -36,10 +36,15 @@ class LoRAAdapters:
         """(name, folder) of each adapter, in load order."""
         return [(name, request.lora_path) for name, request in self.adapters.items()]
 
-    def load(self, name: str, path: str) -> LoRARequest:
+    def candidate(self, name: str, path: str) -> LoRARequest:
+        """The adapter /v1/load_lora_adapter would add (APIError if the name or folder cannot be); `add` it once the
+        engine has checked its files."""
         if self.runtime_dir is None:
             raise APIError(404, "runtime LoRA loading is off: start the server with --allow-runtime-lora and "
                                 "--lora-dir", "lora_name", "not_found")
+        for field, value in (("lora_name", name), ("lora_path", path)):
+            if any(ord(char) < 32 for char in value):
+                raise APIError(400, f"{field} must not hold control characters (NUL, newlines, ...)", field)
         folder = (self.runtime_dir / path).resolve()
         if not folder.is_relative_to(self.runtime_dir):
             raise APIError(400, f"lora_path must be a folder under the server's --lora-dir; {path!r} is not",
@@ -48,7 +53,13 @@ class LoRAAdapters:
             raise APIError(400, f"lora_path {path!r} holds no adapter_config.json", "lora_path")
         if name == self.base_model or name in self.adapters:
             raise APIError(400, f"the model name {name!r} is already in use; unload it first", "lora_name")
-        return self._add(name, str(folder))
+        return _request(name, str(folder))
+
+    def add(self, adapter: LoRARequest) -> None:
+        if adapter.lora_name == self.base_model or adapter.lora_name in self.adapters:
+            raise APIError(400, f"the model name {adapter.lora_name!r} is already in use; unload it first",
+                           "lora_name")
+        self.adapters[adapter.lora_name] = adapter
 
     def unload(self, name: str) -> None:
         if self.runtime_dir is None:
@@ -57,11 +68,13 @@ class LoRAAdapters:
         if self.adapters.pop(name, None) is None:
             raise APIError(404, f"no LoRA adapter is named {name!r}", "lora_name", "not_found")
 
-    def _add(self, name: str, path: str) -> LoRARequest:
-        # The id follows from the name and folder, so every gateway of an engine gives an adapter the same one.
-        request = LoRARequest(name, zlib.crc32(f"{name}\x00{path}".encode()) % (2**31 - 1) + 1, path)
-        self.adapters[name] = request
-        return request
+    def _add(self, name: str, path: str) -> None:
+        self.adapters[name] = _request(name, path)
+
+
+def _request(name: str, path: str) -> LoRARequest:
+    # The id follows from the name and folder, so every gateway of an engine gives an adapter the same one.
+    return LoRARequest(name, zlib.crc32(f"{name}\x00{path}".encode()) % (2**31 - 1) + 1, path)
 
 
 def parse_lora_modules(values: list[str] | None) -> dict[str, str]:

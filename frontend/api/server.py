@@ -16,12 +16,13 @@ import time
 from importlib.metadata import PackageNotFoundError, version
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from frontend.api.choices import RequestObservers
+from frontend.api.client_budget import ClientBudget
 from frontend.api.cli_args import CorsOptions, auto_tool_parser, build_parser, check_lora_flags, cors_options
 from frontend.api.errors import APIError, error_body
 from frontend.api.lora_adapters import LoRAAdapters, parse_lora_modules
@@ -50,7 +51,7 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
               model_root: str | None = None, generation_defaults: dict[str, float | int] | None = None,
               request_logger: RequestLogger | None = None, cors: CorsOptions | None = None,
               tool_parser: str | None = None, reasoning_parser: str | None = None,
-              adapters: LoRAAdapters | None = None) -> FastAPI:
+              adapters: LoRAAdapters | None = None, max_requests_per_client: int | None = None) -> FastAPI:
     """The gateway's app. `chat_template` (a template's text) replaces the tokenizer's, whose gateway this is;
     `model_root` is the model's root in /v1/models (default: the engine's model folder)."""
     if chat_template is not None:
@@ -61,6 +62,8 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
                             tool_parser, reasoning_parser, adapters)
     # The contract is served (behind the key) for clients and fuzzers; the docs UIs would load scripts from a CDN.
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    if max_requests_per_client is not None:  # inside the guard: only requests with a valid key count
+        app.add_middleware(ClientBudget, max_requests=max_requests_per_client)
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
     if cors is not None:  # added last, so outermost: a browser's preflight needs no API key
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
@@ -80,7 +83,11 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
     for method in engine.info.privileged_utilities:  # only those the engine was started to allow
         app.add_api_route(f"/{method}", _utility_route(engine, method), methods=["POST"])
 
-    @app.get("/v1/models")
+    async def engine_alive() -> None:
+        """Routes answered in the gateway alone still say 503 once the engine is gone, as every route does."""
+        await engine.check_health(max_stall_s)
+
+    @app.get("/v1/models", dependencies=[Depends(engine_alive)])
     async def models() -> dict:
         created = int(time.time())
         base = {"id": model_name, "object": "model", "created": created, "owned_by": "pagedserve",
@@ -90,7 +97,14 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict:
-        adapters.load(body.lora_name, body.lora_path)
+        adapter = adapters.candidate(body.lora_name, body.lora_path)
+        try:  # read and checked now, off the engine's step loop's hot path: a broken adapter is refused here
+            await engine.check_lora(adapter)
+        except EngineDeadError:
+            raise
+        except RuntimeError as error:
+            raise APIError(400, f"lora_path {body.lora_path!r}: {error}", "lora_path") from None
+        adapters.add(adapter)
         return {"object": "lora_adapter", "id": body.lora_name, "loaded": True}
 
     @app.post("/v1/unload_lora_adapter")
@@ -106,11 +120,11 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
     async def prometheus() -> Response:
         return Response(metrics.render(await engine.get_stats()), media_type="text/plain; version=0.0.4")
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=[Depends(engine_alive)])
     async def tokenize(body: TokenizeRequest) -> dict:
         return serving.tokenize(body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=[Depends(engine_alive)])
     async def detokenize(body: DetokenizeRequest) -> dict:
         bad = next((t for t in body.tokens if not 0 <= t < engine.info.vocab_size), None)
         if bad is not None:
@@ -264,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(engine, model_name, limits, args.api_key, args.max_body_bytes, args.max_header_bytes,
                     args.engine_stall_timeout, chat_template=chat_template, model_root=args.model_root or model_folder,
                     generation_defaults=generation_defaults, request_logger=request_logger, cors=cors_options(args),
-                    tool_parser=tool_parser, reasoning_parser=args.reasoning_parser, adapters=adapters)
+                    tool_parser=tool_parser, reasoning_parser=args.reasoning_parser, adapters=adapters,
+                    max_requests_per_client=args.max_concurrent_requests_per_key)
     sock = listening_socket(args.host, args.port, args.reuse_port)
     server = uvicorn.Server(uvicorn_config(app, args))
     if args.parent_fd is not None:

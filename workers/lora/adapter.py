@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
+
+from workers.lora.files import MAX_CONFIG_BYTES, MAX_WEIGHTS_BYTES, read_regular_file
 
 PREFIX = "base_model.model."
 # Modules whose full weights an adapter may replace (PEFT's modules_to_save); the engine's names for them.
@@ -38,7 +40,7 @@ def read_adapter_config(path: str) -> dict:
     """The folder's adapter_config.json, checked for what the engine runs: LoRA without DoRA or trained biases."""
     folder = Path(path)
     try:
-        config = json.loads((folder / "adapter_config.json").read_text())
+        config = json.loads(read_regular_file(folder / "adapter_config.json", MAX_CONFIG_BYTES))
     except (OSError, ValueError) as exc:
         raise ValueError(f"LoRA adapter {path!r}: cannot read adapter_config.json: {exc}") from None
     if not isinstance(config, dict) or config.get("peft_type", "LORA") != "LORA":
@@ -47,8 +49,6 @@ def read_adapter_config(path: str) -> dict:
                                ("fan_in_fan_out", False, "fan_in_fan_out (Conv1D) weights")):
         if config.get(key, allowed) != allowed:
             raise ValueError(f"LoRA adapter {path!r}: {what} are not supported")
-    if not (folder / "adapter_model.safetensors").is_file():
-        raise ValueError(f"LoRA adapter {path!r} has no adapter_model.safetensors")
     return config
 
 
@@ -56,7 +56,7 @@ def load_adapter(name: str, int_id: int, path: str, max_rank: int) -> LoRAAdapte
     """The adapter's tensors (float32, on the CPU), every rank checked against max_rank."""
     config = read_adapter_config(path)
     try:
-        tensors = load_file(str(Path(path) / "adapter_model.safetensors"))
+        tensors = load_safetensors(read_regular_file(Path(path) / "adapter_model.safetensors", MAX_WEIGHTS_BYTES))
     except (SafetensorError, OSError, ValueError) as exc:
         raise ValueError(f"LoRA adapter {path!r}: adapter_model.safetensors is unreadable: {exc}") from None
     adapter = LoRAAdapter(name, int_id, 0)

@@ -10,6 +10,7 @@ from transformers import PretrainedConfig
 from ipc import LoRARequest
 from workers.distributed import single_rank
 from workers.lora.adapter import load_adapter
+from workers.lora.files import check_under
 from workers.lora.targets import check_adapter
 from workers.models import get_model_class
 
@@ -17,8 +18,8 @@ KNOWN_ADAPTERS = 1024  # validated adapters remembered (a request naming one aga
 
 
 class AdapterValidator:
-    def __init__(self, hf_config: PretrainedConfig, max_rank: int) -> None:
-        self.hf_config, self.max_rank = hf_config, max_rank
+    def __init__(self, hf_config: PretrainedConfig, max_rank: int, allowed_dirs: list[str] | None) -> None:
+        self.hf_config, self.max_rank, self.allowed_dirs = hf_config, max_rank, allowed_dirs
         self.known: OrderedDict[int, LoRARequest] = OrderedDict()
         self._model: torch.nn.Module | None = None
 
@@ -32,6 +33,7 @@ class AdapterValidator:
         if known is not None:
             raise ValueError(f"lora_int_id {lora.lora_int_id} already names adapter {known.lora_name!r} at "
                              f"{known.lora_path!r}; give this one another id")
+        check_under(lora.lora_path, self.allowed_dirs)
         adapter = load_adapter(lora.lora_name, lora.lora_int_id, lora.lora_path, self.max_rank)
         check_adapter(self.model, adapter, lora.lora_path, self.hf_config.vocab_size, self.hf_config.hidden_size)
         self.known[lora.lora_int_id] = lora
