@@ -87,6 +87,11 @@ class EngineCore:
         limit = self.config.max_waiting_requests
         return limit is not None and len(self.scheduler.waiting) >= limit
 
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds: running, waiting, or waiting for its grammar."""
+        compiling = [] if self._structured is None else list(self._structured.pending)
+        return [*self.scheduler.requests, *compiling]
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self.scheduler.requests or (
             self._structured is not None and request_id in self._structured.pending)

@@ -10,7 +10,6 @@ the launcher do this for you).
 from __future__ import annotations
 
 import argparse
-import collections
 import gc
 import logging
 import os
@@ -25,9 +24,13 @@ from typing import Any
 import msgspec
 import zmq
 
+from core.engine_clients import LivingClients, Peers, RateLimitedWarnings
 from core.engine_core import EngineCore
 from ipc import (
+    CLIENT_ALIVE_INTERVAL_S,
+    CLIENT_SILENCE_S,
     AbortRequests,
+    ClientAlive,
     Decoder,
     Encoder,
     EngineConfig,
@@ -58,13 +61,13 @@ _STOP = None  # on the input queue: leave the loop
 _SIGNAL_CHECK_S = 0.2
 HEARTBEAT_INTERVAL_S = 0.5
 _IDLE_HEALTH_CHECK_S = 5.0  # while idle, how often the workers' health is checked (a dead rank ends the engine)
-_WARNING_INTERVAL_S = 10.0  # at most one malformed-message warning per client this often; the rest are counted
-_MAX_PEERS = 4096  # clients heartbeats go to, the latest subscribers (gone ones are never announced)
+_CLIENT_GONE = object()  # on the input queue, from the heartbeat thread: this client went silent
 
 
 class EngineCoreProc:
-    def __init__(self, engine: EngineCore, endpoints: EngineEndpoints, keys: CurveKeys | None = None) -> None:
-        check_binding_is_safe(endpoints, keys)
+    def __init__(self, engine: EngineCore, endpoints: EngineEndpoints, keys: CurveKeys | None = None,
+                 insecure_loopback: bool = False) -> None:
+        check_binding_is_safe(endpoints, keys, insecure_loopback)
         self.engine = engine
         self.endpoints = endpoints
         self.context = zmq.Context()
@@ -76,7 +79,8 @@ class EngineCoreProc:
         self.client_identities: list[bytes] = []
         self.client_index: dict[bytes, int] = {}
         self.stop_reason = "the engine core shut down"
-        self.peers = _Peers()  # the clients that subscribed to heartbeats
+        self.peers = Peers()  # the clients that subscribed to heartbeats
+        self.living = LivingClients()  # the clients that promised ClientAlive messages
         self.last_progress = self.last_health_check = time.monotonic()
         self.stopping = threading.Event()
         self.reader = threading.Thread(target=self._read_loop, name="engine-core-reader", daemon=True)
@@ -129,7 +133,9 @@ class EngineCoreProc:
                     self.engine.check_health()  # raises, ending the engine, if a worker rank died
 
     def _handle(self, identity: bytes, message: Any) -> None:
-        if isinstance(message, EngineCoreRequest):
+        if message is _CLIENT_GONE:
+            self._abort_client(identity)
+        elif isinstance(message, EngineCoreRequest):
             self._add_request(identity, message)
         elif isinstance(message, AbortRequests):
             scoped = [self._scope(identity, request_id) for request_id in message.request_ids]
@@ -161,6 +167,16 @@ class EngineCoreProc:
             self._refuse(identity, RequestError(request_id=client_request_id, kind="failed",
                                                 message=f"{type(error).__name__}: {error}"))
 
+    def _abort_client(self, identity: bytes) -> None:
+        """A client went silent: its requests end (their outputs have no one to go to)."""
+        index = self.client_index.get(identity)
+        if index is None:
+            return
+        mine = [request_id for request_id in self.engine.request_ids() if request_id.startswith(f"{index}:")]
+        if mine:
+            logger.warning("client %s went silent: aborting its %d requests", identity.hex(), len(mine))
+            self.engine.abort_requests(mine)
+
     def _refuse(self, identity: bytes, error: RequestError) -> None:
         self.outputs.put((identity, EngineCoreOutputs(errors=[error])))
 
@@ -190,7 +206,7 @@ class EngineCoreProc:
 
     def _read_loop(self) -> None:
         decoder = Decoder(EngineCoreInput)
-        warnings = _RateLimitedWarnings()
+        warnings = RateLimitedWarnings()
         while True:
             try:
                 frames = self.input_socket.recv_multipart(copy=False)
@@ -205,14 +221,23 @@ class EngineCoreProc:
                 message = _rejection(body, error)
             if isinstance(message, SubscribeHeartbeats):  # handled here: it must not wait behind a step
                 self.peers.heard_from(identity)
+            elif isinstance(message, ClientAlive):
+                self.living.heard_from(identity)
             else:
                 self.inputs.put((identity, message))
 
     def _heartbeat_loop(self) -> None:
-        while not self.stopping.wait(HEARTBEAT_INTERVAL_S):
-            beat = EngineCoreOutputs(heartbeat=Heartbeat(loop_age=time.monotonic() - self.last_progress))
-            for identity in self.peers.identities():
-                self.outputs.put((identity, beat))
+        """Heartbeats to subscribers; and, more often, a look for clients that went silent."""
+        last_beat = time.monotonic()
+        while not self.stopping.wait(CLIENT_ALIVE_INTERVAL_S):
+            now = time.monotonic()
+            for identity in self.living.gone(now - CLIENT_SILENCE_S):
+                self.inputs.put((identity, _CLIENT_GONE))
+            if now - last_beat >= HEARTBEAT_INTERVAL_S - 0.01:
+                last_beat = now
+                beat = EngineCoreOutputs(heartbeat=Heartbeat(loop_age=now - self.last_progress))
+                for identity in self.peers.identities():
+                    self.outputs.put((identity, beat))
 
     def _write_loop(self) -> None:
         encoder = Encoder()
@@ -235,41 +260,6 @@ class EngineCoreProc:
         self.reader.join(timeout=5)
         remove_ipc_files(self.endpoints)  # also when the front end that would have done it is gone
         self.engine.shutdown()
-
-
-class _Peers:
-    """The clients that subscribed to heartbeats, at most _MAX_PEERS, forgetting the earliest first: a client that
-    goes away is never announced, and heartbeats to every subscriber ever would grow without end."""
-
-    def __init__(self) -> None:
-        self._last_heard: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-
-    def heard_from(self, identity: bytes) -> None:
-        self._last_heard[identity] = None
-        self._last_heard.move_to_end(identity)
-        if len(self._last_heard) > _MAX_PEERS:
-            self._last_heard.popitem(last=False)
-
-    def identities(self) -> list[bytes]:
-        return list(self._last_heard)  # a copy: the reader thread adds while the heartbeat thread sends
-
-
-class _RateLimitedWarnings:
-    """One warning per client per interval for malformed messages, with a count of those not logged since."""
-
-    def __init__(self) -> None:
-        self.last_logged: dict[bytes, float] = {}
-        self.suppressed: dict[bytes, int] = {}
-
-    def warn(self, identity: bytes, error: Exception) -> None:
-        now = time.monotonic()
-        if now - self.last_logged.get(identity, -_WARNING_INTERVAL_S) < _WARNING_INTERVAL_S:
-            self.suppressed[identity] = self.suppressed.get(identity, 0) + 1
-            return
-        self.last_logged[identity] = now
-        skipped = self.suppressed.pop(identity, 0)
-        logger.warning("malformed message from client %s: %s%s", identity.hex(), error,
-                       f" ({skipped} more since the last warning)" if skipped else "")
 
 
 def _rejection(body: list[memoryview], error: Exception) -> EngineCoreOutputs:
@@ -298,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m core.engine_process", description=__doc__)
     parser.add_argument("--config-json", required=True, help="the EngineConfig as JSON")
     parser.add_argument("--address", required=True, help="tcp://HOST:PORT or ipc://PATH to listen on")
-    parser.add_argument("--curve-key-file", help="CURVE key file (required beyond loopback)")
+    parser.add_argument("--curve-key-file", help="CURVE key file (required on tcp://)")
+    parser.add_argument("--insecure-loopback", action="store_true", help="serve tcp:// on loopback without a key")
     parser.add_argument("--status-fd", type=int, help="write the start-up result here (set by a parent)")
     parser.add_argument("--parent-fd", type=int, help="exit when this pipe closes (set by a parent)")
     args = parser.parse_args(argv)
@@ -306,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = msgspec.json.decode(args.config_json, type=EngineConfig)
         keys = CurveKeys.load(args.curve_key_file) if args.curve_key_file else None
-        proc = EngineCoreProc(EngineCore(config), EngineEndpoints.from_address(args.address), keys)
+        endpoints = EngineEndpoints.from_address(args.address)
+        check_binding_is_safe(endpoints, keys, args.insecure_loopback)  # before a model loads
+        proc = EngineCoreProc(EngineCore(config), endpoints, keys, args.insecure_loopback)
     except Exception as error:
         logger.exception("the engine core failed to start")
         _report(args.status_fd, EngineStartup(error=str(error), error_type=type(error).__name__))

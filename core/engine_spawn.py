@@ -31,7 +31,8 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 class EngineProcess:
-    def __init__(self, config: EngineConfig, address: str, curve_key_file: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, address: str, curve_key_file: str | None = None,
+                 insecure_loopback: bool = False) -> None:
         self.endpoints = EngineEndpoints.from_address(address)
         status_read, status_write = os.pipe()
         watch_read, self._watch_write = make_lifeline()
@@ -39,6 +40,8 @@ class EngineProcess:
                    "--address", address, "--status-fd", str(status_write), "--parent-fd", str(watch_read)]
         if curve_key_file:
             command += ["--curve-key-file", str(curve_key_file)]
+        if insecure_loopback:
+            command.append("--insecure-loopback")
         env = child_env()
         try:
             # Its own session: a terminal's Ctrl-C goes to the front end or launcher, which stops it in order.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import threading
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,9 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
 
 from ipc import (
+    CLIENT_ALIVE_INTERVAL_S,
     AbortRequests,
+    ClientAlive,
     Decoder,
     Encoder,
     EngineConfig,
@@ -94,11 +97,17 @@ class EngineCoreClient:
         self.dead_reason: str | None = None
         self.connected = self.closed = False
         self.last_heartbeat = (time.monotonic(), 0.0)  # when it arrived, and the loop age it reported
+        # Sends come from the caller's thread and from the thread that tells the engine this client lives.
+        self._send_lock = threading.Lock()
+        self._stop_alive = threading.Event()
+        self._alive_thread: threading.Thread | None = None
         try:
             self.info = self._handshake(handshake_timeout)
         except BaseException:
             self.shutdown()
             raise
+        self._alive_thread = threading.Thread(target=self._tell_alive, name="engine-client-alive", daemon=True)
+        self._alive_thread.start()
 
     @classmethod
     def start(cls, config: EngineConfig) -> EngineCoreClient:
@@ -120,7 +129,17 @@ class EngineCoreClient:
 
     def _send(self, message: Any) -> None:
         self._raise_if_dead()
-        self.input.send_multipart(self.encoder.encode(message), copy=False)
+        with self._send_lock:
+            self.input.send_multipart(self.encoder.encode(message), copy=False)
+
+    def _tell_alive(self) -> None:
+        """Until shutdown: the engine aborts this client's requests soon after these stop (it was killed)."""
+        alive = Encoder().encode(ClientAlive())
+        while not self._stop_alive.wait(CLIENT_ALIVE_INTERVAL_S):
+            with self._send_lock:
+                if self.closed:
+                    return
+                self.input.send_multipart(alive, copy=False)
 
     def _send_utility_call(self, method: str, args: tuple) -> int:
         call_id = next(self.call_ids)
@@ -236,7 +255,9 @@ class EngineCoreClient:
         """Close the sockets; stop the engine process if this client started it."""
         if self.closed:
             return
-        self.closed = True
+        self._stop_alive.set()
+        with self._send_lock:  # the alive thread sends no more
+            self.closed = True
         for monitor in self.monitors:
             monitor.close(linger=0)
         self.input.close(linger=0)

@@ -67,6 +67,19 @@ def check_text(text: str, field: str) -> str:
     return text
 
 
+# A normalizer may drop characters (accents, control characters), so a text's tokens may cover more of it than
+# the longest vocabulary entry's length suggests: the bound keeps this much margin.
+_NORMALIZER_MARGIN = 4
+
+
+def max_prompt_chars(tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> int:
+    """The most characters a prompt text can have and still fit in `max_model_len` tokens (no token covers more
+    than the longest vocabulary entry): a longer one is refused without tokenizing it, which takes seconds for
+    megabytes of text."""
+    longest = max((len(token) for token in tokenizer.get_vocab()), default=1)
+    return max_model_len * max(longest, 1) * _NORMALIZER_MARGIN
+
+
 def encode(tokenizer: PreTrainedTokenizerBase, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
     """The token ids of `text`, a client's `field` (named in the ValueError if the text is not valid Unicode)."""
     return tokenizer.encode(check_text(text, field), add_special_tokens=add_special_tokens)

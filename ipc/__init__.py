@@ -3,7 +3,10 @@ from ipc.config import EngineConfig, parse_memory_size
 from ipc.lora import LoRARequest
 from ipc.pooling import PoolerConfig, PoolingInfo, PoolingParams
 from ipc.messages import (
+    CLIENT_ALIVE_INTERVAL_S,
+    CLIENT_SILENCE_S,
     AbortRequests,
+    ClientAlive,
     EngineCoreInput,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -34,6 +37,9 @@ from ipc.scheduler_output import (
 
 __all__ = [
     "AbortRequests",
+    "CLIENT_ALIVE_INTERVAL_S",
+    "CLIENT_SILENCE_S",
+    "ClientAlive",
     "CachedRequestData",
     "Decoder",
     "Encoder",

@@ -80,8 +80,18 @@ class SubscribeHeartbeats(msgspec.Struct, tag="heartbeats"):
     does not subscribe, so none pile up in its queue)."""
 
 
+CLIENT_ALIVE_INTERVAL_S = 0.25
+CLIENT_SILENCE_S = 1.2
+
+
+class ClientAlive(msgspec.Struct, tag="alive"):
+    """This client is alive. A client that sends one keeps sending them, every CLIENT_ALIVE_INTERVAL_S; after
+    CLIENT_SILENCE_S without one the engine takes it as gone (killed, or its host lost) and aborts its requests.
+    A client that never sends one is never taken as gone."""
+
+
 # Everything a client may send to the engine core; the tag field tells them apart on the wire.
-EngineCoreInput = EngineCoreRequest | AbortRequests | UtilityCall | SubscribeHeartbeats
+EngineCoreInput = EngineCoreRequest | AbortRequests | UtilityCall | SubscribeHeartbeats | ClientAlive
 
 
 class UtilityResult(msgspec.Struct, omit_defaults=True):

@@ -120,10 +120,19 @@ class _SharedKeyOnly:
         return client_key == self.public_key
 
 
-def check_binding_is_safe(endpoints: EngineEndpoints, keys: CurveKeys | None) -> None:
-    if not endpoints.is_loopback and keys is None:
+def check_binding_is_safe(endpoints: EngineEndpoints, keys: CurveKeys | None, insecure_loopback: bool = False) -> None:
+    """Every client must hold a credential: on ipc:// the socket file's permissions (only its owner may connect);
+    on tcp:// a CURVE key, loopback included (any local user reaches it), unless `insecure_loopback` says the
+    host's users are all trusted."""
+    if keys is not None or endpoints.input.startswith("ipc://"):
+        return
+    if not endpoints.is_loopback:
         raise ValueError(f"an engine core listening beyond loopback ({endpoints.input}) must be given a CURVE "
                          "key file (curve_key_file); clients then need the same file")
+    if not insecure_loopback:
+        raise ValueError(f"an engine core on {endpoints.input} must be given a CURVE key file (curve_key_file): "
+                         "every user of this host can reach a loopback port. Use an ipc:// address (only its "
+                         "owner may connect), or accept that with --engine-insecure-loopback")
 
 
 def start_authenticator(context: zmq.Context, keys: CurveKeys) -> ThreadAuthenticator:

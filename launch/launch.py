@@ -51,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-server-count", type=int, default=1, help="gateway processes sharing the port")
     parser.add_argument("--engine-address", help="also expose the engine core here for the ZMQ client library "
                                                  "(tcp://HOST:PORT or ipc://PATH)")
-    parser.add_argument("--curve-key-file", help="CURVE key file for an engine address beyond loopback")
+    parser.add_argument("--curve-key-file", help="CURVE key file for a tcp:// engine address (clients need it too)")
+    parser.add_argument("--engine-insecure-loopback", action="store_true",
+                        help="allow a tcp:// engine address on loopback without --curve-key-file: every user of "
+                             "this host may then send it requests and privileged calls")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on shutdown")
     engine = parser.add_argument_group("engine")
@@ -256,7 +259,7 @@ class Launcher:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: self.stop.set())
         address = self.args.engine_address or private_ipc_address()
-        engine = EngineProcess(self.config, address, self.args.curve_key_file)
+        engine = EngineProcess(self.config, address, self.args.curve_key_file, self.args.engine_insecure_loopback)
         try:
             info = engine.wait_ready()
             self._start_gateways(address)

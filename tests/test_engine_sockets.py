@@ -17,7 +17,7 @@ import zmq
 import zmq.auth
 
 from conftest import random_prompts
-from core import engine_process
+from core import engine_clients
 from core.engine_spawn import EngineProcess
 from frontend import LLM, EngineCoreClient, SamplingParams
 from ipc import (AbortRequests, Decoder, EngineConfig, EngineCoreOutputs, EngineCoreRequest, SubscribeHeartbeats,
@@ -220,6 +220,13 @@ def test_beyond_loopback_needs_a_key():
     assert EngineEndpoints.from_address("tcp://[::1]:7000").is_loopback
     with pytest.raises(ValueError, match="CURVE key file"):
         check_binding_is_safe(EngineEndpoints.from_address("tcp://0.0.0.0:5555"), None)
+    with pytest.raises(ValueError, match="CURVE key file"):
+        check_binding_is_safe(EngineEndpoints.from_address("tcp://0.0.0.0:5555"), None, insecure_loopback=True)
+    # Loopback tcp:// too: every user of the host reaches it. ipc:// is its owner's alone.
+    with pytest.raises(ValueError, match="--engine-insecure-loopback"):
+        check_binding_is_safe(EngineEndpoints.from_address("tcp://127.0.0.1:5555"), None)
+    check_binding_is_safe(EngineEndpoints.from_address("tcp://127.0.0.1:5555"), None, insecure_loopback=True)
+    check_binding_is_safe(EngineEndpoints.from_address("ipc:///tmp/x"), None)
     with pytest.raises(ValueError, match="tcp:// or ipc://"):
         EngineEndpoints.from_address("udp://127.0.0.1:1")
 
@@ -283,13 +290,13 @@ def test_no_message_is_ever_pickled(llama_model, tmp_path, monkeypatch):
 
 def test_malformed_message_warnings_are_rate_limited_per_client(monkeypatch, caplog):
     now = [100.0]
-    monkeypatch.setattr(engine_process.time, "monotonic", lambda: now[0])
-    warnings = engine_process._RateLimitedWarnings()
+    monkeypatch.setattr(engine_clients.time, "monotonic", lambda: now[0])
+    warnings = engine_clients.RateLimitedWarnings()
     with caplog.at_level("WARNING", logger="pagedserve.engine_core"):
         for _ in range(500):
             warnings.warn(b"a", ValueError("junk"))
         warnings.warn(b"b", ValueError("junk"))
-        now[0] += engine_process._WARNING_INTERVAL_S
+        now[0] += engine_clients._WARNING_INTERVAL_S
         warnings.warn(b"a", ValueError("more junk"))
     assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
         "junk", "junk", "more junk (499 more since the last warning)"]
@@ -312,8 +319,50 @@ def test_heartbeats_arrive_twice_a_second_to_subscribers_and_tell_the_loop_age(e
 
 
 def test_heartbeats_go_to_the_latest_subscribers(monkeypatch):
-    monkeypatch.setattr(engine_process, "_MAX_PEERS", 3)
-    peers = engine_process._Peers()
+    monkeypatch.setattr(engine_clients, "_MAX_PEERS", 3)
+    peers = engine_clients.Peers()
     for identity in (b"a", b"b", b"c", b"a", b"d"):  # b"b" is the one silent longest when b"d" arrives
         peers.heard_from(identity)
     assert peers.identities() == [b"c", b"a", b"d"]
+
+
+_DOOMED_CLIENT = textwrap.dedent("""
+    import sys, time
+    from frontend import EngineCoreClient
+    from ipc import EngineCoreRequest, SamplingParams
+    client = EngineCoreClient(sys.argv[1])
+    params = SamplingParams(max_tokens=60000, ignore_eos=True)
+    for i in range(20):
+        client.add_request(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=[5, 6, 7], sampling_params=params))
+    print("sent", flush=True)
+    time.sleep(600)  # killed long before
+""")
+
+
+def test_a_killed_clients_requests_are_aborted_within_two_seconds(tmp_path):
+    from conftest import long_context_llama
+
+    address = f"ipc://{tmp_path}/engine"
+    engine = EngineProcess(EngineConfig(model=long_context_llama(), dtype="float32", kv_cache_memory="64MiB"),
+                           address)
+    engine.wait_ready()
+    survivor = EngineCoreClient(address)
+    try:
+        params = SamplingParams(max_tokens=60000, ignore_eos=True)
+        survivor.add_request(EngineCoreRequest(request_id="mine", prompt_token_ids=[1, 2], sampling_params=params))
+        doomed = subprocess.Popen([sys.executable, "-c", _DOOMED_CLIENT, address], stdout=subprocess.PIPE, text=True)
+        assert doomed.stdout.readline().strip() == "sent"
+        deadline = time.monotonic() + 30
+        while survivor.get_stats().num_running + survivor.get_stats().num_waiting < 21:
+            assert time.monotonic() < deadline, "the doomed client's requests never arrived"
+            time.sleep(0.05)
+        doomed.kill()
+        killed_at = time.monotonic()
+        doomed.wait()
+        while survivor.get_stats().num_running + survivor.get_stats().num_waiting > 1:
+            assert time.monotonic() - killed_at < 2.0, "the killed client's requests still run"
+            time.sleep(0.05)
+        assert survivor.get_stats().num_running == 1  # the living client's request runs on
+    finally:
+        survivor.shutdown()
+        engine.shutdown()

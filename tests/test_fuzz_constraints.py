@@ -1,18 +1,22 @@
-"""Garbage constraints over HTTP: seeded random JSON schemas, regexes, grammars and choice lists, well-formed or
-not. Each request gets a 200 or a 400 with an OpenAI error body, never a 5xx, and the engine serves on.
-PAGEDSERVE_FUZZ_CONSTRAINTS sets the number of cases (default 500)."""
+"""Garbage and hostile constraints over HTTP: seeded random JSON schemas, regexes, grammars and choice lists,
+well-formed or not, and hostile shapes (deep nesting, $ref cycles, huge enums and unions, large repetition counts).
+Each request gets a 200 or a 400 with an OpenAI error body, never a 5xx; the engine serves on, and its CPU and memory
+come back down. PAGEDSERVE_FUZZ_CONSTRAINTS sets the number of cases (default 1700)."""
 from __future__ import annotations
 
 import os
 import random
+import time
 from collections import Counter
 from typing import Any
 
 import httpx
+import psutil
 
 from conftest import AUTH
+from launcher import descendants
 
-CASES = int(os.environ.get("PAGEDSERVE_FUZZ_CONSTRAINTS", "500"))
+CASES = int(os.environ.get("PAGEDSERVE_FUZZ_CONSTRAINTS", "1700"))
 KEYWORDS = ["type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf", "allOf", "not", "$ref",
             "$defs", "minimum", "maximum", "minLength", "maxLength", "pattern", "format", "minItems", "maxItems",
             "additionalProperties", "uniqueItems", "multipleOf", "prefixItems", "if", "then", "else"]
@@ -51,7 +55,40 @@ def _schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
     return schema
 
 
+def _nested(rng: random.Random, depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": rng.choice(["integer", "string", "null"])}
+    for _ in range(depth):
+        schema = rng.choice([{"type": "array", "items": schema, "maxItems": 2},
+                             {"type": "object", "properties": {"a": schema}, "required": ["a"]},
+                             {"anyOf": [schema, {"type": "null"}]}])
+    return schema
+
+
+def _hostile(rng: random.Random) -> dict[str, Any]:
+    """A constraint shaped to cost the compiler or lead nowhere, within what compiles in about a second."""
+    size = rng.choice([10, 100, 1000, 4000])
+    shapes = [
+        lambda: {"json": _nested(rng, rng.randrange(20, 80))},
+        lambda: {"json": {"$ref": "#"}},
+        lambda: {"json": {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+        lambda: {"json": {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}},
+        lambda: {"json": {"enum": [f"v{i}" for i in range(size)]}},
+        lambda: {"json": {"anyOf": [{"const": i} for i in range(min(size, 300))]}},
+        lambda: {"json": {"type": "string", "pattern": f"(a|b){{{size}}}"}},
+        lambda: {"json": {"type": "array", "items": {"type": "integer"}, "minItems": size, "maxItems": 10**9}},
+        lambda: {"json": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(50)}}},
+        lambda: {"regex": rng.choice(["a", "(a|b)", "[a-z]", "(a*)*", "(a|aa)+"]) + f"{{{size},{size * 2}}}"},
+        lambda: {"grammar": "root ::= " + " ".join(f"r{i}" for i in range(50)) + "\n" +
+                 "\n".join(f"r{i} ::= r{i + 1} | \"x\"" for i in range(50)) + '\nr50 ::= "y"'},
+        lambda: {"grammar": "root ::= a\na ::= b\nb ::= a"},
+        lambda: {"choice": [f"option {i}" for i in range(size)]},
+    ]
+    return {"structured_outputs": rng.choice(shapes)()}
+
+
 def _constraint(rng: random.Random) -> dict[str, Any]:
+    if rng.random() < 0.25:
+        return _hostile(rng)
     kind = rng.randrange(5)
     if kind == 0:
         return {"structured_outputs": {"json": _schema(rng)}}
@@ -67,6 +104,9 @@ def _constraint(rng: random.Random) -> dict[str, Any]:
 
 def test_garbage_constraints_get_400s_and_the_engine_serves_on(server, llama_model):
     base_url, rng, statuses, bad = server[1], random.Random(0), Counter(), []
+    [engine_pid] = [pid for pid, command in descendants(server[0].pid) if "core.engine_process" in command]
+    engine = psutil.Process(engine_pid)
+    rss_before = engine.memory_info().rss
     with httpx.Client(base_url=base_url, headers=AUTH, timeout=60) as http:
         for _ in range(CASES):
             body = {"model": llama_model, "prompt": "x", "max_tokens": 4, **_constraint(rng)}
@@ -80,3 +120,11 @@ def test_garbage_constraints_get_400s_and_the_engine_serves_on(server, llama_mod
     print(f"constraint fuzz: {CASES} requests, status codes {dict(statuses)}")
     assert not bad, "\n".join(bad[:20])
     assert statuses[400] >= CASES // 4 and statuses[200] >= CASES // 20  # both kinds were exercised
+    # Nothing keeps compiling or growing once the requests are answered: the engine and its compile workers idle.
+    engine.cpu_percent(None)
+    workers = [psutil.Process(pid) for pid, command in descendants(engine_pid) if "compile_worker" in command]
+    for worker in workers:
+        worker.cpu_percent(None)
+    time.sleep(2.0)
+    assert engine.cpu_percent(None) < 10.0 and all(worker.cpu_percent(None) < 10.0 for worker in workers)
+    assert engine.memory_info().rss - rss_before < 200 * 2**20

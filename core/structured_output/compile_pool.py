@@ -4,6 +4,7 @@ huge schemas never hold up everyone's small ones."""
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 import sys
 import threading
@@ -149,7 +150,7 @@ class _Lane:
     def _start_process(self) -> None:
         command = [sys.executable, "-m", "core.structured_output.compile_worker", "--tokenizer-dir",
                    self.pool.backends.tokenizer_dir, "--vocab-size", str(self.pool.backends.vocab_size),
-                   "--memory-mb", str(self.pool.memory_mb)]
+                   "--memory-mb", str(self.pool.memory_mb), "--parent-pid", str(os.getpid())]
         with self._process_lock:
             if self.closed:
                 self.start_error = "the engine is shutting down"

@@ -7,8 +7,10 @@ Run by core/structured_output/compile_pool.py as `python -m core.structured_outp
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import resource
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
     from core.structured_output.backends import Backends
 
 _OUT_OF_MEMORY = ("bad_alloc", "memory")
+_PR_SET_PDEATHSIG = 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer-dir", required=True)
     parser.add_argument("--vocab-size", type=int, required=True)
     parser.add_argument("--memory-mb", type=int, required=True, help="address space it may add once its tables are built")
+    parser.add_argument("--parent-pid", type=int, required=True, help="the engine process that started it")
     args = parser.parse_args(argv)
+    _die_with_parent(args.parent_pid)
     lowest_priority()  # before any library starts a thread: they inherit it
     # Frames go to the engine on the original stdout; whatever a library prints goes to stderr instead.
     frames_out = os.fdopen(os.dup(1), "wb")
@@ -67,6 +72,17 @@ def _compile(backends: Backends, job: CompileJob, memory_mb: int) -> CompileResu
         return CompileResult(job_id=job.job_id, error=f"{type(error).__name__}: {error}", engine_fault=True)
     return CompileResult(job_id=job.job_id, worker_exits=True, error=f"structured_outputs.{job.params.kind} needs "
                          f"more than {memory_mb} MiB to compile (--structured-outputs-compile-memory-mb)")
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this worker when the engine thread that started it ends, however it ends. No thread
+    of ours could notice: a compile holds the interpreter for as long as it runs."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the engine's shutdown kills its workers
+        return
+    if os.getppid() != parent_pid:  # it ended before the line above
+        os._exit(1)
 
 
 def _limit_memory(memory_mb: int) -> None:

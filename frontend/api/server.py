@@ -6,6 +6,7 @@ Run by the launcher, one process per `--api-server-count`, all sharing one port 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import gc
 import hmac
@@ -122,7 +123,7 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
 
     @app.post("/tokenize", dependencies=[Depends(engine_alive)])
     async def tokenize(body: TokenizeRequest) -> dict:
-        return serving.tokenize(body)
+        return await asyncio.to_thread(serving.tokenize, body)
 
     @app.post("/detokenize", dependencies=[Depends(engine_alive)])
     async def detokenize(body: DetokenizeRequest) -> dict:

@@ -1,6 +1,7 @@
 """/v1/completions, /v1/chat/completions and /tokenize: requests to engine choices, outputs to JSON or SSE chunks."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -35,7 +36,7 @@ from frontend.api.tool_parsers import TOOL_CALL_PARSERS, held_back
 from frontend.api.tools import read_tool_calls, template_tools, tool_mode
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import RequestOutput
-from frontend.tokenizer import apply_chat_template, check_template_kwargs, encode
+from frontend.tokenizer import apply_chat_template, check_template_kwargs, encode, max_prompt_chars
 from ipc import LoRARequest, SamplingParams
 from ipc.request_rules import InvalidRequestError, check_max_tokens
 
@@ -49,6 +50,7 @@ class OpenAIServing:
         self.generation_defaults = generation_defaults or {}
         self.tool_parser = tool_parser  # for tool_choice "auto"; None: "auto" is refused
         self.reasoning_parser = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+        self.max_prompt_chars = max_prompt_chars(engine.tokenizer, limits.max_model_len)
 
     async def completions(self, body: CompletionRequest):
         lora = self.adapters.resolve(body.model)
@@ -56,7 +58,9 @@ class OpenAIServing:
         prompt_list = _prompt_list(body.prompt)
         check_limits(body, self.limits, len(prompt_list))
         params = sampling_params(body, self.limits, self.generation_defaults)
-        prompts = [self._prompt_choices(body, self._completion_prompt(p), params, "prompt", lora) for p in prompt_list]
+        # Tokenizing runs on a thread (the tokenizer releases the GIL): a long prompt never stalls other streams.
+        prompts = await asyncio.to_thread(lambda: [self._prompt_choices(body, self._completion_prompt(p), params,
+                                                                        "prompt", lora) for p in prompt_list])
         echo = [self._prompt_text(p.prompt) if body.echo else "" for p in prompts]
         if body.stream:
             # Plain dicts on the per-token path: a pydantic model per chunk costs more than the rest of the chunk.
@@ -84,9 +88,7 @@ class OpenAIServing:
         if body.chat_template is not None:
             raise APIError(400, "chat_template is not accepted: the server uses the model's own template",
                            "chat_template")
-        text = self._chat_text(body.messages, body.add_generation_prompt, template_tools(body),
-                               body.chat_template_kwargs)
-        prompt = {"prompt": text, "prompt_token_ids": self._encode(text, "messages", add_special_tokens=False)}
+        text, prompt = await asyncio.to_thread(self._chat_prompt, body)
         params = sampling_params(body, self.limits, self.generation_defaults, self.tool_parser)
         start = None if self.reasoning_parser is None else section_start(self.reasoning_parser, text)
         if start is not None and params.structured_outputs is not None:  # the constraint starts after the thinking
@@ -114,6 +116,11 @@ class OpenAIServing:
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
         response = ChatCompletionResponse(model=served, usage=_usage(prompts), choices=choices)
         return JSONResponse(response.model_dump())
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, dict]:
+        text = self._chat_text(body.messages, body.add_generation_prompt, template_tools(body),
+                               body.chat_template_kwargs)
+        return text, {"prompt": text, "prompt_token_ids": self._encode(text, "messages", add_special_tokens=False)}
 
     def tokenize(self, body: TokenizeRequest) -> dict:
         if (body.prompt is None) == (body.messages is None):
@@ -150,6 +157,9 @@ class OpenAIServing:
             raise APIError(400, str(error), "messages") from error
 
     def _encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > self.max_prompt_chars:
+            raise APIError(400, f"{field} is {len(text)} characters, which cannot fit in this model's context of "
+                           f"{self.limits.max_model_len} tokens (at most {self.max_prompt_chars} characters)", field)
         try:
             return encode(self.engine.tokenizer, text, field, add_special_tokens)
         except ValueError as error:
