@@ -106,6 +106,7 @@ class EngineCoreClient:
         except BaseException:
             self.shutdown()
             raise
+        self._send(ClientAlive())  # before any request of ours, so the engine never holds one from an unknown client
         self._alive_thread = threading.Thread(target=self._tell_alive, name="engine-client-alive", daemon=True)
         self._alive_thread.start()
 
@@ -133,7 +134,8 @@ class EngineCoreClient:
             self.input.send_multipart(self.encoder.encode(message), copy=False)
 
     def _tell_alive(self) -> None:
-        """Until shutdown: the engine aborts this client's requests soon after these stop (it was killed)."""
+        """From before its first request until shutdown: the engine aborts this client's requests soon after these
+        stop (it was killed)."""
         alive = Encoder().encode(ClientAlive())
         while not self._stop_alive.wait(CLIENT_ALIVE_INTERVAL_S):
             with self._send_lock:

@@ -80,8 +80,8 @@ class SubscribeHeartbeats(msgspec.Struct, tag="heartbeats"):
     does not subscribe, so none pile up in its queue)."""
 
 
-CLIENT_ALIVE_INTERVAL_S = 0.25
-CLIENT_SILENCE_S = 1.2
+CLIENT_ALIVE_INTERVAL_S = 0.2
+CLIENT_SILENCE_S = 1.0
 
 
 class ClientAlive(msgspec.Struct, tag="alive"):

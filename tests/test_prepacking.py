@@ -21,6 +21,8 @@ from workers.model_loader import load_model
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="oneDNN's bf16 prepacking needs AVX-512 BF16 (or "
+                    "AVX-NE-CONVERT); the engine prepacks only where bf16 GEMMs run natively")
 @pytest.mark.parametrize("rows", [1, 9, 33, 96, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_prepacked_products_equal_f_linear(rows, bias):

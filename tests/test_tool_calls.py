@@ -8,7 +8,7 @@ import json
 import pytest
 
 from frontend.api.cli_args import auto_tool_parser
-from frontend.api.serving import _ToolReader
+from frontend.api.chat_chunks import ToolReader
 from frontend.api.tool_parsers import held_back, parse_hermes, parse_llama3_json
 
 
@@ -51,7 +51,7 @@ def test_held_back_stops_where_a_call_may_begin():
     (["No tools ", "needed <", "b>."], "No tools needed <b>.", []),
 ])
 def test_a_streamed_auto_answer_shows_text_then_the_calls_whole(pieces, content, calls):
-    delta = _ToolReader("auto", "hermes").stream(1)
+    delta = ToolReader("auto", "hermes").stream(1)
     chunks = [delta(0, piece, "stop" if i == len(pieces) - 1 else None) for i, piece in enumerate(pieces)]
     shown = "".join(part.get("content", "") for part, _ in chunks)
     assert shown == content

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 import msgspec
 from fastapi.responses import JSONResponse
 
+from frontend.api.chat_chunks import ToolReader, chat_chunks
 from frontend.api.choices import PromptChoices, RequestObservers, StreamedChoices, final_outputs
 from frontend.api.errors import APIError
 from frontend.api.lora_adapters import LoRAAdapters
@@ -17,7 +18,6 @@ from frontend.api.logprobs import chat_logprobs, completion_logprobs, join_logpr
 from frontend.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, TokenizeRequest
 from frontend.api.reasoning_parsers import (
     REASONING_PARSERS,
-    ReasoningSplitter,
     reasoning_section,
     section_start,
     split_reasoning,
@@ -26,14 +26,12 @@ from frontend.api.responses import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatResponseMessage,
     CompletionChoice,
     CompletionResponse,
     UsageInfo,
 )
 from frontend.api.sampling import ServerLimits, check_limits, requested_max_tokens, sampling_params
-from frontend.api.tool_parsers import TOOL_CALL_PARSERS, held_back
-from frontend.api.tools import read_tool_calls, template_tools, tool_mode
+from frontend.api.tools import template_tools, tool_mode
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import RequestOutput
 from frontend.tokenizer import apply_chat_template, check_template_kwargs, encode, max_prompt_chars
@@ -96,7 +94,7 @@ class OpenAIServing:
                                                  reasoning=reasoning_section(start, self.engine.tokenizer))
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         prompts = [self._prompt_choices(body, prompt, params, "messages", lora)]
-        tools = _ToolReader(tool_mode(body, self.tool_parser), self.tool_parser)
+        tools = ToolReader(tool_mode(body, self.tool_parser), self.tool_parser)
         if body.stream:
             head = ChatCompletionChunk(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
                                        model=served, choices=[]).model_dump(exclude={"choices", "usage"})
@@ -104,7 +102,7 @@ class OpenAIServing:
                                                  "logprobs": None, "finish_reason": None}], "usage": None}
                            for index in range(body.n)]
             return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers, head,
-                                         _chat_chunks(body, tools, start), _usage_chunks(head, body, prompts),
+                                         chat_chunks(body, tools, start), _usage_chunks(head, body, prompts),
                                          role_chunks).open()
         [output] = await final_outputs(self.engine, prompts, uuid.uuid4().hex, self.observers)
         choices = []
@@ -209,80 +207,6 @@ class OpenAIServing:
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
                     "stop_reason": completion.stop_reason}
         return choice
-
-
-class _ToolReader:
-    """A chat request's tool calls, read from what the model wrote: forced ones (a constraint made the text a
-    call) or, under "auto", whatever calls the parser finds."""
-
-    def __init__(self, mode: str | None, parser: str | None) -> None:
-        self.mode, self.parser = mode, parser
-        self.marker = TOOL_CALL_PARSERS[parser][1] if mode == "auto" else ""
-
-    def message(self, text: str | None, finish_reason: str | None) -> tuple[ChatResponseMessage, str | None]:
-        """A finished choice's message, and its finish reason ("tool_calls" when it made calls); `text` is None
-        when the answer was all reasoning."""
-        if self.mode is None or finish_reason != "stop" or text is None:  # cut short: an unfinished call stays text
-            return ChatResponseMessage(content=text), finish_reason
-        try:
-            content, calls = read_tool_calls(self.mode, self.parser, text)
-        except ValueError:  # a forced call cut by a stop string, or never begun (the model stopped while thinking)
-            return ChatResponseMessage(content=text), finish_reason
-        if not calls:
-            return ChatResponseMessage(content=text), finish_reason
-        return ChatResponseMessage(content=content, tool_calls=calls), "tool_calls"
-
-    def stream(self, n: int) -> Callable[[int, str, str | None], tuple[dict, str | None]]:
-        """The delta parts of each choice's answer text as it streams, and its finish reason. Without tools the
-        text as it comes; with them, text until a call may be starting (forced: from the first token), and each
-        choice's calls whole in its last chunk, as delta.tool_calls the client library assembles as it does
-        OpenAI's fragments."""
-        texts, shown = [""] * n, [0] * n
-
-        def delta(index: int, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-            if self.mode is None:
-                return {"content": text}, finish_reason
-            texts[index] += text
-            if finish_reason is None:
-                if self.mode != "auto":
-                    return {}, None
-                end = max(shown[index], held_back(texts[index], self.marker))
-                part, shown[index] = texts[index][shown[index]:end], end
-                return ({"content": part} if part else {}), None
-            message, finish_reason = self.message(texts[index], finish_reason)
-            if message.tool_calls:
-                calls = [{"index": i, **call} for i, call in enumerate(message.tool_calls)]
-                return {"tool_calls": calls}, finish_reason
-            return {"content": texts[index][shown[index]:]}, finish_reason
-        return delta
-
-
-def _chat_chunks(body: ChatCompletionRequest, tools: _ToolReader,
-                 reasoning_start: str | None) -> Callable[[int, RequestOutput], dict | None]:
-    """The function that turns one choice's delta output into the choice of a chat chunk (None: nothing to show
-    yet): its reasoning part (with a reasoning parser) as delta.reasoning_content, the rest through `tools`."""
-    num_top = body.top_logprobs or 0
-    splitters = None if reasoning_start is None else [ReasoningSplitter(reasoning_start) for _ in range(body.n)]
-    answer = tools.stream(body.n)
-
-    def choice(index: int, output: RequestOutput) -> dict | None:
-        completion = output.outputs[0]
-        reasoning, text = "", completion.text
-        if splitters is not None:
-            reasoning, text = splitters[index].feed(text)
-            if completion.finish_reason is not None:
-                rest_reasoning, rest_text = splitters[index].finish()
-                reasoning, text = reasoning + rest_reasoning, text + rest_text
-        delta, finish_reason = answer(index, text, completion.finish_reason)
-        if splitters is not None and not delta.get("content", True):
-            delta = {}  # nothing of the answer yet: a chunk only for the reasoning, the logprobs or the end
-        if reasoning:
-            delta = {"reasoning_content": reasoning, **delta}
-        logprobs = chat_logprobs(completion, num_top) if tools.mode is None else None
-        if not delta and logprobs is None and finish_reason is None:
-            return None
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    return choice
 
 
 def _template_message(message: ChatMessage) -> dict:
