@@ -1,7 +1,8 @@
 """Hostile inputs must not deny service to anyone else. Starts `python -m launch` (the demo model unless --model)
 and runs three phases against it, one at a time:
 
-1. constraints: --hostile distinct JSON schemas of --properties optional properties each, then at once --trivial
+1. constraints: after one constrained request (the compile workers start with the engine, so one sent at once
+   may wait for them), --hostile distinct JSON schemas of --properties optional properties each, then at once --trivial
    small constrained requests (a two-word choice or a short regex): each trivial request's latency and whether its
    output is valid, the hostile ones' statuses; --settle seconds after the last reply, the engine's CPU share (over
    5 s) and RSS against its RSS before, with the compile workers' CPU beside it.
@@ -91,10 +92,15 @@ def constraints(args: argparse.Namespace) -> None:
     try:
         [engine_pid] = [pid for pid, command in descendants(process.pid) if "core.engine_process" in command]
         engine = psutil.Process(engine_pid)
+        start = time.monotonic()  # the compile workers start with the engine; right after /health they may not be up
+        warm = httpx.post(f"{base_url}/v1/completions", timeout=600, json={
+            "prompt": "Answer:", "max_tokens": 4, "structured_outputs": {"choice": ["yes", "no"]}})
+        print(f"constraints: first constrained request right after /health: {warm.status_code} in "
+              f"{time.monotonic() - start:.2f} s")
         rss_before = engine.memory_info().rss
         trivial, hostile = asyncio.run(_scenario(base_url, args))
         latencies = sorted(t for _, _, t in trivial)
-        print(f"constraints: trivial {sum(s == 200 and ok for s, ok, _ in trivial)}/{len(trivial)} valid 200s, "
+        print(f"  trivial {sum(s == 200 and ok for s, ok, _ in trivial)}/{len(trivial)} valid 200s, "
               f"latency max {latencies[-1]:.2f} s, median {latencies[len(latencies) // 2]:.2f} s; hostile "
               f"{[(status, round(seconds, 1)) for status, _, seconds in hostile]}")
         time.sleep(args.settle)

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         keys = CurveKeys.load(args.curve_key_file) if args.curve_key_file else None
         endpoints = EngineEndpoints.from_address(args.address)
         check_binding_is_safe(endpoints, keys, args.insecure_loopback)  # before a model loads
-        proc = EngineCoreProc(EngineCore(config), endpoints, keys, args.insecure_loopback)
+        proc = EngineCoreProc(EngineCore(config, warm_structured_output=True), endpoints, keys, args.insecure_loopback)
     except Exception as error:
         logger.exception("the engine core failed to start")
         _report(args.status_fd, EngineStartup(error=str(error), error_type=type(error).__name__))

@@ -145,3 +145,14 @@ def test_a_client_over_its_concurrency_budget_gets_429s_while_others_are_served(
                                              headers={"Authorization": "Bearer greedy"}).status_code == 200, 10)
     finally:
         stop_launcher(process)
+
+
+def test_a_serving_engines_first_constrained_requests_do_not_wait_for_the_workers_to_start(llama_model):
+    """The workers import their libraries for seconds; meanwhile small constraints compile in the engine itself."""
+    engine = EngineCore(EngineConfig(model=llama_model, dtype="float32", max_model_len=256, num_kv_blocks=64),
+                        warm_structured_output=True)
+    try:
+        finals = _run(engine, {f"r{i}": StructuredOutputsParams(choice=[f"yes{i}", "no"]) for i in range(4)})
+        assert all(output.finish_reason == FinishReason.STOP and seconds < 2.0 for output, seconds in finals.values())
+    finally:
+        engine.shutdown()

@@ -63,6 +63,11 @@ class CompilePool:
 
     def submit(self, params: StructuredOutputsParams) -> Future:
         job = _Job(next(self._ids), params, small=len(params.spec) <= SMALL_SPEC_CHARS)
+        if job.small and not self.lanes[0].up_once.is_set():
+            # The first worker is still importing its libraries (seconds): a small constraint compiles here
+            # meanwhile, on a thread at idle priority, so an engine's first constrained requests need not wait.
+            threading.Thread(target=self._compile_here, args=(job,), name="grammar-compile-early", daemon=True).start()
+            return job.future
         with self._cond:
             self._jobs[job.future] = job
             self._queues[job.small].append(job)
@@ -79,6 +84,15 @@ class CompilePool:
         job.killed = True
         job.lane.kill()
         return time.monotonic() - job.started
+
+    def _compile_here(self, job: _Job) -> None:
+        lowest_priority()
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            job.future.set_result(self.backends.compile(job.params))
+        except Exception as error:  # the constraint's ValueError (400) or a backend's bug (500), as from a worker
+            job.future.set_exception(error)
 
     def shutdown(self) -> None:
         with self._cond:
@@ -112,6 +126,7 @@ class _Lane:
         self.start_error: str | None = None
         self.closed = False
         self.ready = threading.Event()  # its worker is up (or failed to start), not starting
+        self.up_once = threading.Event()  # a worker of this lane has been up
         self._process_lock = threading.Lock()
         self._decoder = msgspec.msgpack.Decoder(CompileResult)
         self.thread = threading.Thread(target=self._run, name=f"grammar-compile-{name}", daemon=True)
@@ -130,8 +145,8 @@ class _Lane:
             self.process.wait()
 
     def _run(self) -> None:
-        lowest_priority()  # restoring a large grammar here takes a CPU only when the engine leaves it idle
-        self._start_worker()
+        self._start_worker()  # at this thread's priority: the engine's (the worker lowers its own once it is up)
+        lowest_priority()  # restoring a large grammar here, and the workers started after a kill, only on idle CPU
         while (job := self.pool._take(self)) is not None:
             try:
                 self._compile(job)
@@ -146,6 +161,7 @@ class _Lane:
             self._start_process()
         finally:
             self.ready.set()
+            self.up_once.set()
 
     def _start_process(self) -> None:
         command = [sys.executable, "-m", "core.structured_output.compile_worker", "--tokenizer-dir",
