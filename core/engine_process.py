@@ -175,7 +175,7 @@ class EngineCoreProc:
         mine = [request_id for request_id in self.engine.request_ids() if request_id.startswith(f"{index}:")]
         if mine:
             logger.warning("client %s went silent: aborting its %d requests", identity.hex(), len(mine))
-            self.engine.abort_requests(mine)
+            self._send_outputs(self.engine.abort_requests(mine))  # a client that was only slow gets its finals
 
     def _refuse(self, identity: bytes, error: RequestError) -> None:
         self.outputs.put((identity, EngineCoreOutputs(errors=[error])))
@@ -209,6 +209,9 @@ class EngineCoreProc:
         warnings = RateLimitedWarnings()
         while True:
             try:
+                if not self.input_socket.poll(int(CLIENT_ALIVE_INTERVAL_S * 1000)):
+                    self._look_for_silent_clients()
+                    continue
                 frames = self.input_socket.recv_multipart(copy=False)
             except zmq.ContextTerminated:
                 self.input_socket.close()
@@ -225,19 +228,20 @@ class EngineCoreProc:
                 self.living.heard_from(identity)
             else:
                 self.inputs.put((identity, message))
+            if not self.input_socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._look_for_silent_clients()
+
+    def _look_for_silent_clients(self) -> None:
+        """Called with every message received so far read: a client is silent only if no ClientAlive of its waits
+        unread, so a while in which this thread could not run (the GIL held elsewhere) makes no one look gone."""
+        for identity in self.living.gone(time.monotonic() - CLIENT_SILENCE_S):
+            self.inputs.put((identity, _CLIENT_GONE))
 
     def _heartbeat_loop(self) -> None:
-        """Heartbeats to subscribers; and, more often, a look for clients that went silent."""
-        last_beat = time.monotonic()
-        while not self.stopping.wait(CLIENT_ALIVE_INTERVAL_S):
-            now = time.monotonic()
-            for identity in self.living.gone(now - CLIENT_SILENCE_S):
-                self.inputs.put((identity, _CLIENT_GONE))
-            if now - last_beat >= HEARTBEAT_INTERVAL_S - 0.01:
-                last_beat = now
-                beat = EngineCoreOutputs(heartbeat=Heartbeat(loop_age=now - self.last_progress))
-                for identity in self.peers.identities():
-                    self.outputs.put((identity, beat))
+        while not self.stopping.wait(HEARTBEAT_INTERVAL_S):
+            beat = EngineCoreOutputs(heartbeat=Heartbeat(loop_age=time.monotonic() - self.last_progress))
+            for identity in self.peers.identities():
+                self.outputs.put((identity, beat))
 
     def _write_loop(self) -> None:
         encoder = Encoder()

@@ -69,3 +69,11 @@ def stop_launcher(process: subprocess.Popen, timeout: float = 60.0) -> int:
     if process.poll() is None:
         process.terminate()
     return process.wait(timeout)
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (one killed with its parent waits for init to reap it)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from ipc.grammar_compile import CompileJob, CompileResult, WorkerReady, read_frame, write_frame
-from kernels.thread_priority import whole_process_to_lowest_priority
 
 if TYPE_CHECKING:
     from core.structured_output.backends import Backends
@@ -33,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-mb", type=int, required=True, help="address space it may add once its tables are built")
     parser.add_argument("--parent-pid", type=int, required=True, help="the engine process that started it")
     args = parser.parse_args(argv)
-    _die_with_parent(args.parent_pid)
+    _die_with_parent(args.parent_pid)  # before the imports below, which take seconds
+    from kernels.thread_priority import whole_process_to_lowest_priority
     # Frames go to the engine on the original stdout; whatever a library prints goes to stderr instead.
     frames_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
