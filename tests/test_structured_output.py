@@ -208,19 +208,23 @@ def test_a_slow_compile_times_out_and_an_abort_while_compiling_ends_the_request(
 
 
 def test_a_compiler_bug_fails_its_request_as_the_engines_fault_not_the_clients(llama_model, monkeypatch):
-    def broken(self, params, backend, payload):
+    def broken(self, params, *result):
         raise KeyError("injected")
-    # Compiles run in worker processes; the engine rebuilds each result in its own, where the bug is injected.
+    # Compiles run in worker processes, whose results the engine rebuilds (restore), or in the engine itself until
+    # the first worker is up (compile): the bug is injected in both places the engine runs.
     monkeypatch.setattr("core.structured_output.backends.Backends.restore", broken)
+    monkeypatch.setattr("core.structured_output.backends.Backends.compile", broken)
     engine = EngineCore(EngineConfig(model=llama_model, dtype="float32", max_model_len=256, num_kv_blocks=64))
-    constrained = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"), max_tokens=8)
-    engine.add_request(EngineCoreRequest(request_id="r", prompt_token_ids=[5, 6, 7], sampling_params=constrained))
-    finals = []
-    while engine.has_unfinished_requests():
-        finals += [o for o in engine.step() if o.finish_reason is not None]
-    [final] = finals
-    assert final.error_kind == "failed" and "KeyError" in final.error  # a 500, where a bad constraint is a 400
-    engine.shutdown()
+    try:
+        constrained = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"), max_tokens=8)
+        engine.add_request(EngineCoreRequest(request_id="r", prompt_token_ids=[5, 6, 7], sampling_params=constrained))
+        finals = []
+        while engine.has_unfinished_requests():
+            finals += [o for o in engine.step() if o.finish_reason is not None]
+        [final] = finals
+        assert final.error_kind == "failed" and "KeyError" in final.error  # a 500, where a bad constraint is a 400
+    finally:
+        engine.shutdown()
 
 
 class _BrokenGrammar:
