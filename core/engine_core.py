@@ -32,8 +32,8 @@ CACHE_RESET_METHODS = frozenset({"reset_prefix_cache"})
 class EngineCore:
     def __init__(self, config: EngineConfig, warm_structured_output: bool = False) -> None:
         """warm_structured_output: start the grammar compile workers and vocabulary tables at once, in the
-        background while the model loads, so that the first constrained requests need not wait seconds for them
-        (a serving engine does; in-process ones start them on first use)."""
+        background (at idle priority) while the model loads, so that the first constrained requests need not wait
+        seconds for them (a serving engine does; in-process ones start them on first use)."""
         hf_config = load_hf_config(config.model)
         encoder = is_encoder(hf_config)
         pooling = pooling_info(config.model, hf_config, config.pooler_config)
@@ -48,7 +48,7 @@ class EngineCore:
         self.vocab_size: int = hf_config.vocab_size
         self._structured: StructuredOutputManager | None = None  # made for the first constrained request
         if warm_structured_output and runner == "generate":
-            self._structured = self._structured_output(at_start=True)
+            self._structured = self._structured_output()
         check_parallel_sizes(hf_config, self.config.tensor_parallel_size, self.config.pipeline_parallel_size,
                              self.config.enable_expert_parallel)
         check_quantization(self.config.model, hf_config, self.config.quantization)  # here, not in a rank
@@ -119,17 +119,17 @@ class EngineCore:
     @property
     def structured(self) -> StructuredOutputManager:
         if self._structured is None:
-            self._structured = self._structured_output(at_start=False)
+            self._structured = self._structured_output()
         return self._structured
 
-    def _structured_output(self, at_start: bool) -> StructuredOutputManager:
+    def _structured_output(self) -> StructuredOutputManager:
         from core.structured_output.manager import StructuredOutputManager  # xgrammar: only when used
 
         config = self.config
         return StructuredOutputManager(config.tokenizer or config.model, self.vocab_size,
                                        config.structured_outputs_compile_timeout,
                                        config.structured_outputs_compile_memory_mb,
-                                       config.structured_outputs_cache_mb << 20, at_start)
+                                       config.structured_outputs_cache_mb << 20)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Finish these requests and free their blocks; a final ABORT output for each one still running."""

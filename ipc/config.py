@@ -19,6 +19,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors", "gptq", "awq", "gguf")
 _DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+MAX_CPUS = 1024  # glibc's cpu_set_t, which pins the threads
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -81,6 +82,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # (core/multi_step.py's StepTimes): how long a call's tokens are held back from their streams at most, and a
     # request arriving meanwhile waits. None: always num_scheduler_steps (where allowed).
     multi_step_budget_ms: Annotated[float, Meta(gt=0.0, le=60_000.0)] | None = 100.0
+    # CPU: threads of each rank's forward. None: as many as the CPUs the process may use (affinity mask, cgroup
+    # quota; OMP_NUM_THREADS where set), one fewer while another process competes for them (workers/cpu_threads.py);
+    # a number: always that many.
+    cpu_threads: Annotated[int, Meta(ge=1, le=4096)] | None = None
+    # CPU: pin the forward's threads one per CPU, in this order ("0-3,6"; with tp * pp > 1 one list per rank, in rank
+    # order, joined by "|"), vLLM's VLLM_CPU_OMP_THREADS_BIND; the thread count is the list's length. None: the
+    # kernel places them.
+    cpu_threads_bind: str | None = None
     # The privileged utilities a client of the engine socket may call. start_profile/stop_profile only when
     # profiler_dir is set: every trace goes there, and a profile stops itself (its trace written) after
     # profiler_max_seconds or profiler_max_steps steps, which bounds its memory and its trace's size.
@@ -129,6 +138,36 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _require(self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}")
         _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
                  f"must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras}")
+        if self.cpu_threads_bind is not None:
+            _check_cpu_threads_bind(self)
+
+
+def cpu_lists(text: str) -> list[list[int]]:
+    """cpu_threads_bind's lists, one per rank: '0-3|4-7' → [[0, 1, 2, 3], [4, 5, 6, 7]] (Linux's cpulist format)."""
+    lists = []
+    for group in text.split("|"):
+        cpus: list[int] = []
+        seen: set[int] = set()
+        for part in group.split(","):
+            first, _, last = part.strip().partition("-")
+            if not first.isdigit() or (last and not last.isdigit()) or not int(first) <= int(last or first) < MAX_CPUS:
+                raise ValueError(f"cpu_threads_bind: not a CPU list of CPUs below {MAX_CPUS}: {group!r} "
+                                 "(expected e.g. '0-3,6')")
+            new = [cpu for cpu in range(int(first), int(last or first) + 1) if cpu not in seen]
+            cpus += new
+            seen.update(new)
+        lists.append(cpus)
+    return lists
+
+
+def _check_cpu_threads_bind(config: EngineConfig) -> None:
+    lists = cpu_lists(config.cpu_threads_bind)
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    _require(len(lists) == ranks, "cpu_threads_bind",
+             f"needs one CPU list per rank ({ranks}, joined by '|'), got {len(lists)}")
+    _require(config.cpu_threads is None or all(len(cpus) == config.cpu_threads for cpus in lists), "cpu_threads",
+             f"must equal the length of each cpu_threads_bind list when both are given, got {config.cpu_threads}")
+    _require(sum(map(len, lists)) == len(set().union(*lists)), "cpu_threads_bind", "ranks' CPU lists overlap")
 
 
 def parse_memory_size(text: str) -> int:

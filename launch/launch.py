@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--multi-step-budget-ms", type=float, default=100.0,
                         help="CPU: ... and only as many as fit this long by recent steps' times (how long a "
                              "call holds its tokens back)")
+    engine.add_argument("--cpu-threads", type=int,
+                        help="CPU: threads of each rank's forward (default: the CPUs this process may use, one fewer "
+                             "while another process competes for them)")
+    engine.add_argument("--cpu-threads-bind", metavar="CPUS",
+                        help="CPU: pin the forward's threads, one per CPU ('0-3,6'; one list per rank joined by '|')")
     engine.add_argument("--cuda-graph-sizes", type=int, nargs="+",
                         help="CUDA: decode batch sizes to capture (default 1 2 4 8 16 ... min(max-num-seqs, 512))")
     engine.add_argument("--profiler-dir", help="allow POST /start_profile and /stop_profile; traces go here only")
@@ -235,7 +240,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
                         enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
                         decode_ahead=args.decode_ahead, num_scheduler_steps=args.num_scheduler_steps,
-                        multi_step_budget_ms=args.multi_step_budget_ms,
+                        multi_step_budget_ms=args.multi_step_budget_ms, cpu_threads=args.cpu_threads,
+                        cpu_threads_bind=args.cpu_threads_bind,
                         profiler_dir=args.profiler_dir, profiler_max_seconds=args.profiler_max_seconds,
                         profiler_max_steps=args.profiler_max_steps, enable_cache_reset=args.enable_cache_reset,
                         max_logprobs=args.max_logprobs, enable_prefix_caching=args.enable_prefix_caching,

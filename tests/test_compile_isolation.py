@@ -4,6 +4,7 @@ output are the client's error."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import httpx
@@ -152,6 +153,9 @@ def test_a_serving_engines_first_constrained_requests_do_not_wait_for_the_worker
     engine = EngineCore(EngineConfig(model=llama_model, dtype="float32", max_model_len=256, num_kv_blocks=64),
                         warm_structured_output=True)
     try:
+        # ... and, importing, they take only CPU time the engine leaves idle: never its neighbour.
+        assert wait_until(lambda: len(_compile_workers(engine)) == 2, timeout=5)
+        assert {os.sched_getscheduler(worker.pid) for worker in _compile_workers(engine)} == {os.SCHED_IDLE}
         finals = _run(engine, {f"r{i}": StructuredOutputsParams(choice=[f"yes{i}", "no"]) for i in range(4)})
         assert all(output.finish_reason == FinishReason.STOP and seconds < 2.0 for output, seconds in finals.values())
     finally:

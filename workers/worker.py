@@ -8,7 +8,9 @@ import torch
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from kernels import start_cpu_kernels_build
 from workers.cpu_allocator import keep_freed_memory_in_heap
+from workers.cpu_threads import ComputeThreads, compute_threads
 from workers.device import select_device
+from workers.distributed import parallel_state
 from workers.gpu_memory import kv_cache_budget, profile_memory
 from workers.layers.attention import Attention
 from workers.model_config import load_hf_config, resolve_dtype
@@ -25,8 +27,11 @@ class Worker:
         self.config = config
         self.device = select_device(config.device)
         keep_freed_memory_in_heap()
+        self.threads: ComputeThreads | None = None
         if self.device.type == "cpu":
             start_cpu_kernels_build()  # the torch paths serve until it is ready: no wait at start-up
+            self.threads = compute_threads(config, parallel_state().rank)
+            self.threads.adjust()  # loading and the memory profile run on this thread too
         self.hf_config = load_hf_config(config.model)
         self.encoder = is_encoder(self.hf_config)
         pooling = pooling_info(config.model, self.hf_config, config.pooler_config)
@@ -93,4 +98,6 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.threads is not None:
+            self.threads.adjust()
         return self.model_runner.execute_model(scheduler_output)

@@ -145,8 +145,10 @@ class _Lane:
             self.process.wait()
 
     def _run(self) -> None:
-        self._start_worker()  # at this thread's priority: the engine's (the worker lowers its own once it is up)
-        lowest_priority()  # restoring a large grammar here, and the workers started after a kill, only on idle CPU
+        # Only on CPU time the engine leaves idle: this thread (restoring a large grammar) and the workers it starts,
+        # which inherit its policy from their first instruction (their imports alone take seconds of CPU).
+        lowest_priority()
+        self._start_worker()
         while (job := self.pool._take(self)) is not None:
             try:
                 self._compile(job)

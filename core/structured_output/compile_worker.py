@@ -33,7 +33,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, required=True, help="the engine process that started it")
     args = parser.parse_args(argv)
     _die_with_parent(args.parent_pid)  # before the imports below, which take seconds
-    from kernels.thread_priority import whole_process_to_lowest_priority
     # Frames go to the engine on the original stdout; whatever a library prints goes to stderr instead.
     frames_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
@@ -47,9 +46,6 @@ def main(argv: list[str] | None = None) -> int:
         write_frame(frames_out, WorkerReady(error=f"the vocabulary tables could not be built: {error}"))
         return 1
     _limit_memory(args.memory_mb)
-    # Started at the engine's priority (its first start overlaps the engine's and the gateway's, and constrained
-    # requests wait for it); from now on it compiles only on CPU time the engine leaves idle.
-    whole_process_to_lowest_priority()
     write_frame(frames_out, WorkerReady())
     decoder = msgspec.msgpack.Decoder(CompileJob)
     while (body := read_frame(frames_in)) is not None:

@@ -24,11 +24,9 @@ class GrammarCompiler:
     remembered as timed out, so the same constraint sent again fails at once instead of taking a worker again."""
 
     def __init__(self, tokenizer_dir: str, vocab_size: int, timeout_s: float, memory_mb: int,
-                 cache_bytes: int, at_start: bool = False) -> None:
-        """at_start: made as the engine starts, when nothing decodes yet: this process's tables are built at the
-        engine's priority (the first constrained requests compile with them while the workers start)."""
+                 cache_bytes: int) -> None:
         self.backends = Backends(tokenizer_dir, vocab_size)
-        self.timeout_s, self.cache_bytes, self.at_start = timeout_s, cache_bytes, at_start
+        self.timeout_s, self.cache_bytes = timeout_s, cache_bytes
         self.pool = CompilePool(self.backends, memory_mb)
         self._cache: OrderedDict[Key, Future[CompiledConstraint]] = OrderedDict()
         # The vocabulary tables (this process's and each worker's) come first, once; a request's compile timeout
@@ -73,8 +71,7 @@ class GrammarCompiler:
             total -= _size(future)
 
     def _build_tables(self) -> None:
-        if not self.at_start:
-            lowest_priority()
+        lowest_priority()  # the engine's own neighbour otherwise: its forward would wait for it
         try:
             self.backends.build_tables()
             self.pool.wait_ready()

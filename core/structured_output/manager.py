@@ -27,9 +27,8 @@ class _Pending:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer_dir: str, vocab_size: int, compile_timeout_s: float, compile_memory_mb: int,
-                 cache_bytes: int, at_start: bool = False) -> None:
-        self.compiler = GrammarCompiler(tokenizer_dir, vocab_size, compile_timeout_s, compile_memory_mb, cache_bytes,
-                                        at_start)
+                 cache_bytes: int) -> None:
+        self.compiler = GrammarCompiler(tokenizer_dir, vocab_size, compile_timeout_s, compile_memory_mb, cache_bytes)
         self.words_per_row = (vocab_size + 31) // 32
         self.compile_timeout_s = compile_timeout_s
         self.pending: dict[str, _Pending] = {}

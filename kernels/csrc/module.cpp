@@ -17,6 +17,7 @@
 #include "gemv_pairs.h"
 #include "greedy_decode.h"
 #include "sample.h"
+#include "threads.h"
 
 namespace {
 
@@ -159,6 +160,7 @@ void attend(const std::vector<uintptr_t>& weights, const std::vector<int64_t>& d
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bind_threads", &pagedserve::bind_threads, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decode_attention", [](bool bf16, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t bt, uintptr_t lens,
                                uintptr_t o, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t bs,
                                int64_t dim, int64_t max_blocks, double scale, double soft_cap, int64_t window) {

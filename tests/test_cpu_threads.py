@@ -1,0 +1,260 @@
+"""The forward's thread count: follows the usable CPUs, steps down beside a busy neighbour and back up after it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import wait_until
+from ipc import EngineConfig
+from ipc.config import cpu_lists
+from workers import cpu_threads
+from workers.cpu_limits import cgroup_cpu_quota, usable_cpus
+from workers.cpu_threads import ComputeThreads, Reading, read_schedule
+
+
+class Machine:
+    """Scripted readings: each window, how much the threads waited and how many CPUs idled."""
+
+    def __init__(self, cpus: int = 2) -> None:
+        self.cpus, self.at, self.running, self.waiting, self.spare = cpus, 0.0, 0, 0, {cpu: 0.0 for cpu in range(cpus)}
+        self.applied: list[int] = []
+
+    def read(self) -> Reading:
+        return Reading(self.at, self.running, self.waiting, dict(self.spare))
+
+    def window(self, threads: ComputeThreads, waiting_share: float, spare_cpus: float, seconds: float = 0.25) -> int:
+        runnable = int(seconds * 1e9 * threads.count)
+        self.at += seconds
+        self.waiting += int(runnable * waiting_share)
+        self.running += runnable - int(runnable * waiting_share)
+        for cpu in self.spare:
+            self.spare[cpu] += spare_cpus * seconds / len(self.spare)
+        return threads.adjust()
+
+
+def governed(machine: Machine, fixed: int | None = None) -> ComputeThreads:
+    threads = ComputeThreads(fixed=fixed, read=machine.read, limit=lambda: machine.cpus, apply=machine.applied.append)
+    threads.adjust()
+    return threads
+
+
+def test_a_busy_neighbour_takes_one_thread_and_gives_it_back_when_it_leaves():
+    machine = Machine()
+    threads = governed(machine)
+    assert threads.count == 2 and machine.applied == [2]
+    assert machine.window(threads, waiting_share=0.02, spare_cpus=0.0) == 2  # our own front end, briefly
+    assert machine.window(threads, waiting_share=0.33, spare_cpus=0.0) == 1
+    for _ in range(10):  # the neighbour stays: no CPU idles beside the one thread
+        assert machine.window(threads, waiting_share=0.0, spare_cpus=0.05) == 1
+    assert machine.window(threads, waiting_share=0.0, spare_cpus=0.95) == 2
+    assert machine.applied == [2, 1, 2]
+
+
+def test_a_neighbour_that_comes_and_goes_is_probed_ever_more_rarely():
+    machine = Machine()
+    threads = governed(machine)
+    ups = []
+    for window in range(400):  # 100 s: idle CPUs at one thread, contention at two
+        if threads.count == 1:
+            machine.window(threads, waiting_share=0.0, spare_cpus=0.9)
+        else:
+            machine.window(threads, waiting_share=0.3, spare_cpus=0.0)
+        if threads.count == 2:
+            ups.append(machine.at)
+    gaps = [b - a for a, b in zip(ups, ups[1:])]
+    assert gaps == sorted(gaps) and max(gaps) >= cpu_threads.MAX_HOLD_S  # backs off up to the longest hold
+    assert len(ups) < 20
+
+
+def test_windows_shorter_than_the_window_change_nothing():
+    machine = Machine()
+    threads = governed(machine)
+    assert machine.window(threads, waiting_share=0.9, spare_cpus=0.0, seconds=cpu_threads.WINDOW_S / 3) == 2
+
+
+def test_the_count_follows_the_usable_cpus_at_once():
+    machine = Machine(cpus=4)
+    threads = governed(machine)
+    assert threads.count == 4
+    machine.cpus = 1  # taskset -p, or a tighter cgroup quota, while it runs
+    assert machine.window(threads, waiting_share=0.0, spare_cpus=3.0) == 1
+    machine.cpus = 2
+    assert machine.window(threads, waiting_share=0.0, spare_cpus=1.5) == 2
+    assert machine.window(threads, waiting_share=0.0, spare_cpus=1.5) == 2  # never past the limit
+
+
+def test_spare_time_is_summed_over_the_cpus_both_readings_counted():
+    """A changed mask (taskset -p while it runs) neither invents nor loses spare CPUs."""
+    wide = Reading(10.0, 0, 0, {0: 100.0, 1: 200.0})
+    narrow = Reading(11.0, 0, 0, {0: 100.5})
+    assert narrow.spare_cpus_since(wide) == 0.5
+    assert Reading(12.0, 0, 0, {0: 101.0, 1: 250.0}).spare_cpus_since(narrow) == 0.5
+
+
+def test_a_fixed_count_never_moves():
+    machine = Machine()
+    threads = governed(machine, fixed=3)
+    for _ in range(5):
+        assert machine.window(threads, waiting_share=0.5, spare_cpus=0.0) == 3
+    assert machine.applied == [3]
+
+
+def test_the_count_is_set_again_on_each_new_forward_thread():
+    """OpenMP's thread count belongs to the thread that set it."""
+    import threading
+
+    machine = Machine()
+    threads = governed(machine)
+    worker = threading.Thread(target=threads.adjust)
+    worker.start()
+    worker.join()
+    assert machine.applied == [2, 2]
+
+
+def test_cgroup_quotas_v2_and_v1(tmp_path: Path):
+    (tmp_path / "outer" / "inner").mkdir(parents=True)
+    (tmp_path / "outer" / "cpu.max").write_text("250000 100000\n")
+    (tmp_path / "outer" / "inner" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(tmp_path, "0::/outer/inner\n") == 2.5  # the tightest of the ancestors
+    (tmp_path / "outer" / "inner" / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_quota(tmp_path, "0::/outer/inner\n") == 1.5
+    assert cgroup_cpu_quota(tmp_path, "0::/elsewhere\n") is None
+    v1 = tmp_path / "cpu,cpuacct" / "pod"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_quota(tmp_path, "4:cpu,cpuacct:/pod\n3:memory:/pod\n") == 0.5
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu_quota(tmp_path, "4:cpu,cpuacct:/pod\n") is None
+
+
+def test_usable_cpus_follow_the_affinity_mask():
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(before)})
+        assert usable_cpus() == 1
+    finally:
+        os.sched_setaffinity(0, before)
+    assert 1 <= usable_cpus() <= len(before)
+
+
+def test_readings_count_this_process_and_its_cpus():
+    first = read_schedule()
+    deadline = time.perf_counter() + 0.3
+    while time.perf_counter() < deadline:
+        pass
+    second = read_schedule()
+    runnable = (second.running_ns - first.running_ns) + (second.waiting_ns - first.waiting_ns)
+    assert runnable >= 0.25e9  # this thread was runnable throughout, running or waiting for a CPU
+    assert second.waiting_ns >= first.waiting_ns and second.spare_cpus_since(first) >= 0
+
+
+@pytest.mark.parametrize("text, error", [("0-1|2", "one CPU list per rank"), ("1-0", "not a CPU list"),
+                                         ("0,2048", "below 1024"), ("a", "not a CPU list")])
+def test_bad_bind_lists_are_refused(text, error):
+    with pytest.raises(ValueError, match=error):
+        EngineConfig(model="m", cpu_threads_bind=text)
+
+
+def test_bind_lists_per_rank():
+    assert cpu_lists("0-2,5|3,4") == [[0, 1, 2, 5], [3, 4]]
+    EngineConfig(model="m", cpu_threads_bind="0-1|2-3", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="overlap"):
+        EngineConfig(model="m", cpu_threads_bind="0-1|1-2", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="cpu_threads must equal"):
+        EngineConfig(model="m", cpu_threads_bind="0-1", cpu_threads=3)
+
+
+def test_binding_pins_each_thread_of_the_team():
+    """In a child process: the pinned team's threads each allow exactly their CPU."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    code = ("import os, torch; from ipc import EngineConfig; from workers.cpu_threads import compute_threads\n"
+            f"t = compute_threads(EngineConfig(model='m', cpu_threads_bind={','.join(map(str, cpus))!r}), 0)\n"
+            "t.adjust()\n"
+            "masks = sorted(tuple(sorted(os.sched_getaffinity(int(task)))) for task in os.listdir('/proc/self/task'))\n"
+            "print(torch.get_num_threads(), masks)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    count, masks = out.stdout.strip().split(" ", 1)
+    assert int(count) == len(cpus)
+    for cpu in cpus:
+        assert f"({cpu},)" in masks
+
+
+def test_binding_outside_the_allowed_cpus_is_refused():
+    outside = max(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ValueError, match=f"CPUs \\[{outside}\\] are not among"):
+        cpu_threads.compute_threads(EngineConfig(model="m", cpu_threads_bind=str(outside)), 0)
+
+
+_FORWARD_LOOP = """
+import sys, time, torch
+from workers.cpu_threads import ComputeThreads
+threads = ComputeThreads()
+a = torch.randn(256, 256)
+while sys.stdin.readline():  # a line from the test: one more window's work; the count afterwards
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        threads.adjust()
+        a = torch.tanh(a @ a)
+    print(threads.count, flush=True)
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="the scenario is a 2-CPU host beside one busy process")
+def test_a_real_busy_neighbour_on_two_cpus():
+    """A forward of two threads on two CPUs: beside a busy process it drops to one thread within seconds, and takes
+    the second back once the neighbour is gone."""
+    child = subprocess.Popen([sys.executable, "-c", _FORWARD_LOOP], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, cwd=Path(__file__).resolve().parents[1])
+
+    def count_within(expected: int, windows: int) -> list[int]:
+        counts = []
+        for _ in range(windows):
+            child.stdin.write("\n")
+            child.stdin.flush()
+            counts.append(int(child.stdout.readline()))
+            if counts[-1] == expected:
+                break
+        return counts
+
+    try:
+        assert count_within(2, 10)[-1] == 2
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            assert (counts := count_within(1, 10))[-1] == 1, counts
+        finally:
+            busy.kill()
+            busy.wait()
+        assert (counts := count_within(2, 10))[-1] == 2, counts
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_background_work_is_idle_priority_and_counted_as_spare_cpu():
+    """The engine's own background work (grammar compiles, the kernels' build) runs at SCHED_IDLE and nice 19: the
+    kernel books its CPU time as niced, which the thread count reads as spare, even with every CPU busy with it."""
+    cpus = len(os.sched_getaffinity(0))
+    code = ("import os, time; from kernels.thread_priority import lowest_priority; lowest_priority()\n"
+            "print(os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0), flush=True)\n"
+            "deadline = time.perf_counter() + 2\n"
+            "while time.perf_counter() < deadline: pass")
+    spinners = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                 cwd=Path(__file__).resolve().parents[1]) for _ in range(cpus)]
+    try:
+        assert {spinner.stdout.readline().strip() for spinner in spinners} == {f"{os.SCHED_IDLE} 19"}
+        before = read_schedule()
+        time.sleep(1.0)
+        after = read_schedule()
+    finally:
+        for spinner in spinners:
+            spinner.wait()
+    assert after.spare_cpus_since(before) >= 0.7 * cpus

@@ -1,0 +1,165 @@
+"""How many threads a CPU rank's forward runs on: the CPUs this process may use, one fewer while it must share them.
+
+Every parallel region of a step ends in a barrier. With as many threads as CPUs and one more runnable process
+beside them, the barrier waits, region after region, for whichever thread the kernel has just descheduled (and
+OpenMP's waiters spin meanwhile): a step slows many times over, where one thread fewer leaves that thread a CPU of
+its own and loses only its share of the work. So the count follows what the threads see, between steps: the share
+of their runnable time they spent waiting for a CPU (a neighbour's demand), and the CPU time nobody at normal
+priority wanted: idle, or taken by niced work such as the engine's own grammar compiles (room for one more).
+docs/neighbours.md has the measurements behind the thresholds.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ipc import EngineConfig
+from ipc.config import cpu_lists
+from kernels import cpu_extension
+from workers.cpu_limits import usable_cpus
+
+logger = logging.getLogger(__name__)
+
+WINDOW_S = 0.2  # how often the count is reconsidered (between steps)
+# One thread fewer when the threads waited this share of their runnable time; one more when this many CPUs (of the
+# ones this process may use) were spare. Between the two, the count stays.
+WAITING_SHARE_DOWN = 0.12
+SPARE_CPUS_UP = 0.6
+# After a step down, no step up for HOLD_S; doubled (up to MAX_HOLD_S) each time a step up is undone within
+# FLAP_S, so a neighbour that comes and goes costs a few probes, not one every window.
+HOLD_S, MAX_HOLD_S, FLAP_S = 0.5, 16.0, 2.0
+
+
+@dataclass(frozen=True)
+class Reading:
+    """Cumulative counters at one moment: this process's threads' time running and waiting to run (ns), and each
+    CPU's spare time (s) among those it may use: idle, or running niced tasks, which give way to ours."""
+
+    at: float
+    running_ns: int
+    waiting_ns: int
+    spare_s: dict[int, float]
+
+    def spare_cpus_since(self, earlier: Reading) -> float:
+        """CPUs spare on average since `earlier`, over the CPUs both readings counted (the mask may change)."""
+        seconds = sum(self.spare_s[cpu] - earlier.spare_s[cpu] for cpu in self.spare_s.keys() & earlier.spare_s.keys())
+        return seconds / (self.at - earlier.at)
+
+
+def read_schedule() -> Reading:
+    """Linux's per-thread scheduler statistics and per-CPU times (nothing counted where the files are missing)."""
+    running = waiting = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        tasks = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/schedstat", "rb") as stats:
+                fields = stats.read().split()
+            running, waiting = running + int(fields[0]), waiting + int(fields[1])
+        except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            continue
+    return Reading(time.monotonic(), running, waiting, _spare_seconds(os.sched_getaffinity(0)))
+
+
+def _spare_seconds(cpus: set[int]) -> dict[int, float]:
+    spare = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        with open("/proc/stat", "rb") as stat:
+            for line in stat:
+                if not line.startswith(b"cpu") or line[3:4] == b" ":
+                    continue
+                fields = line.split()
+                if (cpu := int(fields[0][3:])) in cpus:
+                    spare[cpu] = (int(fields[2]) + int(fields[4]) + int(fields[5])) / tick  # nice, idle, iowait
+    except (OSError, ValueError, IndexError):
+        return {}
+    return spare
+
+
+class ComputeThreads:
+    """The thread count of this process's forward (torch's and the C++ kernels' OpenMP team), reconsidered by
+    adjust() between steps. `fixed`: always that many; `pin`: run once on the forward's thread (pinning its team)."""
+
+    def __init__(self, fixed: int | None = None, pin: Callable[[], None] | None = None,
+                 read: Callable[[], Reading] = read_schedule, limit: Callable[[], int] = usable_cpus,
+                 apply: Callable[[int], None] = torch.set_num_threads) -> None:
+        self.fixed, self._pin, self._read, self._limit, self._apply = fixed, pin, read, limit, apply
+        self.count = fixed or limit()
+        self._thread: int | None = None
+        self._last = read()
+        self._hold, self._no_up_before, self._last_up = HOLD_S, 0.0, float("-inf")
+
+    def adjust(self) -> int:
+        """The count for the next step (changed at most once a window, by at most one); call on the thread that
+        runs the forward, since OpenMP's thread count belongs to the thread that sets it."""
+        if self._thread != threading.get_native_id():
+            self._thread = threading.get_native_id()
+            self._apply(self.count)
+            if self._pin is not None:
+                self._pin()
+        if self.fixed is not None:
+            return self.count
+        now = self._read()
+        seconds = now.at - self._last.at
+        if seconds < WINDOW_S:
+            return self.count
+        runnable = (now.running_ns - self._last.running_ns) + (now.waiting_ns - self._last.waiting_ns)
+        waiting_share = (now.waiting_ns - self._last.waiting_ns) / runnable if runnable > 0 else 0.0
+        spare_cpus = now.spare_cpus_since(self._last)
+        self._last = now
+        count = self._next_count(now.at, waiting_share, spare_cpus)
+        if count != self.count:
+            logger.info("CPU compute threads %d -> %d (threads waited %.0f%% of their runnable time; %.1f CPUs spare)",
+                        self.count, count, 100 * waiting_share, spare_cpus)
+            self.count = count
+            self._apply(count)
+        return self.count
+
+    def _next_count(self, at: float, waiting_share: float, spare_cpus: float) -> int:
+        limit = self._limit()
+        if self.count > limit:
+            return limit
+        if self.count > 1 and waiting_share >= WAITING_SHARE_DOWN:
+            self._hold = min(2 * self._hold, MAX_HOLD_S) if at - self._last_up < FLAP_S else HOLD_S
+            self._no_up_before = at + self._hold
+            return self.count - 1
+        if self.count < limit and spare_cpus >= SPARE_CPUS_UP and at >= self._no_up_before:
+            self._last_up = at
+            return self.count + 1
+        return self.count
+
+
+def compute_threads(config: EngineConfig, rank: int) -> ComputeThreads:
+    """This rank's threads as configured: pinned to its cpu_threads_bind list, else cpu_threads (or OMP_NUM_THREADS)
+    of them, else as many as the CPUs it may use allow."""
+    if config.cpu_threads_bind is not None:
+        cpus = cpu_lists(config.cpu_threads_bind)[rank]
+        allowed = os.sched_getaffinity(0)
+        if not set(cpus) <= allowed:
+            raise ValueError(f"cpu_threads_bind: CPUs {sorted(set(cpus) - allowed)} are not among the CPUs this "
+                             f"process may use ({sorted(allowed)})")
+        return ComputeThreads(fixed=len(cpus), pin=lambda: _pin(cpus))
+    fixed = config.cpu_threads or _omp_num_threads()
+    return ComputeThreads(fixed=fixed)
+
+
+def _pin(cpus: list[int]) -> None:
+    module = cpu_extension.load()  # waits for a build under way: the pinning is the C++ kernels'
+    if module is None:
+        raise RuntimeError("cpu_threads_bind needs the C++ CPU kernels, which could not be built here")
+    module.bind_threads(cpus)
+
+
+def _omp_num_threads() -> int | None:
+    """OMP_NUM_THREADS as a fixed count where it holds one positive number (Ray sets it to a rank's CPUs)."""
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(text) if text.isdigit() and int(text) > 0 else None
