@@ -33,7 +33,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, warm_structured_output: bool = False) -> None:
         """warm_structured_output: start the grammar compile workers and vocabulary tables at once, in the
         background (at idle priority) while the model loads, so that the first constrained requests need not wait
-        seconds for them (a serving engine does; in-process ones start them on first use)."""
+        seconds for them (the launcher's server does; others start them on first use: their imports take CPU from
+        the first steps even at idle priority)."""
         hf_config = load_hf_config(config.model)
         encoder = is_encoder(hf_config)
         pooling = pooling_info(config.model, hf_config, config.pooler_config)

@@ -4,8 +4,8 @@ Every parallel region of a step ends in a barrier. With as many threads as CPUs 
 beside them, the barrier waits, region after region, for whichever thread the kernel has just descheduled (and
 OpenMP's waiters spin meanwhile): a step slows many times over, where one thread fewer leaves that thread a CPU of
 its own and loses only its share of the work. So the count follows what the threads see, between steps: the share
-of their runnable time they spent waiting for a CPU (a neighbour's demand), and the CPU time nobody at normal
-priority wanted: idle, or taken by niced work such as the engine's own grammar compiles (room for one more).
+of their runnable time they spent waiting for a CPU (a neighbour's demand), and the CPU time that stayed idle (room
+for one more). Time taken by idle-priority work is not idle: such a neighbour still stalls the barriers.
 docs/neighbours.md has the measurements behind the thresholds.
 """
 from __future__ import annotations
@@ -28,9 +28,10 @@ logger = logging.getLogger(__name__)
 
 WINDOW_S = 0.2  # how often the count is reconsidered (between steps)
 # One thread fewer when the threads waited this share of their runnable time; one more when this many CPUs (of the
-# ones this process may use) were spare. Between the two, the count stays.
+# ones this process may use) stayed idle. Between the two, the count stays.
 WAITING_SHARE_DOWN = 0.12
-SPARE_CPUS_UP = 0.6
+IDLE_CPUS_UP = 0.6
+BUSY_CPUS = 0.5  # the waiting share counts only in a window where the threads were runnable this many CPUs' worth
 # After a step down, no step up for HOLD_S; doubled (up to MAX_HOLD_S) each time a step up is undone within
 # FLAP_S, so a neighbour that comes and goes costs a few probes, not one every window.
 HOLD_S, MAX_HOLD_S, FLAP_S = 0.5, 16.0, 2.0
@@ -38,23 +39,30 @@ HOLD_S, MAX_HOLD_S, FLAP_S = 0.5, 16.0, 2.0
 
 @dataclass(frozen=True)
 class Reading:
-    """Cumulative counters at one moment: this process's threads' time running and waiting to run (ns), and each
-    CPU's spare time (s) among those it may use: idle, or running niced tasks, which give way to ours."""
+    """Cumulative counters at one moment: each thread's time running and waiting to run (ns) by thread id, and each
+    CPU's idle time (s) among those this process may use."""
 
     at: float
-    running_ns: int
-    waiting_ns: int
-    spare_s: dict[int, float]
+    threads: dict[int, tuple[int, int]]
+    idle_s: dict[int, float]
 
-    def spare_cpus_since(self, earlier: Reading) -> float:
-        """CPUs spare on average since `earlier`, over the CPUs both readings counted (the mask may change)."""
-        seconds = sum(self.spare_s[cpu] - earlier.spare_s[cpu] for cpu in self.spare_s.keys() & earlier.spare_s.keys())
+    def runnable_since(self, earlier: Reading) -> tuple[int, int]:
+        """(ns running or waiting, ns waiting) of the threads both readings saw, since `earlier`."""
+        running = waiting = 0
+        for thread in self.threads.keys() & earlier.threads.keys():
+            running += self.threads[thread][0] - earlier.threads[thread][0]
+            waiting += self.threads[thread][1] - earlier.threads[thread][1]
+        return running + waiting, waiting
+
+    def idle_cpus_since(self, earlier: Reading) -> float:
+        """CPUs idle on average since `earlier`, over the CPUs both readings counted (the mask may change)."""
+        seconds = sum(self.idle_s[cpu] - earlier.idle_s[cpu] for cpu in self.idle_s.keys() & earlier.idle_s.keys())
         return seconds / (self.at - earlier.at)
 
 
 def read_schedule() -> Reading:
     """Linux's per-thread scheduler statistics and per-CPU times (nothing counted where the files are missing)."""
-    running = waiting = 0
+    threads = {}
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
@@ -63,14 +71,14 @@ def read_schedule() -> Reading:
         try:
             with open(f"/proc/self/task/{task}/schedstat", "rb") as stats:
                 fields = stats.read().split()
-            running, waiting = running + int(fields[0]), waiting + int(fields[1])
+            threads[int(task)] = (int(fields[0]), int(fields[1]))
         except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
             continue
-    return Reading(time.monotonic(), running, waiting, _spare_seconds(os.sched_getaffinity(0)))
+    return Reading(time.monotonic(), threads, _idle_seconds(os.sched_getaffinity(0)))
 
 
-def _spare_seconds(cpus: set[int]) -> dict[int, float]:
-    spare = {}
+def _idle_seconds(cpus: set[int]) -> dict[int, float]:
+    idle = {}
     tick = os.sysconf("SC_CLK_TCK")
     try:
         with open("/proc/stat", "rb") as stat:
@@ -79,10 +87,10 @@ def _spare_seconds(cpus: set[int]) -> dict[int, float]:
                     continue
                 fields = line.split()
                 if (cpu := int(fields[0][3:])) in cpus:
-                    spare[cpu] = (int(fields[2]) + int(fields[4]) + int(fields[5])) / tick  # nice, idle, iowait
+                    idle[cpu] = (int(fields[4]) + int(fields[5])) / tick  # idle, iowait
     except (OSError, ValueError, IndexError):
         return {}
-    return spare
+    return idle
 
 
 class ComputeThreads:
@@ -112,27 +120,31 @@ class ComputeThreads:
         seconds = now.at - self._last.at
         if seconds < WINDOW_S:
             return self.count
-        runnable = (now.running_ns - self._last.running_ns) + (now.waiting_ns - self._last.waiting_ns)
-        waiting_share = (now.waiting_ns - self._last.waiting_ns) / runnable if runnable > 0 else 0.0
-        spare_cpus = now.spare_cpus_since(self._last)
+        runnable, waiting = now.runnable_since(self._last)
+        # A window the forward spent mostly idle says nothing of its neighbours: a few ms of waiting would be a share.
+        busy = runnable >= BUSY_CPUS * seconds * 1e9
+        waiting_share = waiting / runnable if busy else 0.0
+        idle_cpus = now.idle_cpus_since(self._last)
         self._last = now
-        count = self._next_count(now.at, waiting_share, spare_cpus)
+        count = self._next_count(now.at, waiting_share, idle_cpus)
         if count != self.count:
-            logger.info("CPU compute threads %d -> %d (threads waited %.0f%% of their runnable time; %.1f CPUs spare)",
-                        self.count, count, 100 * waiting_share, spare_cpus)
+            logger.info("CPU compute threads %d -> %d (threads waited %.0f%% of their runnable time; %.1f CPUs idle)",
+                        self.count, count, 100 * waiting_share, idle_cpus)
             self.count = count
             self._apply(count)
         return self.count
 
-    def _next_count(self, at: float, waiting_share: float, spare_cpus: float) -> int:
+    def _next_count(self, at: float, waiting_share: float, idle_cpus: float) -> int:
         limit = self._limit()
         if self.count > limit:
             return limit
-        if self.count > 1 and waiting_share >= WAITING_SHARE_DOWN:
+        # Waiting while a CPU stayed idle is the scheduler's placement (a thread woken beside another), not a lack of
+        # CPUs: one thread fewer would not help.
+        if self.count > 1 and waiting_share >= WAITING_SHARE_DOWN and idle_cpus < IDLE_CPUS_UP:
             self._hold = min(2 * self._hold, MAX_HOLD_S) if at - self._last_up < FLAP_S else HOLD_S
             self._no_up_before = at + self._hold
             return self.count - 1
-        if self.count < limit and spare_cpus >= SPARE_CPUS_UP and at >= self._no_up_before:
+        if self.count < limit and idle_cpus >= IDLE_CPUS_UP and at >= self._no_up_before:
             self._last_up = at
             return self.count + 1
         return self.count
