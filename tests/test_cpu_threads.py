@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import wait_until
 from ipc import EngineConfig
 from ipc.config import cpu_lists
 from workers import cpu_threads
