@@ -103,7 +103,7 @@ class ComputeThreads:
         self.fixed, self._pin, self._read, self._limit, self._apply = fixed, pin, read, limit, apply
         self.count = fixed or limit()
         self._thread: int | None = None
-        self._last = read()
+        self._last: Reading | None = read() if fixed is None else None  # a fixed count reads no counters
         self._hold, self._no_up_before, self._last_up = HOLD_S, 0.0, float("-inf")
 
     def adjust(self) -> int:
