@@ -30,11 +30,7 @@ CACHE_RESET_METHODS = frozenset({"reset_prefix_cache"})
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, warm_structured_output: bool = False) -> None:
-        """warm_structured_output: start the grammar compile workers and vocabulary tables at once, in the
-        background (at idle priority) while the model loads, so that the first constrained requests need not wait
-        seconds for them (the launcher's server does; others start them on first use: their imports take CPU from
-        the first steps even at idle priority)."""
+    def __init__(self, config: EngineConfig) -> None:
         hf_config = load_hf_config(config.model)
         encoder = is_encoder(hf_config)
         pooling = pooling_info(config.model, hf_config, config.pooler_config)
@@ -47,9 +43,9 @@ class EngineCore:
         if encoder and self.config.max_num_batched_tokens < self.config.max_model_len:  # a request runs whole
             self.config = msgspec.structs.replace(self.config, max_num_batched_tokens=self.config.max_model_len)
         self.vocab_size: int = hf_config.vocab_size
-        self._structured: StructuredOutputManager | None = None  # made for the first constrained request
-        if warm_structured_output and runner == "generate":
-            self._structured = self._structured_output()
+        # Made for the first constrained request, never before: the compile workers' imports take CPU from the
+        # steps for seconds even at idle priority, which an engine that serves no grammar should never pay.
+        self._structured: StructuredOutputManager | None = None
         check_parallel_sizes(hf_config, self.config.tensor_parallel_size, self.config.pipeline_parallel_size,
                              self.config.enable_expert_parallel)
         check_quantization(self.config.model, hf_config, self.config.quantization)  # here, not in a rank

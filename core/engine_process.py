@@ -294,8 +294,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", required=True, help="tcp://HOST:PORT or ipc://PATH to listen on")
     parser.add_argument("--curve-key-file", help="CURVE key file (required on tcp://)")
     parser.add_argument("--insecure-loopback", action="store_true", help="serve tcp:// on loopback without a key")
-    parser.add_argument("--warm-structured-output", action="store_true",
-                        help="start the grammar compile workers now, not at the first constrained request")
     parser.add_argument("--status-fd", type=int, help="write the start-up result here (set by a parent)")
     parser.add_argument("--parent-fd", type=int, help="exit when this pipe closes (set by a parent)")
     args = parser.parse_args(argv)
@@ -305,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         keys = CurveKeys.load(args.curve_key_file) if args.curve_key_file else None
         endpoints = EngineEndpoints.from_address(args.address)
         check_binding_is_safe(endpoints, keys, args.insecure_loopback)  # before a model loads
-        proc = EngineCoreProc(EngineCore(config, args.warm_structured_output), endpoints, keys, args.insecure_loopback)
+        proc = EngineCoreProc(EngineCore(config), endpoints, keys, args.insecure_loopback)
     except Exception as error:
         logger.exception("the engine core failed to start")
         _report(args.status_fd, EngineStartup(error=str(error), error_type=type(error).__name__))

@@ -32,9 +32,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 class EngineProcess:
     def __init__(self, config: EngineConfig, address: str, curve_key_file: str | None = None,
-                 insecure_loopback: bool = False, warm_structured_output: bool = False) -> None:
-        """warm_structured_output: the engine starts its grammar compile workers while its model loads (a server's);
-        else at its first constrained request, since their start takes CPU from the first steps."""
+                 insecure_loopback: bool = False) -> None:
         self.endpoints = EngineEndpoints.from_address(address)
         status_read, status_write = os.pipe()
         watch_read, self._watch_write = make_lifeline()
@@ -44,8 +42,6 @@ class EngineProcess:
             command += ["--curve-key-file", str(curve_key_file)]
         if insecure_loopback:
             command.append("--insecure-loopback")
-        if warm_structured_output:
-            command.append("--warm-structured-output")
         env = child_env()
         try:
             # Its own session: a terminal's Ctrl-C goes to the front end or launcher, which stops it in order.

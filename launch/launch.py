@@ -265,8 +265,7 @@ class Launcher:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: self.stop.set())
         address = self.args.engine_address or private_ipc_address()
-        engine = EngineProcess(self.config, address, self.args.curve_key_file, self.args.engine_insecure_loopback,
-                               warm_structured_output=True)
+        engine = EngineProcess(self.config, address, self.args.curve_key_file, self.args.engine_insecure_loopback)
         try:
             info = engine.wait_ready()
             self._start_gateways(address)

@@ -148,15 +148,20 @@ def test_a_client_over_its_concurrency_budget_gets_429s_while_others_are_served(
         stop_launcher(process)
 
 
-def test_a_serving_engines_first_constrained_requests_do_not_wait_for_the_workers_to_start(llama_model):
-    """The workers import their libraries for seconds; meanwhile small constraints compile in the engine itself."""
-    engine = EngineCore(EngineConfig(model=llama_model, dtype="float32", max_model_len=256, num_kv_blocks=64),
-                        warm_structured_output=True)
+def test_the_first_constrained_requests_start_the_workers_and_do_not_wait_for_them(llama_model):
+    """No compile worker runs before a constraint arrives (their imports would take CPU from plain requests' steps);
+    the first constraints start them, and small ones compile in the engine itself while the workers import."""
+    engine = EngineCore(EngineConfig(model=llama_model, dtype="float32", max_model_len=256, num_kv_blocks=64))
     try:
+        engine.add_request(EngineCoreRequest(request_id="plain", prompt_token_ids=[5, 6, 7],
+                                             sampling_params=SamplingParams(max_tokens=4, temperature=0.0)))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine._structured is None  # no workers, no vocabulary tables
+        finals = _run(engine, {f"r{i}": StructuredOutputsParams(choice=[f"yes{i}", "no"]) for i in range(4)})
+        assert all(output.finish_reason == FinishReason.STOP and seconds < 2.0 for output, seconds in finals.values())
         # ... and, importing, they take only CPU time the engine leaves idle: never its neighbour.
         assert wait_until(lambda: len(_compile_workers(engine)) == 2, timeout=5)
         assert {os.sched_getscheduler(worker.pid) for worker in _compile_workers(engine)} == {os.SCHED_IDLE}
-        finals = _run(engine, {f"r{i}": StructuredOutputsParams(choice=[f"yes{i}", "no"]) for i in range(4)})
-        assert all(output.finish_reason == FinishReason.STOP and seconds < 2.0 for output, seconds in finals.values())
     finally:
         engine.shutdown()
