@@ -1,6 +1,6 @@
 """Beside a busy neighbour: the engine's speed on a quiet machine, beside one busy process, and restricted to one CPU.
 
-For each family (llama: the fused C++ path; qwen3: the op-by-op path), the model maker's 30m model, offline
+For each family (llama: the fused C++ path; gemma2: the op-by-op path), the model maker's 30m model, offline
 (`LLM.generate`, engine-core process): batch 1 (a 64-token prompt, 128 greedy tokens) and a batch of 32 (32 prompts
 of 64, 96 tokens each), output tokens per second of wall time, best of --repeats (3). Then the same beside one busy
 process (`python -c "while True: pass"`, started and ended here, unpinned, nice 0); then with the engine-core process
@@ -158,7 +158,7 @@ def report(name: str, figures: dict[str, dict[int, float]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--archs", nargs="+", default=["llama", "qwen3"])
+    parser.add_argument("--archs", nargs="+", default=["llama", "gemma2"])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compare-llamacpp", metavar="LLAMA_SERVER", help="llama.cpp's llama-server binary")

@@ -24,7 +24,9 @@ from kernels import cpu_extension, cpu_gemv
 class DecoderLayerWeights:
     """One layer's parameters (biases None where absent) and shape; tensors, so a reloaded weight is followed.
     A projection may be int8 with a float32 scale per output row (weight-only quantization): its *_scale. A bf16
-    projection may come with its kernels.cpu_gemv.pair_weight copy (*_pairs), which its products then read."""
+    projection may come with its kernels.cpu_gemv.pair_weight copy (*_pairs), which its products then read.
+    q_norm and k_norm: an RMSNorm weight [head_dim] each q and k head goes through before rotary (Qwen3), with the
+    layer's eps, or None."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
@@ -50,6 +52,8 @@ class DecoderLayerWeights:
     o_pairs: torch.Tensor | None = None
     gate_up_pairs: torch.Tensor | None = None
     down_pairs: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
     def max_rows(self) -> int:
         """The most tokens of a step whose products the kernels run for these projections (max_rows)."""
@@ -58,7 +62,7 @@ class DecoderLayerWeights:
     def pointers(self) -> list[int]:
         tensors = (self.input_norm, self.qkv, self.qkv_bias, self.o, self.o_bias, self.post_norm, self.gate_up,
                    self.down, self.cos, self.sin, self.qkv_scale, self.o_scale, self.gate_up_scale, self.down_scale,
-                   *self._pairs())
+                   *self._pairs(), self.q_norm, self.k_norm)
         return [0 if t is None else t.data_ptr() for t in tensors]
 
     def check_dtypes(self, dtype: torch.dtype) -> None:
@@ -69,6 +73,10 @@ class DecoderLayerWeights:
             if not (int8 or (weight.dtype == dtype and scale is None)):
                 raise TypeError("a projection's weight must be of the hidden states' dtype, or int8 with float32 "
                                 "scales per row [N] or per group of a multiple of 8 columns [N, K / group]")
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None and not (norm.dtype == dtype and norm.shape == (self.head_dim,)
+                                         and norm.is_contiguous()):
+                raise ValueError("a q or k head norm must be a contiguous [head_dim] weight of the hidden states' dtype")
         for (weight, _), pairs in zip(self._projections(), self._pairs()):
             if pairs is not None and not (weight.dtype == dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weight)
                                           and cpu_gemv.fits_pairs(weight, pairs)):
@@ -240,7 +248,7 @@ def decoder_layers_with_products(prepared: PreparedLayers,
                             residual_out.data_ptr(), normed.data_ptr(), tokens, hidden)
         qkv = qkv_proj(normed).contiguous()
         attn = torch.empty(tokens, weights.num_heads * weights.head_dim, dtype=x.dtype)
-        module.attend(bf16, pointers, dims, weights.scale, qkv.data_ptr(), *rows, prepared.key_caches[i],
+        module.attend(bf16, pointers, dims, weights.eps, weights.scale, qkv.data_ptr(), *rows, prepared.key_caches[i],
                       prepared.value_caches[i], prepared.block_size, *tables, attn.data_ptr(), tokens)
         o = o_proj(attn).contiguous()
         module.add_and_norm(bf16, o.data_ptr(), residual_out.data_ptr(), weights.post_norm.data_ptr(), weights.eps,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from frontend import LLM, SamplingParams
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv
@@ -16,6 +16,7 @@ from workers.layers.linear import ColumnParallelLinear, Linear
 from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.models.llama import LlamaDecoderLayer, head_dim_of
 from workers.models.qwen2 import Qwen2DecoderLayer
+from workers.models.qwen3 import Qwen3DecoderLayer
 from workers.quantization.online import quantize_model_rows
 
 BLOCK_SIZE = 8
@@ -36,8 +37,8 @@ def make_layer(layer_class, config, dtype: torch.dtype, seed: int) -> LlamaDecod
         layer = layer_class(config, 0, rotary)
     finally:
         torch.set_default_dtype(previous)
-    for param in layer.parameters():  # norms near one, like trained ones: small weights elsewhere
-        base = 1.0 if param.dim() == 1 and param.shape[0] == config.hidden_size else 0.0
+    for name, param in layer.named_parameters():  # norms near one, like trained ones: small weights elsewhere
+        base = 1.0 if "norm" in name else 0.0
         param.data.copy_(base + 0.1 * torch.randn(param.shape, generator=generator))
     return layer
 
@@ -75,6 +76,9 @@ CASES = {
                                        intermediate_size=100, max_position_embeddings=512, rope_scaling={
                                            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen3 q/k head norms, head_dim 32": (
+        Qwen3DecoderLayer, Qwen3Config(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                       intermediate_size=200, max_position_embeddings=512, num_hidden_layers=1)),
 }
 
 
@@ -275,7 +279,7 @@ def test_declines_steps_it_does_not_compute():
 
 
 @pytest.mark.parametrize(("arch", "products"), [("llama", "kernel"), ("qwen2", "kernel"), ("mistral", "kernel"),
-                                               ("llama", "torch")])
+                                               ("qwen3", "kernel"), ("llama", "torch"), ("qwen3", "torch")])
 def test_engine_outputs_equal_the_op_by_op_path(arch, products, monkeypatch):
     """Greedy float32 through the engine, batch 1 and 3: the same tokens and logprobs with the kernel as without
     (its products the kernels', or torch's as past max_rows)."""

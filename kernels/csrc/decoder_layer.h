@@ -39,6 +39,7 @@ struct DecoderLayer {
   const float *cos, *sin;  // [max_position, head_dim]
   float eps, scale;
   int64_t hidden, heads, kv_heads, head_dim, intermediate, window;
+  const T *q_norm = nullptr, *k_norm = nullptr;  // [head_dim] RMSNorm weights of each q and k head (Qwen3), or null
 };
 
 template <typename T>
@@ -169,7 +170,15 @@ void silu_and_mul_rows(const T* gate_up, T* act, int64_t M, int64_t I) {
   for (int64_t m = 0; m < M; ++m) silu_and_mul_row(gate_up + m * 2 * I, act + m * I, I);
 }
 
-// The attention between the layer's qkv and o products: rotary on q and k of qkv [M, q + 2 kv] (in place), the
+// Each of `count` heads of `dim` in place: its RMSNorm with `weight`, or nothing for a null weight.
+template <typename T>
+void norm_heads(T* heads, int64_t count, int64_t dim, const T* weight, float eps) {
+  if (weight)
+    for (int64_t h = 0; h < count; ++h) rms_norm_row(heads + h * dim, weight, eps, heads + h * dim, dim);
+}
+
+// The attention between the layer's qkv and o products: q/k norms where the layer has them, then rotary on q and k
+// of qkv [M, q + 2 kv] (in place), the
 // step's K/V written into the caches [blocks, kv_heads, block_size, head_dim] (a negative slot writes none), and
 // each row's attention over its sequence into attn [M, q].
 template <typename T>
@@ -182,6 +191,8 @@ void attend(const DecoderLayer<T>& L, T* qkv, const int64_t* positions, const in
   for (int64_t m = 0; m < M; ++m) {
     T* row = qkv + m * qkv_size;
     const float *cos = L.cos + positions[m] * D, *sin = L.sin + positions[m] * D;
+    norm_heads(row, L.heads, D, L.q_norm, L.eps);
+    norm_heads(row + q_size, L.kv_heads, D, L.k_norm, L.eps);
     rotate(row, L.heads, D, cos, sin);
     rotate(row + q_size, L.kv_heads, D, cos, sin);
     std::copy(row, row + q_size, q.data() + m * q_size);

@@ -53,20 +53,20 @@ void gemv_int8_grouped(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias
 
 // weights: input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, cos, sin, then the scales of qkv, o,
 // gate_up and down (0 for an absent bias, and for a weight of the model dtype; else it is int8), then their
-// gemv_pairs.h copies (0: none);
+// gemv_pairs.h copies (0: none), then the q and k head norms (0: none);
 // dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none), then the scale group sizes of
 // qkv, o, gate_up and down (0: a scale per row, or no scale).
 template <typename T>
 pagedserve::DecoderLayer<T> layer_of(const std::vector<uintptr_t>& w, const std::vector<int64_t>& dims, float eps,
                                      float scale) {
-  if (w.size() != 18 || dims.size() != 10) throw std::invalid_argument("a layer takes 18 pointers and 10 dims");
+  if (w.size() != 20 || dims.size() != 10) throw std::invalid_argument("a layer takes 20 pointers and 10 dims");
   auto projection = [&](int weight, int scale) {
     return pagedserve::Projection{reinterpret_cast<const void*>(w[weight]), in<float>(w[scale]), dims[scale - 4],
                                   in<uint16_t>(w[scale + 4])};
   };
   return {in<T>(w[0]), in<T>(w[2]), in<T>(w[4]), in<T>(w[5]), projection(1, 10), projection(3, 11), projection(6, 12),
           projection(7, 13), in<float>(w[8]), in<float>(w[9]), eps, scale, dims[0], dims[1], dims[2], dims[3],
-          dims[4], dims[5]};
+          dims[4], dims[5], in<T>(w[18]), in<T>(w[19])};
 }
 
 template <typename T>
@@ -149,10 +149,10 @@ void greedy_decode(const std::vector<std::vector<uintptr_t>>& weights, const std
 }
 
 template <typename T>
-void attend(const std::vector<uintptr_t>& weights, const std::vector<int64_t>& dims, float scale, uintptr_t qkv,
-            uintptr_t positions, uintptr_t slots, uintptr_t k_cache, uintptr_t v_cache, int64_t block_size,
-            uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, uintptr_t attn, int64_t m) {
-  pagedserve::attend(layer_of<T>(weights, dims, 0.f, scale), out<T>(qkv), in<int64_t>(positions), in<int64_t>(slots),
+void attend(const std::vector<uintptr_t>& weights, const std::vector<int64_t>& dims, float eps, float scale,
+            uintptr_t qkv, uintptr_t positions, uintptr_t slots, uintptr_t k_cache, uintptr_t v_cache,
+            int64_t block_size, uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, uintptr_t attn, int64_t m) {
+  pagedserve::attend(layer_of<T>(weights, dims, eps, scale), out<T>(qkv), in<int64_t>(positions), in<int64_t>(slots),
                      out<T>(k_cache), out<T>(v_cache), block_size, in<int64_t>(tables), max_blocks,
                      in<int64_t>(seq_lens), out<T>(attn), m);
 }
@@ -198,12 +198,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       pagedserve::add_and_norm_rows(in<float>(x), in<float>(residual), in<float>(weight), float(eps),
                                     out<float>(residual_out), out<float>(o), m, h);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("attend", [](bool bf16, const std::vector<uintptr_t>& weights, const std::vector<int64_t>& dims, double scale,
-                     uintptr_t qkv, uintptr_t positions, uintptr_t slots, uintptr_t k_cache, uintptr_t v_cache,
-                     int64_t block_size, uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, uintptr_t attn,
-                     int64_t m) {
-    (bf16 ? attend<uint16_t> : attend<float>)(weights, dims, float(scale), qkv, positions, slots, k_cache, v_cache,
-                                              block_size, tables, max_blocks, seq_lens, attn, m);
+  m.def("attend", [](bool bf16, const std::vector<uintptr_t>& weights, const std::vector<int64_t>& dims, double eps,
+                     double scale, uintptr_t qkv, uintptr_t positions, uintptr_t slots, uintptr_t k_cache,
+                     uintptr_t v_cache, int64_t block_size, uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens,
+                     uintptr_t attn, int64_t m) {
+    (bf16 ? attend<uint16_t> : attend<float>)(weights, dims, float(eps), float(scale), qkv, positions, slots, k_cache,
+                                              v_cache, block_size, tables, max_blocks, seq_lens, attn, m);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("silu_and_mul", [](bool bf16, uintptr_t gate_up, uintptr_t act, int64_t m, int64_t i) {
     if (bf16)

@@ -54,6 +54,9 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
+        # A family's RMSNorm of each q and k head before rotary (Qwen3's), which the C++ layer takes as data.
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = head_dim_of(config)
@@ -121,7 +124,9 @@ class LlamaDecoderLayer(nn.Module):
 
     @property
     def takes_one_call(self) -> bool:
-        if not self.one_call_capable or self.self_attn.rotary.rotary_dim != self.self_attn.head_dim:
+        attn = self.self_attn
+        if not self.one_call_capable or attn.rotary.rotary_dim != attn.head_dim or any(
+                norm is not None and norm.eps != self.input_layernorm.eps for norm in (attn.q_norm, attn.k_norm)):
             return False
         projections = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
         return all(cpu_decoder_layer.takes_projection(p.weight, p.weight_scale, p.weight_zero, p.weight_g_idx)
@@ -138,7 +143,8 @@ class LlamaDecoderLayer(nn.Module):
             attn.attn.scale, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.sliding_window,
             attn.qkv_proj.weight_scale, attn.o_proj.weight_scale, mlp.gate_up_proj.weight_scale,
             mlp.down_proj.weight_scale, attn.qkv_proj.pairs_weight, attn.o_proj.pairs_weight,
-            mlp.gate_up_proj.pairs_weight, mlp.down_proj.pairs_weight)
+            mlp.gate_up_proj.pairs_weight, mlp.down_proj.pairs_weight,
+            None if attn.q_norm is None else attn.q_norm.weight, None if attn.k_norm is None else attn.k_norm.weight)
 
 
 class LlamaModel(nn.Module):

@@ -22,7 +22,6 @@ class Qwen3Attention(LlamaAttention):
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     attention_class = Qwen3Attention
-    one_call_capable = False  # the C++ layer has no q/k norms
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
