@@ -73,14 +73,43 @@ def test_tokens_equal_one_call_per_step(engine_args):
         assert multi[2] < one_by_one[2] / 2
 
 
-def test_a_request_with_logprobs_keeps_the_batch_on_one_step_per_call():
-    prompts = random_prompts([5, 9], vocab=1000, seed=3)
+@pytest.mark.parametrize("engine_args", [{}, {"speculative_config": {
+    "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+    "disable_by_batch_size": None}}], ids=["plain", "prompt lookup"])
+def test_logprobs_equal_one_call_per_step_and_take_several_steps(engine_args):
+    """Greedy, penalized and sampled requests asking for top-N logprobs (one with EOS allowed) beside one that does
+    not: the same tokens, logprobs and ranks as one call per step, in fewer calls."""
+    prompts = random_prompts([5, 9, 14, 7], vocab=1000, seed=3)
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True, logprobs=2)]
-    one_by_one = _generate(1, prompts, params)
-    multi = _generate(8, prompts, params)
-    assert multi[:2] == one_by_one[:2]
-    assert multi[2] > 12  # one call per step while the logprobs request runs, several after
+              SamplingParams(temperature=0.8, seed=1, max_tokens=21, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True, logprobs=5, presence_penalty=0.4),
+              SamplingParams(temperature=0.0, max_tokens=25, logprobs=0)]
+    runs = {}
+    for steps in (1, 8):
+        llm = LLM(tiny_model("llama"), num_scheduler_steps=steps,
+                  **{**ENGINE, "multi_step_budget_ms": None, **engine_args})
+        calls, step = [], llm.client.engine.step
+        llm.client.engine.step = lambda calls=calls, step=step: calls.append(1) or step()
+        try:
+            outputs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                          use_tqdm=False)]
+            assert_all_blocks_free(llm)
+        finally:
+            llm.shutdown()
+        runs[steps] = outputs, len(calls)
+    (multi, multi_calls), (one_by_one, calls) = runs[8], runs[1]
+    assert multi_calls < calls / 2
+    for got, expected, asked in zip(multi, one_by_one, params):
+        assert got.token_ids == expected.token_ids
+        if asked.logprobs is None:
+            assert got.logprobs is None
+            continue
+        assert len(got.logprobs) == len(got.token_ids)
+        for got_step, expected_step in zip(got.logprobs, expected.logprobs):
+            assert got_step.keys() == expected_step.keys()
+            for token in got_step:
+                assert got_step[token].rank == expected_step[token].rank
+                assert got_step[token].logprob == pytest.approx(expected_step[token].logprob, abs=1e-5)
 
 
 def test_a_stop_token_inside_a_run_ends_the_request_there():
@@ -173,10 +202,9 @@ def _request(params: SamplingParams, prompt_len: int = 10, outputs: int = 0) -> 
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.7, logprobs=0),
     SamplingParams(temperature=0.0, min_tokens=4),
     SamplingParams(temperature=0.7, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
-], ids=["logprobs", "sampled logprobs", "min_tokens ahead", "grammar"])
+], ids=["min_tokens ahead", "grammar"])
 def test_requests_that_need_the_scheduler_between_steps_take_one(params):
     assert num_steps([_request(SamplingParams(temperature=0.0, max_tokens=100)), _request(params)], 8, 1000) == 1
 
@@ -185,7 +213,9 @@ def test_requests_that_need_the_scheduler_between_steps_take_one(params):
     SamplingParams(temperature=0.7), SamplingParams(temperature=0.9, top_k=5, top_p=0.8, min_p=0.1, seed=3),
     SamplingParams(temperature=0.0, presence_penalty=0.5), SamplingParams(temperature=0.0, logit_bias={5: 1.0}),
     SamplingParams(temperature=0.0, bad_words_token_ids=[[3]]), SamplingParams(temperature=0.0, min_tokens=2),
-], ids=["sampled", "top-k, top-p, min-p, seed", "penalty", "logit bias", "bad words", "min_tokens reached"])
+    SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.7, logprobs=0),
+], ids=["sampled", "top-k, top-p, min-p, seed", "penalty", "logit bias", "bad words", "min_tokens reached",
+        "logprobs", "sampled logprobs"])
 def test_requests_the_worker_samples_alone_take_several_steps(params):
     assert num_steps([_request(SamplingParams(temperature=0.0, max_tokens=100)), _request(params, outputs=2)],
                      8, 1000) == 8

@@ -283,11 +283,16 @@ class ModelRunner:
     def _sample_later_step(self, logits: torch.Tensor, steps: LaterSteps, batch: StepBatch,
                            output: ModelRunnerOutput) -> list[list[int] | None]:
         """Each row's tokens from the sampler (its accepted drafts and the token after them; None where its sampling
-        failed, recorded in `output`): sampled, penalized and banned over its tokens and the call's so far."""
+        failed, recorded in `output`): sampled, penalized and banned over its tokens and the call's so far; the
+        logprobs of those that ask, after those of the call's earlier tokens in `output`."""
         groups = [self._sample_group(steps.states[i], feed[1:], steps.tokens[i]) for i, feed in zip(batch.rows,
                                                                                                      batch.feeds)]
         sampled = self.step_sampler.sample(logits, groups, None)
         output.failed.update(sampled.failed)
+        for req_id, token_ids in sampled.logprob_token_ids.items():
+            output.logprob_token_ids.setdefault(req_id, []).extend(token_ids)
+            output.logprobs.setdefault(req_id, []).extend(sampled.logprobs[req_id])
+            output.sampled_ranks.setdefault(req_id, []).extend(sampled.sampled_ranks[req_id])
         return [sampled.sampled_token_ids.get(group.state.req_id) for group in groups]
 
     def _in_one_call(self, steps: LaterSteps, count: int, output: ModelRunnerOutput) -> bool:
