@@ -1,0 +1,154 @@
+"""Every model family and every request feature against plain llama: batch-1 decode and batch-32 throughput.
+
+Each family at the model maker's 30m size (random weights), each feature on llama 30m, offline (`LLM.generate`,
+engine-core process), bf16 unless --dtype. Batch 1: a 64-token prompt, 128 tokens; batch 32: 32 prompts of 64, 96
+tokens each; output tokens per second of wall time, best of --repeats after one untimed run. Each row's speed is
+normalised by what a token costs it:
+- batch 1 as GB/s of the weights a token reads: every layer's, the final norm and the LM head (the embedding gives one
+  row); of a mixture of experts the shared experts and the top-k routed ones' share of all experts' bytes;
+- batch 32 as GFLOP/s of the products: 2 x those matrices' elements per token (attention's scores left out).
+The share is a row's figure over plain llama's of the same run. Quantized rows count the bytes and products of the
+model dtype, so the int8 row's share is its speed over the bf16 model's.
+--compare-llamacpp adds llama.cpp's server on plain llama (a GGUF of the same model, --gguf), quiet, same run.
+Target (issue 52): every row >= 0.8x plain llama's at batch 1 and batch 32, on a 2-core CPU with native bf16;
+int8 >= 1.5x bf16 at batch 1 and >= 0.9x at batch 32.
+
+    python benchmarks/feature_speed.py [--rows qwen3 logprobs ...] [--compare-llamacpp PATH/llama-server --gguf F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from safetensors import safe_open
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from llamacpp import llamacpp_server  # noqa: E402
+from lora import write_adapter  # noqa: E402
+from neighbour import OUTPUTS, PROMPT_TOKENS, llamacpp_run, prompts, tokens_per_second  # noqa: E402
+
+from frontend import LLM, SamplingParams  # noqa: E402
+from ipc.lora import LoRARequest  # noqa: E402
+from ipc.structured_outputs import StructuredOutputsParams  # noqa: E402
+from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
+from launch.make_model import ARCHS, benchmark_cache_dir, make_model  # noqa: E402
+
+LORA_RANK = 16
+EMBEDDING_NAMES = ("embed_tokens.weight", "embed_in.weight", "wte.weight")
+
+
+@dataclass(frozen=True)
+class Row:
+    """A benchmark row: a family's model, the engine's settings and each request's sampling settings."""
+
+    arch: str = "llama"
+    engine: dict = field(default_factory=dict)
+    sampling: dict = field(default_factory=dict)
+    adapter: bool = False
+
+
+FEATURES = {
+    "logprobs 5": Row(sampling={"logprobs": 5}),
+    "presence + repetition penalty": Row(sampling={"presence_penalty": 0.5, "repetition_penalty": 1.2}),
+    "regex constraint": Row(sampling={"structured_outputs": StructuredOutputsParams(regex="[a-z ,.]+")}),
+    "int8 weights": Row(engine={"quantization": "int8"}),
+    f"LoRA rank {LORA_RANK}": Row(engine={"enable_lora": True, "max_lora_rank": LORA_RANK}, adapter=True),
+    "sampled (t 0.8, top-p 0.9, top-k 50)": Row(sampling={"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 0}),
+}
+ROWS = {"llama": Row(), **{arch: Row(arch) for arch in ARCHS if arch != "llama"}, **FEATURES}
+
+
+def model_dir(arch: str) -> Path:
+    return make_model(benchmark_cache_dir() / f"neighbour-{arch}", arch, "30m")
+
+
+def per_token_cost(folder: Path) -> tuple[float, float]:
+    """(bytes of the weights a decoded token reads, FLOPs of its products) from the checkpoint's tensors."""
+    config = json.loads((folder / "config.json").read_text())
+    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
+    routed = config.get("num_experts_per_tok", 1) / experts if experts else 1.0
+    read = products = 0.0
+    with safe_open(str(folder / "model.safetensors"), "pt") as tensors:
+        names = list(tensors.keys())
+        tied = not any(name.endswith(("lm_head.weight", "embed_out.weight")) for name in names)
+        for name in names:
+            shape = tensors.get_slice(name).get_shape()
+            elements = float(math.prod(shape))
+            if name.endswith(EMBEDDING_NAMES) and not tied:
+                continue
+            if ".experts." in name and ".shared_expert" not in name:
+                elements *= routed
+            read += elements * 2  # bytes of bf16
+            products += 2 * elements if len(shape) == 2 else 0
+    return read, products
+
+
+def engine_speeds(row: Row, dtype: str, repeats: int, adapter_dir: Path) -> dict[int, float]:
+    folder = str(model_dir(row.arch))
+    lora = LoRARequest("bench", 1, write_adapter(adapter_dir, folder, LORA_RANK, 0)) if row.adapter else None
+    llm = LLM(folder, dtype=dtype, **row.engine)
+    try:
+        speeds = {}
+        for batch, output in OUTPUTS.items():
+            requests = [{"prompt_token_ids": p} for p in prompts(batch)]
+            params = SamplingParams(**{"temperature": 0.0, **row.sampling}, max_tokens=output, ignore_eos=True)
+            speeds[batch] = tokens_per_second(_generate(llm, requests, params, lora), repeats)
+        return speeds
+    finally:
+        llm.shutdown()
+
+
+def _generate(llm: LLM, requests: list[dict], params: SamplingParams, lora: LoRARequest | None
+              ) -> Callable[[], int]:
+    def run() -> int:
+        outputs = llm.generate(requests, params, use_tqdm=False, lora_request=lora)
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS),
+                        help="rows to measure (plain llama always runs: the others are shares of it)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compare-llamacpp", metavar="LLAMA_SERVER", help="llama.cpp's llama-server binary")
+    parser.add_argument("--gguf", help="llama 30m as a GGUF (python -m launch.make_gguf ... --type bf16)")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")  # transformers 5.x's deprecation chatter
+    print(f"{os.cpu_count()} CPUs, native bf16: {cpu_has_native_bf16()}, dtype {args.dtype}; batch 1 = "
+          f"{PROMPT_TOKENS}-token prompt, {OUTPUTS[1]} tokens; batch 32 = {OUTPUTS[32]} tokens each; best of "
+          f"{args.repeats}; a quiet machine is assumed", flush=True)
+    rows = ["llama", *(name for name in args.rows if name != "llama")]
+    figures: dict[str, tuple[float, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in rows:
+            speeds = engine_speeds(ROWS[name], args.dtype, args.repeats, Path(tmp) / name.replace(" ", "_"))
+            read, products = per_token_cost(model_dir(ROWS[name].arch))
+            figures[name] = speeds[1] * read / 1e9, speeds[32] * products / 1e9
+            base = figures["llama"]
+            print(f"{name:>38}: batch 1 {speeds[1]:7.1f} tok/s {figures[name][0]:6.2f} GB/s "
+                  f"({figures[name][0] / base[0]:.2f}x) | batch 32 {speeds[32]:7.1f} tok/s {figures[name][1]:6.1f} "
+                  f"GFLOP/s ({figures[name][1] / base[1]:.2f}x)", flush=True)
+    if args.compare_llamacpp:
+        read, products = per_token_cost(model_dir("llama"))
+        for batch, output in OUTPUTS.items():
+            with llamacpp_server(args.compare_llamacpp, args.gguf, batch, PROMPT_TOKENS + output + 16) as url:
+                speed = tokens_per_second(llamacpp_run(url, batch), args.repeats)
+            ours = figures["llama"][0 if batch == 1 else 1] / (read if batch == 1 else products) * 1e9
+            print(f"llama.cpp's server, plain llama, batch {batch:>2}: {speed:7.1f} tok/s; pagedserve / llama.cpp "
+                  f"{ours / speed:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
