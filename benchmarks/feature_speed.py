@@ -35,13 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llamacpp import llamacpp_server  # noqa: E402
 from lora import write_adapter  # noqa: E402
-from neighbour import OUTPUTS, PROMPT_TOKENS, llamacpp_run, prompts, tokens_per_second  # noqa: E402
+from neighbour import (OUTPUTS, PROMPT_TOKENS, engine_arguments, llamacpp_run, model_dir, prompts,  # noqa: E402
+                       tokens_per_second)
 
 from frontend import LLM, SamplingParams  # noqa: E402
 from ipc.lora import LoRARequest  # noqa: E402
 from ipc.structured_outputs import StructuredOutputsParams  # noqa: E402
 from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
-from launch.make_model import ARCHS, benchmark_cache_dir, make_model  # noqa: E402
+from launch.make_model import ARCHS  # noqa: E402
 
 LORA_RANK = 16
 EMBEDDING_NAMES = ("embed_tokens.weight", "embed_in.weight", "wte.weight")
@@ -66,10 +67,6 @@ FEATURES = {
     "sampled (t 0.8, top-p 0.9, top-k 50)": Row(sampling={"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 0}),
 }
 ROWS = {"llama": Row(), **{arch: Row(arch) for arch in ARCHS if arch != "llama"}, **FEATURES}
-
-
-def model_dir(arch: str) -> Path:
-    return make_model(benchmark_cache_dir() / f"neighbour-{arch}", arch, "30m")
 
 
 def per_token_cost(folder: Path) -> tuple[float, float]:
@@ -120,10 +117,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS),
                         help="rows to measure (plain llama always runs: the others are shares of it)")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--compare-llamacpp", metavar="LLAMA_SERVER", help="llama.cpp's llama-server binary")
-    parser.add_argument("--gguf", help="llama 30m as a GGUF (python -m launch.make_gguf ... --type bf16)")
+    engine_arguments(parser)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # transformers 5.x's deprecation chatter
     print(f"{os.cpu_count()} CPUs, native bf16: {cpu_has_native_bf16()}, dtype {args.dtype}; batch 1 = "

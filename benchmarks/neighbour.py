@@ -41,6 +41,19 @@ OUTPUTS = {1: 128, 32: 96}  # batch size -> output tokens per request
 VOCAB_USED = 8000
 
 
+def model_dir(arch: str) -> Path:
+    """The model maker's 30m model of `arch`, made once into the benchmark cache."""
+    return make_model(benchmark_cache_dir() / f"neighbour-{arch}", arch, "30m")
+
+
+def engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options this benchmark and benchmarks/feature_speed.py share: dtype, repeats and the llama.cpp peer."""
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compare-llamacpp", metavar="LLAMA_SERVER", help="llama.cpp's llama-server binary")
+    parser.add_argument("--gguf", help="the llama 30m model as a GGUF (python -m launch.make_gguf ... --type bf16)")
+
+
 def prompts(batch: int) -> list[list[int]]:
     rng = random.Random(batch)
     return [[rng.randrange(3, VOCAB_USED) for _ in range(PROMPT_TOKENS)] for _ in range(batch)]
@@ -159,10 +172,7 @@ def report(name: str, figures: dict[str, dict[int, float]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--archs", nargs="+", default=["llama", "gemma2"])
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--compare-llamacpp", metavar="LLAMA_SERVER", help="llama.cpp's llama-server binary")
-    parser.add_argument("--gguf", help="the llama 30m model as a GGUF (python -m launch.make_gguf ... --type bf16)")
+    engine_arguments(parser)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # transformers 5.x's deprecation chatter
     print(f"{os.cpu_count()} CPUs, native bf16: {cpu_has_native_bf16()}, dtype {args.dtype}; a quiet machine "
@@ -170,8 +180,7 @@ def main() -> None:
     if args.compare_llamacpp:
         report("llama.cpp", llamacpp_figures(args.compare_llamacpp, args.gguf, args.repeats))
     for arch in args.archs:
-        model = make_model(benchmark_cache_dir() / f"neighbour-{arch}", arch, "30m")
-        report(arch, engine_figures(model, args.dtype, args.repeats))
+        report(arch, engine_figures(model_dir(arch), args.dtype, args.repeats))
 
 
 if __name__ == "__main__":
