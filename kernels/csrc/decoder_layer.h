@@ -178,9 +178,8 @@ void norm_heads(T* heads, int64_t count, int64_t dim, const T* weight, float eps
 }
 
 // The attention between the layer's qkv and o products: q/k norms where the layer has them, then rotary on q and k
-// of qkv [M, q + 2 kv] (in place), the
-// step's K/V written into the caches [blocks, kv_heads, block_size, head_dim] (a negative slot writes none), and
-// each row's attention over its sequence into attn [M, q].
+// of qkv [M, q + 2 kv] (in place), the step's K/V written into the caches [blocks, kv_heads, block_size, head_dim]
+// (a negative slot writes none), and each row's attention over its sequence into attn [M, q].
 template <typename T>
 void attend(const DecoderLayer<T>& L, T* qkv, const int64_t* positions, const int64_t* slots, T* k_cache, T* v_cache,
             int64_t block_size, const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, T* attn,
