@@ -160,8 +160,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo_model(args: argparse.Namespace) -> str:
-    """The shipped trained demo model; clients know it by a short name, not by its folder."""
+    """The shipped trained demo model; clients know it by a short name, not by its folder. Its chat template writes
+    tool calls as hermes does, so `tools` with OpenAI's default tool_choice ("auto") are served, not a 400."""
     args.served_model_name = args.model_root = args.served_model_name or DEMO_MODEL_NAME
+    if not getattr(args, "enable_auto_tool_choice", False):  # gateway flags are absent from args unless given
+        args.enable_auto_tool_choice, args.tool_call_parser = True, getattr(args, "tool_call_parser", "hermes")
     return str(shipped_model("demo"))
 
 

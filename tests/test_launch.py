@@ -67,6 +67,13 @@ def test_launch_without_model_serves_the_trained_demo_model(tmp_path):
         assert f"{base_url}/v1/chat/completions" in curl_line and "Authorization" not in curl_line  # no key set
         answer = _run_curl(lines, env)
         assert answer["model"] == DEMO_MODEL_NAME and answer["choices"][0]["message"]["role"] == "assistant"
+        # Tools with OpenAI's default tool_choice ("auto"): served for the demo, whose template writes hermes calls.
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+        chat = httpx.post(f"{base_url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool], "max_tokens": 16})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
     finally:
         assert stop_launcher(process) == 0
 
