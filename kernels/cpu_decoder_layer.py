@@ -1,49 +1,63 @@
-"""A stage's llama-style decoder layers for a step of decodes or short chunks in C++ (kernels/csrc/decoder_layer.h).
+"""A stage's decoder layers, of every family they describe, for a step of decodes or short chunks in C++
+(kernels/csrc/decoder_layer.h).
 
 At batch-1 decode the weights stream in ~3 ms per token on this project's benchmark model, while the ~50 tensor
 ops per layer that norm, rotate, cache, attend and gate cost several more in dispatch alone. The kernel runs the
 layer's ops in order with the same roundings to the model dtype (its twin is the model's own op-by-op path,
 tests/test_cpu_decoder_layer.py), with the GEMV kernel's products. Past the rows those products pay at, torch's GEMMs
-run them and the kernel does the rest between them, three calls per layer. greedy_decode() runs a multi-step
-call's later greedy steps (embedding to argmax) in one call.
+run them and the kernel does the rest between them, four calls per layer (kernels/cpu_greedy_decode.py runs whole
+steps of the model on top of these layers).
 """
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
-import numpy as np
 import torch
 
 from kernels import cpu_extension, cpu_gemv
 
 
-@dataclass(frozen=True)
+NORM_KINDS = {"rms": 0, "gemma": 1, "layer": 2}  # layer_ops.h's NormKind
+ACTIVATIONS = {"silu_glu": 0, "gelu_tanh_glu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}  # and its Activation
+
+
+@dataclass(frozen=True, kw_only=True)
 class DecoderLayerWeights:
-    """One layer's parameters (biases None where absent) and shape; tensors, so a reloaded weight is followed.
-    A projection may be int8 with a float32 scale per output row (weight-only quantization): its *_scale. A bf16
-    projection may come with its kernels.cpu_gemv.pair_weight copy (*_pairs), which its products then read.
-    q_norm and k_norm: an RMSNorm weight [head_dim] each q and k head goes through before rotary (Qwen3), with the
-    layer's eps, or None."""
+    """One layer's parameters (biases None where absent) and shape, and the form of its family's layer
+    (decoder_layer.h's DecoderLayer: llama's by default); tensors, so a reloaded weight is followed.
+
+    A projection may be int8 with a float32 scale per output row or group (weight-only quantization): its *_scale.
+    A bf16 projection may come with its kernels.cpu_gemv.pair_weight copy (*_pairs), which its products then read.
+    Every norm is of norm_kind ("rms", Gemma's "gemma" (1 + w), or "layer": LayerNorm with its *_bias) with eps:
+    input_norm before attention, post_norm before the MLP, and where given attn_out_norm and mlp_out_norm on the
+    attention's and the MLP's outputs (Gemma 2). q_norm and k_norm: an RMSNorm weight [head_dim] each q and k head
+    goes through before rotary (Qwen3). gate_up: [gate | up] for a gated activation ("silu_glu", "gelu_tanh_glu"),
+    else the one up product ("gelu", "gelu_tanh", "relu"). cos and sin: float32 [max_position, rotary_dim] of the
+    leading dims that rotate, or None (learned positions). parallel_residual: GPT-NeoX's x + attn(ln1 x) + mlp(ln2 x);
+    qkv_per_head: qkv's rows hold each head's q, k and v together; scale_q_first: q scaled and rounded before its
+    scores (OPT); soft_cap: the attention scores' tanh cap (0: none)."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None
     o: torch.Tensor  # [hidden, heads * head_dim]
-    o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden] gated, else [intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
-    cos: torch.Tensor  # float32 [max_position, head_dim]
-    sin: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
     eps: float
     scale: float
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    sliding_window: int | None
+    sliding_window: int | None = None
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
     qkv_scale: torch.Tensor | None = None
     o_scale: torch.Tensor | None = None
     gate_up_scale: torch.Tensor | None = None
@@ -54,39 +68,70 @@ class DecoderLayerWeights:
     down_pairs: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    norm_kind: str = "rms"
+    input_norm_bias: torch.Tensor | None = None
+    post_norm_bias: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    activation: str = "silu_glu"
+    parallel_residual: bool = False
+    qkv_per_head: bool = False
+    scale_q_first: bool = False
+    soft_cap: float = 0.0
+
+    @property
+    def intermediate(self) -> int:
+        return self.down.shape[1]
 
     def max_rows(self) -> int:
         """The most tokens of a step whose products the kernels run for these projections (max_rows)."""
         return max_rows(self.input_norm.dtype, [self.qkv, self.o, self.gate_up, self.down], self._pairs())
 
-    def pointers(self) -> list[int]:
+    def args(self) -> tuple[list[int], list[int], list[float]]:
+        """The layer as the kernels' module takes it (module.cpp's LayerArgs: pointers, dims, floats)."""
         tensors = (self.input_norm, self.qkv, self.qkv_bias, self.o, self.o_bias, self.post_norm, self.gate_up,
                    self.down, self.cos, self.sin, self.qkv_scale, self.o_scale, self.gate_up_scale, self.down_scale,
-                   *self._pairs(), self.q_norm, self.k_norm)
-        return [0 if t is None else t.data_ptr() for t in tensors]
+                   *self._pairs(), self.q_norm, self.k_norm, self.input_norm_bias, self.post_norm_bias,
+                   self.attn_out_norm, self.mlp_out_norm, self.gate_up_bias, self.down_bias)
+        groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self._projections()]
+        dims = [self.qkv.shape[1], self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
+                self.sliding_window or 0, *groups, 0 if self.cos is None else self.cos.shape[1],
+                NORM_KINDS[self.norm_kind], ACTIVATIONS[self.activation], int(self.parallel_residual),
+                int(self.qkv_per_head), int(self.scale_q_first)]
+        return [_pointer(t) for t in tensors], dims, [self.eps, self.scale, self.soft_cap]
 
-    def check_dtypes(self, dtype: torch.dtype) -> None:
-        """Each projection of the hidden states' dtype, or int8 with its float32 scales (per row or group)."""
+    def check(self, dtype: torch.dtype) -> None:
+        """Each projection of the hidden states' dtype, or int8 with its float32 scales (per row or group); norms,
+        biases and rotary tables that fit the shape."""
         for weight, scale in self._projections():
             int8 = weight.dtype == torch.int8 and scale is not None and scale.dtype == torch.float32 \
                 and scale.is_contiguous() and _scale_group(weight, scale) is not None
             if not (int8 or (weight.dtype == dtype and scale is None)):
                 raise TypeError("a projection's weight must be of the hidden states' dtype, or int8 with float32 "
                                 "scales per row [N] or per group of a multiple of 8 columns [N, K / group]")
-        for norm in (self.q_norm, self.k_norm):
-            if norm is not None and not (norm.dtype == dtype and norm.shape == (self.head_dim,)
-                                         and norm.is_contiguous()):
-                raise ValueError("a q or k head norm must be a contiguous [head_dim] weight of the hidden states' dtype")
+        hidden, width = self.qkv.shape[1], self.intermediate * (2 if self.activation.endswith("_glu") else 1)
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        shapes = {"input_norm": hidden, "post_norm": hidden, "input_norm_bias": hidden, "post_norm_bias": hidden,
+                  "attn_out_norm": hidden, "mlp_out_norm": hidden, "q_norm": self.head_dim, "k_norm": self.head_dim,
+                  "qkv_bias": qkv_rows, "o_bias": hidden, "gate_up_bias": width, "down_bias": hidden}
+        for name, size in shapes.items():
+            tensor = getattr(self, name)
+            if tensor is not None and not (tensor.dtype == dtype and tensor.shape == (size,) and tensor.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous [{size}] tensor of the hidden states' dtype")
+        if self.qkv.shape[0] != qkv_rows or self.gate_up.shape[0] != width or \
+                self.o.shape != (hidden, self.num_heads * self.head_dim):
+            raise ValueError("the projections do not fit the layer's heads and activation")
+        if self.qkv_per_head and self.num_heads != self.num_kv_heads:
+            raise ValueError("q, k and v per head need as many kv heads as heads")
+        if self.cos is not None and not (self.cos.dtype == self.sin.dtype == torch.float32 and self.cos.is_contiguous()
+                                         and self.sin.is_contiguous() and self.cos.shape == self.sin.shape
+                                         and self.cos.shape[1] <= self.head_dim and self.cos.shape[1] % 2 == 0):
+            raise ValueError("cos and sin must be contiguous float32 [max_position, rotary_dim <= head_dim] tables")
         for (weight, _), pairs in zip(self._projections(), self._pairs()):
             if pairs is not None and not (weight.dtype == dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weight)
                                           and cpu_gemv.fits_pairs(weight, pairs)):
                 raise ValueError("a projection's pairs must be kernels.cpu_gemv.pair_weight of its bf16 weight, on a "
                                  "CPU with AVX-512 BF16")
-
-    def dims(self) -> list[int]:
-        groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self._projections()]
-        return [self.qkv.shape[1], self.num_heads, self.num_kv_heads, self.head_dim, self.down.shape[1],
-                self.sliding_window or 0, *groups]
 
     def _projections(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
         return ((self.qkv, self.qkv_scale), (self.o, self.o_scale), (self.gate_up, self.gate_up_scale),
@@ -94,6 +139,10 @@ class DecoderLayerWeights:
 
     def _pairs(self) -> tuple[torch.Tensor | None, ...]:
         return self.qkv_pairs, self.o_pairs, self.gate_up_pairs, self.down_pairs
+
+
+def _pointer(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
 
 
 def _scale_group(weight: torch.Tensor, scale: torch.Tensor) -> int | None:
@@ -181,22 +230,23 @@ Product = Callable[[torch.Tensor], torch.Tensor]
 
 
 class PreparedLayers:
-    """A stage's layers, their (key, value) caches and the final norm as the kernel takes them, checked and turned
-    into pointer lists once rather than every step (the weights stay where loading put them; a model makes these
-    again when its caches are bound anew)."""
+    """A stage's layers, their (key, value) caches and the final norm (of the layers' norm kind, its bias where a
+    LayerNorm has one) as the kernel takes them, checked and turned into pointer lists once rather than every step
+    (the weights stay where loading put them; a model makes these again when its caches are bound anew)."""
 
     def __init__(self, layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 dtype: torch.dtype, final_norm: torch.Tensor | None = None, final_eps: float = 0.0) -> None:
-        self.module = _checked(layers, caches, dtype, final_norm)
+                 dtype: torch.dtype, final_norm: torch.Tensor | None = None, final_eps: float = 0.0,
+                 final_norm_bias: torch.Tensor | None = None) -> None:
+        self.module = _checked(layers, caches, dtype, final_norm, final_norm_bias)
         self.layers, self.caches, self.dtype = list(layers), list(caches), dtype
-        self.pointers = [w.pointers() for w in layers]
-        self.dims = [w.dims() for w in layers]
-        self.eps = [w.eps for w in layers]
-        self.scales = [w.scale for w in layers]
-        self.key_caches = [k.data_ptr() for k, _ in caches]
-        self.value_caches = [v.data_ptr() for _, v in caches]
+        self.layer_args = [w.args() for w in layers]
         self.block_size = caches[0][0].shape[2]
-        self.final_norm, self.final_eps = final_norm, final_eps
+        self.final_norm = final_norm
+        # module.cpp's StageArgs
+        self.stage_args = ([a[0] for a in self.layer_args], [a[1] for a in self.layer_args],
+                           [a[2] for a in self.layer_args], [k.data_ptr() for k, _ in caches],
+                           [v.data_ptr() for _, v in caches], _pointer(final_norm), _pointer(final_norm_bias),
+                           final_eps)
 
     def check(self, x: torch.Tensor) -> None:
         if x.dtype != self.dtype:
@@ -210,18 +260,15 @@ class PreparedLayers:
 
 def decoder_layers(prepared: PreparedLayers, x: torch.Tensor, residual: torch.Tensor | None, step: DecodeStep
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prepared layers in order in one call: (mlp output, residual) as the last one's forward returns them; with
-    a final norm, (the model's RMSNorm of their sum, the sum) as its norm returns them. Saves the per-layer Python
-    and dispatch of a step (~0.3 ms per token of batch-1 decode on the benchmark model)."""
+    """The prepared layers in order in one call: (out, residual), whose sum is the last layer's output (llama's
+    layers return them so); with a final norm, (its norm of that sum, the sum). Saves the per-layer Python and
+    dispatch of a step (~0.3 ms per token of batch-1 decode on the benchmark model)."""
     prepared.check(x)
     x = x.contiguous()  # kept in locals: the kernel gets raw pointers, which must outlive the call
     residual = None if residual is None else residual.contiguous()
     out, residual_out = torch.empty_like(x), torch.empty_like(x)
-    final_norm = prepared.final_norm
     prepared.module.decoder_layers(
-        x.dtype == torch.bfloat16, prepared.pointers, prepared.dims, prepared.eps, prepared.scales,
-        prepared.key_caches, prepared.value_caches, 0 if final_norm is None else final_norm.data_ptr(),
-        prepared.final_eps, x.data_ptr(), 0 if residual is None else residual.data_ptr(), out.data_ptr(),
+        x.dtype == torch.bfloat16, prepared.stage_args, x.data_ptr(), _pointer(residual), out.data_ptr(),
         residual_out.data_ptr(), step.positions.data_ptr(), step.slot_mapping.data_ptr(), prepared.block_size,
         step.block_tables.data_ptr(), step.block_tables.shape[1], step.seq_lens.data_ptr(), x.shape[0])
     return out, residual_out
@@ -232,209 +279,43 @@ def decoder_layers_with_products(prepared: PreparedLayers,
                                  residual: torch.Tensor | None, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
     """decoder_layers() for a step of more tokens than the kernels' products take: each layer's (qkv, o, gate_up,
     down) products are the given functions (the model's linear layers: torch's GEMMs), everything between them the
-    kernel's, in three calls per layer instead of the op path's ~50 tensor ops."""
+    kernel's layer phases, in four calls per layer instead of the op path's ~50 tensor ops."""
     prepared.check(x)
     module = prepared.module
-    bf16, tokens, hidden = x.dtype == torch.bfloat16, x.shape[0], x.shape[1]
+    bf16, tokens = x.dtype == torch.bfloat16, x.shape[0]
     rows = step.positions.data_ptr(), step.slot_mapping.data_ptr()
     tables = step.block_tables.data_ptr(), step.block_tables.shape[1], step.seq_lens.data_ptr()
     x = x.contiguous()
     residual = None if residual is None else residual.contiguous()
     residual_out, normed = torch.empty_like(x), torch.empty_like(x)
-    for i, (weights, (qkv_proj, o_proj, gate_up_proj, down_proj), pointers, dims) in enumerate(
-            zip(prepared.layers, products, prepared.pointers, prepared.dims, strict=True)):
-        before = residual_out.data_ptr() if i else 0 if residual is None else residual.data_ptr()
-        module.add_and_norm(bf16, x.data_ptr(), before, weights.input_norm.data_ptr(), weights.eps,
-                            residual_out.data_ptr(), normed.data_ptr(), tokens, hidden)
+    key_caches, value_caches = prepared.stage_args[3:5]
+    for i, (weights, (qkv_proj, o_proj, gate_up_proj, down_proj), layer) in enumerate(
+            zip(prepared.layers, products, prepared.layer_args, strict=True)):
+        before = residual_out.data_ptr() if i else _pointer(residual)
+        module.before_attention(bf16, layer, x.data_ptr(), before, residual_out.data_ptr(), normed.data_ptr(), tokens)
         qkv = qkv_proj(normed).contiguous()
         attn = torch.empty(tokens, weights.num_heads * weights.head_dim, dtype=x.dtype)
-        module.attend(bf16, pointers, dims, weights.eps, weights.scale, qkv.data_ptr(), *rows, prepared.key_caches[i],
-                      prepared.value_caches[i], prepared.block_size, *tables, attn.data_ptr(), tokens)
+        module.attend(bf16, layer, qkv.data_ptr(), *rows, key_caches[i], value_caches[i], prepared.block_size,
+                      *tables, attn.data_ptr(), tokens)
         o = o_proj(attn).contiguous()
-        module.add_and_norm(bf16, o.data_ptr(), residual_out.data_ptr(), weights.post_norm.data_ptr(), weights.eps,
-                            residual_out.data_ptr(), normed.data_ptr(), tokens, hidden)
-        gate_up = gate_up_proj(normed).contiguous()
-        act = torch.empty(tokens, gate_up.shape[1] // 2, dtype=x.dtype)
-        module.silu_and_mul(bf16, gate_up.data_ptr(), act.data_ptr(), tokens, act.shape[1])
+        module.after_attention(bf16, layer, o.data_ptr(), residual_out.data_ptr(), normed.data_ptr(), tokens)
+        h = gate_up_proj(normed).contiguous()
+        act = torch.empty(tokens, weights.intermediate, dtype=x.dtype)
+        module.activate(bf16, layer, h.data_ptr(), act.data_ptr(), tokens)
         x = down_proj(act).contiguous()
+        module.after_mlp(bf16, layer, x.data_ptr(), o.data_ptr(), tokens)
     if prepared.final_norm is None:
         return x, residual_out
-    module.add_and_norm(bf16, x.data_ptr(), residual_out.data_ptr(), prepared.final_norm.data_ptr(),
-                        prepared.final_eps, residual_out.data_ptr(), normed.data_ptr(), tokens, hidden)
+    module.final_norm(bf16, prepared.stage_args, x.data_ptr(), residual_out.data_ptr(), residual_out.data_ptr(),
+                      normed.data_ptr(), tokens)
     return normed, residual_out
 
 
-@dataclass(frozen=True)
-class PromptLookupDrafts:
-    """Drafts that greedy_decode() proposes and verifies itself: prompt lookup (workers/spec_decode/ngram.py) of up to
-    k tokens over each row's history (all its tokens, its last one's included)."""
-
-    k: int
-    min_n: int
-    max_n: int
-    history: Sequence[Sequence[int]]
-
-
-@dataclass(frozen=True)
-class DraftModelDrafts:
-    """Drafts that greedy_decode() has a draft model with the target's vocabulary write, up to k per step, as
-    workers/spec_decode/draft_model.py drafts for greedy rows (its argmax, one token at a time): the draft's prepared
-    layers (with their caches over the target's block ids, and the final norm), embedding and LM head, all of the
-    target's dtype. history: each row's tokens, as PromptLookupDrafts'; known: int64 [rows], how many of each row's
-    positions the draft's K/V holds (at most its last token's position), then updated in place to how many it was
-    fed (those below the row's last token's position hold its tokens). After the last step the kernel writes into
-    next (int64 [rows, k]) the k drafts of each row that goes on with k slots from its last token on (capacity:
-    int64 [rows], the positions its blocks and the model length give), -1 for the others."""
-
-    k: int
-    prepared: PreparedLayers
-    embedding: torch.Tensor
-    head: torch.Tensor
-    vocab_size: int
-    history: Sequence[Sequence[int]]
-    known: np.ndarray
-    capacity: np.ndarray
-    next: np.ndarray
-    head_pairs: torch.Tensor | None = None  # the head's kernels.cpu_gemv.pair_weight copy, where the draft keeps one
-
-
-@dataclass(frozen=True)
-class SampledRows:
-    """Rows greedy_decode() samples instead of taking the argmax: those with temperature > 0 (float32 [rows]; 0: the
-    argmax), by kernels/csrc/sample.h's rule (Sampler's: top_k <= 0, top_p 1 and min_p 0 are none) at uniform[m, i]
-    (float64 [rows, steps]) for row m's i-th token."""
-
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
-    min_p: np.ndarray
-    uniform: np.ndarray
-
-
-@dataclass(frozen=True)
-class GreedyRun:
-    """greedy_decode()'s result. tokens [rows, columns]: each row's tokens in order, then -1. verified [rows, steps,
-    2]: each step's drafted and accepted counts (-1 where the row verified no draft); None without drafts.
-    failed [rows]: a sampled row that had no token to draw (a NaN, or no finite logit) and stopped there."""
-
-    tokens: np.ndarray
-    verified: np.ndarray | None
-    failed: np.ndarray
-
-
-def greedy_decode(prepared: PreparedLayers, embedding: torch.Tensor, head: torch.Tensor, vocab_size: int,
-                  tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
-                  stops: Sequence[Collection[int]], steps: int,
-                  drafts: PromptLookupDrafts | DraftModelDrafts | None = None, max_rows: int | None = None,
-                  sampled: SampledRows | None = None, head_pairs: torch.Tensor | None = None) -> GreedyRun:
-    """Up to `steps` greedy steps for each row from its last token `tokens[m]` at `positions[m]`: per step the
-    embedding lookup, decoder_layers() with the final norm, the LM head `head` [rows, hidden] by the GEMV kernel and
-    the first argmax among its first vocab_size logits, as the model computes them, all in C++. Row m takes up to
-    limits[m] tokens (its K/V slots come from its row of `table`, [rows, max_blocks] block ids) and none after a
-    step that gave it a token of stops[m]. With `drafts` a step also feeds each row its drafts (prompt lookup's, or
-    a draft model's: as many as its limit leaves room for, at most max_rows token rows in all, None: no cap) and
-    keeps those the argmax agrees with, and the argmax after them: the same tokens. With `sampled` (no drafts then)
-    its rows with a temperature draw their tokens as the sampler does. `head_pairs`: the head's
-    kernels.cpu_gemv.pair_weight copy, which its products then read (as the model's compute_logits() does)."""
-    _check_model(prepared, embedding, head, prepared.dtype, head_pairs)
-    rows = len(tokens)
-    tokens, positions, limits = (np.ascontiguousarray(a, dtype=np.int64) for a in (tokens, positions, limits))
-    table = np.ascontiguousarray(table, dtype=np.int64)
-    if table.shape[0] != rows or len(positions) != rows or len(limits) != rows or len(stops) != rows:
-        raise ValueError("tokens, positions, table, limits and stops need one entry per row")
-    stop_ids, stop_starts = _flat(stops)
-    k = 0 if drafts is None else drafts.k
-    if drafts is not None:
-        if len(drafts.history) != rows or min(getattr(drafts, "min_n", 1), k) < 1:
-            raise ValueError("drafts need a history per row, and k (and prompt lookup's min_n) of 1 at least")
-        history, history_starts = _flat(drafts.history)
-        verified = np.empty((rows, steps, 2), dtype=np.int64)
-    else:
-        history = history_starts = verified = np.zeros(1, dtype=np.int64)
-    draft_model, known = None, np.zeros(1, dtype=np.int64)
-    if isinstance(drafts, DraftModelDrafts):
-        draft_model, known = _draft_model_args(drafts, prepared, embedding.shape[0], np.diff(history_starts)), \
-            drafts.known
-    pointers: list[int] = []
-    if sampled is not None:
-        if drafts is not None:
-            raise ValueError("sampled rows verify no drafts here (their verification is the rejection sampler's)")
-        arrays = (np.ascontiguousarray(sampled.temperature, dtype=np.float32),
-                  np.ascontiguousarray(sampled.top_k, dtype=np.int64),
-                  np.ascontiguousarray(sampled.top_p, dtype=np.float32),
-                  np.ascontiguousarray(sampled.min_p, dtype=np.float32),
-                  np.ascontiguousarray(sampled.uniform, dtype=np.float64))
-        if any(len(a) != rows for a in arrays) or arrays[4].shape != (rows, steps):
-            raise ValueError("sampled rows need one temperature, top_k, top_p and min_p per row, and [rows, steps] "
-                             "uniform draws")
-        pointers = [a.ctypes.data for a in arrays]
-    columns = max(1, min(int(limits.max(initial=0)), steps * (1 + k)))
-    row_budget = rows * (1 + k) if max_rows is None else max(rows, max_rows)
-    out = np.empty((rows, columns), dtype=np.int64)
-    prepared.module.greedy_decode(
-        prepared.dtype == torch.bfloat16, prepared.pointers, prepared.dims, prepared.eps, prepared.scales,
-        prepared.key_caches, prepared.value_caches, prepared.final_norm.data_ptr(), prepared.final_eps,
-        embedding.data_ptr(), head.data_ptr(), head.shape[0], vocab_size, _pointer(head_pairs), tokens.ctypes.data,
-        positions.ctypes.data,
-        table.ctypes.data, table.shape[1], prepared.block_size, limits.ctypes.data, stop_ids.ctypes.data,
-        stop_starts.ctypes.data, [k, getattr(drafts, "min_n", 1), getattr(drafts, "max_n", 0)],
-        history.ctypes.data, history_starts.ctypes.data, verified.ctypes.data if drafts else 0, pointers,
-        draft_model, known.ctypes.data, row_budget, out.ctypes.data, columns, rows, steps)
-    return GreedyRun(out, verified if drafts else None, (out == -2).any(axis=1))
-
-
-def _check_model(prepared: PreparedLayers, embedding: torch.Tensor, head: torch.Tensor, dtype: torch.dtype,
-                 head_pairs: torch.Tensor | None) -> None:
-    """A whole model for greedy_decode(): layers prepared with the final norm, embedding and head, all of `dtype`;
-    the head's pairs copy, if given, fits it."""
-    if prepared.final_norm is None:
-        raise ValueError("greedy decoding needs the last stage's final norm")
-    if prepared.dtype != dtype:
-        raise TypeError(f"the layers were prepared for {prepared.dtype}, not {dtype}")
-    for name, tensor in (("embedding", embedding), ("head", head)):
-        if tensor.dtype != dtype or tensor.device.type != "cpu" or tensor.dim() != 2 or not tensor.is_contiguous():
-            raise ValueError(f"the {name} must be a contiguous CPU matrix of the layers' dtype {dtype}")
-    if head_pairs is not None and not (dtype == torch.bfloat16 and cpu_gemv.pairs_serve(head)
-                                       and cpu_gemv.fits_pairs(head, head_pairs)):
-        raise ValueError("head_pairs must be kernels.cpu_gemv.pair_weight of the bf16 head, on a CPU with AVX-512 BF16")
-
-
-def _draft_model_args(drafts: DraftModelDrafts, target: PreparedLayers, target_vocab: int, lengths: np.ndarray
-                      ) -> tuple:
-    """The draft model as the kernel takes it, once it is found to fit the target's steps (its tokens index the
-    target's embedding of target_vocab rows; lengths: each row's history length)."""
-    draft = drafts.prepared
-    _check_model(draft, drafts.embedding, drafts.head, target.dtype, drafts.head_pairs)
-    if drafts.vocab_size > target_vocab:
-        raise ValueError("the draft's vocabulary must be the target's")
-    if draft.block_size != target.block_size:
-        raise ValueError("the draft's caches must have the target's block size (they share its block table)")
-    for name, shape in (("known", lengths.shape), ("capacity", lengths.shape), ("next", (len(lengths), drafts.k))):
-        array = getattr(drafts, name)
-        if not (isinstance(array, np.ndarray) and array.dtype == np.int64 and array.flags.c_contiguous
-                and array.flags.writeable and array.shape == shape):
-            raise ValueError(f"{name} must be a writable contiguous int64 array of shape {shape}")
-    if not ((drafts.known >= 0) & (drafts.known < lengths)).all():
-        raise ValueError("a row's draft K/V must be known up to its last token's position at most")
-    return (draft.pointers, draft.dims, draft.eps, draft.scales, draft.key_caches, draft.value_caches,
-            draft.final_norm.data_ptr(), draft.final_eps, drafts.embedding.data_ptr(), drafts.head.data_ptr(),
-            drafts.head.shape[0], drafts.vocab_size, _pointer(drafts.head_pairs), drafts.capacity.ctypes.data,
-            drafts.next.ctypes.data)
-
-
-def _pointer(tensor: torch.Tensor | None) -> int:
-    return 0 if tensor is None else tensor.data_ptr()
-
-
-def _flat(lists: Sequence[Collection[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Lists of ints as one int64 array and each one's start in it (with the end after the last)."""
-    flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64)
-    return flat, np.concatenate(([0], np.cumsum([len(row) for row in lists], dtype=np.int64)))
-
-
 def _checked(layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-             dtype: torch.dtype, final_norm: torch.Tensor | None) -> ModuleType:
-    """The kernels' module, once the layers, caches and final norm are found fit for hidden states of `dtype`."""
+             dtype: torch.dtype, final_norm: torch.Tensor | None, final_norm_bias: torch.Tensor | None
+             ) -> ModuleType:
+    """The kernels' module, once the layers (of one norm kind), caches and final norm are found fit for hidden
+    states of `dtype`."""
     module = cpu_extension.load()
     if module is None:
         raise RuntimeError("the C++ CPU kernels could not be built")
@@ -443,9 +324,11 @@ def _checked(layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple[torch
     for weights, (key_cache, value_cache) in zip(layers, caches, strict=True):
         if key_cache.dtype != dtype or value_cache.dtype != dtype or weights.input_norm.dtype != dtype:
             raise TypeError("the caches and norms must share the hidden states' dtype")
-        weights.check_dtypes(dtype)
+        weights.check(dtype)
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
             raise ValueError("the caches must be contiguous")
-    if final_norm is not None and final_norm.dtype != dtype:
+    if len({weights.norm_kind for weights in layers}) != 1:
+        raise ValueError("a stage's layers share one norm kind")
+    if any(t is not None and t.dtype != dtype for t in (final_norm, final_norm_bias)):
         raise TypeError("the final norm must share the hidden states' dtype")
     return module

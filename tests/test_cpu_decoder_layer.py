@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import Gemma2Config, GPTNeoXConfig, LlamaConfig, OPTConfig, Qwen2Config, Qwen3Config
 
 from frontend import LLM, SamplingParams
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv
@@ -14,7 +14,10 @@ from tests.conftest import tiny_model
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import ColumnParallelLinear, Linear
 from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
+from workers.models.gemma2 import Gemma2DecoderLayer
+from workers.models.gpt_neox import GPTNeoXLayer
 from workers.models.llama import LlamaDecoderLayer, head_dim_of
+from workers.models.opt import OPTDecoderLayer
 from workers.models.qwen2 import Qwen2DecoderLayer
 from workers.models.qwen3 import Qwen3DecoderLayer
 from workers.quantization.online import quantize_model_rows
@@ -34,7 +37,12 @@ def make_layer(layer_class, config, dtype: torch.dtype, seed: int) -> LlamaDecod
     torch.set_default_dtype(dtype)
     try:
         rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters_of(config))
-        layer = layer_class(config, 0, rotary)
+        if layer_class is GPTNeoXLayer:
+            layer = layer_class(config, rotary)
+        elif layer_class is OPTDecoderLayer:
+            layer = layer_class(config)
+        else:
+            layer = layer_class(config, 0, rotary)
     finally:
         torch.set_default_dtype(previous)
     for name, param in layer.named_parameters():  # norms near one, like trained ones: small weights elsewhere
@@ -79,6 +87,22 @@ CASES = {
     "qwen3 q/k head norms, head_dim 32": (
         Qwen3DecoderLayer, Qwen3Config(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                        intermediate_size=200, max_position_embeddings=512, num_hidden_layers=1)),
+    "gemma2 sandwich norms, soft cap, window": (
+        Gemma2DecoderLayer, Gemma2Config(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         intermediate_size=200, max_position_embeddings=512, num_hidden_layers=2,
+                                         query_pre_attn_scalar=24, attn_logit_softcapping=2.0, sliding_window=40,
+                                         layer_types=["sliding_attention", "full_attention"])),
+    "gpt_neox LayerNorm, parallel residual, partial rotary, q/k/v per head, gelu": (
+        GPTNeoXLayer, GPTNeoXConfig(hidden_size=128, num_attention_heads=4, intermediate_size=200,
+                                    max_position_embeddings=512, rotary_pct=0.25, use_parallel_residual=True,
+                                    hidden_act="gelu")),
+    "gpt_neox sequential residual, tanh gelu": (
+        GPTNeoXLayer, GPTNeoXConfig(hidden_size=96, num_attention_heads=3, intermediate_size=130,
+                                    max_position_embeddings=512, use_parallel_residual=False,
+                                    hidden_act="gelu_pytorch_tanh")),
+    "opt learned positions, q scaled first, relu": (
+        OPTDecoderLayer, OPTConfig(hidden_size=128, num_attention_heads=4, ffn_dim=200, max_position_embeddings=512,
+                                   word_embed_proj_dim=128, activation_function="relu")),
 }
 
 
@@ -116,8 +140,7 @@ def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer, products)
 def with_pairs(layer: LlamaDecoderLayer, paired: bool) -> LlamaDecoderLayer:
     """The layer, its projections given their paired copies (as workers.prepacking gives them) if `paired`."""
     if paired:
-        for projection in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj):
+        for projection in layer.fused_products:
             projection.pairs_weight = cpu_gemv.pair_weight(projection.weight)
         assert layer.fused_weights.max_rows() == cpu_gemv.PAIRS_MAX_ROWS
     return layer
@@ -192,7 +215,8 @@ def fused_and_op_by_op(layer: LlamaDecoderLayer, config, dtype: torch.dtype, seq
     inputs, rounded to `values` (default: dtype) before they are cast to dtype."""
     tokens = sum(new for _, new in seqs)
     generator = torch.Generator().manual_seed(tokens * 7 + first_layer)
-    head_dim, kv_heads = head_dim_of(config), config.num_key_value_heads
+    head_dim = head_dim_of(config)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     num_blocks = sum(-(-length // BLOCK_SIZE) for length, _ in seqs) + 3
     values = values or dtype
     caches = [torch.randn(num_blocks, kv_heads, BLOCK_SIZE, head_dim, generator=generator).to(values).to(dtype)
@@ -203,9 +227,15 @@ def fused_and_op_by_op(layer: LlamaDecoderLayer, config, dtype: torch.dtype, seq
         torch.randn(tokens, config.hidden_size, generator=generator).to(values).to(dtype)
 
     def op_by_op(layer: LlamaDecoderLayer, cast: torch.dtype) -> list[torch.Tensor]:
-        layer.self_attn.attn.kv_cache = tuple(c.to(cast) for c in caches)
-        out = layer(positions, x.to(cast), None if residual is None else residual.to(cast), metadata)
-        return [*out, *layer.self_attn.attn.kv_cache]
+        attention = layer.fused_attention
+        attention.kv_cache = tuple(c.to(cast) for c in caches)
+        if isinstance(layer, LlamaDecoderLayer):
+            out = layer(positions, x.to(cast), None if residual is None else residual.to(cast), metadata)
+        else:  # one stream: the layer's input is the sum the kernel adds first, its output the sum it leaves
+            stream = x.to(cast) if residual is None else x.to(cast) + residual.to(cast)
+            out = [layer(stream, metadata) if isinstance(layer, OPTDecoderLayer) else
+                   layer(positions, stream, metadata)]
+        return [*out, *attention.kv_cache]
 
     with torch.inference_mode():
         expected = op_by_op(layer, dtype)
@@ -213,17 +243,19 @@ def fused_and_op_by_op(layer: LlamaDecoderLayer, config, dtype: torch.dtype, seq
                                              metadata.query_start_loc, layer.fused_weights.max_rows())
         assert step is not None
         if products == "torch":
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = [(attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            run = functools.partial(cpu_decoder_layer.decoder_layers_with_products, products=linears)
+            run = functools.partial(cpu_decoder_layer.decoder_layers_with_products, products=[layer.fused_products])
         else:
             assert step.kernel_products
             run = cpu_decoder_layer.decoder_layers
-        layer.self_attn.attn.kv_cache = tuple(c.clone() for c in caches)
-        prepared = cpu_decoder_layer.PreparedLayers([layer.fused_weights], [layer.self_attn.attn.kv_cache], x.dtype)
-        assert prepared.serves([layer.self_attn.attn.kv_cache], x.dtype)
+        attention = layer.fused_attention
+        attention.kv_cache = tuple(c.clone() for c in caches)
+        prepared = cpu_decoder_layer.PreparedLayers([layer.fused_weights], [attention.kv_cache], x.dtype)
+        assert prepared.serves([attention.kv_cache], x.dtype)
         assert not prepared.serves([caches], x.dtype)  # caches bound anew: prepared again
-        got = [*run(prepared, x=x, residual=residual, step=step), *layer.self_attn.attn.kv_cache]
+        out = run(prepared, x=x, residual=residual, step=step)
+        if not isinstance(layer, LlamaDecoderLayer):
+            out = [out[0] + out[1]]
+        got = [*out, *attention.kv_cache]
     return got, expected
 
 
@@ -279,7 +311,9 @@ def test_declines_steps_it_does_not_compute():
 
 
 @pytest.mark.parametrize(("arch", "products"), [("llama", "kernel"), ("qwen2", "kernel"), ("mistral", "kernel"),
-                                               ("qwen3", "kernel"), ("llama", "torch"), ("qwen3", "torch")])
+                                               ("qwen3", "kernel"), ("gemma2", "kernel"), ("gpt_neox", "kernel"),
+                                               ("opt", "kernel"), ("phi3", "kernel"), ("llama", "torch"),
+                                               ("qwen3", "torch"), ("gemma2", "torch"), ("gpt_neox", "torch")])
 def test_engine_outputs_equal_the_op_by_op_path(arch, products, monkeypatch):
     """Greedy float32 through the engine, batch 1 and 3: the same tokens and logprobs with the kernel as without
     (its products the kernels', or torch's as past max_rows)."""

@@ -13,7 +13,7 @@ from core.multi_step import UNTIMED_STEPS, StepTimes, num_steps
 from core.request import Request
 from frontend import LLM, SamplingParams
 from ipc import EngineCoreRequest, StructuredOutputsParams
-from kernels.cpu_decoder_layer import SampledRows
+from kernels.cpu_greedy_decode import SampledRows
 from launch.make_model import make_model
 from workers.model_runner import ModelRunner
 
@@ -131,14 +131,17 @@ def _near_draft() -> str:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("mode", ["plain", "prompt lookup", "draft model", "sampled"])
-def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, mode):
+@pytest.mark.parametrize(("arch", "mode"), [("llama", "plain"), ("llama", "prompt lookup"), ("llama", "draft model"),
+                                            ("llama", "sampled"), ("gemma2", "plain"), ("gemma2", "sampled"),
+                                            ("gpt_neox", "plain")])
+def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch, mode):
     """The model's greedy_decode (a call's later steps in one C++ call) gives the tokens, finish reasons and KV cache
     bytes of the Python loop, with rows ending at different steps: a stop token mid-run, max_tokens, max_model_len
     and the slots left in a tight cache. With prompt lookup or a draft model it drafts and keeps what the Python
     steps do (the K/V of rejected drafts included, so the same drafts; the same counts but where a draft model finds
     fewer than k slots left: the kernel drafts into them). Sampled: seeded
-    requests with temperature, top-k, top-p and min-p among greedy ones draw the sampler's tokens."""
+    requests with temperature, top-k, top-p and min-p among greedy ones draw the sampler's tokens. Gemma 2: its
+    embedding scale and soft-capped logits in C++ too."""
     lookup = mode in ("prompt lookup", "draft model")
     prompts = [p + p[:12] for p in random_prompts([5, 40, 17, 70, 9], vocab=1000, seed=6)]  # something to look up
     free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (37, 11, 64, 50, 20)]
@@ -166,7 +169,7 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, mode
         monkeypatch.setattr(ModelRunner, "_in_one_call",
                             counted if cpp else lambda self, steps, count, output: False)
         # No time budget: both runs make the same calls, so their caches hold the same blocks.
-        llm = LLM(tiny_model("llama"), num_scheduler_steps=8, multi_step_budget_ms=None, **{**ENGINE, **engine_args})
+        llm = LLM(tiny_model(arch), num_scheduler_steps=8, multi_step_budget_ms=None, **{**ENGINE, **engine_args})
         try:
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             assert_all_blocks_free(llm)

@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 
 from ipc import (EngineConfig, ModelRunnerOutput, NewRequestData, PoolingInfo, PromptLogprobs, SamplingParams,
                  SchedulerOutput)
-from kernels.cpu_decoder_layer import SampledRows
+from kernels.cpu_greedy_decode import SampledRows
 from kernels.gemv_choice import GemvChoice
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.decode_ahead import AheadForward, DecodeRows, next_rows

@@ -1,5 +1,6 @@
-// One llama-style decoder layer for a step of few tokens, in one call: what the Python layer computes op by op,
-// with the same roundings to the model dtype, but without ~50 tensor ops' dispatch per layer.
+// One decoder layer of any of the families it describes (DecoderLayer) for a step of few tokens, in one call: what
+// the Python layer computes op by op, with the same roundings to the model dtype, but without ~50 tensor ops'
+// dispatch per layer. Its phases between the products are also called one by one where torch runs the products.
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -10,6 +11,7 @@
 #include "decode_attention.h"
 #include "gemv.h"
 #include "gemv_pairs.h"
+#include "layer_ops.h"
 
 namespace pagedserve {
 
@@ -32,13 +34,23 @@ void products(const T* x, const T* w, const uint16_t* pairs, const T* bias, T* y
   gemv(x, w, bias, y, M, N, K);
 }
 
+// A decoder layer as data: what a family's layer computes, llama's by default. Its norms share one kind
+// (layer_ops.h: RMSNorm, Gemma's, LayerNorm) and eps; attn_out_norm and mlp_out_norm (Gemma 2's sandwich norms)
+// normalize the attention's and the MLP's outputs before they join the residual stream, where given. A parallel
+// residual (GPT-NeoX) adds attention and MLP, each from its own norm of the same input. gate_up is [gate | up] for a
+// gated activation, else the MLP's one up product. rotary_dim: the leading dims of each head that rotate (0: none,
+// positions are learned); qkv_per_head: qkv holds each head's q, k and v rows together (GPT-NeoX) instead of all
+// q, then all k, then all v; scale_q_first: q is scaled and rounded before its scores (scale 1 there: OPT).
 template <typename T>
 struct DecoderLayer {
-  const T *input_norm, *qkv_bias, *o_bias, *post_norm;  // biases may be null
+  Norm<T> input_norm, post_norm, attn_out_norm, mlp_out_norm;  // post_norm: before the MLP
+  const T *qkv_bias = nullptr, *o_bias = nullptr, *gate_up_bias = nullptr, *down_bias = nullptr;  // null: none
   Projection qkv, o, gate_up, down;
-  const float *cos, *sin;  // [max_position, head_dim]
-  float eps, scale;
-  int64_t hidden, heads, kv_heads, head_dim, intermediate, window;
+  const float *cos = nullptr, *sin = nullptr;  // [max_position, rotary_dim]
+  float scale = 1.f, soft_cap = 0.f;  // soft_cap > 0: scores capped by tanh (Gemma 2)
+  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0, window = 0, rotary_dim = 0;
+  int64_t activation = kSiluGlu;
+  bool parallel_residual = false, qkv_per_head = false, scale_q_first = false;
   const T *q_norm = nullptr, *k_norm = nullptr;  // [head_dim] RMSNorm weights of each q and k head (Qwen3), or null
 };
 
@@ -52,129 +64,64 @@ void project(const Projection& p, const T* x, const T* bias, T* y, int64_t M, in
     products(x, static_cast<const T*>(p.weight), p.pairs, bias, y, M, N, K);
 }
 
-template <typename T>
-inline T round_to(float x) {
-  T out;
-  store(x, &out);
-  return out;
-}
-
-// out = weight * round(x * rsqrt(mean(x^2) + eps)) for one row, statistics in float32 (HF's RMSNorm). The squares
-// sum in 16 lanes (torch's own reduction is vectorized too: neither sums in index order).
-template <typename T>
-void rms_norm_row(const T* x, const T* weight, float eps, T* out, int64_t dim) {
-  float sq = 0.f;
-  int64_t d = 0;
-#ifdef __AVX2__
-  __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
-  for (; d + 16 <= dim; d += 16) {
-    const __m256 a = load8(x + d), b = load8(x + d + 8);
-    even = _mm256_fmadd_ps(a, a, even);
-    odd = _mm256_fmadd_ps(b, b, odd);
-  }
-  for (; d + 8 <= dim; d += 8) even = _mm256_fmadd_ps(load8(x + d), load8(x + d), even);
-  sq = hsum(_mm256_add_ps(even, odd));
-#endif
-  for (; d < dim; ++d) sq += widen(x[d]) * widen(x[d]);
-  const float r = 1.f / std::sqrt(sq / float(dim) + eps);
-  d = 0;
-#ifdef __AVX2__
-  for (const __m256 rv = _mm256_set1_ps(r); d + 8 <= dim; d += 8)
-    store8(_mm256_mul_ps(load8(weight + d), round8<T>(_mm256_mul_ps(load8(x + d), rv))), out + d);
-#endif
-  for (; d < dim; ++d) store(widen(weight[d]) * widen(round_to<T>(widen(x[d]) * r)), out + d);
-}
-
-// residual = round(x + residual) (x alone in the first layer), then out = its norm; one row.
-template <typename T>
-void add_and_norm_row(const T* x, const T* residual, const T* weight, float eps, T* residual_out, T* out,
-                      int64_t dim) {
-  int64_t d = 0;
-#ifdef __AVX2__
-  for (; residual && d + 8 <= dim; d += 8) store8(_mm256_add_ps(load8(x + d), load8(residual + d)), residual_out + d);
-#endif
-  for (; d < dim; ++d) residual_out[d] = residual ? round_to<T>(widen(x[d]) + widen(residual[d])) : x[d];
-  rms_norm_row(residual_out, weight, eps, out, dim);
-}
-
-// act = round(round(silu(gate)) * up) for one row of [gate | up], silu(g) = g / (1 + e^-g) as torch computes it.
-template <typename T>
-void silu_and_mul_row(const T* gate_up, T* act, int64_t I) {
-  int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  for (; i + 16 <= I; i += 16) {
-    const __m512 g = load16(gate_up + i);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 silu = round16<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-    store16(_mm512_mul_ps(silu, load16(gate_up + I + i)), act + i);
-  }
-#endif
-#ifdef __AVX2__
-  for (; i + 8 <= I; i += 8) {
-    const __m256 g = load8(gate_up + i);
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    const __m256 silu = round8<T>(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
-    store8(_mm256_mul_ps(silu, load8(gate_up + I + i)), act + i);
-  }
-#endif
-  for (; i < I; ++i) {
-    const float g = widen(gate_up[i]);
-    act[i] = round_to<T>(widen(round_to<T>(g / (1.f + std::exp(-g)))) * widen(gate_up[I + i]));
-  }
-}
-
-// Rotate-half rotary embedding of `count` heads in place, each product and the sum rounded as torch's ops do.
-template <typename T>
-void rotate(T* heads, int64_t count, int64_t dim, const float* cos, const float* sin) {
-  const int64_t half = dim / 2;
-  for (int64_t h = 0; h < count; ++h) {
-    T* x = heads + h * dim;
-    int64_t d = 0;
-#ifdef __AVX2__
-    for (; d + 8 <= half; d += 8) {
-      const __m256 a = load8(x + d), b = load8(x + d + half);
-      const __m256 c0 = round8<T>(_mm256_loadu_ps(cos + d)), s0 = round8<T>(_mm256_loadu_ps(sin + d));
-      const __m256 c1 = round8<T>(_mm256_loadu_ps(cos + d + half)), s1 = round8<T>(_mm256_loadu_ps(sin + d + half));
-      const __m256 minus_b = _mm256_sub_ps(_mm256_setzero_ps(), b);
-      store8(_mm256_add_ps(round8<T>(_mm256_mul_ps(a, c0)), round8<T>(_mm256_mul_ps(minus_b, s0))), x + d);
-      store8(_mm256_add_ps(round8<T>(_mm256_mul_ps(b, c1)), round8<T>(_mm256_mul_ps(a, s1))), x + d + half);
-    }
-#endif
-    for (; d < half; ++d) {
-      const float a = widen(x[d]), b = widen(x[d + half]);
-      const float c0 = widen(round_to<T>(cos[d])), s0 = widen(round_to<T>(sin[d]));
-      const float c1 = widen(round_to<T>(cos[d + half])), s1 = widen(round_to<T>(sin[d + half]));
-      store(widen(round_to<T>(a * c0)) + widen(round_to<T>(-b * s0)), x + d);
-      store(widen(round_to<T>(b * c1)) + widen(round_to<T>(a * s1)), x + d + half);
-    }
-  }
-}
-
 // The elementwise steps between the products go over the threads from this many elements on: below it, waking
 // them costs more than the work (a few microseconds a region; a layer has several).
 constexpr int64_t kParallelMinElements = 1 << 14;
 
 // Rows of add_and_norm_row, over the threads for many; in place is fine.
 template <typename T>
-void add_and_norm_rows(const T* x, const T* residual, const T* weight, float eps, T* residual_out, T* out, int64_t M,
+void add_and_norm_rows(const T* x, const T* residual, const Norm<T>& norm, T* residual_out, T* out, int64_t M,
                        int64_t H) {
 #pragma omp parallel for if (M * H >= kParallelMinElements)
   for (int64_t m = 0; m < M; ++m)
-    add_and_norm_row(x + m * H, residual ? residual + m * H : nullptr, weight, eps, residual_out + m * H, out + m * H,
-                     H);
+    add_and_norm_row(x + m * H, residual ? residual + m * H : nullptr, norm, residual_out + m * H, out + m * H, H);
 }
 
+// Before attention: residual_out = x + residual (x alone in the first layer), normed = its input norm.
 template <typename T>
-void silu_and_mul_rows(const T* gate_up, T* act, int64_t M, int64_t I) {
+void before_attention(const DecoderLayer<T>& L, const T* x, const T* residual, T* residual_out, T* normed,
+                      int64_t M) {
+  add_and_norm_rows(x, residual, L.input_norm, residual_out, normed, M, L.hidden);
+}
+
+// After attention's output o: normed = the MLP's input. In sequence, o (its norm first, where the layer has one)
+// joins residual_out; in parallel, residual_out stays the layer's input and o waits for the MLP's output.
+template <typename T>
+void after_attention(const DecoderLayer<T>& L, T* o, T* residual_out, T* normed, int64_t M) {
+  const int64_t H = L.hidden;
+#pragma omp parallel for if (M * H >= kParallelMinElements)
+  for (int64_t m = 0; m < M; ++m) {
+    T *row = o + m * H, *stream = residual_out + m * H;
+    if (L.parallel_residual) {
+      norm_row(L.post_norm, stream, normed + m * H, H);
+      continue;
+    }
+    if (L.attn_out_norm.weight) norm_row(L.attn_out_norm, row, row, H);
+    add_and_norm_row(row, static_cast<const T*>(stream), L.post_norm, stream, normed + m * H, H);
+  }
+}
+
+// The MLP's activation: h [M, 2I] of [gate | up] rows (gated) or [M, I] into act [M, I].
+template <typename T>
+void activate_rows(const DecoderLayer<T>& L, const T* h, T* act, int64_t M) {
+  const int64_t I = L.intermediate, width = gated(L.activation) ? 2 * I : I;
 #pragma omp parallel for if (M * I >= kParallelMinElements)
-  for (int64_t m = 0; m < M; ++m) silu_and_mul_row(gate_up + m * 2 * I, act + m * I, I);
+  for (int64_t m = 0; m < M; ++m) activate_row(L.activation, h + m * width, act + m * I, I);
 }
 
-// Each of `count` heads of `dim` in place: its RMSNorm with `weight`, or nothing for a null weight.
+// After the MLP's output out [M, hidden] (in place): its norm where the layer has one, and in parallel the
+// attention's output o added. What the next layer (or the final norm) adds to residual_out.
 template <typename T>
-void norm_heads(T* heads, int64_t count, int64_t dim, const T* weight, float eps) {
-  if (weight)
-    for (int64_t h = 0; h < count; ++h) rms_norm_row(heads + h * dim, weight, eps, heads + h * dim, dim);
+void after_mlp(const DecoderLayer<T>& L, T* out, const T* o, int64_t M) {
+  const int64_t H = L.hidden;
+  if (!L.mlp_out_norm.weight && !L.parallel_residual) return;
+#pragma omp parallel for if (M * H >= kParallelMinElements)
+  for (int64_t m = 0; m < M; ++m) {
+    T* row = out + m * H;
+    if (L.mlp_out_norm.weight) norm_row(L.mlp_out_norm, row, row, H);
+    if (L.parallel_residual)
+      for (int64_t d = 0; d < H; ++d) row[d] = round_to<T>(widen(row[d]) + widen(o[m * H + d]));
+  }
 }
 
 // The attention between the layer's qkv and o products: q/k norms where the layer has them, then rotary on q and k
@@ -184,62 +131,78 @@ template <typename T>
 void attend(const DecoderLayer<T>& L, T* qkv, const int64_t* positions, const int64_t* slots, T* k_cache, T* v_cache,
             int64_t block_size, const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, T* attn,
             int64_t M) {
-  const int64_t D = L.head_dim, q_size = L.heads * D, kv_size = L.kv_heads * D, qkv_size = q_size + 2 * kv_size;
+  const int64_t D = L.head_dim, R = L.rotary_dim, q_size = L.heads * D, kv_size = L.kv_heads * D;
+  const int64_t qkv_size = q_size + 2 * kv_size;
+  // Where head h's q, k and v start in a row.
+  const int64_t q_step = L.qkv_per_head ? 3 * D : D, k_at = L.qkv_per_head ? D : q_size;
+  const int64_t v_at = L.qkv_per_head ? 2 * D : q_size + kv_size;
   std::vector<T> q(M * q_size);
 #pragma omp parallel for if (M * qkv_size >= kParallelMinElements)
   for (int64_t m = 0; m < M; ++m) {
     T* row = qkv + m * qkv_size;
-    const float *cos = L.cos + positions[m] * D, *sin = L.sin + positions[m] * D;
-    norm_heads(row, L.heads, D, L.q_norm, L.eps);
-    norm_heads(row + q_size, L.kv_heads, D, L.k_norm, L.eps);
-    rotate(row, L.heads, D, cos, sin);
-    rotate(row + q_size, L.kv_heads, D, cos, sin);
-    std::copy(row, row + q_size, q.data() + m * q_size);
+    const float *cos = L.cos + positions[m] * R, *sin = L.sin + positions[m] * R;
+    for (int64_t h = 0; h < L.heads; ++h) {
+      T* head = row + h * q_step;
+      if (L.q_norm) rms_norm_row(head, L.q_norm, L.input_norm.eps, head, D);
+      if (R) rotate(head, R, cos, sin);
+      T* to = q.data() + m * q_size + h * D;
+      if (L.scale_q_first)
+        for (int64_t d = 0; d < D; ++d) to[d] = round_to<T>(widen(head[d]) * L.scale);
+      else
+        std::copy(head, head + D, to);
+    }
+    for (int64_t h = 0; h < L.kv_heads; ++h) {
+      T* head = row + k_at + h * q_step;
+      if (L.k_norm) rms_norm_row(head, L.k_norm, L.input_norm.eps, head, D);
+      if (R) rotate(head, R, cos, sin);
+    }
     if (slots[m] < 0) continue;
     const int64_t block = slots[m] / block_size, offset = slots[m] % block_size;
     for (int64_t h = 0; h < L.kv_heads; ++h) {
       const int64_t at = ((block * L.kv_heads + h) * block_size + offset) * D;
-      std::copy(row + q_size + h * D, row + q_size + (h + 1) * D, k_cache + at);
-      std::copy(row + q_size + kv_size + h * D, row + q_size + kv_size + (h + 1) * D, v_cache + at);
+      const T *k = row + k_at + h * q_step, *v = row + v_at + h * q_step;
+      std::copy(k, k + D, k_cache + at);
+      std::copy(v, v + D, v_cache + at);
     }
   }
   decode_any<T>(q.data(), k_cache, v_cache, tables, seq_lens, attn, M, L.heads, L.kv_heads, block_size, D, max_blocks,
-                L.scale, 0.f, L.window);
+                L.scale_q_first ? 1.f : L.scale, L.soft_cap, L.window);
 }
 
 // x [M, hidden] (this layer's input), residual [M, hidden] or null (first layer); writes out [M, hidden] and
-// residual_out [M, hidden] (either may be x or residual: each is read before it is written).
+// residual_out [M, hidden] (either may be x or residual: each is read before it is written). The layer's output is
+// out + residual_out, which the next layer's before_attention() adds.
 template <typename T>
 void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* out, T* residual_out,
                    const int64_t* positions, const int64_t* slots, T* k_cache, T* v_cache, int64_t block_size,
                    const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M) {
   const int64_t H = L.hidden, q_size = L.heads * L.head_dim, qkv_size = q_size + 2 * L.kv_heads * L.head_dim;
-  const int64_t I = L.intermediate;
+  const int64_t I = L.intermediate, width = gated(L.activation) ? 2 * I : I;
   std::vector<T> normed(M * H), qkv(M * qkv_size), attn(M * q_size);
-  add_and_norm_rows(x, residual, L.input_norm, L.eps, residual_out, normed.data(), M, H);
+  before_attention(L, x, residual, residual_out, normed.data(), M);
   project(L.qkv, normed.data(), L.qkv_bias, qkv.data(), M, qkv_size, H);
   attend(L, qkv.data(), positions, slots, k_cache, v_cache, block_size, tables, max_blocks, seq_lens, attn.data(), M);
-  std::vector<T> o(M * H), gate_up(M * 2 * I), act(M * I);
+  std::vector<T> o(M * H), h(M * width), act(M * I);
   project(L.o, attn.data(), L.o_bias, o.data(), M, H, q_size);
-  add_and_norm_rows(o.data(), residual_out, L.post_norm, L.eps, residual_out, normed.data(), M, H);
-  project(L.gate_up, normed.data(), static_cast<const T*>(nullptr), gate_up.data(), M, 2 * I, H);
-  silu_and_mul_rows(gate_up.data(), act.data(), M, I);
-  project(L.down, act.data(), static_cast<const T*>(nullptr), out, M, H, I);
+  after_attention(L, o.data(), residual_out, normed.data(), M);
+  project(L.gate_up, normed.data(), L.gate_up_bias, h.data(), M, width, H);
+  activate_rows(L, h.data(), act.data(), M);
+  project(L.down, act.data(), L.down_bias, out, M, H, I);
+  after_mlp(L, out, o.data(), M);
 }
 
 // A stage's layers in order, the hidden states and residual carried in out and residual_out (x and residual are
 // only read; residual null before the first layer), then the final norm if final_norm is set: out = its norm,
-// residual_out = the last sum. One cache pair per layer.
+// residual_out = the last sum (a null final_norm.weight: none). One cache pair per layer.
 template <typename T>
 void stage_layers(const std::vector<DecoderLayer<T>>& layers, const std::vector<T*>& k_caches,
-                  const std::vector<T*>& v_caches, const T* final_norm, float final_eps, const T* x, const T* residual,
+                  const std::vector<T*>& v_caches, const Norm<T>& final_norm, const T* x, const T* residual,
                   T* out, T* residual_out, const int64_t* positions, const int64_t* slots, int64_t block_size,
                   const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M) {
   for (size_t i = 0; i < layers.size(); ++i)
     decoder_layer(layers[i], i ? out : x, i ? residual_out : residual, out, residual_out, positions, slots,
                   k_caches[i], v_caches[i], block_size, tables, max_blocks, seq_lens, M);
-  if (final_norm)
-    add_and_norm_rows(out, residual_out, final_norm, final_eps, residual_out, out, M, layers.front().hidden);
+  if (final_norm.weight) add_and_norm_rows(out, residual_out, final_norm, residual_out, out, M, layers.front().hidden);
 }
 
 }  // namespace pagedserve

@@ -21,13 +21,31 @@ template <typename T>
 struct GreedyModel {
   std::vector<DecoderLayer<T>> layers;
   std::vector<T*> k_caches, v_caches;
-  const T* final_norm;
-  float final_eps;
+  Norm<T> final_norm;
   const T* embedding;  // [vocab rows, hidden]
   const T* head;  // [head_rows, hidden]: logits for the first `vocab` rows are compared
   int64_t head_rows, vocab;
   const uint16_t* head_pairs = nullptr;  // the head's gemv_pairs.h copy, or null
+  float embed_scale = 0.f;  // > 0: each embedding row times this (rounded to T first: Gemma's sqrt(hidden))
+  float logit_cap = 0.f;  // > 0: logits become cap * tanh(logit / cap), in float32 (Gemma 2)
 };
+
+// Row `token` of the model's embedding into x, scaled as the model scales it.
+template <typename T>
+void embed(const GreedyModel<T>& model, int64_t token, int64_t H, T* x) {
+  const T* row = model.embedding + token * H;
+  if (model.embed_scale <= 0.f) return (void)std::memcpy(x, row, H * sizeof(T));
+  for (int64_t d = 0; d < H; ++d) store(widen(row[d]) * model.embed_scale, x + d);
+}
+
+// One row of logits as the sampler and the argmax read them: widened to float32 into scores, soft-capped where the
+// model caps them.
+template <typename T>
+void score_row(const GreedyModel<T>& model, const T* logits, float* scores) {
+  for (int64_t v = 0; v < model.vocab; ++v) scores[v] = widen(logits[v]);
+  if (model.logit_cap > 0.f)
+    for (int64_t v = 0; v < model.vocab; ++v) scores[v] = model.logit_cap * std::tanh(scores[v] / model.logit_cap);
+}
 
 // The first index of the largest value, NaN above every number: torch.argmax's choice. Without a NaN, the largest
 // value 8 lanes at a time, then the first index holding it: a scalar running max waits on each comparison in turn
@@ -66,6 +84,14 @@ int64_t argmax_row(const T* v, int64_t n) {
     if (x > top || std::isnan(x)) top = x, best = i;
   }
   return best;
+}
+
+// The argmax of one row of logits as the model computes them (soft-capped where it caps them; scores: scratch).
+template <typename T>
+int64_t best_token(const GreedyModel<T>& model, const T* logits, std::vector<float>& scores) {
+  if (model.logit_cap <= 0.f) return argmax_row(logits, model.vocab);
+  score_row(model, logits, scores.data());
+  return argmax_row(scores.data(), model.vocab);
 }
 
 // Prompt lookup as workers/spec_decode/ngram.py proposes: up to k tokens, into drafts, that followed the latest
@@ -123,6 +149,7 @@ void model_drafts(const DraftModel<T>& draft, const std::vector<std::vector<int6
   const int64_t H = d.layers.front().hidden, A = int64_t(seqs.size());
   std::vector<int64_t> pos, slots, lens, table, owners;
   std::vector<T> x, hidden, residual, last, logits;
+  std::vector<float> scores(d.logit_cap > 0.f ? d.vocab : 0);
   for (int64_t a = 0; a < A; ++a)  // at least the last token is fed: its logits give the first draft
     draft.known[seqs[a]] = std::min(draft.known[seqs[a]], int64_t(history[seqs[a]].size()) - 1);
   for (int64_t j = 0;; ++j) {
@@ -133,7 +160,8 @@ void model_drafts(const DraftModel<T>& draft, const std::vector<std::vector<int6
       const int64_t* row_table = tables + m * max_blocks;
       for (int64_t p = j ? L - 1 + j : draft.known[m]; p <= L - 1 + j; ++p) {
         const int64_t token = p < L ? history[m][p] : drafts[a * k + p - L];
-        x.insert(x.end(), d.embedding + token * H, d.embedding + (token + 1) * H);
+        x.resize(x.size() + H);
+        embed(d, token, H, x.data() + x.size() - H);
         table.insert(table.end(), row_table, row_table + max_blocks);
         pos.push_back(p), lens.push_back(p + 1);
         slots.push_back(row_table[p / block_size] * block_size + p % block_size);
@@ -147,7 +175,7 @@ void model_drafts(const DraftModel<T>& draft, const std::vector<std::vector<int6
     const int threads = omp_get_max_threads();
     if (R <= kDraftOneThreadRows) omp_set_num_threads(1);
 #endif
-    stage_layers(d.layers, d.k_caches, d.v_caches, d.final_norm, d.final_eps, x.data(), static_cast<const T*>(nullptr),
+    stage_layers(d.layers, d.k_caches, d.v_caches, d.final_norm, x.data(), static_cast<const T*>(nullptr),
                  hidden.data(), residual.data(), pos.data(), slots.data(), block_size, table.data(), max_blocks,
                  lens.data(), R);
     for (int64_t i = 0, r = 0; i < n; ++i) {  // each row's last fed token: the row ends where the next one starts
@@ -156,7 +184,7 @@ void model_drafts(const DraftModel<T>& draft, const std::vector<std::vector<int6
       std::copy(hidden.data() + (r - 1) * H, hidden.data() + r * H, last.data() + i * H);
     }
     products(last.data(), d.head, d.head_pairs, static_cast<const T*>(nullptr), logits.data(), n, d.head_rows, H);
-    for (int64_t i = 0; i < n; ++i) drafts[owners[i] * k + j] = argmax_row(logits.data() + i * d.head_rows, d.vocab);
+    for (int64_t i = 0; i < n; ++i) drafts[owners[i] * k + j] = best_token(d, logits.data() + i * d.head_rows, scores);
 #ifdef _OPENMP
     omp_set_num_threads(threads);
 #endif
@@ -197,9 +225,9 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
   std::vector<int64_t> last(tokens, tokens + M), taken(M, 0), seqs, feeds, drafts, pos, slots, table, lens;
   std::vector<char> stopped(M, 0);
   std::vector<T> x, hidden, residual, logits;
-  std::vector<float> scores;  // a sampled row's logits, widened
+  std::vector<float> scores(model.vocab);  // a row's logits as the sampler reads them
   SampleScratch scratch;
-  if (sampling.temperature) scores.resize(model.vocab), scratch = SampleScratch(model.vocab);
+  if (sampling.temperature) scratch = SampleScratch(model.vocab);
   for (int64_t s = 0; s < steps; ++s) {
     seqs.clear();
     for (int64_t m = 0; m < M; ++m)
@@ -223,12 +251,12 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
       const int64_t* row_table = tables + m * max_blocks;
       for (int64_t j = 0; j <= feeds[a]; ++j, ++r) {
         const int64_t p = positions[m] + taken[m] + j, token = j ? drafts[a * k + j - 1] : last[m];
-        std::memcpy(x.data() + r * H, model.embedding + token * H, H * sizeof(T));
+        embed(model, token, H, x.data() + r * H);
         std::copy(row_table, row_table + max_blocks, table.data() + r * max_blocks);
         pos[r] = p, lens[r] = p + 1, slots[r] = row_table[p / block_size] * block_size + p % block_size;
       }
     }
-    stage_layers(model.layers, model.k_caches, model.v_caches, model.final_norm, model.final_eps, x.data(),
+    stage_layers(model.layers, model.k_caches, model.v_caches, model.final_norm, x.data(),
                  static_cast<const T*>(nullptr), hidden.data(), residual.data(), pos.data(), slots.data(), block_size,
                  table.data(), max_blocks, lens.data(), R);
     products(hidden.data(), model.head, model.head_pairs, static_cast<const T*>(nullptr), logits.data(), R,
@@ -242,7 +270,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
         const T* row = logits.data() + (r + accepted) * model.head_rows;
         int64_t token;
         if (sampling.temperature && sampling.temperature[m] > 0.f) {
-          for (int64_t v = 0; v < model.vocab; ++v) scores[v] = widen(row[v]);
+          score_row(model, row, scores.data());
           token = sample_row(scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
                              sampling.top_p[m], sampling.min_p[m], sampling.uniform[m * steps + taken[m]], scratch);
           if (token < 0) {
@@ -251,7 +279,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
             break;
           }
         } else {
-          token = argmax_row(row, model.vocab);
+          token = best_token(model, row, scores);
         }
         out[m * out_cols + taken[m]] = token;
         last[m] = token, ++taken[m];

@@ -51,91 +51,114 @@ void gemv_int8_grouped(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias
   pagedserve::gemv_grouped(in<T>(x), in<int8_t>(w), in<float>(scale), in<T>(bias), out<T>(y), m, n, k, group);
 }
 
-// weights: input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, cos, sin, then the scales of qkv, o,
-// gate_up and down (0 for an absent bias, and for a weight of the model dtype; else it is int8), then their
-// gemv_pairs.h copies (0: none), then the q and k head norms (0: none);
+// A layer: its pointers, dims and floats.
+// pointers: input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, cos, sin, then the scales of qkv, o,
+// gate_up and down (0 for a weight of the model dtype; else it is int8), then their gemv_pairs.h copies (0: none),
+// then the q and k head norms, input_norm's and post_norm's biases, attn_out_norm, mlp_out_norm, gate_up's and down's
+// biases (0: none, and for every absent bias);
 // dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none), then the scale group sizes of
-// qkv, o, gate_up and down (0: a scale per row, or no scale).
+// qkv, o, gate_up and down (0: a scale per row, or no scale), then rotary_dim, the norm kind, the activation,
+// parallel_residual, qkv_per_head and scale_q_first (layer_ops.h, pagedserve::DecoderLayer);
+// floats: the norms' eps, the attention's scale and soft cap.
+using LayerArgs = std::tuple<std::vector<uintptr_t>, std::vector<int64_t>, std::vector<double>>;
+
 template <typename T>
-pagedserve::DecoderLayer<T> layer_of(const std::vector<uintptr_t>& w, const std::vector<int64_t>& dims, float eps,
-                                     float scale) {
-  if (w.size() != 20 || dims.size() != 10) throw std::invalid_argument("a layer takes 20 pointers and 10 dims");
+pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
+  const auto& [w, dims, floats] = args;
+  if (w.size() != 26 || dims.size() != 16 || floats.size() != 3)
+    throw std::invalid_argument("a layer takes 26 pointers, 16 dims and 3 floats");
   auto projection = [&](int weight, int scale) {
     return pagedserve::Projection{reinterpret_cast<const void*>(w[weight]), in<float>(w[scale]), dims[scale - 4],
                                   in<uint16_t>(w[scale + 4])};
   };
-  return {in<T>(w[0]), in<T>(w[2]), in<T>(w[4]), in<T>(w[5]), projection(1, 10), projection(3, 11), projection(6, 12),
-          projection(7, 13), in<float>(w[8]), in<float>(w[9]), eps, scale, dims[0], dims[1], dims[2], dims[3],
-          dims[4], dims[5], in<T>(w[18]), in<T>(w[19])};
+  const float eps = float(floats[0]);
+  auto norm = [&](int weight, int bias) {
+    return pagedserve::Norm<T>{dims[11], in<T>(w[weight]), bias < 0 ? nullptr : in<T>(w[bias]), eps};
+  };
+  pagedserve::DecoderLayer<T> L;
+  L.input_norm = norm(0, 20), L.post_norm = norm(5, 21), L.attn_out_norm = norm(22, -1);
+  L.mlp_out_norm = norm(23, -1);
+  L.qkv_bias = in<T>(w[2]), L.o_bias = in<T>(w[4]), L.gate_up_bias = in<T>(w[24]), L.down_bias = in<T>(w[25]);
+  L.qkv = projection(1, 10), L.o = projection(3, 11), L.gate_up = projection(6, 12), L.down = projection(7, 13);
+  L.cos = in<float>(w[8]), L.sin = in<float>(w[9]);
+  L.scale = float(floats[1]), L.soft_cap = float(floats[2]);
+  L.hidden = dims[0], L.heads = dims[1], L.kv_heads = dims[2], L.head_dim = dims[3], L.intermediate = dims[4];
+  L.window = dims[5], L.rotary_dim = dims[10], L.activation = dims[12];
+  L.parallel_residual = dims[13], L.qkv_per_head = dims[14], L.scale_q_first = dims[15];
+  L.q_norm = in<T>(w[18]), L.k_norm = in<T>(w[19]);
+  return L;
 }
 
+// A stage: its layers' pointers, dims and floats (as LayerArgs, one entry each), key and value caches, then the
+// final norm's weight (0: none), bias (0: none) and eps.
+using StageArgs = std::tuple<std::vector<std::vector<uintptr_t>>, std::vector<std::vector<int64_t>>,
+                             std::vector<std::vector<double>>, std::vector<uintptr_t>, std::vector<uintptr_t>,
+                             uintptr_t, uintptr_t, double>;
+
 template <typename T>
-std::vector<pagedserve::DecoderLayer<T>> layers_of(const std::vector<std::vector<uintptr_t>>& weights,
-                                                   const std::vector<std::vector<int64_t>>& dims,
-                                                   const std::vector<double>& eps, const std::vector<double>& scales) {
+struct Stage {
   std::vector<pagedserve::DecoderLayer<T>> layers;
-  for (size_t i = 0; i < weights.size(); ++i)
-    layers.push_back(layer_of<T>(weights[i], dims[i], float(eps[i]), float(scales[i])));
-  return layers;
-}
+  std::vector<T*> k_caches, v_caches;
+  pagedserve::Norm<T> final_norm;
+};
 
 template <typename T>
-std::vector<T*> caches_of(const std::vector<uintptr_t>& pointers) {
-  std::vector<T*> caches;
-  for (uintptr_t p : pointers) caches.push_back(out<T>(p));
-  return caches;
+Stage<T> stage_of(const StageArgs& args) {
+  const auto& [weights, dims, floats, k_caches, v_caches, norm, norm_bias, norm_eps] = args;
+  Stage<T> stage;
+  for (size_t i = 0; i < weights.size(); ++i) stage.layers.push_back(layer_of<T>({weights[i], dims[i], floats[i]}));
+  for (uintptr_t p : k_caches) stage.k_caches.push_back(out<T>(p));
+  for (uintptr_t p : v_caches) stage.v_caches.push_back(out<T>(p));
+  const int64_t kind = stage.layers.empty() ? 0 : stage.layers.front().input_norm.kind;
+  stage.final_norm = {kind, in<T>(norm), in<T>(norm_bias), float(norm_eps)};
+  return stage;
 }
 
-// pagedserve::stage_layers(): one entry per layer in weights, dims, eps, scales and the caches.
+// pagedserve::stage_layers() over the stage.
 template <typename T>
-void decoder_layers(const std::vector<std::vector<uintptr_t>>& weights, const std::vector<std::vector<int64_t>>& dims,
-                    const std::vector<double>& eps, const std::vector<double>& scales,
-                    const std::vector<uintptr_t>& k_caches, const std::vector<uintptr_t>& v_caches,
-                    uintptr_t final_norm, double final_eps, uintptr_t x, uintptr_t residual, uintptr_t o,
-                    uintptr_t residual_out, uintptr_t positions, uintptr_t slots, int64_t block_size,
-                    uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, int64_t m) {
-  pagedserve::stage_layers(layers_of<T>(weights, dims, eps, scales), caches_of<T>(k_caches), caches_of<T>(v_caches),
-                           in<T>(final_norm), float(final_eps), in<T>(x), in<T>(residual), out<T>(o),
-                           out<T>(residual_out), in<int64_t>(positions), in<int64_t>(slots), block_size,
+void decoder_layers(const StageArgs& args, uintptr_t x, uintptr_t residual, uintptr_t o, uintptr_t residual_out,
+                    uintptr_t positions, uintptr_t slots, int64_t block_size, uintptr_t tables, int64_t max_blocks,
+                    uintptr_t seq_lens, int64_t m) {
+  const Stage<T> stage = stage_of<T>(args);
+  pagedserve::stage_layers(stage.layers, stage.k_caches, stage.v_caches, stage.final_norm, in<T>(x), in<T>(residual),
+                           out<T>(o), out<T>(residual_out), in<int64_t>(positions), in<int64_t>(slots), block_size,
                            in<int64_t>(tables), max_blocks, in<int64_t>(seq_lens), m);
 }
 
-// A draft model for greedy_decode(): its layers as decoder_layers() takes them (weights, dims, eps, scales, key and
-// value caches), then its final norm, final eps, embedding, LM head, head rows, vocabulary size and the head's
-// gemv_pairs.h copy (0: none), and where its drafts after the last step go with the rows' capacities
-// (pagedserve::DraftModel; 0: none).
-using DraftArgs =
-    std::tuple<std::vector<std::vector<uintptr_t>>, std::vector<std::vector<int64_t>>, std::vector<double>,
-               std::vector<double>, std::vector<uintptr_t>, std::vector<uintptr_t>, uintptr_t, double, uintptr_t,
-               uintptr_t, int64_t, int64_t, uintptr_t, uintptr_t, uintptr_t>;
+// A whole model for greedy_decode(): its stage (with the final norm), then its embedding table and LM head
+// [head_rows, hidden] of the model dtype, the vocabulary size, the head's gemv_pairs.h copy (0: none), the
+// embedding scale and the logits' soft cap (0: none; pagedserve::GreedyModel).
+using ModelArgs = std::tuple<StageArgs, uintptr_t, uintptr_t, int64_t, int64_t, uintptr_t, double, double>;
 
-// Greedy steps of the whole model (greedy_decode.h): the layers as decoder_layers() takes them, then the final norm,
-// the embedding table and the LM head [head_rows, hidden] of the model dtype (and its pairs copy, or 0); drafts from
-// `draft` if given (its K/V known per row at draft_known, int64 [m], updated), else by prompt lookup.
 template <typename T>
-void greedy_decode(const std::vector<std::vector<uintptr_t>>& weights, const std::vector<std::vector<int64_t>>& dims,
-                   const std::vector<double>& eps, const std::vector<double>& scales,
-                   const std::vector<uintptr_t>& k_caches, const std::vector<uintptr_t>& v_caches,
-                   uintptr_t final_norm, double final_eps, uintptr_t embedding, uintptr_t head, int64_t head_rows,
-                   int64_t vocab, uintptr_t head_pairs, uintptr_t tokens, uintptr_t positions, uintptr_t tables,
+pagedserve::GreedyModel<T> model_of(const ModelArgs& args) {
+  const auto& [stage_args, embedding, head, head_rows, vocab, head_pairs, embed_scale, logit_cap] = args;
+  Stage<T> stage = stage_of<T>(stage_args);
+  return {std::move(stage.layers), std::move(stage.k_caches), std::move(stage.v_caches), stage.final_norm,
+          in<T>(embedding), in<T>(head), head_rows, vocab, in<uint16_t>(head_pairs), float(embed_scale),
+          float(logit_cap)};
+}
+
+// A draft model for greedy_decode(): the model, then where its drafts after the last step go with the rows'
+// capacities (pagedserve::DraftModel).
+using DraftArgs = std::tuple<ModelArgs, uintptr_t, uintptr_t>;
+
+// Greedy steps of the whole model (greedy_decode.h); drafts from `draft` if given (its K/V known per row at
+// draft_known, int64 [m], updated), else by prompt lookup.
+template <typename T>
+void greedy_decode(const ModelArgs& model_args, uintptr_t tokens, uintptr_t positions, uintptr_t tables,
                    int64_t max_blocks, int64_t block_size, uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
                    const std::vector<int64_t>& lookup, uintptr_t history, uintptr_t history_starts,
                    uintptr_t verified, const std::vector<uintptr_t>& sampled, const std::optional<DraftArgs>& draft,
                    uintptr_t draft_known, int64_t max_rows, uintptr_t tokens_out, int64_t out_cols, int64_t m,
                    int64_t steps) {
-  const pagedserve::GreedyModel<T> model{layers_of<T>(weights, dims, eps, scales), caches_of<T>(k_caches),
-                                         caches_of<T>(v_caches), in<T>(final_norm), float(final_eps),
-                                         in<T>(embedding), in<T>(head), head_rows, vocab,
-                                         in<uint16_t>(head_pairs)};
+  const pagedserve::GreedyModel<T> model = model_of<T>(model_args);
   std::optional<pagedserve::GreedyModel<T>> draft_model;
   pagedserve::DraftModel<T> drafter{nullptr, out<int64_t>(draft_known)};
   if (draft) {
-    const auto& [d_weights, d_dims, d_eps, d_scales, d_k, d_v, d_norm, d_norm_eps, d_embedding, d_head, d_head_rows,
-                 d_vocab, d_head_pairs, d_capacity, d_next] = *draft;
-    draft_model = pagedserve::GreedyModel<T>{layers_of<T>(d_weights, d_dims, d_eps, d_scales), caches_of<T>(d_k),
-                                             caches_of<T>(d_v), in<T>(d_norm), float(d_norm_eps), in<T>(d_embedding),
-                                             in<T>(d_head), d_head_rows, d_vocab, in<uint16_t>(d_head_pairs)};
-    drafter = {&*draft_model, out<int64_t>(draft_known), in<int64_t>(d_capacity), out<int64_t>(d_next)};
+    draft_model = model_of<T>(std::get<0>(*draft));
+    drafter = {&*draft_model, out<int64_t>(draft_known), in<int64_t>(std::get<1>(*draft)),
+               out<int64_t>(std::get<2>(*draft))};
   }
   const pagedserve::PromptLookup drafts{lookup.at(0), lookup.at(1), lookup.at(2), in<int64_t>(history),
                                         in<int64_t>(history_starts), out<int64_t>(verified)};
@@ -148,13 +171,46 @@ void greedy_decode(const std::vector<std::vector<uintptr_t>>& weights, const std
                             drafter, sampling, max_rows, out<int64_t>(tokens_out), out_cols, m, steps);
 }
 
+// The phases of a layer between its products, for steps whose products run elsewhere (torch's GEMMs): each over
+// m rows, as decoder_layer() calls them.
 template <typename T>
-void attend(const std::vector<uintptr_t>& weights, const std::vector<int64_t>& dims, float eps, float scale,
-            uintptr_t qkv, uintptr_t positions, uintptr_t slots, uintptr_t k_cache, uintptr_t v_cache,
-            int64_t block_size, uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, uintptr_t attn, int64_t m) {
-  pagedserve::attend(layer_of<T>(weights, dims, eps, scale), out<T>(qkv), in<int64_t>(positions), in<int64_t>(slots),
-                     out<T>(k_cache), out<T>(v_cache), block_size, in<int64_t>(tables), max_blocks,
-                     in<int64_t>(seq_lens), out<T>(attn), m);
+void before_attention(const LayerArgs& layer, uintptr_t x, uintptr_t residual, uintptr_t residual_out,
+                      uintptr_t normed, int64_t m) {
+  pagedserve::before_attention(layer_of<T>(layer), in<T>(x), in<T>(residual), out<T>(residual_out), out<T>(normed),
+                               m);
+}
+
+template <typename T>
+void after_attention(const LayerArgs& layer, uintptr_t o, uintptr_t residual_out, uintptr_t normed, int64_t m) {
+  pagedserve::after_attention(layer_of<T>(layer), out<T>(o), out<T>(residual_out), out<T>(normed), m);
+}
+
+template <typename T>
+void activate(const LayerArgs& layer, uintptr_t h, uintptr_t act, int64_t m) {
+  pagedserve::activate_rows(layer_of<T>(layer), in<T>(h), out<T>(act), m);
+}
+
+template <typename T>
+void after_mlp(const LayerArgs& layer, uintptr_t o_mlp, uintptr_t o, int64_t m) {
+  pagedserve::after_mlp(layer_of<T>(layer), out<T>(o_mlp), in<T>(o), m);
+}
+
+// The final norm of a stage whose layers ran phase by phase: residual_out = x + residual, out = its norm.
+template <typename T>
+void final_norm(const StageArgs& args, uintptr_t x, uintptr_t residual, uintptr_t residual_out, uintptr_t o,
+                int64_t m) {
+  const Stage<T> stage = stage_of<T>(args);
+  pagedserve::add_and_norm_rows(in<T>(x), in<T>(residual), stage.final_norm, out<T>(residual_out), out<T>(o), m,
+                                stage.layers.front().hidden);
+}
+
+template <typename T>
+void attend(const LayerArgs& layer, uintptr_t qkv, uintptr_t positions, uintptr_t slots, uintptr_t k_cache,
+            uintptr_t v_cache, int64_t block_size, uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens,
+            uintptr_t attn, int64_t m) {
+  pagedserve::attend(layer_of<T>(layer), out<T>(qkv), in<int64_t>(positions), in<int64_t>(slots), out<T>(k_cache),
+                     out<T>(v_cache), block_size, in<int64_t>(tables), max_blocks, in<int64_t>(seq_lens),
+                     out<T>(attn), m);
 }
 
 }  // namespace
@@ -188,64 +244,52 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                 int64_t m, int64_t n, int64_t k, int64_t group) {
     (bf16 ? gemv_int8_grouped<uint16_t> : gemv_int8_grouped<float>)(x, w, scale, bias, y, m, n, k, group);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
-  // The pieces of a layer between its products, for steps whose products run elsewhere (torch's GEMMs).
-  m.def("add_and_norm", [](bool bf16, uintptr_t x, uintptr_t residual, uintptr_t weight, double eps,
-                           uintptr_t residual_out, uintptr_t o, int64_t m, int64_t h) {
-    if (bf16)
-      pagedserve::add_and_norm_rows(in<uint16_t>(x), in<uint16_t>(residual), in<uint16_t>(weight), float(eps),
-                                    out<uint16_t>(residual_out), out<uint16_t>(o), m, h);
-    else
-      pagedserve::add_and_norm_rows(in<float>(x), in<float>(residual), in<float>(weight), float(eps),
-                                    out<float>(residual_out), out<float>(o), m, h);
+  // The phases of a layer between its products (torch's GEMMs run those), and a stage's final norm after them.
+  m.def("before_attention", [](bool bf16, const LayerArgs& layer, uintptr_t x, uintptr_t residual,
+                               uintptr_t residual_out, uintptr_t normed, int64_t m) {
+    (bf16 ? before_attention<uint16_t> : before_attention<float>)(layer, x, residual, residual_out, normed, m);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("attend", [](bool bf16, const std::vector<uintptr_t>& weights, const std::vector<int64_t>& dims, double eps,
-                     double scale, uintptr_t qkv, uintptr_t positions, uintptr_t slots, uintptr_t k_cache,
-                     uintptr_t v_cache, int64_t block_size, uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens,
-                     uintptr_t attn, int64_t m) {
-    (bf16 ? attend<uint16_t> : attend<float>)(weights, dims, float(eps), float(scale), qkv, positions, slots, k_cache,
-                                              v_cache, block_size, tables, max_blocks, seq_lens, attn, m);
+  m.def("attend", [](bool bf16, const LayerArgs& layer, uintptr_t qkv, uintptr_t positions, uintptr_t slots,
+                     uintptr_t k_cache, uintptr_t v_cache, int64_t block_size, uintptr_t tables, int64_t max_blocks,
+                     uintptr_t seq_lens, uintptr_t attn, int64_t m) {
+    (bf16 ? attend<uint16_t> : attend<float>)(layer, qkv, positions, slots, k_cache, v_cache, block_size, tables,
+                                              max_blocks, seq_lens, attn, m);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("silu_and_mul", [](bool bf16, uintptr_t gate_up, uintptr_t act, int64_t m, int64_t i) {
-    if (bf16)
-      pagedserve::silu_and_mul_rows(in<uint16_t>(gate_up), out<uint16_t>(act), m, i);
-    else
-      pagedserve::silu_and_mul_rows(in<float>(gate_up), out<float>(act), m, i);
+  m.def("after_attention", [](bool bf16, const LayerArgs& layer, uintptr_t o, uintptr_t residual_out,
+                              uintptr_t normed, int64_t m) {
+    (bf16 ? after_attention<uint16_t> : after_attention<float>)(layer, o, residual_out, normed, m);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("decoder_layers", [](bool bf16, const std::vector<std::vector<uintptr_t>>& weights,
-                             const std::vector<std::vector<int64_t>>& dims, const std::vector<double>& eps,
-                             const std::vector<double>& scales, const std::vector<uintptr_t>& k_caches,
-                             const std::vector<uintptr_t>& v_caches, uintptr_t final_norm, double final_eps,
-                             uintptr_t x, uintptr_t residual, uintptr_t o, uintptr_t residual_out,
-                             uintptr_t positions, uintptr_t slots, int64_t block_size, uintptr_t tables,
-                             int64_t max_blocks, uintptr_t seq_lens, int64_t m) {
-    (bf16 ? decoder_layers<uint16_t> : decoder_layers<float>)(weights, dims, eps, scales, k_caches, v_caches,
-                                                              final_norm, final_eps, x, residual, o, residual_out,
-                                                              positions, slots, block_size, tables, max_blocks,
-                                                              seq_lens, m);
+  m.def("activate", [](bool bf16, const LayerArgs& layer, uintptr_t h, uintptr_t act, int64_t m) {
+    (bf16 ? activate<uint16_t> : activate<float>)(layer, h, act, m);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("after_mlp", [](bool bf16, const LayerArgs& layer, uintptr_t o_mlp, uintptr_t o, int64_t m) {
+    (bf16 ? after_mlp<uint16_t> : after_mlp<float>)(layer, o_mlp, o, m);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("final_norm", [](bool bf16, const StageArgs& stage, uintptr_t x, uintptr_t residual, uintptr_t residual_out,
+                         uintptr_t o, int64_t m) {
+    (bf16 ? final_norm<uint16_t> : final_norm<float>)(stage, x, residual, residual_out, o, m);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("decoder_layers", [](bool bf16, const StageArgs& stage, uintptr_t x, uintptr_t residual, uintptr_t o,
+                             uintptr_t residual_out, uintptr_t positions, uintptr_t slots, int64_t block_size,
+                             uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, int64_t m) {
+    (bf16 ? decoder_layers<uint16_t> : decoder_layers<float>)(stage, x, residual, o, residual_out, positions, slots,
+                                                              block_size, tables, max_blocks, seq_lens, m);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("sample", [](uintptr_t logits, int64_t rows, int64_t vocab, uintptr_t temperature, uintptr_t top_k,
                      uintptr_t top_p, uintptr_t min_p, uintptr_t uniform, uintptr_t tokens) {
     pagedserve::sample_rows(in<float>(logits), rows, vocab, in<float>(temperature), in<int64_t>(top_k),
                             in<float>(top_p), in<float>(min_p), in<double>(uniform), out<int64_t>(tokens));
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("greedy_decode", [](bool bf16, const std::vector<std::vector<uintptr_t>>& weights,
-                            const std::vector<std::vector<int64_t>>& dims, const std::vector<double>& eps,
-                            const std::vector<double>& scales, const std::vector<uintptr_t>& k_caches,
-                            const std::vector<uintptr_t>& v_caches, uintptr_t final_norm, double final_eps,
-                            uintptr_t embedding, uintptr_t head, int64_t head_rows, int64_t vocab,
-                            uintptr_t head_pairs, uintptr_t tokens, uintptr_t positions, uintptr_t tables,
-                            int64_t max_blocks, int64_t block_size, uintptr_t limits, uintptr_t stop_ids,
-                            uintptr_t stop_starts,
-                            const std::vector<int64_t>& lookup, uintptr_t history, uintptr_t history_starts,
-                            uintptr_t verified, const std::vector<uintptr_t>& sampled,
-                            const std::optional<DraftArgs>& draft, uintptr_t draft_known, int64_t max_rows,
-                            uintptr_t tokens_out, int64_t out_cols, int64_t m, int64_t steps) {
-    (bf16 ? greedy_decode<uint16_t> : greedy_decode<float>)(weights, dims, eps, scales, k_caches, v_caches, final_norm,
-                                                            final_eps, embedding, head, head_rows, vocab, head_pairs,
-                                                            tokens,
-                                                            positions, tables, max_blocks, block_size, limits,
-                                                            stop_ids, stop_starts, lookup, history, history_starts,
-                                                            verified, sampled, draft, draft_known, max_rows,
-                                                            tokens_out, out_cols, m, steps);
+  m.def("greedy_decode", [](bool bf16, const ModelArgs& model, uintptr_t tokens, uintptr_t positions,
+                            uintptr_t tables, int64_t max_blocks, int64_t block_size, uintptr_t limits,
+                            uintptr_t stop_ids, uintptr_t stop_starts, const std::vector<int64_t>& lookup,
+                            uintptr_t history, uintptr_t history_starts, uintptr_t verified,
+                            const std::vector<uintptr_t>& sampled, const std::optional<DraftArgs>& draft,
+                            uintptr_t draft_known, int64_t max_rows, uintptr_t tokens_out, int64_t out_cols,
+                            int64_t m, int64_t steps) {
+    (bf16 ? greedy_decode<uint16_t> : greedy_decode<float>)(model, tokens, positions, tables, max_blocks, block_size,
+                                                            limits, stop_ids, stop_starts, lookup, history,
+                                                            history_starts, verified, sampled, draft, draft_known,
+                                                            max_rows, tokens_out, out_cols, m, steps);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

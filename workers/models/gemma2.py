@@ -3,17 +3,21 @@ GeGLU (tanh GELU), attention scaled by query_pre_attn_scalar with tanh soft-capp
 alternate layers, and soft-capped final logits; tensor and pipeline parallel as llama."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from kernels.cpu_decoder_layer import DecoderLayerWeights
 from workers.distributed import Intermediate, parallel_state
 from workers.layers.attention import Attention, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.norm import GemmaRMSNorm
 from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.layers.vocab_parallel import VocabParallelEmbedding
+from workers.models.fused_stage import FusedStage, describe_layer, takes_projections
 from workers.models.llama import LlamaAttention, LlamaForCausalLM, build_stage_layers, head_dim_of, sliding_window_of
 
 
@@ -30,6 +34,7 @@ class Gemma2MLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [(inter, 1), (inter, 1)])
         self.down_proj = RowParallelLinear(inter, config.hidden_size)
+        self.activation_name = config.hidden_activation
         self.act = ACT2FN[config.hidden_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,8 +57,29 @@ class Gemma2DecoderLayer(nn.Module):
         x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), metadata))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
+    @property
+    def takes_one_call(self) -> bool:
+        return self.mlp.activation_name == "gelu_pytorch_tanh" and takes_projections(*self.fused_products)
 
-class Gemma2Model(nn.Module):
+    @property
+    def fused_products(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        return self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
+
+    @property
+    def fused_attention(self) -> Attention:
+        return self.self_attn.attn
+
+    @functools.cached_property
+    def fused_weights(self) -> DecoderLayerWeights:
+        """The sandwich of (1 + w) norms, soft-capped attention and the tanh-GELU GLU as the C++ layer reads them."""
+        qkv, o, gate_up, down = self.fused_products
+        return describe_layer(input_norm=self.input_layernorm, post_norm=self.pre_feedforward_layernorm, qkv=qkv, o=o,
+                              gate_up=gate_up, down=down, attention=self.self_attn.attn, rotary=self.self_attn.rotary,
+                              attn_out_norm=self.post_attention_layernorm,
+                              mlp_out_norm=self.post_feedforward_layernorm, activation="gelu_tanh_glu")
+
+
+class Gemma2Model(FusedStage, nn.Module):
     """This pipeline stage's share: scaled embeddings on the first stage, its layers, the final norm on the last."""
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -67,6 +93,9 @@ class Gemma2Model(nn.Module):
             config.num_hidden_layers, lambda i: Gemma2DecoderLayer(config, i, rotary))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if state.is_last_stage else None
 
+    def final_norm_module(self) -> nn.Module | None:
+        return self.norm
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
         """Final hidden states on the last stage, else (hidden states,) for the next stage."""
@@ -75,6 +104,10 @@ class Gemma2Model(nn.Module):
             x = x * torch.tensor(self.embed_scale).to(x.dtype)  # rounded to the weights' dtype first, as HF does
         else:
             x = intermediate[0]
+        step = self.fused_step(x, positions, metadata)
+        if step is not None:
+            out = self.fused_forward(x, None, step)
+            return out if self.norm is not None else (out[0] + out[1],)
         for i in self.stage_layers:
             x = self.layers[i](positions, x, metadata)
         return (x,) if self.norm is None else self.norm(x)
@@ -87,7 +120,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         if config.hidden_activation not in ACT2FN:
             raise ValueError(f"hidden_activation {config.hidden_activation!r} is not supported")
         super().__init__(config)
-        self.final_logit_softcapping = config.final_logit_softcapping
+        self.final_logit_softcapping = self.logit_cap = config.final_logit_softcapping
+        self.embed_scale = config.hidden_size**0.5  # as the C++ steps scale the embedding (Gemma2Model's)
 
     def build_model(self, config: PretrainedConfig) -> nn.Module:
         return Gemma2Model(config)
@@ -97,3 +131,5 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         logits = super().compute_logits(hidden)
         cap = self.final_logit_softcapping
         return logits if logits is None or cap is None else torch.tanh(logits / cap) * cap
+
+    fused_compute_logits = compute_logits

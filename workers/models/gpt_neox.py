@@ -3,16 +3,21 @@ the parallel residual x + attn(ln1(x)) + mlp(ln2(x)); tensor parallel over heads
 parallel over the layers."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from kernels.cpu_decoder_layer import DecoderLayerWeights
 from workers.distributed import Intermediate, parallel_state
 from workers.layers.attention import Attention, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, tie_lm_head
+from workers.models.fused_stage import (PLAIN_ACTIVATIONS, FusedGreedyDecoding, FusedStage, describe_layer,
+                                        norm_kind, takes_projections)
 from workers.models.llama import build_stage_layers
 
 
@@ -42,6 +47,7 @@ class GPTNeoXMLP(nn.Module):
         super().__init__()
         self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, [(config.intermediate_size, 1)], bias=True)
         self.dense_4h_to_h = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=True)
+        self.activation_name = config.hidden_act
         self.act = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,8 +70,33 @@ class GPTNeoXLayer(nn.Module):
         attn = attn + x
         return self.mlp(self.post_attention_layernorm(attn)) + attn
 
+    @property
+    def takes_one_call(self) -> bool:
+        return self.mlp.activation_name in PLAIN_ACTIVATIONS and norm_kind(self.input_layernorm) == "layer" \
+            and self.input_layernorm.eps == self.post_attention_layernorm.eps \
+            and takes_projections(*self.fused_products)
 
-class GPTNeoXModel(nn.Module):
+    @property
+    def fused_products(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        return (self.attention.query_key_value, self.attention.dense, self.mlp.dense_h_to_4h,
+                self.mlp.dense_4h_to_h)
+
+    @property
+    def fused_attention(self) -> Attention:
+        return self.attention.attn
+
+    @functools.cached_property
+    def fused_weights(self) -> DecoderLayerWeights:
+        """LayerNorms, q/k/v per head, partial rotary, the plain MLP and the (parallel) residual as the C++ layer
+        reads them."""
+        qkv, o, up, down = self.fused_products
+        return describe_layer(input_norm=self.input_layernorm, post_norm=self.post_attention_layernorm, qkv=qkv, o=o,
+                              gate_up=up, down=down, attention=self.attention.attn, rotary=self.attention.rotary,
+                              activation=PLAIN_ACTIVATIONS[self.mlp.activation_name],
+                              parallel_residual=self.use_parallel_residual, qkv_per_head=True)
+
+
+class GPTNeoXModel(FusedStage, nn.Module):
     """This pipeline stage's share: embeddings on the first stage, its layers, the final norm on the last."""
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -81,16 +112,23 @@ class GPTNeoXModel(nn.Module):
         for param in self.parameters():
             param.requires_grad_(False)
 
+    def final_norm_module(self) -> nn.Module | None:
+        return self.final_layer_norm
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
         """Final hidden states on the last stage, else (hidden states,) for the next stage."""
         x = self.embed_in(input_ids) if intermediate is None else intermediate[0]
+        step = self.fused_step(x, positions, metadata)
+        if step is not None:
+            out = self.fused_forward(x, None, step)
+            return out if self.final_layer_norm is not None else (out[0] + out[1],)
         for i in self.stage_layers:
             x = self.layers[i](positions, x, metadata)
         return (x,) if self.final_layer_norm is None else self.final_layer_norm(x)
 
 
-class GPTNeoXForCausalLM(nn.Module):
+class GPTNeoXForCausalLM(FusedGreedyDecoding, nn.Module):
     num_intermediate_tensors = 1  # no separate residual stream
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -113,3 +151,8 @@ class GPTNeoXForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Last stage only; float32 logits on TP rank 0, None on the other TP ranks."""
         return self.lm_head.compute_logits(hidden)
+
+    fused_compute_logits = compute_logits
+
+    def fused_parts(self) -> tuple[FusedStage, nn.Module | None, nn.Module | None]:
+        return self.gpt_neox, self.gpt_neox.embed_in, self.lm_head

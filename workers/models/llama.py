@@ -1,22 +1,21 @@
 """Llama decoder (also the base of qwen2 and mistral): RMSNorm, rotary, GQA attention, SwiGLU MLP."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
-import numpy as np
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from kernels import cpu_decoder_layer, cpu_gemv, silu_and_mul
+from kernels import cpu_decoder_layer, silu_and_mul
 from workers.distributed import Intermediate, parallel_state
-from workers.layers.attention import Attention, AttentionMetadata, StepMetadata
+from workers.layers.attention import Attention, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, tie_lm_head
+from workers.models.fused_stage import FusedGreedyDecoding, FusedStage, describe_layer, takes_projections
 
 # What a pipeline stage hands the next: (hidden states, residual).
 
@@ -125,33 +124,32 @@ class LlamaDecoderLayer(nn.Module):
     @property
     def takes_one_call(self) -> bool:
         attn = self.self_attn
-        if not self.one_call_capable or attn.rotary.rotary_dim != attn.head_dim or any(
+        if not self.one_call_capable or any(
                 norm is not None and norm.eps != self.input_layernorm.eps for norm in (attn.q_norm, attn.k_norm)):
             return False
-        projections = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        return all(cpu_decoder_layer.takes_projection(p.weight, p.weight_scale, p.weight_zero, p.weight_g_idx)
-                   for p in projections)
+        return takes_projections(*self.fused_products)
+
+    @property
+    def fused_products(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        return self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
+
+    @property
+    def fused_attention(self) -> Attention:
+        return self.self_attn.attn
 
     @functools.cached_property
     def fused_weights(self) -> cpu_decoder_layer.DecoderLayerWeights:
         """This layer's parameters as the one-call layer reads them (kernels.cpu_decoder_layer)."""
-        attn, mlp = self.self_attn, self.mlp
-        return cpu_decoder_layer.DecoderLayerWeights(
-            self.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-            attn.o_proj.bias, self.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight,
-            attn.rotary.cos.float().contiguous(), attn.rotary.sin.float().contiguous(), self.input_layernorm.eps,
-            attn.attn.scale, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.sliding_window,
-            attn.qkv_proj.weight_scale, attn.o_proj.weight_scale, mlp.gate_up_proj.weight_scale,
-            mlp.down_proj.weight_scale, attn.qkv_proj.pairs_weight, attn.o_proj.pairs_weight,
-            mlp.gate_up_proj.pairs_weight, mlp.down_proj.pairs_weight,
-            None if attn.q_norm is None else attn.q_norm.weight, None if attn.k_norm is None else attn.k_norm.weight)
+        attn = self.self_attn
+        qkv, o, gate_up, down = self.fused_products
+        return describe_layer(input_norm=self.input_layernorm, post_norm=self.post_attention_layernorm, qkv=qkv, o=o,
+                              gate_up=gate_up, down=down, attention=attn.attn, rotary=attn.rotary,
+                              q_norm=attn.q_norm, k_norm=attn.k_norm)
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(FusedStage, nn.Module):
     """This pipeline stage's share: embeddings on the first stage, its layers (others are placeholders, so
     parameter names keep their checkpoint indices), the final norm on the last stage."""
-
-    lora_context = None  # set by workers.lora when adapters are enabled: which tokens run with which adapter
 
     def __init__(self, config: PretrainedConfig, layer_class: type[LlamaDecoderLayer]) -> None:
         super().__init__()
@@ -162,23 +160,17 @@ class LlamaModel(nn.Module):
         self.stage_layers, self.layers = build_stage_layers(config.num_hidden_layers,
                                                             lambda i: layer_class(config, i, rotary))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if state.is_last_stage else None
-        # The C++ layer's arguments, made for the caches bound when it first ran (kernels.cpu_decoder_layer).
-        self._prepared_layers: cpu_decoder_layer.PreparedLayers | None = None
 
-    @functools.cached_property
-    def one_call_layers(self) -> bool:
-        """Whether the C++ layer serves this stage's steps of decodes and short chunks: tp 1 only (it has no
-        all-reduce between attention and MLP), and every layer takes it."""
-        return parallel_state().tp_size == 1 and bool(self.stage_layers) and \
-            all(self.layers[i].takes_one_call for i in self.stage_layers)
+    def final_norm_module(self) -> nn.Module | None:
+        return self.norm
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
         """Final hidden states on the last stage, else (hidden, residual) for the next stage."""
         x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
-        step = self._one_call_step(x, positions, metadata)
+        step = self.fused_step(x, positions, metadata)
         if step is not None:
-            return self._one_call_forward(x, residual, step)
+            return self.fused_forward(x, residual, step)
         for i in self.stage_layers:
             x, residual = self.layers[i](positions, x, residual, metadata)
         if self.norm is None:
@@ -186,49 +178,8 @@ class LlamaModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def _one_call_forward(self, x: torch.Tensor, residual: torch.Tensor | None, step: cpu_decoder_layer.DecodeStep
-                          ) -> torch.Tensor | Intermediate:
-        """forward() of a step of decodes or short chunks: the stage's layers, and the final norm on the last stage,
-        in one C++ call, or with torch's products between C++ calls past the kernels' rows (kernels.cpu_decoder_layer);
-        same results."""
-        caches = [attention.kv_cache for attention in self._stage_attention]
-        prepared = self._prepared_layers
-        if prepared is None or not prepared.serves(caches, x.dtype):
-            if any(cache is None for cache in caches):
-                raise RuntimeError("the KV cache was not bound to an attention layer")
-            layers = [self.layers[i] for i in self.stage_layers]
-            norm, eps = (None, 0.0) if self.norm is None else (self.norm.weight, self.norm.eps)
-            prepared = self._prepared_layers = cpu_decoder_layer.PreparedLayers(
-                [layer.fused_weights for layer in layers], caches, x.dtype, norm, eps)
-        if step.kernel_products:
-            x, residual = cpu_decoder_layer.decoder_layers(prepared, x, residual, step)
-        else:
-            products = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                        for layer in (self.layers[i] for i in self.stage_layers)]
-            x, residual = cpu_decoder_layer.decoder_layers_with_products(prepared, products, x, residual, step)
-        return (x, residual) if self.norm is None else x
 
-    @functools.cached_property
-    def _stage_attention(self) -> list[nn.Module]:
-        """This stage's attention layers, whose kv_cache each step reads (a plain list: no module lookups)."""
-        return [self.layers[i].self_attn.attn for i in self.stage_layers]
-
-    def _one_call_step(self, x: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata
-                       ) -> cpu_decoder_layer.DecodeStep | None:
-        if not (self.one_call_layers and isinstance(metadata, AttentionMetadata)) or (
-                self.lora_context is not None and self.lora_context.token_groups):  # adapters need the op path
-            return None
-        return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
-                                             metadata.query_start_loc, self.product_rows)
-
-    @functools.cached_property
-    def product_rows(self) -> int:
-        """The most tokens of a step whose products the C++ layer runs: the least this stage's projection weights
-        allow (kernels.cpu_decoder_layer.max_rows: int8 and small bf16 weights take more)."""
-        return min(self.layers[i].fused_weights.max_rows() for i in self.stage_layers)
-
-
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(FusedGreedyDecoding, nn.Module):
     """Checkpoint names match HF's; q/k/v and gate/up load into merged projections."""
 
     layer_class = LlamaDecoderLayer
@@ -258,48 +209,7 @@ class LlamaForCausalLM(nn.Module):
         """Last stage only; float32 logits on TP rank 0, None on the other TP ranks."""
         return self.lm_head.compute_logits(hidden)
 
-    def greedy_decode(self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
-                      stops: list[set[int]], steps: int,
-                      drafts: cpu_decoder_layer.PromptLookupDrafts | cpu_decoder_layer.DraftModelDrafts | None = None,
-                      sampled: cpu_decoder_layer.SampledRows | None = None) -> cpu_decoder_layer.GreedyRun | None:
-        """A multi-step call's later steps in one C++ call (kernels.cpu_decoder_layer.greedy_decode: same tokens as
-        forward(), compute_logits() and the argmax or the sampler step by step, drafts verified as the Python steps
-        verify them); None where that does not compute what they do, and the caller steps in Python (greedy_parts),
-        or more rows than the kernels' products take."""
-        parts = self.greedy_parts()
-        if parts is None or len(tokens) > parts.max_rows:
-            return None
-        return cpu_decoder_layer.greedy_decode(parts.prepared, parts.embedding, parts.head, parts.vocab_size, tokens,
-                                               positions, table, limits, stops, steps, drafts, parts.max_rows,
-                                               sampled, parts.head_pairs)
+    fused_compute_logits = compute_logits
 
-    def greedy_parts(self) -> GreedyParts | None:
-        """The model as greedy_decode() takes it; None for another family's model, embedding or logits, pipeline
-        stages, adapters, a quantized table or head, or layers not in C++ or not prepared for the bound caches (a
-        one-call step prepares them)."""
-        model, head = self.model, self.lm_head
-        if not (type(self).compute_logits is LlamaForCausalLM.compute_logits and type(model) is LlamaModel
-                and model.embed_tokens is not None and head is not None and model.one_call_layers
-                and model.lora_context is None and model.embed_tokens.lora is None and head.lora is None
-                and model.embed_tokens.weight_scale is None and head.weight_scale is None):
-            return None
-        prepared, embedding = model._prepared_layers, model.embed_tokens.weight
-        caches = [attention.kv_cache for attention in model._stage_attention]
-        if prepared is None or not prepared.serves(caches, embedding.dtype) or head.weight.dtype != embedding.dtype:
-            return None
-        return GreedyParts(prepared, embedding, head.weight, head.vocab_size,
-                           min(model.product_rows, cpu_gemv.max_rows(embedding.dtype, head.weight, head.pairs_weight)),
-                           head.pairs_weight)
-
-
-@dataclasses.dataclass(frozen=True)
-class GreedyParts:
-    """A llama model as kernels.cpu_decoder_layer.greedy_decode() takes it; max_rows: the most token rows of a step
-    its kernels' products take; head_pairs: the head's kernels.cpu_gemv.pair_weight copy, where kept."""
-
-    prepared: cpu_decoder_layer.PreparedLayers
-    embedding: torch.Tensor
-    head: torch.Tensor
-    vocab_size: int
-    max_rows: int
-    head_pairs: torch.Tensor | None = None
+    def fused_parts(self) -> tuple[FusedStage, nn.Module | None, nn.Module | None]:
+        return self.model, self.model.embed_tokens, self.lm_head

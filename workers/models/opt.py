@@ -2,15 +2,19 @@
 parallel over heads and the MLP, pipeline parallel over the decoder layers."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from kernels.cpu_decoder_layer import DecoderLayerWeights
 from workers.distributed import Intermediate, parallel_state
 from workers.layers.attention import Attention, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, tie_lm_head
+from workers.models.fused_stage import PLAIN_ACTIVATIONS, FusedStage, describe_layer, norm_kind, takes_projections
 from workers.models.llama import build_stage_layers
 
 # OPT's learned position table reserves its first two rows (a fairseq padding convention).
@@ -46,6 +50,7 @@ class OPTDecoderLayer(nn.Module):
         self.fc1 = ColumnParallelLinear(hidden, [(config.ffn_dim, 1)], bias=config.enable_bias)
         self.fc2 = RowParallelLinear(config.ffn_dim, hidden, bias=config.enable_bias)
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
+        self.activation_name = config.activation_function
         self.activation = ACT2FN[config.activation_function]
 
     def forward(self, x: torch.Tensor, metadata: StepMetadata) -> torch.Tensor:
@@ -57,8 +62,33 @@ class OPTDecoderLayer(nn.Module):
             return x + body(norm(x))
         return norm(x + body(x))
 
+    @property
+    def takes_one_call(self) -> bool:
+        """Pre-norm layers (post-norm OPT-350m's take the op path) with LayerNorm weights."""
+        norms = self.self_attn_layer_norm, self.final_layer_norm
+        return self.pre_norm and self.activation_name in PLAIN_ACTIVATIONS \
+            and all(norm_kind(norm) == "layer" and norm.eps == norms[0].eps for norm in norms) \
+            and takes_projections(*self.fused_products)
 
-class OPTDecoder(nn.Module):
+    @property
+    def fused_products(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        return self.self_attn.qkv_proj, self.self_attn.out_proj, self.fc1, self.fc2
+
+    @property
+    def fused_attention(self) -> Attention:
+        return self.self_attn.attn
+
+    @functools.cached_property
+    def fused_weights(self) -> DecoderLayerWeights:
+        """LayerNorms, no rotary (positions are learned), q scaled before its scores, the plain MLP."""
+        qkv, o, up, down = self.fused_products
+        return describe_layer(input_norm=self.self_attn_layer_norm, post_norm=self.final_layer_norm, qkv=qkv, o=o,
+                              gate_up=up, down=down, attention=self.self_attn.attn, rotary=None,
+                              scale=self.self_attn.scaling, scale_q_first=True,
+                              activation=PLAIN_ACTIVATIONS[self.activation_name])
+
+
+class OPTDecoder(FusedStage, nn.Module):
     """This pipeline stage's share: embeddings (and project_in) on the first stage, its layers, the final norm
     (and project_out) on the last stage."""
 
@@ -83,10 +113,20 @@ class OPTDecoder(nn.Module):
         for param in self.parameters():
             param.requires_grad_(False)
 
+    def final_norm_module(self) -> nn.Module | None:
+        return self.final_layer_norm
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
         """Final hidden states on the last stage, else (hidden states,) for the next stage."""
         x = self._embed(input_ids, positions) if intermediate is None else intermediate[0]
+        step = self.fused_step(x, positions, metadata)
+        if step is not None:
+            out = self.fused_forward(x, None, step)
+            x = out[0] + out[1] if isinstance(out, tuple) else out  # the final norm's output, or the stage's
+            if not self.is_last_stage:
+                return (x,)
+            return x if self.project_out is None else self.project_out(x)
         for i in self.stage_layers:
             x = self.layers[i](x, metadata)
         if not self.is_last_stage:

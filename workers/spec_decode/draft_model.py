@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from ipc import SpeculativeConfig
-from kernels.cpu_decoder_layer import DraftModelDrafts
+from kernels.cpu_greedy_decode import DraftModelDrafts
 from workers.distributed import single_rank
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.sampler import Sampler
@@ -90,15 +90,14 @@ class DraftModel:
         """Its drafts for greedy requests (all their tokens so far in `contexts`; the positions their blocks give in
         `capacity`) as the target's greedy_decode() writes them in C++, where its model runs there (layers prepared by
         a one-call step for its bound caches); resume() takes what its K/V holds after."""
-        greedy_parts = getattr(self.model, "greedy_parts", None)
-        parts = greedy_parts() if greedy_parts is not None else None
-        if parts is None:
+        greedy_model = getattr(self.model, "greedy_model", None)
+        model = greedy_model() if greedy_model is not None else None
+        if model is None:
             return None
         known = np.array([self._known(state.req_id, context) for state, context in zip(states, contexts)],
                          dtype=np.int64)
-        return DraftModelDrafts(self.num_drafts, parts.prepared, parts.embedding, parts.head, parts.vocab_size,
-                                contexts, known, np.ascontiguousarray(capacity, dtype=np.int64),
-                                np.full((len(states), self.num_drafts), -1, dtype=np.int64), parts.head_pairs)
+        return DraftModelDrafts(self.num_drafts, model, contexts, known, np.ascontiguousarray(capacity, dtype=np.int64),
+                                np.full((len(states), self.num_drafts), -1, dtype=np.int64))
 
     def resume(self, states: list[CachedRequestState], drafts: DraftModelDrafts, lengths: np.ndarray) -> None:
         """After greedy_decode() drafted for `states`, now `lengths` tokens long: its K/V holds each one's tokens

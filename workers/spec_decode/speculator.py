@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from ipc import SpeculativeConfig
-from kernels.cpu_decoder_layer import DraftModelDrafts, PromptLookupDrafts
+from kernels.cpu_greedy_decode import DraftModelDrafts, PromptLookupDrafts
 from workers.layers.sampler import Sampler
 from workers.request_state import CachedRequestState
 from workers.spec_decode.draft_model import DraftModel

@@ -1,0 +1,189 @@
+"""A multi-step call's later steps of a whole model in one C++ call (kernels/csrc/greedy_decode.h): per step the
+embedding, the prepared layers (kernels.cpu_decoder_layer), the final norm, the LM head, the argmax or a sampled
+token, drafts proposed and verified, stops checked; what the Python loop computes step by step, without its per-step
+Python and dispatch."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels import cpu_gemv
+from kernels.cpu_decoder_layer import PreparedLayers
+
+
+@dataclass(frozen=True)
+class GreedyModel:
+    """A model as greedy_decode() takes it: its layers prepared with the final norm, its embedding and LM head of the
+    layers' dtype (rows past vocab_size ignored), the head's kernels.cpu_gemv.pair_weight copy where kept, the
+    scale each embedding row is multiplied by (rounded to the dtype first; 0: none, Gemma's sqrt(hidden)) and the
+    logits' tanh soft cap (0: none, Gemma 2's). max_rows: the most token rows of a step its kernels' products take."""
+
+    prepared: PreparedLayers
+    embedding: torch.Tensor
+    head: torch.Tensor
+    vocab_size: int
+    max_rows: int
+    head_pairs: torch.Tensor | None = None
+    embed_scale: float = 0.0
+    logit_cap: float = 0.0
+
+    def check(self) -> None:
+        """Layers prepared with the final norm, embedding and head, all of one dtype; the head's pairs copy, if
+        given, fits it."""
+        prepared, dtype = self.prepared, self.prepared.dtype
+        if prepared.final_norm is None:
+            raise ValueError("greedy decoding needs the last stage's final norm")
+        for name, tensor in (("embedding", self.embedding), ("head", self.head)):
+            if tensor.dtype != dtype or tensor.device.type != "cpu" or tensor.dim() != 2 or not tensor.is_contiguous():
+                raise ValueError(f"the {name} must be a contiguous CPU matrix of the layers' dtype {dtype}")
+        if self.head_pairs is not None and not (dtype == torch.bfloat16 and cpu_gemv.pairs_serve(self.head)
+                                                and cpu_gemv.fits_pairs(self.head, self.head_pairs)):
+            raise ValueError("head_pairs must be kernels.cpu_gemv.pair_weight of the bf16 head, on a CPU with AVX-512 "
+                             "BF16")
+
+    def args(self) -> tuple:
+        """module.cpp's ModelArgs."""
+        return (self.prepared.stage_args, self.embedding.data_ptr(), self.head.data_ptr(), self.head.shape[0],
+                self.vocab_size, 0 if self.head_pairs is None else self.head_pairs.data_ptr(), self.embed_scale,
+                self.logit_cap)
+
+
+@dataclass(frozen=True)
+class PromptLookupDrafts:
+    """Drafts that greedy_decode() proposes and verifies itself: prompt lookup (workers/spec_decode/ngram.py) of up to
+    k tokens over each row's history (all its tokens, its last one's included)."""
+
+    k: int
+    min_n: int
+    max_n: int
+    history: Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True)
+class DraftModelDrafts:
+    """Drafts that greedy_decode() has a draft model with the target's vocabulary write, up to k per step, as
+    workers/spec_decode/draft_model.py drafts for greedy rows (its argmax, one token at a time): the draft model
+    (its caches over the target's block ids), of the target's dtype. history: each row's tokens, as PromptLookupDrafts'; known: int64 [rows], how many of each row's
+    positions the draft's K/V holds (at most its last token's position), then updated in place to how many it was
+    fed (those below the row's last token's position hold its tokens). After the last step the kernel writes into
+    next (int64 [rows, k]) the k drafts of each row that goes on with k slots from its last token on (capacity:
+    int64 [rows], the positions its blocks and the model length give), -1 for the others."""
+
+    k: int
+    model: GreedyModel
+    history: Sequence[Sequence[int]]
+    known: np.ndarray
+    capacity: np.ndarray
+    next: np.ndarray
+
+
+@dataclass(frozen=True)
+class SampledRows:
+    """Rows greedy_decode() samples instead of taking the argmax: those with temperature > 0 (float32 [rows]; 0: the
+    argmax), by kernels/csrc/sample.h's rule (Sampler's: top_k <= 0, top_p 1 and min_p 0 are none) at uniform[m, i]
+    (float64 [rows, steps]) for row m's i-th token."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    uniform: np.ndarray
+
+
+@dataclass(frozen=True)
+class GreedyRun:
+    """greedy_decode()'s result. tokens [rows, columns]: each row's tokens in order, then -1. verified [rows, steps,
+    2]: each step's drafted and accepted counts (-1 where the row verified no draft); None without drafts.
+    failed [rows]: a sampled row that had no token to draw (a NaN, or no finite logit) and stopped there."""
+
+    tokens: np.ndarray
+    verified: np.ndarray | None
+    failed: np.ndarray
+
+
+def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray,
+                  limits: np.ndarray, stops: Sequence[Collection[int]], steps: int,
+                  drafts: PromptLookupDrafts | DraftModelDrafts | None = None,
+                  sampled: SampledRows | None = None) -> GreedyRun:
+    """Up to `steps` greedy steps for each row from its last token `tokens[m]` at `positions[m]`: per step the
+    embedding lookup, the layers with the final norm, the LM head by the GEMV kernel and the first argmax among its
+    first vocab_size logits, as the model computes them, all in C++. Row m takes up to limits[m] tokens (its K/V
+    slots come from its row of `table`, [rows, max_blocks] block ids) and none after a step that gave it a token of
+    stops[m]. With `drafts` a step also feeds each row its drafts (prompt lookup's, or a draft model's: as many as
+    its limit leaves room for, at most the model's max_rows token rows in all) and keeps those the argmax agrees
+    with, and the argmax after them: the same tokens. With `sampled` (no drafts then) its rows with a temperature
+    draw their tokens as the sampler does."""
+    model.check()
+    rows = len(tokens)
+    tokens, positions, limits = (np.ascontiguousarray(a, dtype=np.int64) for a in (tokens, positions, limits))
+    table = np.ascontiguousarray(table, dtype=np.int64)
+    if table.shape[0] != rows or len(positions) != rows or len(limits) != rows or len(stops) != rows:
+        raise ValueError("tokens, positions, table, limits and stops need one entry per row")
+    stop_ids, stop_starts = _flat(stops)
+    k = 0 if drafts is None else drafts.k
+    if drafts is not None:
+        if len(drafts.history) != rows or min(getattr(drafts, "min_n", 1), k) < 1:
+            raise ValueError("drafts need a history per row, and k (and prompt lookup's min_n) of 1 at least")
+        history, history_starts = _flat(drafts.history)
+        verified = np.empty((rows, steps, 2), dtype=np.int64)
+    else:
+        history = history_starts = verified = np.zeros(1, dtype=np.int64)
+    draft_model, known = None, np.zeros(1, dtype=np.int64)
+    if isinstance(drafts, DraftModelDrafts):
+        draft_model, known = _draft_model_args(drafts, model, np.diff(history_starts)), drafts.known
+    pointers: list[int] = []
+    if sampled is not None:
+        if drafts is not None:
+            raise ValueError("sampled rows verify no drafts here (their verification is the rejection sampler's)")
+        arrays = (np.ascontiguousarray(sampled.temperature, dtype=np.float32),
+                  np.ascontiguousarray(sampled.top_k, dtype=np.int64),
+                  np.ascontiguousarray(sampled.top_p, dtype=np.float32),
+                  np.ascontiguousarray(sampled.min_p, dtype=np.float32),
+                  np.ascontiguousarray(sampled.uniform, dtype=np.float64))
+        if any(len(a) != rows for a in arrays) or arrays[4].shape != (rows, steps):
+            raise ValueError("sampled rows need one temperature, top_k, top_p and min_p per row, and [rows, steps] "
+                             "uniform draws")
+        pointers = [a.ctypes.data for a in arrays]
+    columns = max(1, min(int(limits.max(initial=0)), steps * (1 + k)))
+    out = np.empty((rows, columns), dtype=np.int64)
+    prepared = model.prepared
+    prepared.module.greedy_decode(
+        prepared.dtype == torch.bfloat16, model.args(), tokens.ctypes.data, positions.ctypes.data, table.ctypes.data,
+        table.shape[1], prepared.block_size, limits.ctypes.data, stop_ids.ctypes.data, stop_starts.ctypes.data,
+        [k, getattr(drafts, "min_n", 1), getattr(drafts, "max_n", 0)], history.ctypes.data,
+        history_starts.ctypes.data, verified.ctypes.data if drafts else 0, pointers, draft_model, known.ctypes.data,
+        max(rows, model.max_rows), out.ctypes.data, columns, rows, steps)
+    return GreedyRun(out, verified if drafts else None, (out == -2).any(axis=1))
+
+
+def _draft_model_args(drafts: DraftModelDrafts, target: GreedyModel, lengths: np.ndarray) -> tuple:
+    """The draft model as the kernel takes it (module.cpp's DraftArgs), once it is found to fit the target's steps
+    (its tokens index the target's embedding; lengths: each row's history length)."""
+    draft = drafts.model
+    draft.check()
+    if draft.prepared.dtype != target.prepared.dtype:
+        raise TypeError(f"the draft was prepared for {draft.prepared.dtype}, not the target's {target.prepared.dtype}")
+    if draft.vocab_size > target.embedding.shape[0]:
+        raise ValueError("the draft's vocabulary must be the target's")
+    if draft.prepared.block_size != target.prepared.block_size:
+        raise ValueError("the draft's caches must have the target's block size (they share its block table)")
+    for name, shape in (("known", lengths.shape), ("capacity", lengths.shape), ("next", (len(lengths), drafts.k))):
+        array = getattr(drafts, name)
+        if not (isinstance(array, np.ndarray) and array.dtype == np.int64 and array.flags.c_contiguous
+                and array.flags.writeable and array.shape == shape):
+            raise ValueError(f"{name} must be a writable contiguous int64 array of shape {shape}")
+    if not ((drafts.known >= 0) & (drafts.known < lengths)).all():
+        raise ValueError("a row's draft K/V must be known up to its last token's position at most")
+    return draft.args(), drafts.capacity.ctypes.data, drafts.next.ctypes.data
+
+
+def _flat(lists: Sequence[Collection[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Lists of ints as one int64 array and each one's start in it (with the end after the last)."""
+    flat = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64)
+    return flat, np.concatenate(([0], np.cumsum([len(row) for row in lists], dtype=np.int64)))
+
+

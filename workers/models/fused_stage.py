@@ -1,0 +1,180 @@
+"""The fast path's interface for a model family: layers that describe themselves to the C++ decoder layer
+(kernels.cpu_decoder_layer.DecoderLayerWeights) let their stage run its steps of decodes and short chunks there
+(FusedStage), and a model whose embedding, layers and head all run there decodes several steps in one call
+(FusedGreedyDecoding, kernels.cpu_greedy_decode)."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from torch import nn
+
+from kernels import cpu_decoder_layer, cpu_gemv, cpu_greedy_decode
+from workers.distributed import parallel_state
+from workers.layers.attention import Attention, AttentionMetadata, StepMetadata
+from workers.layers.norm import GemmaRMSNorm, RMSNorm
+from workers.layers.rotary import RotaryEmbedding
+
+_NORM_KINDS = ((GemmaRMSNorm, "gemma"), (RMSNorm, "rms"), (nn.LayerNorm, "layer"))
+# The C++ layer's activation for an ungated MLP's HF activation name: those torch computes as one op (gelu_new and
+# gelu_fast are formulas of several ops, each rounded to the dtype: not these).
+PLAIN_ACTIVATIONS = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+
+def norm_kind(norm: nn.Module) -> str | None:
+    """The C++ layer's kind of this norm, or None where it computes no such norm (a LayerNorm without weights)."""
+    if isinstance(norm, nn.LayerNorm) and (norm.weight is None or len(norm.normalized_shape) != 1):
+        return None
+    return next((kind for cls, kind in _NORM_KINDS if isinstance(norm, cls)), None)
+
+
+def takes_projections(*linears: nn.Module) -> bool:
+    """Whether the C++ layer reads each of these linear layers' weights (kernels.cpu_decoder_layer.takes_projection)."""
+    return all(cpu_decoder_layer.takes_projection(p.weight, p.weight_scale, p.weight_zero, p.weight_g_idx)
+               for p in linears)
+
+
+def describe_layer(*, input_norm: nn.Module, post_norm: nn.Module, qkv: nn.Module, o: nn.Module, gate_up: nn.Module,
+                   down: nn.Module, attention: Attention, rotary: RotaryEmbedding | None,
+                   attn_out_norm: nn.Module | None = None, mlp_out_norm: nn.Module | None = None,
+                   q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, scale: float | None = None,
+                   **form) -> cpu_decoder_layer.DecoderLayerWeights:
+    """A layer's modules as the C++ layer reads them: its norms (all of input_norm's kind and eps), linear layers
+    (weights, biases, int8 scales, paired copies), attention (heads, scale unless given, window, soft cap) and rotary
+    table; `form`: the rest of DecoderLayerWeights' fields that differ from llama's."""
+    def weight(module: nn.Module | None) -> torch.Tensor | None:
+        return None if module is None else module.weight
+
+    def projection(name: str, linear: nn.Module) -> dict:
+        return {name: linear.weight, f"{name}_bias": linear.bias, f"{name}_scale": linear.weight_scale,
+                f"{name}_pairs": linear.pairs_weight}
+
+    return cpu_decoder_layer.DecoderLayerWeights(
+        input_norm=input_norm.weight, post_norm=post_norm.weight, input_norm_bias=getattr(input_norm, "bias", None),
+        post_norm_bias=getattr(post_norm, "bias", None), attn_out_norm=weight(attn_out_norm),
+        mlp_out_norm=weight(mlp_out_norm), q_norm=weight(q_norm), k_norm=weight(k_norm),
+        **projection("qkv", qkv), **projection("o", o), **projection("gate_up", gate_up), **projection("down", down),
+        cos=None if rotary is None else rotary.cos.float().contiguous(),
+        sin=None if rotary is None else rotary.sin.float().contiguous(), eps=input_norm.eps,
+        scale=attention.scale if scale is None else scale, num_heads=attention.num_heads,
+        num_kv_heads=attention.num_kv_heads, head_dim=attention.head_dim, sliding_window=attention.sliding_window,
+        soft_cap=attention.soft_cap or 0.0, norm_kind=norm_kind(input_norm), **form)
+
+
+class FusedStage:
+    """A pipeline stage (an nn.Module with stage_layers and layers) whose steps of decodes and short chunks run in
+    the C++ layer when every layer of it describes itself: takes_one_call, fused_weights (describe_layer()),
+    fused_products (its qkv, o, gate_up and down linear layers) and fused_attention (its Attention, whose bound KV
+    cache the kernel writes). The family gives its final norm (final_norm_module(), None off the last stage)."""
+
+    lora_context = None  # set by workers.lora when adapters are enabled: which tokens run with which adapter
+    # The C++ layer's arguments, made for the caches bound when it first ran (kernels.cpu_decoder_layer).
+    _prepared_layers: cpu_decoder_layer.PreparedLayers | None = None
+
+    def final_norm_module(self) -> nn.Module | None:
+        raise NotImplementedError
+
+    @functools.cached_property
+    def one_call_layers(self) -> bool:
+        """Whether the C++ layer serves this stage's steps of decodes and short chunks: tp 1 only (it has no
+        all-reduce between attention and MLP), and every layer takes it."""
+        return parallel_state().tp_size == 1 and bool(self.stage_layers) and \
+            all(self.layers[i].takes_one_call for i in self.stage_layers)
+
+    def fused_step(self, x: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata
+                   ) -> cpu_decoder_layer.DecodeStep | None:
+        """The step's inputs for the C++ layer when it takes this step (kernels.cpu_decoder_layer.decode_step)."""
+        if not (self.one_call_layers and isinstance(metadata, AttentionMetadata)) or (
+                self.lora_context is not None and self.lora_context.token_groups):  # adapters need the op path
+            return None
+        return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
+                                             metadata.query_start_loc, self.product_rows)
+
+    def fused_forward(self, x: torch.Tensor, residual: torch.Tensor | None, step: cpu_decoder_layer.DecodeStep
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The stage's layers on a step fused_step() gave: the final norm's output on the last stage, else
+        (out, residual), whose sum is the last layer's output. In one C++ call, or with torch's products between
+        C++ calls past the kernels' rows; the same results as the op path."""
+        prepared = self.prepared_layers(x.dtype, prepare=True)
+        if step.kernel_products:
+            x, residual = cpu_decoder_layer.decoder_layers(prepared, x, residual, step)
+        else:
+            products = [self.layers[i].fused_products for i in self.stage_layers]
+            x, residual = cpu_decoder_layer.decoder_layers_with_products(prepared, products, x, residual, step)
+        return (x, residual) if prepared.final_norm is None else x
+
+    def prepared_layers(self, dtype: torch.dtype, prepare: bool = False) -> cpu_decoder_layer.PreparedLayers | None:
+        """The stage as the kernel takes it for the bound caches and dtype; made anew if `prepare`, else None when
+        the last one made is not for them."""
+        caches = [attention.kv_cache for attention in self._stage_attention]
+        prepared = self._prepared_layers
+        if prepared is not None and prepared.serves(caches, dtype):
+            return prepared
+        if not prepare:
+            return None
+        if any(cache is None for cache in caches):
+            raise RuntimeError("the KV cache was not bound to an attention layer")
+        norm = self.final_norm_module()
+        weights = [self.layers[i].fused_weights for i in self.stage_layers]
+        self._prepared_layers = cpu_decoder_layer.PreparedLayers(
+            weights, caches, dtype, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
+            getattr(norm, "bias", None))
+        return self._prepared_layers
+
+    @functools.cached_property
+    def _stage_attention(self) -> list[Attention]:
+        """This stage's attention layers, whose kv_cache each step reads (a plain list: no module lookups)."""
+        return [self.layers[i].fused_attention for i in self.stage_layers]
+
+    @functools.cached_property
+    def product_rows(self) -> int:
+        """The most tokens of a step whose products the C++ layer runs: the least this stage's projection weights
+        allow (kernels.cpu_decoder_layer.max_rows: int8 and small bf16 weights take more)."""
+        return min(self.layers[i].fused_weights.max_rows() for i in self.stage_layers)
+
+
+class FusedGreedyDecoding:
+    """A causal LM whose multi-step calls may take their later steps in one C++ call: the family gives its stage,
+    embedding and LM head (fused_parts()), and declares the compute_logits() the kernel computes
+    (fused_compute_logits: a subclass that changes the logits otherwise falls back to Python steps), with the
+    embedding scale and logits' soft cap it applies (0: none)."""
+
+    embed_scale = 0.0
+    logit_cap = 0.0
+    fused_compute_logits = None
+
+    def fused_parts(self) -> tuple[FusedStage, nn.Module | None, nn.Module | None]:
+        raise NotImplementedError
+
+    def greedy_decode(self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
+                      stops: list[set[int]], steps: int,
+                      drafts: cpu_greedy_decode.PromptLookupDrafts | cpu_greedy_decode.DraftModelDrafts | None = None,
+                      sampled: cpu_greedy_decode.SampledRows | None = None) -> cpu_greedy_decode.GreedyRun | None:
+        """A multi-step call's later steps in one C++ call (kernels.cpu_greedy_decode.greedy_decode: same tokens as
+        forward(), compute_logits() and the argmax or the sampler step by step, drafts verified as the Python steps
+        verify them); None where that does not compute what they do, and the caller steps in Python, or more rows
+        than the kernels' products take."""
+        model = self.greedy_model()
+        if model is None or len(tokens) > model.max_rows:
+            return None
+        return cpu_greedy_decode.greedy_decode(model, tokens, positions, table, limits, stops, steps, drafts, sampled)
+
+    def greedy_model(self) -> cpu_greedy_decode.GreedyModel | None:
+        """The model as greedy_decode() takes it; None for changed logits, pipeline stages, adapters, a quantized
+        table or head, or layers not in C++ or not prepared for the bound caches (a one-call step prepares them)."""
+        stage, embedding, head = self.fused_parts()
+        if not (type(self).compute_logits is type(self).fused_compute_logits and isinstance(stage, FusedStage)
+                and embedding is not None
+                and head is not None and stage.one_call_layers and stage.lora_context is None
+                and embedding.lora is None and head.lora is None and embedding.weight_scale is None
+                and head.weight_scale is None and head.weight.dtype == embedding.weight.dtype):
+            return None
+        prepared = stage.prepared_layers(embedding.weight.dtype)
+        if prepared is None:
+            return None
+        dtype = embedding.weight.dtype
+        return cpu_greedy_decode.GreedyModel(
+            prepared, embedding.weight, head.weight, head.vocab_size,
+            min(stage.product_rows, cpu_gemv.max_rows(dtype, head.weight, head.pairs_weight)), head.pairs_weight,
+            float(torch.tensor(self.embed_scale).to(dtype)) if self.embed_scale else 0.0, float(self.logit_cap or 0.0))
