@@ -38,14 +38,19 @@ class DecoderLayerWeights:
     else the one up product ("gelu", "gelu_tanh", "relu"). cos and sin: float32 [max_position, rotary_dim] of the
     leading dims that rotate, or None (learned positions). parallel_residual: GPT-NeoX's x + attn(ln1 x) + mlp(ln2 x);
     qkv_per_head: qkv's rows hold each head's q, k and v together; scale_q_first: q scaled and rounded before its
-    scores (OPT); soft_cap: the attention scores' tanh cap (0: none)."""
+    scores (OPT); soft_cap: the attention scores' tanh cap (0: none).
+
+    A mixture of experts (router [experts, hidden] given) replaces the dense MLP: each token's top_k experts by
+    softmax score (renormalized where set, times routed_scaling), each a SwiGLU MLP of experts_gate_up [experts,
+    2 * inter, hidden] and experts_down [experts, hidden, inter]; gate_up and down then are a shared expert's,
+    weighted by sigmoid(x shared_gate^T) (Qwen-MoE), or None."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
     o: torch.Tensor  # [hidden, heads * head_dim]
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden] gated, else [intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden] gated, else [intermediate, hidden]
+    down: torch.Tensor | None  # [hidden, intermediate]
     cos: torch.Tensor | None
     sin: torch.Tensor | None
     eps: float
@@ -78,32 +83,51 @@ class DecoderLayerWeights:
     qkv_per_head: bool = False
     scale_q_first: bool = False
     soft_cap: float = 0.0
+    router: torch.Tensor | None = None
+    experts_gate_up: torch.Tensor | None = None
+    experts_down: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None
+    top_k: int = 0
+    renormalize: bool = False
+    routed_scaling: float = 1.0
 
     @property
     def intermediate(self) -> int:
-        return self.down.shape[1]
+        return 0 if self.down is None else self.down.shape[1]
 
     def max_rows(self) -> int:
         """The most tokens of a step whose products the kernels run for these projections (max_rows)."""
-        return max_rows(self.input_norm.dtype, [self.qkv, self.o, self.gate_up, self.down], self._pairs())
+        weights, pairs = [], []
+        for (weight, _), paired in zip(self._projections(), self._pairs()):
+            if weight is not None:
+                weights.append(weight)
+                pairs.append(paired)
+        if self.router is not None:
+            weights += [self.experts_gate_up[0], self.experts_down[0]]
+        return max_rows(self.input_norm.dtype, weights, pairs)
 
     def args(self) -> tuple[list[int], list[int], list[float]]:
         """The layer as the kernels' module takes it (module.cpp's LayerArgs: pointers, dims, floats)."""
         tensors = (self.input_norm, self.qkv, self.qkv_bias, self.o, self.o_bias, self.post_norm, self.gate_up,
                    self.down, self.cos, self.sin, self.qkv_scale, self.o_scale, self.gate_up_scale, self.down_scale,
                    *self._pairs(), self.q_norm, self.k_norm, self.input_norm_bias, self.post_norm_bias,
-                   self.attn_out_norm, self.mlp_out_norm, self.gate_up_bias, self.down_bias)
+                   self.attn_out_norm, self.mlp_out_norm, self.gate_up_bias, self.down_bias, self.router,
+                   self.experts_gate_up, self.experts_down, self.shared_gate)
         groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self._projections()]
+        experts = [0, 0, 0, 0] if self.router is None else \
+            [self.router.shape[0], self.top_k, self.experts_down.shape[2], int(self.renormalize)]
         dims = [self.qkv.shape[1], self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
                 self.sliding_window or 0, *groups, 0 if self.cos is None else self.cos.shape[1],
                 NORM_KINDS[self.norm_kind], ACTIVATIONS[self.activation], int(self.parallel_residual),
-                int(self.qkv_per_head), int(self.scale_q_first)]
-        return [_pointer(t) for t in tensors], dims, [self.eps, self.scale, self.soft_cap]
+                int(self.qkv_per_head), int(self.scale_q_first), *experts]
+        return [_pointer(t) for t in tensors], dims, [self.eps, self.scale, self.soft_cap, self.routed_scaling]
 
     def check(self, dtype: torch.dtype) -> None:
         """Each projection of the hidden states' dtype, or int8 with its float32 scales (per row or group); norms,
         biases and rotary tables that fit the shape."""
         for weight, scale in self._projections():
+            if weight is None:
+                continue
             int8 = weight.dtype == torch.int8 and scale is not None and scale.dtype == torch.float32 \
                 and scale.is_contiguous() and _scale_group(weight, scale) is not None
             if not (int8 or (weight.dtype == dtype and scale is None)):
@@ -118,9 +142,11 @@ class DecoderLayerWeights:
             tensor = getattr(self, name)
             if tensor is not None and not (tensor.dtype == dtype and tensor.shape == (size,) and tensor.is_contiguous()):
                 raise ValueError(f"{name} must be a contiguous [{size}] tensor of the hidden states' dtype")
-        if self.qkv.shape[0] != qkv_rows or self.gate_up.shape[0] != width or \
-                self.o.shape != (hidden, self.num_heads * self.head_dim):
+        if self.qkv.shape[0] != qkv_rows or self.o.shape != (hidden, self.num_heads * self.head_dim) or (
+                (self.gate_up is None) != (self.down is None)) or (
+                self.gate_up is not None and self.gate_up.shape[0] != width):
             raise ValueError("the projections do not fit the layer's heads and activation")
+        self._check_experts(dtype, hidden)
         if self.qkv_per_head and self.num_heads != self.num_kv_heads:
             raise ValueError("q, k and v per head need as many kv heads as heads")
         if self.cos is not None and not (self.cos.dtype == self.sin.dtype == torch.float32 and self.cos.is_contiguous()
@@ -128,10 +154,32 @@ class DecoderLayerWeights:
                                          and self.cos.shape[1] <= self.head_dim and self.cos.shape[1] % 2 == 0):
             raise ValueError("cos and sin must be contiguous float32 [max_position, rotary_dim <= head_dim] tables")
         for (weight, _), pairs in zip(self._projections(), self._pairs()):
-            if pairs is not None and not (weight.dtype == dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weight)
+            if pairs is not None and weight is not None and not (weight.dtype == dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weight)
                                           and cpu_gemv.fits_pairs(weight, pairs)):
                 raise ValueError("a projection's pairs must be kernels.cpu_gemv.pair_weight of its bf16 weight, on a "
                                  "CPU with AVX-512 BF16")
+
+    def _check_experts(self, dtype: torch.dtype, hidden: int) -> None:
+        """A mixture of experts of the hidden states' dtype with a SwiGLU per expert; a dense MLP only as its
+        shared expert; or neither (a dense MLP)."""
+        if self.router is None:
+            if self.gate_up is None or self.shared_gate is not None:
+                raise ValueError("a layer without experts needs its dense MLP and no shared expert gate")
+            return
+        experts = self.router.shape[0]
+        tensors = (self.router, self.experts_gate_up, self.experts_down)
+        if not all(t is not None and t.dtype == dtype and t.is_contiguous() for t in tensors) or \
+                self.router.shape != (experts, hidden) or self.experts_gate_up.dim() != 3 or \
+                self.experts_down.shape != (experts, hidden, self.experts_gate_up.shape[1] // 2) or \
+                self.experts_gate_up.shape != (experts, 2 * self.experts_down.shape[2], hidden):
+            raise ValueError("experts need a router [experts, hidden], gate_up [experts, 2 inter, hidden] and down "
+                             "[experts, hidden, inter] of the hidden states' dtype")
+        if not 0 < self.top_k <= experts or self.activation != "silu_glu":
+            raise ValueError("experts take top_k of 1 up to their count, each a SwiGLU MLP")
+        if (self.shared_gate is None) != (self.gate_up is None) or (
+                self.shared_gate is not None and not (self.shared_gate.dtype == dtype and self.shared_gate.shape
+                                                      == (1, hidden) and self.shared_gate.is_contiguous())):
+            raise ValueError("a shared expert needs its gate [1, hidden] of the hidden states' dtype, and its MLP")
 
     def _projections(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
         return ((self.qkv, self.qkv_scale), (self.o, self.o_scale), (self.gate_up, self.gate_up_scale),
@@ -275,11 +323,12 @@ def decoder_layers(prepared: PreparedLayers, x: torch.Tensor, residual: torch.Te
 
 
 def decoder_layers_with_products(prepared: PreparedLayers,
-                                 products: Sequence[tuple[Product, Product, Product, Product]], x: torch.Tensor,
+                                 products: Sequence[tuple[Product, Product, Product, Product | None]], x: torch.Tensor,
                                  residual: torch.Tensor | None, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
     """decoder_layers() for a step of more tokens than the kernels' products take: each layer's (qkv, o, gate_up,
-    down) products are the given functions (the model's linear layers: torch's GEMMs), everything between them the
-    kernel's layer phases, in four calls per layer instead of the op path's ~50 tensor ops."""
+    down) products are the given functions (the model's linear layers: torch's GEMMs; a mixture of experts gives its
+    whole MLP as gate_up and None as down), everything between them the kernel's layer phases, in four calls per
+    layer instead of the op path's ~50 tensor ops."""
     prepared.check(x)
     module = prepared.module
     bf16, tokens = x.dtype == torch.bfloat16, x.shape[0]
@@ -299,10 +348,13 @@ def decoder_layers_with_products(prepared: PreparedLayers,
                       *tables, attn.data_ptr(), tokens)
         o = o_proj(attn).contiguous()
         module.after_attention(bf16, layer, o.data_ptr(), residual_out.data_ptr(), normed.data_ptr(), tokens)
-        h = gate_up_proj(normed).contiguous()
-        act = torch.empty(tokens, weights.intermediate, dtype=x.dtype)
-        module.activate(bf16, layer, h.data_ptr(), act.data_ptr(), tokens)
-        x = down_proj(act).contiguous()
+        if down_proj is None:  # a mixture of experts: the product is the layer's whole MLP
+            x = gate_up_proj(normed).contiguous()
+        else:
+            h = gate_up_proj(normed).contiguous()
+            act = torch.empty(tokens, weights.intermediate, dtype=x.dtype)
+            module.activate(bf16, layer, h.data_ptr(), act.data_ptr(), tokens)
+            x = down_proj(act).contiguous()
         module.after_mlp(bf16, layer, x.data_ptr(), o.data_ptr(), tokens)
     if prepared.final_norm is None:
         return x, residual_out

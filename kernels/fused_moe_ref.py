@@ -13,7 +13,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
                    routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [tokens, experts] → (weights float32 [tokens, top_k], expert ids int64 [tokens, top_k]).
 
-    Scores are computed in float32. With groups (DeepSeek's group-limited routing) only experts of the
+    Scores are computed in float32; the top_k largest, the lower id first among equal ones. With groups (DeepSeek's group-limited routing) only experts of the
     `topk_group` groups with the highest best score compete; `renormalize` makes each token's weights sum to 1
     before `routed_scaling_factor` multiplies them."""
     logits = router_logits.float()
@@ -25,7 +25,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
         raise ValueError(f"MoE scoring function {scoring!r} is not supported (supported: 'softmax', 'sigmoid')")
     if num_expert_group is not None and num_expert_group > 1:
         scores = _keep_top_groups(scores, num_expert_group, topk_group or num_expert_group)
-    weights, ids = torch.topk(scores, top_k, dim=-1)
+    # Equal scores (frequent among bf16 router logits) go to the lower expert id, as the C++ layer (experts.h)
+    # chooses: torch.topk breaks such ties in an order of its own.
+    weights, ids = (t[..., :top_k] for t in torch.sort(scores, dim=-1, descending=True, stable=True))
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if routed_scaling_factor != 1.0:

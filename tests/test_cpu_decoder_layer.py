@@ -6,7 +6,8 @@ import math
 
 import pytest
 import torch
-from transformers import Gemma2Config, GPTNeoXConfig, LlamaConfig, OPTConfig, Qwen2Config, Qwen3Config
+from transformers import (Gemma2Config, GPTNeoXConfig, LlamaConfig, MixtralConfig, OPTConfig, Qwen2Config,
+                          Qwen2MoeConfig, Qwen3Config)
 
 from frontend import LLM, SamplingParams
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv
@@ -17,8 +18,10 @@ from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.models.gemma2 import Gemma2DecoderLayer
 from workers.models.gpt_neox import GPTNeoXLayer
 from workers.models.llama import LlamaDecoderLayer, head_dim_of
+from workers.models.mixtral import MixtralDecoderLayer
 from workers.models.opt import OPTDecoderLayer
 from workers.models.qwen2 import Qwen2DecoderLayer
+from workers.models.qwen2_moe import Qwen2MoeDecoderLayer
 from workers.models.qwen3 import Qwen3DecoderLayer
 from workers.quantization.online import quantize_model_rows
 
@@ -100,6 +103,15 @@ CASES = {
         GPTNeoXLayer, GPTNeoXConfig(hidden_size=96, num_attention_heads=3, intermediate_size=130,
                                     max_position_embeddings=512, use_parallel_residual=False,
                                     hidden_act="gelu_pytorch_tanh")),
+    "mixtral experts, top 2 of 5": (
+        MixtralDecoderLayer, MixtralConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                           intermediate_size=72, max_position_embeddings=512, num_local_experts=5,
+                                           num_experts_per_tok=2)),
+    "qwen2_moe experts, top 3 of 6, shared expert": (
+        Qwen2MoeDecoderLayer, Qwen2MoeConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                             intermediate_size=160, moe_intermediate_size=48, num_experts=6,
+                                             num_experts_per_tok=3, shared_expert_intermediate_size=96,
+                                             norm_topk_prob=False, max_position_embeddings=512, qkv_bias=True)),
     "opt learned positions, q scaled first, relu": (
         OPTDecoderLayer, OPTConfig(hidden_size=128, num_attention_heads=4, ffn_dim=200, max_position_embeddings=512,
                                    word_embed_proj_dim=128, activation_function="relu")),
@@ -204,6 +216,12 @@ def assert_fused_matches(layer: LlamaDecoderLayer, layer_class, config, dtype: t
             # coin flip where torch's bf16 GEMMs and the kernel's sums run in other orders): two steps of slack.
             kernel_error, op_error = ((t.float() - exact[i]).abs() for t in (tensor, reference))
             step = 2.0 ** (math.floor(math.log2(exact[i].abs().max().item())) - 7)
+            if i == 0 and hasattr(getattr(layer, "mlp", None), "experts"):
+                # A token whose k-th and next experts score within a rounding of each other takes either one,
+                # by the ulps its input differs by: a few such rows, the rest as close as the op path's.
+                rerouted = (tensor.float() - reference.float()).abs().amax(-1) > 8 * step
+                assert rerouted.float().mean() <= 0.1, rerouted.sum()
+                kernel_error, op_error = kernel_error[~rerouted], op_error[~rerouted]
             assert kernel_error.mean() <= 1.1 * op_error.mean() + 1e-5, (kernel_error.mean(), op_error.mean())
             assert kernel_error.max() <= op_error.max() + 2 * step, (kernel_error.max(), op_error.max(), step)
 
@@ -312,8 +330,9 @@ def test_declines_steps_it_does_not_compute():
 
 @pytest.mark.parametrize(("arch", "products"), [("llama", "kernel"), ("qwen2", "kernel"), ("mistral", "kernel"),
                                                ("qwen3", "kernel"), ("gemma2", "kernel"), ("gpt_neox", "kernel"),
-                                               ("opt", "kernel"), ("phi3", "kernel"), ("llama", "torch"),
-                                               ("qwen3", "torch"), ("gemma2", "torch"), ("gpt_neox", "torch")])
+                                               ("opt", "kernel"), ("phi3", "kernel"), ("mixtral", "kernel"),
+                                               ("qwen3_moe", "kernel"), ("llama", "torch"), ("qwen3", "torch"),
+                                               ("gemma2", "torch"), ("gpt_neox", "torch"), ("qwen2_moe", "torch")])
 def test_engine_outputs_equal_the_op_by_op_path(arch, products, monkeypatch):
     """Greedy float32 through the engine, batch 1 and 3: the same tokens and logprobs with the kernel as without
     (its products the kernels', or torch's as past max_rows)."""

@@ -10,6 +10,7 @@
 #include "common.h"
 #include "decode_attention.h"
 #include "gemv.h"
+#include "experts.h"
 #include "gemv_pairs.h"
 #include "layer_ops.h"
 
@@ -52,6 +53,7 @@ struct DecoderLayer {
   int64_t activation = kSiluGlu;
   bool parallel_residual = false, qkv_per_head = false, scale_q_first = false;
   const T *q_norm = nullptr, *k_norm = nullptr;  // [head_dim] RMSNorm weights of each q and k head (Qwen3), or null
+  Experts<T> experts;  // count > 0: a mixture of experts (experts.h), the dense MLP its shared expert if any
 };
 
 template <typename T>
@@ -169,6 +171,16 @@ void attend(const DecoderLayer<T>& L, T* qkv, const int64_t* positions, const in
                 L.scale_q_first ? 1.f : L.scale, L.soft_cap, L.window);
 }
 
+// The layer's dense MLP: its up product(s), activation and down product from normed [M, hidden] into out.
+template <typename T>
+void dense_mlp(const DecoderLayer<T>& L, const T* normed, T* out, int64_t M) {
+  const int64_t H = L.hidden, I = L.intermediate, width = gated(L.activation) ? 2 * I : I;
+  std::vector<T> h(M * width), act(M * I);
+  project(L.gate_up, normed, L.gate_up_bias, h.data(), M, width, H);
+  activate_rows(L, h.data(), act.data(), M);
+  project(L.down, act.data(), L.down_bias, out, M, H, I);
+}
+
 // x [M, hidden] (this layer's input), residual [M, hidden] or null (first layer); writes out [M, hidden] and
 // residual_out [M, hidden] (either may be x or residual: each is read before it is written). The layer's output is
 // out + residual_out, which the next layer's before_attention() adds.
@@ -177,17 +189,23 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
                    const int64_t* positions, const int64_t* slots, T* k_cache, T* v_cache, int64_t block_size,
                    const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M) {
   const int64_t H = L.hidden, q_size = L.heads * L.head_dim, qkv_size = q_size + 2 * L.kv_heads * L.head_dim;
-  const int64_t I = L.intermediate, width = gated(L.activation) ? 2 * I : I;
   std::vector<T> normed(M * H), qkv(M * qkv_size), attn(M * q_size);
   before_attention(L, x, residual, residual_out, normed.data(), M);
   project(L.qkv, normed.data(), L.qkv_bias, qkv.data(), M, qkv_size, H);
   attend(L, qkv.data(), positions, slots, k_cache, v_cache, block_size, tables, max_blocks, seq_lens, attn.data(), M);
-  std::vector<T> o(M * H), h(M * width), act(M * I);
+  std::vector<T> o(M * H);
   project(L.o, attn.data(), L.o_bias, o.data(), M, H, q_size);
   after_attention(L, o.data(), residual_out, normed.data(), M);
-  project(L.gate_up, normed.data(), L.gate_up_bias, h.data(), M, width, H);
-  activate_rows(L, h.data(), act.data(), M);
-  project(L.down, act.data(), L.down_bias, out, M, H, I);
+  if (L.experts.count) {
+    mixture_of_experts(L.experts, normed.data(), out, M, H);
+    if (L.experts.shared_gate) {
+      std::vector<T> shared(M * H);
+      dense_mlp(L, normed.data(), shared.data(), M);
+      add_shared_expert(L.experts, normed.data(), shared.data(), out, M, H);
+    }
+  } else {
+    dense_mlp(L, normed.data(), out, M);
+  }
   after_mlp(L, out, o.data(), M);
 }
 

@@ -66,19 +66,45 @@ void rms_norm_row(const T* x, const T* weight, float eps, T* out, int64_t dim) {
 template <typename T>
 void gemma_norm_row(const T* x, const T* weight, float eps, T* out, int64_t dim) {
   const float r = 1.f / std::sqrt(sum_squares(x, dim) / float(dim) + eps);
-  for (int64_t d = 0; d < dim; ++d) store(widen(x[d]) * r * (1.f + widen(weight[d])), out + d);
+  int64_t d = 0;
+#ifdef __AVX2__
+  for (const __m256 rv = _mm256_set1_ps(r), one = _mm256_set1_ps(1.f); d + 8 <= dim; d += 8)
+    store8(_mm256_mul_ps(_mm256_mul_ps(load8(x + d), rv), _mm256_add_ps(one, load8(weight + d))), out + d);
+#endif
+  for (; d < dim; ++d) store(widen(x[d]) * r * (1.f + widen(weight[d])), out + d);
 }
 
 // LayerNorm: out = round((x - mean) * rsqrt(var + eps) * weight + bias), mean and (biased) variance in float32.
 template <typename T>
 void layer_norm_row(const T* x, const T* weight, const T* bias, float eps, T* out, int64_t dim) {
-  float sum = 0.f;
-  for (int64_t d = 0; d < dim; ++d) sum += widen(x[d]);
+  float sum = 0.f, sq = 0.f;
+  int64_t d = 0;
+#ifdef __AVX2__
+  __m256 lanes = _mm256_setzero_ps();
+  for (; d + 8 <= dim; d += 8) lanes = _mm256_add_ps(lanes, load8(x + d));
+  sum = hsum(lanes);
+#endif
+  for (; d < dim; ++d) sum += widen(x[d]);
   const float mean = sum / float(dim);
-  float sq = 0.f;
-  for (int64_t d = 0; d < dim; ++d) sq += (widen(x[d]) - mean) * (widen(x[d]) - mean);
+  d = 0;
+#ifdef __AVX2__
+  lanes = _mm256_setzero_ps();
+  for (const __m256 m = _mm256_set1_ps(mean); d + 8 <= dim; d += 8) {
+    const __m256 c = _mm256_sub_ps(load8(x + d), m);
+    lanes = _mm256_fmadd_ps(c, c, lanes);
+  }
+  sq = hsum(lanes);
+#endif
+  for (; d < dim; ++d) sq += (widen(x[d]) - mean) * (widen(x[d]) - mean);
   const float r = 1.f / std::sqrt(sq / float(dim) + eps);
-  for (int64_t d = 0; d < dim; ++d)
+  d = 0;
+#ifdef __AVX2__
+  for (const __m256 m = _mm256_set1_ps(mean), rv = _mm256_set1_ps(r); d + 8 <= dim; d += 8) {
+    const __m256 y = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(load8(x + d), m), rv), load8(weight + d));
+    store8(bias ? _mm256_add_ps(y, load8(bias + d)) : y, out + d);
+  }
+#endif
+  for (; d < dim; ++d)
     store((widen(x[d]) - mean) * r * widen(weight[d]) + (bias ? widen(bias[d]) : 0.f), out + d);
 }
 
@@ -120,6 +146,37 @@ inline float activate(int64_t activation, float g) {
   }
 }
 
+#ifdef __AVX2__
+// activate() of 8 lanes, by the same formulas (e^x by exp8).
+inline __m256 activate8(int64_t activation, __m256 g) {
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  switch (activation) {
+    case kGelu: {
+      const __m256 z = _mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), g), _mm256_set1_ps(0.70710678118654752f));
+      const __m256 t = _mm256_div_ps(one, _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), z, one));
+      __m256 poly = _mm256_set1_ps(1.061405429f);
+      for (const float c : {-1.453152027f, 1.421413741f, -0.284496736f, 0.254829592f})
+        poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(c));
+      const __m256 erfc = _mm256_mul_ps(_mm256_mul_ps(poly, t), exp8(_mm256_sub_ps(zero, _mm256_mul_ps(z, z))));
+      const __m256 positive = _mm256_cmp_ps(g, zero, _CMP_GE_OQ);
+      const __m256 sum = _mm256_blendv_ps(erfc, _mm256_sub_ps(_mm256_set1_ps(2.f), erfc), positive);
+      return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), sum);
+    }
+    case kGeluTanh:
+    case kGeluTanhGlu: {
+      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+      const __m256 y = _mm256_mul_ps(_mm256_set1_ps(-2.f * 0.7978845608028654f),
+                                     _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, g));
+      return _mm256_div_ps(g, _mm256_add_ps(one, exp8(y)));
+    }
+    case kRelu:
+      return _mm256_max_ps(g, zero);
+    default:
+      return _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, g))));
+  }
+}
+#endif
+
 // act = round(round(silu(gate)) * up) for one row of [gate | up], silu(g) = g / (1 + e^-g) as torch computes it.
 template <typename T>
 void silu_and_mul_row(const T* gate_up, T* act, int64_t I) {
@@ -149,12 +206,20 @@ void silu_and_mul_row(const T* gate_up, T* act, int64_t I) {
 template <typename T>
 void activate_row(int64_t activation, const T* h, T* act, int64_t I) {
   if (activation == kSiluGlu) return silu_and_mul_row(h, act, I);
+  int64_t i = 0;
   if (gated(activation)) {
-    for (int64_t i = 0; i < I; ++i)
+#ifdef __AVX2__
+    for (; i + 8 <= I; i += 8)
+      store8(_mm256_mul_ps(round8<T>(activate8(activation, load8(h + i))), load8(h + I + i)), act + i);
+#endif
+    for (; i < I; ++i)
       act[i] = round_to<T>(widen(round_to<T>(activate(activation, widen(h[i])))) * widen(h[I + i]));
     return;
   }
-  for (int64_t i = 0; i < I; ++i) store(activate(activation, widen(h[i])), act + i);
+#ifdef __AVX2__
+  for (; i + 8 <= I; i += 8) store8(activate8(activation, load8(h + i)), act + i);
+#endif
+  for (; i < I; ++i) store(activate(activation, widen(h[i])), act + i);
 }
 
 // Rotate-half rotary embedding of the first `dim` values of one head in place (cos and sin [dim]), each product and

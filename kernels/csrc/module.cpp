@@ -55,18 +55,20 @@ void gemv_int8_grouped(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias
 // pointers: input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, cos, sin, then the scales of qkv, o,
 // gate_up and down (0 for a weight of the model dtype; else it is int8), then their gemv_pairs.h copies (0: none),
 // then the q and k head norms, input_norm's and post_norm's biases, attn_out_norm, mlp_out_norm, gate_up's and down's
-// biases (0: none, and for every absent bias);
+// biases (0: none, and for every absent bias), then the experts' router, gate_up and down and the shared expert's
+// gate (0: a dense MLP; pagedserve::Experts);
 // dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none), then the scale group sizes of
 // qkv, o, gate_up and down (0: a scale per row, or no scale), then rotary_dim, the norm kind, the activation,
-// parallel_residual, qkv_per_head and scale_q_first (layer_ops.h, pagedserve::DecoderLayer);
-// floats: the norms' eps, the attention's scale and soft cap.
+// parallel_residual, qkv_per_head and scale_q_first (layer_ops.h, pagedserve::DecoderLayer), then the experts' count,
+// top_k, intermediate size and renormalize;
+// floats: the norms' eps, the attention's scale and soft cap, the experts' weights' scaling.
 using LayerArgs = std::tuple<std::vector<uintptr_t>, std::vector<int64_t>, std::vector<double>>;
 
 template <typename T>
 pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
   const auto& [w, dims, floats] = args;
-  if (w.size() != 26 || dims.size() != 16 || floats.size() != 3)
-    throw std::invalid_argument("a layer takes 26 pointers, 16 dims and 3 floats");
+  if (w.size() != 30 || dims.size() != 20 || floats.size() != 4)
+    throw std::invalid_argument("a layer takes 30 pointers, 20 dims and 4 floats");
   auto projection = [&](int weight, int scale) {
     return pagedserve::Projection{reinterpret_cast<const void*>(w[weight]), in<float>(w[scale]), dims[scale - 4],
                                   in<uint16_t>(w[scale + 4])};
@@ -86,6 +88,8 @@ pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
   L.window = dims[5], L.rotary_dim = dims[10], L.activation = dims[12];
   L.parallel_residual = dims[13], L.qkv_per_head = dims[14], L.scale_q_first = dims[15];
   L.q_norm = in<T>(w[18]), L.k_norm = in<T>(w[19]);
+  L.experts = {dims[16], dims[17], dims[18], in<T>(w[26]), in<T>(w[27]), in<T>(w[28]), in<T>(w[29]), dims[19] != 0,
+               float(floats[3])};
   return L;
 }
 

@@ -35,18 +35,39 @@ def takes_projections(*linears: nn.Module) -> bool:
                for p in linears)
 
 
-def describe_layer(*, input_norm: nn.Module, post_norm: nn.Module, qkv: nn.Module, o: nn.Module, gate_up: nn.Module,
-                   down: nn.Module, attention: Attention, rotary: RotaryEmbedding | None,
+def experts_form(block: nn.Module) -> dict | None:
+    """A mixture-of-experts block (its router `gate`, routed `experts` (workers.layers.fused_moe.FusedMoE) and, where
+    it has one, a `shared_expert` MLP weighted by sigmoid(`shared_expert_gate`)) as DecoderLayerWeights' expert
+    fields; None where the C++ layer does not compute it: sigmoid scores or group-limited routing (DeepSeek's),
+    experts split over ranks, a quantized or biased router."""
+    moe, router, routing = block.experts, block.gate, block.experts.routing
+    if routing.scoring != "softmax" or (routing.num_expert_group or 1) > 1 or moe.tp_size > 1 or \
+            router.weight_scale is not None or router.bias is not None or moe.gate_up_proj.dtype != router.weight.dtype:
+        return None
+    gate = getattr(block, "shared_expert_gate", None)
+    if gate is not None and (gate.weight_scale is not None or gate.bias is not None):
+        return None
+    return {"router": router.weight, "experts_gate_up": moe.gate_up_proj.data, "experts_down": moe.down_proj.data,
+            "top_k": routing.top_k, "renormalize": routing.renormalize,
+            "routed_scaling": routing.routed_scaling_factor, "shared_gate": None if gate is None else gate.weight}
+
+
+def describe_layer(*, input_norm: nn.Module, post_norm: nn.Module, qkv: nn.Module, o: nn.Module,
+                   gate_up: nn.Module | None, down: nn.Module | None, attention: Attention,
+                   rotary: RotaryEmbedding | None,
                    attn_out_norm: nn.Module | None = None, mlp_out_norm: nn.Module | None = None,
                    q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, scale: float | None = None,
                    **form) -> cpu_decoder_layer.DecoderLayerWeights:
     """A layer's modules as the C++ layer reads them: its norms (all of input_norm's kind and eps), linear layers
     (weights, biases, int8 scales, paired copies), attention (heads, scale unless given, window, soft cap) and rotary
-    table; `form`: the rest of DecoderLayerWeights' fields that differ from llama's."""
+    table; `form`: the rest of DecoderLayerWeights' fields that differ from llama's (experts_form()'s among them).
+    gate_up and down: the dense MLP's (a mixture of experts' shared expert), or None."""
     def weight(module: nn.Module | None) -> torch.Tensor | None:
         return None if module is None else module.weight
 
-    def projection(name: str, linear: nn.Module) -> dict:
+    def projection(name: str, linear: nn.Module | None) -> dict:
+        if linear is None:
+            return {name: None}
         return {name: linear.weight, f"{name}_bias": linear.bias, f"{name}_scale": linear.weight_scale,
                 f"{name}_pairs": linear.pairs_weight}
 

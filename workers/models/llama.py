@@ -15,7 +15,8 @@ from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, tie_lm_head
-from workers.models.fused_stage import FusedGreedyDecoding, FusedStage, describe_layer, takes_projections
+from workers.models.fused_stage import (FusedGreedyDecoding, FusedStage, describe_layer, experts_form,
+                                        takes_projections)
 
 # What a pipeline stage hands the next: (hidden states, residual).
 
@@ -127,11 +128,28 @@ class LlamaDecoderLayer(nn.Module):
         if not self.one_call_capable or any(
                 norm is not None and norm.eps != self.input_layernorm.eps for norm in (attn.q_norm, attn.k_norm)):
             return False
-        return takes_projections(*self.fused_products)
+        if self._experts is None:
+            return takes_projections(*self.fused_products)
+        dense = self._dense_mlp
+        return experts_form(self.mlp) is not None and takes_projections(attn.qkv_proj, attn.o_proj) and (
+            dense is None or takes_projections(dense.gate_up_proj, dense.down_proj))
 
     @property
-    def fused_products(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+    def fused_products(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module | None]:
+        """qkv, o, gate_up and down; of a mixture of experts, the whole MLP and None."""
+        if self._experts is not None:
+            return self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp, None
         return self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
+
+    @property
+    def _experts(self) -> nn.Module | None:
+        """The MLP if it is a mixture of experts (it has routed `experts`), else None."""
+        return self.mlp if hasattr(self.mlp, "experts") else None
+
+    @property
+    def _dense_mlp(self) -> nn.Module | None:
+        """The dense MLP: the layer's, or its mixture of experts' shared expert (None without one)."""
+        return getattr(self.mlp, "shared_expert", None) if self._experts is not None else self.mlp
 
     @property
     def fused_attention(self) -> Attention:
@@ -140,11 +158,12 @@ class LlamaDecoderLayer(nn.Module):
     @functools.cached_property
     def fused_weights(self) -> cpu_decoder_layer.DecoderLayerWeights:
         """This layer's parameters as the one-call layer reads them (kernels.cpu_decoder_layer)."""
-        attn = self.self_attn
-        qkv, o, gate_up, down = self.fused_products
-        return describe_layer(input_norm=self.input_layernorm, post_norm=self.post_attention_layernorm, qkv=qkv, o=o,
-                              gate_up=gate_up, down=down, attention=attn.attn, rotary=attn.rotary,
-                              q_norm=attn.q_norm, k_norm=attn.k_norm)
+        attn, dense = self.self_attn, self._dense_mlp
+        experts = {} if self._experts is None else experts_form(self._experts)
+        return describe_layer(input_norm=self.input_layernorm, post_norm=self.post_attention_layernorm,
+                              qkv=attn.qkv_proj, o=attn.o_proj, gate_up=None if dense is None else dense.gate_up_proj,
+                              down=None if dense is None else dense.down_proj, attention=attn.attn,
+                              rotary=attn.rotary, q_norm=attn.q_norm, k_norm=attn.k_norm, **experts)
 
 
 class LlamaModel(FusedStage, nn.Module):

@@ -26,8 +26,6 @@ class MixtralMoE(nn.Module):
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
-    one_call_capable = False
-
     def build_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
         return MixtralMoE(config)
 

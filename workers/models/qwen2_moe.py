@@ -39,8 +39,6 @@ class QwenMoE(nn.Module):
 
 
 class Qwen2MoeDecoderLayer(LlamaDecoderLayer):
-    one_call_capable = False
-
     def build_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
         return QwenMoE(config) if is_sparse_layer(config, layer_idx) else LlamaMLP(config)
 
