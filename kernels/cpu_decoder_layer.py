@@ -10,204 +10,14 @@ steps of the model on top of these layers).
 """
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-from kernels import cpu_extension, cpu_gemv
-
-
-NORM_KINDS = {"rms": 0, "gemma": 1, "layer": 2}  # layer_ops.h's NormKind
-ACTIVATIONS = {"silu_glu": 0, "gelu_tanh_glu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}  # and its Activation
-
-
-@dataclass(frozen=True, kw_only=True)
-class DecoderLayerWeights:
-    """One layer's parameters (biases None where absent) and shape, and the form of its family's layer
-    (decoder_layer.h's DecoderLayer: llama's by default); tensors, so a reloaded weight is followed.
-
-    A projection may be int8 with a float32 scale per output row or group (weight-only quantization): its *_scale.
-    A bf16 projection may come with its kernels.cpu_gemv.pair_weight copy (*_pairs), which its products then read.
-    Every norm is of norm_kind ("rms", Gemma's "gemma" (1 + w), or "layer": LayerNorm with its *_bias) with eps:
-    input_norm before attention, post_norm before the MLP, and where given attn_out_norm and mlp_out_norm on the
-    attention's and the MLP's outputs (Gemma 2). q_norm and k_norm: an RMSNorm weight [head_dim] each q and k head
-    goes through before rotary (Qwen3). gate_up: [gate | up] for a gated activation ("silu_glu", "gelu_tanh_glu"),
-    else the one up product ("gelu", "gelu_tanh", "relu"). cos and sin: float32 [max_position, rotary_dim] of the
-    leading dims that rotate, or None (learned positions). parallel_residual: GPT-NeoX's x + attn(ln1 x) + mlp(ln2 x);
-    qkv_per_head: qkv's rows hold each head's q, k and v together; scale_q_first: q scaled and rounded before its
-    scores (OPT); soft_cap: the attention scores' tanh cap (0: none).
-
-    A mixture of experts (router [experts, hidden] given) replaces the dense MLP: each token's top_k experts by
-    softmax score (renormalized where set, times routed_scaling), each a SwiGLU MLP of experts_gate_up [experts,
-    2 * inter, hidden] and experts_down [experts, hidden, inter]; gate_up and down then are a shared expert's,
-    weighted by sigmoid(x shared_gate^T) (Qwen-MoE), or None."""
-
-    input_norm: torch.Tensor
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o: torch.Tensor  # [hidden, heads * head_dim]
-    post_norm: torch.Tensor
-    gate_up: torch.Tensor | None  # [2 * intermediate, hidden] gated, else [intermediate, hidden]
-    down: torch.Tensor | None  # [hidden, intermediate]
-    cos: torch.Tensor | None
-    sin: torch.Tensor | None
-    eps: float
-    scale: float
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    sliding_window: int | None = None
-    qkv_bias: torch.Tensor | None = None
-    o_bias: torch.Tensor | None = None
-    gate_up_bias: torch.Tensor | None = None
-    down_bias: torch.Tensor | None = None
-    qkv_scale: torch.Tensor | None = None
-    o_scale: torch.Tensor | None = None
-    gate_up_scale: torch.Tensor | None = None
-    down_scale: torch.Tensor | None = None
-    qkv_pairs: torch.Tensor | None = None
-    o_pairs: torch.Tensor | None = None
-    gate_up_pairs: torch.Tensor | None = None
-    down_pairs: torch.Tensor | None = None
-    q_norm: torch.Tensor | None = None
-    k_norm: torch.Tensor | None = None
-    norm_kind: str = "rms"
-    input_norm_bias: torch.Tensor | None = None
-    post_norm_bias: torch.Tensor | None = None
-    attn_out_norm: torch.Tensor | None = None
-    mlp_out_norm: torch.Tensor | None = None
-    activation: str = "silu_glu"
-    parallel_residual: bool = False
-    qkv_per_head: bool = False
-    scale_q_first: bool = False
-    soft_cap: float = 0.0
-    router: torch.Tensor | None = None
-    experts_gate_up: torch.Tensor | None = None
-    experts_down: torch.Tensor | None = None
-    shared_gate: torch.Tensor | None = None
-    top_k: int = 0
-    renormalize: bool = False
-    routed_scaling: float = 1.0
-
-    @property
-    def intermediate(self) -> int:
-        return 0 if self.down is None else self.down.shape[1]
-
-    def max_rows(self) -> int:
-        """The most tokens of a step whose products the kernels run for these projections (max_rows)."""
-        weights, pairs = [], []
-        for (weight, _), paired in zip(self._projections(), self._pairs()):
-            if weight is not None:
-                weights.append(weight)
-                pairs.append(paired)
-        if self.router is not None:
-            weights += [self.experts_gate_up[0], self.experts_down[0]]
-        return max_rows(self.input_norm.dtype, weights, pairs)
-
-    def args(self) -> tuple[list[int], list[int], list[float]]:
-        """The layer as the kernels' module takes it (module.cpp's LayerArgs: pointers, dims, floats)."""
-        tensors = (self.input_norm, self.qkv, self.qkv_bias, self.o, self.o_bias, self.post_norm, self.gate_up,
-                   self.down, self.cos, self.sin, self.qkv_scale, self.o_scale, self.gate_up_scale, self.down_scale,
-                   *self._pairs(), self.q_norm, self.k_norm, self.input_norm_bias, self.post_norm_bias,
-                   self.attn_out_norm, self.mlp_out_norm, self.gate_up_bias, self.down_bias, self.router,
-                   self.experts_gate_up, self.experts_down, self.shared_gate)
-        groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self._projections()]
-        experts = [0, 0, 0, 0] if self.router is None else \
-            [self.router.shape[0], self.top_k, self.experts_down.shape[2], int(self.renormalize)]
-        dims = [self.qkv.shape[1], self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
-                self.sliding_window or 0, *groups, 0 if self.cos is None else self.cos.shape[1],
-                NORM_KINDS[self.norm_kind], ACTIVATIONS[self.activation], int(self.parallel_residual),
-                int(self.qkv_per_head), int(self.scale_q_first), *experts]
-        return [_pointer(t) for t in tensors], dims, [self.eps, self.scale, self.soft_cap, self.routed_scaling]
-
-    def check(self, dtype: torch.dtype) -> None:
-        """Each projection of the hidden states' dtype, or int8 with its float32 scales (per row or group); norms,
-        biases and rotary tables that fit the shape."""
-        for weight, scale in self._projections():
-            if weight is None:
-                continue
-            int8 = weight.dtype == torch.int8 and scale is not None and scale.dtype == torch.float32 \
-                and scale.is_contiguous() and _scale_group(weight, scale) is not None
-            if not (int8 or (weight.dtype == dtype and scale is None)):
-                raise TypeError("a projection's weight must be of the hidden states' dtype, or int8 with float32 "
-                                "scales per row [N] or per group of a multiple of 8 columns [N, K / group]")
-        hidden, width = self.qkv.shape[1], self.intermediate * (2 if self.activation.endswith("_glu") else 1)
-        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        shapes = {"input_norm": hidden, "post_norm": hidden, "input_norm_bias": hidden, "post_norm_bias": hidden,
-                  "attn_out_norm": hidden, "mlp_out_norm": hidden, "q_norm": self.head_dim, "k_norm": self.head_dim,
-                  "qkv_bias": qkv_rows, "o_bias": hidden, "gate_up_bias": width, "down_bias": hidden}
-        for name, size in shapes.items():
-            tensor = getattr(self, name)
-            if tensor is not None and not (tensor.dtype == dtype and tensor.shape == (size,) and tensor.is_contiguous()):
-                raise ValueError(f"{name} must be a contiguous [{size}] tensor of the hidden states' dtype")
-        if self.qkv.shape[0] != qkv_rows or self.o.shape != (hidden, self.num_heads * self.head_dim) or (
-                (self.gate_up is None) != (self.down is None)) or (
-                self.gate_up is not None and self.gate_up.shape[0] != width):
-            raise ValueError("the projections do not fit the layer's heads and activation")
-        self._check_experts(dtype, hidden)
-        if self.qkv_per_head and self.num_heads != self.num_kv_heads:
-            raise ValueError("q, k and v per head need as many kv heads as heads")
-        if self.cos is not None and not (self.cos.dtype == self.sin.dtype == torch.float32 and self.cos.is_contiguous()
-                                         and self.sin.is_contiguous() and self.cos.shape == self.sin.shape
-                                         and self.cos.shape[1] <= self.head_dim and self.cos.shape[1] % 2 == 0):
-            raise ValueError("cos and sin must be contiguous float32 [max_position, rotary_dim <= head_dim] tables")
-        for (weight, _), pairs in zip(self._projections(), self._pairs()):
-            if pairs is not None and weight is not None and not (weight.dtype == dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weight)
-                                          and cpu_gemv.fits_pairs(weight, pairs)):
-                raise ValueError("a projection's pairs must be kernels.cpu_gemv.pair_weight of its bf16 weight, on a "
-                                 "CPU with AVX-512 BF16")
-
-    def _check_experts(self, dtype: torch.dtype, hidden: int) -> None:
-        """A mixture of experts of the hidden states' dtype with a SwiGLU per expert; a dense MLP only as its
-        shared expert; or neither (a dense MLP)."""
-        if self.router is None:
-            if self.gate_up is None or self.shared_gate is not None:
-                raise ValueError("a layer without experts needs its dense MLP and no shared expert gate")
-            return
-        experts = self.router.shape[0]
-        tensors = (self.router, self.experts_gate_up, self.experts_down)
-        if not all(t is not None and t.dtype == dtype and t.is_contiguous() for t in tensors) or \
-                self.router.shape != (experts, hidden) or self.experts_gate_up.dim() != 3 or \
-                self.experts_down.shape != (experts, hidden, self.experts_gate_up.shape[1] // 2) or \
-                self.experts_gate_up.shape != (experts, 2 * self.experts_down.shape[2], hidden):
-            raise ValueError("experts need a router [experts, hidden], gate_up [experts, 2 inter, hidden] and down "
-                             "[experts, hidden, inter] of the hidden states' dtype")
-        if not 0 < self.top_k <= experts or self.activation != "silu_glu":
-            raise ValueError("experts take top_k of 1 up to their count, each a SwiGLU MLP")
-        if (self.shared_gate is None) != (self.gate_up is None) or (
-                self.shared_gate is not None and not (self.shared_gate.dtype == dtype and self.shared_gate.shape
-                                                      == (1, hidden) and self.shared_gate.is_contiguous())):
-            raise ValueError("a shared expert needs its gate [1, hidden] of the hidden states' dtype, and its MLP")
-
-    def _projections(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
-        return ((self.qkv, self.qkv_scale), (self.o, self.o_scale), (self.gate_up, self.gate_up_scale),
-                (self.down, self.down_scale))
-
-    def _pairs(self) -> tuple[torch.Tensor | None, ...]:
-        return self.qkv_pairs, self.o_pairs, self.gate_up_pairs, self.down_pairs
-
-
-def _pointer(tensor: torch.Tensor | None) -> int:
-    return 0 if tensor is None else tensor.data_ptr()
-
-
-def _scale_group(weight: torch.Tensor, scale: torch.Tensor) -> int | None:
-    """0 for a scale per row, the group size for scales per group the kernel takes, None for other scales."""
-    if scale.shape == weight.shape[:1]:
-        return 0
-    if scale.dim() == 2 and scale.shape[0] == weight.shape[0] and cpu_gemv.takes_groups(weight, scale):
-        return weight.shape[1] // scale.shape[1]
-    return None
-
-
-def takes_projection(weight: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
-                     g_idx: torch.Tensor | None) -> bool:
-    """Whether the one-call layer reads this projection: unquantized, or symmetric int8 with scales per row or per
-    group (GGUF's Q8_0)."""
-    return scale is None or (weight.dtype == torch.int8 and zero is None and g_idx is None
-                             and _scale_group(weight, scale) is not None)
+from kernels import cpu_extension
+from kernels.cpu_layer_weights import DecoderLayerWeights, max_rows, pointer
 
 
 # A step with a prompt chunk of more than LONG_RUN_ROWS tokens that reaches position LONG_RUN_CONTEXT goes to the op
@@ -222,17 +32,6 @@ def takes_projection(weight: torch.Tensor, scale: torch.Tensor | None, zero: tor
 # ms, 2048 15.6 against 30), but against SDPA it stood ~2.3x worse on the Zen 4 this was tuned on, where the two would
 # now be about even at 768-1024. Not re-tuned without a Zen 4 to measure on.
 LONG_RUN_ROWS, LONG_RUN_CONTEXT = 16, 768
-
-
-def max_rows(dtype: torch.dtype, weights: Sequence[torch.Tensor] = (),
-             pairs: Sequence[torch.Tensor | None] = ()) -> int:
-    """The most tokens of a step whose products the layer runs in the kernels (the least of cpu_gemv's limits for
-    its projection weights, if given, with their pairs copies where given); past them torch's
-    GEMMs are faster, and the layer takes them between its calls (decoder_layers_with_products: in-process decode
-    of the benchmark model on a 2-core AVX-512 BF16 EPYC, 10.5 ms per step at 16 requests against 12.3 with the
-    kernels' products and 14.0 on the op path; 14.6 against 18.3 on the op path at 32, 25.0 against 29.1 at 64)."""
-    return min((cpu_gemv.max_rows(dtype, weight, paired) for weight, paired in itertools.zip_longest(weights, pairs)),
-               default=cpu_gemv.max_rows(dtype))
 
 
 @dataclass(frozen=True)
@@ -293,7 +92,7 @@ class PreparedLayers:
         # module.cpp's StageArgs
         self.stage_args = ([a[0] for a in self.layer_args], [a[1] for a in self.layer_args],
                            [a[2] for a in self.layer_args], [k.data_ptr() for k, _ in caches],
-                           [v.data_ptr() for _, v in caches], _pointer(final_norm), _pointer(final_norm_bias),
+                           [v.data_ptr() for _, v in caches], pointer(final_norm), pointer(final_norm_bias),
                            final_eps)
 
     def check(self, x: torch.Tensor) -> None:
@@ -316,7 +115,7 @@ def decoder_layers(prepared: PreparedLayers, x: torch.Tensor, residual: torch.Te
     residual = None if residual is None else residual.contiguous()
     out, residual_out = torch.empty_like(x), torch.empty_like(x)
     prepared.module.decoder_layers(
-        x.dtype == torch.bfloat16, prepared.stage_args, x.data_ptr(), _pointer(residual), out.data_ptr(),
+        x.dtype == torch.bfloat16, prepared.stage_args, x.data_ptr(), pointer(residual), out.data_ptr(),
         residual_out.data_ptr(), step.positions.data_ptr(), step.slot_mapping.data_ptr(), prepared.block_size,
         step.block_tables.data_ptr(), step.block_tables.shape[1], step.seq_lens.data_ptr(), x.shape[0])
     return out, residual_out
@@ -340,7 +139,7 @@ def decoder_layers_with_products(prepared: PreparedLayers,
     key_caches, value_caches = prepared.stage_args[3:5]
     for i, (weights, (qkv_proj, o_proj, gate_up_proj, down_proj), layer) in enumerate(
             zip(prepared.layers, products, prepared.layer_args, strict=True)):
-        before = residual_out.data_ptr() if i else _pointer(residual)
+        before = residual_out.data_ptr() if i else pointer(residual)
         module.before_attention(bf16, layer, x.data_ptr(), before, residual_out.data_ptr(), normed.data_ptr(), tokens)
         qkv = qkv_proj(normed).contiguous()
         attn = torch.empty(tokens, weights.num_heads * weights.head_dim, dtype=x.dtype)

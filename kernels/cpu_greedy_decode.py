@@ -67,11 +67,12 @@ class PromptLookupDrafts:
 class DraftModelDrafts:
     """Drafts that greedy_decode() has a draft model with the target's vocabulary write, up to k per step, as
     workers/spec_decode/draft_model.py drafts for greedy rows (its argmax, one token at a time): the draft model
-    (its caches over the target's block ids), of the target's dtype. history: each row's tokens, as PromptLookupDrafts'; known: int64 [rows], how many of each row's
-    positions the draft's K/V holds (at most its last token's position), then updated in place to how many it was
-    fed (those below the row's last token's position hold its tokens). After the last step the kernel writes into
-    next (int64 [rows, k]) the k drafts of each row that goes on with k slots from its last token on (capacity:
-    int64 [rows], the positions its blocks and the model length give), -1 for the others."""
+    (its caches over the target's block ids), of the target's dtype. history: each row's tokens, as
+    PromptLookupDrafts'; known: int64 [rows], how many of each row's positions the draft's K/V holds (at most its
+    last token's position), then updated in place to how many it was fed (those below the row's last token's
+    position hold its tokens). After the last step the kernel writes into next (int64 [rows, k]) the k drafts of
+    each row that goes on with k slots from its last token on (capacity: int64 [rows], the positions its blocks and
+    the model length give), -1 for the others."""
 
     k: int
     model: GreedyModel
@@ -95,6 +96,32 @@ class SampledRows:
 
 
 @dataclass(frozen=True)
+class PenalizedRows:
+    """Each row's logits processed as the sampler processes them (workers/layers/sampler.py) before its argmax or
+    draw, in greedy_decode()'s steps: its logit bias ({token: bias}), then presence and frequency penalties over its
+    generated tokens (those before the call in `output`, then the call's) and the repetition penalty over every token
+    it has seen (its `prompt` and generated ones); 0, 0, 1 and no bias: none."""
+
+    presence: Sequence[float]
+    frequency: Sequence[float]
+    repetition: Sequence[float]
+    bias: Sequence[dict[int, float]]
+    output: Sequence[Sequence[int]]
+    prompt: Sequence[Sequence[int]]
+
+    def arrays(self, rows: int) -> tuple[np.ndarray, ...]:
+        """As the kernel takes them (module.cpp's greedy_decode: penalized)."""
+        fields = (self.presence, self.frequency, self.repetition, self.bias, self.output, self.prompt)
+        if any(len(field) != rows for field in fields):
+            raise ValueError("penalized rows need a presence, frequency and repetition penalty, a bias, generated "
+                             "tokens and a prompt per row")
+        bias_ids, bias_starts = _flat([list(bias) for bias in self.bias])
+        bias_values = np.array([value for bias in self.bias for value in bias.values()], dtype=np.float32)
+        return (*(np.ascontiguousarray(a, dtype=np.float32) for a in (self.presence, self.frequency, self.repetition)),
+                bias_ids, bias_starts, bias_values, *_flat(self.output), *_flat(self.prompt))
+
+
+@dataclass(frozen=True)
 class GreedyRun:
     """greedy_decode()'s result. tokens [rows, columns]: each row's tokens in order, then -1. verified [rows, steps,
     2]: each step's drafted and accepted counts (-1 where the row verified no draft); None without drafts.
@@ -108,7 +135,7 @@ class GreedyRun:
 def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray,
                   limits: np.ndarray, stops: Sequence[Collection[int]], steps: int,
                   drafts: PromptLookupDrafts | DraftModelDrafts | None = None,
-                  sampled: SampledRows | None = None) -> GreedyRun:
+                  sampled: SampledRows | None = None, penalized: PenalizedRows | None = None) -> GreedyRun:
     """Up to `steps` greedy steps for each row from its last token `tokens[m]` at `positions[m]`: per step the
     embedding lookup, the layers with the final norm, the LM head by the GEMV kernel and the first argmax among its
     first vocab_size logits, as the model computes them, all in C++. Row m takes up to limits[m] tokens (its K/V
@@ -116,7 +143,8 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
     stops[m]. With `drafts` a step also feeds each row its drafts (prompt lookup's, or a draft model's: as many as
     its limit leaves room for, at most the model's max_rows token rows in all) and keeps those the argmax agrees
     with, and the argmax after them: the same tokens. With `sampled` (no drafts then) its rows with a temperature
-    draw their tokens as the sampler does."""
+    draw their tokens as the sampler does; with `penalized` (no drafts then either) from logits processed as it
+    processes them."""
     model.check()
     rows = len(tokens)
     tokens, positions, limits = (np.ascontiguousarray(a, dtype=np.int64) for a in (tokens, positions, limits))
@@ -148,6 +176,11 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
             raise ValueError("sampled rows need one temperature, top_k, top_p and min_p per row, and [rows, steps] "
                              "uniform draws")
         pointers = [a.ctypes.data for a in arrays]
+    processed: tuple[np.ndarray, ...] = ()
+    if penalized is not None:
+        if drafts is not None:
+            raise ValueError("penalized rows verify no drafts here")
+        processed = penalized.arrays(rows)
     columns = max(1, min(int(limits.max(initial=0)), steps * (1 + k)))
     out = np.empty((rows, columns), dtype=np.int64)
     prepared = model.prepared
@@ -155,7 +188,8 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
         prepared.dtype == torch.bfloat16, model.args(), tokens.ctypes.data, positions.ctypes.data, table.ctypes.data,
         table.shape[1], prepared.block_size, limits.ctypes.data, stop_ids.ctypes.data, stop_starts.ctypes.data,
         [k, getattr(drafts, "min_n", 1), getattr(drafts, "max_n", 0)], history.ctypes.data,
-        history_starts.ctypes.data, verified.ctypes.data if drafts else 0, pointers, draft_model, known.ctypes.data,
+        history_starts.ctypes.data, verified.ctypes.data if drafts else 0, pointers,
+        [a.ctypes.data for a in processed], draft_model, known.ctypes.data,
         max(rows, model.max_rows), out.ctypes.data, columns, rows, steps)
     return GreedyRun(out, verified if drafts else None, (out == -2).any(axis=1))
 

@@ -13,9 +13,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
                    routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [tokens, experts] → (weights float32 [tokens, top_k], expert ids int64 [tokens, top_k]).
 
-    Scores are computed in float32; the top_k largest, the lower id first among equal ones. With groups (DeepSeek's group-limited routing) only experts of the
-    `topk_group` groups with the highest best score compete; `renormalize` makes each token's weights sum to 1
-    before `routed_scaling_factor` multiplies them."""
+    Scores are computed in float32; the top_k largest, the lower id first among equal ones. With groups (DeepSeek's
+    group-limited routing) only experts of the `topk_group` groups with the highest best score compete;
+    `renormalize` makes each token's weights sum to 1 before `routed_scaling_factor` multiplies them."""
     logits = router_logits.float()
     if scoring == "softmax":
         scores = logits.softmax(dim=-1)

@@ -132,7 +132,8 @@ def _near_draft() -> str:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("arch", "mode"), [("llama", "plain"), ("llama", "prompt lookup"), ("llama", "draft model"),
-                                            ("llama", "sampled"), ("gemma2", "plain"), ("gemma2", "sampled"),
+                                            ("llama", "sampled"), ("llama", "penalized"), ("gemma2", "plain"),
+                                            ("gemma2", "sampled"),
                                             ("gpt_neox", "plain"), ("qwen2_moe", "plain")])
 def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch, mode):
     """The model's greedy_decode (a call's later steps in one C++ call) gives the tokens, finish reasons and KV cache
@@ -140,7 +141,8 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
     and the slots left in a tight cache. With prompt lookup or a draft model it drafts and keeps what the Python
     steps do (the K/V of rejected drafts included, so the same drafts; the same counts but where a draft model finds
     fewer than k slots left: the kernel drafts into them). Sampled: seeded
-    requests with temperature, top-k, top-p and min-p among greedy ones draw the sampler's tokens. Gemma 2: its
+    requests with temperature, top-k, top-p and min-p among greedy ones draw the sampler's tokens; penalized:
+    greedy and sampled requests with presence, frequency and repetition penalties and logit bias. Gemma 2: its
     embedding scale and soft-capped logits in C++ too."""
     lookup = mode in ("prompt lookup", "draft model")
     prompts = [p + p[:12] for p in random_prompts([5, 40, 17, 70, 9], vocab=1000, seed=6)]  # something to look up
@@ -149,6 +151,13 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
         free[1:] = [SamplingParams(temperature=0.9, seed=4, max_tokens=11, ignore_eos=True, top_p=0.8),
                     SamplingParams(temperature=1.3, seed=5, max_tokens=64, ignore_eos=True, top_k=30, min_p=0.02),
                     free[3], SamplingParams(temperature=0.7, seed=6, max_tokens=20, ignore_eos=True)]
+    if mode == "penalized":
+        free[1:] = [SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True, repetition_penalty=1.3,
+                                   logit_bias={5: 3.0, 900: -2.0}),
+                    SamplingParams(temperature=1.0, seed=5, max_tokens=64, ignore_eos=True, top_k=30,
+                                   presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=0.9),
+                    free[3], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, presence_penalty=-0.5,
+                                            frequency_penalty=1.7)]
     engine_args = {"dtype": dtype, "num_kv_blocks": 40 + 8 * lookup, "enable_prefix_caching": False,
                    "max_model_len": 120}
     if mode == "prompt lookup":

@@ -29,7 +29,7 @@ from workers.pinned_staging import PinnedStaging
 from workers.pooling.pooler import ChunkedPooling, finish_embedding
 from workers.request_state import CachedRequestState
 from workers.spec_decode import DraftModel, make_speculator
-from workers.step_sampling import SampleGroup, StepSampler, fails_alone
+from workers.step_sampling import SampleGroup, StepSampler, fails_alone, penalized_rows
 
 logger = logging.getLogger("pagedserve.model_runner")
 # The memory profile samples with the costliest options (a sort over the vocabulary for each row).
@@ -250,9 +250,10 @@ class ModelRunner:
         steps = LaterSteps(states, [output.sampled_token_ids[s.req_id] for s in states], *self._block_table(states),
                             self.block_size, self.config.max_model_len)
         draft_ahead = self.draft_model.num_drafts if self.draft_model is not None else 0
-        as_they_are = all(state.sampling_params.logits_as_they_are for state in states)
-        argmax_only = as_they_are and all(state.sampling_params.is_greedy for state in states)
-        in_one_call = as_they_are and self._in_one_call(steps, num_steps - 1, output)
+        argmax_only = all(state.sampling_params.logits_as_they_are and state.sampling_params.is_greedy
+                          for state in states)
+        in_one_call = all(state.sampling_params.reports_no_logprobs_or_bans for state in states) and \
+            self._in_one_call(steps, num_steps - 1, output)
         for _ in range(1, 1 if in_one_call else num_steps):
             rows = steps.active()
             if not rows:
@@ -296,11 +297,12 @@ class ModelRunner:
         return [sampled.sampled_token_ids.get(group.state.req_id) for group in groups]
 
     def _in_one_call(self, steps: LaterSteps, count: int, output: ModelRunnerOutput) -> bool:
-        """Up to `count` steps of the active requests (whose logits need no processing) in one call of the model's
-        greedy_decode (where it has one that takes them), drawing sampled requests' tokens as the sampler would and
-        verifying the drafts the speculator would propose, which the kernel writes itself (prompt lookup's, or a
-        draft model's; sampled requests verify theirs by the rejection sampler in Python), the tokens taken into
-        `steps`, failures and verifications into `output`; whether it ran."""
+        """Up to `count` steps of the active requests (no logprobs, no bad words) in one call of the model's
+        greedy_decode (where it has one that takes them), drawing sampled requests' tokens as the sampler would (from
+        logits biased and penalized as it processes them) and verifying the drafts the speculator would propose,
+        which the kernel writes itself (prompt lookup's, or a draft model's; sampled or penalized requests verify
+        theirs in Python), the tokens taken into `steps`, failures and verifications into `output`; whether it
+        ran."""
         greedy = getattr(self.model, "greedy_decode", None)
         rows = steps.active()
         if greedy is None or self.lora is not None or not rows:
@@ -308,15 +310,17 @@ class ModelRunner:
         drafts = None
         states = [steps.states[i] for i in rows]
         sampled = not all(state.sampling_params.is_greedy for state in states)
+        processed = not all(state.sampling_params.logits_as_they_are for state in states)
         if self.speculator is not None and self.speculator.speculates(len(output.sampled_token_ids)):
-            if sampled or (drafts := self.speculator.kernel_drafts(
+            if sampled or processed or (drafts := self.speculator.kernel_drafts(
                     states, [state.token_ids + steps.tokens[i] for state, i in zip(states, rows)],
                     steps.capacity[rows])) is None:
                 return False
         limits = steps.limits(rows)
         run = greedy(np.array([steps.tokens[i][-1] for i in rows], dtype=np.int64), steps.context[rows] - 1,
                      steps.table[rows], limits, [steps.stops[i] for i in rows], count, drafts,
-                     self._sampled_rows(states, limits, count) if sampled else None)
+                     self._sampled_rows(states, limits, count) if sampled else None,
+                     penalized_rows(states, [steps.tokens[i] for i in rows]) if processed else None)
         if run is None:
             return False
         for i, row, failed in zip(rows, run.tokens, run.failed):

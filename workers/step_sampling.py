@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ipc import GrammarBitmask, ModelRunnerOutput
+from kernels.cpu_greedy_decode import PenalizedRows
 from workers.layers.sampler import GrammarRows, Penalties, Sampler, SamplerOutput, SamplingMetadata
 from workers.request_state import CachedRequestState
 
@@ -138,6 +139,17 @@ def _grammar_rows(bitmask: GrammarBitmask, req_ids: list[str], device: torch.dev
         return None
     packed = torch.frombuffer(bytearray(bitmask.packed), dtype=torch.int32).view(-1, bitmask.words_per_row)
     return GrammarRows(rows, packed[[index[req_ids[row]] for row in rows]].to(device))
+
+
+def penalized_rows(states: list[CachedRequestState], earlier: list[list[int]]) -> PenalizedRows:
+    """The requests' logit bias and penalties as a multi-step call's C++ steps apply them, over the same tokens as
+    _penalties(): each one's tokens and the call's `earlier` ones (the kernel counts those it takes after)."""
+    params = [state.sampling_params for state in states]
+    contexts = [[*state.token_ids, *before] for state, before in zip(states, earlier)]
+    return PenalizedRows([p.presence_penalty for p in params], [p.frequency_penalty for p in params],
+                         [p.repetition_penalty for p in params], [p.logit_bias or {} for p in params],
+                         [tokens[state.num_prompt_tokens:] for state, tokens in zip(states, contexts)],
+                         [tokens[:state.num_prompt_tokens] for state, tokens in zip(states, contexts)])
 
 
 def _penalties(rows: list[tuple[CachedRequestState, list[int]]], device: torch.device) -> Penalties | None:

@@ -13,6 +13,8 @@
 #endif
 
 #include "decoder_layer.h"
+#include "penalties.h"
+#include "prompt_lookup.h"
 #include "sample.h"
 
 namespace pagedserve {
@@ -93,33 +95,6 @@ int64_t best_token(const GreedyModel<T>& model, const T* logits, std::vector<flo
   score_row(model, logits, scores.data());
   return argmax_row(scores.data(), model.vocab);
 }
-
-// Prompt lookup as workers/spec_decode/ngram.py proposes: up to k tokens, into drafts, that followed the latest
-// earlier occurrence of the longest suffix of `tokens` between min_n and max_n long; how many (0: no such suffix).
-inline int64_t lookup_drafts(const std::vector<int64_t>& tokens, int64_t k, int64_t min_n, int64_t max_n,
-                             int64_t* drafts) {
-  const int64_t L = int64_t(tokens.size());
-  for (int64_t n = std::min(max_n, L - 1); n >= std::max<int64_t>(min_n, 1); --n) {
-    const int64_t* suffix = tokens.data() + L - n;
-    for (int64_t at = L - 1 - n; at >= 0; --at)  // an occurrence ends before the last token
-      if (std::equal(suffix, suffix + n, tokens.data() + at)) {
-        const int64_t count = std::min(k, L - (at + n));
-        std::copy(tokens.data() + at + n, tokens.data() + at + n + count, drafts);
-        return count;
-      }
-  }
-  return 0;
-}
-
-// Drafts verified in the greedy steps (k = 0: none): each row's tokens so far (its last token's included) are
-// history[history_starts[m], history_starts[m + 1]); verified [M, steps, 2] gets each step's drafted and accepted
-// counts (-1 where the row verified no draft).
-struct PromptLookup {
-  int64_t k = 0, min_n = 1, max_n = 0;
-  const int64_t* history = nullptr;
-  const int64_t* history_starts = nullptr;
-  int64_t* verified = nullptr;
-};
 
 // Drafts from a smaller model with the same vocabulary instead of prompt lookup (null model: lookup). known[m]: how
 // many positions of row m its K/V caches were fed, updated in place; those below the row's last token's position
@@ -203,6 +178,7 @@ struct RowSampling {
   const double* uniform = nullptr;
 };
 
+// Rows with penalties or a logit bias (penalties.h) take the argmax or draw from their processed scores.
 // M rows: tokens[m], the row's last token, at positions[m]; tables [M, max_blocks]; the row takes up to limits[m]
 // tokens and none after a step that gave it a token of its stop set stop_ids[stop_starts[m], stop_starts[m + 1]).
 // With prompt lookup (or a draft model) a step feeds each row its last token and its drafts (what its limit leaves
@@ -214,8 +190,8 @@ template <typename T>
 void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int64_t* positions,
                    const int64_t* tables, int64_t max_blocks, int64_t block_size, const int64_t* limits,
                    const int64_t* stop_ids, const int64_t* stop_starts, const PromptLookup& lookup,
-                   const DraftModel<T>& draft, const RowSampling& sampling, int64_t max_rows, int64_t* out,
-                   int64_t out_cols, int64_t M, int64_t steps) {
+                   const DraftModel<T>& draft, const RowSampling& sampling, const RowPenalties& penalties,
+                   int64_t max_rows, int64_t* out, int64_t out_cols, int64_t M, int64_t steps) {
   const int64_t H = model.layers.front().hidden, k = lookup.k;
   std::fill(out, out + M * out_cols, int64_t(-1));
   if (lookup.verified) std::fill(lookup.verified, lookup.verified + M * steps * 2, int64_t(-1));
@@ -226,6 +202,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
   std::vector<char> stopped(M, 0);
   std::vector<T> x, hidden, residual, logits;
   std::vector<float> scores(model.vocab);  // a row's logits as the sampler reads them
+  std::vector<PenaltyCounts> counts = penalty_counts(penalties, M, model.vocab);
   SampleScratch scratch;
   if (sampling.temperature) scratch = SampleScratch(model.vocab);
   for (int64_t s = 0; s < steps; ++s) {
@@ -268,11 +245,15 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
       int64_t accepted = 0;
       for (;; ++accepted) {
         const T* row = logits.data() + (r + accepted) * model.head_rows;
+        const bool sampled = sampling.temperature && sampling.temperature[m] > 0.f;
         int64_t token;
-        if (sampling.temperature && sampling.temperature[m] > 0.f) {
+        if (sampled || processes(penalties, m)) {
           score_row(model, row, scores.data());
-          token = sample_row(scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
-                             sampling.top_p[m], sampling.min_p[m], sampling.uniform[m * steps + taken[m]], scratch);
+          if (processes(penalties, m)) penalize(penalties, m, counts[m], scores.data(), model.vocab);
+          token = sampled ? sample_row(scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
+                                       sampling.top_p[m], sampling.min_p[m], sampling.uniform[m * steps + taken[m]],
+                                       scratch)
+                          : argmax_row(scores.data(), model.vocab);
           if (token < 0) {
             out[m * out_cols + taken[m]] = -2;
             stopped[m] = 1;
@@ -283,6 +264,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
         }
         out[m * out_cols + taken[m]] = token;
         last[m] = token, ++taken[m];
+        count_token(counts, m, token);
         if (k > 0) history[m].push_back(token);
         stopped[m] = stopped[m] || std::find(stops_begin, stops_end, token) != stops_end;
         if (accepted == feeds[a] || token != drafts[a * k + accepted]) break;

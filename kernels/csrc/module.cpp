@@ -153,9 +153,9 @@ template <typename T>
 void greedy_decode(const ModelArgs& model_args, uintptr_t tokens, uintptr_t positions, uintptr_t tables,
                    int64_t max_blocks, int64_t block_size, uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
                    const std::vector<int64_t>& lookup, uintptr_t history, uintptr_t history_starts,
-                   uintptr_t verified, const std::vector<uintptr_t>& sampled, const std::optional<DraftArgs>& draft,
-                   uintptr_t draft_known, int64_t max_rows, uintptr_t tokens_out, int64_t out_cols, int64_t m,
-                   int64_t steps) {
+                   uintptr_t verified, const std::vector<uintptr_t>& sampled, const std::vector<uintptr_t>& penalized,
+                   const std::optional<DraftArgs>& draft, uintptr_t draft_known, int64_t max_rows,
+                   uintptr_t tokens_out, int64_t out_cols, int64_t m, int64_t steps) {
   const pagedserve::GreedyModel<T> model = model_of<T>(model_args);
   std::optional<pagedserve::GreedyModel<T>> draft_model;
   pagedserve::DraftModel<T> drafter{nullptr, out<int64_t>(draft_known)};
@@ -170,9 +170,16 @@ void greedy_decode(const ModelArgs& model_args, uintptr_t tokens, uintptr_t posi
   const pagedserve::RowSampling sampling = sampled.empty() ? pagedserve::RowSampling{} : pagedserve::RowSampling{
       in<float>(sampled.at(0)), in<int64_t>(sampled.at(1)), in<float>(sampled.at(2)), in<float>(sampled.at(3)),
       in<double>(sampled.at(4))};
+  // penalized: presence, frequency, repetition, bias ids, starts and values, generated tokens and starts, prompt
+  // tokens and starts (empty: no row processed)
+  const pagedserve::RowPenalties penalties = penalized.empty() ? pagedserve::RowPenalties{} :
+      pagedserve::RowPenalties{in<float>(penalized.at(0)), in<float>(penalized.at(1)), in<float>(penalized.at(2)),
+                               in<int64_t>(penalized.at(3)), in<int64_t>(penalized.at(4)), in<float>(penalized.at(5)),
+                               in<int64_t>(penalized.at(6)), in<int64_t>(penalized.at(7)), in<int64_t>(penalized.at(8)),
+                               in<int64_t>(penalized.at(9))};
   pagedserve::greedy_decode(model, in<int64_t>(tokens), in<int64_t>(positions), in<int64_t>(tables), max_blocks,
                             block_size, in<int64_t>(limits), in<int64_t>(stop_ids), in<int64_t>(stop_starts), drafts,
-                            drafter, sampling, max_rows, out<int64_t>(tokens_out), out_cols, m, steps);
+                            drafter, sampling, penalties, max_rows, out<int64_t>(tokens_out), out_cols, m, steps);
 }
 
 // The phases of a layer between its products, for steps whose products run elsewhere (torch's GEMMs): each over
@@ -288,12 +295,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             uintptr_t tables, int64_t max_blocks, int64_t block_size, uintptr_t limits,
                             uintptr_t stop_ids, uintptr_t stop_starts, const std::vector<int64_t>& lookup,
                             uintptr_t history, uintptr_t history_starts, uintptr_t verified,
-                            const std::vector<uintptr_t>& sampled, const std::optional<DraftArgs>& draft,
-                            uintptr_t draft_known, int64_t max_rows, uintptr_t tokens_out, int64_t out_cols,
-                            int64_t m, int64_t steps) {
+                            const std::vector<uintptr_t>& sampled, const std::vector<uintptr_t>& penalized,
+                            const std::optional<DraftArgs>& draft, uintptr_t draft_known, int64_t max_rows,
+                            uintptr_t tokens_out, int64_t out_cols, int64_t m, int64_t steps) {
     (bf16 ? greedy_decode<uint16_t> : greedy_decode<float>)(model, tokens, positions, tables, max_blocks, block_size,
                                                             limits, stop_ids, stop_starts, lookup, history,
-                                                            history_starts, verified, sampled, draft, draft_known,
-                                                            max_rows, tokens_out, out_cols, m, steps);
+                                                            history_starts, verified, sampled, penalized, draft,
+                                                            draft_known, max_rows, tokens_out, out_cols, m, steps);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

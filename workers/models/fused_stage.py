@@ -1,5 +1,5 @@
 """The fast path's interface for a model family: layers that describe themselves to the C++ decoder layer
-(kernels.cpu_decoder_layer.DecoderLayerWeights) let their stage run its steps of decodes and short chunks there
+(kernels.cpu_layer_weights.DecoderLayerWeights) let their stage run its steps of decodes and short chunks there
 (FusedStage), and a model whose embedding, layers and head all run there decodes several steps in one call
 (FusedGreedyDecoding, kernels.cpu_greedy_decode)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels import cpu_decoder_layer, cpu_gemv, cpu_greedy_decode
+from kernels import cpu_decoder_layer, cpu_gemv, cpu_greedy_decode, cpu_layer_weights
 from workers.distributed import parallel_state
 from workers.layers.attention import Attention, AttentionMetadata, StepMetadata
 from workers.layers.norm import GemmaRMSNorm, RMSNorm
@@ -30,8 +30,8 @@ def norm_kind(norm: nn.Module) -> str | None:
 
 
 def takes_projections(*linears: nn.Module) -> bool:
-    """Whether the C++ layer reads each of these linear layers' weights (kernels.cpu_decoder_layer.takes_projection)."""
-    return all(cpu_decoder_layer.takes_projection(p.weight, p.weight_scale, p.weight_zero, p.weight_g_idx)
+    """Whether the C++ layer reads each of these linear layers' weights (kernels.cpu_layer_weights.takes_projection)."""
+    return all(cpu_layer_weights.takes_projection(p.weight, p.weight_scale, p.weight_zero, p.weight_g_idx)
                for p in linears)
 
 
@@ -57,7 +57,7 @@ def describe_layer(*, input_norm: nn.Module, post_norm: nn.Module, qkv: nn.Modul
                    rotary: RotaryEmbedding | None,
                    attn_out_norm: nn.Module | None = None, mlp_out_norm: nn.Module | None = None,
                    q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, scale: float | None = None,
-                   **form) -> cpu_decoder_layer.DecoderLayerWeights:
+                   **form) -> cpu_layer_weights.DecoderLayerWeights:
     """A layer's modules as the C++ layer reads them: its norms (all of input_norm's kind and eps), linear layers
     (weights, biases, int8 scales, paired copies), attention (heads, scale unless given, window, soft cap) and rotary
     table; `form`: the rest of DecoderLayerWeights' fields that differ from llama's (experts_form()'s among them).
@@ -71,7 +71,7 @@ def describe_layer(*, input_norm: nn.Module, post_norm: nn.Module, qkv: nn.Modul
         return {name: linear.weight, f"{name}_bias": linear.bias, f"{name}_scale": linear.weight_scale,
                 f"{name}_pairs": linear.pairs_weight}
 
-    return cpu_decoder_layer.DecoderLayerWeights(
+    return cpu_layer_weights.DecoderLayerWeights(
         input_norm=input_norm.weight, post_norm=post_norm.weight, input_norm_bias=getattr(input_norm, "bias", None),
         post_norm_bias=getattr(post_norm, "bias", None), attn_out_norm=weight(attn_out_norm),
         mlp_out_norm=weight(mlp_out_norm), q_norm=weight(q_norm), k_norm=weight(k_norm),
@@ -151,7 +151,7 @@ class FusedStage:
     @functools.cached_property
     def product_rows(self) -> int:
         """The most tokens of a step whose products the C++ layer runs: the least this stage's projection weights
-        allow (kernels.cpu_decoder_layer.max_rows: int8 and small bf16 weights take more)."""
+        allow (kernels.cpu_layer_weights.max_rows: int8 and small bf16 weights take more)."""
         return min(self.layers[i].fused_weights.max_rows() for i in self.stage_layers)
 
 
@@ -171,15 +171,17 @@ class FusedGreedyDecoding:
     def greedy_decode(self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
                       stops: list[set[int]], steps: int,
                       drafts: cpu_greedy_decode.PromptLookupDrafts | cpu_greedy_decode.DraftModelDrafts | None = None,
-                      sampled: cpu_greedy_decode.SampledRows | None = None) -> cpu_greedy_decode.GreedyRun | None:
+                      sampled: cpu_greedy_decode.SampledRows | None = None,
+                      penalized: cpu_greedy_decode.PenalizedRows | None = None) -> cpu_greedy_decode.GreedyRun | None:
         """A multi-step call's later steps in one C++ call (kernels.cpu_greedy_decode.greedy_decode: same tokens as
-        forward(), compute_logits() and the argmax or the sampler step by step, drafts verified as the Python steps
-        verify them); None where that does not compute what they do, and the caller steps in Python, or more rows
+        forward(), compute_logits() and the argmax or the sampler step by step, logits biased and penalized as the
+        sampler does, drafts verified as the Python steps verify them); None where that does not compute what they do, and the caller steps in Python, or more rows
         than the kernels' products take."""
         model = self.greedy_model()
         if model is None or len(tokens) > model.max_rows:
             return None
-        return cpu_greedy_decode.greedy_decode(model, tokens, positions, table, limits, stops, steps, drafts, sampled)
+        return cpu_greedy_decode.greedy_decode(model, tokens, positions, table, limits, stops, steps, drafts, sampled,
+                                               penalized)
 
     def greedy_model(self) -> cpu_greedy_decode.GreedyModel | None:
         """The model as greedy_decode() takes it; None for changed logits, pipeline stages, adapters, a quantized

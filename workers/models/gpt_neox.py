@@ -10,7 +10,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from kernels.cpu_decoder_layer import DecoderLayerWeights
+from kernels.cpu_layer_weights import DecoderLayerWeights
 from workers.distributed import Intermediate, parallel_state
 from workers.layers.attention import Attention, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from kernels import cpu_decoder_layer, silu_and_mul
+from kernels import cpu_layer_weights, silu_and_mul
 from workers.distributed import Intermediate, parallel_state
 from workers.layers.attention import Attention, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -156,7 +156,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.self_attn.attn
 
     @functools.cached_property
-    def fused_weights(self) -> cpu_decoder_layer.DecoderLayerWeights:
+    def fused_weights(self) -> cpu_layer_weights.DecoderLayerWeights:
         """This layer's parameters as the one-call layer reads them (kernels.cpu_decoder_layer)."""
         attn, dense = self.self_attn, self._dense_mlp
         experts = {} if self._experts is None else experts_form(self._experts)
