@@ -66,10 +66,6 @@ void project(const Projection& p, const T* x, const T* bias, T* y, int64_t M, in
     products(x, static_cast<const T*>(p.weight), p.pairs, bias, y, M, N, K);
 }
 
-// The elementwise steps between the products go over the threads from this many elements on: below it, waking
-// them costs more than the work (a few microseconds a region; a layer has several).
-constexpr int64_t kParallelMinElements = 1 << 14;
-
 // Rows of add_and_norm_row, over the threads for many; in place is fine.
 template <typename T>
 void add_and_norm_rows(const T* x, const T* residual, const Norm<T>& norm, T* residual_out, T* out, int64_t M,

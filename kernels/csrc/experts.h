@@ -3,13 +3,19 @@
 // per expert, its weights read once for all of them), their outputs weighted and summed; what the Python layer
 // (workers/layers/fused_moe.py, kernels/fused_moe_ref.py) computes, with the same roundings.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <vector>
 
 #include "common.h"
 #include "gemv.h"
 #include "layer_ops.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace pagedserve {
 
@@ -57,38 +63,61 @@ void route(const Experts<T>& E, const T* logits, int64_t M, int64_t* ids, float*
 
 // out [M, H] = the experts' weighted sum for x [M, H]: each expert that some rows chose runs its MLP over those rows
 // together; each row's float32 sum takes its experts in ascending order (as index_add_ over rows sorted by expert).
+// With at least as many experts to run as threads, each runs on one thread; else each product over all of them.
 template <typename T>
 void mixture_of_experts(const Experts<T>& E, const T* x, T* out, int64_t M, int64_t H) {
   const int64_t K = E.top_k, I = E.inter;
   std::vector<T> logits(M * E.count);
   gemv(x, E.router, static_cast<const T*>(nullptr), logits.data(), M, E.count, H);
   std::vector<int64_t> ids(M * K);
-  std::vector<float> weights(M * K), sum(M * H, 0.f);
+  std::vector<float> weights(M * K);
   route(E, logits.data(), M, ids.data(), weights.data());
-  std::vector<int64_t> rows;
-  std::vector<float> row_weights;
-  std::vector<T> xs, h, act, y;
+  // The (row, choice) pairs by expert, ascending: expert active[i] runs pairs [starts[i], starts[i + 1]).
+  std::vector<int64_t> pairs, active, starts;
   for (int64_t e = 0; e < E.count; ++e) {
-    rows.clear(), row_weights.clear();
+    const size_t before = pairs.size();
     for (int64_t i = 0; i < M * K; ++i)
-      if (ids[i] == e) rows.push_back(i / K), row_weights.push_back(weights[i]);
-    const int64_t n = int64_t(rows.size());
-    if (n == 0) continue;
-    xs.resize(n * H), h.resize(n * 2 * I), act.resize(n * I), y.resize(n * H);
-    for (int64_t r = 0; r < n; ++r) std::copy(x + rows[r] * H, x + (rows[r] + 1) * H, xs.data() + r * H);
+      if (ids[i] == e) pairs.push_back(i);
+    if (pairs.size() > before) active.push_back(e), starts.push_back(int64_t(before));
+  }
+  starts.push_back(int64_t(pairs.size()));
+  std::vector<T> y(pairs.size() * H);  // each pair's expert output, in pairs' order
+  auto run = [&](size_t i) {
+    const int64_t e = active[i], first = starts[i], n = starts[i + 1] - first;
+    std::vector<T> xs(n * H), h(n * 2 * I), act(n * I);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t row = pairs[first + r] / K;
+      std::copy(x + row * H, x + (row + 1) * H, xs.data() + r * H);
+    }
     gemv(xs.data(), E.gate_up + e * 2 * I * H, static_cast<const T*>(nullptr), h.data(), n, 2 * I, H);
     for (int64_t r = 0; r < n; ++r) silu_and_mul_row(h.data() + r * 2 * I, act.data() + r * I, I);
-    gemv(act.data(), E.down + e * H * I, static_cast<const T*>(nullptr), y.data(), n, H, I);
-    for (int64_t r = 0; r < n; ++r) {
-      float* to = sum.data() + rows[r] * H;
-      const T* from = y.data() + r * H;
+    gemv(act.data(), E.down + e * H * I, static_cast<const T*>(nullptr), y.data() + first * H, n, H, I);
+  };
+#ifdef _OPENMP
+  const bool across = int64_t(active.size()) >= omp_get_max_threads() && omp_get_max_threads() > 1;
+#else
+  const bool across = false;
+#endif
+#pragma omp parallel for schedule(dynamic) if (across)
+  for (size_t i = 0; i < active.size(); ++i) run(i);
+  // Each pair's slot in y, then every row's sum over its pairs in expert order.
+  std::vector<int64_t> slot(M * K);
+  for (size_t p = 0; p < pairs.size(); ++p) slot[pairs[p]] = int64_t(p);
+#pragma omp parallel for if (M * H * K >= kParallelMinElements)
+  for (int64_t m = 0; m < M; ++m) {
+    std::vector<int64_t> order(K);
+    std::iota(order.begin(), order.end(), m * K);
+    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+    std::vector<float> sum(H, 0.f);
+    for (const int64_t i : order) {
+      const T* from = y.data() + slot[i] * H;
       for (int64_t d = 0; d < H; ++d) {
-        const float weighted = widen(from[d]) * row_weights[r];
-        to[d] += weighted;
+        const float weighted = widen(from[d]) * weights[i];
+        sum[d] += weighted;
       }
     }
+    for (int64_t d = 0; d < H; ++d) store(sum[d], out + m * H + d);
   }
-  for (int64_t i = 0; i < M * H; ++i) store(sum[i], out + i);
 }
 
 // out += round(sigmoid(x shared_gate^T) * shared) for each row: the shared expert's output `shared` [M, H] joins.

@@ -201,10 +201,29 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
   std::vector<int64_t> last(tokens, tokens + M), taken(M, 0), seqs, feeds, drafts, pos, slots, table, lens;
   std::vector<char> stopped(M, 0);
   std::vector<T> x, hidden, residual, logits;
-  std::vector<float> scores(model.vocab);  // a row's logits as the sampler reads them
   std::vector<PenaltyCounts> counts = penalty_counts(penalties, M, model.vocab);
-  SampleScratch scratch;
-  if (sampling.temperature) scratch = SampleScratch(model.vocab);
+#ifdef _OPENMP
+  const int threads = omp_get_max_threads();
+#else
+  const int threads = 1;
+#endif
+  // Each thread's scores (a row's logits as the sampler reads them) and sampling scratch.
+  std::vector<std::vector<float>> scores(threads, std::vector<float>(model.vocab));
+  std::vector<SampleScratch> scratch(threads, SampleScratch(sampling.temperature ? model.vocab : 0));
+  std::vector<int64_t> chosen(M);
+  // Row m's next token from a row of its logits: drawn (sampled rows), else the argmax, of its scores processed
+  // where it has penalties or a bias; -2 where a sampled row has none to draw.
+  auto choose = [&](int64_t m, const T* row, std::vector<float>& row_scores, SampleScratch& row_scratch) {
+    const bool sampled = sampling.temperature && sampling.temperature[m] > 0.f;
+    if (!sampled && !processes(penalties, m)) return best_token(model, row, row_scores);
+    score_row(model, row, row_scores.data());
+    if (processes(penalties, m)) penalize(penalties, m, counts[m], row_scores.data(), model.vocab);
+    if (!sampled) return argmax_row(row_scores.data(), model.vocab);
+    const int64_t token = sample_row(row_scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
+                                     sampling.top_p[m], sampling.min_p[m], sampling.uniform[m * steps + taken[m]],
+                                     row_scratch);
+    return token < 0 ? int64_t(-2) : token;
+  };
   for (int64_t s = 0; s < steps; ++s) {
     seqs.clear();
     for (int64_t m = 0; m < M; ++m)
@@ -238,29 +257,33 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
                  table.data(), max_blocks, lens.data(), R);
     products(hidden.data(), model.head, model.head_pairs, static_cast<const T*>(nullptr), logits.data(), R,
              model.head_rows, H);
+    // Without drafts each row has one row of logits: every row's token is chosen over the threads (processing and
+    // sampling a vocabulary is serial work per row), then taken in order below.
+    if (k == 0) {
+#pragma omp parallel if (A > 1)
+      {
+#ifdef _OPENMP
+        const int thread = omp_get_thread_num();
+#else
+        const int thread = 0;
+#endif
+#pragma omp for schedule(dynamic)
+        for (int64_t a = 0; a < A; ++a)
+          chosen[a] = choose(seqs[a], logits.data() + a * model.head_rows, scores[thread], scratch[thread]);
+      }
+    }
     for (int64_t a = 0, r = 0; a < A; r += feeds[a] + 1, ++a) {
       const int64_t m = seqs[a];
       const int64_t* stops_begin = stop_ids + stop_starts[m];
       const int64_t* stops_end = stop_ids + stop_starts[m + 1];
       int64_t accepted = 0;
       for (;; ++accepted) {
-        const T* row = logits.data() + (r + accepted) * model.head_rows;
-        const bool sampled = sampling.temperature && sampling.temperature[m] > 0.f;
-        int64_t token;
-        if (sampled || processes(penalties, m)) {
-          score_row(model, row, scores.data());
-          if (processes(penalties, m)) penalize(penalties, m, counts[m], scores.data(), model.vocab);
-          token = sampled ? sample_row(scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
-                                       sampling.top_p[m], sampling.min_p[m], sampling.uniform[m * steps + taken[m]],
-                                       scratch)
-                          : argmax_row(scores.data(), model.vocab);
-          if (token < 0) {
-            out[m * out_cols + taken[m]] = -2;
-            stopped[m] = 1;
-            break;
-          }
-        } else {
-          token = best_token(model, row, scores);
+        const int64_t token = k == 0 ? chosen[a] : choose(m, logits.data() + (r + accepted) * model.head_rows,
+                                                          scores[0], scratch[0]);
+        if (token < 0) {
+          out[m * out_cols + taken[m]] = -2;
+          stopped[m] = 1;
+          break;
         }
         out[m * out_cols + taken[m]] = token;
         last[m] = token, ++taken[m];

@@ -13,6 +13,10 @@ namespace pagedserve {
 enum NormKind : int64_t { kRmsNorm = 0, kGemmaRmsNorm = 1, kLayerNorm = 2 };
 enum Activation : int64_t { kSiluGlu = 0, kGeluTanhGlu = 1, kGelu = 2, kGeluTanh = 3, kRelu = 4 };
 
+// The elementwise steps between the products go over the threads from this many elements on: below it, waking
+// them costs more than the work (a few microseconds a region; a layer has several).
+constexpr int64_t kParallelMinElements = 1 << 14;
+
 inline bool gated(int64_t activation) { return activation == kSiluGlu || activation == kGeluTanhGlu; }
 
 // One norm: a null weight is no norm at all; bias only for LayerNorm (null: none).
