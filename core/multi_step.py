@@ -16,11 +16,11 @@ UNTIMED_STEPS = 2
 
 def decodes_alone(request: Request) -> bool:
     """Whether the worker can take its next tokens without the scheduler: greedy or sampled (penalties, bias and bans
-    apply over the call's tokens too; logprobs are gathered at each step), but no grammar (its bitmask follows each
-    token), adapter or pooling, and min_tokens reached (its stop tokens are no longer banned)."""
+    apply over the call's tokens too; logprobs are gathered at each step; an adapter's deltas at each step), but no
+    grammar (its bitmask follows each token) or pooling, and min_tokens reached (its stop tokens are no longer
+    banned)."""
     params = request.sampling_params
-    return (params.structured_outputs is None and request.grammar is None
-            and request.lora_request is None and request.pooling_params is None
+    return (params.structured_outputs is None and request.grammar is None and request.pooling_params is None
             and len(request.output_token_ids) >= params.min_tokens)
 
 

@@ -13,6 +13,7 @@ from core.multi_step import UNTIMED_STEPS, StepTimes, num_steps
 from core.request import Request
 from frontend import LLM, SamplingParams
 from ipc import EngineCoreRequest, StructuredOutputsParams
+from ipc.lora import LoRARequest
 from kernels.cpu_greedy_decode import SampledRows
 from launch.make_model import make_model
 from workers.model_runner import ModelRunner
@@ -231,6 +232,15 @@ def test_requests_that_need_the_scheduler_between_steps_take_one(params):
 def test_requests_the_worker_samples_alone_take_several_steps(params):
     assert num_steps([_request(SamplingParams(temperature=0.0, max_tokens=100)), _request(params, outputs=2)],
                      8, 1000) == 8
+
+
+def test_adapter_requests_take_several_steps():
+    """An adapter's deltas are applied at every step of a call (test_lora.py compares such calls with PEFT)."""
+    adapted = Request(EngineCoreRequest(request_id="a", prompt_token_ids=list(range(10)),
+                                        sampling_params=SamplingParams(temperature=0.0, max_tokens=100),
+                                        lora_request=LoRARequest("adapter", 1, "/adapters/a")),
+                      arrival_index=0, max_tokens=100)
+    assert num_steps([_request(SamplingParams(temperature=0.0, max_tokens=100)), adapted], 8, 1000) == 8
 
 
 def test_steps_stop_at_the_nearest_length_limit():

@@ -262,9 +262,11 @@ class ModelRunner:
             batch = steps.batch(rows, {i: proposed[states[i].req_id] for i in rows if states[i].req_id in proposed})
             metadata = self._attention_metadata(batch.slot_mapping, batch.block_table, batch.query_start_loc,
                                                 batch.seq_lens, batch.num_decodes)
+            feeds = np.array([len(feed) for feed in batch.feeds])
+            slots = self._lora_slots([states[i] for i in batch.rows], feeds)  # each token's adapter, if any
             hidden = self._forward(ModelInputs(self._tensor(batch.input_ids), self._tensor(batch.positions), metadata,
                                                self._tensor(np.arange(len(batch.input_ids))), [], []))
-            logits = self._logits(hidden, [-1] * len(batch.input_ids))
+            logits = self._logits(hidden, np.repeat(slots, feeds).tolist())
             if argmax_only:  # as the sampler takes a plain greedy row
                 argmax = logits.argmax(dim=-1).tolist()
                 runs = [accepted_run(feed[1:], argmax[first:first + len(feed)])
