@@ -105,19 +105,24 @@ class PreparedLayers:
             a is b for a, b in zip(caches, self.caches))
 
 
-def decoder_layers(prepared: PreparedLayers, x: torch.Tensor, residual: torch.Tensor | None, step: DecodeStep
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def decoder_layers(prepared: PreparedLayers, x: torch.Tensor, residual: torch.Tensor | None, step: DecodeStep,
+                   lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The prepared layers in order in one call: (out, residual), whose sum is the last layer's output (llama's
     layers return them so); with a final norm, (its norm of that sum, the sum). Saves the per-layer Python and
-    dispatch of a step (~0.3 ms per token of batch-1 decode on the benchmark model)."""
+    dispatch of a step (~0.3 ms per token of batch-1 decode on the benchmark model). lora_slots: int64 [tokens],
+    each token's adapter slot (-1: none), whose deltas its rows of the layers' projections get."""
     prepared.check(x)
+    if lora_slots is not None and not (lora_slots.dtype == torch.int64 and lora_slots.shape == x.shape[:1]
+                                       and lora_slots.is_contiguous()):
+        raise ValueError("lora_slots must be a contiguous int64 slot per token")
     x = x.contiguous()  # kept in locals: the kernel gets raw pointers, which must outlive the call
     residual = None if residual is None else residual.contiguous()
     out, residual_out = torch.empty_like(x), torch.empty_like(x)
     prepared.module.decoder_layers(
         x.dtype == torch.bfloat16, prepared.stage_args, x.data_ptr(), pointer(residual), out.data_ptr(),
         residual_out.data_ptr(), step.positions.data_ptr(), step.slot_mapping.data_ptr(), prepared.block_size,
-        step.block_tables.data_ptr(), step.block_tables.shape[1], step.seq_lens.data_ptr(), x.shape[0])
+        step.block_tables.data_ptr(), step.block_tables.shape[1], step.seq_lens.data_ptr(), x.shape[0],
+        pointer(lora_slots))
     return out, residual_out
 
 

@@ -15,6 +15,16 @@ NORM_KINDS = {"rms": 0, "gemma": 1, "layer": 2}  # layer_ops.h's NormKind
 ACTIVATIONS = {"silu_glu": 0, "gelu_tanh_glu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}  # and its Activation
 
 
+@dataclass(frozen=True)
+class AdapterSlots:
+    """A projection's LoRA slots as workers/lora/slots.py keeps them: a [slots, width, K] and b [slots, N, width] of
+    the adapters' compute dtype (float32 or bf16), used [slots] bool."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    used: torch.Tensor
+
+
 @dataclass(frozen=True, kw_only=True)
 class DecoderLayerWeights:
     """One layer's parameters (biases None where absent) and shape, and the form of its family's layer
@@ -34,7 +44,8 @@ class DecoderLayerWeights:
     A mixture of experts (router [experts, hidden] given) replaces the dense MLP: each token's top_k experts by
     softmax score (renormalized where set, times routed_scaling), each a SwiGLU MLP of experts_gate_up [experts,
     2 * inter, hidden] and experts_down [experts, hidden, inter]; gate_up and down then are a shared expert's,
-    weighted by sigmoid(x shared_gate^T) (Qwen-MoE), or None."""
+    weighted by sigmoid(x shared_gate^T) (Qwen-MoE), or None. *_lora: a projection's adapter slots, whose deltas
+    the rows of a step with an adapter get."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
@@ -81,6 +92,10 @@ class DecoderLayerWeights:
     top_k: int = 0
     renormalize: bool = False
     routed_scaling: float = 1.0
+    qkv_lora: AdapterSlots | None = None
+    o_lora: AdapterSlots | None = None
+    gate_up_lora: AdapterSlots | None = None
+    down_lora: AdapterSlots | None = None
 
     @property
     def intermediate(self) -> int:
@@ -103,14 +118,18 @@ class DecoderLayerWeights:
                    self.down, self.cos, self.sin, self.qkv_scale, self.o_scale, self.gate_up_scale, self.down_scale,
                    *self._pairs(), self.q_norm, self.k_norm, self.input_norm_bias, self.post_norm_bias,
                    self.attn_out_norm, self.mlp_out_norm, self.gate_up_bias, self.down_bias, self.router,
-                   self.experts_gate_up, self.experts_down, self.shared_gate)
+                   self.experts_gate_up, self.experts_down, self.shared_gate,
+                   *(t for slots in self._loras() for t in ((None,) * 3 if slots is None else
+                                                             (slots.a, slots.b, slots.used))))
         groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self._projections()]
         experts = [0, 0, 0, 0] if self.router is None else \
             [self.router.shape[0], self.top_k, self.experts_down.shape[2], int(self.renormalize)]
         dims = [self.qkv.shape[1], self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
                 self.sliding_window or 0, *groups, 0 if self.cos is None else self.cos.shape[1],
                 NORM_KINDS[self.norm_kind], ACTIVATIONS[self.activation], int(self.parallel_residual),
-                int(self.qkv_per_head), int(self.scale_q_first), *experts]
+                int(self.qkv_per_head), int(self.scale_q_first), *experts,
+                *(0 if slots is None else slots.a.shape[1] for slots in self._loras()),
+                int(any(slots is not None and slots.a.dtype == torch.bfloat16 for slots in self._loras()))]
         return [pointer(t) for t in tensors], dims, [self.eps, self.scale, self.soft_cap, self.routed_scaling]
 
     def check(self, dtype: torch.dtype) -> None:
@@ -139,6 +158,7 @@ class DecoderLayerWeights:
                 self.gate_up is not None and self.gate_up.shape[0] != width):
             raise ValueError("the projections do not fit the layer's heads and activation")
         self._check_experts(dtype, hidden)
+        self._check_loras()
         if self.qkv_per_head and self.num_heads != self.num_kv_heads:
             raise ValueError("q, k and v per head need as many kv heads as heads")
         if self.cos is not None and not (self.cos.dtype == self.sin.dtype == torch.float32 and self.cos.is_contiguous()
@@ -173,6 +193,27 @@ class DecoderLayerWeights:
                 self.shared_gate is not None and not (self.shared_gate.dtype == dtype and self.shared_gate.shape
                                                       == (1, hidden) and self.shared_gate.is_contiguous())):
             raise ValueError("a shared expert needs its gate [1, hidden] of the hidden states' dtype, and its MLP")
+
+    def _check_loras(self) -> None:
+        """Adapter slots that fit their projections, all of one compute dtype (float32 or bf16)."""
+        dtypes = set()
+        for (weight, _), slots in zip(self._projections(), self._loras()):
+            if slots is None:
+                continue
+            a, b, used = slots.a, slots.b, slots.used
+            if not (a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] == used.shape[0]
+                    and b.shape[2] == a.shape[1] and b.shape[1] == weight.shape[0] and a.shape[2] == weight.shape[1]
+                    and a.dtype == b.dtype
+                    and a.dtype in (torch.float32, torch.bfloat16) and used.dtype == torch.bool
+                    and a.is_contiguous() and b.is_contiguous() and used.is_contiguous()):
+                raise ValueError("a projection's adapter slots must be a [slots, width, K], b [slots, N, width] of "
+                                 "float32 or bf16 and used [slots] bool")
+            dtypes.add(a.dtype)
+        if len(dtypes) > 1:
+            raise ValueError("a layer's adapter slots share one compute dtype")
+
+    def _loras(self) -> tuple[AdapterSlots | None, ...]:
+        return self.qkv_lora, self.o_lora, self.gate_up_lora, self.down_lora
 
     def _projections(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
         return ((self.qkv, self.qkv_scale), (self.o, self.o_scale), (self.gate_up, self.gate_up_scale),

@@ -14,6 +14,7 @@ from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv, cpu_layer_weight
 from tests.conftest import tiny_model
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import ColumnParallelLinear, Linear
+from workers.lora.slots import LoRAContext, LoRALayerSlots
 from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.models.gemma2 import Gemma2DecoderLayer
 from workers.models.gpt_neox import GPTNeoXLayer
@@ -173,6 +174,32 @@ def test_int8_projections_equal_the_layers_own_forward(dtype, seqs, scales, prod
     assert layer.takes_one_call
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqs", [[(1, 1)], [(9, 1), (70, 5), (130, 3), (17, 2)]], ids=["one decode", "mixed"])
+def test_adapter_deltas_equal_the_layers_own_forward(dtype, seqs):
+    """Every projection with adapter slots (workers/lora/slots.py, two slots of rank 4, one unused); rows of
+    slot 0, slot 1 (unused: no delta) and none: the C++ layer adds the deltas the op path's linear layers add."""
+    layer_class, config = CASES["qwen2 biases, head_dim 128, window"]
+    layer = make_layer(layer_class, config, dtype, seed=5)
+    exact = make_layer(layer_class, config, torch.float32, seed=0) if dtype == torch.bfloat16 else None
+    if exact is not None:
+        exact.load_state_dict({name: value.float() for name, value in layer.state_dict().items()})
+    tokens = sum(new for _, new in seqs)
+    context, generator = LoRAContext(), torch.Generator().manual_seed(9)
+    for each in (layer, exact):
+        for linear in () if each is None else each.fused_products:
+            parts = linear.output_sizes if isinstance(linear, ColumnParallelLinear) else [linear.weight.shape[0]]
+            linear.lora = LoRALayerSlots(context, parts, linear.weight.shape[1], 2, 4,
+                                         each.input_layernorm.weight.dtype, torch.device("cpu"))
+            for part, size in enumerate(parts):
+                linear.lora.set(0, part, 0.3 * torch.randn(4, linear.weight.shape[1], generator=generator),
+                                0.3 * torch.randn(size, 4, generator=generator))
+    context.set_tokens([(0, -1, 1)[i % 3] for i in range(tokens)], torch.device("cpu"))
+    assert layer.fused_weights.qkv_lora is not None
+    assert_fused_matches(layer, layer_class, config, dtype, seqs, first_layer=False, exact_layer=exact,
+                         lora_slots=torch.tensor([(0, -1, 1)[i % 3] for i in range(tokens)]))
+
+
 def quantize_groups(model: torch.nn.Module) -> None:
     """Every projection to int8 with one symmetric scale per 32 (else 16 or 8) columns, as GGUF's Q8_0 stores them."""
     for module in model.modules():
@@ -187,10 +214,12 @@ def quantize_groups(model: torch.nn.Module) -> None:
 
 
 def assert_fused_matches(layer: LlamaDecoderLayer, layer_class, config, dtype: torch.dtype, seqs, first_layer: bool,
-                         int8: str | None = None, products: str = "kernel") -> None:
-    """The one-call layer equals forward() (float32), or (bf16) is as close to the float32 layer as forward() is."""
-    exact = None
-    if dtype == torch.bfloat16:  # the same step in float32, from the same bf16 values
+                         int8: str | None = None, products: str = "kernel", exact_layer=None,
+                         lora_slots: torch.Tensor | None = None) -> None:
+    """The one-call layer equals forward() (float32), or (bf16) is as close to the float32 layer as forward() is
+    (exact_layer, where given: that float32 layer)."""
+    exact = exact_layer
+    if dtype == torch.bfloat16 and exact is None:  # the same step in float32, from the same bf16 values
         exact = make_layer(layer_class, config, torch.float32, seed=0)
         exact.load_state_dict({name: value.float() for name, value in layer.state_dict().items()})
     for each in (layer, exact):
@@ -198,9 +227,11 @@ def assert_fused_matches(layer: LlamaDecoderLayer, layer_class, config, dtype: t
             quantize_model_rows(each, quantize_lm_head=False)
         if int8 == "groups" and each is not None:
             quantize_groups(each)
-    got, expected = fused_and_op_by_op(layer, config, dtype, seqs, first_layer, products=products)
+    got, expected = fused_and_op_by_op(layer, config, dtype, seqs, first_layer, products=products,
+                                       lora_slots=lora_slots)
     if exact is not None:
-        exact = fused_and_op_by_op(exact, config, torch.float32, seqs, first_layer, values=torch.bfloat16)[1]
+        exact = fused_and_op_by_op(exact, config, torch.float32, seqs, first_layer, values=torch.bfloat16,
+                                   lora_slots=lora_slots)[1]
     for i, (tensor, reference) in enumerate(zip(got, expected)):
         assert tensor.dtype == dtype
         if dtype == torch.float32:
@@ -227,8 +258,8 @@ def assert_fused_matches(layer: LlamaDecoderLayer, layer_class, config, dtype: t
 
 
 def fused_and_op_by_op(layer: LlamaDecoderLayer, config, dtype: torch.dtype, seqs, first_layer: bool,
-                       values: torch.dtype | None = None, products: str = "kernel"
-                       ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                       values: torch.dtype | None = None, products: str = "kernel",
+                       lora_slots: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(the C++ layer's outputs and caches, its products the kernels' or torch's, forward()'s) on random caches and
     inputs, rounded to `values` (default: dtype) before they are cast to dtype."""
     tokens = sum(new for _, new in seqs)
@@ -264,7 +295,7 @@ def fused_and_op_by_op(layer: LlamaDecoderLayer, config, dtype: torch.dtype, seq
             run = functools.partial(cpu_decoder_layer.decoder_layers_with_products, products=[layer.fused_products])
         else:
             assert step.kernel_products
-            run = cpu_decoder_layer.decoder_layers
+            run = functools.partial(cpu_decoder_layer.decoder_layers, lora_slots=lora_slots)
         attention = layer.fused_attention
         attention.kv_cache = tuple(c.clone() for c in caches)
         prepared = cpu_decoder_layer.PreparedLayers([layer.fused_weights], [attention.kv_cache], x.dtype)

@@ -99,6 +99,39 @@ def test_mixed_adapters_equal_peft_with_slot_swaps_chunks_preemption_and_prefix_
         llm.shutdown()
 
 
+def test_adapter_steps_run_on_the_cpp_layer_and_equal_the_op_path(monkeypatch):
+    """Decodes and short chunks of adapted requests beside base-model ones take the C++ layer, which adds each
+    row's deltas (kernels/csrc/lora.h): float32, the same tokens and logprobs as the op path (bf16 against float32:
+    tests/test_cpu_decoder_layer.py's adapter case)."""
+    from kernels import cpu_decoder_layer
+
+    prompts = random_prompts([5, 30, 17, 9], vocab=1000, seed=3)
+    names = [None, *ADAPTERS]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    adapted_calls = []
+    layers = cpu_decoder_layer.decoder_layers
+    monkeypatch.setattr(cpu_decoder_layer, "decoder_layers", lambda *args: adapted_calls.append(
+        args[4] is not None and bool((args[4] >= 0).any())) or layers(*args))
+
+    def run() -> list:
+        llm = LLM(tiny_model("llama"), dtype="float32", in_process=True, enable_lora=True, max_loras=3,
+                  max_lora_rank=8)
+        try:
+            return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                lora_request=[None if n is None else lora(n, i + 1) for i, n in enumerate(names)])
+        finally:
+            llm.shutdown()
+
+    fused = run()
+    assert any(adapted_calls), "no adapted step took the C++ layer"
+    monkeypatch.setattr(cpu_decoder_layer, "decode_step", lambda *args: None)
+    for got, expected in zip(fused, run(), strict=True):
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+        for got_step, expected_step in zip(got.outputs[0].logprobs, expected.outputs[0].logprobs):
+            for token, logprob in got_step.items():
+                assert logprob.logprob == pytest.approx(expected_step[token].logprob, abs=1e-4)
+
+
 def test_adapters_change_outputs_and_never_share_prefix_blocks():
     """The same prompt under the base model and two adapters: three different continuations, each as PEFT's; a
     block computed under one is never reused for another (their first pass hits nothing of the others')."""

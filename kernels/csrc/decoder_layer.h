@@ -13,6 +13,7 @@
 #include "experts.h"
 #include "gemv_pairs.h"
 #include "layer_ops.h"
+#include "lora.h"
 
 namespace pagedserve {
 
@@ -23,6 +24,7 @@ struct Projection {
   const float* scale;  // null: the weight is of the model dtype
   int64_t group;  // 0: one scale per row; else the columns sharing a scale (scale is [N, K / group])
   const uint16_t* pairs = nullptr;  // a bf16 weight's gemv_pairs.h copy, which its products then read; or null
+  LoraSlots lora;  // its adapter slots (lora.h), or none
 };
 
 // y = x W^T + b from W's pairs copy where it has one (bf16 on AVX-512 BF16 CPUs), else from W.
@@ -56,14 +58,17 @@ struct DecoderLayer {
   Experts<T> experts;  // count > 0: a mixture of experts (experts.h), the dense MLP its shared expert if any
 };
 
+// y = x W^T + b, then each adapted row's delta (lora_slots: each row's adapter slot, -1 none; null: no row).
 template <typename T>
-void project(const Projection& p, const T* x, const T* bias, T* y, int64_t M, int64_t N, int64_t K) {
+void project(const Projection& p, const T* x, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
+             const int64_t* lora_slots) {
   if (p.scale && p.group)
     gemv_grouped(x, static_cast<const int8_t*>(p.weight), p.scale, bias, y, M, N, K, p.group);
   else if (p.scale)
     gemv(x, static_cast<const int8_t*>(p.weight), bias, y, M, N, K, p.scale);
   else
     products(x, static_cast<const T*>(p.weight), p.pairs, bias, y, M, N, K);
+  add_lora(p.lora, x, y, M, N, K, lora_slots);
 }
 
 // Rows of add_and_norm_row, over the threads for many; in place is fine.
@@ -169,38 +174,40 @@ void attend(const DecoderLayer<T>& L, T* qkv, const int64_t* positions, const in
 
 // The layer's dense MLP: its up product(s), activation and down product from normed [M, hidden] into out.
 template <typename T>
-void dense_mlp(const DecoderLayer<T>& L, const T* normed, T* out, int64_t M) {
+void dense_mlp(const DecoderLayer<T>& L, const T* normed, T* out, int64_t M, const int64_t* lora_slots) {
   const int64_t H = L.hidden, I = L.intermediate, width = gated(L.activation) ? 2 * I : I;
   std::vector<T> h(M * width), act(M * I);
-  project(L.gate_up, normed, L.gate_up_bias, h.data(), M, width, H);
+  project(L.gate_up, normed, L.gate_up_bias, h.data(), M, width, H, lora_slots);
   activate_rows(L, h.data(), act.data(), M);
-  project(L.down, act.data(), L.down_bias, out, M, H, I);
+  project(L.down, act.data(), L.down_bias, out, M, H, I, lora_slots);
 }
 
 // x [M, hidden] (this layer's input), residual [M, hidden] or null (first layer); writes out [M, hidden] and
 // residual_out [M, hidden] (either may be x or residual: each is read before it is written). The layer's output is
-// out + residual_out, which the next layer's before_attention() adds.
+// out + residual_out, which the next layer's before_attention() adds. lora_slots: each row's adapter slot (-1: none;
+// null: no row has one).
 template <typename T>
 void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* out, T* residual_out,
                    const int64_t* positions, const int64_t* slots, T* k_cache, T* v_cache, int64_t block_size,
-                   const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M) {
+                   const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M,
+                   const int64_t* lora_slots) {
   const int64_t H = L.hidden, q_size = L.heads * L.head_dim, qkv_size = q_size + 2 * L.kv_heads * L.head_dim;
   std::vector<T> normed(M * H), qkv(M * qkv_size), attn(M * q_size);
   before_attention(L, x, residual, residual_out, normed.data(), M);
-  project(L.qkv, normed.data(), L.qkv_bias, qkv.data(), M, qkv_size, H);
+  project(L.qkv, normed.data(), L.qkv_bias, qkv.data(), M, qkv_size, H, lora_slots);
   attend(L, qkv.data(), positions, slots, k_cache, v_cache, block_size, tables, max_blocks, seq_lens, attn.data(), M);
   std::vector<T> o(M * H);
-  project(L.o, attn.data(), L.o_bias, o.data(), M, H, q_size);
+  project(L.o, attn.data(), L.o_bias, o.data(), M, H, q_size, lora_slots);
   after_attention(L, o.data(), residual_out, normed.data(), M);
   if (L.experts.count) {
     mixture_of_experts(L.experts, normed.data(), out, M, H);
     if (L.experts.shared_gate) {
       std::vector<T> shared(M * H);
-      dense_mlp(L, normed.data(), shared.data(), M);
+      dense_mlp(L, normed.data(), shared.data(), M, lora_slots);
       add_shared_expert(L.experts, normed.data(), shared.data(), out, M, H);
     }
   } else {
-    dense_mlp(L, normed.data(), out, M);
+    dense_mlp(L, normed.data(), out, M, lora_slots);
   }
   after_mlp(L, out, o.data(), M);
 }
@@ -212,10 +219,11 @@ template <typename T>
 void stage_layers(const std::vector<DecoderLayer<T>>& layers, const std::vector<T*>& k_caches,
                   const std::vector<T*>& v_caches, const Norm<T>& final_norm, const T* x, const T* residual,
                   T* out, T* residual_out, const int64_t* positions, const int64_t* slots, int64_t block_size,
-                  const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M) {
+                  const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M,
+                  const int64_t* lora_slots = nullptr) {
   for (size_t i = 0; i < layers.size(); ++i)
     decoder_layer(layers[i], i ? out : x, i ? residual_out : residual, out, residual_out, positions, slots,
-                  k_caches[i], v_caches[i], block_size, tables, max_blocks, seq_lens, M);
+                  k_caches[i], v_caches[i], block_size, tables, max_blocks, seq_lens, M, lora_slots);
   if (final_norm.weight) add_and_norm_rows(out, residual_out, final_norm, residual_out, out, M, layers.front().hidden);
 }
 

@@ -56,22 +56,28 @@ void gemv_int8_grouped(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias
 // gate_up and down (0 for a weight of the model dtype; else it is int8), then their gemv_pairs.h copies (0: none),
 // then the q and k head norms, input_norm's and post_norm's biases, attn_out_norm, mlp_out_norm, gate_up's and down's
 // biases (0: none, and for every absent bias), then the experts' router, gate_up and down and the shared expert's
-// gate (0: a dense MLP; pagedserve::Experts);
+// gate (0: a dense MLP; pagedserve::Experts), then the adapter slots' a, b and used of qkv, o, gate_up and down (0:
+// none; pagedserve::LoraSlots);
 // dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none), then the scale group sizes of
 // qkv, o, gate_up and down (0: a scale per row, or no scale), then rotary_dim, the norm kind, the activation,
 // parallel_residual, qkv_per_head and scale_q_first (layer_ops.h, pagedserve::DecoderLayer), then the experts' count,
-// top_k, intermediate size and renormalize;
+// top_k, intermediate size and renormalize, then the adapter slots' widths of qkv, o, gate_up and down and whether
+// they are bf16;
 // floats: the norms' eps, the attention's scale and soft cap, the experts' weights' scaling.
 using LayerArgs = std::tuple<std::vector<uintptr_t>, std::vector<int64_t>, std::vector<double>>;
 
 template <typename T>
 pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
   const auto& [w, dims, floats] = args;
-  if (w.size() != 30 || dims.size() != 20 || floats.size() != 4)
-    throw std::invalid_argument("a layer takes 30 pointers, 20 dims and 4 floats");
+  if (w.size() != 42 || dims.size() != 25 || floats.size() != 4)
+    throw std::invalid_argument("a layer takes 42 pointers, 25 dims and 4 floats");
   auto projection = [&](int weight, int scale) {
+    const int i = scale - 10;  // the projection's index: qkv, o, gate_up, down
+    const pagedserve::LoraSlots lora{reinterpret_cast<const void*>(w[30 + 3 * i]),
+                                     reinterpret_cast<const void*>(w[31 + 3 * i]), in<uint8_t>(w[32 + 3 * i]),
+                                     dims[20 + i], dims[24] != 0};
     return pagedserve::Projection{reinterpret_cast<const void*>(w[weight]), in<float>(w[scale]), dims[scale - 4],
-                                  in<uint16_t>(w[scale + 4])};
+                                  in<uint16_t>(w[scale + 4]), lora};
   };
   const float eps = float(floats[0]);
   auto norm = [&](int weight, int bias) {
@@ -122,11 +128,11 @@ Stage<T> stage_of(const StageArgs& args) {
 template <typename T>
 void decoder_layers(const StageArgs& args, uintptr_t x, uintptr_t residual, uintptr_t o, uintptr_t residual_out,
                     uintptr_t positions, uintptr_t slots, int64_t block_size, uintptr_t tables, int64_t max_blocks,
-                    uintptr_t seq_lens, int64_t m) {
+                    uintptr_t seq_lens, int64_t m, uintptr_t lora_slots) {
   const Stage<T> stage = stage_of<T>(args);
   pagedserve::stage_layers(stage.layers, stage.k_caches, stage.v_caches, stage.final_norm, in<T>(x), in<T>(residual),
                            out<T>(o), out<T>(residual_out), in<int64_t>(positions), in<int64_t>(slots), block_size,
-                           in<int64_t>(tables), max_blocks, in<int64_t>(seq_lens), m);
+                           in<int64_t>(tables), max_blocks, in<int64_t>(seq_lens), m, in<int64_t>(lora_slots));
 }
 
 // A whole model for greedy_decode(): its stage (with the final norm), then its embedding table and LM head
@@ -282,9 +288,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("decoder_layers", [](bool bf16, const StageArgs& stage, uintptr_t x, uintptr_t residual, uintptr_t o,
                              uintptr_t residual_out, uintptr_t positions, uintptr_t slots, int64_t block_size,
-                             uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, int64_t m) {
+                             uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, int64_t m,
+                             uintptr_t lora_slots) {
     (bf16 ? decoder_layers<uint16_t> : decoder_layers<float>)(stage, x, residual, o, residual_out, positions, slots,
-                                                              block_size, tables, max_blocks, seq_lens, m);
+                                                              block_size, tables, max_blocks, seq_lens, m,
+                                                              lora_slots);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("sample", [](uintptr_t logits, int64_t rows, int64_t vocab, uintptr_t temperature, uintptr_t top_k,
                      uintptr_t top_p, uintptr_t min_p, uintptr_t uniform, uintptr_t tokens) {

@@ -24,9 +24,11 @@ class LoRAManager:
         self.max_loras, self.max_rank = config.max_loras, config.max_lora_rank
         self.max_cpu_loras = config.max_cpu_loras or config.max_loras
         self.context = LoRAContext()
-        for module in model.modules():  # models keep their fused fast paths to steps without adapters
-            if hasattr(module, "lora_context"):
-                module.lora_context = self.context
+        # The stages whose C++ layer adds adapter deltas itself (workers/models/fused_stage.py): told when a layer
+        # gets its first adapter slots.
+        self.fused_stages = [module for module in model.modules() if hasattr(module, "lora_context")]
+        for module in self.fused_stages:
+            module.lora_context = self.context
         self.params = dict(model.named_parameters())
         self.loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id → slot, least recently used first
@@ -103,6 +105,8 @@ class LoRAManager:
             layer.lora = LoRALayerSlots(self.context, parts, columns, self.max_loras, self.max_rank, self.dtype,
                                         self.device)
             self.layers.append(layer.lora)
+            for stage in self.fused_stages:
+                stage.forget_fused_layers()
         return layer.lora
 
     def _saved_slots(self, name: str) -> SavedModuleSlots | None:

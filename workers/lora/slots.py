@@ -57,11 +57,11 @@ class LoRALayerSlots:
         compute = matmul_dtype(dtype, device)  # kept in the GEMM dtype: nothing converted per step
         self.a = torch.zeros(max_loras, parts * max_rank, input_size, dtype=compute, device=device)
         self.b = torch.zeros(max_loras, self.offsets[-1], parts * max_rank, dtype=compute, device=device)
-        self.used = [False] * max_loras
+        self.used = torch.zeros(max_loras, dtype=torch.bool)  # which slots hold an adapter (the C++ layer reads it)
 
     def set(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Part `part` of the adapter in `slot` (its rank may be below max_rank: the rest stays zero)."""
-        if not self.used[slot]:
+        if not bool(self.used[slot]):
             self.a[slot].zero_()
             self.b[slot].zero_()
         rank, first = a.shape[0], part * self.max_rank
@@ -75,7 +75,7 @@ class LoRALayerSlots:
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out + each token's adapter delta (out unchanged when no adapted token runs through this layer)."""
         context = self.context
-        runs = [run for run in context.token_runs if self.used[run[0]]]
+        runs = [run for run in context.token_runs if bool(self.used[run[0]])]
         if not runs:
             return out
         compute = self.a.dtype

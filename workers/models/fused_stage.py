@@ -68,8 +68,10 @@ def describe_layer(*, input_norm: nn.Module, post_norm: nn.Module, qkv: nn.Modul
     def projection(name: str, linear: nn.Module | None) -> dict:
         if linear is None:
             return {name: None}
+        lora = linear.lora
         return {name: linear.weight, f"{name}_bias": linear.bias, f"{name}_scale": linear.weight_scale,
-                f"{name}_pairs": linear.pairs_weight}
+                f"{name}_pairs": linear.pairs_weight,
+                f"{name}_lora": None if lora is None else cpu_layer_weights.AdapterSlots(lora.a, lora.b, lora.used)}
 
     return cpu_layer_weights.DecoderLayerWeights(
         input_norm=input_norm.weight, post_norm=post_norm.weight, input_norm_bias=getattr(input_norm, "bias", None),
@@ -106,8 +108,7 @@ class FusedStage:
     def fused_step(self, x: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata
                    ) -> cpu_decoder_layer.DecodeStep | None:
         """The step's inputs for the C++ layer when it takes this step (kernels.cpu_decoder_layer.decode_step)."""
-        if not (self.one_call_layers and isinstance(metadata, AttentionMetadata)) or (
-                self.lora_context is not None and self.lora_context.token_groups):  # adapters need the op path
+        if not (self.one_call_layers and isinstance(metadata, AttentionMetadata)):
             return None
         return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
                                              metadata.query_start_loc, self.product_rows)
@@ -119,11 +120,29 @@ class FusedStage:
         C++ calls past the kernels' rows; the same results as the op path."""
         prepared = self.prepared_layers(x.dtype, prepare=True)
         if step.kernel_products:
-            x, residual = cpu_decoder_layer.decoder_layers(prepared, x, residual, step)
+            x, residual = cpu_decoder_layer.decoder_layers(prepared, x, residual, step, self._adapter_slots(len(x)))
         else:
             products = [self.layers[i].fused_products for i in self.stage_layers]
             x, residual = cpu_decoder_layer.decoder_layers_with_products(prepared, products, x, residual, step)
         return (x, residual) if prepared.final_norm is None else x
+
+    def forget_fused_layers(self) -> None:
+        """Its layers changed what the C++ layer reads (an adapter's slots were made for a projection): describe
+        and prepare them again at the next step."""
+        self._prepared_layers = None
+        for i in self.stage_layers:
+            self.layers[i].__dict__.pop("fused_weights", None)
+        self.__dict__.pop("product_rows", None)
+
+    def _adapter_slots(self, tokens: int) -> torch.Tensor | None:
+        """Each token's adapter slot this step (-1: none), None when no token has one."""
+        groups = [] if self.lora_context is None else self.lora_context.token_groups
+        if not groups:
+            return None
+        slots = torch.full((tokens,), -1, dtype=torch.int64)
+        for slot, rows in groups:
+            slots[rows] = slot
+        return slots
 
     def prepared_layers(self, dtype: torch.dtype, prepare: bool = False) -> cpu_decoder_layer.PreparedLayers | None:
         """The stage as the kernel takes it for the bound caches and dtype; made anew if `prepare`, else None when
@@ -172,11 +191,12 @@ class FusedGreedyDecoding:
                       stops: list[set[int]], steps: int,
                       drafts: cpu_greedy_decode.PromptLookupDrafts | cpu_greedy_decode.DraftModelDrafts | None = None,
                       sampled: cpu_greedy_decode.SampledRows | None = None,
-                      penalized: cpu_greedy_decode.PenalizedRows | None = None) -> cpu_greedy_decode.GreedyRun | None:
-        """A multi-step call's later steps in one C++ call (kernels.cpu_greedy_decode.greedy_decode: same tokens as
-        forward(), compute_logits() and the argmax or the sampler step by step, logits biased and penalized as the
-        sampler does, drafts verified as the Python steps verify them); None where that does not compute what they do, and the caller steps in Python, or more rows
-        than the kernels' products take."""
+                      penalized: cpu_greedy_decode.PenalizedRows | None = None
+                      ) -> cpu_greedy_decode.GreedyRun | None:
+        """A multi-step call's later steps in one C++ call (kernels.cpu_greedy_decode.greedy_decode: same tokens
+        as forward(), compute_logits() and the argmax or the sampler step by step, logits biased and penalized
+        as the sampler does, drafts verified as the Python steps verify them); None where that does not compute
+        what they do, and the caller steps in Python, or more rows than the kernels' products take."""
         model = self.greedy_model()
         if model is None or len(tokens) > model.max_rows:
             return None
