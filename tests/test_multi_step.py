@@ -16,7 +16,7 @@ from ipc import EngineCoreRequest, StructuredOutputsParams
 from ipc.lora import LoRARequest
 from kernels.cpu_greedy_decode import SampledRows
 from launch.make_model import make_model
-from workers.model_runner import ModelRunner
+from workers.later_step_calls import LaterStepCalls
 
 ENGINE = {"dtype": "float32", "in_process": True, "block_size": 8, "max_model_len": 96}
 
@@ -168,7 +168,7 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
         engine_args["speculative_config"] = {"method": "draft_model", "model": _near_draft(),
                                              "num_speculative_tokens": 3, "disable_by_batch_size": None}
     calls = []
-    in_one_call = ModelRunner._in_one_call
+    in_one_call = LaterStepCalls._in_one_call
 
     def counted(self, steps, count, output):
         ran = in_one_call(self, steps, count, output)
@@ -176,7 +176,7 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
         return ran
 
     def run(cpp: bool) -> tuple[list[list[int]], list[str], list[torch.Tensor], object]:
-        monkeypatch.setattr(ModelRunner, "_in_one_call",
+        monkeypatch.setattr(LaterStepCalls, "_in_one_call",
                             counted if cpp else lambda self, steps, count, output: False)
         # No time budget: both runs make the same calls, so their caches hold the same blocks.
         llm = LLM(tiny_model(arch), num_scheduler_steps=8, multi_step_budget_ms=None, **{**ENGINE, **engine_args})

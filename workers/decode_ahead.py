@@ -9,6 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from workers.cuda_graphs import DecodeBatch, DecodeGraphs
+from workers.pinned_staging import PinnedStaging
+
 
 @dataclass
 class DecodeRows:
@@ -67,3 +70,25 @@ class AheadForward:
                               np.where(read, ahead.block_tables[picked, :width], 0)):
             return None
         return picked
+
+
+def launch_ahead(graphs: DecodeGraphs, staging: PinnedStaging | None, rows: DecodeRows, size: int,
+                 tokens: torch.Tensor) -> tuple[torch.Tensor, AheadForward | None]:
+    """With this step's tokens still on the device: replay the next decode step's graph (captured at `size`) for
+    `rows`, fed those tokens; returns a host copy of the tokens queued before it, so reading them waits for this
+    step's work alone (tolist() on the device tensor would wait for the whole stream), and the forward pass
+    launched (None where a request's sampling failed: its row is gone)."""
+    host_tokens = tokens.to("cpu", non_blocking=True)
+    copied = torch.cuda.Event() if tokens.is_cuda else None  # on CPU, host_tokens is tokens
+    if copied is not None:
+        copied.record()
+    ahead = None
+    if len(tokens) == len(rows.req_ids):
+        batch = DecodeBatch.padded(np.zeros(len(tokens), dtype=np.int64), rows.positions, rows.slot_mapping,
+                                   rows.seq_lens, rows.block_tables, size)
+        input_ids, _, _ = graphs.load(batch, staging)
+        input_ids[:len(tokens)].copy_(tokens)
+        ahead = AheadForward(rows, graphs.replay(size))
+    if copied is not None:
+        copied.synchronize()
+    return host_tokens, ahead

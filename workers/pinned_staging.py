@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ipc import EngineConfig
+
 _ALIGNMENT = 16  # bytes; every staged array starts at a multiple of this
 
 
@@ -47,3 +49,14 @@ class PinnedStaging:
         staged = buffer[start:end].view(torch.from_numpy(array).dtype).view(array.shape)
         staged.numpy()[...] = array
         return staged
+
+
+def staging_bytes(config: EngineConfig) -> int:
+    """Pinned bytes for the most one step stages, each array aligned: four int64 arrays indexed by token (ids,
+    positions, slots, prompt-logprob rows; a padded decode batch may exceed the token budget, never max_num_seqs),
+    the block table, the logits indices, and the int32 query starts and lengths; and a decode batch launched ahead
+    (ids, positions, slots, block table, int32 lengths)."""
+    rows, seqs = max(config.max_num_batched_tokens, config.max_num_seqs), config.max_num_seqs
+    table = seqs * -(-config.max_model_len // config.block_size)
+    return (8 * (4 * rows + table + seqs) + 4 * (2 * seqs + 1) + 16 * (seqs + 8) + 8 * (3 * seqs + table) + 4 * seqs
+            + 16 * 5)

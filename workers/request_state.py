@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ipc import LoRARequest, NewRequestData, PoolingParams, SamplingParams
+from ipc import LoRARequest, NewRequestData, PoolingParams, SamplingParams, SchedulerOutput
 
 
 @dataclass
@@ -54,3 +54,23 @@ class CachedRequestState:
             if not prefix or [*self.token_ids[-len(prefix):], *after][-len(prefix):] == prefix:
                 banned.append(word[-1])
         return banned
+
+
+def update_states(requests: dict[str, CachedRequestState], so: SchedulerOutput) -> tuple[list[str], list[str]]:
+    """A step's diffs applied: finished requests dropped, new ones added, cached ones given their new tokens and
+    blocks. Returns (finished, resumed from preemption): requests whose state kept elsewhere is stale."""
+    for req_id in so.finished_req_ids:
+        requests.pop(req_id, None)
+    for new in so.scheduled_new_reqs:
+        requests[new.req_id] = CachedRequestState.from_new(new)
+    resumed = []
+    for cached in so.scheduled_cached_reqs:
+        state = requests[cached.req_id]
+        state.token_ids.extend(cached.new_token_ids)
+        if cached.resumed_from_preemption:
+            state.block_ids = list(cached.new_block_ids)
+            resumed.append(cached.req_id)
+        else:
+            state.block_ids.extend(cached.new_block_ids)
+        state.num_computed_tokens = cached.num_computed_tokens
+    return list(so.finished_req_ids), resumed

@@ -1,0 +1,141 @@
+"""A multi-step call's steps after its first (core/multi_step.py decides how many): in one C++ call of the model's
+greedy_decode where it takes the requests, else one forward pass and sampler step at a time; both give the tokens
+of one call per step."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ipc import ModelRunnerOutput
+from kernels.cpu_greedy_decode import SampledRows
+from workers.later_steps import LaterSteps, StepBatch, accepted_run
+from workers.model_inputs import ModelInputs
+from workers.request_state import CachedRequestState
+from workers.step_sampling import penalized_rows
+
+if TYPE_CHECKING:
+    from workers.model_runner import ModelRunner
+
+
+class LaterStepCalls:
+    """The later steps of a ModelRunner's multi-step calls, with its model, sampler, speculator and inputs."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def run(self, output: ModelRunnerOutput, states: list[CachedRequestState], num_steps: int) -> None:
+        """A multi-step call's steps after the first, into the slots the scheduler allocated ahead: each feeds every
+        request its last token and the drafts proposed after it (speculative decoding); the accepted drafts and one
+        more token (the argmax, or sampled as in any step, over the call's tokens so far) are appended to `output`,
+        with the verification. Ends early once no request can go on (workers.later_steps). The drafts proposed
+        after the last step go with the output."""
+        runner = self.runner
+        tensors = runner.tensors
+        steps = LaterSteps(states, [output.sampled_token_ids[s.req_id] for s in states], *tensors.block_table(states),
+                           runner.block_size, runner.config.max_model_len)
+        draft_ahead = runner.draft_model.num_drafts if runner.draft_model is not None else 0
+        argmax_only = all(state.sampling_params.logits_as_they_are and state.sampling_params.is_greedy
+                          for state in states)
+        in_one_call = all(state.sampling_params.reports_no_logprobs_or_bans for state in states) and \
+            self._in_one_call(steps, num_steps - 1, output)
+        for _ in range(1, 1 if in_one_call else num_steps):
+            rows = steps.active()
+            if not rows:
+                break
+            proposed = runner.propose(output, [states[i] for i in steps.with_room(rows, draft_ahead)])
+            batch = steps.batch(rows, {i: proposed[states[i].req_id] for i in rows if states[i].req_id in proposed})
+            metadata = tensors.attention_metadata(batch.slot_mapping, batch.block_table, batch.query_start_loc,
+                                                  batch.seq_lens, batch.num_decodes)
+            feeds = np.array([len(feed) for feed in batch.feeds])
+            slots = runner.lora_slots([states[i] for i in batch.rows], feeds)  # each token's adapter, if any
+            hidden = runner.forward(ModelInputs(tensors.indices(batch.input_ids), tensors.indices(batch.positions),
+                                                metadata, tensors.indices(np.arange(len(batch.input_ids))), [], []))
+            logits = runner.logits(hidden, np.repeat(slots, feeds).tolist())
+            if argmax_only:  # as the sampler takes a plain greedy row
+                argmax = logits.argmax(dim=-1).tolist()
+                runs = [accepted_run(feed[1:], argmax[first:first + len(feed)])
+                        for feed, first in zip(batch.feeds, batch.query_start_loc)]
+            else:
+                runs = self._sample_later_step(logits, steps, batch, output)
+            for i, feed, run in zip(batch.rows, batch.feeds, runs):
+                if run is None:
+                    steps.stop(i)
+                    continue
+                steps.take(i, run)
+                if len(feed) > 1:
+                    output.verified.setdefault(states[i].req_id, []).append((len(feed) - 1, len(run) - 1))
+        output.draft_token_ids = runner.propose(output, [states[i] for i in steps.with_room(range(len(states)),
+                                                                                          draft_ahead)])
+
+    def _sample_later_step(self, logits: torch.Tensor, steps: LaterSteps, batch: StepBatch,
+                           output: ModelRunnerOutput) -> list[list[int] | None]:
+        """Each row's tokens from the sampler (its accepted drafts and the token after them; None where its sampling
+        failed, recorded in `output`): sampled, penalized and banned over its tokens and the call's so far; the
+        logprobs of those that ask, after those of the call's earlier tokens in `output`."""
+        groups = [self.runner.sample_group(steps.states[i], feed[1:], steps.tokens[i])
+                  for i, feed in zip(batch.rows, batch.feeds)]
+        sampled = self.runner.step_sampler.sample(logits, groups, None)
+        output.failed.update(sampled.failed)
+        for req_id, token_ids in sampled.logprob_token_ids.items():
+            output.logprob_token_ids.setdefault(req_id, []).extend(token_ids)
+            output.logprobs.setdefault(req_id, []).extend(sampled.logprobs[req_id])
+            output.sampled_ranks.setdefault(req_id, []).extend(sampled.sampled_ranks[req_id])
+        return [sampled.sampled_token_ids.get(group.state.req_id) for group in groups]
+
+    def _in_one_call(self, steps: LaterSteps, count: int, output: ModelRunnerOutput) -> bool:
+        """Up to `count` steps of the active requests (no logprobs, no bad words) in one call of the model's
+        greedy_decode (where it has one that takes them), drawing sampled requests' tokens as the sampler would (from
+        logits biased and penalized as it processes them) and verifying the drafts the speculator would propose,
+        which the kernel writes itself (prompt lookup's, or a draft model's; sampled or penalized requests verify
+        theirs in Python), the tokens taken into `steps`, failures and verifications into `output`; whether it
+        ran."""
+        runner = self.runner
+        greedy = getattr(runner.model, "greedy_decode", None)
+        rows = steps.active()
+        if greedy is None or runner.lora is not None or not rows:
+            return False
+        drafts = None
+        states = [steps.states[i] for i in rows]
+        sampled = not all(state.sampling_params.is_greedy for state in states)
+        processed = not all(state.sampling_params.logits_as_they_are for state in states)
+        if runner.speculator is not None and runner.speculator.speculates(len(output.sampled_token_ids)):
+            if sampled or processed or (drafts := runner.speculator.kernel_drafts(
+                    states, [state.token_ids + steps.tokens[i] for state, i in zip(states, rows)],
+                    steps.capacity[rows])) is None:
+                return False
+        limits = steps.limits(rows)
+        run = greedy(np.array([steps.tokens[i][-1] for i in rows], dtype=np.int64), steps.context[rows] - 1,
+                     steps.table[rows], limits, [steps.stops[i] for i in rows], count, drafts,
+                     self._sampled_rows(states, limits, count) if sampled else None,
+                     penalized_rows(states, [steps.tokens[i] for i in rows]) if processed else None)
+        if run is None:
+            return False
+        for i, row, failed in zip(rows, run.tokens, run.failed):
+            steps.take(i, row[row >= 0].tolist())
+            if failed:
+                output.failed[steps.states[i].req_id] = "no token to sample: every logit is -inf, or one is NaN"
+                steps.stop(i)
+        if drafts is not None:
+            runner.speculator.resume(states, drafts, steps.context[rows])
+        if run.verified is not None:
+            for i, checks in zip(rows, run.verified):
+                checks = checks[checks[:, 0] >= 0]
+                if len(checks):
+                    output.verified.setdefault(steps.states[i].req_id, []).extend(map(tuple, checks.tolist()))
+        return True
+
+    def _sampled_rows(self, states: list[CachedRequestState], limits: np.ndarray, count: int) -> SampledRows:
+        """The requests' sampling options and uniform draws for up to `count` steps, drawn as the sampler draws them
+        step by step: a seeded request's one per step it may take from its own generator, the others' from the
+        shared one (float32, as the sampler's)."""
+        params = [state.sampling_params for state in states]
+        uniform = torch.empty(len(states), count).uniform_(generator=self.runner.sampler.generator).double()
+        for row, (state, limit) in enumerate(zip(states, limits.tolist())):
+            if state.generator is not None and not state.sampling_params.is_greedy:
+                uniform[row, :min(count, limit)] = torch.empty(min(count, limit)).uniform_(generator=state.generator)
+        return SampledRows(np.array([0.0 if p.is_greedy else p.temperature for p in params], dtype=np.float32),
+                           np.array([p.top_k for p in params], dtype=np.int64),
+                           np.array([p.top_p for p in params], dtype=np.float32),
+                           np.array([p.min_p for p in params], dtype=np.float32), uniform.numpy())
