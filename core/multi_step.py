@@ -8,6 +8,7 @@ of recent decode steps of about that batch size (StepTimes)."""
 from __future__ import annotations
 
 from core.request import Request
+from ipc.sampling_params import tokens_left
 
 # Steps of a call whose batch size has no timing yet: enough to time a step, few enough that a slow model's first
 # call does not hold its tokens back for long.
@@ -29,7 +30,7 @@ def num_steps(requests: list[Request], limit: int, max_model_len: int) -> int:
     a request's max_tokens or max_model_len; 1 where any of them needs the scheduler between steps."""
     if not all(decodes_alone(r) for r in requests):
         return 1
-    room = min(min(r.max_tokens - len(r.output_token_ids), max_model_len - r.num_tokens) for r in requests)
+    room = min(tokens_left(r.max_tokens, len(r.output_token_ids), max_model_len, r.num_tokens) for r in requests)
     return max(1, min(limit, room))
 
 

@@ -6,6 +6,7 @@ import enum
 from typing import TYPE_CHECKING
 
 from ipc import EngineCoreRequest, FinishReason, PromptLogprobs, SamplingParams
+from ipc.sampling_params import stop_tokens, tokens_left
 
 if TYPE_CHECKING:
     from core.structured_output.backends import RequestGrammar
@@ -113,12 +114,10 @@ class Request:
         num_out = len(self.output_token_ids)
         if self.grammar is not None and self.grammar.is_terminated:  # the grammar's end wins over min_tokens
             return RequestStatus.FINISHED_STOPPED
-        if num_out >= params.min_tokens:
-            if token == self.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if params.stop_token_ids and token in params.stop_token_ids:
+        if num_out >= params.min_tokens and token in stop_tokens(params, self.eos_token_id):
+            if token != self.eos_token_id or params.ignore_eos:  # a stop token's id is reported; EOS is not
                 self.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if num_out >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_STOPPED
+        if tokens_left(self.max_tokens, num_out, max_model_len, self.num_tokens) <= 0:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -12,6 +12,7 @@ from core import multi_step
 from core.multi_step import StepTimes
 from core.kv_cache_manager import KVCacheManager
 from core.request import Request, RequestStatus
+from ipc.sampling_params import tokens_left
 from ipc import (
     CachedRequestData,
     EngineConfig,
@@ -153,7 +154,7 @@ class Scheduler:
         max_num_seqs and none ends by length)."""
         if spec_tokens or any(count != 1 for count in num_scheduled.values()):
             return False
-        ends = [len(r.output_token_ids) + 1 >= r.max_tokens or r.num_tokens + 1 >= self.max_model_len
+        ends = [tokens_left(r.max_tokens, len(r.output_token_ids), self.max_model_len, r.num_tokens) <= 1
                 for r in (self.requests[req_id] for req_id in num_scheduled)]
         if all(ends):
             return False

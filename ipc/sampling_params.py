@@ -100,6 +100,25 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         return self.logprobs is None and not self.bad_words_token_ids
 
 
+def stop_tokens(params: SamplingParams, eos_token_id: int | None) -> set[int]:
+    """The tokens that end a request once it has min_tokens outputs: its stop tokens, and EOS unless ignored. The
+    token half of the stop rule, in one place: the scheduler's stop check, the worker's later steps and (through
+    the sets they give it) the C++ steps."""
+    stops = set(params.stop_token_ids or ())
+    if eos_token_id is not None and not params.ignore_eos:
+        stops.add(eos_token_id)
+    return stops
+
+
+def tokens_left(max_tokens: int | None, num_output_tokens: int, max_model_len: int, num_tokens: int) -> int:
+    """How many more tokens a request may take before it finishes by length: up to its max_tokens (None: no limit
+    of its own) and the model's context. The length half of the stop rule, in one place: the scheduler's stop check
+    and lookahead, the multi-step planner, the worker's later steps and (through the limits they give it) the C++
+    steps all count with it."""
+    left = max_model_len - num_tokens
+    return left if max_tokens is None else min(left, max_tokens - num_output_tokens)
+
+
 def _require(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{field} {message}")

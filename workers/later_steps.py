@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ipc.sampling_params import tokens_left
 from workers.request_state import CachedRequestState
 
 
@@ -36,8 +37,6 @@ class LaterSteps:
         self.states, self.tokens, self.table, self.block_size = states, tokens, table, block_size
         self.capacity, self.max_model_len = np.minimum(num_blocks * block_size, max_model_len), max_model_len
         self.context = np.array([len(s.token_ids) + len(t) for s, t in zip(states, tokens)], dtype=np.int64)
-        self.room = [max_model_len if s.sampling_params.max_tokens is None
-                     else s.sampling_params.max_tokens - s.num_output_tokens for s in states]
         self.stops = [s.stop_token_ids() for s in states]  # min_tokens is reached before a multi-step call
         self.stopped = [not stops.isdisjoint(t) for stops, t in zip(self.stops, tokens)]
 
@@ -47,7 +46,9 @@ class LaterSteps:
 
     def left(self, i: int) -> int:
         """Tokens it may still take: up to max_tokens and max_model_len."""
-        return min(self.room[i] - len(self.tokens[i]), self.max_model_len - int(self.context[i]))
+        state = self.states[i]
+        return tokens_left(state.sampling_params.max_tokens, state.num_output_tokens + len(self.tokens[i]),
+                           self.max_model_len, int(self.context[i]))
 
     def active(self) -> list[int]:
         return [i for i in range(len(self.states))

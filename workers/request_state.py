@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ipc import LoRARequest, NewRequestData, PoolingParams, SamplingParams, SchedulerOutput
+from ipc.sampling_params import stop_tokens
 
 
 @dataclass
@@ -34,11 +35,8 @@ class CachedRequestState:
         return len(self.token_ids) - self.num_prompt_tokens
 
     def stop_token_ids(self) -> set[int]:
-        """The tokens that end it once min_tokens outputs exist: its stop tokens, and EOS unless ignored."""
-        stops = set(self.sampling_params.stop_token_ids or ())
-        if self.eos_token_id is not None and not self.sampling_params.ignore_eos:
-            stops.add(self.eos_token_id)
-        return stops
+        """The tokens that end it once min_tokens outputs exist (ipc.sampling_params.stop_tokens)."""
+        return stop_tokens(self.sampling_params, self.eos_token_id)
 
     def banned_token_ids(self, after: list[int] = ()) -> list[int]:
         """Stop tokens until min_tokens outputs exist, and the last token of any bad word that the tokens so far
