@@ -17,10 +17,11 @@ from kernels.cpu_decoder_layer import PreparedLayers
 
 @dataclass(frozen=True)
 class GreedyModel:
-    """A model as greedy_decode() takes it: its layers prepared with the final norm, its embedding and LM head of the
-    layers' dtype (rows past vocab_size ignored), the head's kernels.cpu_gemv.pair_weight copy where kept, the
-    scale each embedding row is multiplied by (rounded to the dtype first; 0: none, Gemma's sqrt(hidden)) and the
-    logits' tanh soft cap (0: none, Gemma 2's). max_rows: the most token rows of a step its kernels' products take."""
+    """A model as greedy_decode() takes it: its layers prepared with the final norm, its embedding and LM head of
+    the layers' dtype (rows past vocab_size ignored), the head's kernels.cpu_gemv.pair_weight copy where kept, the
+    scale each embedding row is multiplied by (rounded to the dtype first; 0: none, Gemma's sqrt(hidden)), the
+    logits' tanh soft cap (0: none, Gemma 2's) and a table of learned positions added to each row (OPT's). max_rows:
+    the most token rows of a step its kernels' products take."""
 
     prepared: PreparedLayers
     embedding: torch.Tensor
@@ -30,6 +31,8 @@ class GreedyModel:
     head_pairs: torch.Tensor | None = None
     embed_scale: float = 0.0
     logit_cap: float = 0.0
+    position_table: torch.Tensor | None = None  # learned positions (OPT): row position + offset is added
+    position_offset: int = 0
 
     def check(self) -> None:
         """Layers prepared with the final norm, embedding and head, all of one dtype; the head's pairs copy, if
@@ -37,7 +40,12 @@ class GreedyModel:
         prepared, dtype = self.prepared, self.prepared.dtype
         if prepared.final_norm is None:
             raise ValueError("greedy decoding needs the last stage's final norm")
-        for name, tensor in (("embedding", self.embedding), ("head", self.head)):
+        tensors = [("embedding", self.embedding), ("head", self.head)]
+        if self.position_table is not None:
+            if self.position_table.shape[1:] != self.embedding.shape[1:] or self.position_offset < 0:
+                raise ValueError("the position table must be [positions, hidden] with a non-negative offset")
+            tensors.append(("position table", self.position_table))
+        for name, tensor in tensors:
             if tensor.dtype != dtype or tensor.device.type != "cpu" or tensor.dim() != 2 or not tensor.is_contiguous():
                 raise ValueError(f"the {name} must be a contiguous CPU matrix of the layers' dtype {dtype}")
         if self.head_pairs is not None and not (dtype == torch.bfloat16 and cpu_gemv.pairs_serve(self.head)
@@ -49,7 +57,8 @@ class GreedyModel:
         """module.cpp's ModelArgs."""
         return (self.prepared.stage_args, self.embedding.data_ptr(), self.head.data_ptr(), self.head.shape[0],
                 self.vocab_size, 0 if self.head_pairs is None else self.head_pairs.data_ptr(), self.embed_scale,
-                self.logit_cap)
+                self.logit_cap, 0 if self.position_table is None else self.position_table.data_ptr(),
+                self.position_offset)
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,7 @@ def _near_draft() -> str:
 @pytest.mark.parametrize(("arch", "mode"), [("llama", "plain"), ("llama", "prompt lookup"), ("llama", "draft model"),
                                             ("llama", "sampled"), ("llama", "penalized"), ("gemma2", "plain"),
                                             ("gemma2", "sampled"),
-                                            ("gpt_neox", "plain"), ("qwen2_moe", "plain")])
+                                            ("gpt_neox", "plain"), ("qwen2_moe", "plain"), ("opt", "plain")])
 def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch, mode):
     """The model's greedy_decode (a call's later steps in one C++ call) gives the tokens, finish reasons and KV cache
     bytes of the Python loop, with rows ending at different steps: a stop token mid-run, max_tokens, max_model_len

@@ -30,14 +30,23 @@ struct GreedyModel {
   const uint16_t* head_pairs = nullptr;  // the head's gemv_pairs.h copy, or null
   float embed_scale = 0.f;  // > 0: each embedding row times this (rounded to T first: Gemma's sqrt(hidden))
   float logit_cap = 0.f;  // > 0: logits become cap * tanh(logit / cap), in float32 (Gemma 2)
+  const T* position_table = nullptr;  // learned positions (OPT): row position + position_offset is added; or null
+  int64_t position_offset = 0;
 };
 
-// Row `token` of the model's embedding into x, scaled as the model scales it.
+// Row `token` of the model's embedding into x for a token at `position`: scaled, or its position's row added, as
+// the model does.
 template <typename T>
-void embed(const GreedyModel<T>& model, int64_t token, int64_t H, T* x) {
+void embed(const GreedyModel<T>& model, int64_t token, int64_t position, int64_t H, T* x) {
   const T* row = model.embedding + token * H;
-  if (model.embed_scale <= 0.f) return (void)std::memcpy(x, row, H * sizeof(T));
-  for (int64_t d = 0; d < H; ++d) store(widen(row[d]) * model.embed_scale, x + d);
+  if (model.position_table) {
+    const T* learned = model.position_table + (position + model.position_offset) * H;
+    for (int64_t d = 0; d < H; ++d) store(widen(row[d]) + widen(learned[d]), x + d);
+  } else if (model.embed_scale > 0.f) {
+    for (int64_t d = 0; d < H; ++d) store(widen(row[d]) * model.embed_scale, x + d);
+  } else {
+    std::memcpy(x, row, H * sizeof(T));
+  }
 }
 
 // One row of logits as the sampler and the argmax read them: widened to float32 into scores, soft-capped where the
@@ -136,7 +145,7 @@ void model_drafts(const DraftModel<T>& draft, const std::vector<std::vector<int6
       for (int64_t p = j ? L - 1 + j : draft.known[m]; p <= L - 1 + j; ++p) {
         const int64_t token = p < L ? history[m][p] : drafts[a * k + p - L];
         x.resize(x.size() + H);
-        embed(d, token, H, x.data() + x.size() - H);
+        embed(d, token, p, H, x.data() + x.size() - H);
         table.insert(table.end(), row_table, row_table + max_blocks);
         pos.push_back(p), lens.push_back(p + 1);
         slots.push_back(row_table[p / block_size] * block_size + p % block_size);
@@ -247,7 +256,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
       const int64_t* row_table = tables + m * max_blocks;
       for (int64_t j = 0; j <= feeds[a]; ++j, ++r) {
         const int64_t p = positions[m] + taken[m] + j, token = j ? drafts[a * k + j - 1] : last[m];
-        embed(model, token, H, x.data() + r * H);
+        embed(model, token, p, H, x.data() + r * H);
         std::copy(row_table, row_table + max_blocks, table.data() + r * max_blocks);
         pos[r] = p, lens[r] = p + 1, slots[r] = row_table[p / block_size] * block_size + p % block_size;
       }

@@ -137,16 +137,19 @@ void decoder_layers(const StageArgs& args, uintptr_t x, uintptr_t residual, uint
 
 // A whole model for greedy_decode(): its stage (with the final norm), then its embedding table and LM head
 // [head_rows, hidden] of the model dtype, the vocabulary size, the head's gemv_pairs.h copy (0: none), the
-// embedding scale and the logits' soft cap (0: none; pagedserve::GreedyModel).
-using ModelArgs = std::tuple<StageArgs, uintptr_t, uintptr_t, int64_t, int64_t, uintptr_t, double, double>;
+// embedding scale and the logits' soft cap (0: none), the learned position table (0: none) and its row offset
+// (pagedserve::GreedyModel).
+using ModelArgs = std::tuple<StageArgs, uintptr_t, uintptr_t, int64_t, int64_t, uintptr_t, double, double, uintptr_t,
+                             int64_t>;
 
 template <typename T>
 pagedserve::GreedyModel<T> model_of(const ModelArgs& args) {
-  const auto& [stage_args, embedding, head, head_rows, vocab, head_pairs, embed_scale, logit_cap] = args;
+  const auto& [stage_args, embedding, head, head_rows, vocab, head_pairs, embed_scale, logit_cap, positions,
+               position_offset] = args;
   Stage<T> stage = stage_of<T>(stage_args);
   return {std::move(stage.layers), std::move(stage.k_caches), std::move(stage.v_caches), stage.final_norm,
           in<T>(embedding), in<T>(head), head_rows, vocab, in<uint16_t>(head_pairs), float(embed_scale),
-          float(logit_cap)};
+          float(logit_cap), in<T>(positions), position_offset};
 }
 
 // A draft model for greedy_decode(): the model, then where its drafts after the last step go with the rows'

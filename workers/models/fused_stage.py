@@ -100,18 +100,19 @@ class FusedStage:
 
     @functools.cached_property
     def one_call_layers(self) -> bool:
-        """Whether the C++ layer serves this stage's steps of decodes and short chunks: tp 1 only (it has no
-        all-reduce between attention and MLP), and every layer takes it."""
-        return parallel_state().tp_size == 1 and bool(self.stage_layers) and \
-            all(self.layers[i].takes_one_call for i in self.stage_layers)
+        """Whether the C++ layer serves this stage's steps of decodes and short chunks: every layer takes it."""
+        return bool(self.stage_layers) and all(self.layers[i].takes_one_call for i in self.stage_layers)
 
     def fused_step(self, x: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata
                    ) -> cpu_decoder_layer.DecodeStep | None:
         """The step's inputs for the C++ layer when it takes this step (kernels.cpu_decoder_layer.decode_step)."""
         if not (self.one_call_layers and isinstance(metadata, AttentionMetadata)):
             return None
+        # Under tensor parallelism the products are the model's own linear layers, whose row-parallel ones
+        # all-reduce their partial sums; the C++ layer computes everything between them on this rank's heads.
+        rows = self.product_rows if parallel_state().tp_size == 1 else 0
         return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
-                                             metadata.query_start_loc, self.product_rows)
+                                             metadata.query_start_loc, rows)
 
     def fused_forward(self, x: torch.Tensor, residual: torch.Tensor | None, step: cpu_decoder_layer.DecodeStep
                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -187,6 +188,10 @@ class FusedGreedyDecoding:
     def fused_parts(self) -> tuple[FusedStage, nn.Module | None, nn.Module | None]:
         raise NotImplementedError
 
+    def fused_positions(self) -> tuple[torch.Tensor, int] | None:
+        """A table of learned positions added to the embedding (and the row of position 0), or None."""
+        return None
+
     def greedy_decode(self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
                       stops: list[set[int]], steps: int,
                       drafts: cpu_greedy_decode.PromptLookupDrafts | cpu_greedy_decode.DraftModelDrafts | None = None,
@@ -204,10 +209,12 @@ class FusedGreedyDecoding:
                                                penalized)
 
     def greedy_model(self) -> cpu_greedy_decode.GreedyModel | None:
-        """The model as greedy_decode() takes it; None for changed logits, pipeline stages, adapters, a quantized
-        table or head, or layers not in C++ or not prepared for the bound caches (a one-call step prepares them)."""
+        """The model as greedy_decode() takes it; None for changed logits, tensor parallelism or pipeline
+        stages, adapters, a quantized table or head, or layers not in C++ or not prepared for the bound caches
+        (a one-call step prepares them)."""
         stage, embedding, head = self.fused_parts()
         if not (type(self).compute_logits is type(self).fused_compute_logits and isinstance(stage, FusedStage)
+                and parallel_state().tp_size == 1
                 and embedding is not None
                 and head is not None and stage.one_call_layers and stage.lora_context is None
                 and embedding.lora is None and head.lora is None and embedding.weight_scale is None
@@ -216,8 +223,9 @@ class FusedGreedyDecoding:
         prepared = stage.prepared_layers(embedding.weight.dtype)
         if prepared is None:
             return None
-        dtype = embedding.weight.dtype
+        dtype, positions = embedding.weight.dtype, self.fused_positions()
         return cpu_greedy_decode.GreedyModel(
             prepared, embedding.weight, head.weight, head.vocab_size,
             min(stage.product_rows, cpu_gemv.max_rows(dtype, head.weight, head.pairs_weight)), head.pairs_weight,
-            float(torch.tensor(self.embed_scale).to(dtype)) if self.embed_scale else 0.0, float(self.logit_cap or 0.0))
+            float(torch.tensor(self.embed_scale).to(dtype)) if self.embed_scale else 0.0,
+            float(self.logit_cap or 0.0), *(positions or (None, 0)))

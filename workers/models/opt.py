@@ -14,7 +14,8 @@ from workers.distributed import Intermediate, parallel_state
 from workers.layers.attention import Attention, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, tie_lm_head
-from workers.models.fused_stage import PLAIN_ACTIVATIONS, FusedStage, describe_layer, norm_kind, takes_projections
+from workers.models.fused_stage import (PLAIN_ACTIVATIONS, FusedGreedyDecoding, FusedStage, describe_layer,
+                                        norm_kind, takes_projections)
 from workers.models.llama import build_stage_layers
 
 # OPT's learned position table reserves its first two rows (a fairseq padding convention).
@@ -148,7 +149,7 @@ class OPTModel(nn.Module):
         self.decoder = OPTDecoder(config)
 
 
-class OPTForCausalLM(nn.Module):
+class OPTForCausalLM(FusedGreedyDecoding, nn.Module):
     num_intermediate_tensors = 1  # no separate residual stream
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 
@@ -169,3 +170,14 @@ class OPTForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Last stage only; float32 logits on TP rank 0, None on the other TP ranks."""
         return self.lm_head.compute_logits(hidden)
+
+    fused_compute_logits = compute_logits
+
+    def fused_parts(self) -> tuple[FusedStage, nn.Module | None, nn.Module | None]:
+        """The decoder, its embedding and head; no embedding where it projects in or out (the C++ steps do not)."""
+        decoder = self.model.decoder
+        projected = decoder.project_in is not None or decoder.project_out is not None
+        return decoder, None if projected else decoder.embed_tokens, self.lm_head
+
+    def fused_positions(self) -> tuple[torch.Tensor, int] | None:
+        return self.model.decoder.embed_positions.weight, _POSITION_OFFSET
