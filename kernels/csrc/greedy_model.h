@@ -1,0 +1,99 @@
+// A whole model as the C++ steps run it (greedy_decode.h): its layers, embedding (scaled, or with learned positions
+// added), final norm and LM head, and how a row of its logits becomes a token by the argmax.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "decoder_layer.h"
+
+namespace pagedserve {
+
+template <typename T>
+struct GreedyModel {
+  std::vector<DecoderLayer<T>> layers;
+  std::vector<T*> k_caches, v_caches;
+  Norm<T> final_norm;
+  const T* embedding;  // [vocab rows, hidden]
+  const T* head;  // [head_rows, hidden]: logits for the first `vocab` rows are compared
+  int64_t head_rows, vocab;
+  const uint16_t* head_pairs = nullptr;  // the head's gemv_pairs.h copy, or null
+  float embed_scale = 0.f;  // > 0: each embedding row times this (rounded to T first: Gemma's sqrt(hidden))
+  float logit_cap = 0.f;  // > 0: logits become cap * tanh(logit / cap), in float32 (Gemma 2)
+  const T* position_table = nullptr;  // learned positions (OPT): row position + position_offset is added; or null
+  int64_t position_offset = 0;
+};
+
+// Row `token` of the model's embedding into x for a token at `position`: scaled, or its position's row added, as
+// the model does.
+template <typename T>
+void embed(const GreedyModel<T>& model, int64_t token, int64_t position, int64_t H, T* x) {
+  const T* row = model.embedding + token * H;
+  if (model.position_table) {
+    const T* learned = model.position_table + (position + model.position_offset) * H;
+    for (int64_t d = 0; d < H; ++d) store(widen(row[d]) + widen(learned[d]), x + d);
+  } else if (model.embed_scale > 0.f) {
+    for (int64_t d = 0; d < H; ++d) store(widen(row[d]) * model.embed_scale, x + d);
+  } else {
+    std::memcpy(x, row, H * sizeof(T));
+  }
+}
+
+// One row of logits as the sampler and the argmax read them: widened to float32 into scores, soft-capped where the
+// model caps them.
+template <typename T>
+void score_row(const GreedyModel<T>& model, const T* logits, float* scores) {
+  for (int64_t v = 0; v < model.vocab; ++v) scores[v] = widen(logits[v]);
+  if (model.logit_cap > 0.f)
+    for (int64_t v = 0; v < model.vocab; ++v) scores[v] = model.logit_cap * std::tanh(scores[v] / model.logit_cap);
+}
+
+// The first index of the largest value, NaN above every number: torch.argmax's choice. Without a NaN, the largest
+// value 8 lanes at a time, then the first index holding it: a scalar running max waits on each comparison in turn
+// (~3 us per 4,096 logits, a row of every step).
+template <typename T>
+int64_t argmax_row(const T* v, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  if (n >= 8) {
+    __m256 top8 = load8(v), nan8 = _mm256_cmp_ps(top8, top8, _CMP_UNORD_Q);
+    for (i = 8; i + 8 <= n; i += 8) {
+      const __m256 x = load8(v + i);
+      top8 = _mm256_max_ps(top8, x);
+      nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top8);
+    float top = *std::max_element(lanes, lanes + 8);
+    bool nan = _mm256_movemask_ps(nan8) != 0;
+    for (int64_t j = i; j < n; ++j) nan = nan || std::isnan(widen(v[j])), top = std::max(top, widen(v[j]));
+    if (!nan) {
+      const __m256 wanted = _mm256_set1_ps(top);
+      for (i = 0; i + 8 <= n; i += 8)
+        if (const int hits = _mm256_movemask_ps(_mm256_cmp_ps(load8(v + i), wanted, _CMP_EQ_OQ)))
+          return i + __builtin_ctz(unsigned(hits));
+      for (; widen(v[i]) != top; ++i) {}
+      return i;
+    }
+    i = 0;
+  }
+#endif
+  int64_t best = i;
+  float top = widen(v[i]);
+  for (++i; i < n && !std::isnan(top); ++i) {
+    const float x = widen(v[i]);
+    if (x > top || std::isnan(x)) top = x, best = i;
+  }
+  return best;
+}
+
+// The argmax of one row of logits as the model computes them (soft-capped where it caps them; scores: scratch).
+template <typename T>
+int64_t best_token(const GreedyModel<T>& model, const T* logits, std::vector<float>& scores) {
+  if (model.logit_cap <= 0.f) return argmax_row(logits, model.vocab);
+  score_row(model, logits, scores.data());
+  return argmax_row(scores.data(), model.vocab);
+}
+
+}  // namespace pagedserve
