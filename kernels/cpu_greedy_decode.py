@@ -13,6 +13,7 @@ import torch
 
 from kernels import cpu_gemv
 from kernels.cpu_decoder_layer import PreparedLayers
+from kernels.cpu_layer_weights import pointer
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,8 @@ class GreedyModel:
     def args(self) -> tuple:
         """module.cpp's ModelArgs."""
         return (self.prepared.stage_args, self.embedding.data_ptr(), self.head.data_ptr(), self.head.shape[0],
-                self.vocab_size, 0 if self.head_pairs is None else self.head_pairs.data_ptr(), self.embed_scale,
-                self.logit_cap, 0 if self.position_table is None else self.position_table.data_ptr(),
-                self.position_offset)
+                self.vocab_size, pointer(self.head_pairs), self.embed_scale, self.logit_cap,
+                pointer(self.position_table), self.position_offset)
 
 
 @dataclass(frozen=True)
