@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run-batch"]:  # as `vllm run-batch`; launch.run_batch imports this module, so not at the top
+        from launch.run_batch import main as run_batch
+        return run_batch(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv[1:] if argv[:1] == ["serve"] else argv)  # `serve` as in `vllm serve MODEL`
     if args.model_tag and args.model and args.model_tag != args.model:
