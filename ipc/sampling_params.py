@@ -89,15 +89,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     @property
     def logits_as_they_are(self) -> bool:
         """Whether its tokens come from the model's logits as they are, the argmax or drawn by temperature, top-k,
-        top-p and min-p, and it reports no logprobs: no penalty, bias or ban changes them (min_tokens aside: it
-        depends on the output so far)."""
-        return self.reports_no_logprobs_or_bans and not self.has_penalties and not self.logit_bias
-
-    @property
-    def reports_no_logprobs_or_bans(self) -> bool:
-        """Whether it asks for no logprobs and bans no bad words: what a multi-step call's C++ steps do not compute
-        (they apply penalties and logit bias themselves)."""
-        return self.logprobs is None and not self.bad_words_token_ids
+        top-p and min-p: no penalty, bias or ban changes them (min_tokens aside: it depends on the output so far)."""
+        return not self.bad_words_token_ids and not self.has_penalties and not self.logit_bias
 
 
 def stop_tokens(params: SamplingParams, eos_token_id: int | None) -> set[int]:

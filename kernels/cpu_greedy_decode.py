@@ -131,20 +131,41 @@ class PenalizedRows:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """The logprobs greedy_decode() reports for each token a row takes (of the model's own distribution, as the
+    sampler's raw logprobs): ids and values [rows, columns, 1 + most asked] the token's, then its row's best ones
+    (-1 ids after them), and ranks [rows, columns] the token's (1 = best); a column as the row's tokens'."""
+
+    ids: np.ndarray
+    values: np.ndarray
+    ranks: np.ndarray
+
+    def of_row(self, row: int, count: int) -> tuple[list[list[int]], list[list[float]], list[int]]:
+        """Row's first `count` tokens' [token, best ...] ids, their logprobs and the tokens' ranks, as the sampler's
+        gather_logprobs gives them."""
+        width = int((self.ids[row, 0] >= 0).sum()) if count else 0
+        return (self.ids[row, :count, :width].tolist(), self.values[row, :count, :width].tolist(),
+                self.ranks[row, :count].tolist())
+
+
+@dataclass(frozen=True)
 class GreedyRun:
     """greedy_decode()'s result. tokens [rows, columns]: each row's tokens in order, then -1. verified [rows, steps,
     2]: each step's drafted and accepted counts (-1 where the row verified no draft); None without drafts.
-    failed [rows]: a sampled row that had no token to draw (a NaN, or no finite logit) and stopped there."""
+    failed [rows]: a sampled row that had no token to draw (a NaN, or no finite logit) and stopped there. logprobs:
+    those of the rows that report them (None: no row does)."""
 
     tokens: np.ndarray
     verified: np.ndarray | None
     failed: np.ndarray
+    logprobs: TokenLogprobs | None = None
 
 
 def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray,
                   limits: np.ndarray, stops: Sequence[Collection[int]], steps: int,
                   drafts: PromptLookupDrafts | DraftModelDrafts | None = None,
-                  sampled: SampledRows | None = None, penalized: PenalizedRows | None = None) -> GreedyRun:
+                  sampled: SampledRows | None = None, penalized: PenalizedRows | None = None,
+                  logprobs: np.ndarray | None = None, adapters: np.ndarray | None = None) -> GreedyRun:
     """Up to `steps` greedy steps for each row from its last token `tokens[m]` at `positions[m]`: per step the
     embedding lookup, the layers with the final norm, the LM head by the GEMV kernel and the first argmax among its
     first vocab_size logits, as the model computes them, all in C++. Row m takes up to limits[m] tokens (its K/V
@@ -153,7 +174,9 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
     its limit leaves room for, at most the model's max_rows token rows in all) and keeps those the argmax agrees
     with, and the argmax after them: the same tokens. With `sampled` (no drafts then) its rows with a temperature
     draw their tokens as the sampler does; with `penalized` (no drafts then either) from logits processed as it
-    processes them."""
+    processes them. With `logprobs` (int64 [rows]: how many best tokens a row reports beside its own, -1: none) the
+    run's logprobs are those of each token a reporting row takes. With `adapters` (int64 [rows]: each row's adapter
+    slot, -1: none) the layers add each row's adapter deltas (the prepared layers' slots; a draft model's none)."""
     model.check()
     rows = len(tokens)
     tokens, positions, limits = (np.ascontiguousarray(a, dtype=np.int64) for a in (tokens, positions, limits))
@@ -192,15 +215,30 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
         processed = penalized.arrays(rows)
     columns = max(1, min(int(limits.max(initial=0)), steps * (1 + k)))
     out = np.empty((rows, columns), dtype=np.int64)
+    reported, width = None, 0
+    if logprobs is not None:
+        logprobs = np.ascontiguousarray(logprobs, dtype=np.int64)
+        if logprobs.shape != (rows,):
+            raise ValueError("logprobs need one count per row (-1: none)")
+        width = 1 + min(int(logprobs.max(initial=0)), model.vocab_size)
+        reported = TokenLogprobs(np.empty((rows, columns, width), dtype=np.int64),
+                                 np.empty((rows, columns, width), dtype=np.float32),
+                                 np.empty((rows, columns), dtype=np.int64))
+    if adapters is not None:
+        adapters = np.ascontiguousarray(adapters, dtype=np.int64)
+        if adapters.shape != (rows,):
+            raise ValueError("adapters need one slot per row (-1: none)")
     prepared = model.prepared
     prepared.module.greedy_decode(
         prepared.dtype == torch.bfloat16, model.args(), tokens.ctypes.data, positions.ctypes.data, table.ctypes.data,
         table.shape[1], prepared.block_size, limits.ctypes.data, stop_ids.ctypes.data, stop_starts.ctypes.data,
         [k, getattr(drafts, "min_n", 1), getattr(drafts, "max_n", 0)], history.ctypes.data,
         history_starts.ctypes.data, verified.ctypes.data if drafts else 0, pointers,
-        [a.ctypes.data for a in processed], draft_model, known.ctypes.data,
+        [a.ctypes.data for a in processed],
+        [] if reported is None else [a.ctypes.data for a in (logprobs, reported.ids, reported.values, reported.ranks)],
+        width, 0 if adapters is None else adapters.ctypes.data, draft_model, known.ctypes.data,
         max(rows, model.max_rows), out.ctypes.data, columns, rows, steps)
-    return GreedyRun(out, verified if drafts else None, (out == -2).any(axis=1))
+    return GreedyRun(out, verified if drafts else None, (out == -2).any(axis=1), reported)
 
 
 def _draft_model_args(drafts: DraftModelDrafts, target: GreedyModel, lengths: np.ndarray) -> tuple:

@@ -132,6 +132,31 @@ def test_adapter_steps_run_on_the_cpp_layer_and_equal_the_op_path(monkeypatch):
                 assert logprob.logprob == pytest.approx(expected_step[token].logprob, abs=1e-4)
 
 
+def test_adapted_multi_step_calls_take_one_cpp_call_and_equal_peft(monkeypatch):
+    """Multi-step calls of adapted requests beside a base-model one take their later steps in the model's one C++
+    call (greedy_decode adds each row's deltas in the layers): PEFT's tokens."""
+    from workers.later_step_calls import LaterStepCalls
+
+    prompts = random_prompts([5, 30, 17], vocab=1000, seed=5)
+    names = [None, "attention-r2", "everything-r8-rslora"]
+    calls = []
+    in_one_call = LaterStepCalls._in_one_call
+    monkeypatch.setattr(LaterStepCalls, "_in_one_call",
+                        lambda self, *args: calls.append(in_one_call(self, *args)) or calls[-1])
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = LLM(tiny_model("llama"), dtype="float32", in_process=True, enable_lora=True, max_loras=2, max_lora_rank=8,
+              num_scheduler_steps=8, multi_step_budget_ms=None)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                               lora_request=[None if n is None else lora(n, i + 1) for i, n in enumerate(names)])
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
+    assert any(calls), "no multi-step call of adapted requests took the C++ call"
+    for prompt, name, output in zip(prompts, names, outputs, strict=True):
+        assert output.outputs[0].token_ids == peft_greedy(name, prompt, params.max_tokens), name
+
+
 def test_adapters_change_outputs_and_never_share_prefix_blocks():
     """The same prompt under the base model and two adapters: three different continuations, each as PEFT's; a
     block computed under one is never reused for another (their first pass hits nothing of the others')."""

@@ -133,8 +133,9 @@ def _near_draft() -> str:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("arch", "mode"), [("llama", "plain"), ("llama", "prompt lookup"), ("llama", "draft model"),
-                                            ("llama", "sampled"), ("llama", "penalized"), ("gemma2", "plain"),
-                                            ("gemma2", "sampled"),
+                                            ("llama", "sampled"), ("llama", "penalized"), ("llama", "logprobs"),
+                                            ("llama", "logprobs, prompt lookup"), ("gemma2", "plain"),
+                                            ("gemma2", "sampled"), ("gemma2", "logprobs"),
                                             ("gpt_neox", "plain"), ("qwen2_moe", "plain"), ("opt", "plain")])
 def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch, mode):
     """The model's greedy_decode (a call's later steps in one C++ call) gives the tokens, finish reasons and KV cache
@@ -143,9 +144,10 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
     steps do (the K/V of rejected drafts included, so the same drafts; the same counts but where a draft model finds
     fewer than k slots left: the kernel drafts into them). Sampled: seeded
     requests with temperature, top-k, top-p and min-p among greedy ones draw the sampler's tokens; penalized:
-    greedy and sampled requests with presence, frequency and repetition penalties and logit bias. Gemma 2: its
-    embedding scale and soft-capped logits in C++ too."""
-    lookup = mode in ("prompt lookup", "draft model")
+    greedy and sampled requests with presence, frequency and repetition penalties and logit bias; logprobs: greedy,
+    sampled and penalized requests reporting top-N logprobs (the same ids, ranks and values) beside one that does
+    not. Gemma 2: its embedding scale and soft-capped logits in C++ too."""
+    lookup = mode in ("prompt lookup", "draft model", "logprobs, prompt lookup")
     prompts = [p + p[:12] for p in random_prompts([5, 40, 17, 70, 9], vocab=1000, seed=6)]  # something to look up
     free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (37, 11, 64, 50, 20)]
     if mode == "sampled":
@@ -161,7 +163,15 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
                                             frequency_penalty=1.7)]
     engine_args = {"dtype": dtype, "num_kv_blocks": 40 + 8 * lookup, "enable_prefix_caching": False,
                    "max_model_len": 120}
-    if mode == "prompt lookup":
+    if mode.startswith("logprobs"):
+        free[1:] = [SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True, logprobs=3),
+                    SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=0), free[3],
+                    SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=5)]
+        if mode == "logprobs":  # sampled and penalized rows verify no drafts in C++
+            free[2] = SamplingParams(temperature=1.0, seed=5, max_tokens=64, ignore_eos=True, top_k=30, logprobs=2)
+            free[4] = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, presence_penalty=0.5,
+                                     logprobs=4)
+    if mode in ("prompt lookup", "logprobs, prompt lookup"):
         engine_args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                              "prompt_lookup_max": 3, "disable_by_batch_size": None}
     elif mode == "draft model":
@@ -175,7 +185,7 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
         calls.append(ran)
         return ran
 
-    def run(cpp: bool) -> tuple[list[list[int]], list[str], list[torch.Tensor], object]:
+    def run(cpp: bool) -> tuple[list[list[int]], list[str], list[torch.Tensor], object, list]:
         monkeypatch.setattr(LaterStepCalls, "_in_one_call",
                             counted if cpp else lambda self, steps, count, output: False)
         # No time budget: both runs make the same calls, so their caches hold the same blocks.
@@ -185,17 +195,24 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
             assert_all_blocks_free(llm)
             caches = [c.clone() for c in llm.client.engine.executor.worker.model_runner.kv_caches]
             return ([o.outputs[0].token_ids for o in outputs], [o.outputs[0].finish_reason for o in outputs], caches,
-                    llm.get_stats().spec_decoding)
+                    llm.get_stats().spec_decoding, [o.outputs[0].logprobs for o in outputs])
         finally:
             llm.shutdown()
 
     params = free
-    [first, *_], _, _, _ = run(cpp=False)
+    [first, *_], *_ = run(cpp=False)
     params = [SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True, stop_token_ids=[first[9]]), *free[1:]]
     python, cpp = run(cpp=False), run(cpp=True)
     assert cpp[:2] == python[:2]
     assert {"stop", "length"} <= set(cpp[1])
     assert all(torch.equal(a, b) for a, b in zip(cpp[2], python[2], strict=True))
+    for got, expected, asked in zip(cpp[4], python[4], params, strict=True):
+        assert (got is None) == (asked.logprobs is None)
+        for got_step, expected_step in zip(got or [], expected or [], strict=True):
+            assert got_step.keys() == expected_step.keys() and len(got_step) >= asked.logprobs
+            for token, logprob in got_step.items():
+                assert logprob.rank == expected_step[token].rank
+                assert logprob.logprob == pytest.approx(expected_step[token].logprob, abs=1e-5)
     if mode == "draft model":  # the kernel also drafts into fewer than k slots left, which the Python steps skip
         assert 0 <= cpp[3].num_drafts - python[3].num_drafts <= len(prompts)
     else:

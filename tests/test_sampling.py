@@ -7,7 +7,7 @@ import torch
 from conftest import assert_all_blocks_free, random_prompts
 from frontend import LLM, SamplingParams
 from hf_reference import hf_greedy
-from workers.layers.sampler import Penalties, Sampler, SamplingMetadata, _apply_penalties
+from workers.layers.sampler import Penalties, Sampler, SamplingMetadata, _apply_penalties, gather_logprobs
 
 PROMPTS = [{"prompt_token_ids": p} for p in random_prompts([5, 40, 90], vocab=1000, seed=1)]
 
@@ -100,6 +100,20 @@ def test_logprobs_match_hf_log_softmax(llm, llama_model):
         torch.testing.assert_close(entry[token].logprob, reference[step, token].item(), atol=1e-4, rtol=0)
     expected_cumulative = sum(reference[s, t].item() for s, t in enumerate(completion.token_ids))
     assert completion.cumulative_logprob == pytest.approx(expected_cumulative, abs=1e-3)
+
+
+def test_top_logprobs_take_ties_in_id_order():
+    """bf16 logits tie often; the top-k logprobs are taken by value, then by the lower id (torch.topk's order of ties
+    is open), and the rank counts only the logprobs strictly above the token's."""
+    generator = torch.Generator().manual_seed(0)
+    logprobs = torch.randint(0, 5, (6, 40), generator=generator).float()
+    tokens = torch.randint(0, 40, (6,), generator=generator)
+    ids, values, ranks = gather_logprobs(logprobs, tokens, 7)
+    for row in range(6):
+        best = sorted(range(40), key=lambda v: (-logprobs[row, v].item(), v))[:7]
+        assert ids[row] == [tokens[row].item(), *best]
+        assert values[row] == [logprobs[row, v].item() for v in ids[row]]
+        assert ranks[row] == 1 + int((logprobs[row] > logprobs[row, tokens[row]]).sum())
 
 
 def test_min_tokens_holds_back_eos(llama_model):

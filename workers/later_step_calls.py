@@ -37,8 +37,8 @@ class LaterStepCalls:
                            runner.block_size, runner.config.max_model_len)
         draft_ahead = runner.draft_model.num_drafts if runner.draft_model is not None else 0
         argmax_only = all(state.sampling_params.logits_as_they_are and state.sampling_params.is_greedy
-                          for state in states)
-        in_one_call = all(state.sampling_params.reports_no_logprobs_or_bans for state in states) and \
+                          and state.sampling_params.logprobs is None for state in states)
+        in_one_call = not any(state.sampling_params.bad_words_token_ids for state in states) and \
             self._in_one_call(steps, num_steps - 1, output)
         for _ in range(1, 1 if in_one_call else num_steps):
             rows = steps.active()
@@ -79,22 +79,20 @@ class LaterStepCalls:
         sampled = self.runner.step_sampler.sample(logits, groups, None)
         output.failed.update(sampled.failed)
         for req_id, token_ids in sampled.logprob_token_ids.items():
-            output.logprob_token_ids.setdefault(req_id, []).extend(token_ids)
-            output.logprobs.setdefault(req_id, []).extend(sampled.logprobs[req_id])
-            output.sampled_ranks.setdefault(req_id, []).extend(sampled.sampled_ranks[req_id])
+            _add_logprobs(output, req_id, token_ids, sampled.logprobs[req_id], sampled.sampled_ranks[req_id])
         return [sampled.sampled_token_ids.get(group.state.req_id) for group in groups]
 
     def _in_one_call(self, steps: LaterSteps, count: int, output: ModelRunnerOutput) -> bool:
-        """Up to `count` steps of the active requests (no logprobs, no bad words) in one call of the model's
-        greedy_decode (where it has one that takes them), drawing sampled requests' tokens as the sampler would (from
-        logits biased and penalized as it processes them) and verifying the drafts the speculator would propose,
-        which the kernel writes itself (prompt lookup's, or a draft model's; sampled or penalized requests verify
-        theirs in Python), the tokens taken into `steps`, failures and verifications into `output`; whether it
-        ran."""
+        """Up to `count` steps of the active requests (no bad words) in one call of the model's greedy_decode (where
+        it has one that takes them), drawing sampled requests' tokens as the sampler would (from logits biased and
+        penalized as it processes them), reporting the logprobs it would, and verifying the drafts the speculator
+        would propose, which the kernel writes itself (prompt lookup's, or a draft model's; sampled or penalized
+        requests verify theirs in Python), the tokens taken into `steps`, failures, logprobs and verifications into
+        `output`; whether it ran."""
         runner = self.runner
         greedy = getattr(runner.model, "greedy_decode", None)
         rows = steps.active()
-        if greedy is None or runner.lora is not None or not rows:
+        if greedy is None or not rows:
             return False
         drafts = None
         states = [steps.states[i] for i in rows]
@@ -106,14 +104,20 @@ class LaterStepCalls:
                     steps.capacity[rows])) is None:
                 return False
         limits = steps.limits(rows)
+        reports = [state.sampling_params.logprobs for state in states]
         run = greedy(np.array([steps.tokens[i][-1] for i in rows], dtype=np.int64), steps.context[rows] - 1,
                      steps.table[rows], limits, [steps.stops[i] for i in rows], count, drafts,
                      self._sampled_rows(states, limits, count) if sampled else None,
-                     penalized_rows(states, [steps.tokens[i] for i in rows]) if processed else None)
+                     penalized_rows(states, [steps.tokens[i] for i in rows]) if processed else None,
+                     np.array([-1 if n is None else n for n in reports]) if any(n is not None for n in reports)
+                     else None, self._adapter_slots(states))
         if run is None:
             return False
-        for i, row, failed in zip(rows, run.tokens, run.failed):
-            steps.take(i, row[row >= 0].tolist())
+        for index, (i, row, failed) in enumerate(zip(rows, run.tokens, run.failed)):
+            taken = row[row >= 0].tolist()
+            steps.take(i, taken)
+            if reports[index] is not None:
+                _add_logprobs(output, steps.states[i].req_id, *run.logprobs.of_row(index, len(taken)))
             if failed:
                 output.failed[steps.states[i].req_id] = "no token to sample: every logit is -inf, or one is NaN"
                 steps.stop(i)
@@ -125,6 +129,12 @@ class LaterStepCalls:
                 if len(checks):
                     output.verified.setdefault(steps.states[i].req_id, []).extend(map(tuple, checks.tolist()))
         return True
+
+    def _adapter_slots(self, states: list[CachedRequestState]) -> np.ndarray | None:
+        """Each request's adapter slot (-1: none), None when none has an adapter."""
+        if self.runner.lora is None or all(state.lora_request is None for state in states):
+            return None
+        return np.array(self.runner.lora_slots(states, np.ones(len(states), dtype=np.int64)), dtype=np.int64)
 
     def _sampled_rows(self, states: list[CachedRequestState], limits: np.ndarray, count: int) -> SampledRows:
         """The requests' sampling options and uniform draws for up to `count` steps, drawn as the sampler draws them
@@ -139,3 +149,11 @@ class LaterStepCalls:
                            np.array([p.top_k for p in params], dtype=np.int64),
                            np.array([p.top_p for p in params], dtype=np.float32),
                            np.array([p.min_p for p in params], dtype=np.float32), uniform.numpy())
+
+
+def _add_logprobs(output: ModelRunnerOutput, req_id: str, ids: list[list[int]], values: list[list[float]],
+                  ranks: list[int]) -> None:
+    """A request's logprobs of more tokens, after those of its earlier tokens in `output`."""
+    output.logprob_token_ids.setdefault(req_id, []).extend(ids)
+    output.logprobs.setdefault(req_id, []).extend(values)
+    output.sampled_ranks.setdefault(req_id, []).extend(ranks)

@@ -15,6 +15,7 @@
 #include "decoder_layer.h"
 #include "draft_steps.h"
 #include "greedy_model.h"
+#include "logprobs.h"
 #include "penalties.h"
 #include "prompt_lookup.h"
 #include "sample.h"
@@ -31,27 +32,30 @@ struct RowSampling {
   const double* uniform = nullptr;
 };
 
-// Rows with penalties or a logit bias (penalties.h) take the argmax or draw from their processed scores.
+// Rows with penalties or a logit bias (penalties.h) take the argmax or draw from their processed scores; rows that
+// report logprobs (logprobs.h) get them for each token they take (its slot's column: out's); with adapters (null:
+// none) row m's token rows run with adapter slot adapters[m] (-1: the base model).
 // M rows: tokens[m], the row's last token, at positions[m]; tables [M, max_blocks]; the row takes up to limits[m]
 // tokens and none after a step that gave it a token of its stop set stop_ids[stop_starts[m], stop_starts[m + 1]).
 // With prompt lookup (or a draft model) a step feeds each row its last token and its drafts (what its limit leaves
 // room for, and at most max_rows token rows in all) and keeps the drafts up to the first the argmax disagrees with,
-// then the argmax there: the tokens plain steps give (no drafts with sampled rows). out [M, out_cols]: the row's tokens in order,
-// -1 after its last; -2 where a sampled row had no token to draw (a NaN, or no finite logit), which ends it. A
-// step's rows are those still going, in row order.
+// then the argmax there: the tokens plain steps give (no drafts with sampled rows). out [M, out_cols]: the row's
+// tokens in order, -1 after its last; -2 where a sampled row had no token to draw (a NaN, or no finite logit),
+// which ends it. A step's rows are those still going, in row order.
 template <typename T>
 void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int64_t* positions,
                    const int64_t* tables, int64_t max_blocks, int64_t block_size, const int64_t* limits,
                    const int64_t* stop_ids, const int64_t* stop_starts, const PromptLookup& lookup,
                    const DraftModel<T>& draft, const RowSampling& sampling, const RowPenalties& penalties,
-                   int64_t max_rows, int64_t* out, int64_t out_cols, int64_t M, int64_t steps) {
+                   const RowLogprobs& logprobs, const int64_t* adapters, int64_t max_rows, int64_t* out,
+                   int64_t out_cols, int64_t M, int64_t steps) {
   const int64_t H = model.layers.front().hidden, k = lookup.k;
   std::fill(out, out + M * out_cols, int64_t(-1));
   if (lookup.verified) std::fill(lookup.verified, lookup.verified + M * steps * 2, int64_t(-1));
   std::vector<std::vector<int64_t>> history(k > 0 ? M : 0);
   for (int64_t m = 0; m < int64_t(history.size()); ++m)
     history[m].assign(lookup.history + lookup.history_starts[m], lookup.history + lookup.history_starts[m + 1]);
-  std::vector<int64_t> last(tokens, tokens + M), taken(M, 0), seqs, feeds, drafts, pos, slots, table, lens;
+  std::vector<int64_t> last(tokens, tokens + M), taken(M, 0), seqs, feeds, drafts, pos, slots, table, lens, lora;
   std::vector<char> stopped(M, 0);
   std::vector<T> x, hidden, residual, logits;
   std::vector<PenaltyCounts> counts = penalty_counts(penalties, M, model.vocab);
@@ -63,6 +67,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
   // Each thread's scores (a row's logits as the sampler reads them) and sampling scratch.
   std::vector<std::vector<float>> scores(threads, std::vector<float>(model.vocab));
   std::vector<SampleScratch> scratch(threads, SampleScratch(sampling.temperature ? model.vocab : 0));
+  std::vector<std::vector<float>> exps(logprobs.num ? threads : 0, std::vector<float>(model.vocab));
   std::vector<int64_t> chosen(M);
   // Row m's next token from a row of its logits: drawn (sampled rows), else the argmax, of its scores processed
   // where it has penalties or a bias; -2 where a sampled row has none to draw.
@@ -76,6 +81,16 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
                                      sampling.top_p[m], sampling.min_p[m], sampling.uniform[m * steps + taken[m]],
                                      row_scratch);
     return token < 0 ? int64_t(-2) : token;
+  };
+  // Row m's token and its logprobs (where it reports them) from a row of its logits, with a thread's scratch.
+  auto take_token = [&](int64_t m, const T* row, int thread) {
+    const int64_t token = choose(m, row, scores[thread], scratch[thread]);
+    if (token >= 0 && logprobs.reports(m)) {
+      score_row(model, row, scores[thread].data());  // as they are: choose() may have processed them
+      report_logprobs(logprobs, m, m * out_cols + taken[m], token, scores[thread].data(), model.vocab,
+                      exps[thread].data());
+    }
+    return token;
   };
   for (int64_t s = 0; s < steps; ++s) {
     seqs.clear();
@@ -93,7 +108,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
                                                     drafts.data() + a * k);
     }
     if (draft.model) model_drafts(draft, history, seqs, feeds, k, tables, max_blocks, block_size, drafts.data());
-    pos.resize(R), slots.resize(R), lens.resize(R), table.resize(R * max_blocks);
+    pos.resize(R), slots.resize(R), lens.resize(R), lora.resize(R), table.resize(R * max_blocks);
     x.resize(R * H), hidden.resize(R * H), residual.resize(R * H), logits.resize(R * model.head_rows);
     for (int64_t a = 0, r = 0; a < A; ++a) {
       const int64_t m = seqs[a];
@@ -103,11 +118,12 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
         embed(model, token, p, H, x.data() + r * H);
         std::copy(row_table, row_table + max_blocks, table.data() + r * max_blocks);
         pos[r] = p, lens[r] = p + 1, slots[r] = row_table[p / block_size] * block_size + p % block_size;
+        lora[r] = adapters ? adapters[m] : -1;
       }
     }
     stage_layers(model.layers, model.k_caches, model.v_caches, model.final_norm, x.data(),
                  static_cast<const T*>(nullptr), hidden.data(), residual.data(), pos.data(), slots.data(), block_size,
-                 table.data(), max_blocks, lens.data(), R);
+                 table.data(), max_blocks, lens.data(), R, adapters ? lora.data() : nullptr);
     products(hidden.data(), model.head, model.head_pairs, static_cast<const T*>(nullptr), logits.data(), R,
              model.head_rows, H);
     // Without drafts each row has one row of logits: every row's token is chosen over the threads (processing and
@@ -122,7 +138,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
 #endif
 #pragma omp for schedule(dynamic)
         for (int64_t a = 0; a < A; ++a)
-          chosen[a] = choose(seqs[a], logits.data() + a * model.head_rows, scores[thread], scratch[thread]);
+          chosen[a] = take_token(seqs[a], logits.data() + a * model.head_rows, thread);
       }
     }
     for (int64_t a = 0, r = 0; a < A; r += feeds[a] + 1, ++a) {
@@ -131,8 +147,8 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
       const int64_t* stops_end = stop_ids + stop_starts[m + 1];
       int64_t accepted = 0;
       for (;; ++accepted) {
-        const int64_t token = k == 0 ? chosen[a] : choose(m, logits.data() + (r + accepted) * model.head_rows,
-                                                          scores[0], scratch[0]);
+        const int64_t token =
+            k == 0 ? chosen[a] : take_token(m, logits.data() + (r + accepted) * model.head_rows, 0);
         if (token < 0) {
           out[m * out_cols + taken[m]] = -2;
           stopped[m] = 1;

@@ -16,15 +16,13 @@
 #include "gemv.h"
 #include "gemv_pairs.h"
 #include "greedy_decode.h"
+#include "model_args.h"
 #include "sample.h"
 #include "threads.h"
 
 namespace {
 
-template <typename T>
-const T* in(uintptr_t p) { return reinterpret_cast<const T*>(p); }
-template <typename T>
-T* out(uintptr_t p) { return reinterpret_cast<T*>(p); }
+using namespace pagedserve::binding;
 
 template <typename T>
 void decode_attention(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t bt, uintptr_t lens, uintptr_t o,
@@ -51,79 +49,6 @@ void gemv_int8_grouped(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias
   pagedserve::gemv_grouped(in<T>(x), in<int8_t>(w), in<float>(scale), in<T>(bias), out<T>(y), m, n, k, group);
 }
 
-// A layer: its pointers, dims and floats.
-// pointers: input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, cos, sin, then the scales of qkv, o,
-// gate_up and down (0 for a weight of the model dtype; else it is int8), then their gemv_pairs.h copies (0: none),
-// then the q and k head norms, input_norm's and post_norm's biases, attn_out_norm, mlp_out_norm, gate_up's and down's
-// biases (0: none, and for every absent bias), then the experts' router, gate_up and down and the shared expert's
-// gate (0: a dense MLP; pagedserve::Experts), then the adapter slots' a, b and used of qkv, o, gate_up and down (0:
-// none; pagedserve::LoraSlots);
-// dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none), then the scale group sizes of
-// qkv, o, gate_up and down (0: a scale per row, or no scale), then rotary_dim, the norm kind, the activation,
-// parallel_residual, qkv_per_head and scale_q_first (layer_ops.h, pagedserve::DecoderLayer), then the experts' count,
-// top_k, intermediate size and renormalize, then the adapter slots' widths of qkv, o, gate_up and down and whether
-// they are bf16;
-// floats: the norms' eps, the attention's scale and soft cap, the experts' weights' scaling.
-using LayerArgs = std::tuple<std::vector<uintptr_t>, std::vector<int64_t>, std::vector<double>>;
-
-template <typename T>
-pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
-  const auto& [w, dims, floats] = args;
-  if (w.size() != 42 || dims.size() != 25 || floats.size() != 4)
-    throw std::invalid_argument("a layer takes 42 pointers, 25 dims and 4 floats");
-  auto projection = [&](int weight, int scale) {
-    const int i = scale - 10;  // the projection's index: qkv, o, gate_up, down
-    const pagedserve::LoraSlots lora{reinterpret_cast<const void*>(w[30 + 3 * i]),
-                                     reinterpret_cast<const void*>(w[31 + 3 * i]), in<uint8_t>(w[32 + 3 * i]),
-                                     dims[20 + i], dims[24] != 0};
-    return pagedserve::Projection{reinterpret_cast<const void*>(w[weight]), in<float>(w[scale]), dims[scale - 4],
-                                  in<uint16_t>(w[scale + 4]), lora};
-  };
-  const float eps = float(floats[0]);
-  auto norm = [&](int weight, int bias) {
-    return pagedserve::Norm<T>{dims[11], in<T>(w[weight]), bias < 0 ? nullptr : in<T>(w[bias]), eps};
-  };
-  pagedserve::DecoderLayer<T> L;
-  L.input_norm = norm(0, 20), L.post_norm = norm(5, 21), L.attn_out_norm = norm(22, -1);
-  L.mlp_out_norm = norm(23, -1);
-  L.qkv_bias = in<T>(w[2]), L.o_bias = in<T>(w[4]), L.gate_up_bias = in<T>(w[24]), L.down_bias = in<T>(w[25]);
-  L.qkv = projection(1, 10), L.o = projection(3, 11), L.gate_up = projection(6, 12), L.down = projection(7, 13);
-  L.cos = in<float>(w[8]), L.sin = in<float>(w[9]);
-  L.scale = float(floats[1]), L.soft_cap = float(floats[2]);
-  L.hidden = dims[0], L.heads = dims[1], L.kv_heads = dims[2], L.head_dim = dims[3], L.intermediate = dims[4];
-  L.window = dims[5], L.rotary_dim = dims[10], L.activation = dims[12];
-  L.parallel_residual = dims[13], L.qkv_per_head = dims[14], L.scale_q_first = dims[15];
-  L.q_norm = in<T>(w[18]), L.k_norm = in<T>(w[19]);
-  L.experts = {dims[16], dims[17], dims[18], in<T>(w[26]), in<T>(w[27]), in<T>(w[28]), in<T>(w[29]), dims[19] != 0,
-               float(floats[3])};
-  return L;
-}
-
-// A stage: its layers' pointers, dims and floats (as LayerArgs, one entry each), key and value caches, then the
-// final norm's weight (0: none), bias (0: none) and eps.
-using StageArgs = std::tuple<std::vector<std::vector<uintptr_t>>, std::vector<std::vector<int64_t>>,
-                             std::vector<std::vector<double>>, std::vector<uintptr_t>, std::vector<uintptr_t>,
-                             uintptr_t, uintptr_t, double>;
-
-template <typename T>
-struct Stage {
-  std::vector<pagedserve::DecoderLayer<T>> layers;
-  std::vector<T*> k_caches, v_caches;
-  pagedserve::Norm<T> final_norm;
-};
-
-template <typename T>
-Stage<T> stage_of(const StageArgs& args) {
-  const auto& [weights, dims, floats, k_caches, v_caches, norm, norm_bias, norm_eps] = args;
-  Stage<T> stage;
-  for (size_t i = 0; i < weights.size(); ++i) stage.layers.push_back(layer_of<T>({weights[i], dims[i], floats[i]}));
-  for (uintptr_t p : k_caches) stage.k_caches.push_back(out<T>(p));
-  for (uintptr_t p : v_caches) stage.v_caches.push_back(out<T>(p));
-  const int64_t kind = stage.layers.empty() ? 0 : stage.layers.front().input_norm.kind;
-  stage.final_norm = {kind, in<T>(norm), in<T>(norm_bias), float(norm_eps)};
-  return stage;
-}
-
 // pagedserve::stage_layers() over the stage.
 template <typename T>
 void decoder_layers(const StageArgs& args, uintptr_t x, uintptr_t residual, uintptr_t o, uintptr_t residual_out,
@@ -135,27 +60,6 @@ void decoder_layers(const StageArgs& args, uintptr_t x, uintptr_t residual, uint
                            in<int64_t>(tables), max_blocks, in<int64_t>(seq_lens), m, in<int64_t>(lora_slots));
 }
 
-// A whole model for greedy_decode(): its stage (with the final norm), then its embedding table and LM head
-// [head_rows, hidden] of the model dtype, the vocabulary size, the head's gemv_pairs.h copy (0: none), the
-// embedding scale and the logits' soft cap (0: none), the learned position table (0: none) and its row offset
-// (pagedserve::GreedyModel).
-using ModelArgs = std::tuple<StageArgs, uintptr_t, uintptr_t, int64_t, int64_t, uintptr_t, double, double, uintptr_t,
-                             int64_t>;
-
-template <typename T>
-pagedserve::GreedyModel<T> model_of(const ModelArgs& args) {
-  const auto& [stage_args, embedding, head, head_rows, vocab, head_pairs, embed_scale, logit_cap, positions,
-               position_offset] = args;
-  Stage<T> stage = stage_of<T>(stage_args);
-  return {std::move(stage.layers), std::move(stage.k_caches), std::move(stage.v_caches), stage.final_norm,
-          in<T>(embedding), in<T>(head), head_rows, vocab, in<uint16_t>(head_pairs), float(embed_scale),
-          float(logit_cap), in<T>(positions), position_offset};
-}
-
-// A draft model for greedy_decode(): the model, then where its drafts after the last step go with the rows'
-// capacities (pagedserve::DraftModel).
-using DraftArgs = std::tuple<ModelArgs, uintptr_t, uintptr_t>;
-
 // Greedy steps of the whole model (greedy_decode.h); drafts from `draft` if given (its K/V known per row at
 // draft_known, int64 [m], updated), else by prompt lookup.
 template <typename T>
@@ -163,6 +67,7 @@ void greedy_decode(const ModelArgs& model_args, uintptr_t tokens, uintptr_t posi
                    int64_t max_blocks, int64_t block_size, uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
                    const std::vector<int64_t>& lookup, uintptr_t history, uintptr_t history_starts,
                    uintptr_t verified, const std::vector<uintptr_t>& sampled, const std::vector<uintptr_t>& penalized,
+                   const std::vector<uintptr_t>& logprobs, int64_t logprob_width, uintptr_t adapters,
                    const std::optional<DraftArgs>& draft, uintptr_t draft_known, int64_t max_rows,
                    uintptr_t tokens_out, int64_t out_cols, int64_t m, int64_t steps) {
   const pagedserve::GreedyModel<T> model = model_of<T>(model_args);
@@ -186,9 +91,14 @@ void greedy_decode(const ModelArgs& model_args, uintptr_t tokens, uintptr_t posi
                                in<int64_t>(penalized.at(3)), in<int64_t>(penalized.at(4)), in<float>(penalized.at(5)),
                                in<int64_t>(penalized.at(6)), in<int64_t>(penalized.at(7)), in<int64_t>(penalized.at(8)),
                                in<int64_t>(penalized.at(9))};
+  // logprobs: num, ids, values, ranks (empty: no row reports them)
+  const pagedserve::RowLogprobs reported = logprobs.empty() ? pagedserve::RowLogprobs{} : pagedserve::RowLogprobs{
+      in<int64_t>(logprobs.at(0)), logprob_width, out<int64_t>(logprobs.at(1)), out<float>(logprobs.at(2)),
+      out<int64_t>(logprobs.at(3))};
   pagedserve::greedy_decode(model, in<int64_t>(tokens), in<int64_t>(positions), in<int64_t>(tables), max_blocks,
                             block_size, in<int64_t>(limits), in<int64_t>(stop_ids), in<int64_t>(stop_starts), drafts,
-                            drafter, sampling, penalties, max_rows, out<int64_t>(tokens_out), out_cols, m, steps);
+                            drafter, sampling, penalties, reported, in<int64_t>(adapters), max_rows,
+                            out<int64_t>(tokens_out), out_cols, m, steps);
 }
 
 // The phases of a layer between its products, for steps whose products run elsewhere (torch's GEMMs): each over
@@ -307,11 +217,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             uintptr_t stop_ids, uintptr_t stop_starts, const std::vector<int64_t>& lookup,
                             uintptr_t history, uintptr_t history_starts, uintptr_t verified,
                             const std::vector<uintptr_t>& sampled, const std::vector<uintptr_t>& penalized,
+                            const std::vector<uintptr_t>& logprobs, int64_t logprob_width, uintptr_t adapters,
                             const std::optional<DraftArgs>& draft, uintptr_t draft_known, int64_t max_rows,
                             uintptr_t tokens_out, int64_t out_cols, int64_t m, int64_t steps) {
     (bf16 ? greedy_decode<uint16_t> : greedy_decode<float>)(model, tokens, positions, tables, max_blocks, block_size,
                                                             limits, stop_ids, stop_starts, lookup, history,
-                                                            history_starts, verified, sampled, penalized, draft,
-                                                            draft_known, max_rows, tokens_out, out_cols, m, steps);
+                                                            history_starts, verified, sampled, penalized, logprobs,
+                                                            logprob_width, adapters, draft, draft_known, max_rows,
+                                                            tokens_out, out_cols, m, steps);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -277,9 +277,22 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
     ranks = (logprobs > chosen).sum(dim=1) + 1
     ids, values = token_ids.unsqueeze(1), chosen
     if k:
-        top = logprobs.topk(k, dim=-1)
-        ids, values = torch.cat((ids, top.indices), dim=1), torch.cat((values, top.values), dim=1)
+        top_values, top_ids = _top_k(logprobs, k)
+        ids, values = torch.cat((ids, top_ids), dim=1), torch.cat((values, top_values), dim=1)
     return ids.tolist(), values.tolist(), ranks.tolist()
+
+
+def _top_k(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest logprobs and their ids in order, ties to the lower id: torch.topk leaves the order of
+    ties open, and bf16 logits tie often (the C++ steps' kernels/csrc/logprobs.h takes the same ones)."""
+    values, ids = logprobs.topk(k, dim=-1)
+    boundary = values[:, -1:]
+    tied = ((logprobs >= boundary).sum(dim=1) > k) | (values[:, 1:] == values[:, :-1]).any(dim=1)
+    for row in tied.nonzero().flatten().tolist():
+        candidates = (logprobs[row] >= boundary[row]).nonzero().flatten()  # in id order
+        ids[row] = candidates[torch.sort(logprobs[row, candidates], descending=True, stable=True).indices[:k]]
+        values[row] = logprobs[row, ids[row]]
+    return values, ids
 
 
 def _top_logprobs(logprobs: torch.Tensor, token: torch.Tensor, n: int) -> tuple[list[int], list[float], int]:

@@ -196,27 +196,28 @@ class FusedGreedyDecoding:
                       stops: list[set[int]], steps: int,
                       drafts: cpu_greedy_decode.PromptLookupDrafts | cpu_greedy_decode.DraftModelDrafts | None = None,
                       sampled: cpu_greedy_decode.SampledRows | None = None,
-                      penalized: cpu_greedy_decode.PenalizedRows | None = None
-                      ) -> cpu_greedy_decode.GreedyRun | None:
+                      penalized: cpu_greedy_decode.PenalizedRows | None = None, logprobs: np.ndarray | None = None,
+                      adapters: np.ndarray | None = None) -> cpu_greedy_decode.GreedyRun | None:
         """A multi-step call's later steps in one C++ call (kernels.cpu_greedy_decode.greedy_decode: same tokens
         as forward(), compute_logits() and the argmax or the sampler step by step, logits biased and penalized
-        as the sampler does, drafts verified as the Python steps verify them); None where that does not compute
+        as the sampler does, drafts verified as the Python steps verify them, the sampler's logprobs, adapters'
+        deltas in the layers); None where that does not compute
         what they do, and the caller steps in Python, or more rows than the kernels' products take."""
         model = self.greedy_model()
         if model is None or len(tokens) > model.max_rows:
             return None
         return cpu_greedy_decode.greedy_decode(model, tokens, positions, table, limits, stops, steps, drafts, sampled,
-                                               penalized)
+                                               penalized, logprobs, adapters)
 
     def greedy_model(self) -> cpu_greedy_decode.GreedyModel | None:
         """The model as greedy_decode() takes it; None for changed logits, tensor parallelism or pipeline
-        stages, adapters, a quantized table or head, or layers not in C++ or not prepared for the bound caches
-        (a one-call step prepares them)."""
+        stages, an adapter's own LM head or embeddings (modules_to_save), a quantized table or head, or layers not
+        in C++ or not prepared for the bound caches (a one-call step prepares them)."""
         stage, embedding, head = self.fused_parts()
         if not (type(self).compute_logits is type(self).fused_compute_logits and isinstance(stage, FusedStage)
                 and parallel_state().tp_size == 1
                 and embedding is not None
-                and head is not None and stage.one_call_layers and stage.lora_context is None
+                and head is not None and stage.one_call_layers
                 and embedding.lora is None and head.lora is None and embedding.weight_scale is None
                 and head.weight_scale is None and head.weight.dtype == embedding.weight.dtype):
             return None
