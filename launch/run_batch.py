@@ -139,7 +139,10 @@ async def _answer(client: httpx.AsyncClient, request: BatchRequest) -> dict:
     """The output line for one request, sent through the gateway's route for its url."""
     while True:
         response = await client.post(request.url, json=request.body)
-        body = response.json()
+        try:
+            body = response.json()
+        except ValueError:  # not a route's answer (they are JSON): kept as text in an error body
+            body = {"error": {"code": str(response.status_code), "message": response.text}}
         error = body.get("error") or {}
         if response.status_code == 429 and error.get("code") == "overloaded":
             # The engine's waiting queue is full (--max-concurrency above --max-waiting-requests): not the line's

@@ -1,6 +1,8 @@
 """`python -m launch run-batch`: an OpenAI batch file through the gateway's routes, bad lines, resuming."""
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import subprocess
 import sys
@@ -8,10 +10,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from openai.types import BatchError, Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
-from launch.batch_lines import BadLine, parse_line, read_done
+from launch.batch_lines import BadLine, BatchRequest, parse_line, read_done
+from launch.run_batch import EngineGone, run
 from launch.shipped import DEMO_MODEL_NAME
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,3 +153,36 @@ def test_only_a_torn_last_line_is_cut_off(tmp_path):
     done_line = json.dumps({"id": "batch_req_1", "custom_id": "a", "response": None, "error": None})
     output.write_text(done_line + "\n" + done_line[:10])
     assert read_done(output).custom_ids == {"a"} and output.read_text() == done_line + "\n"
+
+
+def _scripted_gateway(*statuses: int) -> FastAPI:
+    """A stand-in for the gateway whose /v1/completions answers with each status in turn (500: a route's bug)."""
+    app, answers = FastAPI(), iter(statuses)
+
+    @app.post("/v1/completions")
+    async def completions() -> JSONResponse:
+        status = next(answers)
+        if status == 500:
+            raise RuntimeError("a bug")
+        code = {429: "overloaded", 503: "engine_dead"}.get(status)
+        return JSONResponse({"id": "cmpl-1"} if code is None else {"error": {"code": code, "message": code}},
+                            status_code=status)
+    return app
+
+
+def _run_lines(app: FastAPI, output: io.StringIO | None = None) -> list[dict]:
+    output = output or io.StringIO()
+    request = BatchRequest(1, "a", "/v1/completions", {"prompt": "x"})
+    asyncio.run(run(app, [request], [], output, concurrency=4))
+    return [json.loads(line) for line in output.getvalue().splitlines()]
+
+
+def test_an_overloaded_engine_is_waited_for_a_bug_is_the_lines_error_a_dead_engine_stops_the_run():
+    [answer] = _run_lines(_scripted_gateway(429, 429, 200))
+    assert answer["error"] is None and answer["response"]["status_code"] == 200
+    [error] = _run_lines(_scripted_gateway(500))
+    assert error["custom_id"] == "a" and error["error"]["code"] == "500" and error["response"]["status_code"] == 500
+    output = io.StringIO()
+    with pytest.raises(EngineGone):
+        _run_lines(_scripted_gateway(503), output)
+    assert output.getvalue() == ""  # the line stays out of the output, for a rerun to answer
