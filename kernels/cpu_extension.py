@@ -11,6 +11,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -20,6 +21,7 @@ from kernels.cpu_features import cpu_flags
 from kernels.thread_priority import lowest_priority
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+logger = logging.getLogger(__name__)
 
 _start_lock = threading.Lock()  # guards _builder
 _lock = threading.Lock()  # held through a build or load
@@ -92,6 +94,10 @@ def _build(build_directory: str | None) -> ModuleType | None:
         name, root = library.stem, library.parent
         if library.exists():
             return _import(name, library)
+        # Said in the log, since requests meanwhile take the slower paths and nothing else tells why.
+        logger.info("compiling the C++ CPU kernels (first start with these sources on this CPU, about a minute on "
+                    "an idle machine); until they are ready the engine runs the slower torch paths")
+        started = time.monotonic()
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as private:
             module = cpp_extension.load(name, sources=[str(SOURCE_DIR / "module.cpp")],
@@ -99,9 +105,11 @@ def _build(build_directory: str | None) -> ModuleType | None:
                                         extra_cflags=["-O3", "-march=native", "-fopenmp"],
                                         extra_ldflags=["-fopenmp"], build_directory=private)
             os.replace(Path(private) / f"{name}.so", library)  # atomic: a concurrent builder's copy is the same
+        logger.info("C++ CPU kernels compiled in %.0f s: the engine now runs its fused paths",
+                    time.monotonic() - started)
         return module
     except Exception as exc:  # a missing or broken toolchain must only disable the fused paths
-        logging.getLogger(__name__).warning("C++ CPU kernels unavailable, using the torch paths: %s", exc)
+        logger.warning("C++ CPU kernels unavailable, using the torch paths: %s", exc)
         return None
 
 

@@ -19,13 +19,18 @@ def test_build_failure_yields_none(monkeypatch, tmp_path):
 
 
 def test_a_build_killed_midway_leaves_nothing_for_the_next_process_to_wait_on(tmp_path):
-    """A process that exits while its daemon thread builds: the next one builds (or loads) regardless."""
+    """A process that exits while its daemon thread builds: the next one builds (or loads) regardless, and says in
+    the log when the compile starts (the engine runs the slower paths meanwhile) and when it ends."""
     script = ("import sys, time; from kernels import cpu_extension as k; "
               "k._build_at_low_priority = lambda: k.load(sys.argv[1]); k.start_background_build(); time.sleep(0.3)")
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=root, check=True, timeout=120)
-    loaded = subprocess.run([sys.executable, "-c", "import sys; from kernels import cpu_extension as k; "
-                             "print(k.load(sys.argv[1]) is not None)", str(tmp_path)],
+    loaded = subprocess.run([sys.executable, "-c", "import logging, sys; from kernels import cpu_extension as k; "
+                             "logging.basicConfig(level=logging.INFO); print(k.load(sys.argv[1]) is not None)",
+                             str(tmp_path)],
                             cwd=root, capture_output=True, text=True, timeout=300)
     assert loaded.stdout.strip() == "True", loaded.stderr
+    assert "compiling the C++ CPU kernels" in loaded.stderr
+    assert "the engine runs the slower torch paths" in loaded.stderr
+    assert "C++ CPU kernels compiled in" in loaded.stderr
     assert [p.suffix for p in tmp_path.iterdir() if not p.name.startswith(".build-")] == [".so"]
