@@ -83,5 +83,8 @@ def chat_chunks(body: ChatCompletionRequest, tools: ToolReader,
         logprobs = chat_logprobs(completion, num_top) if tools.mode is None else None
         if not delta and logprobs is None and finish_reason is None:
             return None
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:  # vLLM's field: the stop string or token id that ended the choice
+            choice["stop_reason"] = completion.stop_reason
+        return choice
     return choice

@@ -9,8 +9,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from frontend.api.errors import APIError, engine_error, error_body, raise_api_error
+from frontend.api.errors import APIError, engine_error, raise_api_error
 from frontend.api.metrics import ServerMetrics
 from frontend.api.request_log import RequestLogger
 from frontend.api.sse import SSE_DONE, ChoiceEvents, PushedSSEResponse, sse_event
@@ -91,23 +92,58 @@ def _one_or_all(items: list | None) -> object:
     return items[0] if items is not None and len(items) == 1 else items
 
 
+class ChunkWriter(Protocol):
+    """How a stream's chunks (OpenAI chunk dicts) go on the wire: OpenAI's own events, or another API's."""
+
+    def choice(self, choice: dict) -> bytes:
+        """The event(s) of one output's chunk, which has this one choice."""
+
+    def chunk(self, chunk: dict) -> bytes:
+        """The event(s) of a whole chunk: the ones a stream starts with, and its usage chunk."""
+
+    def end(self) -> bytes:
+        """What ends a stream that finished."""
+
+    def error(self, error: APIError) -> bytes:
+        """What ends a stream that failed once its headers were out."""
+
+
+class OpenAIChunks:
+    """OpenAI's stream: each chunk as a data: line, then [DONE]; a failure as an error body, then [DONE]."""
+
+    def __init__(self, head: dict) -> None:
+        self.events = ChoiceEvents(head)
+
+    def choice(self, choice: dict) -> bytes:
+        return self.events.event(choice)
+
+    def chunk(self, chunk: dict) -> bytes:
+        return sse_event(chunk)
+
+    def end(self) -> bytes:
+        return SSE_DONE
+
+    def error(self, error: APIError) -> bytes:
+        return sse_event(error.body()) + SSE_DONE
+
+
 class StreamedChoices:
     """The choices of one streamed request as server-sent events. The engine's output handler hands each output to
     put(); it is rendered as the chunk {**head, "choices": [choice(choice index, output)], "usage": null} and emitted
-    at once. After every prompt's final output come final_chunks() and [DONE]; after an error, an error event and
-    [DONE]."""
+    at once through `writer`. After every prompt's final output come final_chunks() and the writer's end; after an
+    error, the writer's error."""
 
     def __init__(self, engine: AsyncLLM, prompts: list[PromptChoices], request_id: str, observers: RequestObservers,
-                 head: dict, choice: Callable[[int, RequestOutput], dict | None],
+                 writer: ChunkWriter, choice: Callable[[int, RequestOutput], dict | None],
                  final_chunks: Callable[[], list[dict]],
                  head_chunks: Sequence[dict] = ()) -> None:
         self.engine, self.prompts, self.request_id, self.observers = engine, prompts, request_id, observers
-        self.events, self.choice, self.final_chunks = ChoiceEvents(head), choice, final_chunks
+        self.writer, self.choice, self.final_chunks = writer, choice, final_chunks
         self.n = prompts[0].params.n
         self.groups: list[RequestGroup] = []
         self.response = PushedSSEResponse(on_close=self.close)
         for body in head_chunks:
-            self.response.emit(sse_event(body))
+            self.response.emit(writer.chunk(body))
         self.start = time.monotonic()
         self.last: list[float | None] = [None] * (len(prompts) * self.n)
         self.finish_reasons: list[str | None] = [None] * len(self.last)
@@ -152,7 +188,7 @@ class StreamedChoices:
                 self.texts[index] += completion.text
             self.prompts[position].num_completion_tokens += len(completion.token_ids)
             if (choice := self.choice(index, item)) is not None:  # None: nothing to show for this output yet
-                self.response.emit(self.events.event(choice))
+                self.response.emit(self.writer.choice(choice))
         except Exception as error:  # a bug here must end this stream, not the output handler serving all of them
             logger.exception("rendering a streamed output failed")
             self._end(error)
@@ -177,8 +213,7 @@ class StreamedChoices:
         if error is None:
             self.observers.request_ended(self.request_id, self.prompts, self.finish_reasons,
                                          time.monotonic() - self.start, self.texts)
-            tail = b"".join(sse_event(body) for body in self.final_chunks())
+            tail = b"".join(self.writer.chunk(body) for body in self.final_chunks()) + self.writer.end()
         else:  # the headers are out: the error goes in the stream, as OpenAI does
-            mapped = engine_error(error) or APIError(500, f"internal error: {type(error).__name__}")
-            tail = sse_event(error_body(mapped.status, mapped.message, mapped.param, mapped.code))
-        self.response.end(tail + SSE_DONE)
+            tail = self.writer.error(engine_error(error) or APIError(500, f"internal error: {type(error).__name__}"))
+        self.response.end(tail)

@@ -9,7 +9,6 @@ import argparse
 import asyncio
 import functools
 import gc
-import hmac
 import logging
 import os
 import socket
@@ -19,15 +18,16 @@ from importlib.metadata import PackageNotFoundError, version
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException
+from fastapi.responses import Response
 
 from frontend.api.choices import RequestObservers
 from frontend.api.client_budget import ClientBudget
 from frontend.api.cli_args import CorsOptions, auto_tool_parser, build_parser, check_lora_flags, cors_options
-from frontend.api.errors import APIError, error_body
+from frontend.api.errors import APIError
+from frontend.api.guard import Guard
 from frontend.api.lora_adapters import LoRAAdapters, parse_lora_modules
 from frontend.api.route_errors import add_error_handlers, cancel_on_disconnect
+from frontend.api.messages_api import add_messages_routes
 from frontend.api.metrics import ServerMetrics
 from frontend.api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
                                    TokenizeRequest, UnloadLoRAAdapterRequest)
@@ -35,6 +35,7 @@ from frontend.api.pooling_protocol import ClassificationRequest, EmbeddingReques
 from frontend.api.pooling_serving import PoolingServing
 from frontend.api.push import PushHttpToolsProtocol
 from frontend.api.request_log import RequestLogger
+from frontend.api.responses_api import DEFAULT_MAX_STORED_RESPONSES, add_responses_routes
 from frontend.api.sampling import ServerLimits
 from frontend.api.serving import OpenAIServing
 from frontend.async_llm import AsyncLLM
@@ -52,9 +53,11 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
               model_root: str | None = None, generation_defaults: dict[str, float | int] | None = None,
               request_logger: RequestLogger | None = None, cors: CorsOptions | None = None,
               tool_parser: str | None = None, reasoning_parser: str | None = None,
-              adapters: LoRAAdapters | None = None, max_requests_per_client: int | None = None) -> FastAPI:
+              adapters: LoRAAdapters | None = None, max_requests_per_client: int | None = None,
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
     """The gateway's app. `chat_template` (a template's text) replaces the tokenizer's, whose gateway this is;
-    `model_root` is the model's root in /v1/models (default: the engine's model folder)."""
+    `model_root` is the model's root in /v1/models (default: the engine's model folder); /v1/responses keeps the
+    last `max_stored_responses` for previous_response_id."""
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
     metrics = ServerMetrics(model_name)
@@ -65,7 +68,7 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     if max_requests_per_client is not None:  # inside the guard: only requests with a valid key count
         app.add_middleware(ClientBudget, max_requests=max_requests_per_client)
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, max_header_bytes=max_header_bytes)
     if cors is not None:  # added last, so outermost: a browser's preflight needs no API key
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
                            allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
@@ -140,6 +143,9 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await cancel_on_disconnect(request, serving.chat(body))
 
+    add_responses_routes(app, serving, max_stored_responses)
+    add_messages_routes(app, serving)
+
     pooling = PoolingServing(engine, model_name, adapters, limits.max_choices_per_request)
 
     @app.post("/v1/embeddings")
@@ -171,58 +177,6 @@ def _utility_route(engine: AsyncLLM, method: str):
         except RuntimeError as error:  # e.g. the profiler is already running
             raise APIError(409, str(error), code="conflict") from error
     return call
-
-
-class _Guard:
-    """ASGI middleware: the API key on every route but /health (constant-time compare), and size caps on the
-    headers and the body (checked here, whichever HTTP parser uvicorn picked)."""
-
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, max_header_bytes: int) -> None:
-        self.app, self.max_body_bytes, self.max_header_bytes = app, max_body_bytes, max_header_bytes
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        if sum(len(name) + len(value) for name, value in scope["headers"]) > self.max_header_bytes:
-            return await _send(send, 431, f"the request headers are over the limit of {self.max_header_bytes} bytes")
-        headers = dict(scope["headers"])
-        if self.expected is not None and _route_path(scope) != "/health":
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                return await _send(send, 401, "invalid or missing API key (Authorization: Bearer KEY)")
-        length = headers.get(b"content-length", b"0")
-        if not length.isdigit():
-            return await _send(send, 400, "the Content-Length header is not a non-negative integer")
-        if int(length) > self.max_body_bytes:
-            return await _send(send, 413, self._too_large())
-        await self.app(scope, self._capped(receive), send)
-
-    def _capped(self, receive):
-        received = 0
-
-        async def capped():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_body_bytes:  # a chunked body without Content-Length
-                # FastAPI turns other errors while reading the body into a 400, but lets an HTTPException through.
-                raise HTTPException(413, self._too_large())
-            return message
-        return capped
-
-    def _too_large(self) -> str:
-        return f"the request body is over the limit of {self.max_body_bytes} bytes"
-
-
-def _route_path(scope: dict) -> str:
-    """The path the routes see: uvicorn puts --root-path in front of the path it received (the ASGI rule)."""
-    root, path = scope.get("root_path", ""), scope["path"]
-    return path[len(root):] if root and path.startswith(root) else path
-
-
-async def _send(send, status: int, message: str) -> None:
-    response = JSONResponse(error_body(status, message), status_code=status)
-    await response({"type": "http"}, None, send)
 
 
 def _package_version() -> str:

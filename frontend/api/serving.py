@@ -8,10 +8,11 @@ import uuid
 from collections.abc import Callable, Mapping
 
 import msgspec
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from frontend.api.chat_chunks import ToolReader, chat_chunks
-from frontend.api.choices import PromptChoices, RequestObservers, StreamedChoices, final_outputs
+from frontend.api.choices import (ChunkWriter, OpenAIChunks, PromptChoices, RequestObservers, StreamedChoices,
+                                  final_outputs)
 from frontend.api.errors import APIError
 from frontend.api.lora_adapters import LoRAAdapters
 from frontend.api.logprobs import chat_logprobs, completion_logprobs, join_logprobs, prompt_logprobs
@@ -31,6 +32,7 @@ from frontend.api.responses import (
     UsageInfo,
 )
 from frontend.api.sampling import ServerLimits, check_limits, requested_max_tokens, sampling_params
+from frontend.api.sse import PushedSSEResponse
 from frontend.api.tools import template_tools, tool_mode
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import RequestOutput
@@ -63,7 +65,7 @@ class OpenAIServing:
         if body.stream:
             # Plain dicts on the per-token path: a pydantic model per chunk costs more than the rest of the chunk.
             head = CompletionResponse(model=served, choices=[]).model_dump(exclude={"choices", "usage"})
-            return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers, head,
+            return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers, OpenAIChunks(head),
                                          self._completion_choice(body, echo),
                                          _usage_chunks(head, body, prompts)).open()
         outputs = await final_outputs(self.engine, prompts, uuid.uuid4().hex, self.observers)
@@ -79,7 +81,14 @@ class OpenAIServing:
         response = CompletionResponse(model=served, usage=_usage(prompts), choices=choices)
         return JSONResponse(response.model_dump())
 
-    async def chat(self, body: ChatCompletionRequest):
+    async def chat(self, body: ChatCompletionRequest) -> Response:
+        result = await self.chat_result(body, lambda head, prompts: OpenAIChunks(head))
+        return result if isinstance(result, Response) else JSONResponse(result.model_dump())
+
+    async def chat_result(self, body: ChatCompletionRequest, writer: Callable[[dict, list[PromptChoices]], ChunkWriter]
+                          ) -> ChatCompletionResponse | PushedSSEResponse:
+        """The chat path every chat-like API takes: the whole response, or (stream) its chunks as the writer that
+        `writer(head, prompts)` makes puts them on the wire."""
         lora = self.adapters.resolve(body.model)
         served = self.model_name if lora is None else lora.lora_name  # the model the response names
         check_limits(body, self.limits)
@@ -101,9 +110,9 @@ class OpenAIServing:
             role_chunks = [{**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], "usage": None}
                            for index in range(body.n)]
-            return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers, head,
-                                         chat_chunks(body, tools, start), _usage_chunks(head, body, prompts),
-                                         role_chunks).open()
+            return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers,
+                                         writer(head, prompts), chat_chunks(body, tools, start),
+                                         _usage_chunks(head, body, prompts), role_chunks).open()
         [output] = await final_outputs(self.engine, prompts, uuid.uuid4().hex, self.observers)
         choices = []
         for c in output.outputs:
@@ -112,8 +121,7 @@ class OpenAIServing:
             message.reasoning_content = reasoning
             choices.append(ChatChoice(index=c.index, message=message, logprobs=chat_logprobs(c, body.top_logprobs or 0),
                                       finish_reason=finish_reason, stop_reason=c.stop_reason))
-        response = ChatCompletionResponse(model=served, usage=_usage(prompts), choices=choices)
-        return JSONResponse(response.model_dump())
+        return ChatCompletionResponse(model=served, usage=_usage(prompts), choices=choices)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, dict]:
         text = self._chat_text(body.messages, body.add_generation_prompt, template_tools(body),

@@ -1,0 +1,119 @@
+"""Anthropic Messages API request bodies (POST /v1/messages): content blocks, tools, tool_choice."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from frontend.api.protocol import SP, Rule, _one_of, _Strict
+
+_MEDIA = {"image": "images", "document": "documents"}
+# Fields whose other values would change the output; metadata and service_tier change nothing here.
+REFUSED = {
+    "thinking": Rule("the served model has no extended thinking",
+                     lambda value, body: value is None or value == {"type": "disabled"}),
+    "mcp_servers": Rule("MCP servers are not available", _one_of([])),
+    "container": Rule("code execution containers are not available"),
+    "context_management": Rule("the context is never edited: send a shorter conversation"),
+    "n": Rule("one message per request", _one_of(1)),
+}
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ContentBlock(_Strict):
+    """A text, tool_use or tool_result block (each with its own fields); images and documents are refused."""
+
+    type: Literal["text", "tool_use", "tool_result"]
+    text: str | None = None
+    id: str | None = Field(default=None, min_length=1)  # tool_use
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = Field(default=None, min_length=1)  # tool_result
+    content: str | list[TextBlock] | None = None
+    is_error: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, block: Any) -> Any:
+        if isinstance(block, dict) and block.get("type") in _MEDIA:
+            raise PydanticCustomError("unsupported_content", f"{block['type']} blocks: {_MEDIA[block['type']]} are "
+                                      "not supported, the served model reads text only", {"field": "type"})
+        return block
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> ContentBlock:
+        needed = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}[self.type]
+        for field in needed:
+            if getattr(self, field) is None:
+                raise PydanticCustomError("missing", f"a {self.type} block needs {field}", {"field": field})
+        return self
+
+    def result_text(self) -> str:
+        """A tool_result's content as text (an error result says so, as the model should know)."""
+        content = self.content if isinstance(self.content, str) or self.content is None else "\n".join(
+            block.text for block in self.content)
+        return f"Error: {content or ''}" if self.is_error else content or ""
+
+
+class Message(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class Tool(_Strict):
+    type: Literal["custom"] | None = None  # Anthropic's server tools (web search, bash...) are not available
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _object_schema(self) -> Tool:
+        if self.input_schema.get("type") != "object":  # a tool's input is an object, as Anthropic requires
+            raise PydanticCustomError("input_schema", 'input_schema must have "type": "object"',
+                                      {"field": "input_schema"})
+        return self
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+    @model_validator(mode="after")
+    def _name_for_a_tool(self) -> ToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise PydanticCustomError("tool_choice", "name is given with type 'tool', and only then",
+                                      {"field": "name"})
+        return self
+
+
+class OutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: OutputFormat | None = None
+    refused_fields = {"effort": Rule("the served model has no effort setting")}
+
+
+class MessagesRequest(_Strict):
+    model: str
+    max_tokens: SP["max_tokens"]
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    stop_sequences: SP["stop"] = None
+    temperature: SP["temperature"] | None = None
+    top_p: SP["top_p"] | None = None
+    top_k: SP["top_k"] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+    refused_fields = REFUSED

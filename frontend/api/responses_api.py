@@ -1,0 +1,101 @@
+"""POST /v1/responses (OpenAI's Responses API) on the chat path: its request as a chat request, the chat answer
+as a response (whole, or as typed events), and conversations continued by previous_response_id."""
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from frontend.api.chat_adapter import chat_request, error_route, rename_param
+from frontend.api.errors import APIError
+from frontend.api.responses import ChatCompletionResponse
+from frontend.api.responses_output import (ResponseHead, ResponseStore, assistant_message, output_items,
+                                           response_object, response_status, response_usage)
+from frontend.api.responses_protocol import InputItem, ResponsesRequest
+from frontend.api.responses_stream import ResponseEvents
+from frontend.api.route_errors import cancel_on_disconnect
+from frontend.api.serving import OpenAIServing
+
+DEFAULT_MAX_STORED_RESPONSES = 1000
+# The chat request's fields as this API names them, for the errors the chat path raises.
+_RENAMED = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+            "response_format": "text"}
+
+
+def add_responses_routes(app: FastAPI, serving: OpenAIServing,
+                         max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
+    store = ResponseStore(max_stored_responses)
+    router = APIRouter(route_class=error_route(APIError.response))
+
+    @router.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await cancel_on_disconnect(request, _respond(serving, store, body))
+
+    app.include_router(router)
+
+
+async def _respond(serving: OpenAIServing, store: ResponseStore, body: ResponsesRequest) -> Response:
+    history = store.get(body.previous_response_id) if body.previous_response_id is not None else []
+    conversation = history + input_messages(body.input)
+    chat = chat_request(chat_fields(body, conversation), _RENAMED)
+    head = ResponseHead(f"resp_{uuid.uuid4().hex}", int(time.time()), body)
+
+    def remember(text: str | None, calls: list[dict]) -> None:
+        if body.store:
+            store.put(head.id, conversation + [assistant_message(text, calls)])
+
+    try:
+        result = await serving.chat_result(chat, lambda chunk, _: ResponseEvents(
+            dataclasses.replace(head, model=chunk["model"]), remember))
+    except APIError as error:
+        raise rename_param(error, _RENAMED) from None
+    if not isinstance(result, ChatCompletionResponse):
+        return result
+    [choice] = result.choices
+    remember(choice.message.content, choice.message.tool_calls)
+    output = output_items(choice.message.content, choice.message.tool_calls, choice.finish_reason)
+    return JSONResponse(response_object(dataclasses.replace(head, model=result.model), output,
+                                        response_status(choice.finish_reason),
+                                        response_usage(result.usage.model_dump())))
+
+
+def chat_fields(body: ResponsesRequest, conversation: list[dict]) -> dict:
+    """The chat request's fields: the instructions (never carried to a later response) as the system message."""
+    system = [] if body.instructions is None else [{"role": "system", "content": body.instructions}]
+    tool_choice = body.tool_choice
+    if tool_choice is not None and not isinstance(tool_choice, str):
+        tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
+    fields = {"model": body.model, "messages": system + conversation, "max_completion_tokens": body.max_output_tokens,
+              "temperature": body.temperature, "top_p": body.top_p, "stream": body.stream,
+              "stream_options": {"include_usage": True} if body.stream else None, "tool_choice": tool_choice,
+              "tools": [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+                        for tool in body.tools] if body.tools else None,
+              "parallel_tool_calls": body.parallel_tool_calls,
+              "response_format": body.text.format.response_format() if body.text and body.text.format else None}
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def input_messages(given: str | list[InputItem]) -> list[dict]:
+    """`input` as chat messages: a function call joins the assistant message before it (or starts one), and a
+    call's output is a tool message."""
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    messages: list[dict] = []
+    for item in given:
+        if item.type == "message":
+            content = item.content if isinstance(item.content, str) else [
+                {"type": "text", "text": part.text} for part in item.content]
+            messages.append({"role": item.role, "content": content})
+        elif item.type == "function_call":
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            if not messages or messages[-1]["role"] != "assistant":
+                messages.append({"role": "assistant", "content": None})
+            messages[-1]["tool_calls"] = [*(messages[-1].get("tool_calls") or []), call]
+        else:
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    return messages
+

@@ -1,0 +1,124 @@
+"""OpenAI Responses API request bodies (POST /v1/responses): input items, function tools, text.format."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from frontend.api.protocol import SP, FunctionDefinition, Rule, _one_of, _Strict
+
+_MEDIA = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
+# Fields whose other values would change the output; the rest of OpenAI's (metadata, user, service_tier,
+# safety_identifier, prompt_cache_key, stream_options) change nothing here and are accepted.
+REFUSED = {
+    "background": Rule("responses run while their request is open", _one_of(False)),
+    "conversation": Rule("conversations are not stored: continue with previous_response_id"),
+    "include": Rule("no extra output data is returned", _one_of([])),
+    "max_tool_calls": Rule("not implemented: tool_choice and parallel_tool_calls bound the calls"),
+    "prompt": Rule("stored prompt templates are not available"),
+    "reasoning": Rule("the served model has no reasoning settings"),
+    "top_logprobs": Rule("logprobs are not returned by /v1/responses", _one_of(0)),
+    "truncation": Rule("prompts are never truncated: send a shorter one", _one_of("disabled")),
+    "n": Rule("one output per response", _one_of(1)),
+}
+
+
+class ContentPart(_Strict):
+    """A message's text part: input_text, or output_text (an earlier response's output sent back)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, part: Any) -> Any:
+        if isinstance(part, dict) and part.get("type") in _MEDIA:
+            raise PydanticCustomError("unsupported_content", f"{part['type']}: {_MEDIA[part['type']]} are not "
+                                      "supported, the served model reads text only", {"field": "type"})
+        return part
+
+
+class InputItem(_Strict):
+    """One item of `input`: a message, a function call the model made, or the output of one."""
+
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[ContentPart] | None = None
+    call_id: str | None = Field(default=None, min_length=1)
+    name: str | None = None
+    arguments: str | None = None
+    output: str | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> InputItem:
+        needed = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
+                  "function_call_output": ("call_id", "output")}[self.type]
+        for field in needed:
+            if getattr(self, field) is None:
+                raise PydanticCustomError("missing", f"a {self.type} item needs {field}", {"field": field})
+        return self
+
+
+class FunctionTool(FunctionDefinition):
+    """A Responses function tool: the chat tool's function, flat."""
+
+    type: Literal["function"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, tool: Any) -> Any:
+        if isinstance(tool, dict) and tool.get("type") != "function":
+            raise PydanticCustomError("unsupported_tool", "only function tools are served here, not {kind!r}",
+                                      {"field": "type", "kind": str(tool.get("type"))[:64]})
+        return tool
+
+
+class NamedFunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+    @model_validator(mode="after")
+    def _schema_when_asked(self) -> TextFormat:
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise PydanticCustomError("json_schema", "a json_schema format needs name and schema",
+                                      {"field": "name" if self.name is None else "schema"})
+        return self
+
+    def response_format(self) -> dict | None:
+        """The chat request's response_format for this format (None: plain text)."""
+        if self.type != "json_schema":
+            return None if self.type == "text" else {"type": "json_object"}
+        described = {} if self.description is None else {"description": self.description}
+        return {"type": "json_schema", "json_schema": {"name": self.name, "schema": self.schema_, **described}}
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # the only one this server writes
+
+
+class ResponsesRequest(_Strict):
+    model: str | None = None  # None: the model this server has
+    input: str | list[InputItem]
+    instructions: str | None = None
+    max_output_tokens: SP["max_tokens"] = None
+    temperature: SP["temperature"] | None = None
+    top_p: SP["top_p"] | None = None
+    text: TextConfig | None = None
+    tools: list[FunctionTool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    metadata: dict[str, str] | None = None
+    refused_fields = REFUSED

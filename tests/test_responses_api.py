@@ -1,0 +1,191 @@
+"""POST /v1/responses on the demo server, through the official openai client: text (whole and streamed as typed
+events, each valid against the client's own types), usage, incomplete at max_output_tokens, forced function calls,
+text.format json_schema, previous_response_id, and 400s in OpenAI's error shape naming the field."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+from transformers import AutoTokenizer
+
+from conftest import API_KEY, AUTH
+from frontend.api.errors import APIError
+from frontend.api.responses_output import ResponseStore
+from launch.shipped import DEMO_CHAT_PROMPT, DEMO_MODEL_NAME, shipped_model
+from launcher import start_launcher, stop_launcher
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2, 3]}},
+    "required": ["city", "days"], "additionalProperties": False}}
+TIME = {"type": "function", "name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}
+EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The demo server (`python -m launch`, no model) with an API key: (base URL, openai client)."""
+    process, base_url = start_launcher(["--api-key", API_KEY])
+    yield base_url, openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0)
+    stop_launcher(process)
+
+
+@pytest.fixture(scope="module")
+def prompt_length():
+    """The token count of a conversation through the demo model's chat template (with its tools, in chat form)."""
+    tokenizer = AutoTokenizer.from_pretrained(shipped_model())
+
+    def length(messages: list[dict], tools: list[dict] | None = None) -> int:
+        chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+                      for t in tools] if tools else None
+        text = tokenizer.apply_chat_template(messages, tools=chat_tools, add_generation_prompt=True, tokenize=False)
+        return len(tokenizer(text, add_special_tokens=False).input_ids)
+    return length
+
+
+def _stream(base_url: str, body: dict) -> list[dict]:
+    """The raw events of a streamed response, each checked against the openai client's types (strictly) and its
+    event: line."""
+    events = []
+    with httpx.stream("POST", f"{base_url}/v1/responses", headers=AUTH, json={**body, "stream": True},
+                      timeout=120) as response:
+        assert response.status_code == 200
+        name = None
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                event = json.loads(line.removeprefix("data: "))
+                assert event["type"] == name and event["sequence_number"] == len(events)
+                EVENTS.validate_python(event, strict=True)
+                events.append(event)
+    return events
+
+
+def test_text_whole_and_streamed_with_usage_and_the_length_limit(demo, prompt_length):
+    base_url, client = demo
+    asked = dict(model=DEMO_MODEL_NAME, input=DEMO_CHAT_PROMPT, instructions="Answer in Python.",
+                 max_output_tokens=64, temperature=0)
+    response = client.responses.create(**asked)
+    expected = prompt_length([{"role": "system", "content": "Answer in Python."},
+                              {"role": "user", "content": DEMO_CHAT_PROMPT}])
+    assert response.usage.input_tokens == expected and 0 < response.usage.output_tokens <= 64
+    assert response.usage.total_tokens == expected + response.usage.output_tokens
+    if response.usage.output_tokens == 64:
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    else:
+        assert response.status == "completed" and response.incomplete_details is None
+    assert response.output_text and response.model == DEMO_MODEL_NAME and response.instructions == "Answer in Python."
+    raw = httpx.post(f"{base_url}/v1/responses", headers=AUTH, json=asked, timeout=120).json()
+    Response.model_validate(raw, strict=True)
+    assert raw["output"][0]["content"][0]["text"] == response.output_text
+
+    events = _stream(base_url, asked)
+    kinds = [event["type"] for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{response.status}"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == response.output_text
+    final = events[-1]["response"]
+    assert final["usage"] == raw["usage"] and final["output"][0]["content"] == raw["output"][0]["content"]
+    streamed = list(client.responses.create(**asked, stream=True))  # the client reads the same events
+    assert streamed[-1].response.output_text == response.output_text
+
+
+@pytest.mark.parametrize("tool_choice, parallel", [({"type": "function", "name": "get_weather"}, True),
+                                                   ("required", False)])
+def test_a_forced_tool_choice_makes_exactly_one_valid_call(demo, prompt_length, tool_choice, parallel):
+    base_url, client = demo
+    asked = dict(model=DEMO_MODEL_NAME, input="Weather in Paris?", tools=[WEATHER, TIME], tool_choice=tool_choice,
+                 parallel_tool_calls=parallel, max_output_tokens=64, temperature=0)
+    response = client.responses.create(**asked)
+    assert response.status == "completed"
+    assert response.usage.input_tokens == prompt_length([{"role": "user", "content": "Weather in Paris?"}],
+                                                        [WEATHER, TIME])
+    [call] = response.output
+    schemas = {"get_weather": WEATHER["parameters"], "get_time": TIME["parameters"]}
+    assert call.type == "function_call" and call.call_id and call.name in schemas
+    jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    if isinstance(tool_choice, dict):
+        assert call.name == "get_weather"
+    events = _stream(base_url, asked)
+    [done] = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert (done["arguments"], events[-1]["response"]["output"][0]["name"]) == (call.arguments, call.name)
+
+    # The call's output goes back as input items: through the template as the call and a tool message.
+    follow_up = client.responses.create(model=DEMO_MODEL_NAME, tools=[WEATHER, TIME], tool_choice="none",
+                                        max_output_tokens=4, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert follow_up.usage.input_tokens == prompt_length([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+            "name": call.name, "arguments": json.loads(call.arguments)}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}], [WEATHER, TIME])
+
+
+def test_text_format_json_schema_gives_valid_json(demo):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    response = demo[1].responses.create(model=DEMO_MODEL_NAME, input="Is 2 even?", max_output_tokens=64,
+                                        text={"format": {"type": "json_schema", "name": "verdict", "schema": schema}})
+    assert response.status == "completed" and response.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(response.output_text), schema)
+
+
+def test_previous_response_id_continues_the_stored_conversation(demo, prompt_length):
+    client = demo[1]
+    first = client.responses.create(model=DEMO_MODEL_NAME, input="Hello", instructions="Be brief.",
+                                    max_output_tokens=8, temperature=0)
+    second = client.responses.create(model=DEMO_MODEL_NAME, input="And then?", previous_response_id=first.id,
+                                     max_output_tokens=8, store=False)
+    # The instructions are not carried over (OpenAI's rule); the earlier turns are.
+    assert second.usage.input_tokens == prompt_length([{"role": "user", "content": "Hello"},
+                                                       {"role": "assistant", "content": first.output_text},
+                                                       {"role": "user", "content": "And then?"}])
+    assert second.previous_response_id == first.id
+    for unknown in ("resp_unknown", second.id):  # never made, or made with store false
+        with pytest.raises(openai.NotFoundError) as raised:
+            client.responses.create(model=DEMO_MODEL_NAME, input="x", previous_response_id=unknown)
+        assert raised.value.body["param"] == "previous_response_id"
+
+
+def test_the_store_keeps_the_most_recently_used_responses():
+    store = ResponseStore(2)
+    store.put("a", [{"role": "user", "content": "1"}])
+    store.put("b", [])
+    store.get("a")
+    store.put("c", [])
+    assert store.get("a") and store.get("c") == []
+    with pytest.raises(APIError) as raised:
+        store.get("b")
+    assert raised.value.status == 404
+    ResponseStore(0).put("a", [])
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"input": 5}, "input", "valid"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input.0.role", "'user'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+     "input.0.content.0.type", "images are not supported"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id", "needs call_id"),
+    ({"n": 2}, "n", "one output per response"),
+    ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type", "only function tools"),
+    ({"tools": [TIME], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "not among the tools"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "needs name and schema"),
+])
+def test_bad_bodies_are_400s_naming_the_field(demo, extra, param, message):
+    response = httpx.post(f"{demo[0]}/v1/responses", headers=AUTH, timeout=60,
+                          json={"model": DEMO_MODEL_NAME, "input": "Hi", **extra})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"] and error["type"] == "invalid_request_error"
