@@ -189,6 +189,35 @@ def test_lora_parallel_equals_single_rank(cluster, tp, pp):
         llm.shutdown()
 
 
+def test_multi_step_calls_under_tp_equal_one_call_per_step(cluster):
+    """At tp = 2 every rank runs a call's later steps, the driver's tokens shared after each: greedy, seeded sampled,
+    penalized and logprob requests get the tokens and logprobs of one call per step, in fewer engine steps."""
+    prompts = random_prompts([5, 20, 9], vocab=1000, seed=7)
+    params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, presence_penalty=0.5, logprobs=0)]
+
+    def run(steps: int) -> tuple[list, int]:
+        llm = LLM(tiny_model("llama"), in_process=True, tensor_parallel_size=2, dtype="float32", block_size=8,
+                  max_model_len=128, num_scheduler_steps=steps, multi_step_budget_ms=None)
+        calls, step = [], llm.client.engine.step
+        llm.client.engine.step = lambda: calls.append(1) or step()
+        try:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            return [o.outputs[0] for o in outputs], len(calls)
+        finally:
+            llm.shutdown()
+
+    (multi, multi_calls), (single, single_calls) = run(8), run(1)
+    assert multi_calls < single_calls / 2
+    for got, expected in zip(multi, single, strict=True):
+        assert got.token_ids == expected.token_ids
+        for got_step, expected_step in zip(got.logprobs or [], expected.logprobs or [], strict=True):
+            assert got_step.keys() == expected_step.keys()
+            for token, logprob in got_step.items():
+                assert logprob.logprob == pytest.approx(expected_step[token].logprob, abs=1e-5)
+
+
 def test_ranks_fall_back_to_zmq_without_shared_memory(cluster, monkeypatch):
     """As for ranks on another host than the engine: steps and replies go over ZMQ instead of shared memory."""
     import workers.ray_executor

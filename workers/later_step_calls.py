@@ -1,6 +1,7 @@
 """A multi-step call's steps after its first (core/multi_step.py decides how many): in one C++ call of the model's
 greedy_decode where it takes the requests, else one forward pass and sampler step at a time; both give the tokens
-of one call per step."""
+of one call per step. Under tensor parallelism every rank runs the steps in lockstep, the driver's tokens shared
+with the others after each."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -10,6 +11,7 @@ import torch
 
 from ipc import ModelRunnerOutput
 from kernels.cpu_greedy_decode import SampledRows
+from workers.distributed import tp_all_reduce
 from workers.later_steps import LaterSteps, StepBatch, accepted_run
 from workers.model_inputs import ModelInputs
 from workers.request_state import CachedRequestState
@@ -25,20 +27,55 @@ class LaterStepCalls:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
+    def start(self, output: ModelRunnerOutput, states: list[CachedRequestState], num_steps: int) -> None:
+        """The driver's later steps of a call whose first step sampled `output` for `states` (none after a failed
+        sampling: then only the drafts to verify next), the first step's tokens shared with the other TP ranks."""
+        goes = num_steps > 1 and not output.failed
+        self._share_start(goes, num_steps)
+        if goes:
+            if self.runner.parallel.tp_size > 1:
+                self._shared([output.sampled_token_ids[state.req_id][-1] for state in states], len(states))
+            self.run(output, states, num_steps)
+        else:
+            output.draft_token_ids = self.runner.propose(output)
+
+    def decline(self, num_steps: int) -> None:
+        """The driver takes no later steps this call (it sampled nothing): the other TP ranks are told."""
+        self._share_start(False, num_steps)
+
+    def follow(self, states: list[CachedRequestState], num_steps: int) -> None:
+        """Another TP rank's part in the driver's later steps (start()): the same forward passes and logits, with
+        the driver's tokens; `states`: those the driver samples when none fails."""
+        if self._shared(None, 1)[0]:
+            first = {state.req_id: [token] for state, token in zip(states, self._shared(None, len(states)))}
+            self.run(ModelRunnerOutput(sampled_token_ids=first), states, num_steps)
+
+    def _share_start(self, goes: bool, num_steps: int) -> None:
+        if self.runner.parallel.tp_size > 1 and num_steps > 1:
+            self._shared([int(goes)], 1)
+
+    def _shared(self, tokens: list[int] | None, count: int) -> list[int]:
+        """The driver's tokens (None on the other TP ranks: `count` of them) on every TP rank: its values summed
+        with the others' zeros."""
+        values = torch.zeros(count, dtype=torch.int64) if tokens is None else torch.tensor(tokens, dtype=torch.int64)
+        return tp_all_reduce(values).tolist()
+
     def run(self, output: ModelRunnerOutput, states: list[CachedRequestState], num_steps: int) -> None:
         """A multi-step call's steps after the first, into the slots the scheduler allocated ahead: each feeds every
         request its last token and the drafts proposed after it (speculative decoding); the accepted drafts and one
         more token (the argmax, or sampled as in any step, over the call's tokens so far) are appended to `output`,
         with the verification. Ends early once no request can go on (workers.later_steps). The drafts proposed
-        after the last step go with the output."""
+        after the last step go with the output. Under tensor parallelism (no drafts then) every rank runs it, the
+        driver's tokens of each step shared with the others."""
         runner = self.runner
         tensors = runner.tensors
+        driver, shares = runner.parallel.is_driver, runner.parallel.tp_size > 1
         steps = LaterSteps(states, [output.sampled_token_ids[s.req_id] for s in states], *tensors.block_table(states),
                            runner.block_size, runner.config.max_model_len)
         draft_ahead = runner.draft_model.num_drafts if runner.draft_model is not None else 0
         argmax_only = all(state.sampling_params.logits_as_they_are and state.sampling_params.is_greedy
                           and state.sampling_params.logprobs is None for state in states)
-        in_one_call = not any(state.sampling_params.bad_words_token_ids for state in states) and \
+        in_one_call = not shares and not any(state.sampling_params.bad_words_token_ids for state in states) and \
             self._in_one_call(steps, num_steps - 1, output)
         for _ in range(1, 1 if in_one_call else num_steps):
             rows = steps.active()
@@ -52,13 +89,17 @@ class LaterStepCalls:
             slots = runner.lora_slots([states[i] for i in batch.rows], feeds)  # each token's adapter, if any
             hidden = runner.forward(ModelInputs(tensors.indices(batch.input_ids), tensors.indices(batch.positions),
                                                 metadata, tensors.indices(np.arange(len(batch.input_ids))), [], []))
-            logits = runner.logits(hidden, np.repeat(slots, feeds).tolist())
-            if argmax_only:  # as the sampler takes a plain greedy row
+            logits = runner.logits(hidden, np.repeat(slots, feeds).tolist())  # on the driver only
+            if not driver:
+                runs = [[token] if token >= 0 else None for token in self._shared(None, len(batch.rows))]
+            elif argmax_only:  # as the sampler takes a plain greedy row
                 argmax = logits.argmax(dim=-1).tolist()
                 runs = [accepted_run(feed[1:], argmax[first:first + len(feed)])
                         for feed, first in zip(batch.feeds, batch.query_start_loc)]
             else:
                 runs = self._sample_later_step(logits, steps, batch, output)
+            if driver and shares:  # one token each (no drafts under tensor parallelism), -1: its sampling failed
+                self._shared([-1 if run is None else run[0] for run in runs], len(runs))
             for i, feed, run in zip(batch.rows, batch.feeds, runs):
                 if run is None:
                     steps.stop(i)

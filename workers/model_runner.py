@@ -110,11 +110,12 @@ class ModelRunner:
 
     @property
     def multi_steps(self) -> int:
-        """The most decode steps one call runs (core/multi_step.py): on the CPU of a single rank only (CUDA
-        graphs and decode ahead take that cost off the GPU's path). With speculative decoding, each step verifies
-        the drafts proposed after the one before."""
-        if (self.device.type != "cpu" or self.decode_graphs is not None
-                or self.parallel.tp_size * self.parallel.pp_size > 1):
+        """The most decode steps one call runs (core/multi_step.py): on the CPU (CUDA graphs and decode ahead take
+        that cost off the GPU's path), in one pipeline stage; under tensor parallelism every rank runs them
+        (workers.later_step_calls), without drafts. With speculative decoding, each step verifies the drafts
+        proposed after the one before."""
+        if (self.device.type != "cpu" or self.decode_graphs is not None or self.parallel.pp_size > 1
+                or (self.parallel.tp_size > 1 and self.speculator is not None)):
             return 1
         return self.config.num_scheduler_steps
 
@@ -170,6 +171,8 @@ class ModelRunner:
         logits = self.logits(hidden[inputs.logits_indices], inputs.lora_row_slots) if inputs.sample_groups \
             else None
         if not self.parallel.is_driver:
+            if scheduler_output.num_steps > 1:
+                self.later_steps.follow([group.state for group in inputs.sample_groups], scheduler_output.num_steps)
             return ModelRunnerOutput(sampled_token_ids={})
         failed: dict[str, str] = {}
         pooled = self._pool(hidden, inputs.pooling_jobs, failed)
@@ -179,6 +182,7 @@ class ModelRunner:
                 prompt_logprobs[job.req_id] = prompt_logprobs_of(job_logits, job)
         groups = [group for group in inputs.sample_groups if group.state.req_id not in failed]
         if logits is None or not groups:
+            self.later_steps.decline(scheduler_output.num_steps)
             return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs, failed=failed,
                                      pooled=pooled)
         if len(groups) < len(inputs.sample_groups):
@@ -193,10 +197,7 @@ class ModelRunner:
         sampled = output.sampled_token_ids
         output.verified = {group.state.req_id: [(len(group.drafts), len(sampled[group.state.req_id]) - 1)]
                            for group in groups if group.drafts and group.state.req_id in sampled}
-        if scheduler_output.num_steps > 1 and not output.failed:
-            self.later_steps.run(output, [group.state for group in groups], scheduler_output.num_steps)
-        else:
-            output.draft_token_ids = self.propose(output)
+        self.later_steps.start(output, [group.state for group in groups], scheduler_output.num_steps)
         return output
 
     def propose(self, output: ModelRunnerOutput, states: list[CachedRequestState] | None = None

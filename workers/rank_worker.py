@@ -61,6 +61,9 @@ class RankWorker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
+    def multi_steps(self) -> int:
+        return self.worker.model_runner.multi_steps
+
     def attach_channels(self, name: str, step_token: bytes, reply_token: bytes) -> bool:
         """Map the engine's shared-memory channels (workers/shm_channel.py): the steps as a reader, and on the
         driver the replies as their writer. False when they are not there to map (another host): this rank then

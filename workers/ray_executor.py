@@ -114,12 +114,13 @@ class RayExecutor:
         return False
 
     def multi_steps(self) -> int:
-        """One: several ranks would each have to run the extra steps in lockstep (ModelRunner.multi_steps)."""
-        return 1
+        """What every rank runs (ModelRunner.multi_steps: the ranks run the later steps in lockstep)."""
+        return self._multi_steps
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every rank's cache, then switch the actors to the step loop."""
         self._gather([actor.initialize_kv_cache.remote(num_blocks) for actor in self.actors])
+        self._multi_steps = min(self._gather([actor.multi_steps.remote() for actor in self.actors]))
         self._open_channels()
         self.broadcast = self.context.socket(zmq.XPUB)
         self.broadcast.setsockopt(zmq.XPUB_VERBOSE, 1)  # report every subscriber, not just the first
