@@ -3,15 +3,13 @@ model (receiving from / sending to neighbouring pipeline stages), and samples on
 step's index arrays go through pinned staging and decode-only batches replay CUDA graphs."""
 from __future__ import annotations
 
-import itertools
 import logging
 
 import numpy as np
 import torch
 from transformers import PretrainedConfig
 
-from ipc import (EngineConfig, ModelRunnerOutput, NewRequestData, PoolingInfo, SamplingParams,
-                 SchedulerOutput)
+from ipc import EngineConfig, ModelRunnerOutput, PoolingInfo, SchedulerOutput
 from kernels.gemv_choice import GemvChoice
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.decode_ahead import AheadForward, DecodeRows, launch_ahead, next_rows
@@ -27,14 +25,13 @@ from workers.model_inputs import (ModelInputs, PoolingJob, prompt_logprob_job, p
 from workers.model_loader import load_model
 from workers.pinned_staging import PinnedStaging, staging_bytes
 from workers.pooling.pooler import ChunkedPooling, finish_embedding
+from workers.profile_step import profile_step
 from workers.request_state import CachedRequestState, update_states
 from workers.spec_decode import DraftModel, make_speculator
 from workers.step_tensors import StepTensors
 from workers.step_sampling import SampleGroup, StepSampler, fails_alone
 
 logger = logging.getLogger("pagedserve.model_runner")
-# The memory profile samples with the costliest options (a sort over the vocabulary for each row).
-_PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
 
 
 class ModelRunner:
@@ -73,7 +70,7 @@ class ModelRunner:
         is captured, its products are chosen (timed on the GPU while it is otherwise idle); only then, as the
         Triton GEMV's launches cost more host time than cuBLAS's: the graph's replay makes its layers' launches
         free, and the LM head's, outside it, is one launch a step."""
-        self._bind_kv_cache(num_blocks)
+        self.bind_kv_cache(num_blocks)
         sizes = capture_sizes(self.config)
         if sizes and self._captures_cuda_graphs():
             if sizes[0] == 1:
@@ -89,14 +86,14 @@ class ModelRunner:
                 and self.parallel.tp_size * self.parallel.pp_size == 1
                 and not any(isinstance(m, FusedMoE) for m in self.model.modules()))
 
-    def _bind_kv_cache(self, num_blocks: int) -> None:
+    def bind_kv_cache(self, num_blocks: int) -> None:
         """One cache tensor per attention layer (Attention.bind_kv_cache)."""
         for layer in self.attention_layers:
             self.kv_caches.append(layer.bind_kv_cache(num_blocks, self.block_size, self.dtype, self.device))
         if self.draft_model is not None:
             self.draft_model.bind_kv_cache(num_blocks)
 
-    def _release_kv_cache(self) -> None:
+    def release_kv_cache(self) -> None:
         for layer in self.attention_layers:
             layer.kv_cache = None
         self.kv_caches = []
@@ -125,34 +122,8 @@ class ModelRunner:
             else None
 
     def profile_run(self) -> None:
-        """The step with the largest activations, for the memory profile: max_num_batched_tokens prompt tokens
-        over as many sequences as one step may sample (none longer than max_model_len), then sampling, on a
-        throwaway KV cache just large enough. Leaves no request, cache or sampler state behind."""
-        config = self.config
-        num_seqs = min(config.max_num_seqs, config.max_num_batched_tokens)
-        num_tokens = min(config.max_num_batched_tokens, num_seqs * config.max_model_len)
-        lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
-        # Slots for the drafts a draft model writes after the sampled token: its steps are profiled too.
-        drafted = config.speculative_config.num_speculative_tokens if self.speculator is not None else 0
-        blocks = [-(-(length + drafted) // self.block_size) for length in lengths]
-        first_blocks = [0, *itertools.accumulate(blocks)]
-        requests = [NewRequestData(req_id=f"profile-{i}", prompt_token_ids=[0] * length,
-                                   sampling_params=_PROFILE_SAMPLING, eos_token_id=None,
-                                   block_ids=list(range(first_blocks[i], first_blocks[i + 1])), num_computed_tokens=0)
-                    for i, length in enumerate(lengths)]
-        self._bind_kv_cache(first_blocks[-1])
-        try:
-            self.execute_model(SchedulerOutput(
-                scheduled_new_reqs=requests, scheduled_cached_reqs=[], finished_req_ids=[],
-                num_scheduled_tokens={r.req_id: len(r.prompt_token_ids) for r in requests},
-                total_num_scheduled_tokens=num_tokens))
-        finally:
-            if self.speculator is not None:
-                for request in requests:
-                    self.speculator.forget(request.req_id)
-            self.requests.clear()
-            self._release_kv_cache()
-            self.sampler.generator.manual_seed(config.seed)
+        """The step with the largest activations, for the memory profile (workers.profile_step)."""
+        profile_step(self)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
