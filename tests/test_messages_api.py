@@ -12,10 +12,10 @@ import openai
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 from pydantic import TypeAdapter
-from transformers import AutoTokenizer
 
+from chat_like import named_events, templated_length
 from conftest import API_KEY
-from launch.shipped import DEMO_CHAT_PROMPT, DEMO_MODEL_NAME, shipped_model
+from launch.shipped import DEMO_CHAT_PROMPT, DEMO_MODEL_NAME
 from launcher import start_launcher, stop_launcher
 
 WEATHER = {"name": "get_weather", "description": "Weather in a city", "input_schema": {
@@ -37,36 +37,18 @@ def demo():
     stop_launcher(process)
 
 
-@pytest.fixture(scope="module")
-def prompt_length():
-    """The token count of a chat conversation through the demo model's chat template (tools in chat form)."""
-    tokenizer = AutoTokenizer.from_pretrained(shipped_model())
-
-    def length(messages: list[dict], tools: list[dict] | None = None) -> int:
-        chat_tools = [{"type": "function", "function": {"name": t["name"], **({"description": t["description"]}
-                                                                                if "description" in t else {}),
-                                                        "parameters": t["input_schema"]}} for t in tools or []]
-        text = tokenizer.apply_chat_template(messages, tools=chat_tools or None, add_generation_prompt=True,
-                                             tokenize=False)
-        return len(tokenizer(text, add_special_tokens=False).input_ids)
-    return length
+def prompt_length(messages: list[dict], tools: list[dict] | None = None) -> int:
+    """The templated conversation's length, its Anthropic tools in chat form."""
+    return templated_length(messages, [{"type": "function", "function": {
+        "name": t["name"], **({"description": t["description"]} if "description" in t else {}),
+        "parameters": t["input_schema"]}} for t in tools or []])
 
 
 def _stream(base_url: str, body: dict) -> list[dict]:
-    """The raw events of a streamed message, each checked against the anthropic client's types and its event: line."""
-    events = []
-    with httpx.stream("POST", f"{base_url}/v1/messages", headers=HEADERS, json={**body, "stream": True},
-                      timeout=120) as response:
-        assert response.status_code == 200
-        name = None
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                name = line.removeprefix("event: ")
-            elif line.startswith("data: "):
-                event = json.loads(line.removeprefix("data: "))
-                assert event["type"] == name
-                EVENTS.validate_python(event, strict=True)
-                events.append(event)
+    """The events of a streamed message, each valid (strictly) against the anthropic client's types."""
+    events = named_events(f"{base_url}/v1/messages", HEADERS, body)
+    for event in events:
+        EVENTS.validate_python(event, strict=True)
     return events
 
 
@@ -74,7 +56,7 @@ def _text(message) -> str:
     return "".join(block.text for block in message.content if block.type == "text")
 
 
-def test_text_whole_and_streamed_with_usage_max_tokens_and_stop_sequences(demo, prompt_length):
+def test_text_whole_and_streamed_with_usage_max_tokens_and_stop_sequences(demo):
     base_url, client = demo
     asked = dict(model=DEMO_MODEL_NAME, max_tokens=64, system="Answer in Python.",
                  messages=[{"role": "user", "content": DEMO_CHAT_PROMPT}])
@@ -109,7 +91,7 @@ def test_text_whole_and_streamed_with_usage_max_tokens_and_stop_sequences(demo, 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "tool", "name": "get_weather"},
                                          {"type": "any", "disable_parallel_tool_use": True}])
-def test_a_forced_tool_choice_makes_exactly_one_valid_tool_use(demo, prompt_length, tool_choice):
+def test_a_forced_tool_choice_makes_exactly_one_valid_tool_use(demo, tool_choice):
     base_url, client = demo
     asked = dict(model=DEMO_MODEL_NAME, max_tokens=64, tools=[WEATHER, TIME], tool_choice=tool_choice,
                  messages=[{"role": "user", "content": "Weather in Paris?"}])
@@ -129,6 +111,9 @@ def test_a_forced_tool_choice_makes_exactly_one_valid_tool_use(demo, prompt_leng
     with client.messages.stream(**asked, extra_body=GREEDY) as stream:
         final = stream.get_final_message()
     assert [(b.name, b.input) for b in final.content] == [(call.name, call.input)] and final.stop_reason == "tool_use"
+
+    cut = client.messages.create(**asked, stop_sequences=['"'], extra_body=GREEDY)  # a call cut short stays text
+    assert cut.stop_reason == "stop_sequence" and [block.type for block in cut.content] == ["text"]
 
     # The tool's result goes back as a tool_result block: through the template as the call and a tool message.
     follow_up = client.messages.create(model=DEMO_MODEL_NAME, max_tokens=4, tools=[WEATHER, TIME],

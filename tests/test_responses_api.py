@@ -11,12 +11,12 @@ import openai
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
-from transformers import AutoTokenizer
 
+from chat_like import named_events, templated_length
 from conftest import API_KEY, AUTH
 from frontend.api.errors import APIError
 from frontend.api.responses_output import ResponseStore
-from launch.shipped import DEMO_CHAT_PROMPT, DEMO_MODEL_NAME, shipped_model
+from launch.shipped import DEMO_CHAT_PROMPT, DEMO_MODEL_NAME
 from launcher import start_launcher, stop_launcher
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": {
@@ -35,39 +35,22 @@ def demo():
     stop_launcher(process)
 
 
-@pytest.fixture(scope="module")
-def prompt_length():
-    """The token count of a conversation through the demo model's chat template (with its tools, in chat form)."""
-    tokenizer = AutoTokenizer.from_pretrained(shipped_model())
-
-    def length(messages: list[dict], tools: list[dict] | None = None) -> int:
-        chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
-                      for t in tools] if tools else None
-        text = tokenizer.apply_chat_template(messages, tools=chat_tools, add_generation_prompt=True, tokenize=False)
-        return len(tokenizer(text, add_special_tokens=False).input_ids)
-    return length
+def prompt_length(messages: list[dict], tools: list[dict] | None = None) -> int:
+    """The templated conversation's length, its Responses tools in chat form."""
+    return templated_length(messages, [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+                                       for t in tools or []])
 
 
 def _stream(base_url: str, body: dict) -> list[dict]:
-    """The raw events of a streamed response, each checked against the openai client's types (strictly) and its
-    event: line."""
-    events = []
-    with httpx.stream("POST", f"{base_url}/v1/responses", headers=AUTH, json={**body, "stream": True},
-                      timeout=120) as response:
-        assert response.status_code == 200
-        name = None
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                name = line.removeprefix("event: ")
-            elif line.startswith("data: "):
-                event = json.loads(line.removeprefix("data: "))
-                assert event["type"] == name and event["sequence_number"] == len(events)
-                EVENTS.validate_python(event, strict=True)
-                events.append(event)
+    """The events of a streamed response, each valid (strictly) against the openai client's types, numbered."""
+    events = named_events(f"{base_url}/v1/responses", AUTH, body)
+    for number, event in enumerate(events):
+        assert event["sequence_number"] == number
+        EVENTS.validate_python(event, strict=True)
     return events
 
 
-def test_text_whole_and_streamed_with_usage_and_the_length_limit(demo, prompt_length):
+def test_text_whole_and_streamed_with_usage_and_the_length_limit(demo):
     base_url, client = demo
     asked = dict(model=DEMO_MODEL_NAME, input=DEMO_CHAT_PROMPT, instructions="Answer in Python.",
                  max_output_tokens=64, temperature=0)
@@ -100,7 +83,7 @@ def test_text_whole_and_streamed_with_usage_and_the_length_limit(demo, prompt_le
 
 @pytest.mark.parametrize("tool_choice, parallel", [({"type": "function", "name": "get_weather"}, True),
                                                    ("required", False)])
-def test_a_forced_tool_choice_makes_exactly_one_valid_call(demo, prompt_length, tool_choice, parallel):
+def test_a_forced_tool_choice_makes_exactly_one_valid_call(demo, tool_choice, parallel):
     base_url, client = demo
     asked = dict(model=DEMO_MODEL_NAME, input="Weather in Paris?", tools=[WEATHER, TIME], tool_choice=tool_choice,
                  parallel_tool_calls=parallel, max_output_tokens=64, temperature=0)
@@ -140,10 +123,11 @@ def test_text_format_json_schema_gives_valid_json(demo):
     jsonschema.validate(json.loads(response.output_text), schema)
 
 
-def test_previous_response_id_continues_the_stored_conversation(demo, prompt_length):
+def test_previous_response_id_continues_the_stored_conversation(demo):
     client = demo[1]
-    first = client.responses.create(model=DEMO_MODEL_NAME, input="Hello", instructions="Be brief.",
-                                    max_output_tokens=8, temperature=0)
+    *_, done = client.responses.create(model=DEMO_MODEL_NAME, input="Hello", instructions="Be brief.",
+                                       max_output_tokens=8, stream=True)  # a streamed response is stored too
+    first = done.response
     second = client.responses.create(model=DEMO_MODEL_NAME, input="And then?", previous_response_id=first.id,
                                      max_output_tokens=8, store=False)
     # The instructions are not carried over (OpenAI's rule); the earlier turns are.

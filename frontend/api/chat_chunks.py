@@ -2,6 +2,7 @@
 calls read from what the model wrote."""
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from frontend.api.logprobs import chat_logprobs
@@ -28,6 +29,8 @@ class ToolReader:
             return ChatResponseMessage(content=text), finish_reason
         try:
             content, calls = read_tool_calls(self.mode, self.parser, text)
+            for call in calls:
+                json.loads(call["function"]["arguments"])
         except ValueError:  # a forced call cut by a stop string, or never begun (the model stopped while thinking)
             return ChatResponseMessage(content=text), finish_reason
         if not calls:

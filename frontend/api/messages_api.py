@@ -55,15 +55,14 @@ def chat_fields(body: MessagesRequest) -> dict:
     messages = [] if not system else [{"role": "system", "content": system}]
     for position, message in enumerate(body.messages):
         messages += chat_messages(message, f"messages.{position}")
-    choice = body.tool_choice or ToolChoice(type="auto")
     fields = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
               "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences,
               "stream": body.stream, "stream_options": {"include_usage": True} if body.stream else None,
               "tools": [{"type": "function", "function": {"name": tool.name, "description": tool.description,
                                                           "parameters": tool.input_schema}}
                         for tool in body.tools] if body.tools else None,
-              "tool_choice": _chat_tool_choice(choice) if body.tools else None,
-              "parallel_tool_calls": not choice.disable_parallel_tool_use,
+              "tool_choice": None if body.tool_choice is None else _chat_tool_choice(body.tool_choice),
+              "parallel_tool_calls": body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use,
               "response_format": _response_format(body.output_config)}
     return {name: value for name, value in fields.items() if value is not None}
 

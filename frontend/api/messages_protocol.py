@@ -6,7 +6,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from frontend.api.protocol import SP, Rule, _one_of, _Strict
+from frontend.api.protocol import SP, Rule, _one_of, _Strict, refuse_media, require_fields
 
 _MEDIA = {"image": "images", "document": "documents"}
 # Fields whose other values would change the output; metadata and service_tier change nothing here.
@@ -40,17 +40,12 @@ class ContentBlock(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, block: Any) -> Any:
-        if isinstance(block, dict) and block.get("type") in _MEDIA:
-            raise PydanticCustomError("unsupported_content", f"{block['type']} blocks: {_MEDIA[block['type']]} are "
-                                      "not supported, the served model reads text only", {"field": "type"})
-        return block
+        return refuse_media(block, _MEDIA)
 
     @model_validator(mode="after")
     def _fields_of_its_type(self) -> ContentBlock:
         needed = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}[self.type]
-        for field in needed:
-            if getattr(self, field) is None:
-                raise PydanticCustomError("missing", f"a {self.type} block needs {field}", {"field": field})
+        require_fields(self, needed, f"{self.type} block")
         return self
 
     def result_text(self) -> str:

@@ -90,6 +90,21 @@ def _check_fields(body: Any, known: Mapping[str, Any], refused: Mapping[str, Rul
             logger.debug("%s: ignoring the unknown field %r (logged once)", model, name)
 
 
+def refuse_media(value: Any, media: Mapping[str, str]) -> Any:
+    """For a before-validator: a content part whose type is in `media` (type → what it carries) is refused by name."""
+    if isinstance(value, dict) and value.get("type") in media:
+        raise PydanticCustomError("unsupported_content", f"{value['type']}: {media[value['type']]} are not "
+                                  "supported, the served model reads text only", {"field": "type"})
+    return value
+
+
+def require_fields(model: BaseModel, needed: tuple[str, ...], kind: str) -> None:
+    """For an after-validator of a model whose fields depend on its type: each of `needed` is given."""
+    for field in needed:
+        if getattr(model, field) is None:
+            raise PydanticCustomError("missing", f"a {kind} needs {field}", {"field": field})
+
+
 class _Strict(BaseModel):
     """Known fields must have the right JSON type. Unknown ones are ignored, as OpenAI does (and logged once at
     DEBUG), except those in `refused_fields` whose value would change the output: those are a 400 naming them."""

@@ -6,7 +6,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from frontend.api.protocol import SP, FunctionDefinition, Rule, _one_of, _Strict
+from frontend.api.protocol import SP, FunctionDefinition, Rule, _one_of, _Strict, refuse_media, require_fields
 
 _MEDIA = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
 # Fields whose other values would change the output; the rest of OpenAI's (metadata, user, service_tier,
@@ -33,10 +33,7 @@ class ContentPart(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, part: Any) -> Any:
-        if isinstance(part, dict) and part.get("type") in _MEDIA:
-            raise PydanticCustomError("unsupported_content", f"{part['type']}: {_MEDIA[part['type']]} are not "
-                                      "supported, the served model reads text only", {"field": "type"})
-        return part
+        return refuse_media(part, _MEDIA)
 
 
 class InputItem(_Strict):
@@ -54,9 +51,7 @@ class InputItem(_Strict):
     def _fields_of_its_type(self) -> InputItem:
         needed = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
                   "function_call_output": ("call_id", "output")}[self.type]
-        for field in needed:
-            if getattr(self, field) is None:
-                raise PydanticCustomError("missing", f"a {self.type} item needs {field}", {"field": field})
+        require_fields(self, needed, f"{self.type} item")
         return self
 
 
