@@ -169,3 +169,10 @@ def test_bad_bodies_are_400s_in_anthropics_shape_naming_the_field(demo, extra, f
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["message"].startswith(field) and message in error["message"]
+
+
+def test_a_body_that_is_not_json_is_a_400_in_anthropics_shape(demo):
+    response = httpx.post(f"{demo[0]}/v1/messages", headers={**HEADERS, "content-type": "application/json"},
+                          content=b'{"model": ', timeout=60)
+    assert response.status_code == 400 and response.json()["type"] == "error"
+    assert response.json()["error"]["message"].startswith("the request body is not valid JSON")

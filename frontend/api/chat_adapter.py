@@ -30,10 +30,14 @@ def chat_request(fields: dict, renamed: dict[str, str]) -> ChatCompletionRequest
 
 
 def rename_param(error: APIError, renamed: dict[str, str]) -> APIError:
-    """`error` with its param (its first part, e.g. messages.0 → input.0) named as the client's API names it."""
+    """`error` with its param (its first part, e.g. messages.0 → input.0) named as the client's API names it, in
+    the message that starts with it too."""
     if error.param is not None:
         head, dot, rest = error.param.partition(".")
-        error.param = renamed.get(head, head) + dot + rest
+        param = renamed.get(head, head) + dot + rest
+        if error.message.startswith(f"{error.param}:"):
+            error.message = param + error.message[len(error.param):]
+        error.param = param
     return error
 
 
@@ -41,6 +45,8 @@ def validation_error(errors: list[dict]) -> APIError:
     """The 400 of a body that failed validation: of the problems pydantic lists (one per branch of a union), the
     deepest, named by its JSON path."""
     deepest = max(errors, key=lambda error: len(error.get("loc", ())))
+    if deepest.get("type") == "json_invalid":  # its loc is a position in the text, not a field
+        return APIError(400, f"the request body is not valid JSON: {(deepest.get('ctx') or {}).get('error', '')}")
     path = tuple(part for part in deepest.get("loc", ()) if not (isinstance(part, str) and _BRANCH.search(part)))
     return from_pydantic([{**deepest, "loc": path}])
 
