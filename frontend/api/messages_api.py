@@ -50,6 +50,7 @@ async def _answer(serving: OpenAIServing, body: MessagesRequest) -> Response:
 
 
 def chat_fields(body: MessagesRequest) -> dict:
+    """The chat request's fields: the system prompt as the first message, the tools as chat functions."""
     system = body.system if isinstance(body.system, str) or body.system is None else "\n".join(
         block.text for block in body.system)
     messages = [] if not system else [{"role": "system", "content": system}]

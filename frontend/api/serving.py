@@ -1,4 +1,5 @@
-"""/v1/completions, /v1/chat/completions and /tokenize: requests to engine choices, outputs to JSON or SSE chunks."""
+"""/v1/completions, /v1/chat/completions (the chat path /v1/responses and /v1/messages take too) and /tokenize:
+requests to engine choices, outputs to JSON or SSE chunks."""
 from __future__ import annotations
 
 import asyncio
