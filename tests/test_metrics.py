@@ -117,7 +117,7 @@ def test_vllm_named_values_follow_requests_and_engine_state():
         metrics.observe_token_times(None, 0.02)
     metrics.observe_request(12, 4, 0.4, ["stop"])
     metrics.observe_request(30, 9, 2.0, ["length", "stop"])
-    metrics.observe_request(5, 1, 0.1)  # no reasons given: counted once, as unknown
+    metrics.observe_request(5, 1, 0.1, [None])  # a choice that ended without a reason: counted as unknown
     families = _exposed(metrics, _stats(num_running=0, kv_cache_usage=0.5))
 
     def value(family: str, sample_name: str, **labels: str) -> float:

@@ -6,12 +6,13 @@ import json
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # after the repo: benchmarks/kernels.py
 
 import serve  # noqa: E402
-from conftest import metric  # noqa: E402
+from conftest import AUTH, metric  # noqa: E402
 from launch.shipped import shipped_model  # noqa: E402
 from launcher import start_launcher, stop_launcher  # noqa: E402
 from serve_client import RequestResult, read_stream  # noqa: E402
@@ -59,6 +60,9 @@ def test_the_sharegpt_benchmark_runs_at_two_rates_plots_and_moves_the_vllm_metri
     assert moved == {"vllm:generation_tokens_total": generated, "vllm:request_success_total": sent,
                      "vllm:time_to_first_token_seconds_count": sent, "vllm:request_prompt_tokens_count": sent}
     assert metric(demo_server, "vllm:num_requests_running") == 0
+    success = [line for line in httpx.get(f"{demo_server}/metrics", headers=AUTH).text.splitlines()
+               if line.startswith("vllm:request_success_total{")]
+    assert success and all('finished_reason="length"' in line for line in success)  # ignore_eos: each ran out
 
 
 def test_random_prompts_on_the_chat_endpoint_plot_each_request(demo_server, tmp_path):

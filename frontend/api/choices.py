@@ -38,7 +38,7 @@ class RequestObservers:
                       seconds: float, texts: list[str] | None) -> None:
         num_prompt_tokens = sum(p.num_prompt_tokens for p in prompts)
         num_completion_tokens = sum(p.num_completion_tokens for p in prompts)
-        self.metrics.observe_request(num_prompt_tokens, num_completion_tokens, seconds)
+        self.metrics.observe_request(num_prompt_tokens, num_completion_tokens, seconds, finish_reasons)
         if self.request_logger is not None:
             shown = [p.prompt.get("prompt", p.prompt["prompt_token_ids"]) for p in prompts] if self.wants_text else None
             self.request_logger.log_request(request_id, num_prompt_tokens, num_completion_tokens, finish_reasons,

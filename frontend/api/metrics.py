@@ -71,14 +71,13 @@ class ServerMetrics:
             self.itl.observe(itl)
 
     def observe_request(self, num_prompt_tokens: int, num_generated_tokens: int, e2e: float,
-                        finish_reasons: Sequence[str | None] | None = None) -> None:
-        """A request that ended normally; `finish_reasons` has one per choice (without them it counts once, as
-        UNKNOWN_REASON)."""
+                        finish_reasons: Sequence[str | None]) -> None:
+        """A request that ended normally; `finish_reasons` has one per choice (None: UNKNOWN_REASON)."""
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generated_tokens)
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_generated_tokens)
-        for reason in finish_reasons if finish_reasons is not None else (None,):
+        for reason in finish_reasons:
             self.success.labels(self.model_name, reason or UNKNOWN_REASON).inc()
         self.e2e.observe(e2e)
         self.itl.flush()

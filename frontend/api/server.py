@@ -60,7 +60,7 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
     last `max_stored_responses` for previous_response_id."""
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, limits.max_model_len)
     adapters = adapters or LoRAAdapters(model_name, {})
     serving = OpenAIServing(engine, model_name, limits, RequestObservers(metrics, request_logger), generation_defaults,
                             tool_parser, reasoning_parser, adapters)
