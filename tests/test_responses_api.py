@@ -29,8 +29,9 @@ EVENTS = TypeAdapter(ResponseStreamEvent)
 
 @pytest.fixture(scope="module")
 def demo():
-    """The demo server (`python -m launch`, no model) with an API key: (base URL, openai client)."""
-    process, base_url = start_launcher(["--api-key", API_KEY])
+    """The demo server (`python -m launch`, no model) with an API key, keeping two responses: (base URL, openai
+    client)."""
+    process, base_url = start_launcher(["--api-key", API_KEY, "--max-stored-responses", "2"])
     yield base_url, openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0)
     stop_launcher(process)
 
@@ -135,7 +136,9 @@ def test_previous_response_id_continues_the_stored_conversation(demo):
                                                        {"role": "assistant", "content": first.output_text},
                                                        {"role": "user", "content": "And then?"}])
     assert second.previous_response_id == first.id
-    for unknown in ("resp_unknown", second.id):  # never made, or made with store false
+    for _ in range(2):  # --max-stored-responses 2: the first is dropped
+        client.responses.create(model=DEMO_MODEL_NAME, input="x", max_output_tokens=1)
+    for unknown in ("resp_unknown", second.id, first.id):  # never made, made with store false, dropped
         with pytest.raises(openai.NotFoundError) as raised:
             client.responses.create(model=DEMO_MODEL_NAME, input="x", previous_response_id=unknown)
         assert raised.value.body["param"] == "previous_response_id"

@@ -116,6 +116,9 @@ GATEWAY_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--log-prompts", dict(action="store_true", help="put each request's prompt and output text in its log line "
                                                      "(they may hold personal data)")),
     ("--max-log-len", dict(type=int, help="with --log-prompts: at most this many characters (or token ids) each")),
+    ("--max-stored-responses", dict(type=positive_int, default=1000, help="/v1/responses: how many responses each "
+                                    "gateway keeps for previous_response_id, the least recently used dropped "
+                                    "(default: %(default)s)")),
 )
 
 

@@ -198,43 +198,46 @@ def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
+def gateway_app(args: argparse.Namespace, engine: AsyncLLM, model_name: str, model_folder: str,
+                api_key: str | None, request_logger: RequestLogger | None) -> FastAPI:
+    """The app of a gateway with these flags (build_parser's) in front of `engine`; ValueError for a chat
+    template, generation config or LoRA module list that cannot be read."""
+    chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
+    limits = ServerLimits(max_model_len=engine.info.max_model_len, max_n=args.max_n, max_stop=args.max_stop,
+                          max_choices_per_request=args.max_choices_per_request)
+    adapters = LoRAAdapters(model_name, parse_lora_modules(args.lora_modules),
+                            args.lora_dir if args.allow_runtime_lora else None)
+    return build_app(engine, model_name, limits, api_key, args.max_body_bytes, args.max_header_bytes,
+                     args.engine_stall_timeout, chat_template=chat_template,
+                     model_root=args.model_root or model_folder,
+                     generation_defaults=load_generation_defaults(model_folder, args.generation_config),
+                     request_logger=request_logger, cors=cors_options(args), tool_parser=auto_tool_parser(args),
+                     reasoning_parser=args.reasoning_parser, adapters=adapters,
+                     max_requests_per_client=args.max_concurrent_requests_per_key,
+                     max_stored_responses=args.max_stored_responses)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
         if args.ssl_keyfile and not args.ssl_certfile:
             raise ValueError("--ssl-keyfile needs --ssl-certfile")
-        tool_parser = auto_tool_parser(args)
+        auto_tool_parser(args)
         check_lora_flags(args)
         engine = AsyncLLM(args.tokenizer or args.model, engine_address=args.engine_address,
                           curve_key_file=args.curve_key_file)
     except ValueError as error:
         logger.error("%s", error)
         return 2
-    model_folder = args.model or engine.info.model
-    try:
-        generation_defaults = load_generation_defaults(model_folder, args.generation_config)
-    except ValueError as error:
-        logger.error("%s", error)
-        engine.shutdown()
-        return 2
     model_name = args.served_model_name or args.model or engine.info.model
+    request_logger = None if args.disable_log_requests else RequestLogger(args.log_prompts, args.max_log_len)
     try:
-        adapters = LoRAAdapters(model_name, parse_lora_modules(args.lora_modules),
-                                args.lora_dir if args.allow_runtime_lora else None)
+        app = gateway_app(args, engine, model_name, args.model or engine.info.model, args.api_key, request_logger)
     except ValueError as error:
         logger.error("%s", error)
         engine.shutdown()
         return 2
-    limits = ServerLimits(max_model_len=engine.info.max_model_len, max_n=args.max_n, max_stop=args.max_stop,
-                          max_choices_per_request=args.max_choices_per_request)
-    request_logger = None if args.disable_log_requests else RequestLogger(args.log_prompts, args.max_log_len)
-    app = build_app(engine, model_name, limits, args.api_key, args.max_body_bytes, args.max_header_bytes,
-                    args.engine_stall_timeout, chat_template=chat_template, model_root=args.model_root or model_folder,
-                    generation_defaults=generation_defaults, request_logger=request_logger, cors=cors_options(args),
-                    tool_parser=tool_parser, reasoning_parser=args.reasoning_parser, adapters=adapters,
-                    max_requests_per_client=args.max_concurrent_requests_per_key)
     sock = listening_socket(args.host, args.port, args.reuse_port)
     server = uvicorn.Server(uvicorn_config(app, args))
     if args.parent_fd is not None:
