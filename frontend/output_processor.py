@@ -1,6 +1,7 @@
 """Turn engine-core outputs (token ids) into RequestOutputs: detokenize, apply stop strings, track logprobs."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
@@ -8,6 +9,8 @@ from transformers import PreTrainedTokenizerBase
 from frontend.detokenizer import IncrementalDetokenizer
 from frontend.outputs import CompletionOutput, Logprob, RequestOutput
 from ipc import EngineCoreOutput, FinishReason, RequestOutputKind, SamplingParams
+
+_TOKEN_TEXTS = 1 << 18  # the most tokens' texts kept: more than any vocabulary served here
 
 
 @dataclass(slots=True)
@@ -47,6 +50,9 @@ class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        # A logprob names its token by the token decoded alone: the same few thousand tokens come back in every
+        # entry, and a tokenizer call costs more than the rest of the entry (bounded by the vocabulary).
+        self._token_text = functools.lru_cache(maxsize=_TOKEN_TEXTS)(lambda token: tokenizer.decode([token]))
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
@@ -112,7 +118,7 @@ class OutputProcessor:
 
     def _logprob_entry(self, ids: list[int], values: list[float], rank: int) -> dict[int, Logprob]:
         """{token id: Logprob} for [chosen, top-k ...]; the chosen token keeps its own rank."""
-        entry = {tid: Logprob(lp, top_rank, self.tokenizer.decode([tid]))
+        entry = {tid: Logprob(lp, top_rank, self._token_text(tid))
                  for top_rank, (tid, lp) in enumerate(zip(ids[1:], values[1:]), start=1)}
-        entry[ids[0]] = Logprob(values[0], rank, self.tokenizer.decode([ids[0]]))
+        entry[ids[0]] = Logprob(values[0], rank, self._token_text(ids[0]))
         return entry

@@ -122,6 +122,46 @@ def test_logprobs_logit_bias(client, llama_model):
     assert biased.choices[0].text != plain.choices[0].text
 
 
+def test_prompt_logprobs_and_token_ids_over_http(client, server, llama_model):
+    """vLLM's prompt_logprobs (whole answers: a 400 with stream) and return_token_ids (the prompt's ids, each
+    choice's, streamed in deltas) on completions and chat; /load and /server_info."""
+    [expected] = LLM(llama_model, dtype="float32", in_process=True).generate(
+        "Once upon a time", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=2),
+        use_tqdm=False)
+    asked = {"prompt_logprobs": 2, "return_token_ids": True, "ignore_eos": True}
+    plain = client.completions.create(model=llama_model, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                      extra_body=asked).choices[0].model_dump()
+    assert plain["prompt_token_ids"] == expected.prompt_token_ids
+    assert plain["token_ids"] == expected.outputs[0].token_ids
+    assert plain["prompt_logprobs"][0] is None and len(plain["prompt_logprobs"]) == len(expected.prompt_token_ids)
+    for got, reference in zip(plain["prompt_logprobs"][1:], expected.prompt_logprobs[1:], strict=True):
+        assert {int(token) for token in got} == set(reference)
+        for token, entry in got.items():
+            assert entry["logprob"] == pytest.approx(reference[int(token)].logprob, abs=1e-5)
+            assert entry["rank"] == reference[int(token)].rank
+    streamed = [c.model_dump() for c in client.completions.create(
+        model=llama_model, prompt="Once upon a time", max_tokens=6, temperature=0, stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True})]
+    assert streamed[0]["choices"][0]["prompt_token_ids"] == expected.prompt_token_ids
+    assert [t for c in streamed for t in c["choices"][0]["token_ids"]] == expected.outputs[0].token_ids
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=llama_model, messages=messages, max_tokens=5, temperature=0,
+                                          extra_body=asked).model_dump()
+    assert len(chat["prompt_token_ids"]) == len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"] == 5
+    chunks = [c.model_dump() for c in client.chat.completions.create(
+        model=llama_model, messages=messages, max_tokens=5, temperature=0, stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True})]
+    assert chunks[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids") or []] == chat["choices"][0]["token_ids"]
+    refused = httpx.post(f"{server[1]}/v1/completions", headers=AUTH, json={
+        "model": llama_model, "prompt": "hi", "stream": True, "prompt_logprobs": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+    assert httpx.get(f"{server[1]}/load", headers=AUTH).json() == {"server_load": 0}
+    info = httpx.get(f"{server[1]}/server_info", headers=AUTH).json()
+    assert info["engine"]["model"] == llama_model and info["engine"]["max_model_len"] == 1024
+
+
 @pytest.mark.parametrize("path, body, status, param", [
     ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
     ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 1100}, 400, "max_tokens"),

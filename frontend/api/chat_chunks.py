@@ -84,9 +84,12 @@ def chat_chunks(body: ChatCompletionRequest, tools: ToolReader,
         if reasoning:
             delta = {"reasoning_content": reasoning, **delta}
         logprobs = chat_logprobs(completion, num_top) if tools.mode is None else None
-        if not delta and logprobs is None and finish_reason is None:
+        token_ids = completion.token_ids if body.return_token_ids else []
+        if not delta and logprobs is None and finish_reason is None and not token_ids:
             return None
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if body.return_token_ids:  # vLLM's: the chunk's token ids, shown or not
+            choice["token_ids"] = list(token_ids)
         if finish_reason is not None:  # vLLM's field: the stop string or token id that ended the choice
             choice["stop_reason"] = completion.stop_reason
         return choice

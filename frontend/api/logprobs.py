@@ -31,6 +31,16 @@ def _completions_body(token_ids: list[int], entries: list[dict[int, Logprob]], n
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
+def prompt_logprobs_body(entries: list[dict[int, Logprob] | None] | None) -> list[dict[str, dict] | None] | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first: nothing predicts it) or {token id: {"logprob",
+    "rank", "decoded_token"}} of the token and its best alternatives."""
+    if entries is None:
+        return None
+    return [None if entry is None else {str(token): {"logprob": lp.logprob, "rank": lp.rank,
+                                                     "decoded_token": lp.decoded_token} for token, lp in entry.items()}
+            for entry in entries]
+
+
 def join_logprobs(first: dict | None, second: dict | None) -> dict | None:
     """Two completions-format logprobs bodies as one (the echoed prompt's, then the completion's)."""
     if first is None or second is None:

@@ -43,8 +43,6 @@ COMMON = {
     "truncate_prompt_tokens": Rule("prompts are never truncated: send a shorter one"),
     "allowed_token_ids": Rule("not implemented: logit_bias or bad_words can keep tokens out"),
     "return_tokens_as_token_ids": Rule("logprobs name their tokens as text", _one_of(False)),
-    "return_token_ids": Rule("responses carry text only", _one_of(False)),
-    "prompt_logprobs": Rule("not returned over HTTP yet (completions: echo with logprobs gives the prompt's)"),
 }
 COMPLETION_ONLY = {
     "suffix": Rule("fill-in-the-middle is not supported"),
@@ -168,7 +166,8 @@ class SamplingFields(_Strict):
     logit_bias: dict[str, mirror(LogitBias)] | None = None  # token id (as a JSON key) → bias
     bad_words: SP["bad_words"] = None
     cache_salt: str | None = None  # requests with different salts never share cached KV blocks
-    prompt_logprobs: SP["prompt_logprobs"] = None  # vLLM's extra field; refused (COMMON) until returned
+    prompt_logprobs: SP["prompt_logprobs"] = None  # vLLM's: per prompt token, its logprob and the best N
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids beside the text
     # The output's constraint: OpenAI's response_format, vLLM's structured_outputs or its older guided_* fields.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' fields

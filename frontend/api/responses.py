@@ -28,6 +28,10 @@ class CompletionChoice(BaseModel):
     logprobs: dict | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's, where the request asks: prompt_logprobs, and (return_token_ids) the prompt's and the choice's ids
+    prompt_logprobs: list[dict[str, dict] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -52,6 +56,7 @@ class ChatChoice(BaseModel):
     logprobs: dict | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -61,6 +66,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    # vLLM's, where the request asks: prompt_logprobs, and (return_token_ids) the prompt's token ids
+    prompt_logprobs: list[dict[str, dict] | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(BaseModel):

@@ -37,7 +37,7 @@ def sampling_params(request: SamplingFields, limits: ServerLimits, defaults: Map
                   ignore_eos=request.ignore_eos, skip_special_tokens=request.skip_special_tokens,
                   include_stop_str_in_output=request.include_stop_str_in_output, bad_words=request.bad_words,
                   logprobs=num_logprobs(request), logit_bias=_logit_bias(request.logit_bias),
-                  prompt_logprobs=request.logprobs if getattr(request, "echo", False) else None)
+                  prompt_logprobs=_prompt_logprobs(request))
     fields = apply_generation_defaults(fields, defaults or {})
     max_tokens = fields.pop("max_tokens")  # None: whatever room the prompt leaves in the context
     fields = {name: value for name, value in fields.items() if value is not None}
@@ -100,6 +100,15 @@ def check_limits(request: SamplingFields, limits: ServerLimits, num_prompts: int
         raise APIError(400, str(error), "stop") from None
     if _is_chat(request) and request.top_logprobs is not None and not request.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    if request.stream and request.prompt_logprobs is not None:  # vLLM's rule too: they come with the whole answer
+        raise APIError(400, "prompt_logprobs are not available when stream is true", "prompt_logprobs")
+
+
+def _prompt_logprobs(request: SamplingFields) -> int | None:
+    """The prompt's best N per token: as asked (prompt_logprobs), or an echoed prompt's completions logprobs."""
+    asked = [n for n in (request.prompt_logprobs, request.logprobs if getattr(request, "echo", False) else None)
+             if n is not None]
+    return max(asked) if asked else None
 
 
 def num_logprobs(request: SamplingFields) -> int | None:

@@ -15,6 +15,7 @@ import socket
 import time
 from importlib.metadata import PackageNotFoundError, version
 
+import msgspec
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -119,6 +120,17 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
     @app.get("/version")
     async def server_version() -> dict:
         return {"version": _package_version(), "gateway_pid": os.getpid()}
+
+    @app.get("/load", dependencies=[Depends(engine_alive)])
+    async def load() -> dict:
+        """vLLM's route for load balancers: the requests the engine holds (running and waiting)."""
+        stats = await engine.get_stats()
+        return {"server_load": stats.num_running + stats.num_waiting}
+
+    @app.get("/server_info", dependencies=[Depends(engine_alive)])
+    async def server_info() -> dict:
+        """The engine's model, limits and KV capacity, and this gateway's version."""
+        return {"model_name": model_name, "engine": msgspec.to_builtins(engine.info), "version": _package_version()}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -16,7 +16,8 @@ from frontend.api.choices import (ChunkWriter, OpenAIChunks, PromptChoices, Requ
                                   final_outputs)
 from frontend.api.errors import APIError
 from frontend.api.lora_adapters import LoRAAdapters
-from frontend.api.logprobs import chat_logprobs, completion_logprobs, join_logprobs, prompt_logprobs
+from frontend.api.logprobs import (chat_logprobs, completion_logprobs, join_logprobs, prompt_logprobs,
+                                   prompt_logprobs_body)
 from frontend.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, TokenizeRequest
 from frontend.api.reasoning_parsers import (
     REASONING_PARSERS,
@@ -78,7 +79,8 @@ class OpenAIServing:
                     index=len(choices), text=echo[position] + completion.text,
                     logprobs=join_logprobs(prefix, completion_logprobs(completion, body.logprobs or 0,
                                                                        len(echo[position]))),
-                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason))
+                    finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                    **_asked_prompt_fields(body, output), **_asked_token_ids(body, completion.token_ids)))
         response = CompletionResponse(model=served, usage=_usage(prompts), choices=choices)
         return JSONResponse(response.model_dump())
 
@@ -111,6 +113,8 @@ class OpenAIServing:
             role_chunks = [{**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}], "usage": None}
                            for index in range(body.n)]
+            if body.return_token_ids:
+                role_chunks[0]["prompt_token_ids"] = prompt["prompt_token_ids"]
             return await StreamedChoices(self.engine, prompts, uuid.uuid4().hex, self.observers,
                                          writer(head, prompts), chat_chunks(body, tools, start),
                                          _usage_chunks(head, body, prompts), role_chunks).open()
@@ -121,8 +125,10 @@ class OpenAIServing:
             message, finish_reason = tools.message(content, c.finish_reason)
             message.reasoning_content = reasoning
             choices.append(ChatChoice(index=c.index, message=message, logprobs=chat_logprobs(c, body.top_logprobs or 0),
-                                      finish_reason=finish_reason, stop_reason=c.stop_reason))
-        return ChatCompletionResponse(model=served, usage=_usage(prompts), choices=choices)
+                                      finish_reason=finish_reason, stop_reason=c.stop_reason,
+                                      **_asked_token_ids(body, c.token_ids)))
+        return ChatCompletionResponse(model=served, usage=_usage(prompts), choices=choices,
+                                      **_asked_prompt_fields(body, output))
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, dict]:
         text = self._chat_text(body.messages, body.add_generation_prompt, template_tools(body),
@@ -202,6 +208,7 @@ class OpenAIServing:
         chunk starts with its echoed prompt."""
         text_offsets = [0] * (len(echo) * body.n)
         echoed = [not body.echo] * len(text_offsets)
+        started = [False] * len(text_offsets)
         num_top = body.logprobs or 0
 
         def choice(index: int, output: RequestOutput) -> dict:
@@ -213,9 +220,28 @@ class OpenAIServing:
                 logprobs = self._echo_logprobs(output, prompt, body.logprobs)
             logprobs = join_logprobs(logprobs, completion_logprobs(completion, num_top, text_offsets[index]))
             text_offsets[index] += len(completion.text)
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
-                    "stop_reason": completion.stop_reason}
+            chunk = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                     "stop_reason": completion.stop_reason, **_asked_token_ids(body, completion.token_ids)}
+            if body.return_token_ids and not started[index]:
+                chunk["prompt_token_ids"] = output.prompt_token_ids
+            started[index] = True
+            return chunk
         return choice
+
+
+def _asked_prompt_fields(body: SamplingFields, output: RequestOutput) -> dict:
+    """vLLM's prompt fields of a whole response, where the request asks for them."""
+    fields = {}
+    if body.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = prompt_logprobs_body(output.prompt_logprobs)
+    if body.return_token_ids:
+        fields["prompt_token_ids"] = list(output.prompt_token_ids)
+    return fields
+
+
+def _asked_token_ids(body: SamplingFields, token_ids: list[int]) -> dict:
+    """A choice's (or a chunk's) token ids, with return_token_ids."""
+    return {"token_ids": list(token_ids)} if body.return_token_ids else {}
 
 
 def _template_message(message: ChatMessage) -> dict:
