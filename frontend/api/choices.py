@@ -42,7 +42,8 @@ class RequestObservers:
         if self.request_logger is not None:
             shown = [p.prompt.get("prompt", p.prompt["prompt_token_ids"]) for p in prompts] if self.wants_text else None
             self.request_logger.log_request(request_id, num_prompt_tokens, num_completion_tokens, finish_reasons,
-                                            seconds, _one_or_all(shown), _one_or_all(texts if self.wants_text else None))
+                                            seconds, _one_or_all(shown),
+                                            _one_or_all(texts if self.wants_text else None))
 
 
 @dataclass

@@ -109,7 +109,8 @@ GATEWAY_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--allow-runtime-lora", dict(action="store_true", help="serve /v1/load_lora_adapter and "
                                                             "/v1/unload_lora_adapter (needs --lora-dir)")),
     ("--lora-dir", dict(help="with --allow-runtime-lora: the folder runtime-loaded adapters must lie under")),
-    ("--max-concurrent-requests-per-key", dict(type=positive_int, help="most POST requests one client has in flight at once "
+    ("--max-concurrent-requests-per-key", dict(type=positive_int, help="most POST requests one client has in "
+                                               "flight at once "
                                                "(a client: its API key, or its connection without one); past it "
                                                "a 429 (default: no limit)")),
     ("--disable-log-requests", dict(action="store_true", help="no log line per finished request")),
