@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from frontend.outputs import Logprob
+from frontend.outputs import Logprob, RequestOutput
 from ipc import EngineInfo, SamplingParams
 
 # Each step asks the engine for 2 * beam_width top logprobs per beam, and the engine gives at most 20.
@@ -144,6 +145,18 @@ class BeamSearch:
         text_ids = beam.token_ids[:-1] if stopped else beam.token_ids
         return BeamSearchSequence(self.prompt_token_ids + beam.token_ids, beam.cum_logprob, score,
                                   "stop" if stopped else "length", tokenizer.decode(text_ids, skip_special_tokens=True))
+
+
+def live_beams(searches: list[BeamSearch]) -> tuple[list[BeamSearch], list[list[int]]]:
+    """The searches not done yet and the token ids of every live beam of theirs: one step's one-token requests."""
+    live = [search for search in searches if not search.done]
+    return live, [ids for search in live for ids in search.beam_prompts()]
+
+
+def take_step(live: list[BeamSearch], outputs: Iterator[RequestOutput]) -> None:
+    """Move each live search one token on from its beams' outputs (in live_beams()'s order)."""
+    for search in live:
+        search.step([next(outputs).outputs[0].logprobs[0] for _ in search.running])
 
 
 def _is_int(value: object) -> bool:

@@ -9,7 +9,7 @@ import msgspec
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from frontend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from frontend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, live_beams, take_step
 from frontend.connect import connect_engine
 from frontend.generation_config import load_generation_defaults, model_stop_token_ids
 from frontend.outputs import (ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, RequestOutput,
@@ -105,11 +105,10 @@ class LLM:
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         searches = [BeamSearch(tokenize_prompt(self.tokenizer, prompt), params, self.tokenizer.eos_token_id, self.info)
                     for prompt in prompts]
-        while live := [search for search in searches if not search.done]:
-            beams = [{"prompt_token_ids": ids} for search in live for ids in search.beam_prompts()]
-            outputs = iter(self.generate(beams, params.step_sampling_params(), use_tqdm=False))
-            for search in live:
-                search.step([next(outputs).outputs[0].logprobs[0] for _ in search.running])
+        while (step := live_beams(searches))[0]:
+            live, beams = step
+            take_step(live, iter(self.generate([{"prompt_token_ids": ids} for ids in beams],
+                                               params.step_sampling_params(), use_tqdm=False)))
         return [search.output(self.tokenizer) for search in searches]
 
     def embed(self, prompts: PoolingInput | Sequence[PoolingInput], *, truncate_prompt_tokens: int | None = None,

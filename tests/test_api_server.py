@@ -162,6 +162,31 @@ def test_prompt_logprobs_and_token_ids_over_http(client, server, llama_model):
     assert info["engine"]["model"] == llama_model and info["engine"]["max_model_len"] == 1024
 
 
+def test_beam_search_over_http_equals_the_offline_one(client, server, llama_model):
+    """use_beam_search with n beams and length_penalty: the offline LLM.beam_search's beams (tested against HF
+    transformers in test_beam_search.py), best first; what it does not return is a 400 naming the field."""
+    from frontend import BeamSearchParams
+
+    llm = LLM(llama_model, dtype="float32", in_process=True)
+    try:
+        [expected] = llm.beam_search("Once upon a time", BeamSearchParams(beam_width=3, max_tokens=6,
+                                                                          length_penalty=0.5))
+    finally:
+        llm.shutdown()
+    reply = client.completions.create(model=llama_model, prompt="Once upon a time", max_tokens=6, n=3,
+                                      extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    assert [c.text for c in reply.choices] == [s.text for s in expected.sequences]
+    assert [c.finish_reason for c in reply.choices] == [s.finish_reason for s in expected.sequences]
+    assert reply.usage.completion_tokens == sum(len(s.tokens) - reply.usage.prompt_tokens for s in expected.sequences)
+    for field, value in (("stream", True), ("logprobs", 1), ("echo", True)):
+        refused = httpx.post(f"{server[1]}/v1/completions", headers=AUTH, json={
+            "model": llama_model, "prompt": "hi", "use_beam_search": True, field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+    chat = httpx.post(f"{server[1]}/v1/chat/completions", headers=AUTH, json={
+        "model": llama_model, "messages": [{"role": "user", "content": "hi"}], "use_beam_search": True})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "use_beam_search"
+
+
 @pytest.mark.parametrize("path, body, status, param", [
     ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
     ("/v1/completions", {"model": "M", "prompt": "hi", "max_tokens": 1100}, 400, "max_tokens"),

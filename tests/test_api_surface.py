@@ -89,7 +89,6 @@ CHAT = {"messages": HELLO, "max_tokens": 2}
     ("/v1/completions", {**COMPLETION, "suffix": " world"}, "suffix"),
     ("/v1/completions", {**COMPLETION, "best_of": 3}, "best_of"),
     ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 1}, "best_of"),
-    ("/v1/completions", {**COMPLETION, "use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {**COMPLETION, "add_special_tokens": False}, "add_special_tokens"),
     ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {**CHAT, "function_call": "auto"}, "function_call"),

@@ -61,8 +61,9 @@ class PromptChoices:
 
 
 async def final_outputs(engine: AsyncLLM, prompts: list[PromptChoices], request_id: str,
-                        observers: RequestObservers) -> list[RequestOutput]:
-    """Each prompt's final output with its n choices (the params ask for FINAL_ONLY); cancelling aborts them all."""
+                        observers: RequestObservers | None) -> list[RequestOutput]:
+    """Each prompt's final output with its n choices (the params ask for FINAL_ONLY); cancelling aborts them all.
+    observers: None for requests that are part of another (a beam search's steps), observed at its end."""
     start = time.monotonic()
     ended = asyncio.get_running_loop().create_future()
     finals = FinalOutputs(len(prompts), on_end=lambda: ended.set_result(None))
@@ -83,8 +84,9 @@ async def final_outputs(engine: AsyncLLM, prompts: list[PromptChoices], request_
     for choices, output in zip(prompts, finals.outputs):
         choices.num_completion_tokens = sum(len(completion.token_ids) for completion in output.outputs)
     completions = [completion for output in finals.outputs for completion in output.outputs]
-    observers.request_ended(request_id, prompts, [c.finish_reason for c in completions], time.monotonic() - start,
-                            [c.text for c in completions])
+    if observers is not None:
+        observers.request_ended(request_id, prompts, [c.finish_reason for c in completions],
+                                time.monotonic() - start, [c.text for c in completions])
     return finals.outputs
 
 

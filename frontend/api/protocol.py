@@ -34,12 +34,10 @@ def _one_of(*harmless: Any) -> Callable[[Any, Mapping], bool]:
 
 _TOOLS = "the legacy function-calling fields are not implemented: use tools and tool_choice"
 # Each field's rule and why it cannot be ignored; vLLM's extra fields among them. Fields that change nothing
-# here are accepted: length_penalty and early_stopping (beam search only),
-# guided_decoding_backend, priority, user, metadata, store, service_tier, reasoning_effort, prediction.
+# here are accepted: guided_decoding_backend, priority, user, metadata, store, service_tier, reasoning_effort, prediction.
 COMMON = {
     "logits_processors": Rule("the server loads no custom logits processors", _one_of([])),
     "vllm_xargs": Rule("the server loads no custom logits processors to read them", _one_of({})),
-    "use_beam_search": Rule("beam search is offered by LLM.beam_search only", _one_of(False)),
     "truncate_prompt_tokens": Rule("prompts are never truncated: send a shorter one"),
     "allowed_token_ids": Rule("not implemented: logit_bias or bad_words can keep tokens out"),
     "return_tokens_as_token_ids": Rule("logprobs name their tokens as text", _one_of(False)),
@@ -63,6 +61,7 @@ CHAT_ONLY = _CHAT_PROMPT | {
     "audio": Rule("this server answers in text only"),
     "modalities": Rule("this server answers in text only", _one_of(["text"])),
     "web_search_options": Rule("web search is not available"),
+    "use_beam_search": Rule("beam search is served on /v1/completions", _one_of(False)),
 }
 TOKENIZE = _CHAT_PROMPT | {
     "tools": Rule("/tokenize renders messages without tools", _one_of([])),
@@ -182,6 +181,10 @@ class CompletionRequest(SamplingFields):
     max_tokens: SP["max_tokens"] = 16
     echo: bool = False
     logprobs: SP["logprobs"] = None
+    # vLLM's beam search: n beams per prompt, ranked by cumulative logprob / length ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     refused_fields = COMMON | COMPLETION_ONLY
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 import msgspec
 from fastapi.responses import JSONResponse, Response
 
+from frontend.api.beam_serving import beam_search_choices
 from frontend.api.chat_chunks import ToolReader, chat_chunks
 from frontend.api.choices import (ChunkWriter, OpenAIChunks, PromptChoices, RequestObservers, StreamedChoices,
                                   final_outputs)
@@ -63,6 +64,9 @@ class OpenAIServing:
         # Tokenizing runs on a thread (the tokenizer releases the GIL): a long prompt never stalls other streams.
         prompts = await asyncio.to_thread(lambda: [self._prompt_choices(body, self._completion_prompt(p), params,
                                                                         "prompt", lora) for p in prompt_list])
+        if body.use_beam_search:
+            choices = await beam_search_choices(self.engine, body, prompts, uuid.uuid4().hex, self.observers)
+            return JSONResponse(CompletionResponse(model=served, usage=_usage(prompts), choices=choices).model_dump())
         echo = [self._prompt_text(p.prompt) if body.echo else "" for p in prompts]
         if body.stream:
             # Plain dicts on the per-token path: a pydantic model per chunk costs more than the rest of the chunk.
