@@ -13,7 +13,7 @@ MAX_CONSTRAINT_CHARS = 1 << 20  # a schema, regex or grammar's text: far past an
 MAX_CHOICES = 4096
 
 ConstraintText = Annotated[str, Meta(min_length=1, max_length=MAX_CONSTRAINT_CHARS)]
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 MAX_MARKER_TOKENS = 16
@@ -32,7 +32,8 @@ class ReasoningSection(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Exactly one of: a JSON schema (`json`, an object or its JSON text), a `regex` the whole output matches, a
-    `choice` of literal strings, an EBNF/GBNF `grammar` (root rule `root`), or `json_object` (any JSON object)."""
+    `choice` of literal strings, an EBNF/GBNF `grammar` (root rule `root`), `json_object` (any JSON object), or
+    xgrammar's `structural_tag` (its JSON text: {"type": "structural_tag", "format": {...}})."""
 
     json: dict[str, Any] | ConstraintText | None = None  # a dict is stored as its JSON text
     regex: ConstraintText | None = None
@@ -40,6 +41,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                       Meta(min_length=1, max_length=MAX_CHOICES)] | None = None
     grammar: ConstraintText | None = None
     json_object: bool = False
+    structural_tag: ConstraintText | None = None
     # JSON is written with single spaces after "," and ":" and no other whitespace unless this is False (then any
     # amount is allowed, which lets a weak model fill max_tokens with blanks): a default on purpose unlike vLLM's.
     disable_any_whitespace: bool = True
@@ -59,6 +61,13 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 raise ValueError(f"structured_outputs.json is not JSON: {error}") from None
             if len(self.json) > MAX_CONSTRAINT_CHARS:
                 raise ValueError(f"structured_outputs.json is over {MAX_CONSTRAINT_CHARS} characters as JSON")
+        if self.structural_tag is not None:
+            try:
+                tag = json.loads(self.structural_tag)
+            except ValueError as error:
+                raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {error}") from None
+            if not (isinstance(tag, dict) and tag.get("type") == "structural_tag"):
+                raise ValueError('structured_outputs.structural_tag must be a JSON object of type "structural_tag"')
         if self.json is not None:
             try:
                 schema = json.loads(self.json)

@@ -292,6 +292,41 @@ def test_the_gateway_takes_each_way_of_asking_for_a_schema(client, llama_model, 
     assert completion.choices[0].finish_reason == "stop"
 
 
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}
+TAGGED_CITY = {"type": "tag", "begin": "<r>", "content": {"type": "json_schema", "json_schema": CITY}, "end": "</r>"}
+
+
+def test_structural_tags_offline_and_over_http(llm, server, llama_model):
+    """xgrammar's structural tag (structured_outputs.structural_tag, or vLLM's response_format of that type, its
+    `format` or the older `structures` and `triggers`): the output is the tag around JSON valid for its schema."""
+    def check(text: str) -> None:
+        found = re.fullmatch(r"<r>(.*)</r>", text, re.DOTALL)
+        assert found, text
+        jsonschema.validate(json.loads(found.group(1)), CITY)
+
+    tag = json.dumps({"type": "structural_tag", "format": TAGGED_CITY})
+    for text in _sample(llm, StructuredOutputsParams(structural_tag=tag), 4):
+        check(text)
+    url = server[1] + "/v1/completions"
+    body = {"model": llama_model, "prompt": "A:", "max_tokens": 100, "seed": 0}
+    response = httpx.post(url, headers=AUTH, timeout=60, json={
+        **body, "response_format": {"type": "structural_tag", "format": TAGGED_CITY}})
+    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "stop", response.text
+    check(response.json()["choices"][0]["text"])
+    legacy = {"type": "structural_tag", "structures": [{"begin": "<r>", "schema": CITY, "end": "</r>"}],
+              "triggers": ["<r>"]}
+    response = httpx.post(url, headers=AUTH, timeout=60, json={**body, "response_format": legacy})
+    text = response.json()["choices"][0]["text"]
+    assert response.status_code == 200
+    for found in re.finditer(r"<r>(.*?)</r>", text, re.DOTALL):  # free text outside the tags
+        jsonschema.validate(json.loads(found.group(1)), CITY)
+    for format_, message in [({"type": "nope"}, "structural_tag could not be compiled"), (None, "needs")]:
+        response = httpx.post(url, headers=AUTH, timeout=60, json={
+            **body, "response_format": {"type": "structural_tag", "format": format_}})
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+
+
 def test_the_gateway_takes_choice_regex_json_object_and_refuses_bad_ones(server, llama_model):
     url = server[1] + "/v1/completions"
     # Random weights need not close an object within max_tokens: a closed one parses, an open one starts as one.

@@ -97,6 +97,8 @@ class Backends:
             return compiler.compile_regex(params.regex)
         if params.kind == "choice":
             return compiler.compile_grammar(choice_grammar(params.choice))
+        if params.kind == "structural_tag":
+            return compiler.compile_structural_tag(params.structural_tag)
         return compiler.compile_grammar(params.grammar)
 
     def _compile_guidance(self, schema: str, disable_any_whitespace: bool) -> CompiledConstraint:

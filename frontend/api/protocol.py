@@ -129,8 +129,12 @@ class JsonSchemaFormat(_Strict):
 
 
 class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # type "structural_tag" (vLLM's): xgrammar's `format`, or the older `structures` and `triggers`
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
     @model_validator(mode="after")
     def _schema_when_asked(self) -> ResponseFormat:

@@ -1,6 +1,7 @@
 """From an OpenAI request to SamplingParams, with the server's own limits checked (n, stop strings, choices)."""
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -79,7 +80,24 @@ def _response_format(response_format: ResponseFormat | None) -> dict | None:
         return None
     if response_format.type == "json_object":
         return {"json_object": True}
+    if response_format.type == "structural_tag":
+        return {"structural_tag": json.dumps(structural_tag(response_format), ensure_ascii=False)}
     return {"json": response_format.json_schema.schema_}
+
+
+def structural_tag(response_format: ResponseFormat) -> dict:
+    """xgrammar's structural tag of a response_format of that type: its `format`, or the older `structures` (each
+    a begin string, a JSON schema and an end string, allowed after any of the `triggers`) as the tags that format
+    names."""
+    if response_format.format is not None:
+        return {"type": "structural_tag", "format": response_format.format}
+    if response_format.structures is None:
+        raise APIError(400, 'a structural_tag response_format needs "format" (or "structures" and "triggers")',
+                       "response_format")
+    tags = [{"begin": s.get("begin"), "content": {"type": "json_schema", "json_schema": s.get("schema")},
+             "end": s.get("end")} for s in response_format.structures]
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": response_format.triggers or [],
+                                                 "tags": tags}}
 
 
 def check_limits(request: SamplingFields, limits: ServerLimits, num_prompts: int = 1) -> None:
