@@ -34,7 +34,8 @@ def _one_of(*harmless: Any) -> Callable[[Any, Mapping], bool]:
 
 _TOOLS = "the legacy function-calling fields are not implemented: use tools and tool_choice"
 # Each field's rule and why it cannot be ignored; vLLM's extra fields among them. Fields that change nothing
-# here are accepted: guided_decoding_backend, priority, user, metadata, store, service_tier, reasoning_effort, prediction.
+# here are accepted: guided_decoding_backend, priority, user, metadata, store, service_tier, reasoning_effort,
+# prediction.
 COMMON = {
     "logits_processors": Rule("the server loads no custom logits processors", _one_of([])),
     "vllm_xargs": Rule("the server loads no custom logits processors to read them", _one_of({})),
