@@ -1,4 +1,5 @@
-"""Sampling on CPU in one C++ pass per row (kernels/csrc/sample.h): temperature, top-k, top-p and min-p.
+"""Sampling on CPU in one C++ pass per row (kernels/csrc/sample.h): temperature, top-k, top-p and min-p; and the
+logprobs the sampler reports (kernels/csrc/logprobs.h).
 
 torch's way took 0.47 ms for 64 rows of 8,256 by temperature alone (a softmax, a float64 cumsum over the whole
 vocabulary, a search), 6.4 ms with top-k 40, 5.4 with min-p and 26 with top-p 0.9 (a sort of every row), on a 2-core
@@ -19,6 +20,18 @@ def serves(logits: torch.Tensor) -> bool:
     """Whether sample() takes these logits: float32 rows on the CPU, kernels built."""
     return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
             and cpu_extension.ready() is not None)
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax of each row of logits [rows, vocab] (float32, as serves() takes them) by the kernel the C++
+    multi-step calls report logprobs with (kernels/csrc/logprobs.h): both paths give the same bits."""
+    module = cpu_extension.load()
+    if module is None:
+        raise RuntimeError("the C++ CPU kernels could not be built")
+    logits = logits.contiguous()
+    logprobs = torch.empty_like(logits)
+    module.log_softmax(logits.data_ptr(), logprobs.data_ptr(), *logits.shape)
+    return logprobs
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, top_k: torch.Tensor | None = None,

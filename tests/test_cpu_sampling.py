@@ -106,3 +106,16 @@ def test_filters_keep_the_tokens_their_rules_name(filters, kept):
     ends = [cpu_sampling.sample(logits, torch.ones(1), torch.tensor([u], dtype=torch.float64), **filters).item()
             for u in (0.0, 1.0 - 2 ** -24)]
     assert ends == [kept[0], kept[-1]]
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 32064])
+def test_log_softmax_matches_torch(vocab):
+    """The sampler's logprobs on the CPU (the kernel the C++ multi-step calls report theirs with) against torch's
+    log_softmax, masked (-inf) logits included."""
+    cpu_extension.load()
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab)) * 6
+    logits[0, :vocab // 2] = float("-inf")
+    got, expected = cpu_sampling.log_softmax(logits), torch.log_softmax(logits, dim=-1)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(expected))
+    finite = torch.isfinite(expected)
+    assert torch.allclose(got[finite], expected[finite], atol=2e-6, rtol=0)

@@ -25,16 +25,21 @@ struct RowLogprobs {
   bool reports(int64_t m) const { return num != nullptr && num[m] >= 0; }
 };
 
-// Row m's logprobs of `token` into its slot, from its scores (vocab of them); logprobs: room for vocab floats. Each
-// logprob is (score - max) - log(sum of e^(score - max)), torch's log_softmax in its order of operations; the rank
-// counts the logprobs above the token's and the best are taken by logprob, ties to the lower id, as the sampler's
-// gather_logprobs does.
+// out = log_softmax(scores) of one row (out not scores): (score - max) - log(sum of e^(score - max)), torch's
+// order of operations; the sampler's own logprobs on the CPU come from here too, so both paths give the same bits.
+inline void log_softmax_row(const float* scores, int64_t vocab, float* out) {
+  const float max = max_of(scores, vocab);
+  std::copy(scores, scores + vocab, out);
+  const float log_sum = std::log(exp_sum(out, vocab, max));
+  for (int64_t v = 0; v < vocab; ++v) out[v] = (scores[v] - max) - log_sum;
+}
+
+// Row m's logprobs of `token` into its slot, from its scores (vocab of them); logprobs: room for vocab floats. The
+// rank counts the logprobs above the token's and the best are taken by logprob, ties to the lower id, as the
+// sampler's gather_logprobs does.
 inline void report_logprobs(const RowLogprobs& out, int64_t m, int64_t slot, int64_t token, const float* scores,
                             int64_t vocab, float* logprobs) {
-  const float max = max_of(scores, vocab);
-  std::copy(scores, scores + vocab, logprobs);
-  const float log_sum = std::log(exp_sum(logprobs, vocab, max));
-  for (int64_t v = 0; v < vocab; ++v) logprobs[v] = (scores[v] - max) - log_sum;
+  log_softmax_row(scores, vocab, logprobs);
   const float chosen = logprobs[token];
   int64_t above = 0;
   for (int64_t v = 0; v < vocab; ++v) above += logprobs[v] > chosen;

@@ -212,6 +212,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pagedserve::sample_rows(in<float>(logits), rows, vocab, in<float>(temperature), in<int64_t>(top_k),
                             in<float>(top_p), in<float>(min_p), in<double>(uniform), out<int64_t>(tokens));
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("log_softmax", [](uintptr_t scores, uintptr_t logprobs, int64_t rows, int64_t vocab) {
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t r = 0; r < rows; ++r)
+      pagedserve::log_softmax_row(in<float>(scores) + r * vocab, vocab, out<float>(logprobs) + r * vocab);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("greedy_decode", [](bool bf16, const ModelArgs& model, uintptr_t tokens, uintptr_t positions,
                             uintptr_t tables, int64_t max_blocks, int64_t block_size, uintptr_t limits,
                             uintptr_t stop_ids, uintptr_t stop_starts, const std::vector<int64_t>& lookup,

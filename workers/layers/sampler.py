@@ -88,7 +88,7 @@ class Sampler:
                 before_sync: Callable[[torch.Tensor], torch.Tensor] | None) -> SamplerOutput:
         # Logprobs are those of the model's own distribution (vLLM's default): before bias, penalties,
         # bans and temperature, whatever the token was then sampled from.
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs else None
+        raw_logprobs = _log_softmax(logits) if meta.num_logprobs else None
         _process(logits, meta)
         greedy_tokens = logits.argmax(dim=-1) if meta.any_row_greedy is not False else None
         if meta.all_greedy:
@@ -267,6 +267,12 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p.unsqueeze(1)
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """The rows' logprobs; on the CPU by the kernel a multi-step call's C++ steps report theirs with, so a token's
+    logprobs have the same bits whichever step computed them."""
+    return cpu_sampling.log_softmax(logits) if cpu_sampling.serves(logits) else torch.log_softmax(logits, dim=-1)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
