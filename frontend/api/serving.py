@@ -3,7 +3,6 @@ requests to engine choices, outputs to JSON or SSE chunks."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -36,6 +35,7 @@ from frontend.api.responses import (
 )
 from frontend.api.sampling import ServerLimits, check_limits, requested_max_tokens, sampling_params
 from frontend.api.sse import PushedSSEResponse
+from frontend.api.template_messages import template_message
 from frontend.api.tools import template_tools, tool_mode
 from frontend.async_llm import AsyncLLM
 from frontend.outputs import RequestOutput
@@ -166,7 +166,7 @@ class OpenAIServing:
             check_template_kwargs(template_kwargs)
         except ValueError as error:
             raise APIError(400, str(error), "chat_template_kwargs") from None
-        dicts = [_template_message(m) for m in messages]
+        dicts = [template_message(m) for m in messages]
         try:
             return apply_chat_template(self.engine.tokenizer, dicts, self.model_name, add_generation_prompt,
                                        tools=tools, template_kwargs=template_kwargs)
@@ -248,29 +248,6 @@ def _asked_token_ids(body: SamplingFields, token_ids: list[int]) -> dict:
     return {"token_ids": list(token_ids)} if body.return_token_ids else {}
 
 
-def _template_message(message: ChatMessage) -> dict:
-    """A message as chat templates take it: tool calls' arguments as objects where they parse (as transformers'
-    templates expect), a tool answer with its call id."""
-    result: dict = {"role": message.role, "content": _message_text(message.content)}
-    if message.tool_calls:
-        result["tool_calls"] = [{"id": call.id, "type": "function", "function": {
-            "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
-            for call in message.tool_calls]
-    if message.tool_call_id is not None:
-        result["tool_call_id"] = message.tool_call_id
-    if message.name is not None:
-        result["name"] = message.name
-    return result
-
-
-def _arguments(text: str) -> dict | str:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return text
-    return value if isinstance(value, dict) else text
-
-
 def _usage_chunks(head: dict, body: SamplingFields, prompts: list[PromptChoices]) -> Callable[[], list[dict]]:
     """The usage chunk a stream ends with when stream_options.include_usage asks for it."""
     def chunks() -> list[dict]:
@@ -293,15 +270,3 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     if not prompt:
         raise APIError(400, "prompt is empty", "prompt")
     return list(prompt)
-
-
-def _message_text(content: str | list[dict] | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    parts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise APIError(400, "only text content parts are supported", "messages")
-        parts.append(part["text"])
-    return "\n".join(parts)
-
