@@ -7,7 +7,8 @@ import torch
 from conftest import assert_all_blocks_free, random_prompts
 from frontend import LLM, SamplingParams
 from hf_reference import hf_greedy
-from workers.layers.sampler import Penalties, Sampler, SamplingMetadata, _apply_penalties, gather_logprobs
+from workers.layers.logprobs import gather_logprobs
+from workers.layers.sampler import Penalties, Sampler, SamplingMetadata, _apply_penalties
 
 PROMPTS = [{"prompt_token_ids": p} for p in random_prompts([5, 40, 90], vocab=1000, seed=1)]
 

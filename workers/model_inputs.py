@@ -11,7 +11,7 @@ import torch
 
 from ipc import PromptLogprobs
 from workers.layers.attention import StepMetadata
-from workers.layers.sampler import gather_logprobs
+from workers.layers.logprobs import gather_logprobs
 from workers.request_state import CachedRequestState
 from workers.step_sampling import SampleGroup
 

@@ -36,7 +36,7 @@ inline void log_softmax_row(const float* scores, int64_t vocab, float* out) {
 
 // Row m's logprobs of `token` into its slot, from its scores (vocab of them); logprobs: room for vocab floats. The
 // rank counts the logprobs above the token's and the best are taken by logprob, ties to the lower id, as the
-// sampler's gather_logprobs does.
+// sampler's gather_logprobs (workers/layers/logprobs.py) does.
 inline void report_logprobs(const RowLogprobs& out, int64_t m, int64_t slot, int64_t token, const float* scores,
                             int64_t vocab, float* logprobs) {
   log_softmax_row(scores, vocab, logprobs);

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_sampling
+from workers.layers.logprobs import raw_logprobs, top_logprobs
 
 
 @dataclass
@@ -88,7 +89,7 @@ class Sampler:
                 before_sync: Callable[[torch.Tensor], torch.Tensor] | None) -> SamplerOutput:
         # Logprobs are those of the model's own distribution (vLLM's default): before bias, penalties,
         # bans and temperature, whatever the token was then sampled from.
-        raw_logprobs = _log_softmax(logits) if meta.num_logprobs else None
+        logprobs_of_rows = raw_logprobs(logits) if meta.num_logprobs else None
         _process(logits, meta)
         greedy_tokens = logits.argmax(dim=-1) if meta.any_row_greedy is not False else None
         if meta.all_greedy:
@@ -98,8 +99,8 @@ class Sampler:
             tokens, accepted = self._random_sample(logits, meta, greedy_tokens)
         if accepted is not None:
             tokens = torch.where(accepted, meta.draft_token_ids, tokens)
-        logprobs = {row: _top_logprobs(raw_logprobs[row], tokens[row:row + 1], n)
-                    for row, n in meta.num_logprobs.items()} if raw_logprobs is not None else {}
+        logprobs = {row: top_logprobs(logprobs_of_rows[row], tokens[row:row + 1], n)
+                    for row, n in meta.num_logprobs.items()} if logprobs_of_rows is not None else {}
         if accepted is None and before_sync is not None:
             tokens = before_sync(tokens)
         return SamplerOutput(tokens.tolist(), logprobs, None if accepted is None else accepted.tolist())
@@ -267,41 +268,3 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p.unsqueeze(1)
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
-
-
-def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    """The rows' logprobs; on the CPU by the kernel a multi-step call's C++ steps report theirs with, so a token's
-    logprobs have the same bits whichever step computed them."""
-    return cpu_sampling.log_softmax(logits) if cpu_sampling.serves(logits) else torch.log_softmax(logits, dim=-1)
-
-
-def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
-                    ) -> tuple[list[list[int]], list[list[float]], list[int]]:
-    """logprobs: [rows, vocab]; per row: [token, top-k ...] ids and logprobs, and the token's rank (1 = best)."""
-    k = min(k, logprobs.shape[-1])  # a vocabulary smaller than the top-k asked for
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
-    ranks = (logprobs > chosen).sum(dim=1) + 1
-    ids, values = token_ids.unsqueeze(1), chosen
-    if k:
-        top_values, top_ids = _top_k(logprobs, k)
-        ids, values = torch.cat((ids, top_ids), dim=1), torch.cat((values, top_values), dim=1)
-    return ids.tolist(), values.tolist(), ranks.tolist()
-
-
-def _top_k(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's k largest logprobs and their ids in order, ties to the lower id: torch.topk leaves the order of
-    ties open, and bf16 logits tie often (the C++ steps' kernels/csrc/logprobs.h takes the same ones)."""
-    values, ids = logprobs.topk(k, dim=-1)
-    boundary = values[:, -1:]
-    tied = ((logprobs >= boundary).sum(dim=1) > k) | (values[:, 1:] == values[:, :-1]).any(dim=1)
-    for row in tied.nonzero().flatten().tolist():
-        candidates = (logprobs[row] >= boundary[row]).nonzero().flatten()  # in id order
-        ids[row] = candidates[torch.sort(logprobs[row, candidates], descending=True, stable=True).indices[:k]]
-        values[row] = logprobs[row, ids[row]]
-    return values, ids
-
-
-def _top_logprobs(logprobs: torch.Tensor, token: torch.Tensor, n: int) -> tuple[list[int], list[float], int]:
-    """token: [1], on the logits' device."""
-    ids, values, ranks = gather_logprobs(logprobs.unsqueeze(0), token, n)
-    return ids[0], values[0], ranks[0]
