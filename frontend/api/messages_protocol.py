@@ -6,7 +6,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from frontend.api.protocol import SP, Rule, _one_of, _Strict, refuse_media, require_fields
+from frontend.api.protocol import SP, Rule, _one_of, _Strict, given_only_with_type, refuse_media, require_fields
 
 _MEDIA = {"image": "images", "document": "documents"}
 # Fields whose other values would change the output; metadata and service_tier change nothing here.
@@ -81,10 +81,7 @@ class ToolChoice(_Strict):
 
     @model_validator(mode="after")
     def _name_for_a_tool(self) -> ToolChoice:
-        if (self.type == "tool") != (self.name is not None):
-            raise PydanticCustomError("tool_choice", "name is given with type 'tool', and only then",
-                                      {"field": "name"})
-        return self
+        return given_only_with_type(self, "name", "tool", "tool_choice")
 
 
 class OutputFormat(_Strict):

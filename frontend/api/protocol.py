@@ -129,6 +129,14 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None  # the schema is always enforced
 
 
+def given_only_with_type(model: BaseModel, field: str, kind: str, error_type: str) -> BaseModel:
+    """The model, if `field` is set exactly when its `type` is `kind`; else a validation error naming the field."""
+    if (model.type == kind) != (getattr(model, field) is not None):
+        raise PydanticCustomError(error_type, f"{field} is given with type '{kind}', and only then",
+                                  {"field": field})
+    return model
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
@@ -139,10 +147,7 @@ class ResponseFormat(_Strict):
 
     @model_validator(mode="after")
     def _schema_when_asked(self) -> ResponseFormat:
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise PydanticCustomError("json_schema", "json_schema is given with type 'json_schema', and only then",
-                                      {"field": "json_schema"})
-        return self
+        return given_only_with_type(self, "json_schema", "json_schema", "json_schema")
 
 
 class SamplingFields(_Strict):
