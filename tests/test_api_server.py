@@ -163,14 +163,18 @@ def test_prompt_logprobs_and_token_ids_over_http(client, server, llama_model):
 
 
 def test_beam_search_over_http_equals_the_offline_one(client, server, llama_model):
-    """use_beam_search with n beams and length_penalty: the offline LLM.beam_search's beams (tested against HF
-    transformers in test_beam_search.py), best first; what it does not return is a 400 naming the field."""
+    """use_beam_search with n beams and length_penalty, on completions and on chat (its templated prompt): the offline
+    LLM.beam_search's beams (tested against HF transformers in test_beam_search.py), best first; what it does not
+    return or honour is a 400 naming the field, on both routes."""
     from frontend import BeamSearchParams
 
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    templated = httpx.post(f"{server[1]}/tokenize", headers=AUTH, json={"model": llama_model, "messages": messages})
     llm = LLM(llama_model, dtype="float32", in_process=True)
     try:
-        [expected] = llm.beam_search("Once upon a time", BeamSearchParams(beam_width=3, max_tokens=6,
-                                                                          length_penalty=0.5))
+        params = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5)
+        expected, expected_chat = llm.beam_search(
+            ["Once upon a time", {"prompt_token_ids": templated.json()["tokens"]}], params)
     finally:
         llm.shutdown()
     reply = client.completions.create(model=llama_model, prompt="Once upon a time", max_tokens=6, n=3,
@@ -178,13 +182,25 @@ def test_beam_search_over_http_equals_the_offline_one(client, server, llama_mode
     assert [c.text for c in reply.choices] == [s.text for s in expected.sequences]
     assert [c.finish_reason for c in reply.choices] == [s.finish_reason for s in expected.sequences]
     assert reply.usage.completion_tokens == sum(len(s.tokens) - reply.usage.prompt_tokens for s in expected.sequences)
-    for field, value in (("stream", True), ("logprobs", 1), ("echo", True)):
-        refused = httpx.post(f"{server[1]}/v1/completions", headers=AUTH, json={
-            "model": llama_model, "prompt": "hi", "use_beam_search": True, field: value})
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
-    chat = httpx.post(f"{server[1]}/v1/chat/completions", headers=AUTH, json={
-        "model": llama_model, "messages": [{"role": "user", "content": "hi"}], "use_beam_search": True})
-    assert chat.status_code == 400 and chat.json()["error"]["param"] == "use_beam_search"
+    chat = client.chat.completions.create(model=llama_model, messages=messages, max_completion_tokens=6, n=3,
+                                          extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    assert len(chat.choices) == 3 and [(c.index, c.message.content, c.finish_reason) for c in chat.choices] == [
+        (i, s.text, s.finish_reason) for i, s in enumerate(expected_chat.sequences)]
+    assert chat.usage.prompt_tokens == templated.json()["count"]
+    assert chat.usage.completion_tokens == sum(len(s.tokens) - chat.usage.prompt_tokens
+                                               for s in expected_chat.sequences)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for path, body, field, value in (
+            ("completions", {"prompt": "hi"}, "stream", True), ("completions", {"prompt": "hi"}, "logprobs", 1),
+            ("completions", {"prompt": "hi"}, "echo", True),
+            ("completions", {"prompt": "hi"}, "response_format", {"type": "json_object"}),
+            ("chat/completions", {"messages": messages}, "stream", True),
+            ("chat/completions", {"messages": messages}, "logprobs", True),
+            ("chat/completions", {"messages": messages, "tool_choice": "required"}, "tools", [tool]),
+            ("chat/completions", {"messages": messages}, "guided_regex", "a+")):
+        refused = httpx.post(f"{server[1]}/v1/{path}", headers=AUTH, json={
+            "model": llama_model, **body, "use_beam_search": True, field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
 
 
 @pytest.mark.parametrize("path, body, status, param", [

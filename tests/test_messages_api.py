@@ -148,6 +148,28 @@ def test_the_key_goes_as_x_api_key_or_bearer(demo):
     assert openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0).models.list().data
 
 
+def test_count_tokens_is_the_prompt_a_messages_call_reports(demo):
+    base_url, client = demo
+    body = dict(model=DEMO_MODEL_NAME, system="Answer briefly.", tools=[WEATHER, TIME],
+                tool_choice={"type": "tool", "name": "get_time"}, messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather",
+                                           "input": {"city": "Paris", "days": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
+                                     {"type": "text", "text": "And the time?"}]}])
+    counted = client.messages.count_tokens(**body)
+    message = client.messages.create(**body, max_tokens=2)
+    assert counted.input_tokens == message.usage.input_tokens
+    plain = client.messages.count_tokens(model=DEMO_MODEL_NAME, messages=[{"role": "user", "content": "Hi"}])
+    assert plain.input_tokens == prompt_length([{"role": "user", "content": "Hi"}]) < counted.input_tokens
+    refused = httpx.post(f"{base_url}/v1/messages/count_tokens", headers=HEADERS, timeout=60,
+                         json={"model": DEMO_MODEL_NAME, "messages": []})
+    assert refused.status_code == 400 and refused.json()["error"]["message"].startswith("messages")
+    unknown = httpx.post(f"{base_url}/v1/messages/count_tokens", headers=HEADERS, timeout=60,
+                         json={"model": "nope", "messages": [{"role": "user", "content": "Hi"}]})
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+
+
 @pytest.mark.parametrize("extra, field, message", [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "AA=="}}]}]},
      "messages.0.content.0.type", "images are not supported"),

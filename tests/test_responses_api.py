@@ -9,13 +9,13 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from chat_like import named_events, templated_length
 from conftest import API_KEY, AUTH
 from frontend.api.errors import APIError
-from frontend.api.responses_output import ResponseStore
+from frontend.api.responses_output import ResponseStore, StoredResponse
 from launch.shipped import DEMO_CHAT_PROMPT, DEMO_MODEL_NAME
 from launcher import start_launcher, stop_launcher
 
@@ -25,6 +25,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in
 TIME = {"type": "function", "name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}
 EVENTS = TypeAdapter(ResponseStreamEvent)
+LOGPROBS = "message.output_text.logprobs"
 
 
 @pytest.fixture(scope="module")
@@ -144,17 +145,82 @@ def test_previous_response_id_continues_the_stored_conversation(demo):
         assert raised.value.body["param"] == "previous_response_id"
 
 
+def test_stored_responses_are_retrieved_listed_and_deleted(demo):
+    base_url, client = demo
+    turns = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [
+        {"type": "input_text", "text": "Hi"}]}, {"role": "assistant", "content": "Hello!"}, {"role": "user",
+                                                                                        "content": "Bye"}]
+    created = client.responses.create(model=DEMO_MODEL_NAME, input=turns, max_output_tokens=4)
+    raw = httpx.get(f"{base_url}/v1/responses/{created.id}", headers=AUTH, timeout=60).json()
+    Response.model_validate(raw, strict=True)
+    assert client.responses.retrieve(created.id) == created
+
+    listed = httpx.get(f"{base_url}/v1/responses/{created.id}/input_items", headers=AUTH, timeout=60).json()
+    ResponseItemList.model_validate(listed, strict=True)
+    assert [(item["role"], item["content"][0]["text"]) for item in listed["data"]] == [
+        ("user", "Bye"), ("assistant", "Hello!"), ("user", "Hi"), ("developer", "Be brief.")]  # last sent first
+    assert (listed["first_id"], listed["last_id"], listed["has_more"]) == (listed["data"][0]["id"],
+                                                                           listed["data"][-1]["id"], False)
+    paged = client.responses.input_items.list(created.id, limit=1, order="asc")  # the client follows `after`
+    assert len(paged.data) == 1 and [item.id for item in paged] == [item["id"] for item in listed["data"][::-1]]
+
+    *_, done = client.responses.create(model=DEMO_MODEL_NAME, input="Hello", max_output_tokens=4, stream=True)
+    assert client.responses.retrieve(done.response.id) == done.response  # a streamed response is stored whole
+    assert client.responses.delete(done.response.id) is None
+    not_stored = client.responses.create(model=DEMO_MODEL_NAME, input="x", max_output_tokens=1, store=False)
+    for gone in (done.response.id, not_stored.id, "resp_unknown"):  # deleted, made with store false, never made
+        with pytest.raises(openai.NotFoundError) as raised:
+            client.responses.retrieve(gone)
+        assert raised.value.body["param"] == "response_id" and raised.value.body["code"] == "response_not_found"
+        for method, path in (("DELETE", ""), ("GET", "/input_items"), ("POST", "/cancel")):
+            answer = httpx.request(method, f"{base_url}/v1/responses/{gone}{path}", headers=AUTH, timeout=60)
+            assert answer.status_code == 404 and answer.json()["error"]["param"] == "response_id"
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(created.id)
+    bad_page = httpx.get(f"{base_url}/v1/responses/{created.id}/input_items?limit=0", headers=AUTH, timeout=60)
+    assert bad_page.status_code == 400 and bad_page.json()["error"]["param"] == "limit"
+
+
+def test_logprobs_on_output_text_equal_chat_completions(demo):
+    base_url, client = demo
+    asked = dict(model=DEMO_MODEL_NAME, input=DEMO_CHAT_PROMPT, max_output_tokens=12, temperature=0,
+                 include=[LOGPROBS], top_logprobs=3)
+    response = client.responses.create(**asked)
+    chat = client.chat.completions.create(model=DEMO_MODEL_NAME, max_completion_tokens=12,
+                                          messages=[{"role": "user", "content": DEMO_CHAT_PROMPT}], temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    [part] = response.output[0].content
+    expected = [token.model_dump() for token in chat.choices[0].logprobs.content]
+    assert part.text == chat.choices[0].message.content and len(expected) == response.usage.output_tokens
+    assert [token.model_dump() for token in part.logprobs] == expected and response.top_logprobs == 3
+    assert all(len(token["top_logprobs"]) == 3 for token in expected)
+
+    events = _stream(base_url, asked)
+    deltas = [token for e in events if e["type"] == "response.output_text.delta" for token in e["logprobs"]]
+    [done] = [e["logprobs"] for e in events if e["type"] == "response.output_text.done"]
+    assert deltas == done == events[-1]["response"]["output"][0]["content"][0]["logprobs"] == expected
+    plain = client.responses.create(**{**asked, "include": None, "top_logprobs": None})
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == part.text
+
+
 def test_the_store_keeps_the_most_recently_used_responses():
     store = ResponseStore(2)
-    store.put("a", [{"role": "user", "content": "1"}])
-    store.put("b", [])
+    first = StoredResponse([{"role": "user", "content": "1"}], {"id": "a"}, [])
+    store.put("a", first)
+    store.put("b", StoredResponse([], {}, []))
     store.get("a")
-    store.put("c", [])
-    assert store.get("a") and store.get("c") == []
+    store.put("c", StoredResponse([], {}, []))
+    assert store.get("a") is first and store.get("c").conversation == []
     with pytest.raises(APIError) as raised:
         store.get("b")
-    assert raised.value.status == 404
-    ResponseStore(0).put("a", [])
+    assert raised.value.status == 404 and raised.value.param == "previous_response_id"
+    store.delete("a")
+    with pytest.raises(APIError) as raised:
+        store.delete("a")
+    assert raised.value.status == 404 and raised.value.param == "response_id"
+    empty = ResponseStore(0)
+    empty.put("a", first)
+    assert not empty.responses
 
 
 @pytest.mark.parametrize("extra, param, message", [
@@ -169,6 +235,10 @@ def test_the_store_keeps_the_most_recently_used_responses():
     ({"tools": [TIME], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "not among the tools"),
     ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "needs name and schema"),
+    ({"top_logprobs": 2}, "top_logprobs", "needs include"),
+    ({"include": [LOGPROBS], "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({"include": ["reasoning.encrypted_content"]}, "include.0", LOGPROBS),
+    ({"background": True}, "background", "not supported"),
 ])
 def test_bad_bodies_are_400s_naming_the_field(demo, extra, param, message):
     response = httpx.post(f"{demo[0]}/v1/responses", headers=AUTH, timeout=60,

@@ -47,7 +47,10 @@ def validation_error(errors: list[dict]) -> APIError:
     deepest = max(errors, key=lambda error: len(error.get("loc", ())))
     if deepest.get("type") == "json_invalid":  # its loc is a position in the text, not a field
         return APIError(400, f"the request body is not valid JSON: {(deepest.get('ctx') or {}).get('error', '')}")
-    path = tuple(part for part in deepest.get("loc", ()) if not (isinstance(part, str) and _BRANCH.search(part)))
+    loc = tuple(deepest.get("loc", ()))
+    if loc[:1] in (("query",), ("path",)):  # a URL's parameter: named as the client wrote it
+        loc = loc[1:]
+    path = tuple(part for part in loc if not (isinstance(part, str) and _BRANCH.search(part)))
     return from_pydantic([{**deepest, "loc": path}])
 
 

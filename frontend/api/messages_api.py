@@ -1,7 +1,9 @@
 """POST /v1/messages (Anthropic's Messages API) on the chat path: its request as a chat request, the chat answer
-as a message (whole, or as Anthropic's stream events), refusals in Anthropic's error shape."""
+as a message (whole, or as Anthropic's stream events), refusals in Anthropic's error shape; and count_tokens, the
+length of the prompt a messages request would send."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 from fastapi import APIRouter, FastAPI, Request
@@ -11,7 +13,7 @@ from frontend.api.chat_adapter import chat_request, error_route, rename_param
 from frontend.api.errors import APIError
 from frontend.api.messages_output import (error_response, message_object, new_message_id, stop_reason,
                                           tool_use_block)
-from frontend.api.messages_protocol import Message, MessagesRequest, OutputConfig, ToolChoice
+from frontend.api.messages_protocol import Message, MessagesPrompt, MessagesRequest, OutputConfig, ToolChoice
 from frontend.api.messages_stream import MessageEvents
 from frontend.api.responses import ChatCompletionResponse
 from frontend.api.route_errors import cancel_on_disconnect
@@ -27,6 +29,17 @@ def add_messages_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @router.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
         return await cancel_on_disconnect(request, _answer(serving, body))
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(body: MessagesPrompt) -> dict:
+        """The prompt's tokens as the chat template renders it: system, messages and tools."""
+        chat = chat_request(prompt_fields(body), _RENAMED)
+        serving.adapters.resolve(chat.model)
+        try:
+            _, prompt = await asyncio.to_thread(serving.chat_prompt, chat)
+        except APIError as error:
+            raise rename_param(error, _RENAMED) from None
+        return {"input_tokens": len(prompt["prompt_token_ids"])}
 
     app.include_router(router)
 
@@ -50,15 +63,22 @@ async def _answer(serving: OpenAIServing, body: MessagesRequest) -> Response:
 
 
 def chat_fields(body: MessagesRequest) -> dict:
-    """The chat request's fields: the system prompt as the first message, the tools as chat functions."""
+    """The chat request's fields: the prompt's, and how to sample the answer."""
+    fields = {"max_tokens": body.max_tokens, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
+              "stop": body.stop_sequences, "stream": body.stream,
+              "stream_options": {"include_usage": True} if body.stream else None}
+    return prompt_fields(body) | {name: value for name, value in fields.items() if value is not None}
+
+
+def prompt_fields(body: MessagesPrompt) -> dict:
+    """The chat request's fields that make the prompt: the system prompt as the first message, the tools as chat
+    functions (and the tool choice and output format, which constrain the answer)."""
     system = body.system if isinstance(body.system, str) or body.system is None else "\n".join(
         block.text for block in body.system)
     messages = [] if not system else [{"role": "system", "content": system}]
     for position, message in enumerate(body.messages):
         messages += chat_messages(message, f"messages.{position}")
-    fields = {"model": body.model, "messages": messages, "max_tokens": body.max_tokens,
-              "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "stop": body.stop_sequences,
-              "stream": body.stream, "stream_options": {"include_usage": True} if body.stream else None,
+    fields = {"model": body.model, "messages": messages,
               "tools": [{"type": "function", "function": {"name": tool.name, "description": tool.description,
                                                           "parameters": tool.input_schema}}
                         for tool in body.tools] if body.tools else None,

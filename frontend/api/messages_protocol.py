@@ -1,4 +1,5 @@
-"""Anthropic Messages API request bodies (POST /v1/messages): content blocks, tools, tool_choice."""
+"""Anthropic Messages API request bodies (POST /v1/messages and its count_tokens): content blocks, tools,
+tool_choice."""
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -94,18 +95,23 @@ class OutputConfig(_Strict):
     refused_fields = {"effort": Rule("the served model has no effort setting")}
 
 
-class MessagesRequest(_Strict):
+class MessagesPrompt(_Strict):
+    """What the prompt is made of: the body of POST /v1/messages/count_tokens, and the start of a messages body."""
+
     model: str
-    max_tokens: SP["max_tokens"]
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
+    refused_fields = REFUSED
+
+
+class MessagesRequest(MessagesPrompt):
+    max_tokens: SP["max_tokens"]
     stop_sequences: SP["stop"] = None
     temperature: SP["temperature"] | None = None
     top_p: SP["top_p"] | None = None
     top_k: SP["top_k"] | None = None
-    tools: list[Tool] | None = Field(default=None, max_length=128)
-    tool_choice: ToolChoice | None = None
-    output_config: OutputConfig | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
-    refused_fields = REFUSED

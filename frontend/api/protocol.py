@@ -62,7 +62,6 @@ CHAT_ONLY = _CHAT_PROMPT | {
     "audio": Rule("this server answers in text only"),
     "modalities": Rule("this server answers in text only", _one_of(["text"])),
     "web_search_options": Rule("web search is not available"),
-    "use_beam_search": Rule("beam search is served on /v1/completions", _one_of(False)),
 }
 TOKENIZE = _CHAT_PROMPT | {
     "tools": Rule("/tokenize renders messages without tools", _one_of([])),
@@ -184,6 +183,10 @@ class SamplingFields(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's beam search: n beams per prompt, ranked by cumulative logprob / length ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
 
 class CompletionRequest(SamplingFields):
@@ -191,10 +194,6 @@ class CompletionRequest(SamplingFields):
     max_tokens: SP["max_tokens"] = 16
     echo: bool = False
     logprobs: SP["logprobs"] = None
-    # vLLM's beam search: n beams per prompt, ranked by cumulative logprob / length ** length_penalty
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool | Literal["never"] = False
     refused_fields = COMMON | COMPLETION_ONLY
 
 

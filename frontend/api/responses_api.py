@@ -1,19 +1,22 @@
-"""POST /v1/responses (OpenAI's Responses API) on the chat path: its request as a chat request, the chat answer
-as a response (whole, or as typed events), and conversations continued by previous_response_id."""
+"""OpenAI's Responses API on the chat path: POST /v1/responses (its request as a chat request, the chat answer as
+a response, whole or as typed events, conversations continued by previous_response_id) and the stored responses'
+routes (GET and DELETE /v1/responses/{id}, its input_items, cancel)."""
 from __future__ import annotations
 
 import dataclasses
 import time
 import uuid
+from typing import Literal
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from frontend.api.chat_adapter import chat_request, error_route, rename_param
 from frontend.api.errors import APIError
 from frontend.api.responses import ChatCompletionResponse
-from frontend.api.responses_output import (ResponseHead, ResponseStore, assistant_message, output_items,
-                                           response_object, response_status, response_usage)
+from frontend.api.responses_items import input_items, item_page
+from frontend.api.responses_output import (ResponseHead, ResponseStore, StoredResponse, assistant_message,
+                                           output_items, response_object, response_status, response_usage)
 from frontend.api.responses_protocol import InputItem, ResponsesRequest
 from frontend.api.responses_stream import ResponseEvents
 from frontend.api.route_errors import cancel_on_disconnect
@@ -34,18 +37,41 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServing,
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await cancel_on_disconnect(request, _respond(serving, store, body))
 
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> dict:
+        return store.get(response_id, "response_id").response
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> dict:
+        store.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, after: str | None = None, limit: int = Query(20, ge=1, le=100),
+                               order: Literal["asc", "desc"] = "desc") -> dict:
+        return item_page(store.get(response_id, "response_id").input_items, after, limit, order)
+
+    @router.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str) -> dict:
+        store.get(response_id, "response_id")
+        raise APIError(400, "only a response made with background true can be cancelled, and this server runs none "
+                            "in the background: each ends with its request (close the connection to cancel it)",
+                       "response_id")
+
     app.include_router(router)
 
 
 async def _respond(serving: OpenAIServing, store: ResponseStore, body: ResponsesRequest) -> Response:
-    history = store.get(body.previous_response_id) if body.previous_response_id is not None else []
+    history = store.get(body.previous_response_id).conversation if body.previous_response_id is not None else []
     conversation = history + input_messages(body.input)
     chat = chat_request(chat_fields(body, conversation), _RENAMED)
     head = ResponseHead(f"resp_{uuid.uuid4().hex}", int(time.time()), body)
+    items = input_items(body.input) if body.store else []
 
-    def remember(text: str | None, calls: list[dict]) -> None:
+    def remember(response: dict, text: str | None, calls: list[dict]) -> dict:
         if body.store:
-            store.put(head.id, conversation + [assistant_message(text, calls)])
+            store.put(head.id, StoredResponse(conversation + [assistant_message(text, calls)], response, items))
+        return response
 
     try:
         result = await serving.chat_result(chat, lambda chunk, _: ResponseEvents(
@@ -55,11 +81,10 @@ async def _respond(serving: OpenAIServing, store: ResponseStore, body: Responses
     if not isinstance(result, ChatCompletionResponse):
         return result
     [choice] = result.choices
-    remember(choice.message.content, choice.message.tool_calls)
-    output = output_items(choice.message.content, choice.message.tool_calls, choice.finish_reason)
-    return JSONResponse(response_object(dataclasses.replace(head, model=result.model), output,
-                                        response_status(choice.finish_reason),
-                                        response_usage(result.usage.model_dump())))
+    output = output_items(choice.message.content, choice.message.tool_calls, choice.finish_reason, choice.logprobs)
+    response = response_object(dataclasses.replace(head, model=result.model), output,
+                               response_status(choice.finish_reason), response_usage(result.usage.model_dump()))
+    return JSONResponse(remember(response, choice.message.content, choice.message.tool_calls))
 
 
 def chat_fields(body: ResponsesRequest, conversation: list[dict]) -> dict:
@@ -74,6 +99,7 @@ def chat_fields(body: ResponsesRequest, conversation: list[dict]) -> dict:
               "tools": [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                         for tool in body.tools] if body.tools else None,
               "parallel_tool_calls": body.parallel_tool_calls,
+              "logprobs": body.logprobs or None, "top_logprobs": body.top_logprobs,
               "response_format": body.text.format.response_format() if body.text and body.text.format else None}
     return {name: value for name, value in fields.items() if value is not None}
 

@@ -34,7 +34,8 @@ def response_object(head: ResponseHead, output: list[dict], status: str, usage: 
                      else {"type": "text"}},
             "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
-            "truncation": "disabled", "metadata": body.metadata or {}, "usage": usage}
+            "truncation": "disabled", "metadata": body.metadata or {}, "usage": usage,
+            "top_logprobs": body.top_logprobs}
 
 
 def response_status(finish_reason: str | None) -> str:
@@ -54,13 +55,14 @@ def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
-def message_item(item_id: str, text: str, status: str) -> dict:
+def message_item(item_id: str, text: str, status: str, logprobs: list[dict] | None = None) -> dict:
     return {"type": "message", "id": item_id, "role": "assistant", "status": status,
-            "content": [text_part(text)]}
+            "content": [text_part(text, logprobs)]}
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    """An output_text part; `logprobs` are its tokens' in chat's per-token shape, which is also this API's."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def call_item(call: dict, status: str = "completed") -> dict:
@@ -70,10 +72,12 @@ def call_item(call: dict, status: str = "completed") -> dict:
             "name": function["name"], "arguments": function["arguments"], "status": status}
 
 
-def output_items(text: str | None, calls: list[dict], finish_reason: str | None) -> list[dict]:
-    """A finished chat message as the output: its text (when it wrote any), then its calls."""
+def output_items(text: str | None, calls: list[dict], finish_reason: str | None,
+                 logprobs: dict | None = None) -> list[dict]:
+    """A finished chat message (with its chat logprobs, if asked) as the output: its text (when it wrote any), then
+    its calls."""
     status = response_status(finish_reason)
-    items = [message_item(new_message_id(), text, status)] if text else []
+    items = [message_item(new_message_id(), text, status, logprobs and logprobs["content"])] if text else []
     return items + [call_item(call) for call in calls]
 
 
@@ -82,26 +86,41 @@ def assistant_message(text: str | None, calls: list[dict]) -> dict:
     return {"role": "assistant", "content": text or None, "tool_calls": calls or None}
 
 
+@dataclass
+class StoredResponse:
+    """What the store keeps of a response: the conversation a later one continues, the response object and its
+    input items (as GET /v1/responses/{id} and its input_items return them)."""
+
+    conversation: list[dict]
+    response: dict
+    input_items: list[dict]
+
+
 class ResponseStore:
-    """The conversations of stored responses, read by previous_response_id: at most `capacity`, the least recently
-    used dropped first (0: none are stored). Each gateway process has its own."""
+    """The stored responses (made with store true), read by previous_response_id and GET: at most `capacity`, the
+    least recently used dropped first (0: none are stored). Each gateway process has its own."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.conversations: OrderedDict[str, list[dict]] = OrderedDict()
+        self.responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def get(self, response_id: str) -> list[dict]:
-        conversation = self.conversations.get(response_id)
-        if conversation is None:
-            raise APIError(404, f"previous_response_id {response_id!r}: no stored response has this id (stored: the "
+    def get(self, response_id: str, param: str = "previous_response_id") -> StoredResponse:
+        """The stored response; a 404 naming `param` (the field that gave the id) for an unknown or dropped id."""
+        stored = self.responses.get(response_id)
+        if stored is None:
+            raise APIError(404, f"{param} {response_id!r}: no stored response has this id (stored: the "
                                 f"{self.capacity} most recently used responses made with store true)",
-                           "previous_response_id", code="response_not_found")
-        self.conversations.move_to_end(response_id)
-        return conversation
+                           param, code="response_not_found")
+        self.responses.move_to_end(response_id)
+        return stored
 
-    def put(self, response_id: str, conversation: list[dict]) -> None:
+    def put(self, response_id: str, stored: StoredResponse) -> None:
         if self.capacity <= 0:
             return
-        self.conversations[response_id] = conversation
-        while len(self.conversations) > self.capacity:
-            self.conversations.popitem(last=False)
+        self.responses[response_id] = stored
+        while len(self.responses) > self.capacity:
+            self.responses.popitem(last=False)
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id, "response_id")
+        del self.responses[response_id]

@@ -8,17 +8,16 @@ from pydantic_core import PydanticCustomError
 
 from frontend.api.protocol import SP, FunctionDefinition, Rule, _one_of, _Strict, refuse_media, require_fields
 
+LOGPROBS = "message.output_text.logprobs"  # the one extra output data `include` can ask for here
 _MEDIA = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
 # Fields whose other values would change the output; the rest of OpenAI's (metadata, user, service_tier,
 # safety_identifier, prompt_cache_key, stream_options) change nothing here and are accepted.
 REFUSED = {
     "background": Rule("responses run while their request is open", _one_of(False)),
     "conversation": Rule("conversations are not stored: continue with previous_response_id"),
-    "include": Rule("no extra output data is returned", _one_of([])),
     "max_tool_calls": Rule("not implemented: tool_choice and parallel_tool_calls bound the calls"),
     "prompt": Rule("stored prompt templates are not available"),
     "reasoning": Rule("the served model has no reasoning settings"),
-    "top_logprobs": Rule("logprobs are not returned by /v1/responses", _one_of(0)),
     "truncation": Rule("prompts are never truncated: send a shorter one", _one_of("disabled")),
     "n": Rule("one output per response", _one_of(1)),
 }
@@ -116,4 +115,18 @@ class ResponsesRequest(_Strict):
     store: bool = True
     stream: bool = False
     metadata: dict[str, str] | None = None
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     refused_fields = REFUSED
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self) -> ResponsesRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise PydanticCustomError("top_logprobs", f"top_logprobs needs include [{LOGPROBS!r}]",
+                                      {"field": "top_logprobs"})
+        return self
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the output text's logprobs are asked for."""
+        return LOGPROBS in (self.include or ())

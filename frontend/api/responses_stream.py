@@ -11,14 +11,17 @@ from frontend.api.responses_output import (ResponseHead, call_item, message_item
 
 
 class ResponseEvents:
-    """The ChunkWriter of one streamed response (one choice). `on_done(text, calls)` hears its finished answer."""
+    """The ChunkWriter of one streamed response (one choice). `on_done(response, text, calls)` hears its finished
+    answer: the final response object, its text and its calls."""
 
-    def __init__(self, head: ResponseHead, on_done: Callable[[str, list[dict]], None]) -> None:
+    def __init__(self, head: ResponseHead, on_done: Callable[[dict, str, list[dict]], None]) -> None:
         self.head, self.on_done = head, on_done
         self.sequence_number = 0
         self.output: list[dict] = []  # the finished items
         self.message_id: str | None = None  # the message item being written, if one is
         self.text, self.all_text = "", ""
+        self.logprobs: list[dict] = []  # the message's tokens' logprobs (when asked), as far as its deltas carry them
+        self.pending: list[dict] = []  # those of tokens whose text has not come yet (a stop string held it back)
         self.calls: list[dict] = []
         self.finish_reason: str | None = None
         self.usage: dict | None = None
@@ -33,6 +36,8 @@ class ResponseEvents:
 
     def choice(self, choice: dict) -> bytes:
         delta, events = choice["delta"], b""
+        if choice.get("logprobs"):
+            self.pending += choice["logprobs"]["content"]
         if delta.get("content"):
             events += self._text(delta["content"])
         for call in delta.get("tool_calls", ()):
@@ -44,8 +49,9 @@ class ResponseEvents:
 
     def end(self) -> bytes:
         status = response_status(self.finish_reason)
-        self.on_done(self.all_text, self.calls)
-        return self._event(f"response.{status}", response=response_object(self.head, self.output, status, self.usage))
+        response = response_object(self.head, self.output, status, self.usage)
+        self.on_done(response, self.all_text, self.calls)
+        return self._event(f"response.{status}", response=response)
 
     def error(self, error: APIError) -> bytes:
         return self._event("error", code=error.code, message=error.message, param=error.param)
@@ -53,21 +59,28 @@ class ResponseEvents:
     def _text(self, text: str) -> bytes:
         events = b""
         if self.message_id is None:
-            self.message_id, self.text = new_message_id(), ""
+            self.message_id, self.text, self.logprobs = new_message_id(), "", []
             events += self._event("response.output_item.added", output_index=len(self.output),
                                   item=message_item(self.message_id, "", "in_progress") | {"content": []})
             events += self._event("response.content_part.added", **self._where(), part=text_part(""))
         self.text += text
         self.all_text += text
-        return events + self._event("response.output_text.delta", **self._where(), delta=text, logprobs=[])
+        return events + self._delta(text)
+
+    def _delta(self, text: str) -> bytes:
+        logprobs, self.pending = self.pending, []
+        self.logprobs += logprobs
+        return self._event("response.output_text.delta", **self._where(), delta=text, logprobs=logprobs)
 
     def _close_message(self, status: str) -> bytes:
         if self.message_id is None:
             return b""
-        item = message_item(self.message_id, self.text, status)
-        events = (self._event("response.output_text.done", **self._where(), text=self.text, logprobs=[])
-                  + self._event("response.content_part.done", **self._where(), part=text_part(self.text))
-                  + self._event("response.output_item.done", output_index=len(self.output), item=item))
+        events = self._delta("") if self.pending else b""  # the last tokens' logprobs, though they wrote no text
+        item = message_item(self.message_id, self.text, status, self.logprobs)
+        events += (self._event("response.output_text.done", **self._where(), text=self.text, logprobs=self.logprobs)
+                   + self._event("response.content_part.done", **self._where(),
+                                 part=text_part(self.text, self.logprobs))
+                   + self._event("response.output_item.done", output_index=len(self.output), item=item))
         self.output.append(item)
         self.message_id = None
         return events

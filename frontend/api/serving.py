@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 import msgspec
 from fastapi.responses import JSONResponse, Response
 
-from frontend.api.beam_serving import beam_search_choices
+from frontend.api.beam_serving import beam_search, refuse_beamless
 from frontend.api.chat_chunks import ToolReader, chat_chunks
 from frontend.api.choices import (ChunkWriter, OpenAIChunks, PromptChoices, RequestObservers, StreamedChoices,
                                   final_outputs)
@@ -29,6 +29,7 @@ from frontend.api.responses import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
+    ChatResponseMessage,
     CompletionChoice,
     CompletionResponse,
     UsageInfo,
@@ -65,7 +66,10 @@ class OpenAIServing:
         prompts = await asyncio.to_thread(lambda: [self._prompt_choices(body, self._completion_prompt(p), params,
                                                                         "prompt", lora) for p in prompt_list])
         if body.use_beam_search:
-            choices = await beam_search_choices(self.engine, body, prompts, uuid.uuid4().hex, self.observers)
+            refuse_beamless(body)
+            found = await beam_search(self.engine, body, prompts, uuid.uuid4().hex, self.observers)
+            choices = [CompletionChoice(index=i, text=s.text, finish_reason=s.finish_reason)
+                       for i, s in enumerate(found)]
             return JSONResponse(CompletionResponse(model=served, usage=_usage(prompts), choices=choices).model_dump())
         echo = [self._prompt_text(p.prompt) if body.echo else "" for p in prompts]
         if body.stream:
@@ -99,10 +103,12 @@ class OpenAIServing:
         lora = self.adapters.resolve(body.model)
         served = self.model_name if lora is None else lora.lora_name  # the model the response names
         check_limits(body, self.limits)
+        if body.use_beam_search:  # before the tools and constraints are read: they are refused by name
+            refuse_beamless(body)
         if body.chat_template is not None:
             raise APIError(400, "chat_template is not accepted: the server uses the model's own template",
                            "chat_template")
-        text, prompt = await asyncio.to_thread(self._chat_prompt, body)
+        text, prompt = await asyncio.to_thread(self.chat_prompt, body)
         params = sampling_params(body, self.limits, self.generation_defaults, self.tool_parser)
         start = None if self.reasoning_parser is None else section_start(self.reasoning_parser, text)
         if start is not None and params.structured_outputs is not None:  # the constraint starts after the thinking
@@ -110,6 +116,11 @@ class OpenAIServing:
                                                  reasoning=reasoning_section(start, self.engine.tokenizer))
             params = msgspec.structs.replace(params, structured_outputs=constraint)
         prompts = [self._prompt_choices(body, prompt, params, "messages", lora)]
+        if body.use_beam_search:
+            found = await beam_search(self.engine, body, prompts, uuid.uuid4().hex, self.observers)
+            return ChatCompletionResponse(model=served, usage=_usage(prompts), choices=[
+                ChatChoice(index=i, message=ChatResponseMessage(content=s.text), finish_reason=s.finish_reason)
+                for i, s in enumerate(found)])
         tools = ToolReader(tool_mode(body, self.tool_parser), self.tool_parser)
         if body.stream:
             head = ChatCompletionChunk(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
@@ -134,7 +145,8 @@ class OpenAIServing:
         return ChatCompletionResponse(model=served, usage=_usage(prompts), choices=choices,
                                       **_asked_prompt_fields(body, output))
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, dict]:
+    def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, dict]:
+        """The conversation (its tools too) as the prompt: (text, {"prompt", "prompt_token_ids"})."""
         text = self._chat_text(body.messages, body.add_generation_prompt, template_tools(body),
                                body.chat_template_kwargs)
         return text, {"prompt": text, "prompt_token_ids": self._encode(text, "messages", add_special_tokens=False)}
