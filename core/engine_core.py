@@ -16,6 +16,7 @@ from ipc.request_rules import context_room
 from workers.executor import Executor, InProcessExecutor
 from workers.model_config import check_parallel_sizes, load_hf_config, model_max_len
 from workers.lora.validation import AdapterValidator
+from workers.models.registry import check_prompt_embeds
 from workers.pooling.config import is_encoder, max_seq_length, pooling_info
 from workers.quantization import check_quantization
 
@@ -50,6 +51,8 @@ class EngineCore:
                              self.config.enable_expert_parallel)
         check_quantization(self.config.model, hf_config, self.config.quantization)  # here, not in a rank
         _check_draft_model(self.config, hf_config.vocab_size)
+        if self.config.enable_prompt_embeds:
+            check_prompt_embeds(hf_config)
         self.lora_validator = AdapterValidator(hf_config, config.max_lora_rank, config.lora_dirs) \
             if config.enable_lora else None
         self.executor = _make_executor(self.config)
@@ -70,7 +73,8 @@ class EngineCore:
                                block_size=self.config.block_size, weight_bytes=weight_bytes,
                                scheduling_policy=self.config.scheduling_policy,
                                privileged_utilities=sorted(self._privileged_utilities()),
-                               max_logprobs=self.config.max_logprobs, runner=runner, pooling=pooling)
+                               max_logprobs=self.config.max_logprobs, runner=runner, pooling=pooling,
+                               hidden_size=hf_config.hidden_size, enable_prompt_embeds=self.config.enable_prompt_embeds)
 
     def validate_request(self, request: EngineCoreRequest, request_id: str | None = None) -> None:
         """Raise ValueError naming what is wrong; nothing is queued. `request_id`: the id the engine will hold it

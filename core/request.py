@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import secrets
 
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,11 @@ class Request:
         # may share them.
         self.cache_salt = core_request.cache_salt if self.lora_request is None else \
             f"{core_request.cache_salt or ''}\x00{self.lora_request.cache_key}"
+        self.prompt_embeds = core_request.prompt_embeds
+        if self.prompt_embeds is not None:
+            # Its prompt ids are placeholders, not content: a salt of its own keeps its blocks from every other
+            # request (it finds them again itself, recomputing after preemption).
+            self.cache_salt = f"{self.cache_salt or ''}\x00embeds:{secrets.token_hex(16)}"
         self.block_hashes: list[bytes] = []  # one per full block of all_token_ids, filled in by the KV manager
         self.sampling_params: SamplingParams = core_request.sampling_params
         self.eos_token_id = core_request.eos_token_id

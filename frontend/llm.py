@@ -58,8 +58,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Outputs in input order. Prompts: text, {"prompt": text} or {"prompt_token_ids": [...]}, optionally
-        with "cache_salt". With n > 1 each output holds n samples (n engine requests sharing prompt blocks).
+        """Outputs in input order. Prompts: text, {"prompt": text}, {"prompt_token_ids": [...]} or (with
+        enable_prompt_embeds=True) {"prompt_embeds": [seq_len, hidden_size] tensor}, optionally with "cache_salt".
+        With n > 1 each output holds n samples (n engine requests sharing prompt blocks).
         lora_request: one adapter for every prompt, or one (or None: the base model) per prompt."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = _per_prompt(sampling_params or self.default_sampling_params, len(prompts), "sampling_params")

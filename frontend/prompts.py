@@ -1,11 +1,12 @@
-"""The prompt forms a front end accepts (text, {"prompt": text}, {"prompt_token_ids": [...]}) and their token ids."""
+"""The prompt forms a front end accepts (text, {"prompt": text}, {"prompt_token_ids": [...]}, {"prompt_embeds": tensor})
+and their token ids."""
 from __future__ import annotations
 
 import msgspec
 from transformers import PreTrainedTokenizerBase
 
 from frontend.tokenizer import check_text, encode
-from ipc import EngineCoreRequest, EngineInfo, LoRARequest, SamplingParams
+from ipc import EngineCoreRequest, EngineInfo, LoRARequest, PromptEmbeds, SamplingParams
 
 PromptType = str | dict
 
@@ -24,6 +25,15 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: PromptType) -> l
     if not text:
         raise ValueError("prompt is empty")
     return encode(tokenizer, text, "prompt")
+
+
+def prompt_embeds_of(prompt: PromptType) -> PromptEmbeds | None:
+    """A dict prompt's "prompt_embeds" (a [seq_len, hidden_size] floating tensor, vLLM's form) as the engine takes
+    it, or None; its token ids are then placeholders (ValueError for a tensor of another shape or dtype)."""
+    if not isinstance(prompt, dict) or prompt.get("prompt_embeds") is None:
+        return None
+    embeds = prompt["prompt_embeds"]
+    return embeds if isinstance(embeds, PromptEmbeds) else PromptEmbeds.of(embeds)
 
 
 def prompt_text(prompt: PromptType) -> str | None:
@@ -47,9 +57,11 @@ def engine_request(tokenizer: PreTrainedTokenizerBase, info: EngineInfo, request
     check_sampling_params(params)
     if params.bad_words and params.bad_words_token_ids is None:
         params = msgspec.structs.replace(params, bad_words_token_ids=bad_words_token_ids(tokenizer, params.bad_words))
-    request = EngineCoreRequest(request_id=request_id, prompt_token_ids=tokenize_prompt(tokenizer, prompt),
-                                sampling_params=params, eos_token_id=tokenizer.eos_token_id, priority=int(priority),
-                                cache_salt=prompt_cache_salt(prompt), lora_request=lora_request)
+    embeds = prompt_embeds_of(prompt)
+    token_ids = tokenize_prompt(tokenizer, prompt) if embeds is None else [0] * embeds.num_rows
+    request = EngineCoreRequest(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
+                                eos_token_id=tokenizer.eos_token_id, priority=int(priority),
+                                cache_salt=prompt_cache_salt(prompt), lora_request=lora_request, prompt_embeds=embeds)
     info.validate_request(request)
     return request
 

@@ -56,8 +56,9 @@ class RequestRouter:
         try:
             for index, request in enumerate(requests):
                 self.client.add_request(request)  # raises EngineDeadError before anything is registered
-                self.output_processor.add_request(request.request_id, text, request.prompt_token_ids,
-                                                  request.sampling_params)
+                # An embeddings prompt's placeholder ids are not its tokens: no ids to report or decode after.
+                self.output_processor.add_request(request.request_id, text, [] if request.prompt_embeds is not None
+                                                  else request.prompt_token_ids, request.sampling_params)
                 self.children[request.request_id] = (group, index)
         except BaseException:
             self._forget(group)

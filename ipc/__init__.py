@@ -2,6 +2,7 @@
 from ipc.config import EngineConfig, parse_memory_size
 from ipc.lora import LoRARequest
 from ipc.pooling import PoolerConfig, PoolingInfo, PoolingParams
+from ipc.prompt_embeds import PromptEmbeds
 from ipc.messages import (
     CLIENT_ALIVE_INTERVAL_S,
     CLIENT_SILENCE_S,
@@ -67,6 +68,7 @@ __all__ = [
     "Heartbeat",
     "ModelRunnerOutput",
     "NewRequestData",
+    "PromptEmbeds",
     "PromptLogprobs",
     "ReasoningSection",
     "RequestOutputKind",

@@ -120,6 +120,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Draft tokens verified by the target model in the same step (None: no speculation). A dict or JSON text is
     # accepted and converted.
     speculative_config: SpeculativeConfig | None = None
+    # Requests may give their prompt as embeddings (PromptEmbeds) in place of token ids (vLLM's flag).
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):

@@ -10,6 +10,7 @@ from msgspec import Meta
 from ipc.bounds import MAX_ID_LENGTH, MAX_PROMPT_TOKENS, Count, Fraction, Int64, RequestId, Seconds, TokenId, check_fields
 from ipc.lora import LoRARequest
 from ipc.pooling import PoolingInfo, PoolingParams
+from ipc.prompt_embeds import PromptEmbeds
 from ipc.request_rules import validate_request
 from ipc.sampling_params import SamplingParams
 from ipc.scheduler_output import PromptLogprobs
@@ -37,6 +38,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, tag="add"):
     # A pooling request: its prompt is computed (never sampled from) and pooled; sampling_params are unused.
     pooling_params: PoolingParams | None = None
     token_type_ids: Annotated[list[Count], Meta(max_length=MAX_PROMPT_TOKENS)] | None = None  # BERT's segments
+    # The prompt as embeddings: prompt_token_ids are then placeholders (one per row), never read as content.
+    prompt_embeds: PromptEmbeds | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, "EngineCoreRequest.")
@@ -163,6 +166,8 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     max_logprobs: Count = 20
     runner: str = "generate"  # or "pooling": generation requests are refused
     pooling: PoolingInfo | None = None  # None: the model cannot pool
+    hidden_size: Count = 0  # the width of the model's input embedding: of a prompt_embeds row
+    enable_prompt_embeds: bool = False  # whether requests may give their prompt as embeddings
 
     def validate_request(self, request: EngineCoreRequest) -> None:
         """Raise InvalidRequestError naming what is wrong with a request this engine would refuse."""

@@ -17,6 +17,8 @@ class InvalidRequestError(ValueError):
 
 def validate_request(info: EngineInfo, request: EngineCoreRequest) -> None:
     """Raise InvalidRequestError naming what is wrong with a request this engine would refuse."""
+    if request.prompt_embeds is not None:
+        _check_prompt_embeds(info, request)
     if request.pooling_params is not None:
         _check_pooling_request(info, request)
         return
@@ -75,6 +77,33 @@ def _check_token_ids(info: EngineInfo, request: EngineCoreRequest) -> None:
         if bad is not None:
             raise InvalidRequestError(f"{name} token id {bad} is outside the vocabulary [0, {info.vocab_size})",
                                       name)
+
+
+def check_prompt_embeds_enabled(info: EngineInfo) -> None:
+    """InvalidRequestError naming prompt_embeds unless this engine takes them (checked before any is decoded)."""
+    if not info.enable_prompt_embeds:
+        raise InvalidRequestError("this engine takes no prompt_embeds: start the server with --enable-prompt-embeds "
+                                  "(LLM: enable_prompt_embeds=True)", "prompt_embeds")
+
+
+def _check_prompt_embeds(info: EngineInfo, request: EngineCoreRequest) -> None:
+    """Embeddings stand for the whole prompt of a generation request, one row per placeholder token id."""
+    embeds = request.prompt_embeds
+    check_prompt_embeds_enabled(info)
+    if request.pooling_params is not None:
+        raise InvalidRequestError("prompt_embeds are for generation requests; pooling takes token ids", "prompt_embeds")
+    if embeds.hidden_size != info.hidden_size:
+        raise InvalidRequestError(f"prompt_embeds rows have {embeds.hidden_size} values, but this model's hidden size "
+                                  f"is {info.hidden_size}", "prompt_embeds")
+    if embeds.num_rows >= info.max_model_len:
+        raise InvalidRequestError(f"prompt_embeds has {embeds.num_rows} rows, but this model's context length "
+                                  f"(max_model_len) is {info.max_model_len}; shorten the prompt", "prompt_embeds")
+    if len(request.prompt_token_ids) != embeds.num_rows:
+        raise InvalidRequestError(f"a prompt_embeds request has one placeholder token id per row: "
+                                  f"{len(request.prompt_token_ids)} ids for {embeds.num_rows} rows", "prompt_embeds")
+    if request.sampling_params.prompt_logprobs is not None:
+        raise InvalidRequestError("prompt_logprobs are not defined for prompt_embeds (the prompt has no token ids)",
+                                  "prompt_logprobs")
 
 
 def _check_pooling_request(info: EngineInfo, request: EngineCoreRequest) -> None:

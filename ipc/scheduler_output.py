@@ -6,6 +6,7 @@ import msgspec
 from ipc.bounds import Count, TokenId
 from ipc.lora import LoRARequest
 from ipc.pooling import PoolingParams
+from ipc.prompt_embeds import PromptEmbeds
 from ipc.sampling_params import SamplingParams
 from ipc.structured_outputs import GrammarBitmask
 
@@ -22,6 +23,7 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
     token_type_ids: list[Count] | None = None
+    prompt_embeds: PromptEmbeds | None = None  # the prompt's rows of the input embedding, given
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--profiler-max-steps", type=int, default=200,
                         help="... or after this many engine steps (default: %(default)s)")
     engine.add_argument("--enable-cache-reset", action="store_true", help="allow POST /reset_prefix_cache")
+    engine.add_argument("--enable-prompt-embeds", action="store_true",
+                        help="take prompts as embeddings (/v1/completions' prompt_embeds: torch.save'd tensors, "
+                             "loaded with weights_only=True)")
     engine.add_argument("--max-logprobs", type=int, default=20,
                         help="most top alternatives a request may ask for per token (default: %(default)s)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -256,7 +259,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         structured_outputs_compile_memory_mb=args.structured_outputs_compile_memory_mb,
                         structured_outputs_cache_mb=args.structured_outputs_cache_mb,
                         speculative_config=args.speculative_config, runner=args.runner,
-                        pooler_config=args.pooler_config)
+                        pooler_config=args.pooler_config, enable_prompt_embeds=args.enable_prompt_embeds)
 
 
 class Launcher:

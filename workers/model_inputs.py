@@ -12,6 +12,7 @@ import torch
 from ipc import PromptLogprobs
 from workers.layers.attention import StepMetadata
 from workers.layers.logprobs import gather_logprobs
+from workers.prompt_embeds import StepEmbeds
 from workers.request_state import CachedRequestState
 from workers.step_sampling import SampleGroup
 
@@ -28,6 +29,7 @@ class ModelInputs:
     lora_row_slots: list[int] | None = None  # the adapter slot of each row of logits_indices (workers.lora)
     pooling_jobs: list[PoolingJob] = field(default_factory=list)
     hidden: torch.Tensor | None = None  # the step's final hidden states where a forward pass ahead computed them
+    prompt_embeds: StepEmbeds | None = None  # rows given as embeddings (first pipeline stage only)
 
 
 @dataclass

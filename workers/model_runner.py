@@ -26,6 +26,7 @@ from workers.model_loader import load_model
 from workers.pinned_staging import PinnedStaging, staging_bytes
 from workers.pooling.pooler import ChunkedPooling, finish_embedding
 from workers.profile_step import profile_step
+from workers.prompt_embeds import step_embeds
 from workers.request_state import CachedRequestState, update_states
 from workers.spec_decode import DraftModel, make_speculator
 from workers.step_tensors import StepTensors
@@ -204,7 +205,7 @@ class ModelRunner:
             return self.decode_graphs.replay(len(inputs.input_ids))
         args = (inputs.input_ids, inputs.positions, inputs.metadata)
         if self.parallel.is_first_stage:
-            return self.model(*args)
+            return self.model(*args) if inputs.prompt_embeds is None else self.model(*args, None, inputs.prompt_embeds)
         return self.model(*args, pp_recv(self.model.num_intermediate_tensors, len(inputs.input_ids), self.hidden_size,
                                          self.dtype, self.device))
 
@@ -252,9 +253,10 @@ class ModelRunner:
         jobs = [job for i, state in enumerate(states)
                 if (job := prompt_logprob_job(state, int(starts[i]), int(seq_lens[i]), int(query_start_loc[i]),
                                                lora_slots[i]))]
-        adapted = any(slot >= 0 for slot in lora_slots)  # captured graphs hold no adapter deltas
-        graph_size = self._graph_size(len(req_ids)) if num_decodes == len(req_ids) and not jobs and not adapted \
-            else None
+        adapted = any(slot >= 0 for slot in lora_slots)  # captured graphs hold no adapter deltas, nor given embeddings
+        embeds = step_embeds(states, starts, seq_lens, query_start_loc, self.dtype, self.device)
+        graph_size = self._graph_size(len(req_ids)) \
+            if num_decodes == len(req_ids) and not jobs and not adapted and embeds is None else None
         hidden = None
         if graph_size is not None:
             rows = DecodeRows(req_ids, positions, slot_mapping, seq_lens, table, num_blocks)
@@ -277,7 +279,8 @@ class ModelRunner:
                            self.tensors.indices(sampled_rows(query_start_loc[1:][sampled],
                                                              [drafts[i] for i in sampled])),
                            [self.sample_group(states[i], drafts[i]) for i in sampled], jobs,
-                           [lora_slots[i] for i in sampled for _ in range(1 + len(drafts[i]))], pooling_jobs, hidden)
+                           [lora_slots[i] for i in sampled for _ in range(1 + len(drafts[i]))], pooling_jobs, hidden,
+                           embeds)
 
     def lora_slots(self, states: list[CachedRequestState], num_tokens: np.ndarray) -> list[int]:
         """Each request's adapter slot (-1: none), its adapter put in a slot; every token of the step tagged."""

@@ -47,7 +47,6 @@ COMPLETION_ONLY = {
     "suffix": Rule("fill-in-the-middle is not supported"),
     "best_of": Rule("best_of other than n (ranking extra samples on the server) is not implemented",
                     lambda value, body: value is None or value == body.get("n", 1)),
-    "prompt_embeds": Rule("prompts are text or token ids"),
     "add_special_tokens": Rule("prompts always get the tokenizer's special tokens", _one_of(True)),
 }
 _CHAT_PROMPT = {
@@ -190,11 +189,23 @@ class SamplingFields(_Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    # vLLM's: each prompt as base64 text of a torch.save'd [seq_len, hidden_size] tensor (frontend/api/prompt_embeds.py)
+    prompt_embeds: str | list[str] | None = None
     max_tokens: SP["max_tokens"] = 16
     echo: bool = False
     logprobs: SP["logprobs"] = None
     refused_fields = COMMON | COMPLETION_ONLY
+
+    @model_validator(mode="after")
+    def _prompt_or_embeds(self) -> CompletionRequest:
+        """A prompt, or embeddings with the prompt absent or empty (as vLLM's clients send them)."""
+        if self.prompt_embeds is None and self.prompt is None:
+            raise PydanticCustomError("missing", "give prompt (or prompt_embeds)", {"field": "prompt"})
+        if self.prompt_embeds is not None and self.prompt not in (None, "", []):
+            raise PydanticCustomError("prompt_embeds", "give prompt or prompt_embeds, not both",
+                                      {"field": "prompt_embeds"})
+        return self
 
 
 class FunctionDefinition(_Strict):

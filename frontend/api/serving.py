@@ -3,6 +3,7 @@ requests to engine choices, outputs to JSON or SSE chunks."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -18,6 +19,7 @@ from frontend.api.errors import APIError
 from frontend.api.lora_adapters import LoRAAdapters
 from frontend.api.logprobs import (chat_logprobs, completion_logprobs, join_logprobs, prompt_logprobs,
                                    prompt_logprobs_body)
+from frontend.api.prompt_embeds import embeds_list, read_prompt_embeds
 from frontend.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, TokenizeRequest
 from frontend.api.reasoning_parsers import (
     REASONING_PARSERS,
@@ -59,12 +61,15 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest):
         lora = self.adapters.resolve(body.model)
         served = self.model_name if lora is None else lora.lora_name  # the model the response names
-        prompt_list = _prompt_list(body.prompt)
+        embeds = body.prompt_embeds is not None
+        prompt_list = embeds_list(body, self.engine.info) if embeds else _prompt_list(body.prompt)
         check_limits(body, self.limits, len(prompt_list))
         params = sampling_params(body, self.limits, self.generation_defaults)
-        # Tokenizing runs on a thread (the tokenizer releases the GIL): a long prompt never stalls other streams.
-        prompts = await asyncio.to_thread(lambda: [self._prompt_choices(body, self._completion_prompt(p), params,
-                                                                        "prompt", lora) for p in prompt_list])
+        read = functools.partial(read_prompt_embeds, self.engine.info) if embeds else self._completion_prompt
+        # Tokenizing (or loading embeddings) runs on a thread (the tokenizer releases the GIL): a long prompt never
+        # stalls other streams.
+        prompts = await asyncio.to_thread(lambda: [self._prompt_choices(
+            body, read(p), params, "prompt_embeds" if embeds else "prompt", lora) for p in prompt_list])
         if body.use_beam_search:
             refuse_beamless(body)
             found = await beam_search(self.engine, body, prompts, uuid.uuid4().hex, self.observers)

@@ -115,6 +115,7 @@ class Gemma2Model(FusedStage, nn.Module):
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     num_intermediate_tensors = 1  # no separate residual stream
+    takes_prompt_embeds = False  # Gemma2Model's forward embeds its tokens itself
 
     def __init__(self, config: PretrainedConfig) -> None:
         if config.hidden_activation not in ACT2FN:

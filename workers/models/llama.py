@@ -17,6 +17,7 @@ from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, tie_lm_head
 from workers.models.fused_stage import (FusedGreedyDecoding, FusedStage, describe_layer, experts_form,
                                         takes_projections)
+from workers.prompt_embeds import StepEmbeds
 
 # What a pipeline stage hands the next: (hidden states, residual).
 
@@ -184,9 +185,13 @@ class LlamaModel(FusedStage, nn.Module):
         return self.norm
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
-                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
-        """Final hidden states on the last stage, else (hidden, residual) for the next stage."""
+                intermediate: Intermediate | None = None, prompt_embeds: StepEmbeds | None = None
+                ) -> torch.Tensor | Intermediate:
+        """Final hidden states on the last stage, else (hidden, residual) for the next stage; rows given as
+        prompt_embeds (first stage) replace their placeholder tokens' embeddings."""
         x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
+        if prompt_embeds is not None:
+            x = prompt_embeds.apply(x)
         step = self.fused_step(x, positions, metadata)
         if step is not None:
             return self.fused_forward(x, residual, step)
@@ -203,6 +208,7 @@ class LlamaForCausalLM(FusedGreedyDecoding, nn.Module):
 
     layer_class = LlamaDecoderLayer
     num_intermediate_tensors = 2  # hidden states and residual
+    takes_prompt_embeds = True  # its model's forward takes prompt_embeds (a family with its own model says)
     packed_modules = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
@@ -221,8 +227,11 @@ class LlamaForCausalLM(FusedGreedyDecoding, nn.Module):
         return LlamaModel(config, self.layer_class)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: StepMetadata,
-                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
-        return self.model(input_ids, positions, metadata, intermediate)
+                intermediate: Intermediate | None = None, prompt_embeds: StepEmbeds | None = None
+                ) -> torch.Tensor | Intermediate:
+        if prompt_embeds is None:  # a family's own model (Gemma2's) takes none
+            return self.model(input_ids, positions, metadata, intermediate)
+        return self.model(input_ids, positions, metadata, intermediate, prompt_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Last stage only; float32 logits on TP rank 0, None on the other TP ranks."""

@@ -52,6 +52,15 @@ _MODELS: dict[str, type[nn.Module]] = {
 }
 
 
+def check_prompt_embeds(config: PretrainedConfig) -> None:
+    """ValueError naming the model's family unless its forward takes prompt embeddings (takes_prompt_embeds)."""
+    model_class = get_model_class(config)
+    if not getattr(model_class, "takes_prompt_embeds", False):
+        families = sorted(name for name, cls in _MODELS.items() if getattr(cls, "takes_prompt_embeds", False))
+        raise ValueError(f"enable_prompt_embeds: the {model_class.__name__} family does not take prompt embeddings; "
+                         f"those that do: {', '.join(families)}")
+
+
 def get_model_class(config: PretrainedConfig) -> type[nn.Module]:
     for arch in getattr(config, "architectures", None) or []:
         if arch in _MODELS:
