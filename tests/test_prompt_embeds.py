@@ -21,10 +21,12 @@ from frontend import LLM, SamplingParams
 from frontend.api.errors import APIError
 from frontend.api.prompt_embeds import embeds_list
 from frontend.api.protocol import CompletionRequest
-from ipc import Decoder, EngineCoreRequest, EngineInfo, Encoder, PromptEmbeds
+from ipc import Decoder, EngineCoreRequest, EngineInfo, Encoder, NewRequestData, PromptEmbeds
 from launcher import start_launcher, stop_launcher
 from workers.model_config import load_hf_config
 from workers.models.registry import check_prompt_embeds
+from workers.request_state import CachedRequestState
+from workers.step_sampling import penalized_rows
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # 16 blocks of 8 tokens and 16-token steps: longer prompts run in chunks and requests get preempted; up to 8 decode
@@ -111,6 +113,24 @@ def test_an_embeddings_prompt_shares_no_cached_block_with_the_placeholder_ids(ll
     [again] = llm.generate({"prompt_embeds": table[prompt]}, GREEDY, use_tqdm=False)
     assert llm.get_stats().prefix_cache_hits == hits and again.num_cached_tokens == 0
     assert_all_blocks_free(llm)
+
+
+def test_penalties_and_bad_words_do_not_read_the_placeholder_ids(llm):
+    """Placeholder id 0 is not in the prompt: the repetition penalty leaves it alone (the logit biases make it the
+    favourite by a margin that a penalty of 2 over a seen token would reverse), and a bad word after it is not."""
+    table = embedding_table(tiny_model("llama"))
+    [prompt] = random_prompts([6], vocab=1000, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logit_bias={0: 100.0, 5: 80.0},
+                            repetition_penalty=2.0)
+    [output] = llm.generate({"prompt_embeds": table[prompt]}, params, use_tqdm=False)
+    assert output.outputs[0].token_ids == [0]
+    params = SamplingParams(max_tokens=4, bad_words_token_ids=[[0, 5]])
+    data = NewRequestData(req_id="r", prompt_token_ids=[0] * 2, sampling_params=params, eos_token_id=None,
+                          block_ids=[], num_computed_tokens=0, prompt_embeds=PromptEmbeds.of(torch.zeros(2, 64)))
+    state = CachedRequestState.from_new(data)
+    assert state.banned_token_ids() == [] and state.banned_token_ids([0]) == [5]
+    state.token_ids.append(7)
+    assert penalized_rows([state], [[9]]).prompt == [[]] and penalized_rows([state], [[9]]).output == [[7, 9]]
 
 
 @pytest.mark.parametrize("embeds, params, param, words", [

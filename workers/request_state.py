@@ -35,6 +35,12 @@ class CachedRequestState:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    @property
+    def first_seen_token(self) -> int:
+        """Where the tokens that penalties and bad words read begin: after an embeddings prompt's placeholder ids,
+        which are not its content."""
+        return 0 if self.prompt_embeds is None else self.num_prompt_tokens
+
     def stop_token_ids(self) -> set[int]:
         """The tokens that end it once min_tokens outputs exist (ipc.sampling_params.stop_tokens)."""
         return stop_tokens(self.sampling_params, self.eos_token_id)
@@ -50,7 +56,8 @@ class CachedRequestState:
             banned += sorted(self.stop_token_ids())
         for word in params.bad_words_token_ids or ():
             prefix = word[:-1]
-            if not prefix or [*self.token_ids[-len(prefix):], *after][-len(prefix):] == prefix:
+            tail = self.token_ids[max(self.first_seen_token, len(self.token_ids) - len(prefix)):]
+            if not prefix or [*tail, *after][-len(prefix):] == prefix:
                 banned.append(word[-1])
         return banned
 

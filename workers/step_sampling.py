@@ -145,11 +145,11 @@ def penalized_rows(states: list[CachedRequestState], earlier: list[list[int]]) -
     """The requests' logit bias and penalties as a multi-step call's C++ steps apply them, over the same tokens as
     _penalties(): each one's tokens and the call's `earlier` ones (the kernel counts those it takes after)."""
     params = [state.sampling_params for state in states]
-    contexts = [[*state.token_ids, *before] for state, before in zip(states, earlier)]
+    contexts = [(state, [*state.token_ids, *before]) for state, before in zip(states, earlier)]
     return PenalizedRows([p.presence_penalty for p in params], [p.frequency_penalty for p in params],
                          [p.repetition_penalty for p in params], [p.logit_bias or {} for p in params],
-                         [tokens[state.num_prompt_tokens:] for state, tokens in zip(states, contexts)],
-                         [tokens[:state.num_prompt_tokens] for state, tokens in zip(states, contexts)])
+                         [tokens[state.num_prompt_tokens:] for state, tokens in contexts],
+                         [tokens[state.first_seen_token:state.num_prompt_tokens] for state, tokens in contexts])
 
 
 def _penalties(rows: list[tuple[CachedRequestState, list[int]]], device: torch.device) -> Penalties | None:
@@ -163,7 +163,8 @@ def _penalties(rows: list[tuple[CachedRequestState, list[int]]], device: torch.d
                      frequency=_to_device([p.frequency_penalty for p in params], device),
                      repetition=_to_device([p.repetition_penalty for p in params], device),
                      output_token_ids=[tokens[state.num_prompt_tokens:] for state, tokens in contexts],
-                     seen_token_ids=[tokens for _, tokens in contexts])
+                     seen_token_ids=[tokens[state.first_seen_token:] if state.first_seen_token else tokens
+                                     for state, tokens in contexts])
 
 
 @contextlib.contextmanager
