@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import zipfile
 
 from frontend.api.errors import APIError
 from frontend.api.protocol import CompletionRequest
@@ -48,6 +49,7 @@ def read_prompt_embeds(info: EngineInfo, text: str) -> dict:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise APIError(400, "prompt_embeds is not base64 text", _FIELD) from None
+    _check_archive(raw)
     import torch  # only for requests with embeddings: the gateway stays light without them
 
     try:
@@ -60,3 +62,16 @@ def read_prompt_embeds(info: EngineInfo, text: str) -> dict:
     except ValueError as error:
         raise APIError(400, str(error), _FIELD) from None
     return {"prompt_embeds": embeds, "prompt_token_ids": [0] * embeds.num_rows}
+
+
+def _check_archive(raw: bytes) -> None:
+    """torch.save's zip archive with its records stored uncompressed, so that what the loader allocates is bounded
+    by what the client sent: a compressed record could inflate past the size cap, and the legacy (pre-zip) format
+    lets a pickle claim storage sizes before their bytes are read."""
+    try:
+        entries = zipfile.ZipFile(io.BytesIO(raw)).infolist()
+    except (zipfile.BadZipFile, ValueError, OSError):
+        raise APIError(400, "prompt_embeds is not a tensor saved by torch.save (its zip format)", _FIELD) from None
+    if any(entry.compress_type != zipfile.ZIP_STORED for entry in entries):
+        raise APIError(400, "prompt_embeds is not a tensor saved by torch.save: its archive has compressed records",
+                       _FIELD)
