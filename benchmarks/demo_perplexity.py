@@ -22,8 +22,9 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from frontend import LLM, SamplingParams  # noqa: E402
 from launch.demo_corpus import split, stdlib_files  # noqa: E402
+from launch.demo_tokens import held_out_windows, token_stream  # noqa: E402
 from launch.shipped import WEIGHTS_DIR  # noqa: E402
-from launch.train_demo import HELD_OUT_FRACTION, held_out_windows, token_stream  # noqa: E402
+from launch.train_demo import HELD_OUT_FRACTION  # noqa: E402
 
 
 def held_out_tokens(model: Path, windows: int) -> torch.Tensor:

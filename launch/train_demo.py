@@ -17,13 +17,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tokenizers import Tokenizer
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from kernels.cpu_features import cpu_has_native_bf16
-from launch.demo_corpus import SourceFile, chat_pairs, split, stdlib_files
+from launch.demo_corpus import SourceFile, split, stdlib_files
+from launch.demo_skills import skill_documents
+from launch.demo_tokens import batch_at, held_out_windows, token_stream, training_documents
 from launch.make_model import (
-    CHAT_TEMPLATE, ENDOFTEXT_ID, IM_END, IM_START, ROPE_PARAMETERS, bpe_tokenizer, hf_tokenizer, quiet_transformers)
+    CHAT_TEMPLATE, ENDOFTEXT_ID, IM_END, ROPE_PARAMETERS, bpe_tokenizer, hf_tokenizer, quiet_transformers)
 from launch.shipped import WEIGHTS_DIR
 
 HELD_OUT_FRACTION = 0.02
@@ -48,11 +49,15 @@ class Recipe:
     steps: int
     lr: float
     warmup: int
+    skills: int = 0  # generated conversations (launch.demo_skills) filling half of each batch; 0: pretraining
 
 
 RECIPES = {
     "demo": Recipe(hidden=192, layers=4, heads=6, kv_heads=3, intermediate=576, context=512, batch=16, steps=2400,
                    lr=2e-3, warmup=150),
+    # the demo model fine-tuned from its pretrained export (--init-from) to end JSON objects and make one tool call
+    "demo-skills": Recipe(hidden=192, layers=4, heads=6, kv_heads=3, intermediate=576, context=512, batch=16,
+                          steps=400, lr=5e-4, warmup=20, skills=8000),
     "draft": Recipe(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=192, context=512, batch=16, steps=1200,
                     lr=3e-3, warmup=100),
 }
@@ -64,40 +69,9 @@ def default_checkpoint_dir(name: str) -> Path:
 
 
 # -- data -----------------------------------------------------------------------------------------------------------
-def chat_text(question: str, answer: str) -> str:
-    return f"{IM_START}user\n{question}{IM_END}\n{IM_START}assistant\n{answer}{IM_END}\n"
-
-
-def training_documents(files: list[SourceFile]) -> list[str]:
-    """Each training file, then the chat examples drawn from the training files."""
-    return [f.text for f in files] + [chat_text(q, a) for f in files for q, a in chat_pairs(f)]
-
-
 def make_tokenizer(train_files: list[SourceFile]) -> PreTrainedTokenizerFast:
     """Byte-level BPE trained on the training split alone, with the ChatML template."""
     return hf_tokenizer(bpe_tokenizer(TOKENIZER_VOCAB, (f.text for f in train_files), CODE_PRETOKENIZE_REGEX))
-
-
-def token_stream(tokenizer: Tokenizer, documents: list[str]) -> torch.Tensor:
-    """All documents as one int32 stream, each followed by <|endoftext|>."""
-    ids: list[int] = []
-    for encoding in tokenizer.encode_batch(documents, add_special_tokens=False):
-        ids.extend(encoding.ids)
-        ids.append(ENDOFTEXT_ID)
-    return torch.tensor(ids, dtype=torch.int32)
-
-
-def batch_at(stream: torch.Tensor, step: int, batch: int, context: int, seed: int) -> torch.Tensor:
-    """Step `step`'s windows of context + 1 tokens at seeded random offsets: the same on a resumed run."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, len(stream) - context - 1, (batch,), generator=generator)
-    return torch.stack([stream[s:s + context + 1] for s in starts.tolist()]).long()
-
-
-def held_out_windows(stream: torch.Tensor, context: int, max_windows: int) -> torch.Tensor:
-    """Consecutive windows from the start of the held-out stream (the same every evaluation)."""
-    count = min(max_windows, (len(stream) - 1) // context)
-    return torch.stack([stream[i * context:i * context + context + 1] for i in range(count)]).long()
 
 
 # -- model and training ---------------------------------------------------------------------------------------------
@@ -137,25 +111,42 @@ class Trainer:
     """One model's run: its data, model, optimizer and step, saved to and resumed from a checkpoint."""
 
     def __init__(self, name: str, recipe: Recipe, checkpoint_dir: Path, seed: int, files: list[SourceFile],
-                 compile_model: bool = False) -> None:
+                 compile_model: bool = False, init_from: Path | None = None) -> None:
         self.name, self.recipe, self.seed, self.checkpoint_dir = name, recipe, seed, checkpoint_dir
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         train_files, held_files = split(files, HELD_OUT_FRACTION, seed)
         if not held_files:
             raise SystemExit(f"no held-out file among {len(files)}: use more files")
-        self.tokenizer = self._tokenizer(train_files)
+        self.init_from = init_from
+        self.tokenizer = (PreTrainedTokenizerFast.from_pretrained(init_from) if init_from
+                          else self._tokenizer(train_files))
         bpe = self.tokenizer.backend_tokenizer
         self.train_stream = token_stream(bpe, training_documents(train_files))
+        self.skills_stream = (token_stream(bpe, skill_documents(self._render, recipe.skills, seed))
+                              if recipe.skills else None)
         self.held_out = held_out_windows(token_stream(bpe, [f.text for f in held_files]), recipe.context, 64)
         self.autocast = cpu_has_native_bf16()
         torch.manual_seed(seed)
         with quiet_transformers():
-            self.model = LlamaForCausalLM(model_config(recipe, len(self.tokenizer)))
+            self.model = (LlamaForCausalLM.from_pretrained(init_from, dtype=torch.float32) if init_from
+                          else LlamaForCausalLM(model_config(recipe, len(self.tokenizer))))
         # torch.compile fuses the norms, softmax and loss: ~20% faster steps on CPU (the engine's eval stays eager)
         self.train_forward = torch.compile(self.model) if compile_model else self.model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=recipe.lr, betas=(0.9, 0.95), weight_decay=0.1)
         self.step, self.seconds, self.log = 0, 0.0, []
         self._resume()
+
+    def _render(self, messages: list[dict], tools: list[dict] | None) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+
+    def batch(self, step: int) -> torch.Tensor:
+        """Step `step`'s windows: all from the training stream, or half of them from the generated skills."""
+        recipe = self.recipe
+        if self.skills_stream is None:
+            return batch_at(self.train_stream, step, recipe.batch, recipe.context, self.seed)
+        half = recipe.batch // 2
+        return torch.cat([batch_at(self.train_stream, step, recipe.batch - half, recipe.context, self.seed),
+                          batch_at(self.skills_stream, step, half, recipe.context, self.seed + 1)])
 
     def _tokenizer(self, train_files: list[SourceFile]) -> PreTrainedTokenizerFast:
         """The shared tokenizer: trained once, kept beside the checkpoints, reused by the draft."""
@@ -192,8 +183,8 @@ class Trainer:
         tensors = {f"model.{name}": p.detach() for name, p in self.model.named_parameters()}  # tied weights once
         tensors |= {f"optimizer.{index}.{key}": value for index, state in optimizer["state"].items()
                     for key, value in state.items()}
-        meta = {"recipe": asdict(self.recipe), "seed": self.seed, "tokenizer": TOKENIZER_KEY, "step": self.step, "seconds": self.seconds,
-                "log": self.log, "param_groups": optimizer["param_groups"],
+        meta = {"recipe": asdict(self.recipe), "seed": self.seed, "tokenizer": TOKENIZER_KEY, "step": self.step,
+                "seconds": self.seconds, "log": self.log, "param_groups": optimizer["param_groups"],
                 "optimizer_state_keys": {index: list(state) for index, state in optimizer["state"].items()}}
         temporary = self._checkpoint_path.with_suffix(".tmp")
         save_file({key: value.contiguous() for key, value in tensors.items()}, temporary,
@@ -212,8 +203,7 @@ class Trainer:
             start = time.monotonic()
             for group in self.optimizer.param_groups:
                 group["lr"] = learning_rate(recipe, self.step)
-            loss = loss_of(self.train_forward, batch_at(self.train_stream, self.step, recipe.batch, recipe.context,
-                                                self.seed), self.autocast)
+            loss = loss_of(self.train_forward, self.batch(self.step), self.autocast)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -247,8 +237,10 @@ class Trainer:
         self.tokenizer.model_max_length = self.recipe.context
         self.tokenizer.chat_template = CHAT_TEMPLATE  # today's, not that of a tokenizer cached by an older run
         self.tokenizer.save_pretrained(out, save_jinja_files=False)
-        (out / "training_log.json").write_text(json.dumps({"recipe": asdict(self.recipe), "seed": self.seed,
-                                                           "log": self.log}, indent=1) + "\n")
+        record = {"recipe": asdict(self.recipe), "seed": self.seed, "log": self.log}
+        if self.init_from is not None and (self.init_from / "training_log.json").exists():
+            record["pretraining"] = json.loads((self.init_from / "training_log.json").read_text())
+        (out / "training_log.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-minutes", type=float, default=10.0)
     parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
     parser.add_argument("--stop-at-step", type=int, help="checkpoint and exit at this step (resume later)")
+    parser.add_argument("--init-from", type=Path, help="an exported model folder to start from (demo-skills: the "
+                        "pretrained demo's export)")
     parser.add_argument("--max-files", type=int, help="train on the first N stdlib files only (a smoke run)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
@@ -275,12 +269,15 @@ def main(argv: list[str] | None = None) -> int:
         warmup = min(recipe.warmup, max(1, args.steps // 10))
         recipe = Recipe(**{**asdict(recipe), "steps": args.steps, "warmup": warmup})
     checkpoint_dir = args.checkpoint_dir or default_checkpoint_dir(args.model)
-    trainer = Trainer(args.model, recipe, checkpoint_dir, args.seed, stdlib_files(args.max_files), args.compile)
+    if recipe.skills and args.init_from is None:
+        raise SystemExit(f"--model {args.model} fine-tunes an export: give it --init-from FOLDER")
+    trainer = Trainer(args.model, recipe, checkpoint_dir, args.seed, stdlib_files(args.max_files), args.compile,
+                      args.init_from)
     trainer.train(args.checkpoint_minutes * 60, min(args.eval_every, recipe.steps), args.stop_at_step)
     if trainer.step < recipe.steps:
         print(f"stopped at step {trainer.step} of {recipe.steps}: run again to resume")
         return 0
-    out = args.out or WEIGHTS_DIR / args.model
+    out = args.out or WEIGHTS_DIR / args.model.removesuffix("-skills")
     trainer.export(out)
     print(f"exported {out}")
     return 0

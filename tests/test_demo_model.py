@@ -13,8 +13,9 @@ from conftest import assert_all_blocks_free
 from frontend import LLM, SamplingParams
 from hf_reference import hf_greedy
 from launch.demo_corpus import split, stdlib_files
+from launch.demo_tokens import token_stream
 from launch.shipped import WEIGHTS_DIR, shipped_model
-from launch.train_demo import HELD_OUT_FRACTION, token_stream
+from launch.train_demo import HELD_OUT_FRACTION
 
 MODELS = ("demo", "draft")
 # A broken or random weight file scores about ln(4096) = 8.3 nats a token; the trained ones far below (their
