@@ -154,9 +154,9 @@ def _arguments(tool: Tool, rng: random.Random) -> tuple[str, dict]:
 
 
 def tool_turn(rng: random.Random) -> tuple[list[dict], list[dict]]:
-    """(messages, tools): a question one of 1-3 listed tools answers, answered by one call in the format of the
-    request's tool choice: the template's <tool_call> ("auto"), a list of one {"name", "parameters"} ("required")
-    or the arguments alone (a named function); sometimes followed by the tool's result and a short answer."""
+    """(messages, tools): a question one of 1-3 listed tools answers, answered by one call in the template's
+    <tool_call> form (the form every tool choice is served in, see frontend/api/tools.py), sometimes followed by
+    the tool's result and a short answer."""
     tools = rng.sample(TOOLS, rng.randint(1, 3))
     chosen = rng.choice(tools)
     question, args = _arguments(chosen, rng)
@@ -164,18 +164,12 @@ def tool_turn(rng: random.Random) -> tuple[list[dict], list[dict]]:
     if rng.random() < 0.25:
         messages.insert(0, {"role": "system", "content": rng.choice(["You are a helpful assistant.", "Be brief.",
                                                                      "Use the tools."])})
-    form = rng.random()  # mostly the template's own format: the one a request without a constraint gets
-    if form < 0.15:
-        messages.append({"role": "assistant", "content": json.dumps([{"name": chosen[0], "parameters": args}])})
-    elif form < 0.25:
-        messages.append({"role": "assistant", "content": json.dumps(args)})
-    else:
-        call = {"type": "function", "function": {"name": chosen[0], "arguments": args}}
-        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        if rng.random() < 0.3:
-            result = {"result": value_of(rng.choice(sorted(FIELDS)), rng)}
-            messages += [{"role": "tool", "content": json.dumps(result)},
-                         {"role": "assistant", "content": f"The result is {result['result']}."}]
+    call = {"type": "function", "function": {"name": chosen[0], "arguments": args}}
+    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    if rng.random() < 0.3:
+        result = {"result": value_of(rng.choice(sorted(FIELDS)), rng)}
+        messages += [{"role": "tool", "content": json.dumps(result)},
+                     {"role": "assistant", "content": f"The result is {result['result']}."}]
     return messages, [tool_spec(t) for t in tools]
 
 

@@ -24,7 +24,7 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 from launch.demo_corpus import stdlib_sources
 
-MAKER_VERSION = 2  # 2: tools in the chat template, <think> and </think> tokens
+MAKER_VERSION = 3  # 2: tools in the chat template, <think> and </think> tokens; 3: a call right after the role
 MARKER_FILE = "pagedserve_model.json"
 ARCHS = ("llama", "qwen2", "mistral", "opt", "qwen3", "phi3", "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe",
          "deepseek_v2", "gemma2")
@@ -37,7 +37,9 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 THINK_TOKENS = ("<think>", "</think>")
 ENDOFTEXT_ID = 0
 # ChatML; with tools, Hermes/Qwen2.5's format: the tools listed in a system turn, calls written as
-# <tool_call>{"name": ..., "arguments": ...}</tool_call>, results sent back as <tool_response> user turns.
+# <tool_call>{"name": ..., "arguments": ...}</tool_call>, results sent back as <tool_response> user turns. A call
+# without text before it starts right after the role's newline, as the generation prompt ends: with a newline of
+# its own between them the model would be taught a "\n\n" token the prompt never ends with.
 CHAT_TEMPLATE = (
     r"{%- if tools %}"
     r"{{- '<|im_start|>system\n' }}"
@@ -56,7 +58,8 @@ CHAT_TEMPLATE = (
     r"{%- else %}"
     r"{{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
     r"{%- for call in message.get('tool_calls') or [] %}"
-    r"{{- '\n<tool_call>\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' "
+    r"{{- ('\n' if message['content'] or not loop.first else '') + '<tool_call>\n{\"name\": ' "
+    r"+ (call['function']['name'] | tojson) + ', \"arguments\": ' "
     r"+ (call['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
     r"{%- endfor %}"
     r"{{- '<|im_end|>\n' }}"

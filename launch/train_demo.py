@@ -137,7 +137,7 @@ class Trainer:
         self._resume()
 
     def _render(self, messages: list[dict], tools: list[dict] | None) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=CHAT_TEMPLATE)
 
     def batch(self, step: int) -> torch.Tensor:
         """Step `step`'s windows: all from the training stream, or half of them from the generated skills."""

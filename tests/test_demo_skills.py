@@ -1,5 +1,5 @@
 """The generated conversations the demo is fine-tuned on: every answer is what a constrained request would accept
-(an object valid against its schema, a call to a listed tool with valid arguments), in the template's format."""
+(an object valid against its schema, one call to a listed tool with valid arguments), in the template's format."""
 from __future__ import annotations
 
 import json
@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from launch import demo_skills
+from launch.make_model import CHAT_TEMPLATE
 from launch.shipped import shipped_model
 
 
@@ -22,38 +23,29 @@ def test_an_object_answer_is_valid_against_its_schema(seed):
     assert messages[-1]["role"] == "assistant" and isinstance(json.loads(messages[-1]["content"]), dict)
 
 
-def test_a_tool_turn_calls_a_listed_tool_with_valid_arguments_in_one_of_the_three_forms():
-    rng, forms = random.Random(0), set()
+def test_a_tool_turn_calls_a_listed_tool_with_valid_arguments_then_may_answer_its_result():
+    rng, answered = random.Random(0), 0
     for _ in range(300):
         messages, tools = demo_skills.tool_turn(rng)
         schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
-        answer = next(m for m in messages if m["role"] == "assistant")
-        if answer.get("tool_calls"):
-            forms.add("template")
-            (call,) = answer["tool_calls"]
-            name, arguments = call["function"]["name"], call["function"]["arguments"]
-        elif answer["content"].startswith("["):
-            forms.add("required")
-            ((name, arguments),) = [(c["name"], c["parameters"]) for c in json.loads(answer["content"])]
-        else:
-            forms.add("named")
-            name, arguments = None, json.loads(answer["content"])
-            assert any(_valid(arguments, schema) for schema in schemas.values())
-            continue
+        call, *rest = [m for m in messages if m["role"] in ("assistant", "tool")]
+        ((name, arguments),) = [(c["function"]["name"], c["function"]["arguments"]) for c in call["tool_calls"]]
         jsonschema.validate(arguments, schemas[name])
-    assert forms == {"template", "required", "named"}
-
-
-def _valid(instance: dict, schema: dict) -> bool:
-    return jsonschema.Draft202012Validator(schema).is_valid(instance)
+        if rest:
+            assert [m["role"] for m in rest] == ["tool", "assistant"]
+            answered += 1
+    assert 0 < answered < 300
 
 
 def test_documents_render_through_the_demo_template_with_the_calls_in_its_tool_call_tags():
     tokenizer = AutoTokenizer.from_pretrained(shipped_model("demo"))
-    documents = demo_skills.skill_documents(
-        lambda messages, tools: tokenizer.apply_chat_template(messages, tools=tools, tokenize=False), 40, seed=0)
-    assert len(documents) == 40 and documents == demo_skills.skill_documents(
-        lambda messages, tools: tokenizer.apply_chat_template(messages, tools=tools, tokenize=False), 40, seed=0)
+
+    def render(messages: list[dict], tools: list[dict] | None) -> str:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=CHAT_TEMPLATE)
+
+    documents = demo_skills.skill_documents(render, 40, seed=0)
+    assert len(documents) == 40 and documents == demo_skills.skill_documents(render, 40, seed=0)
     assert all(d.startswith("<|im_start|>") and d.rstrip().endswith("<|im_end|>") for d in documents)
     assert sum("<tools>" in d for d in documents) == 20
-    assert any("<tool_call>\n{\"name\": " in d for d in documents)
+    # a call begins right where the generation prompt ends, so the model learns to start one from there
+    assert any("<|im_start|>assistant\n<tool_call>\n{\"name\": " in d for d in documents)

@@ -1,0 +1,132 @@
+"""The demo's first hour with the official clients at max_tokens 64 and default sampling, whole and streamed:
+parse() with pydantic models returns objects, and tool_choice "required" / "auto" (chat, Responses, Messages)
+return one valid call."""
+from __future__ import annotations
+
+import json
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+
+from conftest import API_KEY
+from launch.shipped import DEMO_MODEL_NAME
+from launcher import start_launcher, stop_launcher
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+class Step(BaseModel):
+    explanation: str
+    output: str
+
+
+class Solution(BaseModel):
+    steps: list[Step]
+    final_answer: str
+
+
+class Meeting(BaseModel):
+    title: str
+    date: str
+    participants: list[str]
+    online: bool
+
+
+FORECAST = {"name": "get_forecast", "description": "The weather forecast for a place", "parameters": {
+    "type": "object", "properties": {"place": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["place"]}}
+CLOCK = {"name": "get_local_time", "description": "The local time in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+TOOLS = {tool["name"]: tool for tool in (FORECAST, CLOCK)}
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The demo server as `python -m launch` starts it (auto tool choice on): (openai, anthropic) clients."""
+    process, base_url = start_launcher(["--api-key", API_KEY])
+    yield (openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0),
+           anthropic.Anthropic(base_url=base_url, api_key=API_KEY, max_retries=0))
+    stop_launcher(process)
+
+
+def assert_one_valid_call(calls: list[tuple[str, dict]]) -> None:
+    assert len(calls) == 1, calls
+    name, arguments = calls[0]
+    jsonschema.validate(arguments, TOOLS[name]["parameters"])
+
+
+@pytest.mark.parametrize("model, prompt", [(Person, "Jane Doe turned 41 last week."),
+                                           (Solution, "Solve 3x - 5 = 10."),
+                                           (Meeting, "Plan the quarterly review with Ana and Raj.")])
+def test_chat_parse_returns_the_pydantic_object(demo, model, prompt):
+    completion = demo[0].chat.completions.parse(model=DEMO_MODEL_NAME, messages=[{"role": "user", "content": prompt}],
+                                                response_format=model, max_tokens=64)
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(completion.choices[0].message.parsed, model)
+
+
+def test_responses_parse_returns_the_pydantic_object(demo):
+    response = demo[0].responses.parse(model=DEMO_MODEL_NAME, input="Jane Doe turned 41 last week.",
+                                       text_format=Person, max_output_tokens=64)
+    assert response.status == "completed"
+    assert isinstance(response.output_parsed, Person)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+@pytest.mark.parametrize("question", ["Will it rain in Lisbon this weekend?", "What time is it in Osaka right now?"])
+def test_chat_tool_choice_makes_one_valid_call(demo, tool_choice, question):
+    completion = demo[0].chat.completions.create(
+        model=DEMO_MODEL_NAME, messages=[{"role": "user", "content": question}], max_tokens=64,
+        tools=[{"type": "function", "function": tool} for tool in TOOLS.values()], tool_choice=tool_choice)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert_one_valid_call([(call.function.name, json.loads(call.function.arguments))
+                           for call in choice.message.tool_calls or []])
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_responses_tool_choice_makes_one_valid_call(demo, tool_choice):
+    response = demo[0].responses.create(model=DEMO_MODEL_NAME, input="Will it rain in Lisbon this weekend?",
+                                        tools=[{"type": "function", **tool} for tool in TOOLS.values()],
+                                        tool_choice=tool_choice, max_output_tokens=64)
+    assert_one_valid_call([(item.name, json.loads(item.arguments)) for item in response.output
+                           if item.type == "function_call"])
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "auto"}])
+def test_messages_tool_choice_makes_one_valid_tool_use(demo, tool_choice):
+    message = demo[1].messages.create(
+        model=DEMO_MODEL_NAME, max_tokens=64, tool_choice=tool_choice,
+        tools=[{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]}
+               for t in TOOLS.values()],
+        messages=[{"role": "user", "content": "What time is it in Osaka right now?"}])
+    assert message.stop_reason == "tool_use"
+    assert_one_valid_call([(block.name, block.input) for block in message.content if block.type == "tool_use"])
+
+
+def test_streamed_parse_and_tool_calls_with_each_client(demo):
+    client, messages_client = demo
+    with client.chat.completions.stream(model=DEMO_MODEL_NAME, response_format=Person, max_tokens=64,
+                                        messages=[{"role": "user", "content": "Jane Doe turned 41."}]) as stream:
+        assert isinstance(stream.get_final_completion().choices[0].message.parsed, Person)
+    with client.responses.stream(model=DEMO_MODEL_NAME, input="Jane Doe turned 41.", text_format=Person,
+                                 max_output_tokens=64) as stream:
+        assert isinstance(stream.get_final_response().output_parsed, Person)
+    with client.chat.completions.stream(
+            model=DEMO_MODEL_NAME, messages=[{"role": "user", "content": "Will it rain in Lisbon?"}], max_tokens=64,
+            tools=[{"type": "function", "function": tool} for tool in TOOLS.values()]) as stream:
+        message = stream.get_final_completion().choices[0].message
+    assert_one_valid_call([(call.function.name, json.loads(call.function.arguments))
+                           for call in message.tool_calls or []])
+    with messages_client.messages.stream(
+            model=DEMO_MODEL_NAME, max_tokens=64, messages=[{"role": "user", "content": "Will it rain in Lisbon?"}],
+            tools=[{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]}
+                   for t in TOOLS.values()]) as stream:
+        final = stream.get_final_message()
+    assert_one_valid_call([(block.name, block.input) for block in final.content if block.type == "tool_use"])
