@@ -1,15 +1,21 @@
 """tool_choice "auto": the hermes and llama3_json parsers find the calls a model wrote (and leave anything else as
-text), and a streamed answer shows its text until a call may begin, then the calls whole."""
+text), a streamed answer shows its text until a call may begin, then the calls whole, and Hermes calls are kept
+valid by a constraint that leaves the text free."""
 from __future__ import annotations
 
 import argparse
 import json
 
 import pytest
+import xgrammar
+from xgrammar.testing import _is_grammar_accept_string
 
-from frontend.api.cli_args import auto_tool_parser
 from frontend.api.chat_chunks import ToolReader
+from frontend.api.cli_args import auto_tool_parser
+from frontend.api.protocol import ChatCompletionRequest
+from frontend.api.sampling import structured_outputs
 from frontend.api.tool_parsers import held_back, parse_hermes, parse_llama3_json
+from frontend.api.tools import read_tool_calls, tool_constraint, tool_mode
 
 
 def _names_and_arguments(calls: list[dict]) -> list[tuple[str, dict]]:
@@ -69,3 +75,37 @@ def test_auto_tool_choice_needs_a_parser():
     assert auto_tool_parser(argparse.Namespace(enable_auto_tool_choice=True, tool_call_parser="hermes")) == "hermes"
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
         auto_tool_parser(argparse.Namespace(enable_auto_tool_choice=True, tool_call_parser=None))
+
+
+def test_hermes_calls_are_constrained_to_the_tools_and_their_schemas_forced_or_among_free_text_under_auto():
+    tools = [{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+        for name in ("get_time", "get_date")]
+
+    def grammar(tool_choice: object, **fields: object) -> xgrammar.Grammar:
+        body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                     tool_choice=tool_choice, **fields)
+        return xgrammar.Grammar.from_structural_tag(tool_constraint(body, tool_mode(body, "hermes"), "hermes")
+                                                    .structural_tag)
+
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    other = call.replace("get_time", "get_date")
+    broken = (call.replace("get_time", "get_year"), call.replace("CET", "PST"), call[:-1] + "x")
+    cases = {  # tool choice -> (accepted, refused)
+        "auto": ((call, "Just text.", f"Let me check.\n{call}", f"{call}\n{other}"), broken),
+        "required": ((call, f"{call}\n{other}"), ("Just text.", f"Let me check.\n{call}", *broken)),
+        json.dumps({"type": "function", "function": {"name": "get_date"}}): ((other,), (call, f"{other}\n{other}")),
+    }
+    for choice, (accepted, refused) in cases.items():
+        constrained = grammar(json.loads(choice) if choice.startswith("{") else choice)
+        assert all(_is_grammar_accept_string(constrained, text) for text in accepted), choice
+        assert not any(_is_grammar_accept_string(constrained, text) for text in refused), choice
+    for choice in ("auto", "required"):
+        assert not _is_grammar_accept_string(grammar(choice, parallel_tool_calls=False), f"{call}\n{other}")
+    assert read_tool_calls("required", "hermes", f"{call}\n{other}")[1][1]["function"]["name"] == "get_date"
+    body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools)
+    assert tool_constraint(body, "auto", "llama3_json") is None  # its calls open with "{": not told from text
+    assert json.loads(tool_constraint(body, "required", None).json)["type"] == "array"  # OpenAI's, no parser
+    with_format = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                        response_format={"type": "json_object"})
+    assert structured_outputs(with_format, "hermes").json_object  # the client's answer format wins over "auto"

@@ -45,6 +45,20 @@ def parse_hermes(text: str) -> ParsedOutput:
     return (content or None), calls
 
 
+def hermes_call_tags(parameters: dict[str, dict], forced: bool, one_call: bool) -> dict:
+    """xgrammar's structural tag for calls in Hermes' format, each naming one of the tools with arguments valid
+    against its schema: `forced`, nothing but calls (one at least); else free text, a call once begun kept valid.
+    After one call, the end if `one_call`."""
+    tags = [{"begin": f'<tool_call>\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ',
+             "content": {"type": "json_schema", "json_schema": schema}, "end": "}\n</tool_call>"}
+            for name, schema in parameters.items()]
+    if forced:
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True}
+    else:
+        calls = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags}
+    return {"type": "structural_tag", "format": {**calls, "stop_after_first": one_call}}
+
+
 def parse_llama3_json(text: str) -> ParsedOutput:
     """Llama 3's JSON tool format: the whole output is `{"name": ..., "parameters": {...}}` (after an optional
     <|python_tag|>), or several of them separated by ";"."""
@@ -71,6 +85,10 @@ TOOL_CALL_PARSERS: dict[str, tuple[Callable[[str], ParsedOutput], str]] = {
     "hermes": (parse_hermes, "<tool_call>"),
     "llama3_json": (parse_llama3_json, "{"),
 }
+# name → the constraint that writes calls in the parser's own format, for the formats whose calls open with a tag of
+# their own: a forced choice is served in the form the model was trained to call in, and under "auto" a call once
+# begun stays valid (a llama3_json call opens with "{", which free text may hold too: those keep OpenAI's forms)
+CALL_CONSTRAINTS: dict[str, Callable[[dict[str, dict], bool, bool], dict]] = {"hermes": hermes_call_tags}
 
 
 def held_back(text: str, marker: str) -> int:

@@ -1,5 +1,5 @@
 """OpenAI tool calling: which tool choice a request makes, the structured-output constraint that makes the model
-write valid calls for "required" or a named function, and the tool_calls read back from what it wrote."""
+write valid calls, and the tool_calls read back from what it wrote."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from typing import Any
 
 from frontend.api.errors import APIError
 from frontend.api.protocol import ChatCompletionRequest, NamedToolChoice
-from frontend.api.tool_parsers import TOOL_CALL_PARSERS, ParsedOutput, tool_call
+from frontend.api.tool_parsers import CALL_CONSTRAINTS, TOOL_CALL_PARSERS, ParsedOutput, tool_call
 from ipc import StructuredOutputsParams
 
 _ANY_OBJECT = {"type": "object"}
@@ -37,14 +37,21 @@ def tool_mode(body: ChatCompletionRequest, parser: str | None) -> str | None:
     return "required"
 
 
-def tool_constraint(body: ChatCompletionRequest, forced: str) -> StructuredOutputsParams | None:
-    """A named function: its arguments object. "required": a list of {"name", "parameters"} calls, one of them
-    unless parallel_tool_calls."""
-    if forced == "auto":
-        return None
+def tool_constraint(body: ChatCompletionRequest, mode: str, parser: str | None = None
+                    ) -> StructuredOutputsParams | None:
+    """The constraint of a tool choice. With a parser that has one, calls in the model's own format (see
+    CALL_CONSTRAINTS); else OpenAI's forms: a named function, its arguments object; "required", a list of
+    {"name", "parameters"} calls; "auto", none. One call unless parallel_tool_calls."""
     parameters = {tool.function.name: tool.function.parameters or _ANY_OBJECT for tool in body.tools}
-    if forced != "required":
-        return StructuredOutputsParams(json=parameters[forced])
+    if parser in CALL_CONSTRAINTS:
+        named = mode not in ("auto", "required")
+        tag = CALL_CONSTRAINTS[parser]({mode: parameters[mode]} if named else parameters, mode != "auto",
+                                       named or not body.parallel_tool_calls)
+        return StructuredOutputsParams(structural_tag=json.dumps(tag, ensure_ascii=False))
+    if mode == "auto":
+        return None
+    if mode != "required":
+        return StructuredOutputsParams(json=parameters[mode])
     calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
               "required": ["name", "parameters"], "additionalProperties": False}
              for name, schema in parameters.items()]
@@ -56,7 +63,7 @@ def tool_constraint(body: ChatCompletionRequest, forced: str) -> StructuredOutpu
 
 def read_tool_calls(mode: str, parser: str | None, text: str) -> ParsedOutput:
     """(content, OpenAI tool_calls) of a finished output."""
-    if mode == "auto":
+    if mode == "auto" or parser in CALL_CONSTRAINTS:
         return TOOL_CALL_PARSERS[parser][0](text)
     if mode != "required":
         return None, [tool_call(mode, text)]
