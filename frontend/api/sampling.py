@@ -59,10 +59,10 @@ def structured_outputs(request: SamplingFields, tool_parser: str | None = None) 
     for kind in ("json", "regex", "choice", "grammar"):
         value = getattr(request, f"guided_{kind}")
         given[f"guided_{kind}"] = None if value is None else {kind: value}
-    if _is_chat(request) and (mode := tool_mode(request, tool_parser)) is not None:
-        calls = tool_constraint(request, mode, tool_parser)
-        if mode != "auto" or not any(fields is not None for fields in given.values()):
-            given["tool_choice"] = calls  # "auto" only keeps calls valid: an answer format the client gives wins
+    # "auto" only keeps calls valid: an answer format the client gives wins over it
+    if _is_chat(request) and (mode := tool_mode(request, tool_parser)) is not None and (
+            mode != "auto" or all(fields is None for fields in given.values())):
+        given["tool_choice"] = tool_constraint(request, mode, tool_parser)
     given = {name: fields for name, fields in given.items() if fields is not None}
     if len(given) > 1:
         raise APIError(400, f"one output constraint at a time: got {', '.join(given)}", list(given)[1])
