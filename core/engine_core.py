@@ -64,7 +64,8 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, self.config.block_size,
                                                self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, whole_prompts=encoder,
-                                   decode_ahead=self.executor.decodes_ahead(), multi_step=self.executor.multi_steps())
+                                   decode_ahead=self.executor.decodes_ahead(), multi_step=self.executor.multi_steps(),
+                                   multi_step_grammars=self.executor.steps_grammars())
         self._arrivals = itertools.count()
         self.profiler = None if config.profiler_dir is None else EngineProfiler(
             config.profiler_dir, config.profiler_max_seconds, config.profiler_max_steps)
@@ -221,9 +222,13 @@ class EngineCore:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens == 0:
                 return
+            grammars = None
             if self._structured is not None:
                 scheduler_output.grammar_bitmask = self._structured.bitmask(scheduler_output, self.scheduler.requests)
-            self.executor.submit_batch(scheduler_output)
+                if scheduler_output.num_steps > 1 and scheduler_output.grammar_bitmask is not None:
+                    grammars = {req_id: self.scheduler.requests[req_id].grammar
+                                for req_id in scheduler_output.grammar_bitmask.req_ids}
+            self.executor.submit_batch(scheduler_output, grammars)
 
     def shutdown(self) -> None:
         if self._structured is not None:

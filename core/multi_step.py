@@ -15,20 +15,21 @@ from ipc.sampling_params import tokens_left
 UNTIMED_STEPS = 2
 
 
-def decodes_alone(request: Request) -> bool:
+def decodes_alone(request: Request, grammars: bool) -> bool:
     """Whether the worker can take its next tokens without the scheduler: greedy or sampled (penalties, bias and bans
-    apply over the call's tokens too; logprobs are gathered at each step; an adapter's deltas at each step), but no
-    grammar (its bitmask follows each token) or pooling, and min_tokens reached (its stop tokens are no longer
-    banned)."""
+    apply over the call's tokens too; logprobs are gathered at each step; an adapter's deltas at each step), a
+    grammar's only where the worker takes the matchers (`grammars`: it follows a fork of the request's), no pooling,
+    and min_tokens reached (its stop tokens are no longer banned)."""
     params = request.sampling_params
-    return (params.structured_outputs is None and request.grammar is None and request.pooling_params is None
-            and len(request.output_token_ids) >= params.min_tokens)
+    return ((grammars or (params.structured_outputs is None and request.grammar is None))
+            and request.pooling_params is None and len(request.output_token_ids) >= params.min_tokens)
 
 
-def num_steps(requests: list[Request], limit: int, max_model_len: int) -> int:
+def num_steps(requests: list[Request], limit: int, max_model_len: int, grammars: bool = False) -> int:
     """Decode steps these requests (each scheduled for one token) can run in one call: at most `limit`, none past
-    a request's max_tokens or max_model_len; 1 where any of them needs the scheduler between steps."""
-    if not all(decodes_alone(r) for r in requests):
+    a request's max_tokens or max_model_len; 1 where any of them needs the scheduler between steps (grammars:
+    whether the worker takes constrained requests' matchers)."""
+    if not all(decodes_alone(r, grammars) for r in requests):
         return 1
     room = min(tokens_left(r.max_tokens, len(r.output_token_ids), max_model_len, r.num_tokens) for r in requests)
     return max(1, min(limit, room))

@@ -32,13 +32,13 @@ class Scheduler:
     """No prefill or decode phases: each request computes `num_tokens - num_computed_tokens` tokens, capped."""
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, whole_prompts: bool = False,
-                 decode_ahead: bool = False, multi_step: int = 1) -> None:
+                 decode_ahead: bool = False, multi_step: int = 1, multi_step_grammars: bool = False) -> None:
         """whole_prompts: an encoder-only model's engine; each request runs whole in one step and holds no KV
         blocks (its attention sees only that step's tokens). decode_ahead: the worker runs a decode step's
         forward pass ahead (SchedulerOutput.decode_ahead), so each decode holds the slot of its next token too.
         multi_step: the most decode steps the worker runs in one call (core/multi_step.py), each verifying
         drafts where speculative decoding proposes them; the decodes of such a call hold the slots of all its
-        tokens."""
+        tokens; with multi_step_grammars constrained requests take part (the worker follows their matchers)."""
         self.whole_prompts = whole_prompts
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -64,7 +64,7 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats() if config.speculative_config is not None else None
         self.num_lookahead_slots = config.speculative_config.num_lookahead_slots if self.spec_stats else 0
         self.decode_ahead = decode_ahead
-        self.multi_step = multi_step
+        self.multi_step, self.multi_step_grammars = multi_step, multi_step_grammars
         budget_ms = config.multi_step_budget_ms
         self.step_times = StepTimes(None if budget_ms is None else budget_ms / 1000)
         # Beside in_flight: for each decode-only batch, (scheduled at, steps, batch size), timed when its output
@@ -169,7 +169,7 @@ class Scheduler:
         if any(r.num_tokens - r.num_computed_tokens != 1 for r in self.running):
             return 1
         return multi_step.num_steps(self.running, self.step_times.limit(len(self.running), self.multi_step),
-                                    self.max_model_len)
+                                    self.max_model_len, self.multi_step_grammars)
 
     def _slots_ahead(self, steps: int) -> int:
         """The positions a multi-step call of `steps` steps may write after its first step's tokens: with drafts

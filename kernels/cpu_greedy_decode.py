@@ -5,7 +5,7 @@ Python and dispatch."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,6 +131,30 @@ class PenalizedRows:
 
 
 @dataclass(frozen=True)
+class GrammarMasks:
+    """Rows whose tokens a grammar restricts in greedy_decode()'s steps (no drafts then): before each step the call
+    runs before_step(tokens) (tokens: the run's so far, as GreedyRun.tokens), which fills the masks (int32 [rows,
+    words]: bit j of word w allows token 32 * w + j) of the `constrained` rows (uint8 [rows]) and sets `halted`
+    (uint8 [rows]) for rows that take no more steps; a row's scores are masked before its bias, penalties and draw."""
+
+    bits: np.ndarray
+    constrained: np.ndarray
+    halted: np.ndarray
+    before_step: Callable[[np.ndarray], None]
+
+    def arrays(self, rows: int) -> tuple[np.ndarray, ...]:
+        """As the kernel takes them (module.cpp's greedy_decode: masks)."""
+        for name, dtype, shape in (("bits", np.int32, None), ("constrained", np.uint8, (rows,)),
+                                   ("halted", np.uint8, (rows,))):
+            array = getattr(self, name)
+            if not (array.dtype == dtype and array.flags.c_contiguous and array.ndim == (2 if shape is None else 1)
+                    and array.shape[0] == rows and (shape is None or array.shape == shape)):
+                raise ValueError(f"grammar masks' {name} must be a contiguous {np.dtype(dtype).name} array with a "
+                                 f"row per row")
+        return self.bits, self.constrained, self.halted
+
+
+@dataclass(frozen=True)
 class TokenLogprobs:
     """The logprobs greedy_decode() reports for each token a row takes (of the model's own distribution, as the
     sampler's raw logprobs): ids and values [rows, columns, 1 + most asked] the token's, then its row's best ones
@@ -165,7 +189,8 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
                   limits: np.ndarray, stops: Sequence[Collection[int]], steps: int,
                   drafts: PromptLookupDrafts | DraftModelDrafts | None = None,
                   sampled: SampledRows | None = None, penalized: PenalizedRows | None = None,
-                  logprobs: np.ndarray | None = None, adapters: np.ndarray | None = None) -> GreedyRun:
+                  logprobs: np.ndarray | None = None, adapters: np.ndarray | None = None,
+                  masks: GrammarMasks | None = None) -> GreedyRun:
     """Up to `steps` greedy steps for each row from its last token `tokens[m]` at `positions[m]`: per step the
     embedding lookup, the layers with the final norm, the LM head by the GEMV kernel and the first argmax among its
     first vocab_size logits, as the model computes them, all in C++. Row m takes up to limits[m] tokens (its K/V
@@ -176,7 +201,8 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
     draw their tokens as the sampler does; with `penalized` (no drafts then either) from logits processed as it
     processes them. With `logprobs` (int64 [rows]: how many best tokens a row reports beside its own, -1: none) the
     run's logprobs are those of each token a reporting row takes. With `adapters` (int64 [rows]: each row's adapter
-    slot, -1: none) the layers add each row's adapter deltas (the prepared layers' slots; a draft model's none)."""
+    slot, -1: none) the layers add each row's adapter deltas (the prepared layers' slots; a draft model's none).
+    With `masks` (no drafts then) its constrained rows take only tokens their grammar's mask allows."""
     model.check()
     rows = len(tokens)
     tokens, positions, limits = (np.ascontiguousarray(a, dtype=np.int64) for a in (tokens, positions, limits))
@@ -215,6 +241,11 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
         processed = penalized.arrays(rows)
     columns = max(1, min(int(limits.max(initial=0)), steps * (1 + k)))
     out = np.empty((rows, columns), dtype=np.int64)
+    grammar: tuple[np.ndarray, ...] = ()
+    if masks is not None:
+        if drafts is not None:
+            raise ValueError("constrained rows verify no drafts here")
+        grammar = masks.arrays(rows)
     reported, width = None, 0
     if logprobs is not None:
         logprobs = np.ascontiguousarray(logprobs, dtype=np.int64)
@@ -234,7 +265,8 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
         table.shape[1], prepared.block_size, limits.ctypes.data, stop_ids.ctypes.data, stop_starts.ctypes.data,
         [k, getattr(drafts, "min_n", 1), getattr(drafts, "max_n", 0)], history.ctypes.data,
         history_starts.ctypes.data, verified.ctypes.data if drafts else 0, pointers,
-        [a.ctypes.data for a in processed],
+        [a.ctypes.data for a in processed], [a.ctypes.data for a in grammar],
+        0 if masks is None else masks.bits.shape[1], (lambda: masks.before_step(out)) if masks else _nothing,
         [] if reported is None else [a.ctypes.data for a in (logprobs, reported.ids, reported.values, reported.ranks)],
         width, 0 if adapters is None else adapters.ctypes.data, draft_model, known.ctypes.data,
         max(rows, model.max_rows), out.ctypes.data, columns, rows, steps)
@@ -260,6 +292,10 @@ def _draft_model_args(drafts: DraftModelDrafts, target: GreedyModel, lengths: np
     if not ((drafts.known >= 0) & (drafts.known < lengths)).all():
         raise ValueError("a row's draft K/V must be known up to its last token's position at most")
     return draft.args(), drafts.capacity.ctypes.data, drafts.next.ctypes.data
+
+
+def _nothing() -> None:
+    """No grammar: no host work before a step."""
 
 
 def _flat(lists: Sequence[Collection[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -125,6 +125,25 @@ def test_a_stop_token_inside_a_run_ends_the_request_there():
         assert (out, reason) == (tokens[:first + 1], "stop")
 
 
+def test_constrained_requests_take_several_steps_with_the_tokens_of_one_call_per_step():
+    """Regex, choice, xgrammar and llguidance JSON schemas, greedy and seeded sampled, beside a plain request: the
+    worker follows a fork of each matcher through a call's steps; the same tokens and ends as one call per step."""
+    prompts = random_prompts([5, 9, 14, 7, 11], vocab=1000, seed=4)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},
+              "required": ["name", "n"]}  # maxLength: llguidance's
+    constraints = [StructuredOutputsParams(regex=r"[a-z]{3,9}( [a-z]{2,5}){2,6}\."),
+                   StructuredOutputsParams(choice=["alpha beta gamma", "delta"]),
+                   StructuredOutputsParams(json={"type": "object", "properties": {"x": {"type": "integer"}}}),
+                   StructuredOutputsParams(json=schema), None]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=40, structured_outputs=c)
+              for i, c in enumerate(constraints)]
+    one_by_one = _generate(1, prompts, params, max_model_len=256)
+    multi = _generate(8, prompts, params, max_model_len=256)
+    assert multi[:2] == one_by_one[:2]
+    assert multi[2] < one_by_one[2] / 2
+    assert multi[1][:4] == ["stop"] * 4  # each constraint ended its request
+
+
 def _near_draft() -> str:
     """The tiny llama's weights with another norm epsilon: a draft right about half the time."""
     return str(make_model(Path(tiny_model("llama")).parent / "llama-tiny-near-draft", arch="llama", size="tiny",
@@ -134,7 +153,8 @@ def _near_draft() -> str:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("arch", "mode"), [("llama", "plain"), ("llama", "prompt lookup"), ("llama", "draft model"),
                                             ("llama", "sampled"), ("llama", "penalized"), ("llama", "logprobs"),
-                                            ("llama", "logprobs, prompt lookup"), ("gemma2", "plain"),
+                                            ("llama", "logprobs, prompt lookup"), ("llama", "constrained"),
+                                            ("gemma2", "plain"),
                                             ("gemma2", "sampled"), ("gemma2", "logprobs"),
                                             ("gpt_neox", "plain"), ("qwen2_moe", "plain"), ("opt", "plain")])
 def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch, mode):
@@ -146,7 +166,9 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
     requests with temperature, top-k, top-p and min-p among greedy ones draw the sampler's tokens; penalized:
     greedy and sampled requests with presence, frequency and repetition penalties and logit bias; logprobs: greedy,
     sampled and penalized requests reporting top-N logprobs (the same ids, ranks and values) beside one that does
-    not. Gemma 2: its embedding scale and soft-capped logits in C++ too."""
+    not; constrained: greedy, sampled, penalized and logprob-reporting requests under regex, choice and JSON
+    constraints (one that ends its grammar under ignore_eos) beside free ones, each step's mask filled by the forks
+    of their matchers. Gemma 2: its embedding scale and soft-capped logits in C++ too."""
     lookup = mode in ("prompt lookup", "draft model", "logprobs, prompt lookup")
     prompts = [p + p[:12] for p in random_prompts([5, 40, 17, 70, 9], vocab=1000, seed=6)]  # something to look up
     free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (37, 11, 64, 50, 20)]
@@ -161,6 +183,14 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
                                    presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=0.9),
                     free[3], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, presence_penalty=-0.5,
                                             frequency_penalty=1.7)]
+    if mode == "constrained":
+        free[1:] = [SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True, logprobs=2,
+                                   structured_outputs=StructuredOutputsParams(regex=r"[a-z]{2,5}( [a-z]{2,5})+")),
+                    SamplingParams(temperature=1.0, seed=5, max_tokens=64, ignore_eos=True, presence_penalty=0.5,
+                                   structured_outputs=StructuredOutputsParams(json={
+                                       "type": "object", "properties": {"a": {"type": "integer"}}})),
+                    free[3], SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.2,
+                                            structured_outputs=StructuredOutputsParams(choice=["one two", "three"]))]
     engine_args = {"dtype": dtype, "num_kv_blocks": 40 + 8 * lookup, "enable_prefix_caching": False,
                    "max_model_len": 120}
     if mode.startswith("logprobs"):
@@ -180,14 +210,14 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
     calls = []
     in_one_call = LaterStepCalls._in_one_call
 
-    def counted(self, steps, count, output):
-        ran = in_one_call(self, steps, count, output)
-        calls.append(ran)
+    def counted(self, steps, count, output, grammars):
+        ran = in_one_call(self, steps, count, output, grammars)
+        calls.append(ran and (mode != "constrained" or bool(grammars)))
         return ran
 
     def run(cpp: bool) -> tuple[list[list[int]], list[str], list[torch.Tensor], object, list]:
         monkeypatch.setattr(LaterStepCalls, "_in_one_call",
-                            counted if cpp else lambda self, steps, count, output: False)
+                            counted if cpp else lambda self, steps, count, output, grammars: False)
         # No time budget: both runs make the same calls, so their caches hold the same blocks.
         llm = LLM(tiny_model(arch), num_scheduler_steps=8, multi_step_budget_ms=None, **{**ENGINE, **engine_args})
         try:
@@ -205,7 +235,8 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
     python, cpp = run(cpp=False), run(cpp=True)
     assert cpp[:2] == python[:2]
     assert {"stop", "length"} <= set(cpp[1])
-    assert all(torch.equal(a, b) for a, b in zip(cpp[2], python[2], strict=True))
+    if mode != "constrained":  # constrained requests join when their grammar compiles: the blocks they get vary
+        assert all(torch.equal(a, b) for a, b in zip(cpp[2], python[2], strict=True))
     for got, expected, asked in zip(cpp[4], python[4], params, strict=True):
         assert (got is None) == (asked.logprobs is None)
         for got_step, expected_step in zip(got or [], expected or [], strict=True):

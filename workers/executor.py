@@ -7,6 +7,7 @@ from typing import Protocol
 
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from workers.gpu_memory import release_device_memory
+from workers.step_grammars import LentGrammars
 from workers.worker import Worker
 
 
@@ -27,7 +28,13 @@ class Executor(Protocol):
     def multi_steps(self) -> int:
         """The most greedy decode steps one call of the workers runs (SchedulerOutput.num_steps)."""
 
-    def submit_batch(self, scheduler_output: SchedulerOutput) -> None: ...
+    def steps_grammars(self) -> bool:
+        """Whether constrained requests take part in multi-step calls: the workers take the engine core's matchers
+        (submit_batch's grammars), which only a worker in the engine core's process can."""
+
+    def submit_batch(self, scheduler_output: SchedulerOutput,
+                     grammars: LentGrammars | None = None) -> None:
+        """grammars: the matchers of the constrained requests of a multi-step call, where steps_grammars()."""
 
     def collect_output(self) -> ModelRunnerOutput: ...
 
@@ -58,9 +65,13 @@ class InProcessExecutor:
     def multi_steps(self) -> int:
         return self.worker.model_runner.multi_steps
 
-    def submit_batch(self, scheduler_output: SchedulerOutput) -> None:
+    def steps_grammars(self) -> bool:
+        return True
+
+    def submit_batch(self, scheduler_output: SchedulerOutput,
+                     grammars: LentGrammars | None = None) -> None:
         """Runs the step right away: one process computes one batch at a time."""
-        self.outputs.append(self.worker.execute_model(scheduler_output))
+        self.outputs.append(self.worker.execute_model(scheduler_output, grammars))
 
     def collect_output(self) -> ModelRunnerOutput:
         return self.outputs.popleft()

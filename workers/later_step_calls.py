@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ipc import ModelRunnerOutput
+from ipc import ModelRunnerOutput, SchedulerOutput
 from kernels.cpu_greedy_decode import SampledRows
 from workers.distributed import tp_all_reduce
 from workers.later_steps import LaterSteps, StepBatch, accepted_run
 from workers.model_inputs import ModelInputs
 from workers.request_state import CachedRequestState
+from workers.step_grammars import CallGrammars, LentGrammars
 from workers.step_sampling import penalized_rows
 
 if TYPE_CHECKING:
@@ -27,15 +28,22 @@ class LaterStepCalls:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
-    def start(self, output: ModelRunnerOutput, states: list[CachedRequestState], num_steps: int) -> None:
+    def start(self, output: ModelRunnerOutput, states: list[CachedRequestState], scheduled: SchedulerOutput,
+              grammars: LentGrammars | None = None) -> None:
         """The driver's later steps of a call whose first step sampled `output` for `states` (none after a failed
-        sampling: then only the drafts to verify next), the first step's tokens shared with the other TP ranks."""
+        sampling: then only the drafts to verify next), the first step's tokens shared with the other TP ranks.
+        grammars: the constrained requests' matchers (lent by the engine core in this process), whose masks (as
+        wide as the first step's) each later step of theirs follows."""
+        num_steps = scheduled.num_steps
         goes = num_steps > 1 and not output.failed
         self._share_start(goes, num_steps)
         if goes:
             if self.runner.parallel.tp_size > 1:
                 self._shared([output.sampled_token_ids[state.req_id][-1] for state in states], len(states))
-            self.run(output, states, num_steps)
+            self.run(output, states, num_steps, CallGrammars(grammars or {}, [state.req_id for state in states],
+                                                             [output.sampled_token_ids[s.req_id] for s in states],
+                                                             scheduled.grammar_bitmask.words_per_row
+                                                             if grammars else 0))
         else:
             output.draft_token_ids = self.runner.propose(output)
 
@@ -48,7 +56,7 @@ class LaterStepCalls:
         the driver's tokens; `states`: those the driver samples when none fails."""
         if self._shared(None, 1)[0]:
             first = {state.req_id: [token] for state, token in zip(states, self._shared(None, len(states)))}
-            self.run(ModelRunnerOutput(sampled_token_ids=first), states, num_steps)
+            self.run(ModelRunnerOutput(sampled_token_ids=first), states, num_steps, CallGrammars({}, [], [], 0))
 
     def _share_start(self, goes: bool, num_steps: int) -> None:
         if self.runner.parallel.tp_size > 1 and num_steps > 1:
@@ -60,23 +68,27 @@ class LaterStepCalls:
         values = torch.zeros(count, dtype=torch.int64) if tokens is None else torch.tensor(tokens, dtype=torch.int64)
         return tp_all_reduce(values).tolist()
 
-    def run(self, output: ModelRunnerOutput, states: list[CachedRequestState], num_steps: int) -> None:
+    def run(self, output: ModelRunnerOutput, states: list[CachedRequestState], num_steps: int,
+            grammars: CallGrammars) -> None:
         """A multi-step call's steps after the first, into the slots the scheduler allocated ahead: each feeds every
         request its last token and the drafts proposed after it (speculative decoding); the accepted drafts and one
         more token (the argmax, or sampled as in any step, over the call's tokens so far) are appended to `output`,
-        with the verification. Ends early once no request can go on (workers.later_steps). The drafts proposed
-        after the last step go with the output. Under tensor parallelism (no drafts then) every rank runs it, the
-        driver's tokens of each step shared with the others."""
+        with the verification; a constrained request's tokens under the mask of its grammar's fork. Ends early once
+        no request can go on (workers.later_steps). The drafts proposed after the last step go with the output.
+        Under tensor parallelism (no drafts then) every rank runs it, the driver's tokens of each step shared with
+        the others."""
         runner = self.runner
         tensors = runner.tensors
         driver, shares = runner.parallel.is_driver, runner.parallel.tp_size > 1
         steps = LaterSteps(states, [output.sampled_token_ids[s.req_id] for s in states], *tensors.block_table(states),
                            runner.block_size, runner.config.max_model_len)
         draft_ahead = runner.draft_model.num_drafts if runner.draft_model is not None else 0
-        argmax_only = all(state.sampling_params.logits_as_they_are and state.sampling_params.is_greedy
-                          and state.sampling_params.logprobs is None for state in states)
+        for i in grammars.ended:
+            steps.stop(i)
+        argmax_only = not grammars and all(state.sampling_params.logits_as_they_are and state.sampling_params.is_greedy
+                                           and state.sampling_params.logprobs is None for state in states)
         in_one_call = not shares and not any(state.sampling_params.bad_words_token_ids for state in states) and \
-            self._in_one_call(steps, num_steps - 1, output)
+            self._in_one_call(steps, num_steps - 1, output, grammars)
         for _ in range(1, 1 if in_one_call else num_steps):
             rows = steps.active()
             if not rows:
@@ -97,7 +109,7 @@ class LaterStepCalls:
                 runs = [accepted_run(feed[1:], argmax[first:first + len(feed)])
                         for feed, first in zip(batch.feeds, batch.query_start_loc)]
             else:
-                runs = self._sample_later_step(logits, steps, batch, output)
+                runs = self._sample_later_step(logits, steps, batch, output, grammars)
             if driver and shares:  # one token each (no drafts under tensor parallelism), -1: its sampling failed
                 self._shared([-1 if run is None else run[0] for run in runs], len(runs))
             for i, feed, run in zip(batch.rows, batch.feeds, runs):
@@ -105,28 +117,33 @@ class LaterStepCalls:
                     steps.stop(i)
                     continue
                 steps.take(i, run)
+                grammars.take(i, run)
+                if i in grammars.ended:
+                    steps.stop(i)
                 if len(feed) > 1:
                     output.verified.setdefault(states[i].req_id, []).append((len(feed) - 1, len(run) - 1))
         output.draft_token_ids = runner.propose(output, [states[i] for i in steps.with_room(range(len(states)),
                                                                                           draft_ahead)])
 
     def _sample_later_step(self, logits: torch.Tensor, steps: LaterSteps, batch: StepBatch,
-                           output: ModelRunnerOutput) -> list[list[int] | None]:
+                           output: ModelRunnerOutput, grammars: CallGrammars) -> list[list[int] | None]:
         """Each row's tokens from the sampler (its accepted drafts and the token after them; None where its sampling
-        failed, recorded in `output`): sampled, penalized and banned over its tokens and the call's so far; the
-        logprobs of those that ask, after those of the call's earlier tokens in `output`."""
+        failed, recorded in `output`): masked by its grammar, sampled, penalized and banned over its tokens and the
+        call's so far; the logprobs of those that ask, after those of the call's earlier tokens in `output`."""
         groups = [self.runner.sample_group(steps.states[i], feed[1:], steps.tokens[i])
                   for i, feed in zip(batch.rows, batch.feeds)]
-        sampled = self.runner.step_sampler.sample(logits, groups, None)
+        bitmask = grammars.bitmask(batch.rows, [group.state.req_id for group in groups]) if grammars else None
+        sampled = self.runner.step_sampler.sample(logits, groups, bitmask)
         output.failed.update(sampled.failed)
         for req_id, token_ids in sampled.logprob_token_ids.items():
             _add_logprobs(output, req_id, token_ids, sampled.logprobs[req_id], sampled.sampled_ranks[req_id])
         return [sampled.sampled_token_ids.get(group.state.req_id) for group in groups]
 
-    def _in_one_call(self, steps: LaterSteps, count: int, output: ModelRunnerOutput) -> bool:
+    def _in_one_call(self, steps: LaterSteps, count: int, output: ModelRunnerOutput, grammars: CallGrammars) -> bool:
         """Up to `count` steps of the active requests (no bad words) in one call of the model's greedy_decode (where
-        it has one that takes them), drawing sampled requests' tokens as the sampler would (from logits biased and
-        penalized as it processes them), reporting the logprobs it would, and verifying the drafts the speculator
+        it has one that takes them), drawing sampled requests' tokens as the sampler would (from logits masked by
+        their grammar's fork, biased and penalized as it processes them), reporting the logprobs it would, and
+        verifying the drafts the speculator
         would propose, which the kernel writes itself (prompt lookup's, or a draft model's; sampled or penalized
         requests verify theirs in Python), the tokens taken into `steps`, failures, logprobs and verifications into
         `output`; whether it ran."""
@@ -140,7 +157,7 @@ class LaterStepCalls:
         sampled = not all(state.sampling_params.is_greedy for state in states)
         processed = not all(state.sampling_params.logits_as_they_are for state in states)
         if runner.speculator is not None and runner.speculator.speculates(len(output.sampled_token_ids)):
-            if sampled or processed or (drafts := runner.speculator.kernel_drafts(
+            if sampled or processed or grammars or (drafts := runner.speculator.kernel_drafts(
                     states, [state.token_ids + steps.tokens[i] for state, i in zip(states, rows)],
                     steps.capacity[rows])) is None:
                 return False
@@ -151,7 +168,7 @@ class LaterStepCalls:
                      self._sampled_rows(states, limits, count) if sampled else None,
                      penalized_rows(states, [steps.tokens[i] for i in rows]) if processed else None,
                      np.array([-1 if n is None else n for n in reports]) if any(n is not None for n in reports)
-                     else None, self._adapter_slots(states))
+                     else None, self._adapter_slots(states), grammars.masks(rows) if grammars else None)
         if run is None:
             return False
         for index, (i, row, failed) in enumerate(zip(rows, run.tokens, run.failed)):

@@ -29,6 +29,7 @@ from workers.profile_step import profile_step
 from workers.prompt_embeds import step_embeds
 from workers.request_state import CachedRequestState, update_states
 from workers.spec_decode import DraftModel, make_speculator
+from workers.step_grammars import LentGrammars
 from workers.step_tensors import StepTensors
 from workers.step_sampling import SampleGroup, StepSampler, fails_alone
 
@@ -127,7 +128,8 @@ class ModelRunner:
         profile_step(self)
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammars: LentGrammars | None = None) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         ahead, self.ahead, self.ahead_plan = self.ahead, None, None  # a step ahead serves the next step only
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -169,7 +171,7 @@ class ModelRunner:
         sampled = output.sampled_token_ids
         output.verified = {group.state.req_id: [(len(group.drafts), len(sampled[group.state.req_id]) - 1)]
                            for group in groups if group.drafts and group.state.req_id in sampled}
-        self.later_steps.start(output, [group.state for group in groups], scheduler_output.num_steps)
+        self.later_steps.start(output, [group.state for group in groups], scheduler_output, grammars)
         return output
 
     def propose(self, output: ModelRunnerOutput, states: list[CachedRequestState] | None = None

@@ -117,6 +117,10 @@ class RayExecutor:
         """What every rank runs (ModelRunner.multi_steps: the ranks run the later steps in lockstep)."""
         return self._multi_steps
 
+    def steps_grammars(self) -> bool:
+        """No: the engine core's matchers stay in its process (constrained requests take one step a call)."""
+        return False
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate every rank's cache, then switch the actors to the step loop."""
         self._gather([actor.initialize_kv_cache.remote(num_blocks) for actor in self.actors])
@@ -180,7 +184,7 @@ class RayExecutor:
                 subscribed += self.broadcast.recv()[:1] == b"\x01"
             self.check_health()
 
-    def submit_batch(self, scheduler_output: SchedulerOutput) -> None:
+    def submit_batch(self, scheduler_output: SchedulerOutput, grammars: None = None) -> None:
         frames = self.encoder.encode(scheduler_output)
         if self.step_channel is not None and self.step_channel.readers:
             self.step_channel.send(frames, self._while_steps_ring_full)

@@ -17,6 +17,7 @@ from workers.model_config import load_hf_config, resolve_dtype
 from workers.model_runner import ModelRunner
 from workers.pooling.config import is_encoder, pooling_info
 from workers.pooling.encoder_runner import EncoderRunner
+from workers.step_grammars import LentGrammars
 
 _DEFAULT_CPU_KV_BYTES = 2 * 2**30
 _DEFAULT_CPU_KV_FRACTION = 0.25
@@ -97,7 +98,8 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammars: LentGrammars | None = None) -> ModelRunnerOutput:
         if self.threads is not None:
             self.threads.adjust()
-        return self.model_runner.execute_model(scheduler_output)
+        return self.model_runner.execute_model(scheduler_output, grammars)

@@ -29,6 +29,9 @@ class RequestGrammar(Protocol):
 
     def fill(self, bitmask: np.ndarray, row: int) -> None: ...
 
+    def fork(self) -> RequestGrammar:
+        """An independent copy at the same place (a multi-step call advances one by the tokens it samples)."""
+
 
 class CompiledConstraint(Protocol):
     def matcher(self, stop_token_ids: list[int]) -> RequestGrammar: ...
@@ -165,6 +168,9 @@ class _XGrammarMatcher:
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def fork(self) -> RequestGrammar:
+        return _XGrammarMatcher(self.matcher.fork())
+
 
 class _GuidanceCompiled:
     """llguidance ends a grammar with the tokenizer's EOS token (a request's other stop ids are not offered)."""
@@ -197,3 +203,8 @@ class _GuidanceMatcher:
         import llguidance.numpy
 
         llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def fork(self) -> RequestGrammar:
+        fork = _GuidanceMatcher(self.matcher.deep_copy(), self.eos_token_id)
+        fork.ended = self.ended
+        return fork

@@ -2,6 +2,8 @@
 grammar constrains the rest; the section can neither start inside the constrained output nor be escaped."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from core.structured_output.backends import RequestGrammar
@@ -41,3 +43,8 @@ class ReasoningGate:
         if self.first and self.open_token_id is not None:
             word, bit = divmod(self.open_token_id, 32)
             bitmask[row, word] |= np.int32(np.uint32(1 << bit).view(np.int32))
+
+    def fork(self) -> ReasoningGate:
+        fork = copy.copy(self)
+        fork.inner, fork.recent = self.inner.fork(), list(self.recent)
+        return fork

@@ -14,6 +14,7 @@
 
 #include "decoder_layer.h"
 #include "draft_steps.h"
+#include "grammar_masks.h"
 #include "greedy_model.h"
 #include "logprobs.h"
 #include "penalties.h"
@@ -32,7 +33,8 @@ struct RowSampling {
   const double* uniform = nullptr;
 };
 
-// Rows with penalties or a logit bias (penalties.h) take the argmax or draw from their processed scores; rows that
+// Rows with a grammar's mask (grammar_masks.h: no drafts then), penalties or a logit bias (penalties.h) take the
+// argmax or draw from their masked and processed scores; rows that
 // report logprobs (logprobs.h) get them for each token they take (its slot's column: out's); with adapters (null:
 // none) row m's token rows run with adapter slot adapters[m] (-1: the base model).
 // M rows: tokens[m], the row's last token, at positions[m]; tables [M, max_blocks]; the row takes up to limits[m]
@@ -47,7 +49,8 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
                    const int64_t* tables, int64_t max_blocks, int64_t block_size, const int64_t* limits,
                    const int64_t* stop_ids, const int64_t* stop_starts, const PromptLookup& lookup,
                    const DraftModel<T>& draft, const RowSampling& sampling, const RowPenalties& penalties,
-                   const RowLogprobs& logprobs, const int64_t* adapters, int64_t max_rows, int64_t* out,
+                   const RowMasks& grammar, const RowLogprobs& logprobs, const int64_t* adapters, int64_t max_rows,
+                   int64_t* out,
                    int64_t out_cols, int64_t M, int64_t steps) {
   const int64_t H = model.layers.front().hidden, k = lookup.k;
   std::fill(out, out + M * out_cols, int64_t(-1));
@@ -73,8 +76,9 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
   // where it has penalties or a bias; -2 where a sampled row has none to draw.
   auto choose = [&](int64_t m, const T* row, std::vector<float>& row_scores, SampleScratch& row_scratch) {
     const bool sampled = sampling.temperature && sampling.temperature[m] > 0.f;
-    if (!sampled && !processes(penalties, m)) return best_token(model, row, row_scores);
+    if (!sampled && !processes(penalties, m) && !masks(grammar, m)) return best_token(model, row, row_scores);
     score_row(model, row, row_scores.data());
+    if (masks(grammar, m)) mask_row(grammar, m, row_scores.data(), model.vocab);
     if (processes(penalties, m)) penalize(penalties, m, counts[m], row_scores.data(), model.vocab);
     if (!sampled) return argmax_row(row_scores.data(), model.vocab);
     const int64_t token = sample_row(row_scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
@@ -93,9 +97,12 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
     return token;
   };
   for (int64_t s = 0; s < steps; ++s) {
+    if (grammar.bits) grammar.before_step();
     seqs.clear();
-    for (int64_t m = 0; m < M; ++m)
+    for (int64_t m = 0; m < M; ++m) {
+      stopped[m] = stopped[m] || halted(grammar, m);
       if (!stopped[m] && taken[m] < limits[m]) seqs.push_back(m);
+    }
     const int64_t A = int64_t(seqs.size());
     if (A == 0) break;
     feeds.assign(A, 0), drafts.resize(A * std::max<int64_t>(k, 1));

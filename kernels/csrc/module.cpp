@@ -2,10 +2,12 @@
 //
 // Raw pointers instead of torch::Tensor: binding tensors needs torch/extension.h, which alone takes ~30 s to
 // compile; pybind11 alone keeps the first build short. The Python wrappers validate shapes and dtypes.
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <tuple>
@@ -67,6 +69,7 @@ void greedy_decode(const ModelArgs& model_args, uintptr_t tokens, uintptr_t posi
                    int64_t max_blocks, int64_t block_size, uintptr_t limits, uintptr_t stop_ids, uintptr_t stop_starts,
                    const std::vector<int64_t>& lookup, uintptr_t history, uintptr_t history_starts,
                    uintptr_t verified, const std::vector<uintptr_t>& sampled, const std::vector<uintptr_t>& penalized,
+                   const std::vector<uintptr_t>& masks, int64_t mask_words, const std::function<void()>& before_step,
                    const std::vector<uintptr_t>& logprobs, int64_t logprob_width, uintptr_t adapters,
                    const std::optional<DraftArgs>& draft, uintptr_t draft_known, int64_t max_rows,
                    uintptr_t tokens_out, int64_t out_cols, int64_t m, int64_t steps) {
@@ -91,13 +94,16 @@ void greedy_decode(const ModelArgs& model_args, uintptr_t tokens, uintptr_t posi
                                in<int64_t>(penalized.at(3)), in<int64_t>(penalized.at(4)), in<float>(penalized.at(5)),
                                in<int64_t>(penalized.at(6)), in<int64_t>(penalized.at(7)), in<int64_t>(penalized.at(8)),
                                in<int64_t>(penalized.at(9))};
+  // masks: bits, constrained, halted (empty: no row constrained); before_step fills them (grammar_masks.h)
+  const pagedserve::RowMasks grammar = masks.empty() ? pagedserve::RowMasks{} : pagedserve::RowMasks{
+      in<int32_t>(masks.at(0)), mask_words, in<uint8_t>(masks.at(1)), in<uint8_t>(masks.at(2)), before_step};
   // logprobs: num, ids, values, ranks (empty: no row reports them)
   const pagedserve::RowLogprobs reported = logprobs.empty() ? pagedserve::RowLogprobs{} : pagedserve::RowLogprobs{
       in<int64_t>(logprobs.at(0)), logprob_width, out<int64_t>(logprobs.at(1)), out<float>(logprobs.at(2)),
       out<int64_t>(logprobs.at(3))};
   pagedserve::greedy_decode(model, in<int64_t>(tokens), in<int64_t>(positions), in<int64_t>(tables), max_blocks,
                             block_size, in<int64_t>(limits), in<int64_t>(stop_ids), in<int64_t>(stop_starts), drafts,
-                            drafter, sampling, penalties, reported, in<int64_t>(adapters), max_rows,
+                            drafter, sampling, penalties, grammar, reported, in<int64_t>(adapters), max_rows,
                             out<int64_t>(tokens_out), out_cols, m, steps);
 }
 
@@ -222,13 +228,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             uintptr_t stop_ids, uintptr_t stop_starts, const std::vector<int64_t>& lookup,
                             uintptr_t history, uintptr_t history_starts, uintptr_t verified,
                             const std::vector<uintptr_t>& sampled, const std::vector<uintptr_t>& penalized,
+                            const std::vector<uintptr_t>& masks, int64_t mask_words,
+                            const std::function<void()>& before_step,
                             const std::vector<uintptr_t>& logprobs, int64_t logprob_width, uintptr_t adapters,
                             const std::optional<DraftArgs>& draft, uintptr_t draft_known, int64_t max_rows,
                             uintptr_t tokens_out, int64_t out_cols, int64_t m, int64_t steps) {
     (bf16 ? greedy_decode<uint16_t> : greedy_decode<float>)(model, tokens, positions, tables, max_blocks, block_size,
                                                             limits, stop_ids, stop_starts, lookup, history,
-                                                            history_starts, verified, sampled, penalized, logprobs,
-                                                            logprob_width, adapters, draft, draft_known, max_rows,
-                                                            tokens_out, out_cols, m, steps);
+                                                            history_starts, verified, sampled, penalized, masks,
+                                                            mask_words, before_step, logprobs, logprob_width,
+                                                            adapters, draft, draft_known, max_rows, tokens_out,
+                                                            out_cols, m, steps);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

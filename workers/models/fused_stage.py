@@ -197,17 +197,18 @@ class FusedGreedyDecoding:
                       drafts: cpu_greedy_decode.PromptLookupDrafts | cpu_greedy_decode.DraftModelDrafts | None = None,
                       sampled: cpu_greedy_decode.SampledRows | None = None,
                       penalized: cpu_greedy_decode.PenalizedRows | None = None, logprobs: np.ndarray | None = None,
-                      adapters: np.ndarray | None = None) -> cpu_greedy_decode.GreedyRun | None:
+                      adapters: np.ndarray | None = None,
+                      masks: cpu_greedy_decode.GrammarMasks | None = None) -> cpu_greedy_decode.GreedyRun | None:
         """A multi-step call's later steps in one C++ call (kernels.cpu_greedy_decode.greedy_decode: same tokens
-        as forward(), compute_logits() and the argmax or the sampler step by step, logits biased and penalized
-        as the sampler does, drafts verified as the Python steps verify them, the sampler's logprobs, adapters'
-        deltas in the layers); None where that does not compute
+        as forward(), compute_logits() and the argmax or the sampler step by step, logits masked by grammars,
+        biased and penalized as the sampler does, drafts verified as the Python steps verify them, the sampler's
+        logprobs, adapters' deltas in the layers); None where that does not compute
         what they do, and the caller steps in Python, or more rows than the kernels' products take."""
         model = self.greedy_model()
         if model is None or len(tokens) > model.max_rows:
             return None
         return cpu_greedy_decode.greedy_decode(model, tokens, positions, table, limits, stops, steps, drafts, sampled,
-                                               penalized, logprobs, adapters)
+                                               penalized, logprobs, adapters, masks)
 
     def greedy_model(self) -> cpu_greedy_decode.GreedyModel | None:
         """The model as greedy_decode() takes it; None for changed logits, tensor parallelism or pipeline
