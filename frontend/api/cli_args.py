@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from frontend.api.media import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_MAX_IMAGE_BYTES, MediaOptions
 from frontend.api.push import HEADER_TIMEOUT_S
 from frontend.core_client import DEFAULT_MAX_STALL_S
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 MAX_CHOICES_PER_REQUEST = 1024  # ServerLimits' default; not imported from there, which loads transformers
+DEFAULT_IMAGES_PER_PROMPT = 4
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -47,6 +49,47 @@ def check_lora_flags(args: argparse.Namespace) -> None:
         lora_dir = getattr(args, "lora_dir", None)
         if not lora_dir or not Path(lora_dir).is_dir():
             raise ValueError("--allow-runtime-lora needs --lora-dir, an existing folder the adapters lie under")
+
+
+def media_options(args: argparse.Namespace) -> MediaOptions:
+    """Where chat images may come from, and their limits; ValueError for a media folder that does not exist."""
+    folder = args.allowed_local_media_path
+    if folder is not None and not Path(folder).is_dir():
+        raise ValueError(f"--allowed-local-media-path {folder}: not an existing folder")
+    return MediaOptions(None if folder is None else Path(folder).resolve(), args.allow_remote_media,
+                        args.max_image_bytes, args.media_fetch_timeout,
+                        args.limit_mm_per_prompt.get("image", DEFAULT_IMAGES_PER_PROMPT))
+
+
+def mm_limits(text: str) -> dict[str, int]:
+    """vLLM's --limit-mm-per-prompt: modality=N pairs, comma-separated ("image=2"), or JSON ('{"image": 2}')."""
+    if text.lstrip().startswith("{"):
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(f"not a JSON object: {error}") from None
+        if not isinstance(given, dict):
+            raise argparse.ArgumentTypeError('must be a JSON object such as {"image": 2}')
+    else:
+        pairs = [pair.partition("=") for pair in text.split(",") if pair.strip()]
+        if any(not equals for _, equals, _ in pairs):
+            raise argparse.ArgumentTypeError("must be modality=N pairs such as image=2")
+        given = {name.strip(): count.strip() for name, _, count in pairs}
+    limits = {}
+    for name, count in given.items():
+        if name != "image":
+            raise argparse.ArgumentTypeError(f"{name}: this server takes image inputs only")
+        if isinstance(count, bool) or not str(count).isdigit():
+            raise argparse.ArgumentTypeError(f"image={count}: the count must be a whole number, 0 or more")
+        limits[name] = int(count)
+    return limits
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -117,6 +160,16 @@ GATEWAY_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--log-prompts", dict(action="store_true", help="put each request's prompt and output text in its log line "
                                                      "(they may hold personal data)")),
     ("--max-log-len", dict(type=int, help="with --log-prompts: at most this many characters (or token ids) each")),
+    ("--allowed-local-media-path", dict(help="read file:// image URLs, of files under this folder only (symlinks "
+                                             "and .. resolved first); default: file:// URLs are refused")),
+    ("--allow-remote-media", dict(action="store_true", help="fetch http(s) image URLs (default: refused)")),
+    ("--max-image-bytes", dict(type=positive_int, default=DEFAULT_MAX_IMAGE_BYTES,
+                               help="largest encoded image taken, in bytes (default: %(default)s)")),
+    ("--media-fetch-timeout", dict(type=positive_float, default=DEFAULT_FETCH_TIMEOUT_S,
+                                   help="seconds an http(s) image fetch may take (default: %(default)s)")),
+    ("--limit-mm-per-prompt", dict(type=mm_limits, default={"image": DEFAULT_IMAGES_PER_PROMPT},
+                                   help='most images in one prompt: image=N, or JSON {"image": N} '
+                                        "(default: %(default)s)")),
     ("--max-stored-responses", dict(type=positive_int, default=1000, help="/v1/responses: how many responses each "
                                     "gateway keeps for previous_response_id, the least recently used dropped "
                                     "(default: %(default)s)")),
@@ -143,7 +196,7 @@ def gateway_argv(args: argparse.Namespace) -> list[str]:
         if options.get("action") == "store_true":
             argv += [flag] if value else []
         else:  # --flag=value: a value that starts with "-" (a template, say) stays a value
-            argv.append(f"{flag}={json.dumps(value) if isinstance(value, list) else value}")
+            argv.append(f"{flag}={json.dumps(value) if isinstance(value, (list, dict)) else value}")
     return argv
 
 

@@ -23,10 +23,12 @@ from fastapi.responses import Response
 
 from frontend.api.choices import RequestObservers
 from frontend.api.client_budget import ClientBudget
-from frontend.api.cli_args import CorsOptions, auto_tool_parser, build_parser, check_lora_flags, cors_options
+from frontend.api.cli_args import (CorsOptions, auto_tool_parser, build_parser, check_lora_flags, cors_options,
+                                   media_options)
 from frontend.api.errors import APIError
 from frontend.api.guard import Guard
 from frontend.api.lora_adapters import LoRAAdapters, parse_lora_modules
+from frontend.api.media import MediaOptions
 from frontend.api.route_errors import add_error_handlers, cancel_on_disconnect
 from frontend.api.messages_api import add_messages_routes
 from frontend.api.metrics import ServerMetrics
@@ -55,16 +57,16 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
               request_logger: RequestLogger | None = None, cors: CorsOptions | None = None,
               tool_parser: str | None = None, reasoning_parser: str | None = None,
               adapters: LoRAAdapters | None = None, max_requests_per_client: int | None = None,
-              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES, media: MediaOptions | None = None) -> FastAPI:
     """The gateway's app. `chat_template` (a template's text) replaces the tokenizer's, whose gateway this is;
     `model_root` is the model's root in /v1/models (default: the engine's model folder); /v1/responses keeps the
-    last `max_stored_responses` for previous_response_id."""
+    last `max_stored_responses` for previous_response_id; `media` says where chat images may come from."""
     if chat_template is not None:
         engine.tokenizer.chat_template = chat_template
     metrics = ServerMetrics(model_name, limits.max_model_len)
     adapters = adapters or LoRAAdapters(model_name, {})
     serving = OpenAIServing(engine, model_name, limits, RequestObservers(metrics, request_logger), generation_defaults,
-                            tool_parser, reasoning_parser, adapters)
+                            tool_parser, reasoning_parser, adapters, media)
     # The contract is served (behind the key) for clients and fuzzers; the docs UIs would load scripts from a CDN.
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     if max_requests_per_client is not None:  # inside the guard: only requests with a valid key count
@@ -213,7 +215,7 @@ def listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
 def gateway_app(args: argparse.Namespace, engine: AsyncLLM, model_name: str, model_folder: str,
                 api_key: str | None, request_logger: RequestLogger | None) -> FastAPI:
     """The app of a gateway with these flags (build_parser's) in front of `engine`; ValueError for a chat
-    template, generation config or LoRA module list that cannot be read."""
+    template, generation config, LoRA module list or media folder that cannot be read."""
     chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
     limits = ServerLimits(max_model_len=engine.info.max_model_len, max_n=args.max_n, max_stop=args.max_stop,
                           max_choices_per_request=args.max_choices_per_request)
@@ -226,7 +228,7 @@ def gateway_app(args: argparse.Namespace, engine: AsyncLLM, model_name: str, mod
                      request_logger=request_logger, cors=cors_options(args), tool_parser=auto_tool_parser(args),
                      reasoning_parser=args.reasoning_parser, adapters=adapters,
                      max_requests_per_client=args.max_concurrent_requests_per_key,
-                     max_stored_responses=args.max_stored_responses)
+                     max_stored_responses=args.max_stored_responses, media=media_options(args))
 
 
 def main(argv: list[str] | None = None) -> int:

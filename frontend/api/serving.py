@@ -13,12 +13,14 @@ from fastapi.responses import JSONResponse, Response
 
 from frontend.api.beam_serving import beam_search, refuse_beamless
 from frontend.api.chat_chunks import ToolReader, chat_chunks
+from frontend.api.chat_media import chat_images, images_for_prompt
 from frontend.api.choices import (ChunkWriter, OpenAIChunks, PromptChoices, RequestObservers, StreamedChoices,
                                   final_outputs)
 from frontend.api.errors import APIError
 from frontend.api.lora_adapters import LoRAAdapters
 from frontend.api.logprobs import (chat_logprobs, completion_logprobs, join_logprobs, prompt_logprobs,
                                    prompt_logprobs_body)
+from frontend.api.media import MediaOptions
 from frontend.api.prompt_embeds import embeds_list, read_prompt_embeds
 from frontend.api.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, TokenizeRequest
 from frontend.api.reasoning_parsers import (
@@ -50,8 +52,10 @@ from ipc.request_rules import InvalidRequestError, check_max_tokens
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str, limits: ServerLimits, observers: RequestObservers,
                  generation_defaults: Mapping[str, float | int] | None = None, tool_parser: str | None = None,
-                 reasoning_parser: str | None = None, adapters: LoRAAdapters | None = None) -> None:
+                 reasoning_parser: str | None = None, adapters: LoRAAdapters | None = None,
+                 media: MediaOptions | None = None) -> None:
         self.engine, self.model_name, self.limits, self.observers = engine, model_name, limits, observers
+        self.media = media or MediaOptions()  # where images may come from, and their limits
         self.adapters = adapters or LoRAAdapters(model_name, {})  # the request's model: the base or an adapter
         self.generation_defaults = generation_defaults or {}
         self.tool_parser = tool_parser  # for tool_choice "auto"; None: "auto" is refused
@@ -113,7 +117,9 @@ class OpenAIServing:
         if body.chat_template is not None:
             raise APIError(400, "chat_template is not accepted: the server uses the model's own template",
                            "chat_template")
+        media = images_for_prompt(await chat_images(body.messages, self.media), self.model_name)
         text, prompt = await asyncio.to_thread(self.chat_prompt, body)
+        prompt |= media
         params = sampling_params(body, self.limits, self.generation_defaults, self.tool_parser)
         start = None if self.reasoning_parser is None else section_start(self.reasoning_parser, text)
         if start is not None and params.structured_outputs is not None:  # the constraint starts after the thinking
