@@ -16,7 +16,7 @@ from ipc.request_rules import context_room
 from workers.executor import Executor, InProcessExecutor
 from workers.model_config import check_parallel_sizes, load_hf_config, model_max_len
 from workers.lora.validation import AdapterValidator
-from workers.models.registry import check_prompt_embeds
+from workers.models.registry import check_prompt_embeds, image_inputs
 from workers.pooling.config import is_encoder, max_seq_length, pooling_info
 from workers.quantization import check_quantization
 
@@ -33,24 +33,25 @@ CACHE_RESET_METHODS = frozenset({"reset_prefix_cache"})
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         hf_config = load_hf_config(config.model)
+        text_config = hf_config.get_text_config()  # a vision-language model's language model, else the model's
         encoder = is_encoder(hf_config)
         pooling = pooling_info(config.model, hf_config, config.pooler_config)
         runner = _resolve_runner(config.runner, pooling.generates)
         if encoder:
             _check_encoder_config(config)
         # A sentence-transformers folder's max_seq_length is where its own library truncates: the default limit.
-        limit = min(model_max_len(hf_config), max_seq_length(config.model) or model_max_len(hf_config))
+        limit = min(model_max_len(text_config), max_seq_length(config.model) or model_max_len(text_config))
         self.config = _resolve_max_model_len(config, limit)
         if encoder and self.config.max_num_batched_tokens < self.config.max_model_len:  # a request runs whole
             self.config = msgspec.structs.replace(self.config, max_num_batched_tokens=self.config.max_model_len)
-        self.vocab_size: int = hf_config.vocab_size
+        self.vocab_size: int = text_config.vocab_size
         # Made for the first constrained request, never before: the compile workers' imports take CPU from the
         # steps for seconds even at idle priority, which an engine that serves no grammar should never pay.
         self._structured: StructuredOutputManager | None = None
-        check_parallel_sizes(hf_config, self.config.tensor_parallel_size, self.config.pipeline_parallel_size,
+        check_parallel_sizes(text_config, self.config.tensor_parallel_size, self.config.pipeline_parallel_size,
                              self.config.enable_expert_parallel)
         check_quantization(self.config.model, hf_config, self.config.quantization)  # here, not in a rank
-        _check_draft_model(self.config, hf_config.vocab_size)
+        _check_draft_model(self.config, text_config.vocab_size)
         if self.config.enable_prompt_embeds:
             check_prompt_embeds(hf_config)
         self.lora_validator = AdapterValidator(hf_config, config.max_lora_rank, config.lora_dirs) \
@@ -69,13 +70,16 @@ class EngineCore:
         self._arrivals = itertools.count()
         self.profiler = None if config.profiler_dir is None else EngineProfiler(
             config.profiler_dir, config.profiler_max_seconds, config.profiler_max_steps)
+        image_token, image_features = image_inputs(hf_config)
         self.info = EngineInfo(model=self.config.model, max_model_len=self.config.max_model_len,
                                vocab_size=self.vocab_size, num_kv_blocks=self.num_kv_blocks,
                                block_size=self.config.block_size, weight_bytes=weight_bytes,
                                scheduling_policy=self.config.scheduling_policy,
                                privileged_utilities=sorted(self._privileged_utilities()),
                                max_logprobs=self.config.max_logprobs, runner=runner, pooling=pooling,
-                               hidden_size=hf_config.hidden_size, enable_prompt_embeds=self.config.enable_prompt_embeds)
+                               hidden_size=text_config.hidden_size, image_token_id=image_token,
+                               enable_prompt_embeds=self.config.enable_prompt_embeds,
+                               image_feature_count=image_features)
 
     def validate_request(self, request: EngineCoreRequest, request_id: str | None = None) -> None:
         """Raise ValueError naming what is wrong; nothing is queued. `request_id`: the id the engine will hold it

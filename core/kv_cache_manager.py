@@ -87,4 +87,5 @@ class KVCacheManager:
         self.num_cached_blocks[request.request_id] = max(start, num_full)
 
     def _update_hashes(self, request: Request) -> None:
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt,
+                            request.mm_inputs or ())

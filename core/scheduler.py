@@ -235,7 +235,8 @@ class Scheduler:
                     sampling_params=request.sampling_params, eos_token_id=request.eos_token_id,
                     block_ids=list(self.kv.block_ids(request)), num_computed_tokens=num_cached,
                     lora_request=request.lora_request, pooling_params=request.pooling_params,
-                    token_type_ids=request.token_type_ids, prompt_embeds=request.prompt_embeds))
+                    token_type_ids=request.token_type_ids, prompt_embeds=request.prompt_embeds,
+                    mm_inputs=request.mm_inputs))
             request.set_status(RequestStatus.RUNNING)
             bisect.insort(self.running, request, key=lambda r: r.sort_key)
             self._commit(request, num_new, num_scheduled)

@@ -12,6 +12,7 @@ from frontend.connect import connect_engine
 from frontend.async_core_client import AsyncEngineCoreClient
 from frontend.core_client import DEFAULT_MAX_STALL_S, EngineDeadError
 from frontend.generation_config import model_stop_token_ids
+from frontend.multimodal import ImageProcessor
 from frontend.output_collector import RequestOutputCollector
 from frontend.outputs import RequestOutput
 from frontend.prompts import PromptType, check_sampling_params
@@ -41,7 +42,8 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(files or self.info.model)
         model_files = model_folder(model or self.info.model, files)  # generation_config.json
         self.router = RequestRouter(self.client, self.tokenizer, self.info,
-                                    model_stop_token_ids(model_files, self.tokenizer.eos_token_id))
+                                    model_stop_token_ids(model_files, self.tokenizer.eos_token_id),
+                                    ImageProcessor.of(model_files, self.info))
         self.output_handler: asyncio.Task | None = None
 
     @property

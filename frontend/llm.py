@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from frontend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, live_beams, take_step
 from frontend.connect import connect_engine
 from frontend.generation_config import load_generation_defaults, model_stop_token_ids
+from frontend.multimodal import ImageProcessor
 from frontend.outputs import (ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, RequestOutput,
                               ScoringOutput)
 from frontend.pooling_inputs import PoolingInput, as_inputs, input_token_ids, pooling_request, score_pairs
@@ -49,7 +50,8 @@ class LLM:
         self.tokenizer = load_tokenizer(files or self.info.model)
         model_files = model_folder(model or self.info.model, files)  # generation_config.json
         self.router = RequestRouter(self.client, self.tokenizer, self.info,
-                                    model_stop_token_ids(model_files, self.tokenizer.eos_token_id))
+                                    model_stop_token_ids(model_files, self.tokenizer.eos_token_id),
+                                    ImageProcessor.of(model_files, self.info))
         self.default_sampling_params = SamplingParams(**load_generation_defaults(model_files,
                                                                                   generation_config))
         self._request_counter = itertools.count()

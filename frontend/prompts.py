@@ -1,10 +1,11 @@
-"""The prompt forms a front end accepts (text, {"prompt": text}, {"prompt_token_ids": [...]}, {"prompt_embeds": tensor})
-and their token ids."""
+"""The prompt forms a front end accepts (text, {"prompt": text}, {"prompt_token_ids": [...]}, {"prompt_embeds": tensor},
+{"prompt": text, "multi_modal_data": {"image": images}}) and their token ids."""
 from __future__ import annotations
 
 import msgspec
 from transformers import PreTrainedTokenizerBase
 
+from frontend.multimodal import ImageProcessor, check_image_prompt, images_of
 from frontend.tokenizer import check_text, encode
 from ipc import EngineCoreRequest, EngineInfo, LoRARequest, PromptEmbeds, SamplingParams
 
@@ -51,17 +52,25 @@ def prompt_cache_salt(prompt: PromptType) -> str | None:
 
 
 def engine_request(tokenizer: PreTrainedTokenizerBase, info: EngineInfo, request_id: str, prompt: PromptType,
-                   params: SamplingParams, priority: int = 0, lora_request: LoRARequest | None = None
-                   ) -> EngineCoreRequest:
-    """The validated engine-core request for one prompt (ValueError naming what is wrong)."""
+                   params: SamplingParams, priority: int = 0, lora_request: LoRARequest | None = None,
+                   image_processor: ImageProcessor | None = None) -> EngineCoreRequest:
+    """The validated engine-core request for one prompt (ValueError naming what is wrong); a prompt's images run
+    through the model's image processor here."""
     check_sampling_params(params)
     if params.bad_words and params.bad_words_token_ids is None:
         params = msgspec.structs.replace(params, bad_words_token_ids=bad_words_token_ids(tokenizer, params.bad_words))
+    images = images_of(prompt)
+    if images is not None:
+        check_image_prompt(prompt, image_processor)
     embeds = prompt_embeds_of(prompt)
     token_ids = tokenize_prompt(tokenizer, prompt) if embeds is None else [0] * embeds.num_rows
+    mm_inputs = None
+    if images is not None:
+        token_ids, mm_inputs = image_processor.expand(token_ids, images)
     request = EngineCoreRequest(request_id=request_id, prompt_token_ids=token_ids, sampling_params=params,
                                 eos_token_id=tokenizer.eos_token_id, priority=int(priority),
-                                cache_salt=prompt_cache_salt(prompt), lora_request=lora_request, prompt_embeds=embeds)
+                                cache_salt=prompt_cache_salt(prompt), lora_request=lora_request, prompt_embeds=embeds,
+                                mm_inputs=mm_inputs)
     info.validate_request(request)
     return request
 

@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 
 from frontend.core_client import request_error
 from frontend.generation_config import with_stop_token_ids
+from frontend.multimodal import ImageProcessor
 from frontend.output_processor import OutputProcessor
 from frontend.prompts import PromptType, check_sampling_params, engine_request, prompt_text
 from frontend.request_group import OutputCallback, RequestGroup, child_params
@@ -30,8 +31,9 @@ class EngineSender(Protocol):
 
 class RequestRouter:
     def __init__(self, client: EngineSender, tokenizer: PreTrainedTokenizerBase, info: EngineInfo,
-                 model_stop_token_ids: list[int] | None = None) -> None:
+                 model_stop_token_ids: list[int] | None = None, image_processor: ImageProcessor | None = None) -> None:
         self.client, self.tokenizer, self.info = client, tokenizer, info
+        self.image_processor = image_processor  # a vision-language model's: prompts' images are processed here
         self.model_stop_token_ids = model_stop_token_ids or []  # the generation config's other EOS ids
         self.output_processor = OutputProcessor(tokenizer)
         self.groups: dict[str, RequestGroup] = {}
@@ -47,8 +49,9 @@ class RequestRouter:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = with_stop_token_ids(params, self.model_stop_token_ids)
         group = RequestGroup(request_id, params, on_output)
+        # Tokenized (its images processed) and validated once for all n.
         first = engine_request(self.tokenizer, self.info, group.child_ids[0], prompt, child_params(params, 0),
-                               priority, lora_request)  # tokenized and validated once for all n
+                               priority, lora_request, self.image_processor)
         requests = [first] + [msgspec.structs.replace(first, request_id=group.child_ids[index],
                                                       sampling_params=child_params(params, index))
                               for index in range(1, params.n)]

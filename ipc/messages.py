@@ -9,6 +9,7 @@ from msgspec import Meta
 
 from ipc.bounds import MAX_ID_LENGTH, MAX_PROMPT_TOKENS, Count, Fraction, Int64, RequestId, Seconds, TokenId, check_fields
 from ipc.lora import LoRARequest
+from ipc.multimodal import MAX_IMAGES_PER_PROMPT, ImageInput
 from ipc.pooling import PoolingInfo, PoolingParams
 from ipc.prompt_embeds import PromptEmbeds
 from ipc.request_rules import validate_request
@@ -40,6 +41,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, tag="add"):
     token_type_ids: Annotated[list[Count], Meta(max_length=MAX_PROMPT_TOKENS)] | None = None  # BERT's segments
     # The prompt as embeddings: prompt_token_ids are then placeholders (one per row), never read as content.
     prompt_embeds: PromptEmbeds | None = None
+    # Its images, in prompt order: each one's features replace the embeddings of its placeholder tokens.
+    mm_inputs: Annotated[list[ImageInput], Meta(max_length=MAX_IMAGES_PER_PROMPT)] | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, "EngineCoreRequest.")
@@ -168,6 +171,9 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     pooling: PoolingInfo | None = None  # None: the model cannot pool
     hidden_size: Count = 0  # the width of the model's input embedding: of a prompt_embeds row
     enable_prompt_embeds: bool = False  # whether requests may give their prompt as embeddings
+    # A vision-language model's image placeholder token and the features (placeholders) of one image; 0: no images.
+    image_token_id: TokenId | None = None
+    image_feature_count: Count = 0
 
     def validate_request(self, request: EngineCoreRequest) -> None:
         """Raise InvalidRequestError naming what is wrong with a request this engine would refuse."""

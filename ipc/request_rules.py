@@ -27,6 +27,8 @@ def validate_request(info: EngineInfo, request: EngineCoreRequest) -> None:
                                   "classifies, it does not generate", "model")
     context_room(info, len(request.prompt_token_ids))
     _check_token_ids(info, request)
+    if request.mm_inputs:
+        _check_images(info, request)
     params = request.sampling_params
     if params.n != 1:
         raise InvalidRequestError(f"an engine request samples once (n=1, got {params.n}); the front end sends "
@@ -138,3 +140,21 @@ def _check_pooling_request(info: EngineInfo, request: EngineCoreRequest) -> None
         if any(t >= pooling.type_vocab_size for t in types):
             raise InvalidRequestError(f"token_type_ids must be below {pooling.type_vocab_size} for this model",
                                       "token_type_ids")
+
+
+def _check_images(info: EngineInfo, request: EngineCoreRequest) -> None:
+    """Images only for a vision-language model, each over its own run of placeholder tokens, in prompt order."""
+    if not info.image_feature_count:
+        raise InvalidRequestError("this model takes no images (it is a text-only model)", "multi_modal_data")
+    if request.prompt_embeds is not None:
+        raise InvalidRequestError("give images with a prompt of token ids, not prompt_embeds", "multi_modal_data")
+    end = 0
+    for image in request.mm_inputs:
+        if image.length != info.image_feature_count or image.offset < end or \
+                image.end > len(request.prompt_token_ids):
+            raise InvalidRequestError(f"each image takes {info.image_feature_count} placeholder tokens of its own, "
+                                      f"in prompt order; got {image.length} at {image.offset}", "multi_modal_data")
+        if any(token != info.image_token_id for token in request.prompt_token_ids[image.offset:image.end]):
+            raise InvalidRequestError(f"an image's placeholder positions {image.offset}..{image.end - 1} must hold "
+                                      f"the image token {info.image_token_id}", "multi_modal_data")
+        end = image.end

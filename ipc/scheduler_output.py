@@ -5,6 +5,7 @@ import msgspec
 
 from ipc.bounds import Count, TokenId
 from ipc.lora import LoRARequest
+from ipc.multimodal import ImageInput
 from ipc.pooling import PoolingParams
 from ipc.prompt_embeds import PromptEmbeds
 from ipc.sampling_params import SamplingParams
@@ -24,6 +25,7 @@ class NewRequestData(msgspec.Struct, kw_only=True):
     pooling_params: PoolingParams | None = None
     token_type_ids: list[Count] | None = None
     prompt_embeds: PromptEmbeds | None = None  # the prompt's rows of the input embedding, given
+    mm_inputs: list[ImageInput] | None = None  # its images and their placeholders, in prompt order
 
 
 class CachedRequestData(msgspec.Struct, kw_only=True):

@@ -55,6 +55,14 @@ def tiny_model(arch: str) -> str:
 
 
 @functools.cache
+def tiny_llava() -> str:
+    """The tiny random LLaVA-1.5 folder (launch/make_vision_model.py), cached on disk as tiny_model's are."""
+    from launch.make_vision_model import make_llava
+
+    return str(make_llava(_MODEL_ROOT / "llava-tiny"))
+
+
+@functools.cache
 def long_context_llama() -> str:
     """The tiny llama with a 64k context, where a request can run for many seconds on any machine (the 1k-context
     one's whole context took 0.15-0.25 s): a test acts while it runs. Serve it with a KV pool for its context."""

@@ -141,13 +141,17 @@ def _load_into(param: nn.Parameter, loaded: Sliceable, shard_id: int | tuple[int
 
 def checkpoint_target(name: str, params: dict, model: nn.Module) -> tuple[str, int | tuple[int, int] | None] | None:
     """Checkpoint name → (parameter name, shard id); None for tensors this rank does not use (rotary buffers,
-    other pipeline stages' layers). The model may declare `weight_aliases` (names loaded into another parameter),
+    other pipeline stages' layers). The model may declare `checkpoint_prefixes` (name prefixes → ours, applied first),
+    `weight_aliases` (names loaded into another parameter),
     `renamed_modules` (checkpoint module names → ours), `expert_modules` (per-expert projections → stacked
     parameters, see workers.layers.fused_moe) and `packed_modules` (projections merged into one parameter)."""
     aliases: dict[str, str] = getattr(model, "weight_aliases", {})
     renamed: dict[str, str] = getattr(model, "renamed_modules", {})
     experts: dict[str, tuple[str, int]] = getattr(model, "expert_modules", {})
     packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
+    for source, ours in getattr(model, "checkpoint_prefixes", {}).items():
+        if name.startswith(source):
+            name = ours + name[len(source):]
     for candidate in (name, "model." + name):
         if aliases.get(candidate) in params:
             return aliases[candidate], None

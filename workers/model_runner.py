@@ -26,6 +26,7 @@ from workers.model_loader import load_model
 from workers.pinned_staging import PinnedStaging, staging_bytes
 from workers.pooling.pooler import ChunkedPooling, finish_embedding
 from workers.profile_step import profile_step
+from workers.encoder_cache import EncoderCache
 from workers.prompt_embeds import step_embeds
 from workers.request_state import CachedRequestState, update_states
 from workers.spec_decode import DraftModel, make_speculator
@@ -41,7 +42,7 @@ class ModelRunner:
                  device: torch.device, pooling: PoolingInfo) -> None:
         self.config, self.dtype, self.device = config, dtype, device
         self.block_size = config.block_size
-        self.hidden_size: int = hf_config.hidden_size
+        self.hidden_size: int = hf_config.get_text_config().hidden_size
         self.parallel = parallel_state()
         self.model = load_model(config.model, hf_config, dtype, device, config.quantization, config.quantize_lm_head,
                                 config.load_format)
@@ -66,6 +67,8 @@ class ModelRunner:
         self.pooling = pooling
         self.chunked_pooling = ChunkedPooling(pooling.pooling_type)
         self.later_steps = LaterStepCalls(self)
+        self.encoder_cache = EncoderCache(self.model.encode_images, device) \
+            if getattr(self.model, "takes_images", False) and self.parallel.is_first_stage else None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the KV cache, then capture the decode graphs, which write into it. Before a graph of one row
@@ -256,7 +259,7 @@ class ModelRunner:
                 if (job := prompt_logprob_job(state, int(starts[i]), int(seq_lens[i]), int(query_start_loc[i]),
                                                lora_slots[i]))]
         adapted = any(slot >= 0 for slot in lora_slots)  # captured graphs hold no adapter deltas, nor given embeddings
-        embeds = step_embeds(states, starts, seq_lens, query_start_loc, self.dtype, self.device)
+        embeds = step_embeds(states, starts, seq_lens, query_start_loc, self.dtype, self.device, self.encoder_cache)
         graph_size = self._graph_size(len(req_ids)) \
             if num_decodes == len(req_ids) and not jobs and not adapted and embeds is None else None
         hidden = None

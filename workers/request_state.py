@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ipc import LoRARequest, NewRequestData, PoolingParams, SamplingParams, SchedulerOutput
+from ipc.multimodal import ImageInput
 from ipc.sampling_params import stop_tokens
 
 
@@ -22,6 +23,7 @@ class CachedRequestState:
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None  # a pooling request: its prompt is pooled, never sampled from
     prompt_embeds: torch.Tensor | None = None  # its prompt's rows of the input embedding, given in place of its ids
+    mm_inputs: list[ImageInput] | None = None  # its images, whose features replace their placeholders' embeddings
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> CachedRequestState:
@@ -29,7 +31,8 @@ class CachedRequestState:
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         return cls(data.req_id, list(data.prompt_token_ids), len(data.prompt_token_ids), params,
                    data.eos_token_id, list(data.block_ids), data.num_computed_tokens, generator, data.lora_request,
-                   data.pooling_params, None if data.prompt_embeds is None else data.prompt_embeds.tensor())
+                   data.pooling_params, None if data.prompt_embeds is None else data.prompt_embeds.tensor(),
+                   data.mm_inputs)
 
     @property
     def num_output_tokens(self) -> int:

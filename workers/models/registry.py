@@ -9,6 +9,7 @@ from workers.models.deepseek_v2 import DeepseekV2ForCausalLM
 from workers.models.gemma2 import Gemma2ForCausalLM
 from workers.models.gpt_neox import GPTNeoXForCausalLM
 from workers.models.llama import LlamaForCausalLM
+from workers.models.llava import LlavaForConditionalGeneration
 from workers.models.mistral import MistralForCausalLM
 from workers.models.mixtral import MixtralForCausalLM
 from workers.models.opt import OPTForCausalLM
@@ -44,6 +45,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "BertModel": BertModel,
     "BertForSequenceClassification": BertForSequenceClassification,
     **{base: _base_model(causal_lm) for base, causal_lm in (
@@ -59,6 +61,14 @@ def check_prompt_embeds(config: PretrainedConfig) -> None:
         families = sorted(name for name, cls in _MODELS.items() if getattr(cls, "takes_prompt_embeds", False))
         raise ValueError(f"enable_prompt_embeds: the {model_class.__name__} family does not take prompt embeddings; "
                          f"those that do: {', '.join(families)}")
+
+
+def image_inputs(config: PretrainedConfig) -> tuple[int | None, int]:
+    """A vision-language model's image placeholder token and its features per image; (None, 0) for any other."""
+    model_class = get_model_class(config)
+    if not getattr(model_class, "takes_images", False):
+        return None, 0
+    return model_class.image_token_id(config), model_class.image_feature_count(config)
 
 
 def get_model_class(config: PretrainedConfig) -> type[nn.Module]:

@@ -33,7 +33,7 @@ def pooling_info(model_dir: str, config: PretrainedConfig, overrides: PoolerConf
         normalize = normalize if overrides.normalize is None else overrides.normalize
     labels = [str(config.id2label[i]) for i in range(config.num_labels)] if classifier else []
     headless = bool(BASE_MODEL_ARCHITECTURES & set(config.architectures or ()))
-    return PoolingInfo(pooling_type=pooling_type, normalize=normalize, hidden_size=config.hidden_size,
+    return PoolingInfo(pooling_type=pooling_type, normalize=normalize, hidden_size=config.get_text_config().hidden_size,
                        num_labels=len(labels), labels=labels,
                        matryoshka=bool(getattr(config, "matryoshka_dimensions", None)
                                        or getattr(config, "is_matryoshka", False)),

@@ -1,0 +1,80 @@
+"""Images of a prompt, processed in the front end: the checkpoint's own image processor, each <image> placeholder
+expanded to the image's feature count, and a content hash per image."""
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from ipc import EngineInfo
+from ipc.multimodal import MAX_IMAGES_PER_PROMPT, ImageInput
+
+_ACCEPTED = "{'prompt': text with one <image> per image, 'multi_modal_data': {'image': PIL.Image or [images]}}"
+
+
+def image_hash(image: Any) -> str:
+    """sha256 of an image's mode, size and pixels: the same picture from any source is the same key."""
+    digest = hashlib.sha256(f"{image.mode}:{image.width}x{image.height}:".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+def images_of(prompt: Any) -> list | None:
+    """A dict prompt's multi_modal_data images as a list (None without any); ValueError for other media or objects
+    that are not PIL images."""
+    if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
+        return None
+    data = prompt["multi_modal_data"]
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data must be {{'image': PIL.Image or [images]}}, got "
+                         f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+    from PIL import Image
+
+    images = data.get("image")
+    images = [images] if isinstance(images, Image.Image) else images
+    if not isinstance(images, (list, tuple)) or not all(isinstance(image, Image.Image) for image in images):
+        kinds = sorted({type(image).__name__ for image in images}) if isinstance(images, (list, tuple)) else \
+            [type(images).__name__]
+        raise ValueError(f"multi_modal_data['image'] must be a PIL.Image or a list of them, got {', '.join(kinds)}")
+    if len(images) > MAX_IMAGES_PER_PROMPT:
+        raise ValueError(f"a prompt takes at most {MAX_IMAGES_PER_PROMPT} images, got {len(images)}")
+    return list(images)
+
+
+class ImageProcessor:
+    """A vision-language model's image processor (transformers', from its folder) and its placeholder rule."""
+
+    def __init__(self, model_folder: str, info: EngineInfo) -> None:
+        from transformers import AutoImageProcessor
+
+        self.processor = AutoImageProcessor.from_pretrained(model_folder)
+        self.image_token_id: int = info.image_token_id
+        self.feature_count = info.image_feature_count
+
+    @classmethod
+    def of(cls, model_folder: str, info: EngineInfo) -> ImageProcessor | None:
+        """The model's processor, or None for a model that takes no images."""
+        return cls(model_folder, info) if info.image_feature_count else None
+
+    def expand(self, token_ids: list[int], images: list) -> tuple[list[int], list[ImageInput]]:
+        """The prompt's ids with each placeholder repeated to its image's feature count, and the images as the engine
+        takes them (ValueError when placeholders and images do not pair up)."""
+        at = [i for i, token in enumerate(token_ids) if token == self.image_token_id]
+        if len(at) != len(images):
+            raise ValueError(f"the prompt has {len(at)} image placeholder(s) but {len(images)} image(s) were given: "
+                             f"write one placeholder token per image where it goes ({_ACCEPTED})")
+        pixel_values = self.processor([image.convert("RGB") for image in images], return_tensors="pt")["pixel_values"]
+        expanded, inputs, done = [], [], 0
+        for position, image, pixels in zip(at, images, pixel_values):
+            expanded += token_ids[done:position]
+            inputs.append(ImageInput.of(pixels, image_hash(image), len(expanded), self.feature_count))
+            expanded += [self.image_token_id] * self.feature_count
+            done = position + 1
+        return expanded + token_ids[done:], inputs
+
+
+def check_image_prompt(prompt: dict, processor: ImageProcessor | None) -> None:
+    """ValueError unless images come with a text prompt to a model that takes them."""
+    if processor is None:
+        raise ValueError("this model takes no images (it is a text-only model); drop multi_modal_data")
+    if "prompt_token_ids" in prompt or "prompt_embeds" in prompt:
+        raise ValueError(f"images go with a text prompt, not prompt_token_ids or prompt_embeds: give {_ACCEPTED}")

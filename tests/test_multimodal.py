@@ -1,0 +1,164 @@
+"""LLaVA-1.5 offline (issue 54): greedy float32 output token-exact against transformers with 1 and 2 images of different
+sizes, chunked through an image's placeholders and batched with a text prompt; the encoder runs once per image; the
+prefix cache keys blocks by the images they cover; every bad input a ValueError naming its cause."""
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor
+from transformers import LlavaForConditionalGeneration as HFLlava
+
+from conftest import assert_all_blocks_free, tiny_llava
+from core.block_hash import extend_block_hashes
+from frontend import LLM, SamplingParams
+from frontend.prompts import engine_request
+from ipc import Decoder, EngineCoreRequest, Encoder
+from ipc.multimodal import ImageInput
+from ipc.request_rules import InvalidRequestError
+from workers.model_loader import checkpoint_target
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+FEATURES = 25  # the tiny tower's 5 × 5 patches (launch/make_vision_model.py)
+# 16-token steps cut through every image's 25 placeholders; 8-token blocks.
+ENGINE = {"dtype": "float32", "block_size": 8, "max_model_len": 256, "max_num_batched_tokens": 16}
+
+
+def picture(seed: int, height: int = 41, width: int = 52) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM(tiny_llava(), in_process=True, **ENGINE)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' own LLaVA and image processor on the same folder."""
+    return HFLlava.from_pretrained(tiny_llava(), dtype=torch.float32).eval(), \
+        AutoImageProcessor.from_pretrained(tiny_llava())
+
+
+def encoder_cache(llm: LLM):
+    return llm.client.engine.executor.worker.model_runner.encoder_cache
+
+
+def hf_greedy(reference, prompt_token_ids: list[int], images: list[Image.Image], max_tokens: int) -> list[int]:
+    model, processor = reference
+    ids = torch.tensor([prompt_token_ids])
+    pixels = {"pixel_values": processor(images, return_tensors="pt")["pixel_values"]} if images else {}
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                         do_sample=False, **pixels)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_greedy_matches_transformers_chunked_and_batched_with_text(llm, reference):
+    one, two, three = picture(1), picture(2, 60, 33), picture(3, 33, 90)
+    prompts = [{"prompt": "<image> What is in it?", "multi_modal_data": {"image": one}},
+               {"prompt": "First <image> then <image>", "multi_modal_data": {"image": [two, three]}},
+               "A prompt of text alone",
+               {"prompt": "Say what you see: <image>", "multi_modal_data": {"image": [three]}}]
+    cache = encoder_cache(llm)
+    encoded = cache.num_encoded
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        images = prompt["multi_modal_data"]["image"] if isinstance(prompt, dict) else []
+        images = images if isinstance(images, list) else [images]
+        assert output.prompt_token_ids.count(llm.info.image_token_id) == FEATURES * len(images)
+        assert output.outputs[0].token_ids == hf_greedy(reference, output.prompt_token_ids, images, 8), prompt
+    assert cache.num_encoded - encoded == 3  # each distinct image once, though 16-token steps split each
+    assert_all_blocks_free(llm)
+
+
+def test_an_image_seen_before_is_not_encoded_again_and_shares_blocks(llm):
+    image = picture(4)
+    prompt = {"prompt": "<image> Describe the picture in a few words", "multi_modal_data": {"image": image}}
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    encoded = encoder_cache(llm).num_encoded
+    again = llm.generate({**prompt, "multi_modal_data": {"image": image.copy()}}, GREEDY, use_tqdm=False)[0]
+    assert encoder_cache(llm).num_encoded == encoded
+    # Every full block is found again (the last prompt token is always computed).
+    assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // 8 * 8
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_all_blocks_free(llm)
+
+
+def test_same_text_with_another_image_shares_no_block_and_answers_differently(llm):
+    text = "<image> Describe the picture in a few words"
+    outputs = [llm.generate({"prompt": text, "multi_modal_data": {"image": picture(seed)}}, GREEDY,
+                            use_tqdm=False)[0] for seed in (5, 6)]
+    assert outputs[1].num_cached_tokens == 0
+    assert outputs[0].prompt_token_ids == outputs[1].prompt_token_ids
+    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids
+    assert_all_blocks_free(llm)
+
+
+def test_block_hashes_carry_the_images_they_cover():
+    def image(digest: str, offset: int) -> ImageInput:
+        return ImageInput(bytes(4 * 3), "float32", (3, 1, 1), digest * 64, offset, 4)
+
+    tokens = [1, 2, 3, 4] + [9] * 4 + [5, 6, 7, 8]
+    hashes = {}
+    for name in ("a", "b"):
+        hashes[name] = []
+        extend_block_hashes(hashes[name], tokens, 4, None, [image(name, 4)])
+    same = []
+    extend_block_hashes(same, tokens, 4, None, [image("a", 4)])
+    assert hashes["a"][0] == hashes["b"][0]  # before the image: shared
+    assert hashes["a"][1] != hashes["b"][1] and hashes["a"][2] != hashes["b"][2]  # from its first placeholder on
+    assert same == hashes["a"]
+
+
+def test_bad_image_prompts_are_value_errors(llm):
+    image = picture(7)
+    cases = [({"prompt": "no placeholder", "multi_modal_data": {"image": image}}, "0 image placeholder"),
+             ({"prompt": "<image> <image>", "multi_modal_data": {"image": image}}, "2 image placeholder"),
+             ({"prompt_token_ids": [1, 2, llm.info.image_token_id], "multi_modal_data": {"image": image}},
+              "not prompt_token_ids"),
+             ({"prompt": "<image>", "multi_modal_data": {"image": "cat.png"}}, "PIL.Image or a list of them, got str"),
+             ({"prompt": "<image>", "multi_modal_data": {"image": [image, 3]}}, "got Image, int"),
+             ({"prompt": "<image>", "multi_modal_data": {"video": [image]}}, "multi_modal_data must be")]
+    for prompt, message in cases:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(prompt, GREEDY, use_tqdm=False)
+    text_only = msgspec.structs.replace(llm.info, image_token_id=None, image_feature_count=0)
+    with pytest.raises(ValueError, match="takes no images"):
+        engine_request(llm.tokenizer, text_only, "r", {"prompt": "<image>", "multi_modal_data": {"image": image}},
+                       GREEDY)
+    assert_all_blocks_free(llm)
+
+
+def test_the_engine_refuses_images_a_front_end_did_not_expand(llm):
+    request = engine_request(llm.tokenizer, llm.info, "r", {"prompt": "x <image>", "multi_modal_data": {
+        "image": picture(8)}}, GREEDY, image_processor=llm.router.image_processor)
+    frames = Encoder().encode(request)
+    decoded = Decoder(EngineCoreRequest).decode(frames)
+    assert torch.equal(decoded.mm_inputs[0].tensor(), request.mm_inputs[0].tensor())
+    text_only = msgspec.structs.replace(llm.info, image_token_id=None, image_feature_count=0)
+    with pytest.raises(InvalidRequestError, match="takes no images"):
+        text_only.validate_request(request)
+    moved = msgspec.structs.replace(request, mm_inputs=[msgspec.structs.replace(request.mm_inputs[0], offset=0)])
+    with pytest.raises(InvalidRequestError, match="must hold the image token"):
+        llm.info.validate_request(moved)
+
+
+def test_checkpoint_names_of_every_layout_load(llm):
+    model = llm.client.engine.executor.worker.model_runner.model
+    params = dict(model.named_parameters())
+    names = {"model.language_model.layers.0.self_attn.q_proj.weight": "language_model.model.layers.0.self_attn.qkv_proj"
+             ".weight",
+             "language_model.model.layers.0.self_attn.q_proj.weight": "language_model.model.layers.0.self_attn.qkv_proj"
+             ".weight",
+             "vision_tower.vision_model.embeddings.class_embedding": "vision_tower.embeddings.class_embedding",
+             "model.vision_tower.encoder.layers.0.self_attn.q_proj.weight":
+                 "vision_tower.encoder.layers.0.self_attn.q_proj.weight",
+             "model.multi_modal_projector.linear_1.weight": "multi_modal_projector.linear_1.weight",
+             "lm_head.weight": "language_model.lm_head.weight"}
+    for checkpoint_name, ours in names.items():
+        assert checkpoint_target(checkpoint_name, params, model)[0] == ours, checkpoint_name
+    assert checkpoint_target("vision_tower.post_layernorm.weight", params, model) is None  # never read
