@@ -14,6 +14,7 @@ import time
 import zlib
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 from PIL import Image
@@ -191,13 +192,18 @@ def test_the_flags_default_to_data_urls_only_and_take_both_limit_forms(tmp_path)
 
 
 @pytest.fixture(scope="module")
-def client(media_dir, image_host):
-    """The demo gateway taking local files under allowed/, remote images, at most 2 per prompt."""
+def gateway(media_dir, image_host):
+    """The demo gateway taking local files under allowed/, remote images, at most 2 per prompt: its base URL."""
     process, base_url = start_launcher(["--api-key", API_KEY, "--allowed-local-media-path", str(media_dir / "allowed"),
                                         "--allow-remote-media", "--media-fetch-timeout", "1",
                                         "--max-image-bytes", str(MAX_BYTES), "--limit-mm-per-prompt", "image=2"])
-    yield openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0)
+    yield base_url
     stop_launcher(process)
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key=API_KEY, max_retries=0)
 
 
 def chat_error(client: openai.OpenAI, *urls: str, part: dict | None = None) -> dict:
@@ -234,3 +240,17 @@ def test_a_good_image_on_the_text_only_model_says_it_does_not_accept_images(clie
     good = data_url(encoded(Image.new("RGB", (9, 9), "green")))
     for urls in ((good,), (f"file://{media_dir}/allowed/cat.png", f"{image_host}/cat.png")):
         assert "does not accept images" in chat_error(client, *urls)["message"]
+
+
+def test_anthropic_image_blocks_are_checked_as_chat_images_are(gateway, image_host):
+    client = anthropic.Anthropic(base_url=gateway, api_key=API_KEY, max_retries=0)
+    png = base64.b64encode(encoded(Image.new("RGB", (9, 9), "green"))).decode()
+    for source, words in (({"type": "base64", "media_type": "image/png", "data": png}, "does not accept images"),
+                          ({"type": "url", "url": f"{image_host}/cat.png"}, "does not accept images"),
+                          ({"type": "base64", "media_type": "image/png", "data": png[:-7]}, "not valid base64"),
+                          ({"type": "base64", "media_type": "image/tiff", "data": BAD_DATA[5][1].split(",")[1]},
+                           "unsupported image format")):
+        with pytest.raises(anthropic.BadRequestError) as caught:
+            client.messages.create(model=DEMO_MODEL_NAME, max_tokens=2, messages=[{"role": "user", "content": [
+                {"type": "image", "source": source}, {"type": "text", "text": "What is in it?"}]}])
+        assert words in caught.value.body["error"]["message"], source

@@ -172,7 +172,9 @@ def test_count_tokens_is_the_prompt_a_messages_call_reports(demo):
 
 @pytest.mark.parametrize("extra, field, message", [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "AA=="}}]}]},
-     "messages.0.content.0.type", "images are not supported"),
+     "messages.0.content.0.source.media_type", "needs media_type"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "A"}}]}]},
+     "messages.0.content.0.type", "documents are not supported"),
     ({"messages": [{"role": "system", "content": "Hi"}]}, "messages.0.role", "'user' or 'assistant'"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
      "messages.0.content.0.type", "belong in user messages"),

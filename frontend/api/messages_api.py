@@ -105,13 +105,15 @@ def chat_messages(message: Message, where: str) -> list[dict]:
     tool_use blocks as its tool_calls."""
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
-    texts, calls, results = [], [], []
+    texts, calls, results = [], [], []  # texts: the text and image parts, in order
     for position, block in enumerate(message.content):
         if block.type in ("tool_use", "tool_result") and message.role != _ROLE_OF[block.type]:
             raise APIError(400, f"{block.type} blocks belong in {_ROLE_OF[block.type]} messages",
                            f"{where}.content.{position}.type")
         if block.type == "text":
             texts.append({"type": "text", "text": block.text})
+        elif block.type == "image":
+            texts.append({"type": "image_url", "image_url": {"url": block.source.chat_url()}})
         elif block.type == "tool_use":
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False)}})

@@ -9,7 +9,7 @@ from pydantic_core import PydanticCustomError
 
 from frontend.api.protocol import SP, Rule, _one_of, _Strict, given_only_with_type, refuse_media, require_fields
 
-_MEDIA = {"image": "images", "document": "documents"}
+_MEDIA = {"document": "documents"}
 # Fields whose other values would change the output; metadata and service_tier change nothing here.
 REFUSED = {
     "thinking": Rule("the served model has no extended thinking",
@@ -26,11 +26,30 @@ class TextBlock(_Strict):
     text: str
 
 
-class ContentBlock(_Strict):
-    """A text, tool_use or tool_result block (each with its own fields); images and documents are refused."""
+class ImageSource(_Strict):
+    """An image block's source: base64 data with its media type, or a URL (loaded as a chat image_url is)."""
 
-    type: Literal["text", "tool_use", "tool_result"]
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> ImageSource:
+        require_fields(self, {"base64": ("media_type", "data"), "url": ("url",)}[self.type], f"{self.type} source")
+        return self
+
+    def chat_url(self) -> str:
+        """The source as a chat image_url part's URL."""
+        return self.url if self.type == "url" else f"data:{self.media_type};base64,{self.data}"
+
+
+class ContentBlock(_Strict):
+    """A text, image, tool_use or tool_result block (each with its own fields); documents are refused."""
+
+    type: Literal["text", "image", "tool_use", "tool_result"]
     text: str | None = None
+    source: ImageSource | None = None  # image
     id: str | None = Field(default=None, min_length=1)  # tool_use
     name: str | None = None
     input: dict[str, Any] | None = None
@@ -45,7 +64,8 @@ class ContentBlock(_Strict):
 
     @model_validator(mode="after")
     def _fields_of_its_type(self) -> ContentBlock:
-        needed = {"text": ("text",), "tool_use": ("id", "name", "input"), "tool_result": ("tool_use_id",)}[self.type]
+        needed = {"text": ("text",), "image": ("source",), "tool_use": ("id", "name", "input"),
+                  "tool_result": ("tool_use_id",)}[self.type]
         require_fields(self, needed, f"{self.type} block")
         return self
 
