@@ -10,7 +10,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,8 +119,15 @@ def make_model(
     `weights` the folder holds the config and tokenizer only (served with load_format="dummy")."""
     _check_choice("arch", arch, ARCHS)
     _check_choice("size", size, tuple(SIZES))
-    out = Path(out_dir).expanduser().resolve()
     spec = _spec(arch, size, seed, SIZE_OVERRIDES.get(size, {}) | config_overrides, random_biases, weights)
+    return write_model_folder(out_dir, spec, _write_model)
+
+
+def write_model_folder(out_dir: str | Path, spec: dict[str, Any], write: Callable[[Path, dict[str, Any]], None]
+                       ) -> Path:
+    """The folder at `out_dir` made by `write(folder, spec)` in a temporary folder moved into place, or the one
+    already there when its marker holds this spec."""
+    out = Path(out_dir).expanduser().resolve()
     if _read_marker(out) == spec:
         return out
     _check_replaceable(out)
@@ -128,7 +135,7 @@ def make_model(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the finished folder should not be
     try:
-        _write_model(tmp, spec)
+        write(tmp, spec)
         _move_into_place(tmp, out, spec)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,9 +1,7 @@
-"""The vision model maker: a tiny random-weight LLaVA-1.5 folder (CLIP ViT tower, projector, tiny llama) as HF saves it."""
+"""The vision model maker: a tiny random-weight LLaVA-1.5 folder (CLIP tower, projector, tiny llama) as HF saves it."""
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -11,8 +9,8 @@ from tokenizers import AddedToken
 from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, GenerationConfig, LlamaConfig, LlavaConfig,
                           LlavaForConditionalGeneration, LlavaProcessor)
 
-from launch.make_model import (ENDOFTEXT_ID, INIT_STD, MARKER_FILE, SIZES, _check_replaceable, _config_kwargs,
-                               _move_into_place, _read_marker, quiet_transformers, train_tokenizer)
+from launch.make_model import (ENDOFTEXT_ID, INIT_STD, MARKER_FILE, SIZES, _config_kwargs, quiet_transformers,
+                               train_tokenizer, write_model_folder)
 
 VISION_MAKER_VERSION = 1
 IMAGE_TOKEN = "<image>"
@@ -25,7 +23,8 @@ CHAT_TEMPLATE = (
     r"{{- '<|im_start|>' + message['role'] + '\n' }}"
     r"{%- if message['content'] is string %}{{- message['content'] }}"
     r"{%- else %}{%- for part in message['content'] %}"
-    r"{%- if part['type'] == 'image' %}{{- '<image>' }}{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    r"{%- if part['type'] == 'image' %}{{- '<image>' }}"
+    r"{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
     r"{%- endfor %}{%- endif %}"
     r"{{- '<|im_end|>\n' }}"
     r"{%- endfor %}"
@@ -35,21 +34,9 @@ CHAT_TEMPLATE = (
 
 def make_llava(out_dir: str | Path, seed: int = 0, feature_layer: int = -2, select_strategy: str = "default") -> Path:
     """Write a random-weight LLaVA-1.5 folder at `out_dir`, or reuse the one already made from this spec."""
-    out = Path(out_dir).expanduser().resolve()
     spec = json.loads(json.dumps({"maker": "llava", "maker_version": VISION_MAKER_VERSION, "seed": seed,
                                   "feature_layer": feature_layer, "select_strategy": select_strategy}))
-    if _read_marker(out) == spec:
-        return out
-    _check_replaceable(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    tmp.chmod(0o755)
-    try:
-        _write_llava(tmp, spec)
-        _move_into_place(tmp, out, spec)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return write_model_folder(out_dir, spec, _write_llava)
 
 
 def _write_llava(folder: Path, spec: dict) -> None:
