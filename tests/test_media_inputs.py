@@ -15,14 +15,16 @@ import zlib
 from pathlib import Path
 
 import anthropic
+import httpx
 import openai
 import pytest
 from PIL import Image
 
-from conftest import API_KEY
+from conftest import API_KEY, AUTH
 from frontend.api.cli_args import build_parser, media_options
 from frontend.api.errors import APIError
 from frontend.api.media import MAX_IMAGE_PIXELS, MediaOptions, load_image, load_images
+from ipc.multimodal import MAX_IMAGES_PER_PROMPT
 from launch.shipped import DEMO_MODEL_NAME
 from launcher import start_launcher, stop_launcher
 
@@ -183,7 +185,7 @@ def test_the_flags_default_to_data_urls_only_and_take_both_limit_forms(tmp_path)
                                           "--allowed-local-media-path", str(tmp_path)])
         assert media_options(args).max_images_per_prompt == 2
         assert media_options(args).allowed_local_path == tmp_path.resolve()
-    for bad in ("image", "video=1", "image=-1", '{"image": "x"}', "[2]"):
+    for bad in ("image", "video=1", "image=-1", f"image={MAX_IMAGES_PER_PROMPT + 1}", '{"image": "x"}', "[2]"):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--engine-address", "x", "--limit-mm-per-prompt", bad])
     with pytest.raises(ValueError, match="not an existing folder"):
@@ -240,6 +242,13 @@ def test_a_good_image_on_the_text_only_model_says_it_does_not_accept_images(clie
     good = data_url(encoded(Image.new("RGB", (9, 9), "green")))
     for urls in ((good,), (f"file://{media_dir}/allowed/cat.png", f"{image_host}/cat.png")):
         assert "does not accept images" in chat_error(client, *urls)["message"]
+
+
+def test_tokenize_refuses_image_parts(gateway):
+    content = [{"type": "text", "text": "Hi"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}]
+    response = httpx.post(f"{gateway}/tokenize", headers=AUTH, timeout=60,
+                          json={"messages": [{"role": "user", "content": content}]})
+    assert response.status_code == 400 and "counts text only" in response.json()["error"]["message"]
 
 
 def test_anthropic_image_blocks_are_checked_as_chat_images_are(gateway, image_host):

@@ -11,6 +11,7 @@ from typing import Any
 from frontend.api.media import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_MAX_IMAGE_BYTES, MediaOptions
 from frontend.api.push import HEADER_TIMEOUT_S
 from frontend.core_client import DEFAULT_MAX_STALL_S
+from ipc.multimodal import MAX_IMAGES_PER_PROMPT
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 MAX_CHOICES_PER_REQUEST = 1024  # ServerLimits' default; not imported from there, which loads transformers
@@ -79,8 +80,9 @@ def mm_limits(text: str) -> dict[str, int]:
     for name, count in given.items():
         if name != "image":
             raise argparse.ArgumentTypeError(f"{name}: this server takes image inputs only")
-        if isinstance(count, bool) or not str(count).isdigit():
-            raise argparse.ArgumentTypeError(f"image={count}: the count must be a whole number, 0 or more")
+        if isinstance(count, bool) or not str(count).isdigit() or int(count) > MAX_IMAGES_PER_PROMPT:
+            raise argparse.ArgumentTypeError(f"image={count}: the count must be a whole number from 0 to "
+                                             f"{MAX_IMAGES_PER_PROMPT} (the most the engine takes)")
         limits[name] = int(count)
     return limits
 

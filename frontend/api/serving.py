@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from frontend.api.beam_serving import beam_search, refuse_beamless
 from frontend.api.chat_chunks import ToolReader, chat_chunks
-from frontend.api.chat_media import chat_images, images_for_prompt
+from frontend.api.chat_media import chat_images, image_urls, images_for_prompt
 from frontend.api.choices import (ChunkWriter, OpenAIChunks, PromptChoices, RequestObservers, StreamedChoices,
                                   final_outputs)
 from frontend.api.errors import APIError
@@ -167,6 +167,8 @@ class OpenAIServing:
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if body.prompt is not None:
             tokens = self._encode(body.prompt, "prompt", body.add_special_tokens)
+        elif image_urls(body.messages):  # an image's tokens are the model's image processor's to count
+            raise APIError(400, "/tokenize counts text only: these messages have image parts", "messages")
         else:
             tokens = self._encode(self._chat_text(body.messages, True, template_kwargs=body.chat_template_kwargs),
                                   "messages", add_special_tokens=False)
