@@ -117,6 +117,7 @@ def test_local_files_only_under_the_allowed_folder(media_dir):
         assert "outside the folder" in refused(f"file://{media_dir}/{escape}", allowed)
     assert "No such file" in refused(f"file://{media_dir}/allowed/none.png", allowed)
     assert "not name a regular file" in refused(f"file://{media_dir}/allowed/pipe.png", allowed)  # and no hang
+    assert "NUL byte" in refused(f"file://{media_dir}/allowed/cat.png%00.txt", allowed)
     assert "only local files" in refused(f"file://example.org{media_dir}/allowed/cat.png", allowed)
 
 

@@ -134,7 +134,9 @@ def _local_file(url: str, options: MediaOptions, param: str) -> bytes:
     parsed = urlparse(url)
     if parsed.netloc not in ("", "localhost"):
         raise APIError(400, f"file:// URL names host {parsed.netloc!r}: only local files are read", param)
-    path = Path(unquote(parsed.path)).resolve()  # symlinks and ".." resolved before the check
+    if "\0" in (path_text := unquote(parsed.path)):
+        raise APIError(400, "file:// URL holds a NUL byte", param)
+    path = Path(path_text).resolve()  # symlinks and ".." resolved before the check
     if not path.is_relative_to(root):
         raise APIError(400, "file:// URL is outside the folder this server reads images from "
                             "(--allowed-local-media-path)", param)
