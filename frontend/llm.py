@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from frontend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, live_beams, take_step
 from frontend.connect import connect_engine
 from frontend.generation_config import load_generation_defaults, model_stop_token_ids
-from frontend.multimodal import ImageProcessor
+from frontend.multimodal import ImageProcessor, chat_image_parts
 from frontend.outputs import (ClassificationOutput, EmbeddingOutput, PoolingRequestOutput, RequestOutput,
                               ScoringOutput)
 from frontend.pooling_inputs import PoolingInput, as_inputs, input_token_ids, pooling_request, score_pairs
@@ -88,12 +88,17 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template: str | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; rendered with `chat_template` (a template's text) or
-        the tokenizer's own."""
+        the tokenizer's own. A vision-language model's messages may hold image parts: {"type": "image_pil",
+        "image_pil": PIL.Image} or {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conversation in conversations:
+            conversation, images = chat_image_parts(conversation)
             text = apply_chat_template(self.tokenizer, conversation, self.info.model, add_generation_prompt,
                                        chat_template)
+            if images:  # the text is expanded and tokenized with its images
+                prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+                continue
             # The template already wrote its special tokens; do not let the tokenizer add a second BOS.
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})

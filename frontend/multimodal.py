@@ -40,6 +40,47 @@ def images_of(prompt: Any) -> list | None:
     return list(images)
 
 
+def chat_image_parts(messages: list[dict]) -> tuple[list[dict], list]:
+    """The conversation with each image part ({"type": "image_pil", "image_pil": PIL.Image} or an image_url part with a
+    data: URL) as {"type": "image"}, which chat templates write as the model's placeholder, and its images in order
+    (ValueError naming a part that holds no image)."""
+    images, rendered = [], []
+    for number, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            rendered.append(message)
+            continue
+        parts = []
+        for position, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("image_pil", "image_url"):
+                images.append(_part_image(part, kind, f"messages.{number}.content.{position}"))
+                part = {"type": "image"}
+            parts.append(part)
+        rendered.append({**message, "content": parts})
+    return rendered, images
+
+
+def _part_image(part: dict, kind: str, where: str) -> Any:
+    from PIL import Image
+
+    if kind == "image_pil":
+        if not isinstance(part.get("image_pil"), Image.Image):
+            raise ValueError(f"{where}.image_pil must be a PIL.Image")
+        return part["image_pil"]
+    from frontend.api.errors import APIError
+    from frontend.api.media import MediaOptions, load_image
+
+    url = (part.get("image_url") or {}).get("url") if isinstance(part.get("image_url"), dict) else None
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise ValueError(f"{where}.image_url.url must be a data: URL here (LLM.chat loads no files or remote URLs; "
+                         "open them yourself and give {'type': 'image_pil', 'image_pil': image})")
+    try:
+        return load_image(url, MediaOptions(), f"{where}.image_url")
+    except APIError as error:
+        raise ValueError(error.message) from None
+
+
 class ImageProcessor:
     """A vision-language model's image processor (transformers', from its folder) and its placeholder rule."""
 

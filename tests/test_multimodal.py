@@ -3,6 +3,9 @@ sizes, chunked through an image's placeholders and batched with a text prompt; t
 prefix cache keys blocks by the images they cover; every bad input a ValueError naming its cause."""
 from __future__ import annotations
 
+import base64
+import io
+
 import msgspec
 import numpy as np
 import pytest
@@ -18,7 +21,8 @@ from frontend.prompts import engine_request
 from ipc import Decoder, EngineCoreRequest, Encoder
 from ipc.multimodal import ImageInput
 from ipc.request_rules import InvalidRequestError
-from workers.model_loader import checkpoint_target
+from workers.model_config import load_hf_config
+from workers.model_loader import checkpoint_target, load_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 FEATURES = 25  # the tiny tower's 5 × 5 patches (launch/make_vision_model.py)
@@ -162,3 +166,54 @@ def test_checkpoint_names_of_every_layout_load(llm):
     for checkpoint_name, ours in names.items():
         assert checkpoint_target(checkpoint_name, params, model)[0] == ours, checkpoint_name
     assert checkpoint_target("vision_tower.post_layernorm.weight", params, model) is None  # never read
+
+
+def test_a_preempted_image_request_recomputes_without_encoding_again(reference):
+    # 12 blocks of 8 for three requests of 7 blocks each: the latest is preempted and computed again.
+    engine = LLM(tiny_llava(), in_process=True, **(ENGINE | {"num_kv_blocks": 12, "max_model_len": 64}))
+    try:
+        images = [picture(seed) for seed in (10, 11, 12)]
+        prompts = [{"prompt": f"<image> picture {i}", "multi_modal_data": {"image": image}}
+                   for i, image in enumerate(images)]
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        outputs = engine.generate(prompts, params, use_tqdm=False)
+        assert engine.get_stats().num_preemptions > 0
+        assert encoder_cache(engine).num_encoded == 3
+        for image, output in zip(images, outputs):
+            assert output.outputs[0].token_ids == hf_greedy(reference, output.prompt_token_ids, [image], 24)
+        assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("strategy", ["default", "full"])
+def test_the_select_strategy_keeps_or_drops_the_class_token(reference, strategy):
+    config = load_hf_config(tiny_llava())
+    config.vision_feature_select_strategy = strategy
+    ours = load_model(tiny_llava(), config, torch.float32, torch.device("cpu"))
+    model, processor = reference
+    pixels = processor([picture(13), picture(14, 20, 70)], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        expected = model.model.get_image_features(pixel_values=pixels, vision_feature_layer=-2,
+                                                  vision_feature_select_strategy=strategy).pooler_output
+    assert ours.image_feature_count(config) == FEATURES + (strategy == "full")
+    assert torch.allclose(ours.encode_images(pixels), torch.stack(list(expected)), atol=1e-6)
+
+
+def test_chat_image_parts_render_as_placeholders(llm):
+    image = picture(15)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    parts = [[{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "What is it?"}],
+             [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]]
+    outputs = llm.chat([[{"role": "user", "content": content}] for content in parts], GREEDY, use_tqdm=False)
+    expected = llm.generate({"prompt": "<|im_start|>user\n<image>What is it?<|im_end|>\n<|im_start|>assistant\n",
+                             "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)[0]
+    for output in outputs:
+        assert output.prompt_token_ids == expected.prompt_token_ids
+        assert output.outputs[0].token_ids == expected.outputs[0].token_ids
+    for bad_url, message in (("file:///etc/passwd", "must be a data: URL"), ("data:image/png;base64,@@", "base64")):
+        with pytest.raises(ValueError, match=message):
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": bad_url}}]}])
+    assert_all_blocks_free(llm)
