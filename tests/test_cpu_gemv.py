@@ -61,6 +61,24 @@ def test_bfloat16_keeps_nan_and_infinity():
     assert out[0].isnan().all() and (out[1] == float("inf")).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 12, 40, 131])  # the GEMM tiles from 12 rows (per-row scales)
+@pytest.mark.parametrize("groups", [0, 4])
+def test_int8_weights_match_the_float64_twin_of_the_scaled_weight(dtype, rows, groups):
+    generator = torch.Generator().manual_seed(rows + groups)
+    weight = torch.randint(-128, 128, (67, 96), dtype=torch.int8, generator=generator)
+    scale = torch.rand(67, groups, generator=generator).squeeze(1) / 64 + 1e-3 if groups else \
+        torch.rand(67, generator=generator) / 64 + 1e-3
+    x = torch.randn(rows, 96, generator=generator).to(dtype)
+    bias = torch.randn(67, generator=generator).to(dtype)
+    dequantized = weight.double() * (scale.double().repeat_interleave(96 // groups, dim=1) if groups
+                                     else scale.double()[:, None])
+    out = cpu_gemv.gemv_int8(x, weight, scale, bias)
+    expected = F.linear(x.double(), dequantized, bias.double())
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(out.double(), expected.to(dtype).double(), **tolerance)
+
+
 def test_keeps_leading_dimensions():
     weight, x = torch.randn(24, 16), torch.randn(2, 3, 16)
     torch.testing.assert_close(cpu_gemv.gemv(x, weight), F.linear(x, weight))

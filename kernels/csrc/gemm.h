@@ -106,19 +106,21 @@ inline void weight_tile(int nr, const float* w, int64_t ldw, const float* block,
   }
 }
 
-// The weight rows of one tile as float32: bf16 widened into `scratch`, float32 used in place.
+// The weight rows of one tile as float32: bf16 or int8 widened into `scratch`, float32 used in place.
 inline const float* tile_weights(const float* w, int64_t, std::vector<float>&) { return w; }
-inline const float* tile_weights(const uint16_t* w, int64_t count, std::vector<float>& scratch) {
+template <typename WT>
+inline const float* tile_weights(const WT* w, int64_t count, std::vector<float>& scratch) {
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) _mm256_storeu_ps(scratch.data() + i, load8(w + i));
   for (; i < count; ++i) scratch[i] = widen(w[i]);
   return scratch.data();
 }
 
-// Up to kChunkRows rows of x [M, K] against w [N, K]: pack the rows, then each thread takes tiles of weight rows,
-// widens one, and runs every block of rows over it, kBlockK columns at a time.
-template <typename T>
-void gemm_chunk(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
+// Up to kChunkRows rows of x [M, K] against w [N, K] (int8 with scale [N]: each sum times its row's scale): pack
+// the rows, then each thread takes tiles of weight rows, widens one, and runs every block of rows over it, kBlockK
+// columns at a time.
+template <typename T, typename WT>
+void gemm_chunk(const T* x, const WT* w, const T* bias, const float* scale, T* y, int64_t M, int64_t N, int64_t K,
                 std::vector<float>& packed) {
   const int64_t blocks = (M + kTileRows - 1) / kTileRows, tiles = (N + kTileWeights - 1) / kTileWeights;
 #pragma omp parallel
@@ -141,20 +143,21 @@ void gemm_chunk(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t 
         const int64_t m0 = b * kTileRows, rows = std::min<int64_t>(kTileRows, M - m0);
         const float* out = sums.data() + b * kTileWeights * kTileRows;
         for (int r = 0; r < nr; ++r) {
-          const float add = bias ? widen(bias[n0 + r]) : 0.f;
-          for (int64_t m = 0; m < rows; ++m) store(out[r * kTileRows + m] + add, y + (m0 + m) * N + n0 + r);
+          const float add = bias ? widen(bias[n0 + r]) : 0.f, times = scale ? scale[n0 + r] : 1.f;
+          for (int64_t m = 0; m < rows; ++m) store(out[r * kTileRows + m] * times + add, y + (m0 + m) * N + n0 + r);
         }
       }
     }
   }
 }
 
-// x [M, K], w [N, K], bias [N] or null, y [M, N], all T (float or bf16 bits).
-template <typename T>
-void gemm(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t N, int64_t K) {
+// x [M, K], w [N, K], bias [N] or null, y [M, N], all T (float or bf16 bits); or w int8 with scale [N].
+template <typename T, typename WT = T>
+void gemm(const T* x, const WT* w, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
+          const float* scale = nullptr) {
   std::vector<float> packed(std::min(M + kTileRows, kChunkRows) * K);
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows)
-    gemm_chunk(x + m0 * K, w, bias, y + m0 * N, std::min(kChunkRows, M - m0), N, K, packed);
+    gemm_chunk(x + m0 * K, w, bias, scale, y + m0 * N, std::min(kChunkRows, M - m0), N, K, packed);
 }
 
 }  // namespace pagedserve

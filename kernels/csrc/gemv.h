@@ -82,8 +82,7 @@ void gemv(const T* x, const WT* w, const T* bias, T* y, int64_t M, int64_t N, in
   if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<WT, uint16_t>) return gemv_bf16(x, w, bias, y, M, N, K);
 #endif
 #ifdef __AVX2__
-  if constexpr (std::is_same_v<T, WT>)
-    if (M >= kGemmMinRows) return gemm(x, w, bias, y, M, N, K);
+  if (M >= kGemmMinRows) return gemm(x, w, bias, y, M, N, K, scale);
 #endif
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(x[i]);

@@ -34,19 +34,30 @@ float dot(const A* a, const B* b, int64_t n) {
   return sum;
 }
 
+// The adapted rows' shrunk activations, then their deltas, each spread over the threads by output element (at
+// batch 1 one row's products would otherwise run on one thread); every element as the one-row loop computes it.
 template <typename T, typename C>
 void add_lora_rows(const LoraSlots& L, const T* x, T* y, int64_t M, int64_t N, int64_t K, const int64_t* slots) {
   const C* A = static_cast<const C*>(L.a);
   const C* B = static_cast<const C*>(L.b);
   const int64_t W = L.width;
-#pragma omp parallel for if (M * (N + K) * W >= (int64_t(1) << 16))
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t s = slots[m];
-    if (s < 0 || !L.used[s]) continue;
-    std::vector<float> shrunk(W);
-    for (int64_t j = 0; j < W; ++j) shrunk[j] = widen(round_to<C>(dot(A + (s * W + j) * K, x + m * K, K)));
-    for (int64_t n = 0; n < N; ++n) {
-      const float delta = widen(round_to<C>(dot(B + (s * N + n) * W, shrunk.data(), W)));
+  std::vector<int64_t> rows;
+  for (int64_t m = 0; m < M; ++m)
+    if (slots[m] >= 0 && L.used[slots[m]]) rows.push_back(m);
+  const int64_t R = int64_t(rows.size());
+  if (R == 0) return;
+  std::vector<float> shrunk(R * W);
+#pragma omp parallel if (R * (N + K) * W >= (int64_t(1) << 14))
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < R * W; ++i) {
+      const int64_t m = rows[i / W], j = i % W;
+      shrunk[i] = widen(round_to<C>(dot(A + (slots[m] * W + j) * K, x + m * K, K)));
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < R * N; ++i) {
+      const int64_t r = i / N, n = i % N, m = rows[r];
+      const float delta = widen(round_to<C>(dot(B + (slots[m] * N + n) * W, shrunk.data() + r * W, W)));
       y[m * N + n] = round_to<T>(widen(round_to<C>(widen(y[m * N + n]) + delta)));
     }
   }
