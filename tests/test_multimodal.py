@@ -217,3 +217,16 @@ def test_chat_image_parts_render_as_placeholders(llm):
         with pytest.raises(ValueError, match=message):
             llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": bad_url}}]}])
     assert_all_blocks_free(llm)
+
+
+def test_tensor_parallel_equals_transformers(reference):
+    """Every rank holds the whole tower and encodes the image itself; the language model is split as ever."""
+    images = [picture(16), picture(17, 70, 40)]
+    engine = LLM(tiny_llava(), tensor_parallel_size=2, **ENGINE)
+    try:
+        output = engine.generate({"prompt": "a <image> b <image>", "multi_modal_data": {"image": images}}, GREEDY,
+                                 use_tqdm=False)[0]
+        assert output.outputs[0].token_ids == hf_greedy(reference, output.prompt_token_ids, images, 8)
+        assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()
