@@ -16,7 +16,7 @@ from transformers import LlavaForConditionalGeneration as HFLlava
 
 from conftest import assert_all_blocks_free, tiny_llava
 from core.block_hash import extend_block_hashes
-from frontend import LLM, SamplingParams
+from frontend import LLM, SamplingParams, multimodal
 from frontend.prompts import engine_request
 from ipc import Decoder, EngineCoreRequest, Encoder
 from ipc.multimodal import ImageInput
@@ -83,9 +83,10 @@ def test_an_image_seen_before_is_not_encoded_again_and_shares_blocks(llm):
     image = picture(4)
     prompt = {"prompt": "<image> Describe the picture in a few words", "multi_modal_data": {"image": image}}
     first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
-    encoded = encoder_cache(llm).num_encoded
+    encoded, processed = encoder_cache(llm).num_encoded, llm.router.image_processor.num_processed
     again = llm.generate({**prompt, "multi_modal_data": {"image": image.copy()}}, GREEDY, use_tqdm=False)[0]
     assert encoder_cache(llm).num_encoded == encoded
+    assert llm.router.image_processor.num_processed == processed  # nor processed again in the front end
     # Every full block is found again (the last prompt token is always computed).
     assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // 8 * 8
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
@@ -100,6 +101,17 @@ def test_same_text_with_another_image_shares_no_block_and_answers_differently(ll
     assert outputs[0].prompt_token_ids == outputs[1].prompt_token_ids
     assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids
     assert_all_blocks_free(llm)
+
+
+def test_the_processed_image_cache_keeps_the_latest_images_within_its_bound(llm, monkeypatch):
+    processor = llm.router.image_processor
+    monkeypatch.setattr(multimodal, "PROCESSED_CACHE_BYTES", 2 * 3 * 33 * 33 * 4)  # two images' float32 pixels
+    images = [picture(seed) for seed in (20, 21, 22)]
+    placeholder = llm.info.image_token_id
+    ids, inputs = processor.expand([7, placeholder, 8, placeholder, placeholder], images)
+    assert [image.offset for image in inputs] == [1, 2 + FEATURES, 2 + 2 * FEATURES]
+    assert ids == [7] + [placeholder] * FEATURES + [8] + [placeholder] * (2 * FEATURES)
+    assert len(processor.processed) == 2 and inputs[0].hash not in processor.processed
 
 
 def test_block_hashes_carry_the_images_they_cover():
