@@ -35,7 +35,8 @@ class EncoderRunner:
         self._forward(lengths, np.zeros(sum(lengths), dtype=np.int64), np.zeros(sum(lengths), dtype=np.int64))
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput, grammars: None = None) -> ModelRunnerOutput:
+        """A step of whole prompts (grammars: none; an encoder's calls are one step)."""
         if not so.scheduled_new_reqs:
             return ModelRunnerOutput(sampled_token_ids={})
         requests = so.scheduled_new_reqs
