@@ -3,6 +3,7 @@ hash), each <image> placeholder expanded to the image's feature count."""
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -13,7 +14,8 @@ from ipc.multimodal import MAX_IMAGES_PER_PROMPT, ImageInput
 
 # Processed images kept for reuse (LLaVA-1.5's 336 × 336 float32 pixels: 1.3 MiB an image).
 PROCESSED_CACHE_BYTES = 256 << 20
-_ACCEPTED = "{'prompt': text with one <image> per image, 'multi_modal_data': {'image': PIL.Image or [images]}}"
+_ACCEPTED = ("{'prompt': text (or 'prompt_token_ids': ids) with one <image> placeholder per image, "
+             "'multi_modal_data': {'image': PIL.Image or [images]}}")
 
 
 def image_hash(image: Any) -> str:
@@ -24,8 +26,9 @@ def image_hash(image: Any) -> str:
 
 
 def images_of(prompt: Any) -> list | None:
-    """A dict prompt's multi_modal_data images as a list (None without any); ValueError for other media or objects
-    that are not PIL images."""
+    """A dict prompt's multi_modal_data images as a list (None without any): PIL images, or images the model's
+    ImageProcessor.process() made of them (the gateway processes off its event loop); ValueError for other media or
+    objects."""
     if not isinstance(prompt, dict) or prompt.get("multi_modal_data") is None:
         return None
     data = prompt["multi_modal_data"]
@@ -36,7 +39,8 @@ def images_of(prompt: Any) -> list | None:
 
     images = data.get("image")
     images = [images] if isinstance(images, Image.Image) else images
-    if not isinstance(images, (list, tuple)) or not all(isinstance(image, Image.Image) for image in images):
+    if not isinstance(images, (list, tuple)) or \
+            not all(isinstance(image, (Image.Image, ImageInput)) for image in images):
         kinds = sorted({type(image).__name__ for image in images}) if isinstance(images, (list, tuple)) else \
             [type(images).__name__]
         raise ValueError(f"multi_modal_data['image'] must be a PIL.Image or a list of them, got {', '.join(kinds)}")
@@ -99,6 +103,7 @@ class ImageProcessor:
         self.processed: OrderedDict[str, ImageInput] = OrderedDict()
         self.processed_bytes = 0
         self.num_processed = 0  # images the processor has run on
+        self.lock = threading.Lock()  # the cache, for the gateway's processing threads
 
     @classmethod
     def of(cls, model_folder: str, info: EngineInfo) -> ImageProcessor | None:
@@ -112,7 +117,9 @@ class ImageProcessor:
         if len(at) != len(images):
             raise ValueError(f"the prompt has {len(at)} image placeholder(s) but {len(images)} image(s) were given: "
                              f"write one placeholder token per image where it goes ({_ACCEPTED})")
-        processed = self._process(images)
+        processed = [image if isinstance(image, ImageInput) else None for image in images]
+        if None in processed:
+            processed = self.process(images)
         expanded, inputs, done = [], [], 0
         for position, image in zip(at, processed):
             expanded += token_ids[done:position]
@@ -121,20 +128,24 @@ class ImageProcessor:
             done = position + 1
         return expanded + token_ids[done:], inputs
 
-    def _process(self, images: list) -> list[ImageInput]:
-        """Each image processed (placeholders at 0), from the cache where it was processed before."""
-        hashes = [image_hash(image) for image in images]
-        found = {digest: self.processed[digest] for digest in hashes if digest in self.processed}
-        for digest in found:
-            self.processed.move_to_end(digest)
+    def process(self, images: list) -> list[ImageInput]:
+        """Each image processed (placeholders at 0; processed ones as they are), from the cache where it was
+        processed before. Safe from several threads at once."""
+        hashes = [image.hash if isinstance(image, ImageInput) else image_hash(image) for image in images]
+        with self.lock:
+            found = {digest: self.processed[digest] for digest in hashes if digest in self.processed}
+            for digest in found:
+                self.processed.move_to_end(digest)
+        found |= {image.hash: image for image in images if isinstance(image, ImageInput)}
         new = {digest: image for digest, image in zip(hashes, images) if digest not in found}
         if new:
             pixel_values = self.processor([image.convert("RGB") for image in new.values()],
                                           return_tensors="pt")["pixel_values"]
-            self.num_processed += len(new)
-            for digest, pixels in zip(new, pixel_values):
-                found[digest] = ImageInput.of(pixels, digest, 0, self.feature_count)
-                self._keep(found[digest])
+            with self.lock:
+                self.num_processed += len(new)
+                for digest, pixels in zip(new, pixel_values):
+                    found[digest] = ImageInput.of(pixels, digest, 0, self.feature_count)
+                    self._keep(found[digest])
         return [found[digest] for digest in hashes]
 
     def _keep(self, image: ImageInput) -> None:
@@ -149,5 +160,5 @@ def check_image_prompt(prompt: dict, processor: ImageProcessor | None) -> None:
     """ValueError unless images come with a text prompt to a model that takes them."""
     if processor is None:
         raise ValueError("this model takes no images (it is a text-only model); drop multi_modal_data")
-    if "prompt_token_ids" in prompt or "prompt_embeds" in prompt:
-        raise ValueError(f"images go with a text prompt, not prompt_token_ids or prompt_embeds: give {_ACCEPTED}")
+    if "prompt_embeds" in prompt:
+        raise ValueError(f"images go with a text prompt or token ids, not prompt_embeds: give {_ACCEPTED}")

@@ -130,12 +130,24 @@ def test_block_hashes_carry_the_images_they_cover():
     assert same == hashes["a"]
 
 
+def test_token_ids_and_processed_images_give_what_text_and_pil_images_give(llm):
+    """The gateway's form: the templated prompt's token ids, the images processed off its event loop."""
+    image = picture(11)
+    text = {"prompt": "USER: <image> what is it? ASSISTANT:", "multi_modal_data": {"image": image}}
+    [expected] = llm.generate(text, GREEDY, use_tqdm=False)
+    ids = llm.tokenizer("USER: <image> what is it? ASSISTANT:")["input_ids"]
+    processed = llm.router.image_processor.process([image])
+    [got] = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": processed}}, GREEDY, use_tqdm=False)
+    assert got.prompt_token_ids == expected.prompt_token_ids
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert_all_blocks_free(llm)
+
+
 def test_bad_image_prompts_are_value_errors(llm):
     image = picture(7)
     cases = [({"prompt": "no placeholder", "multi_modal_data": {"image": image}}, "0 image placeholder"),
              ({"prompt": "<image> <image>", "multi_modal_data": {"image": image}}, "2 image placeholder"),
-             ({"prompt_token_ids": [1, 2, llm.info.image_token_id], "multi_modal_data": {"image": image}},
-              "not prompt_token_ids"),
+             ({"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": image}}, "0 image placeholder"),
              ({"prompt": "<image>", "multi_modal_data": {"image": "cat.png"}}, "PIL.Image or a list of them, got str"),
              ({"prompt": "<image>", "multi_modal_data": {"image": [image, 3]}}, "got Image, int"),
              ({"prompt": "<image>", "multi_modal_data": {"video": [image]}}, "multi_modal_data must be")]

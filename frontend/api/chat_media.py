@@ -4,8 +4,9 @@ from __future__ import annotations
 from PIL import Image
 
 from frontend.api.errors import APIError
-from frontend.api.media import MediaOptions, load_images
+from frontend.api.media import MediaOptions, load_images, on_media_threads
 from frontend.api.protocol import ChatMessage
+from frontend.multimodal import ImageProcessor
 
 _DETAILS = ("auto", "low", "high")
 
@@ -31,13 +32,17 @@ async def chat_images(messages: list[ChatMessage], options: MediaOptions) -> lis
     return await load_images(urls, options) if urls else []
 
 
-def images_for_prompt(images: list[Image.Image], model_name: str) -> dict:
-    """The prompt's multi-modal data ({"image": [...]}, or {} without images), once the served model takes images.
-    Every model this engine serves reads text only, so an image is refused (after it was checked: a bad image is
-    told what is wrong with it first)."""
-    if not images:
-        return {}
-    raise APIError(400, f"the model {model_name!r} does not accept images: it reads text only", "messages")
+async def images_for_prompt(images: list[Image.Image], model_name: str, processor: ImageProcessor | None) -> dict:
+    """The prompt's multi-modal data ({"multi_modal_data": {"image": [...]}}), processed by the model's image
+    processor on the media threads. A model that reads text only refuses images (after they were checked: a bad
+    image is told what is wrong with it first)."""
+    if processor is None:
+        raise APIError(400, f"the model {model_name!r} does not accept images: it reads text only", "messages")
+    try:
+        processed = await on_media_threads(processor.process, images)
+    except ValueError as error:
+        raise APIError(400, f"the model's image processor refused an image: {error}", "messages") from None
+    return {"multi_modal_data": {"image": processed}}
 
 
 def _part_url(part: dict, param: str) -> tuple[str, str]:

@@ -50,14 +50,16 @@ class RequestObservers:
 class PromptChoices:
     """One prompt of a request and the params of its n choices; their token count grows as the stream goes."""
 
-    prompt: dict  # {"prompt": text (if given as text), "prompt_token_ids": [...]}
+    prompt: dict  # {"prompt": text (if given as text), "prompt_token_ids": [...], "multi_modal_data"}
     params: SamplingParams
     lora_request: LoRARequest | None = None  # the adapter the request's model names
     num_completion_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt["prompt_token_ids"])
+        """Its tokens as the engine computes them: each image's one placeholder as its processed features."""
+        images = self.prompt.get("multi_modal_data", {}).get("image", [])
+        return len(self.prompt["prompt_token_ids"]) + sum(image.length - 1 for image in images)
 
 
 async def final_outputs(engine: AsyncLLM, prompts: list[PromptChoices], request_id: str,

@@ -8,10 +8,11 @@ import io
 import os
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
 
 import httpx
@@ -29,6 +30,7 @@ _SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF8
                (b"BM", "BMP"))
 # Decoding holds the GIL only in part, but each image in flight holds its pixels: a few at a time per gateway.
 _DECODERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="media")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,12 @@ class MediaOptions:
 
 async def load_images(urls: Sequence[tuple[str, str]], options: MediaOptions) -> list[Image.Image]:
     """(url, param) pairs → their images, read and decoded on the media threads (never on the event loop)."""
-    loop = asyncio.get_running_loop()
-    return list(await asyncio.gather(*(loop.run_in_executor(_DECODERS, load_image, url, options, param)
-                                       for url, param in urls)))
+    return list(await asyncio.gather(*(on_media_threads(load_image, url, options, param) for url, param in urls)))
+
+
+async def on_media_threads(work: Callable[..., T], *args: Any) -> T:
+    """work(*args) on the media threads: image work never runs on the event loop."""
+    return await asyncio.get_running_loop().run_in_executor(_DECODERS, work, *args)
 
 
 def load_image(url: str, options: MediaOptions, param: str = "image_url") -> Image.Image:

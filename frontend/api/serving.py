@@ -117,7 +117,8 @@ class OpenAIServing:
         if body.chat_template is not None:
             raise APIError(400, "chat_template is not accepted: the server uses the model's own template",
                            "chat_template")
-        media = images_for_prompt(await chat_images(body.messages, self.media), self.model_name)
+        images = await chat_images(body.messages, self.media)
+        media = await images_for_prompt(images, self.model_name, self.engine.router.image_processor) if images else {}
         text, prompt = await asyncio.to_thread(self.chat_prompt, body)
         prompt |= media
         params = sampling_params(body, self.limits, self.generation_defaults, self.tool_parser)
