@@ -131,6 +131,7 @@ class ImageProcessor:
     def process(self, images: list) -> list[ImageInput]:
         """Each image processed (placeholders at 0; processed ones as they are), from the cache where it was
         processed before. Safe from several threads at once."""
+        # PIL images by their pixels' hash (before processing); processed ones by theirs.
         hashes = [image.hash if isinstance(image, ImageInput) else image_hash(image) for image in images]
         with self.lock:
             found = {digest: self.processed[digest] for digest in hashes if digest in self.processed}
@@ -144,12 +145,12 @@ class ImageProcessor:
             with self.lock:
                 self.num_processed += len(new)
                 for digest, pixels in zip(new, pixel_values):
-                    found[digest] = ImageInput.of(pixels, digest, 0, self.feature_count)
-                    self._keep(found[digest])
+                    found[digest] = ImageInput.of(pixels, 0, self.feature_count)
+                    self._keep(digest, found[digest])
         return [found[digest] for digest in hashes]
 
-    def _keep(self, image: ImageInput) -> None:
-        self.processed[image.hash] = image
+    def _keep(self, digest: str, image: ImageInput) -> None:
+        self.processed[digest] = image
         self.processed_bytes += len(image.data)
         while self.processed_bytes > PROCESSED_CACHE_BYTES:
             _, dropped = self.processed.popitem(last=False)

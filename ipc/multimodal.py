@@ -1,6 +1,7 @@
 """A processed image as it crosses to the engine: pixel values as raw bytes, its content hash and its placeholders."""
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Annotated
 
 import msgspec
@@ -18,9 +19,10 @@ Side = Annotated[int, Meta(ge=1, le=MAX_IMAGE_SIDE)]
 
 
 class ImageInput(msgspec.Struct, frozen=True):
-    """One image of a prompt: its [channels, height, width] pixel values in `dtype` (this machine's byte order), the
-    sha256 of the image it came from (the encoder cache's and the prefix cache's key), and the `length` placeholder
-    tokens from prompt position `offset` whose embeddings its features replace."""
+    """One image of a prompt: its [channels, height, width] pixel values in `dtype` (this machine's byte order), their
+    content_hash() (the encoder cache's and the prefix cache's key, checked by the engine: a client cannot put its
+    features under another image's key), and the `length` placeholder tokens from prompt position `offset` whose
+    embeddings its features replace."""
 
     data: bytes
     dtype: EmbedsDtype
@@ -41,10 +43,21 @@ class ImageInput(msgspec.Struct, frozen=True):
         return self.offset + self.length
 
     @classmethod
-    def of(cls, pixel_values: torch.Tensor, image_hash: str, offset: int, length: int) -> ImageInput:
-        return cls(tensor_bytes(pixel_values), str(pixel_values.dtype).removeprefix("torch."),
-                   tuple(pixel_values.shape), image_hash, offset, length)
+    def of(cls, pixel_values: torch.Tensor, offset: int, length: int) -> ImageInput:
+        data, dtype, shape = tensor_bytes(pixel_values), str(pixel_values.dtype).removeprefix("torch."), \
+            tuple(pixel_values.shape)
+        return cls(data, dtype, shape, content_hash(data, dtype, shape), offset, length)
+
+    def content_hash(self) -> str:
+        return content_hash(self.data, self.dtype, self.shape)
 
     def tensor(self) -> torch.Tensor:
         """The pixel values as a CPU tensor of `dtype` (a copy: the bytes stay immutable)."""
         return bytes_tensor(self.data, self.dtype, self.shape)
+
+
+def content_hash(data: bytes, dtype: str, shape: tuple[int, ...]) -> str:
+    """sha256 of pixel values with their dtype and shape."""
+    digest = hashlib.sha256(f"{dtype}:{list(shape)}:".encode())
+    digest.update(data)
+    return digest.hexdigest()

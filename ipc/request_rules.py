@@ -154,6 +154,9 @@ def _check_images(info: EngineInfo, request: EngineCoreRequest) -> None:
                 image.end > len(request.prompt_token_ids):
             raise InvalidRequestError(f"each image takes {info.image_feature_count} placeholder tokens of its own, "
                                       f"in prompt order; got {image.length} at {image.offset}", "multi_modal_data")
+        if image.hash != image.content_hash():
+            raise InvalidRequestError("an image's hash must be the sha256 of its pixel values (ImageInput.of)",
+                                      "multi_modal_data")
         if any(token != info.image_token_id for token in request.prompt_token_ids[image.offset:image.end]):
             raise InvalidRequestError(f"an image's placeholder positions {image.offset}..{image.end - 1} must hold "
                                       f"the image token {info.image_token_id}", "multi_modal_data")

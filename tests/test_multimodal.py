@@ -111,7 +111,7 @@ def test_the_processed_image_cache_keeps_the_latest_images_within_its_bound(llm,
     ids, inputs = processor.expand([7, placeholder, 8, placeholder, placeholder], images)
     assert [image.offset for image in inputs] == [1, 2 + FEATURES, 2 + 2 * FEATURES]
     assert ids == [7] + [placeholder] * FEATURES + [8] + [placeholder] * (2 * FEATURES)
-    assert len(processor.processed) == 2 and inputs[0].hash not in processor.processed
+    assert len(processor.processed) == 2 and multimodal.image_hash(images[0]) not in processor.processed
 
 
 def test_block_hashes_carry_the_images_they_cover():
@@ -161,7 +161,7 @@ def test_bad_image_prompts_are_value_errors(llm):
     assert_all_blocks_free(llm)
 
 
-def test_the_engine_refuses_images_a_front_end_did_not_expand(llm):
+def test_the_engine_refuses_images_a_front_end_did_not_expand_or_whose_hash_is_not_theirs(llm):
     request = engine_request(llm.tokenizer, llm.info, "r", {"prompt": "x <image>", "multi_modal_data": {
         "image": picture(8)}}, GREEDY, image_processor=llm.router.image_processor)
     frames = Encoder().encode(request)
@@ -173,6 +173,12 @@ def test_the_engine_refuses_images_a_front_end_did_not_expand(llm):
     moved = msgspec.structs.replace(request, mm_inputs=[msgspec.structs.replace(request.mm_inputs[0], offset=0)])
     with pytest.raises(InvalidRequestError, match="must hold the image token"):
         llm.info.validate_request(moved)
+    other = engine_request(llm.tokenizer, llm.info, "o", {"prompt": "x <image>", "multi_modal_data": {
+        "image": picture(9)}}, GREEDY, image_processor=llm.router.image_processor).mm_inputs[0]
+    forged = msgspec.structs.replace(request, mm_inputs=[msgspec.structs.replace(other, hash=request.mm_inputs[0].hash,
+                                                                                 offset=request.mm_inputs[0].offset)])
+    with pytest.raises(InvalidRequestError, match="sha256 of its pixel values"):  # another image's cache key
+        llm.info.validate_request(forged)
 
 
 def test_checkpoint_names_of_every_layout_load(llm):
