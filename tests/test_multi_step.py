@@ -14,7 +14,7 @@ from core.request import Request
 from frontend import LLM, SamplingParams
 from ipc import EngineCoreRequest, StructuredOutputsParams
 from ipc.lora import LoRARequest
-from kernels.cpu_greedy_decode import SampledRows
+from kernels.cpu_row_options import SampledRows
 from launch.make_model import make_model
 from workers.later_step_calls import LaterStepCalls
 

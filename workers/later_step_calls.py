@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ipc import ModelRunnerOutput, SchedulerOutput
-from kernels.cpu_greedy_decode import SampledRows
+from kernels.cpu_row_options import SampledRows
 from workers.distributed import tp_all_reduce
 from workers.later_steps import LaterSteps, StepBatch, accepted_run
 from workers.model_inputs import ModelInputs

@@ -14,6 +14,7 @@ from kernels.gemv_choice import GemvChoice
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.decode_ahead import AheadForward, DecodeRows, launch_ahead, next_rows
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
+from workers.encoder_cache import EncoderCache
 from workers.gemv_tuning import choose_gemvs
 from workers.later_step_calls import LaterStepCalls
 from workers.layers.attention import Attention, DecodeMetadata
@@ -26,7 +27,6 @@ from workers.model_loader import load_model
 from workers.pinned_staging import PinnedStaging, staging_bytes
 from workers.pooling.pooler import ChunkedPooling, finish_embedding
 from workers.profile_step import profile_step
-from workers.encoder_cache import EncoderCache
 from workers.prompt_embeds import step_embeds
 from workers.request_state import CachedRequestState, update_states
 from workers.spec_decode import DraftModel, make_speculator

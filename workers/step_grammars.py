@@ -10,7 +10,7 @@ from typing import Protocol
 import numpy as np
 
 from ipc import GrammarBitmask
-from kernels.cpu_greedy_decode import GrammarMasks
+from kernels.cpu_row_options import GrammarMasks
 
 logger = logging.getLogger("pagedserve.step_grammars")
 

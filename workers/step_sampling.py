@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ipc import GrammarBitmask, ModelRunnerOutput
-from kernels.cpu_greedy_decode import PenalizedRows
+from kernels.cpu_row_options import PenalizedRows
 from workers.layers.sampler import GrammarRows, Penalties, Sampler, SamplerOutput, SamplingMetadata
 from workers.request_state import CachedRequestState
 

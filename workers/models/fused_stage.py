@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels import cpu_decoder_layer, cpu_gemv, cpu_greedy_decode, cpu_layer_weights
+from kernels import cpu_decoder_layer, cpu_gemv, cpu_greedy_decode, cpu_layer_weights, cpu_row_options
 from workers.distributed import parallel_state
 from workers.layers.attention import Attention, AttentionMetadata, StepMetadata
 from workers.layers.norm import GemmaRMSNorm, RMSNorm
@@ -195,10 +195,10 @@ class FusedGreedyDecoding:
     def greedy_decode(self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
                       stops: list[set[int]], steps: int,
                       drafts: cpu_greedy_decode.PromptLookupDrafts | cpu_greedy_decode.DraftModelDrafts | None = None,
-                      sampled: cpu_greedy_decode.SampledRows | None = None,
-                      penalized: cpu_greedy_decode.PenalizedRows | None = None, logprobs: np.ndarray | None = None,
+                      sampled: cpu_row_options.SampledRows | None = None,
+                      penalized: cpu_row_options.PenalizedRows | None = None, logprobs: np.ndarray | None = None,
                       adapters: np.ndarray | None = None,
-                      masks: cpu_greedy_decode.GrammarMasks | None = None) -> cpu_greedy_decode.GreedyRun | None:
+                      masks: cpu_row_options.GrammarMasks | None = None) -> cpu_greedy_decode.GreedyRun | None:
         """A multi-step call's later steps in one C++ call (kernels.cpu_greedy_decode.greedy_decode: same tokens
         as forward(), compute_logits() and the argmax or the sampler step by step, logits masked by grammars,
         biased and penalized as the sampler does, drafts verified as the Python steps verify them, the sampler's
