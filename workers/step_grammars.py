@@ -44,12 +44,17 @@ class CallGrammars:
         self.req_ids = req_ids
         for i, req_id in enumerate(req_ids):
             if (grammar := grammars.get(req_id)) is not None:
-                self.forks[i] = grammar
-                self._follow(i, lambda matcher: matcher.fork())
+                try:
+                    self.forks[i] = grammar.fork()
+                except Exception:  # the engine core's own matcher goes on; this request takes no later steps
+                    logger.exception("forking the grammar of request %s failed", req_id)
+                    self.ended.add(i)
+                    continue
                 self.take(i, tokens[i])
 
     def __bool__(self) -> bool:
-        return bool(self.forks)
+        """Whether any request of the call is constrained."""
+        return bool(self.forks) or bool(self.ended)
 
     def take(self, i: int, tokens: list[int]) -> None:
         """Advance request i's fork (if it has one) by the tokens it took."""
