@@ -1,6 +1,7 @@
-"""LLaVA-1.5 offline (issue 54): greedy float32 output token-exact against transformers with 1 and 2 images of different
-sizes, chunked through an image's placeholders and batched with a text prompt; the encoder runs once per image; the
-prefix cache keys blocks by the images they cover; every bad input a ValueError naming its cause."""
+"""LLaVA-1.5 offline (issue 54): greedy float32 output token-exact against transformers with 1, 2 and 3 images of
+different sizes (at the start, middle and end of a prompt), chunked through an image's placeholders and batched with a
+text prompt; the encoder runs once per image; the prefix cache keys blocks by the images they cover; every bad input a
+ValueError naming its cause."""
 from __future__ import annotations
 
 import base64
@@ -78,6 +79,20 @@ def test_greedy_matches_transformers_chunked_and_batched_with_text(llm, referenc
     assert cache.num_encoded - encoded == 3  # each distinct image once, though 16-token steps split each
     assert_all_blocks_free(llm)
 
+
+def test_three_images_at_the_start_middle_and_end_match_transformers(llm, reference):
+    """The first and the last prompt tokens are placeholders (the last one's logits are an image row's); 16-token
+    steps cut through all three images."""
+    images = [picture(30, 50, 35), picture(31, 33, 33), picture(32, 28, 71)]
+    placeholder = llm.info.image_token_id
+    words = llm.tokenizer("in the middle of two pictures", add_special_tokens=False)["input_ids"]
+    ids = [placeholder] + words + [placeholder] + words + [placeholder]
+    [output] = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, GREEDY, use_tqdm=False)
+    expanded = output.prompt_token_ids
+    assert expanded[:FEATURES] == expanded[-FEATURES:] == [placeholder] * FEATURES
+    assert expanded.count(placeholder) == 3 * FEATURES
+    assert output.outputs[0].token_ids == hf_greedy(reference, expanded, images, 8)
+    assert_all_blocks_free(llm)
 
 def test_an_image_seen_before_is_not_encoded_again_and_shares_blocks(llm):
     image = picture(4)
