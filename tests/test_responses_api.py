@@ -26,6 +26,9 @@ TIME = {"type": "function", "name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}
 EVENTS = TypeAdapter(ResponseStreamEvent)
 LOGPROBS = "message.output_text.logprobs"
+# A valid one-pixel PNG: the demo model reads text only.
+RED_PIXEL = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAA"
+             "AElFTkSuQmCC")
 
 
 @pytest.fixture(scope="module")
@@ -226,8 +229,10 @@ def test_the_store_keeps_the_most_recently_used_responses():
 @pytest.mark.parametrize("extra, param, message", [
     ({"input": 5}, "input", "valid"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input.0.role", "'user'"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
-     "input.0.content.0.type", "images are not supported"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": RED_PIXEL}]}]},
+     "input", "does not accept images"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+     "input.0.content.0.type", "files are not supported"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id", "needs call_id"),
     ({"n": 2}, "n", "one output per response"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "not supported"),

@@ -63,8 +63,13 @@ def add_responses_routes(app: FastAPI, serving: OpenAIServing,
 
 async def _respond(serving: OpenAIServing, store: ResponseStore, body: ResponsesRequest) -> Response:
     history = store.get(body.previous_response_id).conversation if body.previous_response_id is not None else []
-    conversation = history + input_messages(body.input)
-    chat = chat_request(chat_fields(body, conversation), _RENAMED)
+    given, origins = input_messages(body.input)
+    conversation = history + given
+    earlier = len(history) + (body.instructions is not None)
+    try:
+        chat = chat_request(chat_fields(body, conversation), {})
+    except APIError as error:
+        raise input_param(error, earlier, origins) from None
     head = ResponseHead(f"resp_{uuid.uuid4().hex}", int(time.time()), body)
     items = input_items(body.input) if body.store else []
 
@@ -77,7 +82,7 @@ async def _respond(serving: OpenAIServing, store: ResponseStore, body: Responses
         result = await serving.chat_result(chat, lambda chunk, _: ResponseEvents(
             dataclasses.replace(head, model=chunk["model"]), remember))
     except APIError as error:
-        raise rename_param(error, _RENAMED) from None
+        raise input_param(error, earlier, origins) from None
     if not isinstance(result, ChatCompletionResponse):
         return result
     [choice] = result.choices
@@ -104,24 +109,44 @@ def chat_fields(body: ResponsesRequest, conversation: list[dict]) -> dict:
     return {name: value for name, value in fields.items() if value is not None}
 
 
-def input_messages(given: str | list[InputItem]) -> list[dict]:
-    """`input` as chat messages: a function call joins the assistant message before it (or starts one), and a
-    call's output is a tool message."""
+def input_messages(given: str | list[InputItem]) -> tuple[list[dict], list[int]]:
+    """`input` as chat messages, and the input item each message starts with: a function call joins the assistant
+    message before it (or starts one), and a call's output is a tool message."""
     if isinstance(given, str):
-        return [{"role": "user", "content": given}]
+        return [{"role": "user", "content": given}], [0]
     messages: list[dict] = []
-    for item in given:
+    origins: list[int] = []
+    for position, item in enumerate(given):
+        if item.type == "function_call" and messages and messages[-1]["role"] == "assistant":
+            messages[-1]["tool_calls"] = [*(messages[-1].get("tool_calls") or []), _call(item)]
+            continue
+        origins.append(position)
         if item.type == "message":
-            content = item.content if isinstance(item.content, str) else [
-                {"type": "text", "text": part.text} for part in item.content]
+            content = item.content if isinstance(item.content, str) else [part.chat_part() for part in item.content]
             messages.append({"role": item.role, "content": content})
         elif item.type == "function_call":
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
-            if not messages or messages[-1]["role"] != "assistant":
-                messages.append({"role": "assistant", "content": None})
-            messages[-1]["tool_calls"] = [*(messages[-1].get("tool_calls") or []), call]
+            messages.append({"role": "assistant", "content": None, "tool_calls": [_call(item)]})
         else:
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
-    return messages
+    return messages, origins
 
+
+def _call(item: InputItem) -> dict:
+    return {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+
+
+def input_param(error: APIError, earlier: int, origins: list[int]) -> APIError:
+    """`error` naming the field as this request sent it: the chat path's messages.K (the `earlier` messages are the
+    instructions' and previous_response_id's, the rest stand for the input items `origins` lists) as input.N, an
+    image part's image_url.url as its image_url."""
+    head, _, rest = (error.param or "").partition(".")
+    index, _, inner = rest.partition(".")
+    if head != "messages" or not index.isdigit():
+        return rename_param(error, _RENAMED)
+    number = int(index) - earlier
+    param = "previous_response_id" if number < 0 else ".".join(
+        ["input", str(origins[number])] + ([inner.removesuffix(".url")] if inner else []))
+    if error.message.startswith(f"{error.param}:"):
+        error.message = param + error.message[len(error.param):]
+    error.param = param
+    return error

@@ -5,19 +5,18 @@ import uuid
 
 from frontend.api.errors import APIError
 from frontend.api.responses_output import call_item, new_message_id
-from frontend.api.responses_protocol import InputItem
+from frontend.api.responses_protocol import ContentPart, InputItem
 
 
 def input_items(given: str | list[InputItem]) -> list[dict]:
     """`input` as the items the openai client reads back: messages (an assistant's as output messages), function
     calls and their outputs, in the order sent."""
     if isinstance(given, str):
-        return [_message("user", given)]
+        return [_message("user", [given])]
     items = []
     for item in given:
         if item.type == "message":
-            text = [item.content] if isinstance(item.content, str) else [part.text for part in item.content]
-            items.append(_message(item.role, *text))
+            items.append(_message(item.role, [item.content] if isinstance(item.content, str) else item.content))
         elif item.type == "function_call":
             items.append(call_item({"id": item.call_id, "function": {"name": item.name, "arguments": item.arguments}}))
         else:
@@ -26,11 +25,16 @@ def input_items(given: str | list[InputItem]) -> list[dict]:
     return items
 
 
-def _message(role: str, *texts: str) -> dict:
-    if role == "assistant":
-        content = [{"type": "output_text", "text": text, "annotations": []} for text in texts]
-    else:
-        content = [{"type": "input_text", "text": text} for text in texts]
+def _message(role: str, parts: list[str | ContentPart]) -> dict:
+    content = []
+    for part in parts:
+        if isinstance(part, ContentPart) and part.type == "input_image":  # its URL is the request's string, shared
+            content.append({"type": "input_image", "image_url": part.image_url, "detail": part.detail,
+                            "file_id": None})
+        else:
+            text = part if isinstance(part, str) else part.text
+            content.append({"type": "output_text", "text": text, "annotations": []} if role == "assistant"
+                           else {"type": "input_text", "text": text})
     return {"type": "message", "id": new_message_id(), "role": role, "status": "completed", "content": content}
 
 

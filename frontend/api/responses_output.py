@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from frontend.api.errors import APIError
 from frontend.api.responses_protocol import ResponsesRequest
+
+# Stored conversations keep their images as sent (a data: URL is the encoded image): this bounds what they hold.
+DEFAULT_MAX_STORED_IMAGE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -94,33 +97,50 @@ class StoredResponse:
     conversation: list[dict]
     response: dict
     input_items: list[dict]
+    image_bytes: int = field(init=False)  # its conversation's image URLs' characters (its input items share them)
+
+    def __post_init__(self) -> None:
+        self.image_bytes = sum(len(part["image_url"]["url"]) for message in self.conversation
+                               if isinstance(message.get("content"), list)
+                               for part in message["content"] if part.get("type") == "image_url")
 
 
 class ResponseStore:
-    """The stored responses (made with store true), read by previous_response_id and GET: at most `capacity`, the
-    least recently used dropped first (0: none are stored). Each gateway process has its own."""
+    """The stored responses (made with store true), read by previous_response_id and GET: at most `capacity`, whose
+    image URLs (a data: URL is its image, encoded) come to at most `max_image_bytes`, the least recently used dropped
+    first (0: none are stored). A response continued from another counts the images it carries on again, though the
+    two share them: the bound errs on the safe side. Each gateway process has its own."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int, max_image_bytes: int = DEFAULT_MAX_STORED_IMAGE_BYTES) -> None:
+        self.capacity, self.max_image_bytes = capacity, max_image_bytes
         self.responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self.image_bytes = 0
 
     def get(self, response_id: str, param: str = "previous_response_id") -> StoredResponse:
         """The stored response; a 404 naming `param` (the field that gave the id) for an unknown or dropped id."""
         stored = self.responses.get(response_id)
         if stored is None:
             raise APIError(404, f"{param} {response_id!r}: no stored response has this id (stored: the "
-                                f"{self.capacity} most recently used responses made with store true)",
-                           param, code="response_not_found")
+                                f"{self.capacity} most recently used responses made with store true, within "
+                                f"{self.max_image_bytes} bytes of image URLs)", param, code="response_not_found")
         self.responses.move_to_end(response_id)
         return stored
 
     def put(self, response_id: str, stored: StoredResponse) -> None:
-        if self.capacity <= 0:
+        """Keep `stored`, dropping the least recently used over the bounds; one whose images alone are over the byte
+        bound is not kept."""
+        if self.capacity <= 0 or stored.image_bytes > self.max_image_bytes:
             return
+        self._drop(response_id)
         self.responses[response_id] = stored
-        while len(self.responses) > self.capacity:
-            self.responses.popitem(last=False)
+        self.image_bytes += stored.image_bytes
+        while len(self.responses) > self.capacity or self.image_bytes > self.max_image_bytes:
+            self._drop(next(iter(self.responses)))
 
     def delete(self, response_id: str) -> None:
         self.get(response_id, "response_id")
-        del self.responses[response_id]
+        self._drop(response_id)
+
+    def _drop(self, response_id: str) -> None:
+        if (dropped := self.responses.pop(response_id, None)) is not None:
+            self.image_bytes -= dropped.image_bytes

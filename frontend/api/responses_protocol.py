@@ -1,4 +1,5 @@
-"""OpenAI Responses API request bodies (POST /v1/responses): input items, function tools, text.format."""
+"""OpenAI Responses API request bodies (POST /v1/responses): input items (text and images), function tools,
+text.format."""
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -9,7 +10,7 @@ from pydantic_core import PydanticCustomError
 from frontend.api.protocol import SP, FunctionDefinition, Rule, _one_of, _Strict, refuse_media, require_fields
 
 LOGPROBS = "message.output_text.logprobs"  # the one extra output data `include` can ask for here
-_MEDIA = {"input_image": "images", "input_file": "files", "input_audio": "audio"}
+_MEDIA = {"input_file": "files", "input_audio": "audio"}
 # Fields whose other values would change the output; the rest of OpenAI's (metadata, user, service_tier,
 # safety_identifier, prompt_cache_key, stream_options) change nothing here and are accepted.
 REFUSED = {
@@ -24,15 +25,31 @@ REFUSED = {
 
 
 class ContentPart(_Strict):
-    """A message's text part: input_text, or output_text (an earlier response's output sent back)."""
+    """A message's part: input_text, output_text (an earlier response's output sent back) or input_image (an image
+    URL, loaded and checked as a chat image_url part is)."""
 
-    type: Literal["input_text", "output_text"]
-    text: str
+    type: Literal["input_text", "output_text", "input_image"]
+    text: str | None = None
+    image_url: str | None = None
+    # Taken and of no effect: the model's image processor sets the size an image is seen at.
+    detail: Literal["auto", "low", "high", "original"] = "auto"
+    refused_fields = {"file_id": Rule("uploaded files are not stored here: send the image as image_url")}
 
     @model_validator(mode="before")
     @classmethod
-    def _text_only(cls, part: Any) -> Any:
+    def _no_files_or_audio(cls, part: Any) -> Any:
         return refuse_media(part, _MEDIA)
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> ContentPart:
+        require_fields(self, ("image_url",) if self.type == "input_image" else ("text",), f"{self.type} part")
+        return self
+
+    def chat_part(self) -> dict:
+        """The part as a chat message's content part."""
+        if self.type == "input_image":
+            return {"type": "image_url", "image_url": {"url": self.image_url}}
+        return {"type": "text", "text": self.text}
 
 
 class InputItem(_Strict):
