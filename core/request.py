@@ -62,6 +62,7 @@ class Request:
             # request (it finds them again itself, recomputing after preemption).
             self.cache_salt = f"{self.cache_salt or ''}\x00embeds:{secrets.token_hex(16)}"
         self.mm_inputs = core_request.mm_inputs  # its images: their hashes key the blocks their placeholders are in
+        self.num_encoded_images = 0  # of mm_inputs, those a scheduled chunk reached (core/encoder_budget.py)
         self.block_hashes: list[bytes] = []  # one per full block of all_token_ids, filled in by the KV manager
         self.sampling_params: SamplingParams = core_request.sampling_params
         self.eos_token_id = core_request.eos_token_id

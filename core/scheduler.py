@@ -4,31 +4,29 @@ from __future__ import annotations
 import bisect
 import copy
 import heapq
-import logging
 import time
 from collections import deque
 
 from core import multi_step
 from core.multi_step import StepTimes
+from core.encoder_budget import chunk_within_encoder_budget, count_encoded
 from core.kv_cache_manager import KVCacheManager
 from core.request import Request, RequestStatus
+from core.scheduler_outputs import StepOutputs
 from ipc.sampling_params import tokens_left
 from ipc import (
     CachedRequestData,
     EngineConfig,
     EngineCoreOutput,
     FinishReason,
-    ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
     SpecDecodingStats,
 )
 
-logger = logging.getLogger("pagedserve.scheduler")
 
-
-class Scheduler:
+class Scheduler(StepOutputs):
     """No prefill or decode phases: each request computes `num_tokens - num_computed_tokens` tokens, capped."""
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, whole_prompts: bool = False,
@@ -42,6 +40,8 @@ class Scheduler:
         self.whole_prompts = whole_prompts
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_encoder_tokens = config.max_num_encoder_input_tokens or config.max_num_batched_tokens
+        self.encoder_budget = self.max_encoder_tokens  # what the step being scheduled has left
         self.max_model_len = config.max_model_len
         self.max_loras = config.max_loras  # distinct LoRA adapters among the running requests
         self.kv = kv_cache_manager
@@ -81,7 +81,7 @@ class Scheduler:
         return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+        budget, self.encoder_budget = self.max_num_batched_tokens, self.max_encoder_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -122,8 +122,10 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             drafts = self._drafts_to_verify(request)
-            num_new = min(request.num_tokens + len(drafts) - request.num_computed_tokens, budget)
-            if num_new <= 0:  # waiting for the token its last step samples
+            num_new = self._within_encoder_budget(
+                request, request.num_computed_tokens,
+                min(request.num_tokens + len(drafts) - request.num_computed_tokens, budget))
+            if num_new <= 0:  # waiting for the token its last step samples, or for the encoder's next step
                 index += 1
                 continue
             num_slots = self._with_lookahead(request.num_computed_tokens, num_new, slots_ahead)
@@ -216,7 +218,9 @@ class Scheduler:
             else:
                 computed_blocks = self.kv.computed_blocks(request)
                 num_cached = len(computed_blocks) * self.kv.block_size
-                num_new = min(request.num_tokens - num_cached, budget)
+                num_new = self._within_encoder_budget(request, num_cached, min(request.num_tokens - num_cached, budget))
+                if num_new == 0:
+                    break
                 if self.kv.allocate_slots(request, self._with_lookahead(num_cached, num_new), computed_blocks) is None:
                     break
             heapq.heappop(self.waiting)
@@ -251,103 +255,32 @@ class Scheduler:
         request.unsent_token_ids = []
         return data
 
+    def _within_encoder_budget(self, request: Request, start: int, num_new: int) -> int:
+        """The share of a chunk of `num_new` tokens from `start` whose images' encoding fits the step's encoder
+        budget, which it spends (core/encoder_budget.py)."""
+        num_new, spent = chunk_within_encoder_budget(request, start, num_new, self.encoder_budget,
+                                                     self.encoder_budget == self.max_encoder_tokens)
+        self.encoder_budget -= spent
+        return num_new
+
     @staticmethod
     def _commit(request: Request, num_new: int, num_scheduled: dict[str, int]) -> None:
         # Counted as computed when scheduled, so a request is never scheduled twice for the same tokens.
         request.num_computed_tokens += num_new
         num_scheduled[request.request_id] = num_new
+        count_encoded(request)
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop its blocks, start over from token 0 when rescheduled."""
         self.running.remove(request)
         self.kv.free(request)
         request.set_status(RequestStatus.PREEMPTED)
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_encoded_images = 0
         request.pending_prompt_logprobs = None  # recomputed with the prompt (sent ones are not: see the runner)
         request.spec_token_ids, request.scheduled_spec_token_ids = [], []
         request.num_preemptions += 1
         self.num_preemptions += 1
         heapq.heappush(self.waiting, (request.sort_key, request))
-
-    def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """For the oldest batch in flight: append sampled tokens, finish requests that stop, report new tokens."""
-        scheduled, decode_call = self.in_flight.popleft(), self._decode_calls.popleft()
-        for req_id, chunk in runner_output.prompt_logprobs.items():
-            if (request := self._still_current(scheduled, req_id)) is not None:
-                request.add_prompt_logprobs(chunk)
-        outputs = [self._fail(request, message) for req_id, message in runner_output.failed.items()
-                   if (request := self._still_current(scheduled, req_id)) is not None]
-        for req_id, pooled in runner_output.pooled.items():
-            if (request := self._still_current(scheduled, req_id)) is not None:
-                self._finish(request, RequestStatus.FINISHED_STOPPED)
-                outputs.append(EngineCoreOutput(request_id=req_id, new_token_ids=[], finish_reason=FinishReason.STOP,
-                                                num_cached_tokens=request.num_cached_tokens, pooled=pooled))
-        for req_id, token_ids in runner_output.sampled_token_ids.items():
-            request = self._still_current(scheduled, req_id)
-            if request is None:
-                continue
-            self._count_computed(request, token_ids, runner_output.verified.get(req_id, ()))
-            output = self._append_tokens(request, token_ids, runner_output)
-            if request.status == RequestStatus.RUNNING:
-                request.spec_token_ids = runner_output.draft_token_ids.get(req_id, [])
-            outputs.append(output)
-        if decode_call is not None and any(request.status == RequestStatus.RUNNING for request, _ in
-                                           scheduled.values()):  # one goes on: the call ran all its steps
-            started, steps, batch = decode_call
-            self.step_times.observe(batch, steps, time.perf_counter() - started)
-        return outputs
-
-    def _count_computed(self, request: Request, token_ids: list[int], verified: list[tuple[int, int]]) -> None:
-        """The step computed the K/V of each token it sampled but the last (a multi-step call's steps, accepted
-        drafts); its scheduled drafts were counted computed when scheduled. Rejected drafts' slots hold no token:
-        they are computed again (the blocks stay, as the next step's drafts fill them). verified: each verification
-        of the step (drafted, accepted)."""
-        drafts, request.scheduled_spec_token_ids = request.scheduled_spec_token_ids, []
-        request.num_computed_tokens += len(token_ids) - 1 - len(drafts)
-        for num_drafted, num_accepted in verified:
-            self.spec_stats.observe(num_drafted, num_accepted)
-
-    def _append_tokens(self, request: Request, token_ids: list[int], runner_output: ModelRunnerOutput
-                       ) -> EngineCoreOutput:
-        """Append the step's tokens one by one; those after one that finishes the request are dropped."""
-        for count, token_id in enumerate(token_ids, start=1):
-            request.append_output_token(token_id)
-            if request.grammar is not None and (error := _advance_grammar(request, token_id)) is not None:
-                return self._fail(request, *error)
-            stopped = request.check_stop(self.max_model_len)
-            if stopped is not None:
-                self._finish(request, stopped)
-                break
-        return self._output(request, token_ids[:count], runner_output)
-
-    def _still_current(self, scheduled: dict[str, tuple[Request, int]], req_id: str) -> Request | None:
-        """The request this output was computed for, unless it was aborted, finished or preempted since."""
-        request, num_preemptions = scheduled[req_id]
-        if self.requests.get(req_id) is not request or request.num_preemptions != num_preemptions:
-            return None
-        return request if request.status == RequestStatus.RUNNING else None
-
-    def _output(self, request: Request, token_ids: list[int], runner_output: ModelRunnerOutput) -> EngineCoreOutput:
-        req_id = request.request_id
-        output = EngineCoreOutput(request_id=req_id, new_token_ids=token_ids,
-                                  finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
-                                  num_cached_tokens=request.num_cached_tokens,
-                                  prompt_logprobs=request.pending_prompt_logprobs)
-        request.pending_prompt_logprobs = None
-        if req_id in runner_output.logprobs:
-            count = len(token_ids)
-            output.new_logprob_token_ids = runner_output.logprob_token_ids[req_id][:count]
-            output.new_logprobs = runner_output.logprobs[req_id][:count]
-            output.new_sampled_ranks = runner_output.sampled_ranks[req_id][:count]
-        return output
-
-    def _fail(self, request: Request, message: str, kind: str = "failed") -> EngineCoreOutput:
-        """End a request the workers could not prepare or sample (kind "invalid": its output constraint's fault); its
-        blocks go back to the pool."""
-        self._finish(request, RequestStatus.FINISHED_ERROR)
-        return EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
-                                error=message, error_kind=kind,
-                                error_param="structured_outputs" if kind == "invalid" else None)
 
     def abort_requests(self, req_ids: list[str]) -> list[EngineCoreOutput]:
         """Abort from outside the step; unknown or finished ids are ignored. One final output per abort."""
@@ -392,19 +325,3 @@ class Scheduler:
                               prefix_cache_queries=self.kv.prefix_cache_queries,
                               prefix_cache_hits=self.kv.prefix_cache_hits, spec_decoding=copy.deepcopy(self.spec_stats))
 
-
-def _advance_grammar(request: Request, token_id: int) -> tuple[str, str] | None:
-    """Feed the sampled token to the request's matcher; (why the request must fail, the error's kind) if it must."""
-    if request.grammar_error is not None:
-        return request.grammar_error, "failed"
-    try:
-        if request.grammar.accept(token_id):
-            return None
-    except Exception as error:  # a backend bug fails this request alone
-        logger.exception("advancing the grammar of request %s failed", request.request_id)
-        return f"structured output failed: {type(error).__name__}: {error}", "failed"
-    # The mask allowed no token: the constraint leads nowhere from here (a $ref or rule cycle with no way out), or
-    # the request's bad_words took away every token it allowed. Either way the request's own parameters.
-    return (f"token {token_id} breaks the request's structured_outputs constraint: it allows no token after "
-            f"{len(request.output_token_ids) - 1} tokens of output (a $ref or rule cycle with no way out, or "
-            "bad_words that take away every token it allows)"), "invalid"

@@ -31,6 +31,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: Positive | None = None
     max_num_seqs: Positive = 256
     max_num_batched_tokens: Positive = 2048
+    # Vision-language models: the image features (placeholder tokens) whose images a step may encode; None:
+    # max_num_batched_tokens. An image larger than it is encoded in a step of its own.
+    max_num_encoder_input_tokens: Positive | None = None
     block_size: Annotated[int, Meta(ge=1, le=2**16)] = 16
     num_kv_blocks: Positive | None = None
     kv_cache_memory: Annotated[int, Meta(ge=1, le=2**62)] | None = None  # bytes
