@@ -37,6 +37,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     block_size: Annotated[int, Meta(ge=1, le=2**16)] = 16
     num_kv_blocks: Positive | None = None
     kv_cache_memory: Annotated[int, Meta(ge=1, le=2**62)] | None = None  # bytes
+    # Vision-language models: the bytes of image features each first pipeline stage keeps by image hash (bytes or
+    # a size like "1GiB"); None: 1 GiB (workers/encoder_cache.py).
+    encoder_cache_memory: Annotated[int, Meta(ge=1, le=2**62)] | None = None
     seed: Int64 = 0
     tensor_parallel_size: Annotated[int, Meta(ge=1, le=4096)] = 1
     pipeline_parallel_size: Annotated[int, Meta(ge=1, le=4096)] = 1
@@ -129,6 +132,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+        if isinstance(self.encoder_cache_memory, str):
+            self.encoder_cache_memory = parse_memory_size(self.encoder_cache_memory, "encoder_cache_memory")
         self.speculative_config = parse_speculative_config(self.speculative_config)
         self.pooler_config = parse_pooler_config(self.pooler_config)
         check_fields(self)
@@ -175,12 +180,12 @@ def _check_cpu_threads_bind(config: EngineConfig) -> None:
     _require(sum(map(len, lists)) == len(set().union(*lists)), "cpu_threads_bind", "ranks' CPU lists overlap")
 
 
-def parse_memory_size(text: str) -> int:
-    """'4GiB', '512 MiB', '1e9' or '2048' (bytes) → bytes."""
+def parse_memory_size(text: str, field: str = "kv_cache_memory") -> int:
+    """'4GiB', '512 MiB', '1e9' or '2048' (bytes) → bytes (a ValueError naming `field`)."""
     match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(f"kv_cache_memory: cannot parse {text!r}; use bytes or a size like '4GiB'")
+        raise ValueError(f"{field}: cannot parse {text!r}; use bytes or a size like '4GiB'")
     return int(float(match.group(1)) * _UNITS[unit])
 
 

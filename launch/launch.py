@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="past this many waiting requests new ones get HTTP 429")
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--kv-cache-memory", help="bytes or a size like 4GiB")
+    engine.add_argument("--encoder-cache-memory", help="image features kept by image hash: bytes or a size (1GiB)")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
     engine.add_argument("--pp", "--pipeline-parallel-size", dest="pipeline_parallel_size", type=int, default=1)
@@ -238,7 +239,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
     return EngineConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_waiting_requests=args.max_waiting_requests, block_size=args.block_size,
-                        kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+                        kv_cache_memory=args.kv_cache_memory, encoder_cache_memory=args.encoder_cache_memory,
+                        seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,
                         enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,

@@ -3,6 +3,7 @@ chunk stopping before the image that would overspend it; an image larger than th
 images whose placeholders the prefix cache holds cost nothing; outputs stay exact under a tight budget."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import assert_all_blocks_free, tiny_llava
@@ -14,6 +15,7 @@ from frontend import LLM
 from ipc import EngineConfig, EngineCoreRequest, SamplingParams
 from ipc.multimodal import ImageInput
 from test_core import run_step
+from workers.model_config import load_hf_config
 from test_multimodal import ENGINE, FEATURES, GREEDY, hf_greedy, picture
 
 
@@ -86,3 +88,20 @@ def test_outputs_are_exact_under_an_encoder_budget_of_one_image_a_step():
         assert_all_blocks_free(engine)
     finally:
         engine.shutdown()
+
+
+def test_the_encoder_cache_keeps_what_encoder_cache_memory_allows():
+    hidden = load_hf_config(tiny_llava()).get_text_config().hidden_size
+    per_image = FEATURES * hidden * 4  # float32 features
+    engine = LLM(tiny_llava(), in_process=True, **ENGINE, encoder_cache_memory=f"{2 * per_image}B")
+    try:
+        cache = engine.client.engine.executor.worker.model_runner.encoder_cache
+        assert cache.max_bytes == 2 * per_image
+        for seed in (1, 2, 3, 1):  # the third evicts the first, which is encoded again
+            engine.generate({"prompt": "<image> hi", "multi_modal_data": {"image": picture(seed)}}, GREEDY,
+                            use_tqdm=False)
+        assert cache.num_encoded == 4 and len(cache.entries) == 2 and cache.num_bytes == 2 * per_image
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="encoder_cache_memory: cannot parse '2 potatoes'"):
+        EngineConfig(model="unused", encoder_cache_memory="2 potatoes")

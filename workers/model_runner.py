@@ -14,7 +14,7 @@ from kernels.gemv_choice import GemvChoice
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.decode_ahead import AheadForward, DecodeRows, launch_ahead, next_rows
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
-from workers.encoder_cache import EncoderCache
+from workers.encoder_cache import ENCODER_CACHE_BYTES, EncoderCache
 from workers.gemv_tuning import choose_gemvs
 from workers.later_step_calls import LaterStepCalls
 from workers.layers.attention import Attention, DecodeMetadata
@@ -67,7 +67,8 @@ class ModelRunner:
         self.pooling = pooling
         self.chunked_pooling = ChunkedPooling(pooling.pooling_type)
         self.later_steps = LaterStepCalls(self)
-        self.encoder_cache = EncoderCache(self.model.encode_images, device) \
+        self.encoder_cache = EncoderCache(self.model.encode_images, device,
+                                          config.encoder_cache_memory or ENCODER_CACHE_BYTES) \
             if getattr(self.model, "takes_images", False) and self.parallel.is_first_stage else None
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
