@@ -70,16 +70,14 @@ class EngineCore:
         self._arrivals = itertools.count()
         self.profiler = None if config.profiler_dir is None else EngineProfiler(
             config.profiler_dir, config.profiler_max_seconds, config.profiler_max_steps)
-        image_token, image_features = image_inputs(hf_config)
         self.info = EngineInfo(model=self.config.model, max_model_len=self.config.max_model_len,
                                vocab_size=self.vocab_size, num_kv_blocks=self.num_kv_blocks,
                                block_size=self.config.block_size, weight_bytes=weight_bytes,
                                scheduling_policy=self.config.scheduling_policy,
                                privileged_utilities=sorted(self._privileged_utilities()),
                                max_logprobs=self.config.max_logprobs, runner=runner, pooling=pooling,
-                               hidden_size=text_config.hidden_size, image_token_id=image_token,
-                               enable_prompt_embeds=self.config.enable_prompt_embeds,
-                               image_feature_count=image_features)
+                               hidden_size=text_config.hidden_size,
+                               enable_prompt_embeds=self.config.enable_prompt_embeds, **image_inputs(hf_config))
 
     def validate_request(self, request: EngineCoreRequest, request_id: str | None = None) -> None:
         """Raise ValueError naming what is wrong; nothing is queued. `request_id`: the id the engine will hold it

@@ -1,5 +1,5 @@
 """Images of a prompt, processed in the front end: the checkpoint's own image processor (its results kept by content
-hash), each <image> placeholder expanded to the image's feature count."""
+hash), each <image> placeholder expanded to that image's feature count."""
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +12,7 @@ import msgspec
 from ipc import EngineInfo
 from ipc.multimodal import MAX_IMAGES_PER_PROMPT, ImageInput
 
-# Processed images kept for reuse (LLaVA-1.5's 336 × 336 float32 pixels: 1.3 MiB an image).
+# Processed images kept for reuse (LLaVA-1.5's 336 × 336 float32 pixels: 1.3 MiB an image; LLaVA-NeXT's up to 5 tiles).
 PROCESSED_CACHE_BYTES = 256 << 20
 _ACCEPTED = ("{'prompt': text (or 'prompt_token_ids': ids) with one <image> placeholder per image, "
              "'multi_modal_data': {'image': PIL.Image or [images]}}")
@@ -98,7 +98,7 @@ class ImageProcessor:
 
         self.processor = AutoImageProcessor.from_pretrained(model_folder)
         self.image_token_id: int = info.image_token_id
-        self.feature_count = info.image_feature_count
+        self.feature_count, self.tiling = info.image_feature_count, info.image_tiling
         # Processed images by hash, least recently used first: the same image again skips the processor.
         self.processed: OrderedDict[str, ImageInput] = OrderedDict()
         self.processed_bytes = 0
@@ -108,7 +108,7 @@ class ImageProcessor:
     @classmethod
     def of(cls, model_folder: str, info: EngineInfo) -> ImageProcessor | None:
         """The model's processor, or None for a model that takes no images."""
-        return cls(model_folder, info) if info.image_feature_count else None
+        return cls(model_folder, info) if info.image_token_id is not None else None
 
     def expand(self, token_ids: list[int], images: list) -> tuple[list[int], list[ImageInput]]:
         """The prompt's ids with each placeholder repeated to its image's feature count, and the images as the engine
@@ -124,7 +124,7 @@ class ImageProcessor:
         for position, image in zip(at, processed):
             expanded += token_ids[done:position]
             inputs.append(msgspec.structs.replace(image, offset=len(expanded)))
-            expanded += [self.image_token_id] * self.feature_count
+            expanded += [self.image_token_id] * image.length
             done = position + 1
         return expanded + token_ids[done:], inputs
 
@@ -140,14 +140,22 @@ class ImageProcessor:
         found |= {image.hash: image for image in images if isinstance(image, ImageInput)}
         new = {digest: image for digest, image in zip(hashes, images) if digest not in found}
         if new:
-            pixel_values = self.processor([image.convert("RGB") for image in new.values()],
-                                          return_tensors="pt")["pixel_values"]
+            processed = [self._input(image.convert("RGB")) for image in new.values()]
             with self.lock:
                 self.num_processed += len(new)
-                for digest, pixels in zip(new, pixel_values):
-                    found[digest] = ImageInput.of(pixels, 0, self.feature_count)
-                    self._keep(digest, found[digest])
+                for digest, image in zip(new, processed):
+                    found[digest] = image
+                    self._keep(digest, image)
         return [found[digest] for digest in hashes]
+
+    def _input(self, image: Any) -> ImageInput:
+        """One image through the processor: one view, or (a tiling model) its tiles, the base view first, and its
+        original size, which gives its feature count."""
+        processed = self.processor([image], return_tensors="pt")
+        if self.tiling is None:
+            return ImageInput.of(processed["pixel_values"][0], 0, self.feature_count)
+        size = tuple(int(side) for side in processed["image_sizes"][0])
+        return ImageInput.of(processed["pixel_values"][0], 0, self.tiling.feature_count(*size), size)
 
     def _keep(self, digest: str, image: ImageInput) -> None:
         self.processed[digest] = image

@@ -9,7 +9,7 @@ from msgspec import Meta
 
 from ipc.bounds import MAX_ID_LENGTH, MAX_PROMPT_TOKENS, Count, Fraction, Int64, RequestId, Seconds, TokenId, check_fields
 from ipc.lora import LoRARequest
-from ipc.multimodal import MAX_IMAGES_PER_PROMPT, ImageInput
+from ipc.multimodal import MAX_IMAGES_PER_PROMPT, ImageInput, ImageTiling
 from ipc.pooling import PoolingInfo, PoolingParams
 from ipc.prompt_embeds import PromptEmbeds
 from ipc.request_rules import validate_request
@@ -171,9 +171,11 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     pooling: PoolingInfo | None = None  # None: the model cannot pool
     hidden_size: Count = 0  # the width of the model's input embedding: of a prompt_embeds row
     enable_prompt_embeds: bool = False  # whether requests may give their prompt as embeddings
-    # A vision-language model's image placeholder token and the features (placeholders) of one image; 0: no images.
+    # A vision-language model's image placeholder token (None: it takes no images) and the features (placeholders) of
+    # every image, or 0 where each image's count follows from its size by image_tiling's rule.
     image_token_id: TokenId | None = None
     image_feature_count: Count = 0
+    image_tiling: ImageTiling | None = None
 
     def validate_request(self, request: EngineCoreRequest) -> None:
         """Raise InvalidRequestError naming what is wrong with a request this engine would refuse."""

@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ipc.messages import EngineCoreRequest, EngineInfo
+    from ipc.multimodal import ImageInput
 
 
 class InvalidRequestError(ValueError):
@@ -143,17 +144,18 @@ def _check_pooling_request(info: EngineInfo, request: EngineCoreRequest) -> None
 
 
 def _check_images(info: EngineInfo, request: EngineCoreRequest) -> None:
-    """Images only for a vision-language model, each over its own run of placeholder tokens, in prompt order."""
-    if not info.image_feature_count:
+    """Images only for a vision-language model, each over its own run of placeholder tokens (as many as the model's
+    rule gives it), in prompt order."""
+    if info.image_token_id is None:
         raise InvalidRequestError("this model takes no images (it is a text-only model)", "multi_modal_data")
     if request.prompt_embeds is not None:
         raise InvalidRequestError("give images with a prompt of token ids, not prompt_embeds", "multi_modal_data")
     end = 0
     for image in request.mm_inputs:
-        if image.length != info.image_feature_count or image.offset < end or \
-                image.end > len(request.prompt_token_ids):
-            raise InvalidRequestError(f"each image takes {info.image_feature_count} placeholder tokens of its own, "
-                                      f"in prompt order; got {image.length} at {image.offset}", "multi_modal_data")
+        length = _image_length(info, image)
+        if image.length != length or image.offset < end or image.end > len(request.prompt_token_ids):
+            raise InvalidRequestError(f"each image takes {length} placeholder tokens of its own, in prompt order; "
+                                      f"got {image.length} at {image.offset}", "multi_modal_data")
         if image.hash != image.content_hash():
             raise InvalidRequestError("an image's hash must be the sha256 of its pixel values (ImageInput.of)",
                                       "multi_modal_data")
@@ -161,3 +163,23 @@ def _check_images(info: EngineInfo, request: EngineCoreRequest) -> None:
             raise InvalidRequestError(f"an image's placeholder positions {image.offset}..{image.end - 1} must hold "
                                       f"the image token {info.image_token_id}", "multi_modal_data")
         end = image.end
+
+
+def _image_length(info: EngineInfo, image: ImageInput) -> int:
+    """The placeholders an image takes: the model's fixed count, or by a tiling model's rule for the image's original
+    size, whose tiles (shape [tiles, channels, tile, tile]) must be those the rule cuts."""
+    tiling = info.image_tiling
+    if tiling is None:
+        if image.image_size is not None:
+            raise InvalidRequestError("this model takes each image as one view [channels, height, width], without "
+                                      "an image_size", "multi_modal_data")
+        return info.image_feature_count
+    if image.image_size is None:
+        raise InvalidRequestError("this model tiles images: give pixel values [tiles, channels, height, width] and "
+                                  "the image's original (height, width) image_size", "multi_modal_data")
+    tiles = tiling.num_tiles(*image.image_size)
+    if image.shape[0] != tiles or image.shape[2:] != (tiling.tile_size, tiling.tile_size):
+        raise InvalidRequestError(f"an image of size {list(image.image_size)} is {tiles} tiles of "
+                                  f"{tiling.tile_size} x {tiling.tile_size} pixels, got pixel values of shape "
+                                  f"{list(image.shape)}", "multi_modal_data")
+    return tiling.feature_count(*image.image_size)

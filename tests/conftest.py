@@ -63,6 +63,14 @@ def tiny_llava() -> str:
 
 
 @functools.cache
+def tiny_llava_next() -> str:
+    """The tiny random LLaVA-NeXT folder (launch/make_vision_model.py), cached on disk as tiny_model's are."""
+    from launch.make_vision_model import make_llava_next
+
+    return str(make_llava_next(_MODEL_ROOT / "llava-next-tiny"))
+
+
+@functools.cache
 def long_context_llama() -> str:
     """The tiny llama with a 64k context, where a request can run for many seconds on any machine (the 1k-context
     one's whole context took 0.15-0.25 s): a test acts while it runs. Serve it with a KV pool for its context."""

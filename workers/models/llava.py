@@ -2,6 +2,8 @@
 a llama-family language model."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -136,7 +138,6 @@ class LlavaForConditionalGeneration(FusedGreedyDecoding, nn.Module):
     num_intermediate_tensors = 2
     takes_prompt_embeds = True
     takes_images = True
-    image_token_id = staticmethod(image_token_id)
     image_feature_count = staticmethod(image_feature_count)
     # Checkpoint name prefixes → ours, applied in order: transformers 5 writes `language_model.model.`,
     # `vision_tower.` and `multi_modal_projector.`; its in-memory names and llava-hf's hub folders differ.
@@ -162,9 +163,15 @@ class LlavaForConditionalGeneration(FusedGreedyDecoding, nn.Module):
             self.multi_modal_projector = LlavaMultiModalProjector(config, vision.hidden_size * len(layers))
         self.keeps_class_token = config.vision_feature_select_strategy == "full"
 
+    @staticmethod
+    def image_inputs(config: PretrainedConfig) -> dict:
+        """EngineInfo's image fields: the placeholder token and every image's feature count."""
+        return {"image_token_id": image_token_id(config), "image_feature_count": image_feature_count(config)}
+
     @torch.no_grad()
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[images, channels, height, width] → [images, features, hidden]: the rows their placeholders take."""
+    def encode_images(self, pixel_values: torch.Tensor, image_sizes: Sequence[None] = ()) -> torch.Tensor:
+        """[images, channels, height, width] → [images, features, hidden]: the rows their placeholders take (the
+        encoder cache's call gives image_sizes, which tiling families read: here every image is one whole view)."""
         features = self.vision_tower(pixel_values)
         return self.multi_modal_projector(features if self.keeps_class_token else features[:, 1:])
 

@@ -10,6 +10,7 @@ from workers.models.gemma2 import Gemma2ForCausalLM
 from workers.models.gpt_neox import GPTNeoXForCausalLM
 from workers.models.llama import LlamaForCausalLM
 from workers.models.llava import LlavaForConditionalGeneration
+from workers.models.llava_next import LlavaNextForConditionalGeneration
 from workers.models.mistral import MistralForCausalLM
 from workers.models.mixtral import MixtralForCausalLM
 from workers.models.opt import OPTForCausalLM
@@ -46,6 +47,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     "BertModel": BertModel,
     "BertForSequenceClassification": BertForSequenceClassification,
     **{base: _base_model(causal_lm) for base, causal_lm in (
@@ -63,12 +65,11 @@ def check_prompt_embeds(config: PretrainedConfig) -> None:
                          f"those that do: {', '.join(families)}")
 
 
-def image_inputs(config: PretrainedConfig) -> tuple[int | None, int]:
-    """A vision-language model's image placeholder token and its features per image; (None, 0) for any other."""
+def image_inputs(config: PretrainedConfig) -> dict:
+    """A vision-language model's EngineInfo image fields (its placeholder token, its features per image or its
+    tiling rule); none for any other model."""
     model_class = get_model_class(config)
-    if not getattr(model_class, "takes_images", False):
-        return None, 0
-    return model_class.image_token_id(config), model_class.image_feature_count(config)
+    return model_class.image_inputs(config) if getattr(model_class, "takes_images", False) else {}
 
 
 def get_model_class(config: PretrainedConfig) -> type[nn.Module]:
