@@ -24,6 +24,7 @@ from ipc.request_rules import InvalidRequestError
 from launcher import start_launcher, stop_launcher
 from workers.model_config import load_hf_config
 from workers.model_loader import checkpoint_target, load_model
+from workers.models.llava_next import LlavaNextForConditionalGeneration, image_tiling
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 # 16-token steps cut through every image's placeholders; 40 blocks of 8 are too few for the two longest prompts of the
@@ -156,6 +157,17 @@ def test_encoded_features_equal_transformers_for_every_grid(reference):
     for seed, size in enumerate([*SIZES.values(), (300, 7), (100, 100)]):
         pixel_values, expected = reference.features(picture(seed, size))
         assert torch.allclose(ours.encode_images(pixel_values, [size])[0], expected, atol=1e-5), size
+
+
+def test_configs_transformers_cannot_lay_out_are_refused_at_load():
+    config = load_hf_config(tiny_llava_next())
+    config.vision_feature_select_strategy = "full"
+    with pytest.raises(ValueError, match="takes vision_feature_select_strategy 'default', got 'full'"):
+        LlavaNextForConditionalGeneration(config)
+    config = load_hf_config(tiny_llava_next())
+    config.image_grid_pinpoints = [[33, 66], [50, 33]]
+    with pytest.raises(ValueError, match="multiples of the tower's image_size 33"):
+        image_tiling(config)
 
 
 def test_a_served_image_chat_answers_what_the_engine_answers_offline(llm):
