@@ -51,6 +51,7 @@ class EngineProcess:
             os.close(status_write)
             os.close(watch_read)
         self._status = os.fdopen(status_read, "rb")
+        self.info: EngineInfo | None = None  # once ready
 
     @property
     def pid(self) -> int:
@@ -81,6 +82,7 @@ class EngineProcess:
         if status.info is None:
             self.shutdown()
             raise _ERROR_TYPES.get(status.error_type, RuntimeError)(status.error)
+        self.info = status.info
         return status.info
 
     def _read_status(self, timeout: float) -> EngineStartup:
@@ -109,3 +111,33 @@ class EngineProcess:
             os.close(self._watch_write)
             self._watch_write = None
         remove_ipc_files(self.endpoints)
+
+
+def start_engines(configs: list[EngineConfig], addresses: list[str], curve_key_file: str | None = None,
+                  insecure_loopback: bool = False) -> list[EngineProcess]:
+    """Engine cores started side by side (data parallel), returned once every one is ready; if one fails to start,
+    all are stopped and its error raised."""
+    processes: list[EngineProcess] = []
+    try:
+        for config, address in zip(configs, addresses):
+            processes.append(EngineProcess(config, address, curve_key_file, insecure_loopback))
+        for process in processes:
+            process.wait_ready()
+    except BaseException:
+        for process in processes:
+            process.shutdown()
+        raise
+    return processes
+
+
+def data_parallel_configs(config: EngineConfig, cpus: list[int]) -> list[EngineConfig]:
+    """Each data-parallel engine's config: on a CPU a single-rank engine's threads pinned to its own equal share of
+    `cpus` (engines whose threads all roam every CPU slow each other down), unless cpu_threads_bind or cpu_threads
+    is given or there are more engines than CPUs."""
+    size = config.data_parallel_size
+    if config.cpu_threads_bind is not None or config.cpu_threads is not None or config.device == "cuda" or \
+            config.tensor_parallel_size * config.pipeline_parallel_size > 1 or len(cpus) < size:
+        return [config] * size
+    share = len(cpus) // size
+    return [msgspec.structs.replace(config, cpu_threads_bind=",".join(map(str, cpus[rank * share:(rank + 1) * share])))
+            for rank in range(size)]

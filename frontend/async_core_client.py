@@ -59,6 +59,8 @@ class AsyncEngineCoreClient(EngineCoreClient):
         if problem is not None:
             raise EngineDeadError(problem)
 
+    check_serving_async = check_health_async  # one engine: it serves only while it is healthy
+
     async def get_stats_async(self) -> SchedulerStats:
         return msgspec.convert(await self.call_utility_async("get_stats"), SchedulerStats)
 

@@ -31,7 +31,7 @@ class AsyncLLM:
     """`AsyncLLM(model, **engine_args)` starts a private engine core; `AsyncLLM(engine_address=..., model=...)`
     attaches to a running one (the model folder is then only for the tokenizer; default: the engine's)."""
 
-    def __init__(self, model: str | None = None, *, engine_address: str | None = None,
+    def __init__(self, model: str | None = None, *, engine_address: str | list[str] | None = None,
                  curve_key_file: str | None = None, handshake_timeout: float = 30.0, **engine_args) -> None:
         files = tokenizer_folder(model, engine_args.get("tokenizer")) if model else None  # before an engine starts
         self.client: AsyncEngineCoreClient = connect_engine(
@@ -130,6 +130,11 @@ class AsyncLLM:
         """Raises EngineDeadError if the engine core is gone, has sent no heartbeat for 10 s, or its loop has not
         advanced for max_stall_s (a wedged step); answers at once, however busy the engine is."""
         await self.client.check_health_async(max_stall_s)
+
+    async def check_serving(self, max_stall_s: float = DEFAULT_MAX_STALL_S) -> None:
+        """Raises EngineDeadError if no engine core can take requests: with data parallel, while one can this passes
+        where check_health fails."""
+        await self.client.check_serving_async(max_stall_s)
 
     def shutdown(self) -> None:
         """Stop the engine core this AsyncLLM started (also done when it is garbage collected or at exit)."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
-from zmq.utils.monitor import parse_monitor_message, recv_monitor_message
+from zmq.utils.monitor import recv_monitor_message
 
 from ipc import (
     CLIENT_ALIVE_INTERVAL_S,
@@ -154,17 +154,18 @@ class EngineCoreClient:
         """The next batch of this client's outputs (and request errors); EngineDeadError once those received
         before the engine died are consumed."""
         while not self.pending:
-            self._poll(POLL_MS)
+            self.poll(POLL_MS)
         return self.pending.popleft()
 
     def call_utility(self, method: str, *args: Any) -> Any:
         """Run an engine utility (get_stats, reset_prefix_cache, start_profile, stop_profile, check_health)."""
         call_id = self._send_utility_call(method, args)
         while call_id not in self.utility_results:
-            self._poll(POLL_MS)
+            self.poll(POLL_MS)
         return unwrap(self.utility_results.pop(call_id))
 
-    def _poll(self, timeout_ms: int) -> None:
+    def poll(self, timeout_ms: int) -> None:
+        """Take in what has arrived within `timeout_ms` (outputs, replies, disconnects); EngineDeadError once dead."""
         self._raise_if_dead()
         ready = dict(self.poller.poll(timeout_ms))
         if self.output in ready:
@@ -200,7 +201,7 @@ class EngineCoreClient:
             if time.monotonic() >= next_try:
                 call_ids.append(self._send_utility_call("get_info", ()))
                 next_try = time.monotonic() + _HANDSHAKE_RETRY_S
-            self._poll(50)
+            self.poll(50)
             answered = [call_id for call_id in call_ids if call_id in self.utility_results]
             if answered:
                 self.awaited_calls.difference_update(call_ids)

@@ -19,6 +19,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors", "gptq", "awq", "gguf")
 _DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+DP_ROUTING = ("prefix", "load", "round_robin")
 MAX_CPUS = 1024  # glibc's cpu_set_t, which pins the threads
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -43,6 +44,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     seed: Int64 = 0
     tensor_parallel_size: Annotated[int, Meta(ge=1, le=4096)] = 1
     pipeline_parallel_size: Annotated[int, Meta(ge=1, le=4096)] = 1
+    # Engine cores, each with its own scheduler, KV cache and workers, behind the front end; each request goes to one
+    # (frontend/dp_balance.py): "prefix" where its prompt's blocks (or its cache_salt's conversation) went before
+    # unless that engine is overloaded, else the least loaded; "load" by load alone; "round_robin" in turn.
+    data_parallel_size: Annotated[int, Meta(ge=1, le=1024)] = 1
+    data_parallel_routing: str = "prefix"
     # Mixture-of-experts models: each TP rank holds whole experts (a share of them) instead of a slice of every
     # expert; attention stays tensor parallel.
     enable_expert_parallel: bool = False
@@ -146,6 +152,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _require(self.load_format in LOAD_FORMATS, "load_format",
                  f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _require(self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}")
+        _require(self.data_parallel_routing in DP_ROUTING, "data_parallel_routing",
+                 f"must be one of {DP_ROUTING}, got {self.data_parallel_routing!r}")
         _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
                  f"must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras}")
         if self.cpu_threads_bind is not None:

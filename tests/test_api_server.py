@@ -472,6 +472,8 @@ class _StubEngine:
     async def check_health(self, max_stall_s: float) -> None:
         return None  # alive
 
+    check_serving = check_health
+
 
 @pytest.fixture(scope="module")
 def stub(llama_model):

@@ -11,6 +11,7 @@ from typing import Any
 from frontend.api.media import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_MAX_IMAGE_BYTES, MediaOptions
 from frontend.api.push import HEADER_TIMEOUT_S
 from frontend.core_client import DEFAULT_MAX_STALL_S
+from ipc.config import DP_ROUTING
 from ipc.multimodal import MAX_IMAGES_PER_PROMPT
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -205,7 +206,10 @@ def gateway_argv(args: argparse.Namespace) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m frontend.api.server",
                                      description="The OpenAI-compatible HTTP gateway in front of an engine core.")
-    parser.add_argument("--engine-address", required=True)
+    parser.add_argument("--engine-address", required=True,
+                        help="the engine core's address, or data-parallel engine cores' addresses joined by commas")
+    parser.add_argument("--data-parallel-routing", choices=DP_ROUTING, default="prefix",
+                        help="with several engine cores: which one takes a request (frontend/dp_balance.py)")
     parser.add_argument("--curve-key-file")
     parser.add_argument("--model", help="model folder for the tokenizer (default: the engine's)")
     parser.add_argument("--served-model-name", help="the model id clients use (default: --model)")

@@ -43,6 +43,7 @@ from frontend.api.sampling import ServerLimits
 from frontend.api.serving import OpenAIServing
 from frontend.async_llm import AsyncLLM
 from frontend.core_client import DEFAULT_MAX_STALL_S, EngineDeadError
+from frontend.data_parallel import EnginesDownError
 from frontend.generation_config import load_generation_defaults
 from frontend.tokenizer import load_chat_template
 from ipc.lifeline import watch_lifeline
@@ -84,15 +85,20 @@ def build_app(engine: AsyncLLM, model_name: str, limits: ServerLimits, api_key: 
             await engine.check_health(max_stall_s)
         except EngineDeadError as error:
             logger.debug("health check: %s", error)
-            return APIError(503, "engine unavailable", code="engine_unavailable").response()  # no internals
+            message = "engine unavailable"  # no internals: which data-parallel engines, not why
+            if isinstance(error, EnginesDownError) and len(error.down) < error.size:
+                message = (f"engine core(s) {', '.join(map(str, error.down))} of {error.size} unavailable; "
+                           "the others serve")
+            return APIError(503, message, code="engine_unavailable").response()
         return Response(status_code=200)
 
     for method in engine.info.privileged_utilities:  # only those the engine was started to allow
         app.add_api_route(f"/{method}", _utility_route(engine, method), methods=["POST"])
 
     async def engine_alive() -> None:
-        """Routes answered in the gateway alone still say 503 once the engine is gone, as every route does."""
-        await engine.check_health(max_stall_s)
+        """Routes answered in the gateway alone still say 503 once the engine is gone (every data-parallel one), as
+        every route does."""
+        await engine.check_serving(max_stall_s)
 
     @app.get("/v1/models", dependencies=[Depends(engine_alive)])
     async def models() -> dict:
@@ -239,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--ssl-keyfile needs --ssl-certfile")
         auto_tool_parser(args)
         check_lora_flags(args)
-        engine = AsyncLLM(args.tokenizer or args.model, engine_address=args.engine_address,
-                          curve_key_file=args.curve_key_file)
+        addresses = args.engine_address.split(",")
+        engine = AsyncLLM(args.tokenizer or args.model, engine_address=addresses[0] if len(addresses) == 1 else
+                          addresses, curve_key_file=args.curve_key_file,
+                          **({"data_parallel_routing": args.data_parallel_routing} if len(addresses) > 1 else {}))
     except ValueError as error:
         logger.error("%s", error)
         return 2

@@ -1,0 +1,171 @@
+"""Data parallel (issue 55, first increment): two engine cores behind one front end. Routing by prefix, by
+conversation and by load (frontend/dp_balance.py); greedy outputs equal one engine's, offline and through AsyncLLM;
+kill -9 of one engine fails its own requests at once while the other's finish, and health names it."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import msgspec
+import openai
+import pytest
+
+from conftest import assert_all_blocks_free, child_pids, tiny_model
+from frontend import LLM, AsyncLLM, SamplingParams
+from core.engine_spawn import data_parallel_configs
+from frontend.core_client import EngineDeadError, RequestFailedError
+from frontend.dp_balance import OVERLOAD_ABSOLUTE, EngineBalancer
+from ipc import EngineConfig, EngineCoreRequest, RequestOutputKind
+from launcher import descendants, start_launcher, stop_launcher
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+# Four shared prefixes of three 16-token blocks, four requests each, interleaved.
+PREFIXES = [[(7 * p + i) % 500 + 1 for i in range(48)] for p in range(4)]
+PROMPTS = [{"prompt_token_ids": PREFIXES[i % 4] + [600 + i, 3, 5]} for i in range(16)]
+
+
+def request(request_id: str, ids: list[int], cache_salt: str | None = None) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=SamplingParams(),
+                             cache_salt=cache_salt)
+
+
+def test_a_prefix_keeps_its_engine_until_it_is_overloaded():
+    balancer = EngineBalancer(2, block_size=4)
+    shared = list(range(1, 13))
+    first = balancer.choose(request("a", shared + [50]))
+    assert balancer.choose(request("b", [90, 91, 92, 93, 94])) != first  # the lighter one
+    assert balancer.choose(request("c", shared + [60])) == first  # its blocks went there
+    assert balancer.choose(request("d", shared[:4] + [70] * 8)) == first  # one block in common is enough
+    for n in range(OVERLOAD_ABSOLUTE + 2):  # until it holds more than the absolute and relative slack
+        engine = balancer.choose(request(f"x{n}", shared + [n]))
+    assert engine != first and balancer.load_routed >= 2
+    for request_id in list(balancer.owner):
+        balancer.finished(request_id)
+    assert balancer.load == [0, 0] and not balancer.owner
+
+
+def test_a_conversation_keeps_its_engine_and_a_dead_engine_takes_nothing():
+    balancer = EngineBalancer(3, block_size=4)
+    engine = balancer.choose(request("a", [1, 2, 3], cache_salt="user-7"))
+    assert {balancer.choose(request(f"b{n}", [9, n, 4], cache_salt="user-7")) for n in range(3)} == {engine}
+    assert sorted(balancer.engine_died(engine)) == ["a", "b0", "b1", "b2"]
+    assert balancer.choose(request("c", [1, 2, 3], cache_salt="user-7")) != engine
+    rounds = EngineBalancer(2, block_size=4, policy="round_robin")
+    assert [rounds.choose(request(f"r{n}", list(range(8)))) for n in range(4)] == [1, 0, 1, 0]
+    with pytest.raises(ValueError, match="data_parallel_routing must be one of"):
+        EngineConfig(model="unused", data_parallel_routing="random")
+
+
+def test_each_engine_pins_its_threads_to_its_own_share_of_the_cpus():
+    def binds(config: EngineConfig, cpus: list[int]) -> list[str | None]:
+        return [engine.cpu_threads_bind for engine in data_parallel_configs(config, cpus)]
+
+    config = EngineConfig(model="unused", data_parallel_size=2)
+    assert binds(config, [0, 1, 2, 3, 4]) == ["0,1", "2,3"]
+    assert binds(config, [3]) == [None, None]  # more engines than CPUs: the kernel places them
+    assert binds(msgspec.structs.replace(config, cpu_threads=1), [0, 1, 2, 3]) == [None, None]
+
+
+def test_two_engines_answer_as_one_offline_and_balance_by_prefix():
+    single = LLM(tiny_model("llama"), dtype="float32")
+    expected = [output.outputs[0].token_ids for output in single.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    single.shutdown()
+    llm = LLM(tiny_model("llama"), dtype="float32", data_parallel_size=2)
+    try:
+        assert [output.outputs[0].token_ids for output in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
+        per_engine = [client.get_stats() for client in llm.client.clients]
+        assert all(stats.prefix_cache_queries > 0 for stats in per_engine)  # both served
+        # Each prefix on one engine: every request after a prefix's first finds its 48 tokens.
+        assert llm.get_stats().prefix_cache_hits == 12 * 48
+        assert_all_blocks_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_async_streams_equal_and_a_killed_engine_fails_only_its_own_requests():
+    async def run() -> None:
+        engine = AsyncLLM(tiny_model("llama"), dtype="float32", data_parallel_size=2, data_parallel_routing="load")
+        try:
+            texts = await asyncio.gather(*(final(engine, f"s{i}", prompt, GREEDY) for i, prompt in enumerate(PROMPTS)))
+            offline = LLM(tiny_model("llama"), dtype="float32")
+            expected = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY, use_tqdm=False)]
+            offline.shutdown()
+            assert [output.outputs[0].token_ids for output in texts] == expected
+            # Eight long streams, four on each engine; engine 0 is killed once all have started.
+            long = SamplingParams(max_tokens=1000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+            started = [asyncio.Event() for _ in range(8)]
+            streams = [asyncio.ensure_future(final(engine, f"l{i}", {"prompt_token_ids": [5 + i, 8, 9]}, long,
+                                                   started[i])) for i in range(8)]
+            await asyncio.gather(*(event.wait() for event in started))
+            owners = dict(engine.client.balancer.owner)
+            victim = engine.client.clients[0].process.pid
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.monotonic()
+            results = await asyncio.gather(*streams, return_exceptions=True)
+            failed = [f"l{i}" for i, result in enumerate(results) if isinstance(result, RequestFailedError)]
+            assert failed and sorted(failed) == sorted(rid for rid, owner in owners.items() if owner == 0)
+            assert len(failed) == 4 and all(len(result.outputs[0].token_ids) == 1000 for result in results
+                                            if not isinstance(result, Exception))
+            assert max(failed_at.values()) - killed_at < 1.0
+            with pytest.raises(EngineDeadError, match="engine core 0"):
+                await engine.check_health()
+            again = await final(engine, "after", PROMPTS[0], GREEDY)  # the other engine serves on
+            assert again.outputs[0].token_ids == expected[0]
+        finally:
+            engine.shutdown()
+        assert victim not in child_pids()
+
+    asyncio.run(run())
+
+
+failed_at: dict[str, float] = {}
+
+
+async def final(engine: AsyncLLM, request_id: str, prompt, params: SamplingParams,
+                started: asyncio.Event | None = None):
+    """The request's last output, its tokens gathered over the stream (`started` set at its first output; when it
+    fails, failed_at has the time)."""
+    tokens, output = [], None
+    try:
+        async for output in engine.generate(prompt, params, request_id):
+            tokens += output.outputs[0].token_ids if params.output_kind == RequestOutputKind.DELTA else []
+            if started is not None:
+                started.set()
+    except RequestFailedError:
+        failed_at[request_id] = time.monotonic()
+        raise
+    if params.output_kind == RequestOutputKind.DELTA:
+        output.outputs[0].token_ids = tokens
+    return output
+
+
+def test_served_with_two_engines_a_killed_one_fails_health_while_the_other_serves():
+    single = LLM(tiny_model("llama"), dtype="float32")
+    expected = [output.outputs[0].token_ids for output in single.generate(PROMPTS[:4], GREEDY, use_tqdm=False)]
+    single.shutdown()
+    process, base_url = start_launcher([tiny_model("llama"), "--dtype", "float32", "--dp", "2",
+                                        "--max-model-len", "256"])
+    try:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        for prompt, tokens in zip(PROMPTS[:4], expected):
+            completion = client.completions.create(model=model, prompt=prompt["prompt_token_ids"], max_tokens=12,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+            assert completion.choices[0].text == single.tokenizer.decode(tokens)
+        engines = [pid for pid, command in descendants(process.pid) if "core.engine_process" in command]
+        assert len(engines) == 2 and httpx.get(f"{base_url}/health").status_code == 200
+        os.kill(engines[0], signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while (health := httpx.get(f"{base_url}/health")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert health.status_code == 503 and "engine core(s) 0 of 2 unavailable" in health.text
+        for prompt, tokens in zip(PROMPTS[:4], expected):  # every prefix now goes to the engine that lives
+            completion = client.completions.create(model=model, prompt=prompt["prompt_token_ids"], max_tokens=12,
+                                                   temperature=0, extra_body={"ignore_eos": True})
+            assert completion.choices[0].text == single.tokenizer.decode(tokens)
+    finally:
+        stop_launcher(process)
+    assert not [pid for pid in engines if os.path.exists(f"/proc/{pid}") and pid in child_pids()]
