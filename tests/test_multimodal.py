@@ -241,7 +241,7 @@ def test_the_select_strategy_keeps_or_drops_the_class_token(reference, strategy)
     with torch.no_grad():
         expected = model.model.get_image_features(pixel_values=pixels, vision_feature_layer=-2,
                                                   vision_feature_select_strategy=strategy).pooler_output
-    assert ours.image_feature_count(config) == FEATURES + (strategy == "full")
+    assert ours.image_inputs(config)["image_feature_count"] == FEATURES + (strategy == "full")
     assert torch.allclose(ours.encode_images(pixels), torch.stack(list(expected)), atol=1e-6)
 
 

@@ -138,7 +138,6 @@ class LlavaForConditionalGeneration(FusedGreedyDecoding, nn.Module):
     num_intermediate_tensors = 2
     takes_prompt_embeds = True
     takes_images = True
-    image_feature_count = staticmethod(image_feature_count)
     # Checkpoint name prefixes → ours, applied in order: transformers 5 writes `language_model.model.`,
     # `vision_tower.` and `multi_modal_projector.`; its in-memory names and llava-hf's hub folders differ.
     checkpoint_prefixes = {"model.language_model.": "language_model.model.", "model.vision_tower.": "vision_tower.",
