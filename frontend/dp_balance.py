@@ -28,6 +28,7 @@ class EngineBalancer:
         self.alive = [True] * num_engines
         self.owner: dict[str, int] = {}  # request id → its engine, while in flight
         self.prefixes: OrderedDict[int, int] = OrderedDict()  # block-chain hash → the engine it was sent to
+        self.blocks_sent = [0] * num_engines  # of `prefixes`, those on each engine
         self.sessions: OrderedDict[str, int] = OrderedDict()  # cache_salt → the engine its conversation uses
         self.prefix_routed = self.load_routed = 0  # requests sent for their prefix / conversation, and by load
 
@@ -97,18 +98,24 @@ class EngineBalancer:
         return live[self.turn % len(live)]
 
     def _least_loaded(self) -> int:
+        """The live engine with the fewest requests in flight; among equals, the one this front end has sent the
+        fewest remembered blocks (so new prefixes spread over the engines' caches even when nothing is running)."""
         live = [engine for engine, alive in enumerate(self.alive) if alive]
         if not live:
             raise RuntimeError("every engine core of the data-parallel group is gone")
-        return min(live, key=lambda engine: self.load[engine])
+        return min(live, key=lambda engine: (self.load[engine], self.blocks_sent[engine]))
 
     def _remember(self, hashes: list[int], session: str | None, engine: int) -> None:
         for block_hash in hashes:
+            before = self.prefixes.pop(block_hash, None)
+            if before is not None:
+                self.blocks_sent[before] -= 1
             self.prefixes[block_hash] = engine
-            self.prefixes.move_to_end(block_hash)
+            self.blocks_sent[engine] += 1
+        while len(self.prefixes) > MAX_REMEMBERED:
+            self.blocks_sent[self.prefixes.popitem(last=False)[1]] -= 1
         if session is not None and self.policy == "prefix":
             self.sessions[session] = engine
             self.sessions.move_to_end(session)
-        for table in (self.prefixes, self.sessions):
-            while len(table) > MAX_REMEMBERED:
-                table.popitem(last=False)
+            while len(self.sessions) > MAX_REMEMBERED:
+                self.sessions.popitem(last=False)
