@@ -239,8 +239,9 @@ class EngineCore:
 
 
 def _make_executor(config: EngineConfig) -> Executor:
-    """In-process for one rank; Ray actors for tp * pp > 1 (imported here, so Ray stays optional)."""
-    if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+    """In-process for one rank; Ray actors for tp * pp > 1 or a Ray data-parallel engine (imported here, so Ray
+    stays optional)."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size == 1 and config.data_parallel_backend != "ray":
         return InProcessExecutor(config)
     from workers.ray_executor import RayExecutor
 

@@ -133,10 +133,11 @@ def start_engines(configs: list[EngineConfig], addresses: list[str], curve_key_f
 def data_parallel_configs(config: EngineConfig, cpus: list[int]) -> list[EngineConfig]:
     """Each data-parallel engine's config: on a CPU a single-rank engine's threads pinned to its own equal share of
     `cpus` (engines whose threads all roam every CPU slow each other down), unless cpu_threads_bind or cpu_threads
-    is given or there are more engines than CPUs."""
+    is given, there are more engines than CPUs, or the ranks are Ray actors (Ray places them)."""
     size = config.data_parallel_size
     if config.cpu_threads_bind is not None or config.cpu_threads is not None or config.device == "cuda" or \
-            config.tensor_parallel_size * config.pipeline_parallel_size > 1 or len(cpus) < size:
+            config.tensor_parallel_size * config.pipeline_parallel_size > 1 or len(cpus) < size or \
+            config.data_parallel_backend == "ray":
         return [config] * size
     share = len(cpus) // size
     return [msgspec.structs.replace(config, cpu_threads_bind=",".join(map(str, cpus[rank * share:(rank + 1) * share])))

@@ -20,6 +20,7 @@ QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors", "gptq", "awq", "ggu
 _DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 DP_ROUTING = ("prefix", "load", "round_robin")
+DP_BACKENDS = ("mp", "ray")
 MAX_CPUS = 1024  # glibc's cpu_set_t, which pins the threads
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -49,6 +50,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # unless that engine is overloaded, else the least loaded; "load" by load alone; "round_robin" in turn.
     data_parallel_size: Annotated[int, Meta(ge=1, le=1024)] = 1
     data_parallel_routing: str = "prefix"
+    # "mp": the engines' ranks as tensor_parallel_size / pipeline_parallel_size say (one rank in the engine process);
+    # "ray": every engine's ranks are Ray actors in placement groups of its own (one rank too), on the cluster at
+    # ray_address, so Ray spreads the engines over its nodes. The engine cores run where they are started.
+    data_parallel_backend: str = "mp"
     # Mixture-of-experts models: each TP rank holds whole experts (a share of them) instead of a slice of every
     # expert; attention stays tensor parallel.
     enable_expert_parallel: bool = False
@@ -154,6 +159,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _require(self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}")
         _require(self.data_parallel_routing in DP_ROUTING, "data_parallel_routing",
                  f"must be one of {DP_ROUTING}, got {self.data_parallel_routing!r}")
+        _require(self.data_parallel_backend in DP_BACKENDS, "data_parallel_backend",
+                 f"must be one of {DP_BACKENDS}, got {self.data_parallel_backend!r}")
         _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
                  f"must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras}")
         if self.cpu_threads_bind is not None:

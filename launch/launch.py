@@ -17,7 +17,7 @@ from frontend.api.cli_args import (API_KEY_ENV, add_gateway_flags, auto_tool_par
                                    )
 from frontend.api.lora_adapters import parse_lora_modules  # noqa: E402
 from ipc import EngineConfig  # noqa: E402
-from ipc.config import DP_ROUTING, LOAD_FORMATS, QUANTIZATION_METHODS  # noqa: E402
+from ipc.config import DP_BACKENDS, DP_ROUTING, LOAD_FORMATS, QUANTIZATION_METHODS  # noqa: E402
 from ipc.pooling import RUNNERS  # noqa: E402
 from launch.shipped import DEMO_MODEL_NAME, shipped_model  # noqa: E402
 from launch.supervisor import Launcher  # noqa: E402
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--data-parallel-routing", choices=DP_ROUTING, default="prefix",
                         help="which engine takes a request: where its prompt prefix or cache_salt went unless that "
                              "one is overloaded ('prefix'), the least loaded ('load'), or in turn")
+    engine.add_argument("--data-parallel-backend", choices=DP_BACKENDS, default="mp",
+                        help="'ray': every engine's ranks are actors on the Ray cluster at --ray-address, each "
+                             "engine in placement groups of its own")
     engine.add_argument("--quantization", choices=QUANTIZATION_METHODS,
                         help="int8, fp8: quantize the weights at load (one scale per output channel; fp8 "
                              "activations too on GPUs with fp8 tensor cores); compressed-tensors, gptq, awq, gguf: "
@@ -206,6 +209,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,
                         data_parallel_size=args.data_parallel_size, data_parallel_routing=args.data_parallel_routing,
+                        data_parallel_backend=args.data_parallel_backend,
                         enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
                         quantize_lm_head=args.quantize_lm_head, load_format=args.load_format,
                         ray_address=args.ray_address,

@@ -238,21 +238,21 @@ def test_ranks_fall_back_to_zmq_without_shared_memory(cluster, monkeypatch):
         llm.shutdown()
 
 
-def test_two_engines_share_a_cluster(cluster):
-    """Each engine's placement groups have their own names: a second engine on the cluster starts and runs."""
+def test_data_parallel_engines_take_a_node_each(cluster):
+    """--dp 2 --data-parallel-backend ray, tp 2: each engine process joins the cluster with placement groups of its
+    own names, Ray puts them on different nodes (2 CPUs each), and both answer as one rank does."""
     prompts, expected = single_rank_outputs("qwen2")
-    first = LLM(model_dir("qwen2"), in_process=True, tensor_parallel_size=2, **SMALL_ENGINE)
+    llm = LLM(model_dir("qwen2"), tensor_parallel_size=2, data_parallel_size=2, data_parallel_backend="ray",
+              ray_address=cluster.address, data_parallel_routing="round_robin", **SMALL_ENGINE)
     try:
-        second = LLM(model_dir("qwen2"), in_process=True, tensor_parallel_size=2, **SMALL_ENGINE)
-        try:
-            live = [g["name"] for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
-            assert len(set(live)) == 2, live
-            assert generate(second, prompts) == expected
-            assert generate(first, prompts) == expected
-        finally:
-            second.shutdown()
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        assert len({g["name"] for g in groups}) == 2, groups
+        nodes = [set(g["bundles_to_node_id"].values()) for g in groups]
+        assert all(len(n) == 1 for n in nodes) and nodes[0] != nodes[1]
+        assert generate(llm, prompts) == expected
+        assert all(client.get_stats().prefix_cache_queries > 0 for client in llm.client.clients)  # both served
     finally:
-        first.shutdown()
+        llm.shutdown()
 
 
 def test_private_ray_when_no_address():
