@@ -14,9 +14,10 @@ from core.scheduler import Scheduler
 from frontend import LLM
 from ipc import EngineConfig, EngineCoreRequest, SamplingParams
 from ipc.multimodal import ImageInput
-from test_core import run_step
+from scheduler_steps import run_step
 from workers.model_config import load_hf_config
-from test_multimodal import ENGINE, FEATURES, GREEDY, hf_greedy, picture
+from test_multimodal import ENGINE, GREEDY
+from vision import FEATURES, hf_greedy, picture
 
 
 def image_request(i: int, prompt_len: int, offsets: list[int], length: int = 25) -> Request:

@@ -8,14 +8,13 @@ import base64
 import io
 
 import msgspec
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from transformers import AutoImageProcessor
 from transformers import LlavaForConditionalGeneration as HFLlava
 
 from conftest import assert_all_blocks_free, tiny_llava
+from vision import FEATURES, hf_greedy, picture
 from core.block_hash import extend_block_hashes
 from frontend import LLM, SamplingParams, multimodal
 from frontend.prompts import engine_request
@@ -26,13 +25,8 @@ from workers.model_config import load_hf_config
 from workers.model_loader import checkpoint_target, load_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-FEATURES = 25  # the tiny tower's 5 × 5 patches (launch/make_vision_model.py)
 # 16-token steps cut through every image's 25 placeholders; 8-token blocks.
 ENGINE = {"dtype": "float32", "block_size": 8, "max_model_len": 256, "max_num_batched_tokens": 16}
-
-
-def picture(seed: int, height: int = 41, width: int = 52) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -53,13 +47,6 @@ def encoder_cache(llm: LLM):
     return llm.client.engine.executor.worker.model_runner.encoder_cache
 
 
-def hf_greedy(reference, prompt_token_ids: list[int], images: list[Image.Image], max_tokens: int) -> list[int]:
-    model, processor = reference
-    ids = torch.tensor([prompt_token_ids])
-    pixels = {"pixel_values": processor(images, return_tensors="pt")["pixel_values"]} if images else {}
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                         do_sample=False, **pixels)
-    return out[0, ids.shape[1]:].tolist()
 
 
 def test_greedy_matches_transformers_chunked_and_batched_with_text(llm, reference):

@@ -8,7 +8,7 @@ from core.block_pool import BlockPool
 from frontend import LLM, SamplingParams
 from ipc import ModelRunnerOutput
 from conftest import assert_all_blocks_free, random_prompts, tiny_model
-from test_core import make_request, make_scheduler
+from scheduler_steps import make_request, make_scheduler
 
 
 def test_block_hashes_chain_on_the_parent_and_the_salt():
