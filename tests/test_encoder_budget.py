@@ -16,8 +16,10 @@ from ipc import EngineConfig, EngineCoreRequest, SamplingParams
 from ipc.multimodal import ImageInput
 from scheduler_steps import run_step
 from workers.model_config import load_hf_config
-from test_multimodal import ENGINE, GREEDY
 from vision import FEATURES, hf_greedy, picture
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+ENGINE = {"dtype": "float32", "block_size": 8, "max_model_len": 256}
 
 
 def image_request(i: int, prompt_len: int, offsets: list[int], length: int = 25) -> Request:
@@ -75,7 +77,7 @@ def test_outputs_are_exact_under_an_encoder_budget_of_one_image_a_step():
 
     reference = (HFLlava.from_pretrained(tiny_llava(), dtype=torch.float32).eval(),
                  AutoImageProcessor.from_pretrained(tiny_llava()))
-    engine = LLM(tiny_llava(), in_process=True, **{**ENGINE, "max_num_batched_tokens": 64},
+    engine = LLM(tiny_llava(), in_process=True, **ENGINE, max_num_batched_tokens=64,
                  max_num_encoder_input_tokens=FEATURES)
     try:
         image_id = engine.info.image_token_id
@@ -94,7 +96,8 @@ def test_outputs_are_exact_under_an_encoder_budget_of_one_image_a_step():
 def test_the_encoder_cache_keeps_what_encoder_cache_memory_allows():
     hidden = load_hf_config(tiny_llava()).get_text_config().hidden_size
     per_image = FEATURES * hidden * 4  # float32 features
-    engine = LLM(tiny_llava(), in_process=True, **ENGINE, encoder_cache_memory=f"{2 * per_image}B")
+    engine = LLM(tiny_llava(), in_process=True, **ENGINE, max_num_batched_tokens=16,
+                 encoder_cache_memory=f"{2 * per_image}B")
     try:
         cache = engine.client.engine.executor.worker.model_runner.encoder_cache
         assert cache.max_bytes == 2 * per_image
