@@ -16,7 +16,7 @@ Positive = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Online methods quantize a plain checkpoint at load; the others name the format a checkpoint is stored in.
-QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors", "gptq", "awq", "gguf")
+QUANTIZATION_METHODS = ("int8", "fp8", "compressed-tensors", "gptq", "awq", "auto-round", "gguf")
 _DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 DP_ROUTING = ("prefix", "load", "round_robin")

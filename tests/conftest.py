@@ -71,6 +71,16 @@ def tiny_llava_next() -> str:
 
 
 @functools.cache
+def autoround_model(kind: str) -> tuple[str, str]:
+    """(quantized folder, float32 reference folder) of the tiny llama quantized by the auto-round package as
+    tests/autoround_checkpoints.py's AUTOROUND_SPECS[kind] says, kept on disk with the test models."""
+    from autoround_checkpoints import AUTOROUND_SPECS, autoround_checkpoint
+
+    folder = _MODEL_ROOT / f"llama-tiny-autoround-{kind}"
+    return autoround_checkpoint(tiny_model("llama"), folder, AUTOROUND_SPECS[kind])
+
+
+@functools.cache
 def long_context_llama() -> str:
     """The tiny llama with a 64k context, where a request can run for many seconds on any machine (the 1k-context
     one's whole context took 0.15-0.25 s): a test acts while it runs. Serve it with a KV pool for its context."""

@@ -10,6 +10,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ipc.config import QUANTIZATION_METHODS
+from workers.quantization.autoround import AutoRoundFormat
 from workers.quantization.awq import AWQFormat
 from workers.quantization.compressed_tensors import CompressedTensorsFormat
 from workers.quantization.formats import CheckpointFormat, config_value
@@ -19,7 +20,7 @@ from workers.quantization.online import quantize_model_rows
 
 ONLINE_METHODS = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 CHECKPOINT_FORMATS: dict[str, type] = {"compressed-tensors": CompressedTensorsFormat, "gptq": GPTQFormat,
-                                       "awq": AWQFormat}
+                                       "awq": AWQFormat, "auto-round": AutoRoundFormat}
 METHODS = QUANTIZATION_METHODS
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from workers.quantization.formats import QuantizedTensors, config_value, to_canonical, unpack_int32
+from workers.quantization.formats import QuantizedTensors, check_bits, config_value, to_canonical, unpack_int32
 
 WEIGHT_TENSORS = ("qweight", "qzeros", "scales")
 # Nibble i of a packed int32 holds column PACK_ORDER[i] of its 8; this reads them back in column order.
@@ -19,9 +19,7 @@ class AWQFormat:
     name = "awq"
 
     def __init__(self, config: Any) -> None:
-        bits = int(config_value(config, "bits", config_value(config, "w_bit", 0)))
-        if bits != 4:
-            raise ValueError(f"AWQ with {bits} bits is not supported (4)")
+        check_bits(int(config_value(config, "bits", config_value(config, "w_bit", 0))), (4,), "AWQ")
         version = str(config_value(config, "version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(f"AWQ version {version!r} is not supported (gemm)")
@@ -36,18 +34,23 @@ class AWQFormat:
         return [f"{module}.{t}" for t in WEIGHT_TENSORS if f"{module}.{t}" in names]
 
     def convert(self, module: str, tensors: dict[str, torch.Tensor]) -> QuantizedTensors:
-        for needed in WEIGHT_TENSORS:
-            if needed not in tensors:
-                raise ValueError(f"AWQ module {module!r} has no {needed}")
-        qweight, scales = tensors["qweight"], tensors["scales"]
-        columns, rows = qweight.shape[0], qweight.shape[1] * 8
-        group_size = columns if self.group_size == -1 else self.group_size
-        if columns % group_size or scales.shape != (columns // group_size, rows):
-            raise ValueError(f"AWQ module {module!r}: group size {self.group_size} does not fit scales "
-                             f"{tuple(scales.shape)} of a weight [{rows}, {columns}]")
-        unsigned = _in_column_order(unpack_int32(qweight, 4, rows, dim=1)).t()
-        zero = _in_column_order(unpack_int32(tensors["qzeros"], 4, rows, dim=1)).t()
-        return to_canonical(unsigned, 4, scales.t(), zero).check(module)
+        return convert_awq(module, tensors, self.group_size)
+
+
+def convert_awq(module: str, tensors: dict[str, torch.Tensor], group_size: int) -> QuantizedTensors:
+    """One module's AWQ GEMM tensors (4-bit) → canonical storage; ValueError when they do not fit `group_size`."""
+    for needed in WEIGHT_TENSORS:
+        if needed not in tensors:
+            raise ValueError(f"AWQ module {module!r} has no {needed}")
+    qweight, scales = tensors["qweight"], tensors["scales"]
+    columns, rows = qweight.shape[0], qweight.shape[1] * 8
+    groups_of = columns if group_size == -1 else group_size
+    if columns % groups_of or scales.shape != (columns // groups_of, rows):
+        raise ValueError(f"AWQ module {module!r}: group size {group_size} does not fit scales "
+                         f"{tuple(scales.shape)} of a weight [{rows}, {columns}]")
+    unsigned = _in_column_order(unpack_int32(qweight, 4, rows, dim=1)).t()
+    zero = _in_column_order(unpack_int32(tensors["qzeros"], 4, rows, dim=1)).t()
+    return to_canonical(unsigned, 4, scales.t(), zero).check(module)
 
 
 def _in_column_order(values: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,13 @@ def trivial_g_idx(g_idx: torch.Tensor, group_size: int) -> bool:
     return torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group_size)
 
 
+def check_bits(bits: int, supported: tuple[int, ...], where: str) -> int:
+    """`bits`, or a ValueError naming `where` and the widths the kernels take."""
+    if bits not in supported:
+        raise ValueError(f"{where}: {bits}-bit weights are not supported ({' or '.join(map(str, supported))})")
+    return bits
+
+
 def config_value(config: Any, key: str, default: Any = None) -> Any:
     """A key of quantization_config, which transformers leaves a dict or turns into an object."""
     return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)

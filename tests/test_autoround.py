@@ -1,0 +1,59 @@
+"""AutoRound checkpoints written by the auto-round package: the engine equals HF transformers on the weights
+auto-round's own code dequantizes (greedy tokens and their logprobs, float32); unsupported settings are refused by
+name at load."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autoround_checkpoints import AUTOROUND_SPECS
+from conftest import autoround_model, tiny_model
+from test_quantized_checkpoints import _copy, _edit_config, _load_error, assert_equals_reference
+
+
+@pytest.mark.parametrize("kind", list(AUTOROUND_SPECS))
+def test_autoround_checkpoint_equals_autorounds_dequantization(kind):
+    assert_equals_reference(*autoround_model(kind))
+
+
+def test_the_packings_and_overrides_are_the_ones_autoround_wrote():
+    """The cases above cover what they claim: auto-round's two default packings, the override of one layer to 8
+    bits and of another to 16 (stored plain), and GPTQModel's `dynamic` in the GPTQ folder it writes."""
+    configs = {kind: json.loads((Path(autoround_model(kind)[0]) / "config.json").read_text())["quantization_config"]
+               for kind in ("w4-sym-mixed", "w4-asym", "gptq-export-mixed")}
+    assert configs["w4-sym-mixed"]["packing_format"] == "auto_round:auto_gptq"
+    assert configs["w4-sym-mixed"]["extra_config"]["model.layers.0.mlp.down_proj"]["bits"] == 8
+    assert configs["w4-asym"]["packing_format"] == "auto_round:auto_awq"
+    assert configs["gptq-export-mixed"]["quant_method"] == "gptq"
+    assert any(key.startswith("-:") for key in configs["gptq-export-mixed"]["dynamic"])
+
+
+def _edited(tmp_path: Path, edit) -> Path:
+    folder = _copy(autoround_model("w4-sym-mixed")[0], tmp_path / "m")
+    _edit_config(folder, edit)
+    return folder
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(packing_format="auto_round:llm_compressor"),
+     "packing_format 'auto_round:llm_compressor' is not supported; supported: auto_round:auto_gptq"),
+    (lambda c: c.update(data_type="mx_fp"), "data_type 'mx_fp' is not supported (int)"),
+    (lambda c: c.update(act_bits=8), "act_bits 8 (quantized activations) is not supported"),
+    (lambda c: c.update(bits=2),
+     "quantization_config (auto_round:auto_gptq): 2-bit weights are not supported (4 or 8)"),
+    (lambda c: c.update(packing_format="auto_round:auto_awq"),
+     "extra_config 'model.layers.0.mlp.down_proj' (auto_round:auto_awq): 8-bit weights are not supported (4)"),
+    (lambda c: c["extra_config"]["model.layers.0.mlp.down_proj"].update(bits=3),
+     "extra_config 'model.layers.0.mlp.down_proj' (auto_round:auto_gptq): 3-bit weights are not supported"),
+    (lambda c: c["extra_config"].update({"model.layers.0.mlp.up_proj": {"bits": 16}}),
+     "'model.layers.0.mlp.up_proj' is stored quantized, but extra_config leaves it at 16 bits"),
+    (lambda c: c["extra_config"].update({".*gate_proj.*": {"bits": 8}}), "does not fit scales")])
+def test_unsupported_settings_are_refused_by_name(tmp_path, edit, message):
+    assert message in _load_error(_edited(tmp_path, edit))
+
+
+def test_quantization_auto_round_must_match_the_checkpoint():
+    assert "already quantized (auto-round)" in _load_error(autoround_model("w4-asym")[0], quantization="gptq")
+    assert "has no quantization_config" in _load_error(tiny_model("llama"), quantization="auto-round")
