@@ -26,6 +26,7 @@ import zmq
 
 from core.engine_clients import LivingClients, Peers, RateLimitedWarnings
 from core.engine_core import EngineCore
+from core.engine_heartbeat import Heart
 from ipc import (
     CLIENT_ALIVE_INTERVAL_S,
     CLIENT_SILENCE_S,
@@ -40,7 +41,6 @@ from ipc import (
     EngineCoreRequest,
     EngineDead,
     EngineStartup,
-    Heartbeat,
     RequestError,
     SubscribeHeartbeats,
     UtilityCall,
@@ -59,7 +59,6 @@ from ipc.sockets import (
 logger = logging.getLogger("pagedserve.engine_core")
 _STOP = None  # on the input queue: leave the loop
 _SIGNAL_CHECK_S = 0.2
-HEARTBEAT_INTERVAL_S = 0.5
 _IDLE_HEALTH_CHECK_S = 5.0  # while idle, how often the workers' health is checked (a dead rank ends the engine)
 _CLIENT_GONE = object()  # on the input queue, from the heartbeat thread: this client went silent
 
@@ -79,16 +78,15 @@ class EngineCoreProc:
         self.client_identities: list[bytes] = []
         self.client_index: dict[bytes, int] = {}
         self.stop_reason = "the engine core shut down"
+        self.held: dict[int, int] = defaultdict(int)  # client index → its requests the engine holds
         self.peers = Peers()  # the clients that subscribed to heartbeats
         self.living = LivingClients()  # the clients that promised ClientAlive messages
-        self.last_progress = self.last_health_check = time.monotonic()
-        self.stopping = threading.Event()
+        self.last_health_check = time.monotonic()
         self.reader = threading.Thread(target=self._read_loop, name="engine-core-reader", daemon=True)
         self.writer = threading.Thread(target=self._write_loop, name="engine-core-writer", daemon=True)
-        self.heart = threading.Thread(target=self._heartbeat_loop, name="engine-core-heartbeat", daemon=True)
         self.reader.start()
         self.writer.start()
-        self.heart.start()
+        self.heart = Heart(self.peers, lambda identity, beat: self.outputs.put((identity, beat)), self._held_by)
 
     def request_stop(self, reason: str) -> None:
         """Safe from signal handlers and other threads: the loop ends after the current step."""
@@ -99,9 +97,10 @@ class EngineCoreProc:
         """The busy loop; blocks on the input queue while there is nothing to compute."""
         try:
             while self._drain_inputs(block=not self.engine.has_unfinished_requests()):
-                self.last_progress = time.monotonic()
+                self.heart.progressed(self.engine.scheduler)
                 if self.engine.has_unfinished_requests():
                     self._send_outputs(self.engine.step())
+                    self.heart.progressed(self.engine.scheduler)
         except Exception as error:
             logger.exception("the engine core failed")
             self.stop_reason = f"the engine core failed: {type(error).__name__}: {error}"
@@ -127,9 +126,9 @@ class EngineCoreProc:
             try:
                 return self.inputs.get(timeout=_SIGNAL_CHECK_S)
             except queue.Empty:
-                self.last_progress = time.monotonic()
-                if self.last_progress - self.last_health_check >= _IDLE_HEALTH_CHECK_S:
-                    self.last_health_check = self.last_progress
+                self.heart.last_progress = now = time.monotonic()
+                if now - self.last_health_check >= _IDLE_HEALTH_CHECK_S:
+                    self.last_health_check = now
                     self.engine.check_health()  # raises, ending the engine, if a worker rank died
 
     def _handle(self, identity: bytes, message: Any) -> None:
@@ -166,6 +165,8 @@ class EngineCoreProc:
             logger.exception("adding request %s failed", request.request_id)
             self._refuse(identity, RequestError(request_id=client_request_id, kind="failed",
                                                 message=f"{type(error).__name__}: {error}"))
+            return
+        self.held[self.client_index[identity]] += 1
 
     def _abort_client(self, identity: bytes) -> None:
         """A client went silent: its requests end (their outputs have no one to go to)."""
@@ -176,6 +177,10 @@ class EngineCoreProc:
         if mine:
             logger.warning("client %s went silent: aborting its %d requests", identity.hex(), len(mine))
             self._send_outputs(self.engine.abort_requests(mine))  # a client that was only slow gets its finals
+
+    def _held_by(self, identity: bytes) -> int:
+        index = self.client_index.get(identity)
+        return 0 if index is None else self.held.get(index, 0)
 
     def _refuse(self, identity: bytes, error: RequestError) -> None:
         self.outputs.put((identity, EngineCoreOutputs(errors=[error])))
@@ -200,6 +205,8 @@ class EngineCoreProc:
         for output in outputs:
             index, _, output.request_id = output.request_id.partition(":")
             by_client[int(index)].append(output)
+            if output.finish_reason is not None:
+                self.held[int(index)] -= 1
         now = time.time()
         for index, client_outputs in by_client.items():
             self.outputs.put((self.client_identities[index], EngineCoreOutputs.of_step(client_outputs, now)))
@@ -237,12 +244,6 @@ class EngineCoreProc:
         for identity in self.living.gone(time.monotonic() - CLIENT_SILENCE_S):
             self.inputs.put((identity, _CLIENT_GONE))
 
-    def _heartbeat_loop(self) -> None:
-        while not self.stopping.wait(HEARTBEAT_INTERVAL_S):
-            beat = EngineCoreOutputs(heartbeat=Heartbeat(loop_age=time.monotonic() - self.last_progress))
-            for identity in self.peers.identities():
-                self.outputs.put((identity, beat))
-
     def _write_loop(self) -> None:
         encoder = Encoder()
         while (item := self.outputs.get()) is not _STOP:
@@ -251,8 +252,7 @@ class EngineCoreProc:
         self.output_socket.close()
 
     def _shutdown(self) -> None:
-        self.stopping.set()
-        self.heart.join(timeout=5)
+        self.heart.stop()
         dead = EngineCoreOutputs(engine_dead=EngineDead(reason=self.stop_reason))
         for identity in self.client_identities:
             self.outputs.put((identity, dead))

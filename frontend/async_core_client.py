@@ -50,14 +50,18 @@ class AsyncEngineCoreClient(EngineCoreClient):
     async def check_health_async(self, max_stall_s: float = DEFAULT_MAX_STALL_S) -> None:
         """Raise EngineDeadError saying why if the engine is not healthy (see health_problem); never waits. The
         first call subscribes to the engine's heartbeats (the receiver task then reads them as they come)."""
-        self._ensure_receiver()
-        if not self.heartbeats_subscribed:
-            self._send(SubscribeHeartbeats())
-            self.heartbeats_subscribed = True
-            self.last_heartbeat = (time.monotonic(), 0.0)
+        self.subscribe_heartbeats()
         problem = self.health_problem(max_stall_s)
         if problem is not None:
             raise EngineDeadError(problem)
+
+    def subscribe_heartbeats(self) -> None:
+        """From now on the receiver task (started here, on the running loop) reads the engine's heartbeats."""
+        self._ensure_receiver()
+        if not self.heartbeats_subscribed and self.dead_reason is None:
+            self._send(SubscribeHeartbeats())
+            self.heartbeats_subscribed = True
+            self.last_heartbeat = (time.monotonic(), 0.0)
 
     check_serving_async = check_health_async  # one engine: it serves only while it is healthy
 

@@ -28,6 +28,7 @@ from ipc import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineInfo,
+    Heartbeat,
     RequestError,
     SchedulerStats,
     UtilityCall,
@@ -97,6 +98,7 @@ class EngineCoreClient:
         self.dead_reason: str | None = None
         self.connected = self.closed = False
         self.last_heartbeat = (time.monotonic(), 0.0)  # when it arrived, and the loop age it reported
+        self.last_report: Heartbeat | None = None  # the last heartbeat itself: the engine's request counts
         # Sends come from the caller's thread and from the thread that tells the engine this client lives.
         self._send_lock = threading.Lock()
         self._stop_alive = threading.Event()
@@ -180,6 +182,7 @@ class EngineCoreClient:
     def _accept(self, message: EngineCoreOutputs) -> None:
         if message.heartbeat is not None:
             self.last_heartbeat = (time.monotonic(), message.heartbeat.loop_age)
+            self.last_report = message.heartbeat
         if message.utility_result is not None:
             self._on_utility_result(message.utility_result)
         if message.outputs or message.errors:

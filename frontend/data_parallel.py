@@ -4,6 +4,7 @@ that dies fails its own requests at once and the others serve on."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from typing import Any
 
@@ -13,7 +14,11 @@ import zmq
 from frontend.async_core_client import AsyncEngineCoreClient
 from frontend.core_client import DEFAULT_MAX_STALL_S, POLL_MS, EngineCoreClient, EngineDeadError
 from frontend.dp_balance import EngineBalancer
-from ipc import EngineCoreOutputs, EngineCoreRequest, RequestError, SchedulerStats, SpecDecodingStats
+from frontend.dp_stats import GroupStats, group_stats
+from ipc import EngineCoreOutputs, EngineCoreRequest, RequestError, SchedulerStats
+
+# An engine's heartbeat older than this (its client has not been reading) no longer counts other front ends' load.
+REPORT_TTL_S = 2.0
 
 # How every engine's answers to a utility call make one (by default: the first engine's).
 _COMBINED = {"reset_prefix_cache": all}
@@ -48,6 +53,7 @@ class DataParallelClient:
         while True:
             if self.dead_reason is not None:
                 raise EngineDeadError(self.dead_reason)
+            self._take_reports()
             engine = self.balancer.choose(request)
             try:
                 self.clients[engine].add_request(request)
@@ -55,6 +61,14 @@ class DataParallelClient:
             except EngineDeadError:
                 self.balancer.finished(request.request_id)  # not lost with the engine: sent to another
                 self._engine_died(engine)
+
+    def _take_reports(self) -> None:
+        """Other front ends' requests on each engine, from its last heartbeat: all it holds less this client's."""
+        now = time.monotonic()
+        for engine, client in self.live:
+            beat = client.last_report
+            fresh = beat is not None and now - client.last_heartbeat[0] < REPORT_TTL_S
+            self.balancer.others[engine] = max(0, beat.num_waiting + beat.num_running - beat.num_yours) if fresh else 0
 
     def abort_requests(self, request_ids: list[str]) -> None:
         by_engine: dict[int, list[str]] = {}
@@ -114,8 +128,20 @@ class DataParallelClient:
         results = [client.call_utility(method, *args) for _, client in self.live]
         return _COMBINED.get(method, _first)(results)
 
-    def get_stats(self) -> SchedulerStats:
-        return combined_stats([client.get_stats() for _, client in self.live])
+    def get_stats(self) -> GroupStats:
+        per_engine: list[SchedulerStats | None] = []
+        for client, alive in zip(self.clients, self.balancer.alive):
+            try:
+                per_engine.append(client.get_stats() if alive else None)
+            except EngineDeadError:
+                per_engine.append(None)
+        return self._group(per_engine)
+
+    def _group(self, per_engine: list[SchedulerStats | None]) -> GroupStats:
+        """The group's stats, and each engine's (None for one that is gone); EngineDeadError once every one is."""
+        if all(stats is None for stats in per_engine):
+            raise EngineDeadError(self.dead_reason or "every engine core of the data-parallel group is gone")
+        return group_stats(per_engine)
 
     def health_problem(self, max_stall_s: float = DEFAULT_MAX_STALL_S) -> str | None:
         """Which engines are not healthy and why (see EngineCoreClient.health_problem), or None."""
@@ -129,15 +155,22 @@ class DataParallelClient:
 
 
 class AsyncDataParallelClient(DataParallelClient):
-    """The asyncio form: each engine's AsyncEngineCoreClient receives on its own task; this waits for any of them."""
+    """The asyncio form: each engine's AsyncEngineCoreClient receives on its own task; this waits for any of them.
+    Its clients subscribe to their engines' heartbeats (at the first request, wait for outputs or health check): the
+    balancer weighs in other front ends' requests from them."""
 
     clients: list[AsyncEngineCoreClient]
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        for _, client in self.live:
+            client.subscribe_heartbeats()
+        super().add_request(request)
 
     async def get_outputs_async(self) -> EngineCoreOutputs:
         while (batch := self._next_ready()) is None:
             live = [client for _, client in self.live]
             for client in live:
-                client._ensure_receiver()
+                client.subscribe_heartbeats()
                 client.outputs_ready.clear()
             if any(client.pending or client.dead_reason for client in live):
                 continue  # arrived before the events were cleared
@@ -153,8 +186,14 @@ class AsyncDataParallelClient(DataParallelClient):
         results = await asyncio.gather(*(client.call_utility_async(method, *args) for _, client in self.live))
         return _COMBINED.get(method, _first)(results)
 
-    async def get_stats_async(self) -> SchedulerStats:
-        return combined_stats(list(await asyncio.gather(*(client.get_stats_async() for _, client in self.live))))
+    async def get_stats_async(self) -> GroupStats:
+        async def one(client: AsyncEngineCoreClient, alive: bool) -> SchedulerStats | None:
+            try:
+                return await client.get_stats_async() if alive else None
+            except EngineDeadError:
+                return None
+
+        return self._group(list(await asyncio.gather(*map(one, self.clients, self.balancer.alive))))
 
     async def check_health_async(self, max_stall_s: float = DEFAULT_MAX_STALL_S, every: bool = True) -> None:
         """EnginesDownError naming each engine that is not healthy: the group is unhealthy while any one is (or,
@@ -182,28 +221,3 @@ class EnginesDownError(EngineDeadError):
 
 def _first(results: list) -> Any:
     return results[0]
-
-
-def combined_stats(stats: list[SchedulerStats]) -> SchedulerStats:
-    """The group's stats: counts summed, usage averaged over the engines (each has as many blocks), peaks the
-    highest."""
-    def total(field: str) -> int:
-        return sum(getattr(s, field) for s in stats)
-
-    specs = [s.spec_decoding for s in stats if s.spec_decoding is not None]
-    spec = None
-    if specs:
-        width = max(len(s.drafted_per_position) for s in specs)
-        spec = SpecDecodingStats(
-            num_drafts=sum(s.num_drafts for s in specs), num_draft_tokens=sum(s.num_draft_tokens for s in specs),
-            num_accepted_tokens=sum(s.num_accepted_tokens for s in specs),
-            drafted_per_position=[sum(s.drafted_per_position[i] for s in specs if i < len(s.drafted_per_position))
-                                  for i in range(width)],
-            accepted_per_position=[sum(s.accepted_per_position[i] for s in specs
-                                       if i < len(s.accepted_per_position)) for i in range(width)])
-    counts = ("num_running", "num_waiting", "num_free_blocks", "num_preemptions", "num_aborted_requests",
-              "peak_num_running", "prefix_cache_queries", "prefix_cache_hits")
-    return SchedulerStats(**{field: total(field) for field in counts},
-                          kv_cache_usage=total("kv_cache_usage") / len(stats),
-                          peak_kv_cache_usage=max(s.peak_kv_cache_usage for s in stats),
-                          kv_utilization_at_peak=total("kv_utilization_at_peak") / len(stats), spec_decoding=spec)

@@ -15,16 +15,19 @@ OVERLOAD_ABSOLUTE, OVERLOAD_RELATIVE = 8, 1.5
 
 
 class EngineBalancer:
-    """The front end's view of each engine's load (its requests in flight there) and of where each prompt prefix
-    was sent, by chained hashes of the prompt's whole KV blocks (with its cache salt and adapter, which the
-    engines' prefix caches key by too)."""
+    """The front end's view of each engine's load and of where each prompt prefix was sent, by chained hashes of
+    the prompt's whole KV blocks (with its cache salt and adapter, which the engines' prefix caches key by too).
+
+    An engine's load is this front end's requests in flight there, known exactly, plus the other front ends'
+    requests there as the engine's last heartbeat counted them (`others`, which the client sets as they arrive)."""
 
     def __init__(self, num_engines: int, block_size: int, policy: str = "prefix") -> None:
         """policy: "prefix" (by prefix and conversation, then load), "load" (the least loaded) or "round_robin"
         (in turn, whatever the load: the baseline the others are measured against)."""
         self.block_size, self.policy = block_size, policy
         self.turn = 0
-        self.load = [0] * num_engines
+        self.load = [0] * num_engines  # this front end's requests in flight on each engine
+        self.others = [0] * num_engines  # other front ends' requests there, as last reported
         self.alive = [True] * num_engines
         self.owner: dict[str, int] = {}  # request id → its engine, while in flight
         self.prefixes: OrderedDict[int, int] = OrderedDict()  # block-chain hash → the engine it was sent to
@@ -41,7 +44,7 @@ class EngineBalancer:
         if self.policy == "round_robin":
             engine = self._next_in_turn()
             self.load_routed += 1
-        elif preferred is not None and not self._overloaded(preferred):
+        elif preferred is not None and not self.overloaded(preferred):
             engine = preferred
             self.prefix_routed += 1
         else:
@@ -86,24 +89,29 @@ class EngineBalancer:
             engine = owner
         return engine
 
-    def _overloaded(self, engine: int) -> bool:
-        lightest = min(load for load, alive in zip(self.load, self.alive) if alive)
-        return self.load[engine] - lightest > OVERLOAD_ABSOLUTE and self.load[engine] > OVERLOAD_RELATIVE * lightest
+    def weight(self, engine: int) -> int:
+        """The requests the engine holds, as far as this front end knows."""
+        return self.load[engine] + self.others[engine]
 
-    def _next_in_turn(self) -> int:
+    def overloaded(self, engine: int) -> bool:
+        load, lightest = self.weight(engine), min(self.weight(live) for live in self._live())
+        return load - lightest > OVERLOAD_ABSOLUTE and load > OVERLOAD_RELATIVE * lightest
+
+    def _live(self) -> list[int]:
         live = [engine for engine, alive in enumerate(self.alive) if alive]
         if not live:
             raise RuntimeError("every engine core of the data-parallel group is gone")
+        return live
+
+    def _next_in_turn(self) -> int:
+        live = self._live()
         self.turn += 1
         return live[self.turn % len(live)]
 
     def _least_loaded(self) -> int:
-        """The live engine with the fewest requests in flight; among equals, the one this front end has sent the
+        """The live engine holding the fewest requests; among equals, the one this front end has sent the
         fewest remembered blocks (so new prefixes spread over the engines' caches even when nothing is running)."""
-        live = [engine for engine, alive in enumerate(self.alive) if alive]
-        if not live:
-            raise RuntimeError("every engine core of the data-parallel group is gone")
-        return min(live, key=lambda engine: (self.load[engine], self.blocks_sent[engine]))
+        return min(self._live(), key=lambda engine: (self.weight(engine), self.blocks_sent[engine]))
 
     def _remember(self, hashes: list[int], session: str | None, engine: int) -> None:
         for block_hash in hashes:

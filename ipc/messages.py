@@ -211,6 +211,10 @@ class Heartbeat(msgspec.Struct):
     """Sent to every client twice a second from a thread of its own, so a long step cannot delay it."""
 
     loop_age: Seconds  # since the engine's loop last made progress (it stands still during a step)
+    # What the loop last published (before the step it may be in): data-parallel front ends balance by them.
+    num_waiting: Count = 0
+    num_running: Count = 0
+    num_yours: Count = 0  # of the requests the engine holds (compiling a grammar too), this client's
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

@@ -16,6 +16,7 @@ import pytest
 from conftest import assert_all_blocks_free, child_pids, tiny_model
 from frontend import LLM, AsyncLLM, SamplingParams
 from core.engine_spawn import data_parallel_configs
+from frontend.api.metrics import ServerMetrics
 from frontend.core_client import EngineDeadError, RequestFailedError
 from frontend.dp_balance import OVERLOAD_ABSOLUTE, EngineBalancer
 from ipc import EngineConfig, EngineCoreRequest, RequestOutputKind
@@ -57,6 +58,17 @@ def test_a_conversation_keeps_its_engine_and_a_dead_engine_takes_nothing():
     assert [rounds.choose(request(f"r{n}", list(range(8)))) for n in range(4)] == [1, 0, 1, 0]
     with pytest.raises(ValueError, match="data_parallel_routing must be one of"):
         EngineConfig(model="unused", data_parallel_routing="random")
+
+
+def test_other_front_ends_requests_weigh_as_this_ones():
+    balancer = EngineBalancer(2, block_size=4)
+    shared = list(range(1, 13))
+    first = balancer.choose(request("a", shared + [1]))
+    balancer.others[1 - first] = 3
+    assert balancer.choose(request("b", [90, 91])) == first  # 1 + 0 against 0 + 3
+    balancer.others[first] = OVERLOAD_ABSOLUTE + 5  # another front end's requests make the prefix's engine overloaded
+    assert balancer.choose(request("c", shared + [2])) == 1 - first
+    assert balancer.load[first] == 2 and balancer.weight(first) == 2 + OVERLOAD_ABSOLUTE + 5
 
 
 def test_each_engine_pins_its_threads_to_its_own_share_of_the_cpus():
@@ -112,6 +124,10 @@ def test_async_streams_equal_and_a_killed_engine_fails_only_its_own_requests():
             assert max(failed_at.values()) - killed_at < 1.0
             with pytest.raises(EngineDeadError, match="engine core 0"):
                 await engine.check_health()
+            metrics = ServerMetrics("tiny").render(await engine.get_stats()).decode()
+            assert 'engine_up{engine="0",model_name="tiny"} 0.0' in metrics  # its other series are gone
+            assert 'running{engine="0",model_name="tiny"}' not in metrics
+            assert 'running{engine="1",model_name="tiny"}' in metrics
             again = await final(engine, "after", PROMPTS[0], GREEDY)  # the other engine serves on
             assert again.outputs[0].token_ids == expected[0]
         finally:
@@ -169,3 +185,68 @@ def test_served_with_two_engines_a_killed_one_fails_health_while_the_other_serve
     finally:
         stop_launcher(process)
     assert not [pid for pid in engines if os.path.exists(f"/proc/{pid}") and pid in child_pids()]
+
+
+def test_a_front_end_steers_by_another_ones_load_and_metrics_label_each_engine():
+    long = SamplingParams(max_tokens=1000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def until(condition, what: str, timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    def counts(client) -> tuple[int, int]:
+        """(requests the engine holds, of them this client's) from the engine's last heartbeat to the client."""
+        beat = client.last_report
+        return (-1, -1) if beat is None else (beat.num_waiting + beat.num_running, beat.num_yours)
+
+    async def run() -> None:
+        # A step per call and one request running per engine, the rest waiting: the engines stay loaded for
+        # seconds however fast the machine.
+        steered = AsyncLLM(tiny_model("llama"), dtype="float32", data_parallel_size=2, max_num_seqs=1,
+                           num_scheduler_steps=1)
+        loader = AsyncLLM(engine_address=[client.endpoints.input for client in steered.client.clients])
+        streams = []
+        try:
+            await steered.check_health()  # subscribes to both engines' heartbeats
+            await load_and_steer(steered, loader, streams)
+            for engine in (0, 1):  # aborted, running or waiting: the engines hold none of either front end's
+                await until(lambda: counts(loader.client.clients[engine]) == (0, 0), "the aborts are counted")
+            stats = await steered.get_stats()
+            assert stats.num_free_blocks == steered.info.num_kv_blocks and stats.num_running == stats.num_waiting == 0
+        finally:
+            loader.shutdown()
+            steered.shutdown()
+
+    async def load_and_steer(steered: AsyncLLM, loader: AsyncLLM, streams: list) -> None:
+        try:
+            # Six requests of one prefix from the other front end, all on one engine.
+            streams += [asyncio.ensure_future(final(loader, f"a{i}", {"prompt_token_ids": PREFIXES[0] + [600 + i]},
+                                                    long)) for i in range(6)]
+            await until(lambda: len(loader.client.balancer.owner) == 6, "the loader's requests are sent")
+            busy = loader.client.balancer.owner["a0"]
+            assert set(loader.client.balancer.owner.values()) == {busy}
+            await until(lambda: counts(steered.client.clients[busy]) == (6, 0), "the engine reports the six")
+            await until(lambda: counts(loader.client.clients[busy]) == (6, 6), "and that they are the loader's")
+            # By its own requests in flight both engines are empty to the steered front end; by the reports, not.
+            streams += [asyncio.ensure_future(final(steered, f"b{i}", {"prompt_token_ids": [40 + i, 8, 9]}, long))
+                        for i in range(4)]
+            await until(lambda: len(steered.client.balancer.owner) == 4, "the steered requests are sent")
+            assert set(steered.client.balancer.owner.values()) == {1 - busy}
+            await until(lambda: counts(loader.client.clients[1 - busy]) == (4, 0), "the other engine reports four")
+
+            text = ServerMetrics("tiny").render(await steered.get_stats()).decode()
+            for engine, held in ((busy, 6), (1 - busy, 4)):
+                labels = f'{{engine="{engine}",model_name="tiny"}}'
+                running = float(text.split(f"pagedserve:num_requests_running{labels} ")[1].split()[0])
+                waiting = float(text.split(f"pagedserve:num_requests_waiting{labels} ")[1].split()[0])
+                assert (running, waiting) == (1, held - 1)
+                assert f"vllm:num_requests_running{labels}" in text and f"pagedserve:engine_up{labels} 1.0" in text
+            assert 'pagedserve:num_requests_running{model_name="tiny"}' not in text  # no unlabelled group series
+        finally:
+            for stream in streams:
+                stream.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+
+    asyncio.run(run())

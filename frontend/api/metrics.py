@@ -138,46 +138,68 @@ class HistogramTally:
 
 
 class _EngineCollector:
+    """The engine's state. A data-parallel group's (GroupStats) is one series per live engine, labelled engine="K"
+    as vLLM's, and engine_up says which engines are alive (a gone engine's other series are absent)."""
+
     def __init__(self, stats: SchedulerStats, model_name: str) -> None:
         self.stats, self.model_name = stats, model_name
 
-    def collect(self):
-        stats, labels = self.stats, [self.model_name]
-        yield from _families(GaugeMetricFamily, labels, (
-            ("num_requests_running", "Requests running in the engine", stats.num_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting),
-            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (in CPU memory without an accelerator)",
-             stats.kv_cache_usage)))
-        yield from _families(CounterMetricFamily, labels, (
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache", stats.prefix_cache_hits),
-            ("num_preemptions", "Requests preempted", stats.num_preemptions),
-            ("num_aborted_requests", "Requests aborted (client gone, stop string, cancel)",
-             stats.num_aborted_requests)))
-        if stats.spec_decoding is not None:
-            yield from _spec_decoding_metrics(stats.spec_decoding, labels)
+    def collect(self) -> list[Metric]:
+        engines: list[SchedulerStats | None] | None = getattr(self.stats, "engines", None)
+        if engines is None:
+            return list(_engine_families(self.stats, [self.model_name]))
+        labelnames = ["model_name", "engine"]
+        up = GaugeMetricFamily(f"{PREFIX}engine_up", "1 while this engine core of the data-parallel group serves, 0 "
+                               "once it is gone", labels=labelnames)
+        families: dict[str, Metric] = {}
+        for engine, stats in enumerate(engines):
+            labels = [self.model_name, str(engine)]
+            up.add_metric(labels, float(stats is not None))
+            for family in _engine_families(stats, labels, labelnames) if stats is not None else ():
+                merged = families.setdefault(family.name, family)  # one family per name, a sample per engine
+                if merged is not family:
+                    merged.samples += family.samples
+        return [*families.values(), up]
 
 
-def _families(family: type, labels: list[str], rows: tuple[tuple[str, str, float], ...]):
-    """One metric family per (name, doc, value), labelled with the model's name."""
+def _engine_families(stats: SchedulerStats, labels: list[str], labelnames: Sequence[str] = ("model_name",)):
+    """One engine's state, a family per metric."""
+    yield from _families(GaugeMetricFamily, labels, (
+        ("num_requests_running", "Requests running in the engine", stats.num_running),
+        ("num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting),
+        ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (in CPU memory without an accelerator)",
+         stats.kv_cache_usage)), labelnames)
+    yield from _families(CounterMetricFamily, labels, (
+        ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
+        ("prefix_cache_hits", "Prompt tokens found in the prefix cache", stats.prefix_cache_hits),
+        ("num_preemptions", "Requests preempted", stats.num_preemptions),
+        ("num_aborted_requests", "Requests aborted (client gone, stop string, cancel)",
+         stats.num_aborted_requests)), labelnames)
+    if stats.spec_decoding is not None:
+        yield from _spec_decoding_metrics(stats.spec_decoding, labels, labelnames)
+
+
+def _families(family: type, labels: list[str], rows: tuple[tuple[str, str, float], ...],
+              labelnames: Sequence[str] = ("model_name",)):
+    """One metric family per (name, doc, value), labelled with the model's name (and the engine's, with several)."""
     for name, doc, value in rows:
-        metric = family(f"{PREFIX}{name}", doc, labels=["model_name"])
+        metric = family(f"{PREFIX}{name}", doc, labels=labelnames)
         metric.add_metric(labels, value)
         yield metric
 
 
-def _spec_decoding_metrics(spec: SpecDecodingStats, labels: list[str]):
+def _spec_decoding_metrics(spec: SpecDecodingStats, labels: list[str], labelnames: Sequence[str] = ("model_name",)):
     """Counters from which every rate follows: acceptance rate = accepted / draft tokens; tokens per verification
     step = 1 + accepted / drafts; position i's acceptance = accepted_per_pos / drafted_per_pos at that position."""
     yield from _families(CounterMetricFamily, labels, (
         ("spec_decode_num_drafts", "Draft runs verified (one per request per step that speculated)", spec.num_drafts),
         ("spec_decode_num_draft_tokens", "Draft tokens verified", spec.num_draft_tokens),
-        ("spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens)))
+        ("spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens)), labelnames)
     for name, doc, values in (("num_drafted_tokens_per_pos", "Draft runs that had a token at this position",
                                spec.drafted_per_position),
                               ("num_accepted_tokens_per_pos", "Draft runs accepted up to and including this position",
                                spec.accepted_per_position)):
-        counter = CounterMetricFamily(f"{PREFIX}spec_decode_{name}", doc, labels=["model_name", "position"])
+        counter = CounterMetricFamily(f"{PREFIX}spec_decode_{name}", doc, labels=[*labelnames, "position"])
         for position, value in enumerate(values):
             counter.add_metric([*labels, str(position)], value)
         yield counter
