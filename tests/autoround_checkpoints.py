@@ -106,3 +106,21 @@ AUTOROUND_SPECS = {
     "gptq-export-mixed": dict(format="auto_gptq", bits=4, group_size=16, sym=False, layer_config=MIXED_LAYERS),
     "awq-export": dict(format="auto_awq", bits=4, group_size=16, sym=False),
 }
+
+
+def hf_autoround_model(quantized: str):
+    """HF transformers' model of the quantized folder itself (AutoRoundConfig: auto-round's QuantLinear modules) in
+    float32: auto-round casts the model to float16 on CPU, so its scales (stored float16) are widened back and the
+    plain tensors (stored float32) reloaded as stored."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    warnings.filterwarnings("ignore")
+    model = torch.nn.Module.float(AutoModelForCausalLM.from_pretrained(quantized, device_map="cpu"))
+    stored = {}
+    for file in Path(quantized).glob("*.safetensors"):
+        stored.update(load_file(str(file)))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(stored[name])
+    return model.eval()

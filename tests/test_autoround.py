@@ -1,21 +1,42 @@
 """AutoRound checkpoints written by the auto-round package: the engine equals HF transformers on the weights
-auto-round's own code dequantizes (greedy tokens and their logprobs, float32); unsupported settings are refused by
-name at load."""
+auto-round's own code dequantizes (greedy tokens and their logprobs, float32) and, where transformers loads the
+folder itself, its greedy tokens; unsupported settings are refused by name at load."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
-from autoround_checkpoints import AUTOROUND_SPECS
-from conftest import autoround_model, tiny_model
+from autoround_checkpoints import AUTOROUND_SPECS, hf_autoround_model
+from conftest import autoround_model, random_prompts, tiny_model
+from frontend import LLM, SamplingParams
 from test_quantized_checkpoints import _copy, _edit_config, _load_error, assert_equals_reference
 
 
 @pytest.mark.parametrize("kind", list(AUTOROUND_SPECS))
 def test_autoround_checkpoint_equals_autorounds_dequantization(kind):
     assert_equals_reference(*autoround_model(kind))
+
+
+@pytest.mark.parametrize("kind", ["w4-sym-mixed", "w4-asym-gptqmodel"])
+@torch.inference_mode()
+def test_greedy_equals_hf_transformers_on_the_same_folder(kind):
+    """Where HF transformers loads the folder on a CPU (auto-round's torch QuantLinear; not its AWQ packing)."""
+    quantized = autoround_model(kind)[0]
+    prompt = random_prompts([30], vocab=1000)[0]
+    llm = LLM(quantized, dtype="float32", in_process=True)
+    try:
+        ours = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12,
+                                                                           ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    input_ids = torch.tensor([prompt])
+    hf = hf_autoround_model(quantized).generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                                max_new_tokens=12, do_sample=False, min_new_tokens=0,
+                                                eos_token_id=None, pad_token_id=0)
+    assert ours[0].outputs[0].token_ids == hf[0, len(prompt):].tolist()
 
 
 def test_the_packings_and_overrides_are_the_ones_autoround_wrote():
