@@ -33,6 +33,16 @@ def request(request_id: str, ids: list[int], cache_salt: str | None = None) -> E
                              cache_salt=cache_salt)
 
 
+def test_new_prefixes_spread_over_idle_engines():
+    """Nothing in flight anywhere: each new prefix goes to the engine this front end has sent the fewest blocks."""
+    balancer = EngineBalancer(2, block_size=4)
+    engines = []
+    for n in range(4):
+        engines.append(balancer.choose(request(f"p{n}", [100 * n + i for i in range(1, 9)])))
+        balancer.finished(f"p{n}")
+    assert sorted(engines) == [0, 0, 1, 1] and balancer.blocks_sent == [4, 4]
+
+
 def test_a_prefix_keeps_its_engine_until_it_is_overloaded():
     balancer = EngineBalancer(2, block_size=4)
     shared = list(range(1, 13))
