@@ -34,8 +34,8 @@ class DecoderLayerWeights:
     A bf16 projection may come with its kernels.cpu_gemv.pair_weight copy (*_pairs), which its products then read.
     Every norm is of norm_kind ("rms", Gemma's "gemma" (1 + w), or "layer": LayerNorm with its *_bias) with eps:
     input_norm before attention, post_norm before the MLP, and where given attn_out_norm and mlp_out_norm on the
-    attention's and the MLP's outputs (Gemma 2). q_norm and k_norm: an RMSNorm weight [head_dim] each q and k head
-    goes through before rotary (Qwen3). gate_up: [gate | up] for a gated activation ("silu_glu", "gelu_tanh_glu"),
+    attention's and the MLP's outputs (Gemma 2). q_norm and k_norm: the weight [head_dim] of the norm (of norm_kind)
+    each q and k head goes through before rotary (Qwen3, Gemma 3). gate_up: [gate | up] for a gated activation ("silu_glu", "gelu_tanh_glu"),
     else the one up product ("gelu", "gelu_tanh", "relu"). cos and sin: float32 [max_position, rotary_dim] of the
     leading dims that rotate, or None (learned positions). parallel_residual: GPT-NeoX's x + attn(ln1 x) + mlp(ln2 x);
     qkv_per_head: qkv's rows hold each head's q, k and v together; scale_q_first: q scaled and rounded before its

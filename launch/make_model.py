@@ -27,7 +27,7 @@ from launch.demo_corpus import stdlib_sources
 MAKER_VERSION = 3  # 2: tools in the chat template, <think> and </think> tokens; 3: a call right after the role
 MARKER_FILE = "pagedserve_model.json"
 ARCHS = ("llama", "qwen2", "mistral", "opt", "qwen3", "phi3", "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe",
-         "deepseek_v2", "gemma2")
+         "deepseek_v2", "gemma2", "gemma3_text")
 
 # One token serves as bos, eos and pad, for plain and chat prompts alike: a single stop id keeps
 # HF `generate` and the engine stopping at the same place, and random weights give <|im_end|> no
@@ -289,6 +289,11 @@ def _family_kwargs(arch: str, size: SizeSpec) -> dict[str, Any]:
         "mistral": {"sliding_window": size.sliding_window},
         "qwen3": {"head_dim": head_dim},
         "gemma2": {"head_dim": head_dim, "sliding_window": size.sliding_window, "tie_word_embeddings": True},
+        # Gemma 3 (HF's text model type): sliding layers but every second, each layer type with its rope base.
+        "gemma3_text": {"head_dim": head_dim, "sliding_window": size.sliding_window, "tie_word_embeddings": True,
+                        "sliding_window_pattern": 2, "rope_parameters": {
+                            "sliding_attention": dict(ROPE_PARAMETERS),
+                            "full_attention": ROPE_PARAMETERS | {"rope_theta": 1e6}}},
         "gpt_neox": {"rope_parameters": ROPE_PARAMETERS | {"partial_rotary_factor": 0.25}},
         "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
         "qwen2_moe": moe | {"num_experts": 4, "shared_expert_intermediate_size": size.intermediate // 2},

@@ -1,4 +1,4 @@
-"""Families beyond llama (Qwen3, Phi-3, GPT-NeoX, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, Gemma 2): greedy
+"""Families beyond llama (Qwen3, Phi-3, GPT-NeoX, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, Gemma 2 and 3): greedy
 float32 outputs equal HF transformers on two shapes each, in one batch with chunked prefill, preemption and
 prefix-cache hits."""
 from __future__ import annotations
@@ -47,6 +47,11 @@ ODD_SHAPES = {
     "gemma2": {"hidden_size": 80, "num_attention_heads": 5, "num_key_value_heads": 1, "head_dim": 24,
                "query_pre_attn_scalar": 30, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
                "sliding_window": 32},
+    # Gemma 3, three layers: sliding, global, sliding; an attention cap in its config, which transformers' Gemma 3
+    # reads but does not apply (nor do we).
+    "gemma3_text": {"hidden_size": 80, "num_attention_heads": 5, "num_key_value_heads": 1, "head_dim": 24,
+                    "num_hidden_layers": 3, "query_pre_attn_scalar": 30, "attn_logit_softcapping": 2.0,
+                    "final_logit_softcapping": 3.0, "sliding_window": 32},
 }
 FAMILIES = list(ODD_SHAPES)
 
@@ -64,10 +69,11 @@ def prompts() -> list[list[int]]:
 
 
 # The dense families' second shapes change only head counts and dims, which the MoE, MLA and Gemma 2 second shapes
-# also do: they run with -m slow.
+# also do: they run with -m slow; so does Gemma 3's first shape (tests/test_gemma3.py covers its layers more).
 @pytest.mark.parametrize("arch, shape", [
-    pytest.param(arch, shape, marks=pytest.mark.slow) if shape == "odd" and arch in ("qwen3", "phi3", "gpt_neox")
-    else (arch, shape) for arch in FAMILIES for shape in ("default", "odd")])
+    pytest.param(arch, shape, marks=pytest.mark.slow) if (shape == "odd" and arch in ("qwen3", "phi3", "gpt_neox"))
+    or (arch, shape) == ("gemma3_text", "default") else (arch, shape)
+    for arch in FAMILIES for shape in ("default", "odd")])
 def test_greedy_equals_hf_chunked_preempted_and_prefix_cached(arch, shape):
     model = family_model(arch, shape)
     expected = [hf_greedy(model, p, MAX_NEW_TOKENS) for p in prompts()]

@@ -54,7 +54,9 @@ struct DecoderLayer {
   int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, intermediate = 0, window = 0, rotary_dim = 0;
   int64_t activation = kSiluGlu;
   bool parallel_residual = false, qkv_per_head = false, scale_q_first = false;
-  const T *q_norm = nullptr, *k_norm = nullptr;  // [head_dim] RMSNorm weights of each q and k head (Qwen3), or null
+  // [head_dim] weights of each q and k head's norm (Qwen3's RMSNorm, Gemma 3's (1 + w) one: the layer's kind), or
+  // null
+  const T *q_norm = nullptr, *k_norm = nullptr;
   Experts<T> experts;  // count > 0: a mixture of experts (experts.h), the dense MLP its shared expert if any
 };
 
@@ -127,6 +129,12 @@ void after_mlp(const DecoderLayer<T>& L, T* out, const T* o, int64_t M) {
   }
 }
 
+// A q or k head norm: the layer's norm kind and eps, without a bias.
+template <typename T>
+Norm<T> head_norm(const DecoderLayer<T>& L, const T* weight) {
+  return Norm<T>{L.input_norm.kind, weight, nullptr, L.input_norm.eps};
+}
+
 // The attention between the layer's qkv and o products: q/k norms where the layer has them, then rotary on q and k
 // of qkv [M, q + 2 kv] (in place), the step's K/V written into the caches [blocks, kv_heads, block_size, head_dim]
 // (a negative slot writes none), and each row's attention over its sequence into attn [M, q].
@@ -146,7 +154,7 @@ void attend(const DecoderLayer<T>& L, T* qkv, const int64_t* positions, const in
     const float *cos = L.cos + positions[m] * R, *sin = L.sin + positions[m] * R;
     for (int64_t h = 0; h < L.heads; ++h) {
       T* head = row + h * q_step;
-      if (L.q_norm) rms_norm_row(head, L.q_norm, L.input_norm.eps, head, D);
+      if (L.q_norm) norm_row(head_norm(L, L.q_norm), head, head, D);
       if (R) rotate(head, R, cos, sin);
       T* to = q.data() + m * q_size + h * D;
       if (L.scale_q_first)
@@ -156,7 +164,7 @@ void attend(const DecoderLayer<T>& L, T* qkv, const int64_t* positions, const in
     }
     for (int64_t h = 0; h < L.kv_heads; ++h) {
       T* head = row + k_at + h * q_step;
-      if (L.k_norm) rms_norm_row(head, L.k_norm, L.input_norm.eps, head, D);
+      if (L.k_norm) norm_row(head_norm(L, L.k_norm), head, head, D);
       if (R) rotate(head, R, cos, sin);
     }
     if (slots[m] < 0) continue;

@@ -48,11 +48,13 @@ def _inv_freq(dim: int, max_position: int, rope: dict) -> tuple[torch.Tensor, fl
     rope_type = rope_type_of(rope)
     if rope_type == "default":
         return inv_freq, 1.0
+    if rope_type == "linear":  # positions divided by `factor` (Gemma 3's global layers)
+        return inv_freq / rope["factor"], 1.0
     if rope_type == "llama3":
         return _llama3_scaled(inv_freq, rope), 1.0
     if rope_type == "yarn":
         return _yarn(dim, base, max_position, rope)
-    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: 'default', 'llama3', 'yarn')")
+    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: 'default', 'linear', 'llama3', 'yarn')")
 
 
 def rope_type_of(rope: dict) -> str:

@@ -4,6 +4,7 @@ alternate layers, and soft-capped final logits; tensor and pipeline parallel as 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -25,7 +26,12 @@ class Gemma2Attention(LlamaAttention):
     def __init__(self, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__(config, layer_idx, rotary)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.query_pre_attn_scalar**-0.5,
-                              sliding_window_of(config, layer_idx), soft_cap=config.attn_logit_softcapping)
+                              sliding_window_of(config, layer_idx), soft_cap=self.soft_cap_of(config))
+
+    @staticmethod
+    def soft_cap_of(config: PretrainedConfig) -> float | None:
+        """The tanh cap on the attention scores, None for none."""
+        return config.attn_logit_softcapping
 
 
 class Gemma2MLP(nn.Module):
@@ -43,10 +49,12 @@ class Gemma2MLP(nn.Module):
 
 
 class Gemma2DecoderLayer(nn.Module):
+    attention_class = Gemma2Attention
+
     def __init__(self, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Gemma2Attention(config, layer_idx, rotary)
+        self.self_attn = self.attention_class(config, layer_idx, rotary)
         self.mlp = Gemma2MLP(config)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
@@ -59,7 +67,9 @@ class Gemma2DecoderLayer(nn.Module):
 
     @property
     def takes_one_call(self) -> bool:
-        return self.mlp.activation_name == "gelu_pytorch_tanh" and takes_projections(*self.fused_products)
+        attn = self.self_attn
+        return self.mlp.activation_name == "gelu_pytorch_tanh" and takes_projections(*self.fused_products) and all(
+            norm is None or norm.eps == self.input_layernorm.eps for norm in (attn.q_norm, attn.k_norm))
 
     @property
     def fused_products(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
@@ -71,16 +81,19 @@ class Gemma2DecoderLayer(nn.Module):
 
     @functools.cached_property
     def fused_weights(self) -> DecoderLayerWeights:
-        """The sandwich of (1 + w) norms, soft-capped attention and the tanh-GELU GLU as the C++ layer reads them."""
-        qkv, o, gate_up, down = self.fused_products
+        """The sandwich of (1 + w) norms, soft-capped attention (q/k head norms where given: Gemma 3) and the
+        tanh-GELU GLU as the C++ layer reads them."""
+        (qkv, o, gate_up, down), attn = self.fused_products, self.self_attn
         return describe_layer(input_norm=self.input_layernorm, post_norm=self.pre_feedforward_layernorm, qkv=qkv, o=o,
-                              gate_up=gate_up, down=down, attention=self.self_attn.attn, rotary=self.self_attn.rotary,
-                              attn_out_norm=self.post_attention_layernorm,
+                              gate_up=gate_up, down=down, attention=attn.attn, rotary=attn.rotary,
+                              q_norm=attn.q_norm, k_norm=attn.k_norm, attn_out_norm=self.post_attention_layernorm,
                               mlp_out_norm=self.post_feedforward_layernorm, activation="gelu_tanh_glu")
 
 
 class Gemma2Model(FusedStage, nn.Module):
     """This pipeline stage's share: scaled embeddings on the first stage, its layers, the final norm on the last."""
+
+    layer_class = Gemma2DecoderLayer
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -88,10 +101,15 @@ class Gemma2Model(FusedStage, nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) \
             if state.is_first_stage else None
         self.embed_scale = config.hidden_size**0.5
-        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters_of(config))
+        rotary_of = self.layer_rotary(config)
         self.stage_layers, self.layers = build_stage_layers(
-            config.num_hidden_layers, lambda i: Gemma2DecoderLayer(config, i, rotary))
+            config.num_hidden_layers, lambda i: self.layer_class(config, i, rotary_of(i)))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if state.is_last_stage else None
+
+    def layer_rotary(self, config: PretrainedConfig) -> Callable[[int], RotaryEmbedding]:
+        """Each layer's rotary table: one for all (a family with rope bases per layer type returns its own)."""
+        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, rope_parameters_of(config))
+        return lambda layer_idx: rotary
 
     def final_norm_module(self) -> nn.Module | None:
         return self.norm

@@ -7,6 +7,7 @@ from transformers import PretrainedConfig
 from workers.models.bert import BertForSequenceClassification, BertModel
 from workers.models.deepseek_v2 import DeepseekV2ForCausalLM
 from workers.models.gemma2 import Gemma2ForCausalLM
+from workers.models.gemma3 import Gemma3ForCausalLM
 from workers.models.gpt_neox import GPTNeoXForCausalLM
 from workers.models.llama import LlamaForCausalLM
 from workers.models.llava import LlavaForConditionalGeneration
@@ -46,6 +47,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     "BertModel": BertModel,
