@@ -57,6 +57,13 @@ def _edited(tmp_path: Path, edit) -> Path:
     return folder
 
 
+@pytest.mark.parametrize("edit", [lambda c: c.pop("packing_format"),
+                                  lambda c: c.update(packing_format="auto_round:gptq")])
+def test_older_packing_names_read_as_autorounds_loader_reads_them(tmp_path, edit):
+    """No packing_format (transformers' default "auto_round:gptq") and that older name: the auto_gptq packing."""
+    assert_equals_reference(str(_edited(tmp_path, edit)), autoround_model("w4-sym-mixed")[1])
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda c: c.update(packing_format="auto_round:llm_compressor"),
      "packing_format 'auto_round:llm_compressor' is not supported; supported: auto_round:auto_gptq"),

@@ -15,6 +15,9 @@ from workers.quantization.gptq import GPTQFormat, convert_gptq
 # qlinear_torch_zp), its plain and gptqmodel packings store them as they are (qlinear_torch).
 PACKINGS = {"auto_round:auto_gptq": ("gptq", 1), "auto_round": ("gptq", 0), "auto_round:gptqmodel": ("gptq", 0),
             "auto_round:auto_awq": ("awq", 0)}
+# Older names auto-round's loader still reads as the packings above (and "auto_round:gptq" is transformers' default).
+PACKING_ALIASES = {"auto": "auto_round:auto_gptq", "auto_round:gptq": "auto_round:auto_gptq",
+                   "auto_round:awq": "auto_round:auto_awq"}
 LAYOUT_BITS = {"gptq": (4, 8), "awq": (4,)}
 SCHEME_KEYS = ("bits", "group_size", "sym", "data_type", "act_bits")
 FULL_PRECISION_BITS = 16
@@ -28,7 +31,8 @@ class AutoRoundFormat:
     module_tensors = GPTQFormat.module_tensors
 
     def __init__(self, config: Any) -> None:
-        self.packing = str(config_value(config, "packing_format") or "auto_round:auto_gptq")
+        packing = str(config_value(config, "packing_format") or "auto_round:auto_gptq")
+        self.packing = PACKING_ALIASES.get(packing, packing)
         if self.packing not in PACKINGS:
             raise ValueError(f"AutoRound packing_format {self.packing!r} is not supported; supported: "
                              f"{', '.join(PACKINGS)}")
