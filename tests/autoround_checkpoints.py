@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from quantized_checkpoints import _copy_tokenizer, _fresh, _hf_model, _save_plain
+from quantized_checkpoints import copy_tokenizer, fresh_folder, hf_model, save_plain
 
 SPEC_FILE = "autoround-spec.json"
 PACKED_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
@@ -23,7 +23,7 @@ def autoround_checkpoint(source: str, folder: Path, spec: dict) -> tuple[str, st
     marker = folder / SPEC_FILE
     if marker.exists() and json.loads(marker.read_text()) == spec:
         return str(quantized), str(reference)
-    _fresh(folder)
+    fresh_folder(folder)
     _quantize(source, quantized, spec)
     _save_reference(source, quantized, reference)
     marker.write_text(json.dumps(spec))
@@ -36,7 +36,7 @@ def _quantize(source: str, out: Path, spec: dict) -> None:
 
     logging.getLogger("autoround").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
-    autoround = AutoRound(_hf_model(source), AutoTokenizer.from_pretrained(source), bits=spec["bits"],
+    autoround = AutoRound(hf_model(source), AutoTokenizer.from_pretrained(source), bits=spec["bits"],
                           group_size=spec["group_size"], sym=spec["sym"], layer_config=spec.get("layer_config"),
                           iters=0, disable_opt_rtn=True, device_map="cpu")
     # quantize_and_save (auto-round's streaming path: save_quantized after quantize fails for AWQ) writes into a
@@ -51,14 +51,14 @@ def _save_reference(source: str, quantized: Path, reference: Path) -> None:
     """The source model with each quantized linear's weight replaced by what auto-round's code dequantizes from the
     saved tensors (bits and group size read off the tensors' shapes, not the config)."""
     config = json.loads((quantized / "config.json").read_text())["quantization_config"]
-    model = _hf_model(source)
+    model = hf_model(source)
     with torch.no_grad():
         for name, module in model.named_modules():
             tensors = _module_tensors(quantized, name)
             if tensors:
                 module.weight.copy_(_dequantize(config, tensors, module.in_features, module.out_features))
-    _save_plain(model, reference)
-    _copy_tokenizer(source, reference)
+    save_plain(model, reference)
+    copy_tokenizer(source, reference)
 
 
 def _module_tensors(folder: Path, module: str) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ and a float32 folder holding the weights the quantized ones stand for, which HF 
 """
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import warnings
@@ -15,23 +16,25 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from conftest import _MODEL_ROOT, tiny_model
+
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def _hf_model(source: str):
+def hf_model(source: str):
     from transformers import AutoModelForCausalLM
 
     warnings.filterwarnings("ignore")
     return AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
 
 
-def _copy_tokenizer(source: str, folder: Path) -> None:
+def copy_tokenizer(source: str, folder: Path) -> None:
     for file in Path(source).glob("tokenizer*"):
         shutil.copy(file, folder / file.name)
 
 
-def _fresh(folder: Path) -> Path:
+def fresh_folder(folder: Path) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     return folder
@@ -45,7 +48,7 @@ def compressed_tensors_checkpoint(source: str, folder: Path, weights: dict, form
                                                  apply_quantization_config)
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    model = _hf_model(source)
+    model = hf_model(source)
     args = QuantizationArgs(**weights)
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
                                 ignore=["lm_head"])
@@ -56,13 +59,13 @@ def compressed_tensors_checkpoint(source: str, folder: Path, weights: dict, form
                 _observe(module, args, calculate_qparams)
     compressor = ModelCompressor.from_pretrained_model(model, form)
     compressor.compress_model(model)
-    quantized = _fresh(folder / "quantized")
+    quantized = fresh_folder(folder / "quantized")
     model.save_pretrained(quantized)
     compressor.update_config(str(quantized))
     compressor.decompress_model(model)  # the library's own dequantization is the reference
-    reference = _save_plain(model, folder / "reference")
+    reference = save_plain(model, folder / "reference")
     for out in (quantized, reference):
-        _copy_tokenizer(source, out)
+        copy_tokenizer(source, out)
     return str(quantized), str(reference)
 
 
@@ -86,9 +89,9 @@ def _observe(module: torch.nn.Module, args, calculate_qparams) -> None:
         module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
 
 
-def _save_plain(model, folder: Path) -> Path:
+def save_plain(model, folder: Path) -> Path:
     """The model's float weights (as now in memory) with no quantization left in its config."""
-    folder = _fresh(folder)
+    folder = fresh_folder(folder)
     state = {name: tensor.detach().float().clone() for name, tensor in model.state_dict().items()
              if name.endswith(("weight", "bias")) and tensor.is_floating_point()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -157,7 +160,7 @@ def _input_of(name: str) -> str:
 
 def _integer_checkpoint(source: str, folder: Path, method: str, bits: int, group_size: int, act_order: bool,
                         symmetric: bool) -> tuple[str, str]:
-    model = _hf_model(source)
+    model = hf_model(source)
     generator = torch.Generator().manual_seed(bits * 100 + group_size)
     tensors: dict[str, torch.Tensor] = {}
     orders: dict[str, torch.Tensor] = {}  # GPTQ orders columns by their input's statistics: q/k/v alike, gate/up alike
@@ -184,8 +187,8 @@ def _integer_checkpoint(source: str, folder: Path, method: str, bits: int, group
             tensors[f"{name}.scales"] = scales
             if module.bias is not None:
                 tensors[f"{name}.bias"] = module.bias.detach().float()
-    reference = _save_plain(model, folder / "reference")
-    quantized = _fresh(folder / "quantized")
+    reference = save_plain(model, folder / "reference")
+    quantized = fresh_folder(folder / "quantized")
     state = {n: t.detach().float().clone() for n, t in model.state_dict().items()
              if not n.rsplit(".", 2)[-2].endswith(LINEARS)}
     save_file({**state, **tensors}, str(quantized / "model.safetensors"), metadata={"format": "pt"})
@@ -196,7 +199,7 @@ def _integer_checkpoint(source: str, folder: Path, method: str, bits: int, group
         {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"})
     (quantized / "config.json").write_text(json.dumps(config))
     for out in (quantized, reference):
-        _copy_tokenizer(source, out)
+        copy_tokenizer(source, out)
     return str(quantized), str(reference)
 
 
@@ -213,6 +216,35 @@ def gguf_reference(path: str, tokenizer: str, folder: Path) -> str:
     model.load_state_dict({name: tensor.float() for name, tensor in tensors.items()}, strict=False)
     model.tie_weights()
     model.config.architectures = [type(model).__name__]
-    reference = _save_plain(model, folder)
-    _copy_tokenizer(tokenizer, reference)
+    reference = save_plain(model, folder)
+    copy_tokenizer(tokenizer, reference)
     return str(reference)
+
+
+INT4_GROUP = dict(num_bits=4, type="int", strategy="group", group_size=16)
+CHECKPOINTS = {
+    "ct-w4a16-asymmetric": lambda src, out: compressed_tensors_checkpoint(
+        src, out, {**INT4_GROUP, "symmetric": False}, "pack-quantized"),
+    "ct-w4a16": lambda src, out: compressed_tensors_checkpoint(
+        src, out, {**INT4_GROUP, "symmetric": True, "group_size": 32}, "pack-quantized"),
+    "ct-w8a16": lambda src, out: compressed_tensors_checkpoint(
+        src, out, dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "pack-quantized"),
+    "ct-int8-tensor": lambda src, out: compressed_tensors_checkpoint(
+        src, out, dict(num_bits=8, type="int", symmetric=True, strategy="tensor"), "int-quantized"),
+    "ct-fp8": lambda src, out: compressed_tensors_checkpoint(
+        src, out, dict(num_bits=8, type="float", symmetric=True, strategy="channel"), "float-quantized"),
+    "ct-fp8-block": lambda src, out: compressed_tensors_checkpoint(
+        src, out, dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[16, 32]),
+        "float-quantized"),
+    "gptq-4bit": lambda src, out: gptq_checkpoint(src, out, 4, 16, act_order=False),
+    "gptq-4bit-act-order": lambda src, out: gptq_checkpoint(src, out, 4, 16, act_order=True),
+    "gptq-8bit-act-order-symmetric": lambda src, out: gptq_checkpoint(src, out, 8, 32, act_order=True,
+                                                                      symmetric=True),
+    "awq": lambda src, out: awq_checkpoint(src, out, 16),
+}
+
+
+@functools.cache
+def checkpoint(kind: str, arch: str = "llama") -> tuple[str, str]:
+    """(quantized folder, float32 reference folder), made once per session."""
+    return CHECKPOINTS[kind](tiny_model(arch), _MODEL_ROOT / f"{arch}-tiny-{kind}")

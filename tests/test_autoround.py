@@ -12,7 +12,7 @@ import torch
 from autoround_checkpoints import AUTOROUND_SPECS, hf_autoround_model
 from conftest import autoround_model, random_prompts, tiny_model
 from frontend import LLM, SamplingParams
-from test_quantized_checkpoints import _copy, _edit_config, _load_error, assert_equals_reference
+from checkpoint_checks import assert_equals_reference, copy_folder, edit_quantization_config, load_error
 
 
 @pytest.mark.parametrize("kind", list(AUTOROUND_SPECS))
@@ -52,8 +52,8 @@ def test_the_packings_and_overrides_are_the_ones_autoround_wrote():
 
 
 def _edited(tmp_path: Path, edit) -> Path:
-    folder = _copy(autoround_model("w4-sym-mixed")[0], tmp_path / "m")
-    _edit_config(folder, edit)
+    folder = copy_folder(autoround_model("w4-sym-mixed")[0], tmp_path / "m")
+    edit_quantization_config(folder, edit)
     return folder
 
 
@@ -79,9 +79,9 @@ def test_older_packing_names_read_as_autorounds_loader_reads_them(tmp_path, edit
      "'model.layers.0.mlp.up_proj' is stored quantized, but extra_config leaves it at 16 bits"),
     (lambda c: c["extra_config"].update({".*gate_proj.*": {"bits": 8}}), "does not fit scales")])
 def test_unsupported_settings_are_refused_by_name(tmp_path, edit, message):
-    assert message in _load_error(_edited(tmp_path, edit))
+    assert message in load_error(_edited(tmp_path, edit))
 
 
 def test_quantization_auto_round_must_match_the_checkpoint():
-    assert "already quantized (auto-round)" in _load_error(autoround_model("w4-asym")[0], quantization="gptq")
-    assert "has no quantization_config" in _load_error(tiny_model("llama"), quantization="auto-round")
+    assert "already quantized (auto-round)" in load_error(autoround_model("w4-asym")[0], quantization="gptq")
+    assert "has no quantization_config" in load_error(tiny_model("llama"), quantization="auto-round")

@@ -147,7 +147,7 @@ def test_quantized_checkpoint_parallel_equals_single_rank(cluster, kind):
     share of the scales and zero points; with act-order, the whole scales and their columns' g_idx); GGUF's Q8_0
     rows and llama's reordered q/k rows split like any others."""
     from test_gguf import COMMITTED, COMMITTED_FILE
-    from test_quantized_checkpoints import checkpoint
+    from quantized_checkpoints import checkpoint
 
     model, extra = (COMMITTED_FILE, {"tokenizer": str(COMMITTED)}) if kind == "gguf-q8_0" else \
         (checkpoint(kind, "qwen2")[0], {})

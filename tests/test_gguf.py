@@ -16,7 +16,7 @@ from frontend import LLM
 from launch.make_gguf import LLAMA_CPP_ENV, llama_cpp_dir, make_gguf
 from launch.make_model import make_model
 from quantized_checkpoints import gguf_reference
-from test_quantized_checkpoints import assert_equals_reference
+from checkpoint_checks import assert_equals_reference
 
 COMMITTED = Path(__file__).parent / "data" / "llama-tiny-q8_0"
 COMMITTED_FILE = str(COMMITTED / "model-q8_0.gguf")

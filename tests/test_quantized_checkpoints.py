@@ -3,67 +3,18 @@ on the weights the reference dequantizes (greedy tokens and their logprobs, floa
 clear errors at load."""
 from __future__ import annotations
 
-import functools
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import _MODEL_ROOT, random_prompts, tiny_model
-from frontend import LLM, SamplingParams
-from hf_reference import hf_greedy, hf_logprobs
+from conftest import tiny_model
+from frontend import LLM
 from kernels.matmul import linear
 from kernels.quantized_matmul import dequantize, linear_reference, pack_int4, unpack_int4
-from quantized_checkpoints import awq_checkpoint, compressed_tensors_checkpoint, gptq_checkpoint
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
-INT4_GROUP = dict(num_bits=4, type="int", strategy="group", group_size=16)
-CHECKPOINTS = {
-    "ct-w4a16-asymmetric": lambda src, out: compressed_tensors_checkpoint(
-        src, out, {**INT4_GROUP, "symmetric": False}, "pack-quantized"),
-    "ct-w4a16": lambda src, out: compressed_tensors_checkpoint(
-        src, out, {**INT4_GROUP, "symmetric": True, "group_size": 32}, "pack-quantized"),
-    "ct-w8a16": lambda src, out: compressed_tensors_checkpoint(
-        src, out, dict(num_bits=8, type="int", symmetric=True, strategy="channel"), "pack-quantized"),
-    "ct-int8-tensor": lambda src, out: compressed_tensors_checkpoint(
-        src, out, dict(num_bits=8, type="int", symmetric=True, strategy="tensor"), "int-quantized"),
-    "ct-fp8": lambda src, out: compressed_tensors_checkpoint(
-        src, out, dict(num_bits=8, type="float", symmetric=True, strategy="channel"), "float-quantized"),
-    "ct-fp8-block": lambda src, out: compressed_tensors_checkpoint(
-        src, out, dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[16, 32]),
-        "float-quantized"),
-    "gptq-4bit": lambda src, out: gptq_checkpoint(src, out, 4, 16, act_order=False),
-    "gptq-4bit-act-order": lambda src, out: gptq_checkpoint(src, out, 4, 16, act_order=True),
-    "gptq-8bit-act-order-symmetric": lambda src, out: gptq_checkpoint(src, out, 8, 32, act_order=True,
-                                                                      symmetric=True),
-    "awq": lambda src, out: awq_checkpoint(src, out, 16),
-}
-
-
-@functools.cache
-def checkpoint(kind: str, arch: str = "llama") -> tuple[str, str]:
-    """(quantized folder, float32 reference folder), made once per session."""
-    return CHECKPOINTS[kind](tiny_model(arch), _MODEL_ROOT / f"{arch}-tiny-{kind}")
-
-
-def assert_equals_reference(quantized: str, reference: str, **engine_args) -> None:
-    prompts = random_prompts([3, 40, 150], vocab=1000)
-    llm = LLM(quantized, dtype="float32", in_process=True, **engine_args)
-    try:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    for prompt, output in zip(prompts, outputs):
-        completion = output.outputs[0]
-        assert completion.token_ids == hf_greedy(reference, prompt, GREEDY.max_tokens), f"{len(prompt)}-token prompt"
-        expected = hf_logprobs(reference, prompt + completion.token_ids, len(prompt))
-        got = [entry[token].logprob for token, entry in zip(completion.token_ids, completion.logprobs)]
-        torch.testing.assert_close(torch.tensor(got), expected.gather(1, torch.tensor(completion.token_ids)[:, None])
-                                   .squeeze(1), atol=1e-4, rtol=0)
-
+from checkpoint_checks import assert_equals_reference, copy_folder, edit_quantization_config, load_error
+from quantized_checkpoints import CHECKPOINTS, checkpoint
 
 @pytest.mark.parametrize("kind", list(CHECKPOINTS))
 def test_quantized_checkpoint_equals_its_dequantized_reference(kind):
@@ -123,17 +74,6 @@ def test_int4_packing_round_trips_and_dequantizes_by_group():
     assert torch.equal(weight[:, :8], values[:, :8].float() - 8) and torch.equal(weight[:, 8:], 2 * (values[:, 8:] - 8.0))
 
 
-def _copy(source: str, target: Path) -> Path:
-    shutil.copytree(source, target)
-    return target
-
-
-def _edit_config(folder: Path, edit) -> None:
-    config = json.loads((folder / "config.json").read_text())
-    edit(config["quantization_config"])
-    (folder / "config.json").write_text(json.dumps(config))
-
-
 def _drop_tensor(folder: Path, suffix: str) -> None:
     tensors = load_file(str(folder / "model.safetensors"))
     name = next(n for n in sorted(tensors) if n.endswith(suffix))
@@ -141,16 +81,10 @@ def _drop_tensor(folder: Path, suffix: str) -> None:
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _load_error(folder: Path | str, **engine_args) -> str:
-    with pytest.raises(ValueError) as error:
-        LLM(str(folder), dtype="float32", in_process=True, **engine_args)
-    return str(error.value)
-
-
 def test_unknown_quant_method_is_a_clear_error(tmp_path):
-    folder = _copy(checkpoint("gptq-4bit")[0], tmp_path / "m")
-    _edit_config(folder, lambda c: c.update(quant_method="bitsandbytes"))
-    assert "quant_method 'bitsandbytes' is not supported" in _load_error(folder)
+    folder = copy_folder(checkpoint("gptq-4bit")[0], tmp_path / "m")
+    edit_quantization_config(folder, lambda c: c.update(quant_method="bitsandbytes"))
+    assert "quant_method 'bitsandbytes' is not supported" in load_error(folder)
 
 
 @pytest.mark.parametrize("kind, edit", [("gptq-4bit", lambda c: c.update(group_size=32)),
@@ -158,9 +92,9 @@ def test_unknown_quant_method_is_a_clear_error(tmp_path):
                                         ("ct-w4a16", lambda c: c["config_groups"]["group_0"]["weights"].update(
                                             group_size=64))])
 def test_mismatched_group_size_is_a_clear_error(tmp_path, kind, edit):
-    folder = _copy(checkpoint(kind)[0], tmp_path / "m")
-    _edit_config(folder, edit)
-    assert "does not fit" in _load_error(folder)
+    folder = copy_folder(checkpoint(kind)[0], tmp_path / "m")
+    edit_quantization_config(folder, edit)
+    assert "does not fit" in load_error(folder)
 
 
 @pytest.mark.parametrize("kind, tensor, message", [
@@ -171,12 +105,12 @@ def test_mismatched_group_size_is_a_clear_error(tmp_path, kind, edit):
     ("gptq-4bit-act-order", ".g_idx", "no g_idx"),
     ("awq", ".qzeros", "no qzeros")])
 def test_missing_scales_zero_points_or_g_idx_are_clear_errors(tmp_path, kind, tensor, message):
-    folder = _copy(checkpoint(kind)[0], tmp_path / "m")
+    folder = copy_folder(checkpoint(kind)[0], tmp_path / "m")
     _drop_tensor(folder, tensor)
-    assert message in _load_error(folder)
+    assert message in load_error(folder)
 
 
 def test_a_quantization_that_contradicts_the_checkpoint_is_refused():
-    assert "already quantized (gptq)" in _load_error(checkpoint("gptq-4bit")[0], quantization="int8")
-    assert "already quantized (gptq)" in _load_error(checkpoint("gptq-4bit")[0], quantization="awq")
-    assert "has no quantization_config" in _load_error(tiny_model("llama"), quantization="gptq")
+    assert "already quantized (gptq)" in load_error(checkpoint("gptq-4bit")[0], quantization="int8")
+    assert "already quantized (gptq)" in load_error(checkpoint("gptq-4bit")[0], quantization="awq")
+    assert "has no quantization_config" in load_error(tiny_model("llama"), quantization="gptq")
