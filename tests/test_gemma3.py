@@ -1,6 +1,7 @@
 """Gemma 3 (text): greedy float32 equals HF transformers' Gemma3ForCausalLM on a five-layer checkpoint whose sliding
 pattern of three does not divide its layers, on the fast path (C++ layers, multi-step calls), chunked and batched,
-and at tp 2; the layer types' rope bases as transformers reads older configs; a 262k vocabulary."""
+at tp 2 and from a Gemma3ForConditionalGeneration folder; the layer types' rope bases as transformers reads older
+configs; a 262k vocabulary."""
 from __future__ import annotations
 
 import functools
@@ -144,3 +145,36 @@ def test_a_262k_vocabulary_equals_hf():
         assert [o.outputs[0].token_ids for o in outputs] == theirs
     finally:
         llm.shutdown()
+
+
+def test_conditional_generation_folder_serves_its_language_model(tmp_path):
+    """A Gemma3ForConditionalGeneration folder (a vision tower beside the odd language model's weights): text
+    prompts give what HF's Gemma3ForCausalLM gives on those weights; an image is refused."""
+    from transformers import AutoConfig, Gemma3ForConditionalGeneration
+
+    text = Path(odd_model())
+    for file in text.iterdir():
+        if file.name not in ("model.safetensors", "config.json", MARKER_FILE):
+            shutil.copy(file, tmp_path / file.name)
+    vision = AutoConfig.for_model("siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, image_size=28, patch_size=14)
+    config = AutoConfig.for_model("gemma3", text_config=AutoConfig.from_pretrained(text).to_dict(),
+                                  vision_config=vision.to_dict(), mm_tokens_per_image=4)
+    model = Gemma3ForConditionalGeneration(config)
+    weights = load_file(text / "model.safetensors")
+    model.model.language_model.load_state_dict({k.removeprefix("model."): v for k, v in weights.items()})
+    model.save_pretrained(tmp_path)
+    prompts, theirs = expected()
+    llm = LLM(str(tmp_path), in_process=True, **ENGINE)
+    try:
+        assert generate(llm, prompts) == theirs
+        with pytest.raises(ValueError, match="takes no images"):
+            llm.generate({"prompt": "a", "multi_modal_data": {"image": _image()}}, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def _image():
+    from PIL import Image
+
+    return Image.new("RGB", (28, 28), (200, 10, 10))

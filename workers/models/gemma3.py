@@ -69,3 +69,14 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
     def build_model(self, config: PretrainedConfig) -> Gemma3Model:
         return Gemma3Model(config)
+
+
+class Gemma3TextOfConditionalGeneration(Gemma3ForCausalLM):
+    """A Gemma3ForConditionalGeneration folder served on text alone: its language model, whose weights it reads
+    under either layout transformers saves (the vision tower and projector are left unread; images are refused)."""
+
+    checkpoint_prefixes = {"language_model.model.": "model.", "model.language_model.": "model.",
+                           "language_model.lm_head.": "lm_head."}
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config.get_text_config())

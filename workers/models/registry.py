@@ -7,7 +7,7 @@ from transformers import PretrainedConfig
 from workers.models.bert import BertForSequenceClassification, BertModel
 from workers.models.deepseek_v2 import DeepseekV2ForCausalLM
 from workers.models.gemma2 import Gemma2ForCausalLM
-from workers.models.gemma3 import Gemma3ForCausalLM
+from workers.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOfConditionalGeneration
 from workers.models.gpt_neox import GPTNeoXForCausalLM
 from workers.models.llama import LlamaForCausalLM
 from workers.models.llava import LlavaForConditionalGeneration
@@ -48,6 +48,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3TextOfConditionalGeneration,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     "BertModel": BertModel,
