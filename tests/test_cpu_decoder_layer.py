@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from transformers import (Gemma2Config, GPTNeoXConfig, LlamaConfig, MixtralConfig, OPTConfig, Qwen2Config,
-                          Qwen2MoeConfig, Qwen3Config)
+from transformers import (Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, MixtralConfig, OPTConfig,
+                          Qwen2Config, Qwen2MoeConfig, Qwen3Config)
 
 from frontend import LLM, SamplingParams
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv, cpu_layer_weights
@@ -17,6 +17,7 @@ from workers.layers.linear import ColumnParallelLinear, Linear
 from workers.lora.slots import LoRAContext, LoRALayerSlots
 from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.models.gemma2 import Gemma2DecoderLayer
+from workers.models.gemma3 import Gemma3DecoderLayer
 from workers.models.gpt_neox import GPTNeoXLayer
 from workers.models.llama import LlamaDecoderLayer, head_dim_of
 from workers.models.mixtral import MixtralDecoderLayer
@@ -96,6 +97,11 @@ CASES = {
                                          intermediate_size=200, max_position_embeddings=512, num_hidden_layers=2,
                                          query_pre_attn_scalar=24, attn_logit_softcapping=2.0, sliding_window=40,
                                          layer_types=["sliding_attention", "full_attention"])),
+    "gemma3 (1 + w) q/k head norms, window": (
+        Gemma3DecoderLayer, Gemma3TextConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                             intermediate_size=200, max_position_embeddings=512, num_hidden_layers=2,
+                                             query_pre_attn_scalar=24, sliding_window=40,
+                                             layer_types=["sliding_attention", "full_attention"])),
     "gpt_neox LayerNorm, parallel residual, partial rotary, q/k/v per head, gelu": (
         GPTNeoXLayer, GPTNeoXConfig(hidden_size=128, num_attention_heads=4, intermediate_size=200,
                                     max_position_embeddings=512, rotary_pct=0.25, use_parallel_residual=True,
