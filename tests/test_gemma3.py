@@ -178,3 +178,10 @@ def _image():
     from PIL import Image
 
     return Image.new("RGB", (28, 28), (200, 10, 10))
+
+
+def test_bidirectional_attention_is_refused(tmp_path):
+    """EmbeddingGemma's config (use_bidirectional_attention) is an encoder's: refused by name, not served causally."""
+    folder = make_model(tmp_path / "bidirectional", arch="gemma3_text", size="tiny", use_bidirectional_attention=True)
+    with pytest.raises(ValueError, match="use_bidirectional_attention .* is not supported"):
+        LLM(str(folder), dtype="float32", in_process=True)

@@ -8,7 +8,7 @@ import torch
 from transformers import PretrainedConfig
 
 from workers.layers.norm import GemmaRMSNorm
-from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
+from workers.layers.rotary import RotaryEmbedding
 from workers.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM, Gemma2Model
 from workers.models.llama import head_dim_of
 
@@ -35,28 +35,20 @@ class Gemma3DecoderLayer(Gemma2DecoderLayer):
     attention_class = Gemma3Attention
 
 
-def rope_parameters_by_layer_type(config: PretrainedConfig) -> dict[str, dict]:
-    """Each layer type's rope settings: transformers 5 keeps them per type in `rope_parameters` (it reads older
-    configs' rope_local_base_freq for sliding layers and rope_theta with rope_scaling for global ones into it)."""
-    params = getattr(config, "rope_parameters", None) or {}
-    if all(kind in params for kind in LAYER_TYPES):
-        return {kind: dict(params[kind]) for kind in LAYER_TYPES}
-    local = {"rope_type": "default", "rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
-    return {"sliding_attention": local, "full_attention": rope_parameters_of(config)}
-
-
 class Gemma3Model(Gemma2Model):
     layer_class = Gemma3DecoderLayer
 
     def layer_rotary(self, config: PretrainedConfig) -> Callable[[int], RotaryEmbedding]:
-        """Sliding layers rotate with the local base, global ones with the global base and its scaling."""
+        """Sliding layers rotate with the local base, global ones with the global base and its scaling: transformers
+        keeps them per layer type in `rope_parameters` (an older config's rope_local_base_freq, rope_theta and
+        rope_scaling read into it)."""
         layer_types = config.layer_types
         unknown = sorted(set(layer_types) - set(LAYER_TYPES))
         if unknown or len(layer_types) != config.num_hidden_layers:
             raise ValueError(f"layer_types must give each of the {config.num_hidden_layers} layers one of "
                              f"{LAYER_TYPES}; got {layer_types}")
-        rotary = {kind: RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, params)
-                  for kind, params in rope_parameters_by_layer_type(config).items() if kind in layer_types}
+        rotary = {kind: RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
+                                        dict(config.rope_parameters[kind])) for kind in set(layer_types)}
         return lambda layer_idx: rotary[layer_types[layer_idx]]
 
 
