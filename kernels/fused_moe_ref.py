@@ -10,12 +10,15 @@ from kernels.matmul import linear
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
                    num_expert_group: int | None = None, topk_group: int | None = None,
-                   routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   routed_scaling_factor: float = 1.0, correction_bias: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [tokens, experts] → (weights float32 [tokens, top_k], expert ids int64 [tokens, top_k]).
 
     Scores are computed in float32; the top_k largest, the lower id first among equal ones. With groups (DeepSeek's
     group-limited routing) only experts of the `topk_group` groups with the highest best score compete;
-    `renormalize` makes each token's weights sum to 1 before `routed_scaling_factor` multiplies them."""
+    `renormalize` makes each token's weights sum to 1 before `routed_scaling_factor` multiplies them. With a
+    `correction_bias` (DeepSeek-V3's noaux_tc) experts are chosen by score + bias, a group ranked by the sum of its
+    two best such scores, and weighted by their unbiased score."""
     logits = router_logits.float()
     if scoring == "softmax":
         scores = logits.softmax(dim=-1)
@@ -23,11 +26,15 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
         scores = logits.sigmoid()
     else:
         raise ValueError(f"MoE scoring function {scoring!r} is not supported (supported: 'softmax', 'sigmoid')")
+    choice = scores if correction_bias is None else scores + correction_bias.float()
     if num_expert_group is not None and num_expert_group > 1:
-        scores = _keep_top_groups(scores, num_expert_group, topk_group or num_expert_group)
+        choice = _keep_top_groups(choice, num_expert_group, topk_group or num_expert_group,
+                                  best=1 if correction_bias is None else 2)
     # Equal scores (frequent among bf16 router logits) go to the lower expert id, as the C++ layer (experts.h)
     # chooses: torch.topk breaks such ties in an order of its own.
-    weights, ids = (t[..., :top_k] for t in torch.sort(scores, dim=-1, descending=True, stable=True))
+    weights, ids = (t[..., :top_k] for t in torch.sort(choice, dim=-1, descending=True, stable=True))
+    if correction_bias is not None:
+        weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if routed_scaling_factor != 1.0:
@@ -35,10 +42,11 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool, s
     return weights, ids
 
 
-def _keep_top_groups(scores: torch.Tensor, num_groups: int, keep: int) -> torch.Tensor:
-    """Zero the scores of every expert outside each token's `keep` groups with the highest maximum score."""
+def _keep_top_groups(scores: torch.Tensor, num_groups: int, keep: int, best: int = 1) -> torch.Tensor:
+    """Zero the scores of every expert outside each token's `keep` groups ranked by the sum of their `best` highest
+    scores."""
     num_tokens, num_experts = scores.shape
-    group_scores = scores.view(num_tokens, num_groups, -1).max(dim=-1).values
+    group_scores = scores.view(num_tokens, num_groups, -1).topk(best, dim=-1).values.sum(dim=-1)
     top_groups = torch.topk(group_scores, keep, dim=-1, sorted=False).indices
     group_mask = torch.zeros_like(group_scores).scatter_(1, top_groups, 1.0)
     expert_mask = group_mask.unsqueeze(-1).expand(num_tokens, num_groups, num_experts // num_groups)

@@ -27,7 +27,7 @@ from launch.demo_corpus import stdlib_sources
 MAKER_VERSION = 3  # 2: tools in the chat template, <think> and </think> tokens; 3: a call right after the role
 MARKER_FILE = "pagedserve_model.json"
 ARCHS = ("llama", "qwen2", "mistral", "opt", "qwen3", "phi3", "gpt_neox", "mixtral", "qwen2_moe", "qwen3_moe",
-         "deepseek_v2", "gemma2", "gemma3_text")
+         "deepseek_v2", "deepseek_v3", "gemma2", "gemma3_text")
 
 # One token serves as bos, eos and pad, for plain and chat prompts alike: a single stop id keeps
 # HF `generate` and the engine stopping at the same place, and random weights give <|im_end|> no
@@ -234,6 +234,7 @@ def _write_model(folder: Path, spec: dict[str, Any]) -> None:
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             if spec.get("random_biases"):
                 _randomize_biases(model)
+            _draw_routing_biases(model)
             model.generation_config = generation_config
             model.save_pretrained(folder)
         else:
@@ -242,6 +243,15 @@ def _write_model(folder: Path, spec: dict[str, Any]) -> None:
             generation_config.save_pretrained(folder)
         tokenizer.save_pretrained(folder, save_jinja_files=False)
     (folder / MARKER_FILE).write_text(json.dumps(spec, indent=2, sort_keys=True) + "\n")
+
+
+@torch.no_grad()
+def _draw_routing_biases(model: torch.nn.Module) -> None:
+    """DeepSeek-V3's expert-choice correction biases, zero as HF initialises them, drawn wide enough to change
+    which experts the (near 0.5) sigmoid scores of random weights choose."""
+    for name, tensor in model.state_dict().items():
+        if name.endswith("e_score_correction_bias"):
+            tensor.normal_(0.0, 0.05)
 
 
 @torch.no_grad()
@@ -304,6 +314,13 @@ def _family_kwargs(arch: str, size: SizeSpec) -> dict[str, Any]:
                               "qk_nope_head_dim": head_dim // 2, "v_head_dim": head_dim,
                               "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2,
                               "num_key_value_heads": size.heads},
+        # DeepSeek-V3: V2's MLA, sigmoid scores chosen with a correction bias (drawn: HF starts it at zero) within
+        # the best 2 of 4 groups, normalised and scaled.
+        "deepseek_v3": moe | {"n_routed_experts": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                              "kv_lora_rank": size.hidden // 2, "q_lora_rank": size.hidden // 2,
+                              "qk_rope_head_dim": head_dim // 2, "qk_nope_head_dim": head_dim // 2,
+                              "v_head_dim": head_dim, "n_group": 4, "topk_group": 2, "norm_topk_prob": True,
+                              "routed_scaling_factor": 2.5, "num_key_value_heads": size.heads},
     }.get(arch, {})
 
 

@@ -36,11 +36,11 @@ CPUS_PER_NODE = 2
 
 @functools.cache
 def model_dir(name: str) -> str:
-    """'qwen2' (4 heads, 2 KV heads, tied embeddings, q/k/v biases), 'qwen3', 'mixtral', 'deepseek_v2',
+    """'qwen2' (4 heads, 2 KV heads, tied embeddings, q/k/v biases), 'qwen3', 'mixtral', 'deepseek_v2', 'deepseek_v3',
     'llama-kv1' (4 heads sharing one KV head: with tp=2 both ranks hold a copy of it) or 'opt-proj' (random biases
     on every linear and norm, learned positions, tied embeddings narrower than the hidden size: project_in on the
     first stage, project_out on the last)."""
-    if name in ("qwen2", "qwen3", "mixtral", "deepseek_v2"):
+    if name in ("qwen2", "qwen3", "mixtral", "deepseek_v2", "deepseek_v3"):
         return tiny_model(name)
     if name == "opt-proj":
         folder = Path(tiny_model("opt")).parent / "opt-tiny-proj"
@@ -110,11 +110,12 @@ def test_parallel_equals_single_rank(cluster, name, tp, pp):
 @pytest.mark.parametrize("name, tp, pp, expert_parallel", [
     pytest.param("mixtral", 2, 1, False, marks=SLOW), ("mixtral", 2, 1, True),
     pytest.param("mixtral", 1, 2, False, marks=SLOW),
-    ("qwen3", 2, 1, False), pytest.param("qwen3", 1, 2, False, marks=SLOW), ("deepseek_v2", 2, 1, True)])
+    ("qwen3", 2, 1, False), pytest.param("qwen3", 1, 2, False, marks=SLOW),
+    pytest.param("deepseek_v2", 2, 1, True, marks=SLOW), ("deepseek_v3", 2, 1, True)])
 def test_families_parallel_equal_single_rank(cluster, name, tp, pp, expert_parallel):
     """Mixtral's experts split by their intermediate dimension (TP) or handed out whole (expert parallel),
-    Qwen3's per-head q/k norms under TP and PP, DeepSeek-V2's latent cache (whole on every rank, its heads split):
-    outputs equal one rank's."""
+    Qwen3's per-head q/k norms under TP and PP, DeepSeek-V2/V3's latent cache (whole on every rank, its heads split)
+    and V3's biased expert choice with experts handed out whole: outputs equal one rank's."""
     prompts, expected = single_rank_outputs(name)
     llm = LLM(model_dir(name), in_process=True, tensor_parallel_size=tp, pipeline_parallel_size=pp,
               enable_expert_parallel=expert_parallel, **SMALL_ENGINE)

@@ -78,3 +78,27 @@ def test_group_limited_routing_picks_only_from_the_best_groups():
 def test_unknown_scoring_is_refused():
     with pytest.raises(ValueError, match="scoring function 'tanh'"):
         select_experts(torch.randn(2, 4), 1, True, scoring="tanh")
+
+
+def test_noaux_tc_routing_equals_deepseek_v3s():
+    """DeepSeek-V3: sigmoid scores, experts chosen by score + correction bias in the groups whose two best such
+    scores sum highest, weighted by the unbiased score (normalised, scaled): transformers' router's choice."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = DeepseekV3Config(hidden_size=16, n_routed_experts=12, n_group=4, topk_group=2, num_experts_per_tok=3,
+                              norm_topk_prob=True, routed_scaling_factor=2.5)
+    generator = torch.Generator().manual_seed(0)
+    router = DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=generator))
+        router.e_score_correction_bias.copy_(torch.randn(12, generator=generator) * 0.3)
+    hidden = torch.randn(50, 16, generator=generator)
+    logits, hf_weights, hf_ids = router(hidden)
+    weights, ids = select_experts(logits, 3, True, "sigmoid", 4, 2, 2.5, router.e_score_correction_bias)
+    for token in range(50):
+        ours = dict(zip(ids[token].tolist(), weights[token].tolist()))
+        theirs = dict(zip(hf_ids[token].tolist(), hf_weights[token].tolist()))
+        assert ours.keys() == theirs.keys()
+        for expert, weight in ours.items():
+            assert weight == pytest.approx(theirs[expert], rel=1e-5)

@@ -1,6 +1,6 @@
-"""Families beyond llama (Qwen3, Phi-3, GPT-NeoX, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, Gemma 2 and 3): greedy
-float32 outputs equal HF transformers on two shapes each, in one batch with chunked prefill, preemption and
-prefix-cache hits."""
+"""Families beyond llama (Qwen3, Phi-3, GPT-NeoX, Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3, Gemma 2 and
+3): greedy float32 outputs equal HF transformers on two shapes each, in one batch with chunked prefill, preemption
+and prefix-cache hits."""
 from __future__ import annotations
 
 import functools
@@ -43,6 +43,12 @@ ODD_SHAPES = {
                     "topk_method": "greedy", "n_group": None, "topk_group": None, "first_k_dense_replace": 0,
                     "n_shared_experts": 2, "n_routed_experts": 5, "num_experts_per_tok": 3,
                     "routed_scaling_factor": 1.5, "rope_parameters": YARN},
+    # Six experts in three groups of two (the best two groups compete), three chosen, the first layer dense.
+    "deepseek_v3": {"hidden_size": 80, "num_attention_heads": 5, "num_key_value_heads": 5, "q_lora_rank": 24,
+                    "kv_lora_rank": 20, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10,
+                    "n_group": 3, "topk_group": 2, "first_k_dense_replace": 1, "num_hidden_layers": 3,
+                    "n_shared_experts": 2, "n_routed_experts": 6, "num_experts_per_tok": 3,
+                    "routed_scaling_factor": 1.5, "rope_parameters": YARN},
     # Caps low enough to bite at these random weights' scores and logits; query_pre_attn_scalar is not head_dim.
     "gemma2": {"hidden_size": 80, "num_attention_heads": 5, "num_key_value_heads": 1, "head_dim": 24,
                "query_pre_attn_scalar": 30, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
@@ -72,7 +78,7 @@ def prompts() -> list[list[int]]:
 # also do: they run with -m slow; so does Gemma 3's first shape (tests/test_gemma3.py covers its layers more).
 @pytest.mark.parametrize("arch, shape", [
     pytest.param(arch, shape, marks=pytest.mark.slow) if (shape == "odd" and arch in ("qwen3", "phi3", "gpt_neox"))
-    or (arch, shape) == ("gemma3_text", "default") else (arch, shape)
+    or (arch, shape) in (("gemma3_text", "default"), ("deepseek_v3", "default")) else (arch, shape)
     for arch in FAMILIES for shape in ("default", "odd")])
 def test_greedy_equals_hf_chunked_preempted_and_prefix_cached(arch, shape):
     model = family_model(arch, shape)

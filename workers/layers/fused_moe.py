@@ -64,10 +64,11 @@ class FusedMoE(nn.Module):
         else:
             copy_checked(param.data[local], loaded[:, start:end])
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
         r = self.routing
         weights, ids = select_experts(router_logits, r.top_k, r.renormalize, r.scoring, r.num_expert_group,
-                                      r.topk_group, r.routed_scaling_factor)
+                                      r.topk_group, r.routed_scaling_factor, correction_bias)
         out = fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.expert_range[0])
         return tp_all_reduce(out) if self.tp_size > 1 else out
 

@@ -39,12 +39,13 @@ class DeepseekV2MoE(nn.Module):
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
     attention_class = MLAAttention
+    moe_class: type[nn.Module] = DeepseekV2MoE
     one_call_capable = False
 
     def build_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
         sparse = (config.n_routed_experts and layer_idx >= config.first_k_dense_replace
                   and layer_idx % (getattr(config, "moe_layer_freq", 1) or 1) == 0)
-        return DeepseekV2MoE(config) if sparse else LlamaMLP(config)
+        return self.moe_class(config) if sparse else LlamaMLP(config)
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):

@@ -6,6 +6,7 @@ from transformers import PretrainedConfig
 
 from workers.models.bert import BertForSequenceClassification, BertModel
 from workers.models.deepseek_v2 import DeepseekV2ForCausalLM
+from workers.models.deepseek_v3 import DeepseekV3ForCausalLM
 from workers.models.gemma2 import Gemma2ForCausalLM
 from workers.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOfConditionalGeneration
 from workers.models.gpt_neox import GPTNeoXForCausalLM
@@ -46,6 +47,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3TextOfConditionalGeneration,
