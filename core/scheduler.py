@@ -17,8 +17,6 @@ from ipc.sampling_params import tokens_left
 from ipc import (
     CachedRequestData,
     EngineConfig,
-    EngineCoreOutput,
-    FinishReason,
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
@@ -281,29 +279,6 @@ class Scheduler(StepOutputs):
         request.num_preemptions += 1
         self.num_preemptions += 1
         heapq.heappush(self.waiting, (request.sort_key, request))
-
-    def abort_requests(self, req_ids: list[str]) -> list[EngineCoreOutput]:
-        """Abort from outside the step; unknown or finished ids are ignored. One final output per abort."""
-        outputs = []
-        for req_id in req_ids:
-            request = self.requests.get(req_id)
-            if request is not None:
-                self._finish(request, RequestStatus.FINISHED_ABORTED)
-                self.num_aborted_requests += 1
-                outputs.append(EngineCoreOutput(request_id=req_id, new_token_ids=[],
-                                                finish_reason=FinishReason.ABORT))
-        return outputs
-
-    def _finish(self, request: Request, status: RequestStatus) -> None:
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-            self.waiting = [(key, r) for key, r in self.waiting if r is not request]
-            heapq.heapify(self.waiting)
-        request.set_status(status)
-        self.kv.free(request)
-        del self.requests[request.request_id]
-        self.finished_req_ids.append(request.request_id)
 
     def _record_peak(self) -> None:
         """At the step with the most blocks in use: tokens held in KV blocks / slots in allocated blocks. And the

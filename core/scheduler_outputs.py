@@ -1,6 +1,8 @@
-"""What the scheduler does with a step's output: tokens appended, drafts counted, requests stopped or failed."""
+"""What the scheduler does with a step's output (tokens appended, drafts counted, requests stopped or failed) and how
+a request ends, from a step or by an abort."""
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 
@@ -11,8 +13,9 @@ logger = logging.getLogger("pagedserve.scheduler")
 
 
 class StepOutputs:
-    """The Scheduler's half that takes each batch's output back (mixed into core.scheduler.Scheduler, whose state
-    it reads: in_flight, requests, spec_stats, step_times, max_model_len, _finish)."""
+    """The Scheduler's half that takes each batch's output back and ends requests (mixed into
+    core.scheduler.Scheduler, whose state it reads and changes: in_flight, requests, running, waiting, kv,
+    spec_stats, step_times, max_model_len, finished_req_ids)."""
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """For the oldest batch in flight: append sampled tokens, finish requests that stop, report new tokens."""
@@ -93,6 +96,29 @@ class StepOutputs:
         return EngineCoreOutput(request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
                                 error=message, error_kind=kind,
                                 error_param="structured_outputs" if kind == "invalid" else None)
+
+    def abort_requests(self, req_ids: list[str]) -> list[EngineCoreOutput]:
+        """Abort from outside the step; unknown or finished ids are ignored. One final output per abort."""
+        outputs = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                self.num_aborted_requests += 1
+                outputs.append(EngineCoreOutput(request_id=req_id, new_token_ids=[],
+                                                finish_reason=FinishReason.ABORT))
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting = [(key, r) for key, r in self.waiting if r is not request]
+            heapq.heapify(self.waiting)
+        request.set_status(status)
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.append(request.request_id)
 
 
 def _advance_grammar(request: Request, token_id: int) -> tuple[str, str] | None:
