@@ -47,7 +47,7 @@ def load_model(model_path: str, config: PretrainedConfig, dtype: torch.dtype, de
     else:
         with _safetensors_readers(model_path) as readers:
             load_weights(model, model_path, readers, checkpoint_format(config, quantization))
-    quantize_model(model, quantization, quantize_lm_head)
+    quantize_model(model, config, quantization, quantize_lm_head)
     if device.type == "cpu":
         gather_parameters_in_huge_pages(model)
     prepack_linear_weights(model)

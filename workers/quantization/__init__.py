@@ -14,13 +14,14 @@ from workers.quantization.autoround import AutoRoundFormat
 from workers.quantization.awq import AWQFormat
 from workers.quantization.compressed_tensors import CompressedTensorsFormat
 from workers.quantization.formats import CheckpointFormat, config_value
+from workers.quantization.fp8_blocks import FP8BlockFormat
 from workers.quantization.gguf import is_gguf
 from workers.quantization.gptq import GPTQFormat
 from workers.quantization.online import quantize_model_rows
 
 ONLINE_METHODS = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 CHECKPOINT_FORMATS: dict[str, type] = {"compressed-tensors": CompressedTensorsFormat, "gptq": GPTQFormat,
-                                       "awq": AWQFormat, "auto-round": AutoRoundFormat}
+                                       "awq": AWQFormat, "auto-round": AutoRoundFormat, "fp8": FP8BlockFormat}
 METHODS = QUANTIZATION_METHODS
 
 
@@ -48,7 +49,7 @@ def checkpoint_format(config: PretrainedConfig, method: str | None = None) -> Ch
     check_method(method)
     quant_config: Any = getattr(config, "quantization_config", None)
     if not quant_config:
-        if method in CHECKPOINT_FORMATS:
+        if method in CHECKPOINT_FORMATS and method not in ONLINE_METHODS:
             raise ValueError(f"quantization {method!r} needs a checkpoint stored in that format; this one has no "
                              "quantization_config")
         return None
@@ -62,7 +63,9 @@ def checkpoint_format(config: PretrainedConfig, method: str | None = None) -> Ch
     return CHECKPOINT_FORMATS[stored](quant_config)
 
 
-def quantize_model(model: nn.Module, method: str | None, quantize_lm_head: bool = False) -> None:
-    """Quantize the loaded model's weights in place for an online method (no-op otherwise)."""
-    if method in ONLINE_METHODS:
+def quantize_model(model: nn.Module, config: PretrainedConfig, method: str | None, quantize_lm_head: bool = False
+                   ) -> None:
+    """Quantize the loaded model's weights in place for an online method (no-op otherwise, and for a checkpoint
+    stored quantized: "fp8" of an fp8 checkpoint means as it is stored)."""
+    if method in ONLINE_METHODS and not getattr(config, "quantization_config", None):
         quantize_model_rows(model, quantize_lm_head, ONLINE_METHODS[method])

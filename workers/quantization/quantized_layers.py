@@ -65,7 +65,8 @@ def _allocate(layer: Linear | ColumnParallelLinear, part: QuantizedTensors) -> N
 def _check_same_scheme(layer: Linear | ColumnParallelLinear, part: QuantizedTensors) -> None:
     """The parts of a merged projection (q, k, v) must share one scheme: the layer multiplies them as one."""
     same = (layer.weight.dtype == part.weight.dtype and layer.weight_scale.dim() == part.scale.dim()
-            and (layer.weight_zero is None) == (part.zero is None) and (layer.weight_g_idx is None) == (part.g_idx is None)
+            and (layer.weight_zero is None) == (part.zero is None)
+            and (layer.weight_g_idx is None) == (part.g_idx is None)
             and (part.g_idx is not None or part.scale.dim() == 1
                  or input_size_of(layer.weight) // layer.weight_scale.shape[1]
                  == input_size_of(part.weight) // part.scale.shape[1]))
