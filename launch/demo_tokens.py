@@ -5,7 +5,8 @@ import torch
 from tokenizers import Tokenizer
 
 from launch.demo_corpus import SourceFile, chat_pairs
-from launch.make_model import ENDOFTEXT_ID, IM_END, IM_START
+from launch.make_model import IM_END, IM_START
+from launch.model_shapes import ENDOFTEXT_ID
 
 
 def chat_text(question: str, answer: str) -> str:

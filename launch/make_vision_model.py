@@ -12,8 +12,8 @@ from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, GenerationCon
                           LlavaNextImageProcessorPil, LlavaNextProcessor, LlavaProcessor, PretrainedConfig,
                           PreTrainedTokenizerFast, ProcessorMixin)
 
-from launch.make_model import (ENDOFTEXT_ID, INIT_STD, MARKER_FILE, SIZES, _config_kwargs, quiet_transformers,
-                               train_tokenizer, write_model_folder)
+from launch.make_model import MARKER_FILE, quiet_transformers, train_tokenizer, write_model_folder
+from launch.model_shapes import ENDOFTEXT_ID, INIT_STD, SIZES, config_kwargs
 
 VISION_MAKER_VERSION = 1
 IMAGE_TOKEN = "<image>"
@@ -91,7 +91,7 @@ def _parts() -> tuple[PreTrainedTokenizerFast, LlamaConfig, CLIPVisionConfig]:
     tokenizer.add_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
     tokenizer.model_max_length = size.max_positions
     tokenizer.chat_template = CHAT_TEMPLATE
-    text = LlamaConfig(**_config_kwargs("llama", size, len(tokenizer)))
+    text = LlamaConfig(**config_kwargs("llama", size, len(tokenizer)))
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
                               image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32,
                               initializer_range=INIT_STD, initializer_factor=1.0)
