@@ -9,6 +9,7 @@ from frontend.async_core_client import AsyncEngineCoreClient
 from frontend.core_client import EngineCoreClient
 from frontend.data_parallel import AsyncDataParallelClient, DataParallelClient
 from ipc import EngineConfig
+from ipc.config import DP_ROUTING
 from ipc.sockets import private_ipc_address
 
 if TYPE_CHECKING:
@@ -40,7 +41,8 @@ def connect_engine(model: str | None, engine_args: dict, *, in_process: bool = F
                              f"running at {engine_address}; set them where it is started")
         if routing is None:
             return client_class(addresses[0], curve_key_file, handshake_timeout)
-        EngineConfig(model="unused", data_parallel_routing=routing)  # a ValueError naming a bad one
+        if routing not in DP_ROUTING:
+            raise ValueError(f"data_parallel_routing must be one of {DP_ROUTING}, got {routing!r}")
         clients = []
         try:
             for address in addresses:

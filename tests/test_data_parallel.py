@@ -13,7 +13,7 @@ import msgspec
 import openai
 import pytest
 
-from conftest import assert_all_blocks_free, child_pids, tiny_model
+from conftest import assert_all_blocks_free, child_pids, tiny_model, wait_until
 from frontend import LLM, AsyncLLM, SamplingParams
 from core.engine_spawn import data_parallel_configs
 from frontend.api.metrics import ServerMetrics
@@ -194,7 +194,7 @@ def test_served_with_two_engines_a_killed_one_fails_health_while_the_other_serve
             assert completion.choices[0].text == single.tokenizer.decode(tokens)
     finally:
         stop_launcher(process)
-    assert not [pid for pid in engines if os.path.exists(f"/proc/{pid}") and pid in child_pids()]
+    assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in engines), timeout=10)
 
 
 def test_a_front_end_steers_by_another_ones_load_and_metrics_label_each_engine():
