@@ -21,6 +21,9 @@ _DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 DP_ROUTING = ("prefix", "load", "round_robin")
 DP_BACKENDS = ("mp", "ray")
+# "auto": K/V in the model dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2": one byte per element with one scale per
+# tensor (kernels/kv_quant.py says where the scales come from).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 MAX_CPUS = 1024  # glibc's cpu_set_t, which pins the threads
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -42,6 +45,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Vision-language models: the bytes of image features each first pipeline stage keeps by image hash (bytes or
     # a size like "1GiB"); None: 1 GiB (workers/encoder_cache.py).
     encoder_cache_memory: Annotated[int, Meta(ge=1, le=2**62)] | None = None
+    # How K and V are stored (KV_CACHE_DTYPES): fp8 halves a block's bytes, so a budget holds twice the tokens.
+    kv_cache_dtype: str = "auto"
+    # Host-memory tier of the prefix cache (bytes or a size like "8GiB"): full blocks evicted from the KV cache are
+    # kept there by hash and copied back on a prefix hit instead of recomputed (core/kv_offload.py); None: none.
+    kv_offload_bytes: Annotated[int, Meta(ge=1, le=2**62)] | None = None
     seed: Int64 = 0
     tensor_parallel_size: Annotated[int, Meta(ge=1, le=4096)] = 1
     pipeline_parallel_size: Annotated[int, Meta(ge=1, le=4096)] = 1
@@ -145,6 +153,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
         if isinstance(self.encoder_cache_memory, str):
             self.encoder_cache_memory = parse_memory_size(self.encoder_cache_memory, "encoder_cache_memory")
+        if isinstance(self.kv_offload_bytes, str):
+            self.kv_offload_bytes = parse_memory_size(self.kv_offload_bytes, "kv_offload_bytes")
         self.speculative_config = parse_speculative_config(self.speculative_config)
         self.pooler_config = parse_pooler_config(self.pooler_config)
         check_fields(self)
@@ -156,6 +166,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _require(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}, got {self.runner!r}")
         _require(self.load_format in LOAD_FORMATS, "load_format",
                  f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}")
         _require(self.data_parallel_routing in DP_ROUTING, "data_parallel_routing",
                  f"must be one of {DP_ROUTING}, got {self.data_parallel_routing!r}")

@@ -17,7 +17,7 @@ from frontend.api.cli_args import (API_KEY_ENV, add_gateway_flags, auto_tool_par
                                    )
 from frontend.api.lora_adapters import parse_lora_modules  # noqa: E402
 from ipc import EngineConfig  # noqa: E402
-from ipc.config import DP_BACKENDS, DP_ROUTING, LOAD_FORMATS, QUANTIZATION_METHODS  # noqa: E402
+from ipc.config import DP_BACKENDS, DP_ROUTING, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATION_METHODS  # noqa: E402
 from ipc.pooling import RUNNERS  # noqa: E402
 from launch.shipped import DEMO_MODEL_NAME, shipped_model  # noqa: E402
 from launch.supervisor import Launcher  # noqa: E402
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--kv-cache-memory", help="bytes or a size like 4GiB")
     engine.add_argument("--encoder-cache-memory", help="image features kept by image hash: bytes or a size (1GiB)")
+    engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="fp8 / fp8_e4m3 / fp8_e5m2: K and V in one byte each (twice the tokens per budget)")
+    engine.add_argument("--kv-offload-bytes", help="host-memory tier of the prefix cache: bytes or a size like 8GiB")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
     engine.add_argument("--pp", "--pipeline-parallel-size", dest="pipeline_parallel_size", type=int, default=1)
@@ -205,6 +208,7 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_waiting_requests=args.max_waiting_requests, block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, encoder_cache_memory=args.encoder_cache_memory,
+                        kv_cache_dtype=args.kv_cache_dtype, kv_offload_bytes=args.kv_offload_bytes,
                         seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size,
                         pipeline_parallel_size=args.pipeline_parallel_size,
