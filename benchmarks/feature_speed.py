@@ -41,6 +41,7 @@ from neighbour import (OUTPUTS, PROMPT_TOKENS, engine_arguments, llamacpp_run, m
 from frontend import LLM, SamplingParams  # noqa: E402
 from ipc.lora import LoRARequest  # noqa: E402
 from ipc.structured_outputs import StructuredOutputsParams  # noqa: E402
+from kernels import cpu_extension  # noqa: E402
 from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
 from launch.make_model import ARCHS  # noqa: E402
 
@@ -120,6 +121,10 @@ def main() -> None:
     engine_arguments(parser)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # transformers 5.x's deprecation chatter
+    # Built (or found built) before any engine starts: an engine serves on the torch paths while its kernels build in
+    # the background, and the first rows of a fresh machine's run measured those.
+    if cpu_extension.load() is None:
+        raise SystemExit("the C++ CPU kernels did not build: every row would measure the torch paths")
     print(f"{os.cpu_count()} CPUs, native bf16: {cpu_has_native_bf16()}, dtype {args.dtype}; batch 1 = "
           f"{PROMPT_TOKENS}-token prompt, {OUTPUTS[1]} tokens; batch 32 = {OUTPUTS[32]} tokens each; best of "
           f"{args.repeats}; a quiet machine is assumed", flush=True)
