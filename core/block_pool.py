@@ -4,11 +4,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from core.kv_offload import OffloadTier
+
 
 class BlockPool:
-    """A free block keeps its hash (and so its cached content) until it is taken for new content."""
+    """A free block keeps its hash (and so its cached content) until it is taken for new content; then, with a host
+    tier, its content is stored there (if not held already) in the step that takes it, before anything overwrites it."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, tier: OffloadTier | None = None) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_kv_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -17,6 +20,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.cached_blocks: dict[bytes, int] = {}
+        self.tier = tier
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,3 +70,5 @@ class BlockPool:
         if block_hash is not None:
             del self.cached_blocks[block_hash]
             self.block_hashes[block_id] = None
+            if self.tier is not None:
+                self.tier.store(block_id, block_hash)

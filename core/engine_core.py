@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from core.kv_cache_manager import KVCacheManager
+from core.kv_offload import check_offload
 from core.profiler import EngineProfiler
 from core.request import Request
 from core.scheduler import Scheduler
@@ -52,6 +53,7 @@ class EngineCore:
                              self.config.enable_expert_parallel)
         check_quantization(self.config.model, hf_config, self.config.quantization)  # here, not in a rank
         _check_draft_model(self.config, text_config.vocab_size)
+        check_offload(self.config)
         if self.config.enable_prompt_embeds:
             check_prompt_embeds(hf_config)
         self.lora_validator = AdapterValidator(hf_config, config.max_lora_rank, config.lora_dirs) \
@@ -61,9 +63,10 @@ class EngineCore:
         if not encoder:
             _check_capacity(self.config, self.num_kv_blocks)
         weight_bytes = self.executor.weight_bytes()  # before the KV cache: Ray ranks then enter their step loop
+        num_host_blocks = self.executor.num_host_blocks()
         self.executor.initialize_kv_cache(self.num_kv_blocks)
         self.kv_cache_manager = KVCacheManager(self.num_kv_blocks, self.config.block_size,
-                                               self.config.enable_prefix_caching)
+                                               self.config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, whole_prompts=encoder,
                                    decode_ahead=self.executor.decodes_ahead(), multi_step=self.executor.multi_steps(),
                                    multi_step_grammars=self.executor.steps_grammars())

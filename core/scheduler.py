@@ -102,12 +102,13 @@ class Scheduler(StepOutputs):
                                for req_id in num_scheduled})
         self._decode_calls.append((time.perf_counter(), steps, len(num_scheduled))
                                   if decode_only and self.multi_step > 1 else None)
+        stores, loads = self.kv.take_copies()  # every block a later step of the call writes was allocated above
         return SchedulerOutput(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
                                num_scheduled_tokens=num_scheduled,
                                total_num_scheduled_tokens=sum(num_scheduled.values()), finished_req_ids=finished,
                                scheduled_spec_decode_tokens=spec_tokens,
                                decode_ahead=self.decode_ahead and self._same_decodes_next(num_scheduled, spec_tokens),
-                               num_steps=steps)
+                               num_steps=steps, kv_stores=stores, kv_loads=loads)
 
     def _schedule_running(self, num_scheduled: dict[str, int], cached_reqs: list[CachedRequestData],
                           spec_tokens: dict[str, list[int]], budget: int, steps: int) -> bool:

@@ -61,6 +61,11 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # tokens in between are allocated. The output holds num_steps tokens per request (fewer where all of the requests
     # stopped early).
     num_steps: Count = 1
+    # The prefix cache's host tier (core/kv_offload.py), applied before this step's forward pass, stores first:
+    # (device block, host slot) for the hashed blocks this step's allocations evicted, then (host slot, device block)
+    # for the fresh blocks its prefix hits in the tier fill.
+    kv_stores: list[tuple[Count, Count]] = []
+    kv_loads: list[tuple[Count, Count]] = []
 
 
 class PromptLogprobs(msgspec.Struct):

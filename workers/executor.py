@@ -20,6 +20,9 @@ class Executor(Protocol):
 
     def weight_bytes(self) -> int: ...
 
+    def num_host_blocks(self) -> int:
+        """The prefix cache's host-tier blocks every rank holds (kv_offload_bytes; 0 without a tier)."""
+
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
     def decodes_ahead(self) -> bool:
@@ -55,6 +58,9 @@ class InProcessExecutor:
 
     def weight_bytes(self) -> int:
         return self.worker.weight_bytes()
+
+    def num_host_blocks(self) -> int:
+        return self.worker.num_host_blocks()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)

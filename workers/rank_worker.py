@@ -58,6 +58,9 @@ class RankWorker:
     def weight_bytes(self) -> int:
         return self.worker.weight_bytes()
 
+    def num_host_blocks(self) -> int:
+        return self.worker.num_host_blocks()
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 

@@ -109,6 +109,10 @@ class RayExecutor:
         which switches the actors to their step loop."""
         return sum(self._gather([actor.weight_bytes.remote() for actor in self.actors]))
 
+    def num_host_blocks(self) -> int:
+        """Each rank's host tier holds kv_offload_bytes of its own shards; the engine uses the smallest count."""
+        return min(self._gather([actor.num_host_blocks.remote() for actor in self.actors]))
+
     def decodes_ahead(self) -> bool:
         """Never: several ranks replay no CUDA graphs (ModelRunner._captures_cuda_graphs)."""
         return False

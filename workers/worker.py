@@ -12,6 +12,7 @@ from workers.cpu_threads import ComputeThreads, compute_threads
 from workers.device import select_device
 from workers.distributed import parallel_state
 from workers.gpu_memory import kv_cache_budget, profile_memory
+from workers.kv_offload import HostKVTier
 from workers.layers.attention import Attention
 from workers.model_config import load_hf_config, resolve_dtype
 from workers.model_runner import ModelRunner
@@ -43,6 +44,7 @@ class Worker:
             else resolve_dtype(config.dtype)
         runner = EncoderRunner if self.encoder else ModelRunner
         self.model_runner = runner(config, self.hf_config, self.dtype, self.device, pooling)
+        self.kv_offload: HostKVTier | None = None
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's model parameters and buffers as held (int8 weights count one byte each)."""
@@ -95,11 +97,27 @@ class Worker:
                   "bytes in use outside torch; raise gpu_memory_utilization or lower max_num_batched_tokens)")
         return budget, source
 
+    def num_host_blocks(self) -> int:
+        """The blocks kv_offload_bytes holds on this rank (the prefix cache's host tier; 0 without one)."""
+        if self.encoder or self.config.kv_offload_bytes is None:
+            return 0
+        num_blocks = self.config.kv_offload_bytes // self.block_bytes()
+        if num_blocks < 1:
+            raise ValueError(f"kv_offload_bytes={self.config.kv_offload_bytes} holds no KV block (one block takes "
+                             f"{self.block_bytes()} bytes)")
+        return num_blocks
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+        num_host_blocks, runner = self.num_host_blocks(), self.model_runner
+        if num_host_blocks:
+            layers = runner.attention_layers + (runner.draft_model.attention_layers if runner.draft_model else [])
+            self.kv_offload = HostKVTier.for_layers(layers, num_host_blocks, self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammars: LentGrammars | None = None) -> ModelRunnerOutput:
         if self.threads is not None:
             self.threads.adjust()
+        if self.kv_offload is not None:
+            self.kv_offload.apply(scheduler_output.kv_stores, scheduler_output.kv_loads)
         return self.model_runner.execute_model(scheduler_output, grammars)
