@@ -130,13 +130,19 @@ def prefix_workload() -> tuple[list[dict], SamplingParams]:
     return prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def test_outputs_with_the_tier_equal_outputs_without_and_it_finds_more(prefix_workload):
+@pytest.fixture(scope="module")
+def expected(prefix_workload) -> list[list[int]]:
+    """The workload's outputs with no prefix caching at all."""
+    plain = LLM(tiny_model("llama"), dtype="float32", in_process=True, enable_prefix_caching=False)
+    outputs = plain.generate(*prefix_workload, use_tqdm=False)
+    plain.shutdown()
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_outputs_with_the_tier_equal_outputs_without_and_it_finds_more(prefix_workload, expected):
     prompts, params = prefix_workload
     engine = dict(dtype="float32", in_process=True, num_kv_blocks=12, max_model_len=128, max_num_seqs=2,
                   num_scheduler_steps=4, multi_step_budget_ms=None)
-    plain = LLM(tiny_model("llama"), dtype="float32", in_process=True, enable_prefix_caching=False)
-    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    plain.shutdown()
     hits = {}
     for host in (None, "16MiB"):
         llm = LLM(tiny_model("llama"), kv_offload_bytes=host, **engine)
@@ -157,6 +163,30 @@ def test_outputs_with_the_tier_equal_outputs_without_and_it_finds_more(prefix_wo
             assert sum(len(so.kv_loads) for so in calls) == kv.tier.blocks_loaded
         llm.shutdown()
     assert hits["16MiB"] > hits[None] + 12 * 48 // 2
+
+
+def test_preempted_requests_resume_through_the_tier(prefix_workload, expected):
+    """8 blocks for up to 4 requests of 5 blocks each: decodes preempt the latest requests, which resume from
+    their own blocks, in the device cache or loaded back from the tier."""
+    prompts, params = prefix_workload
+    llm = LLM(tiny_model("llama"), dtype="float32", in_process=True, num_kv_blocks=8, max_model_len=128,
+              max_num_seqs=4, kv_offload_bytes="16MiB")
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    assert llm.get_stats().num_preemptions > 0 and llm.client.engine.kv_cache_manager.prefix_cache_host_hits > 0
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_every_rank_copies_its_own_shard(prefix_workload, expected, tp, pp):
+    """On Ray ranks (a private local Ray): each rank applies the same copies to the layers and heads it holds."""
+    llm = LLM(tiny_model("llama"), dtype="float32", in_process=True, num_kv_blocks=12, max_model_len=128,
+              max_num_seqs=2, tensor_parallel_size=tp, pipeline_parallel_size=pp, kv_offload_bytes="16MiB")
+    assert [o.outputs[0].token_ids for o in llm.generate(*prefix_workload, use_tqdm=False)] == expected
+    assert llm.client.engine.kv_cache_manager.prefix_cache_host_hits > 0
+    assert_all_blocks_free(llm)
+    llm.shutdown()
 
 
 def test_offload_needs_prefix_caching_and_room_for_a_block():
