@@ -1,6 +1,5 @@
-"""The host-memory tier of the prefix cache, scheduler side: which block hash each host slot holds (LRU), and the
-copies of one step: a hashed device block the pool evicts is stored in a host slot, a prefix hit in the tier is
-loaded into a fresh device block (workers/kv_offload.py applies them, stores first, before that step's forward)."""
+"""The prefix cache's host tier, scheduler side: the block hash in each host slot (LRU), and each step's copies
+(workers/kv_offload.py applies them): evicted hashed blocks stored, tier hits loaded into fresh device blocks."""
 from __future__ import annotations
 
 from collections import OrderedDict
