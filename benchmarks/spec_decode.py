@@ -13,6 +13,10 @@ Example:
     python benchmarks/spec_decode.py                      # k=7 (prompt lookup), 4 (draft); batch 1 and 64
     python benchmarks/spec_decode.py --requests 4 --batch 0
     python benchmarks/spec_decode.py --cutoff-sweep 1 2 4 8 16 32   # where disable_by_batch_size should cut in
+    python benchmarks/spec_decode.py --method mtp   # DeepSeek-V3-shaped, its MTP layer drafting (k=--mtp-drafts)
+--method mtp: a small DeepSeek-V3-shaped model trained with its multi-token-prediction layer on the demo corpus
+(launch/train_mtp.py; trained into the benchmark cache on first use) continues the free workload with and without
+the layer's drafts, at batch 1 and --batch; the acceptance by draft position is the figure.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from frontend import LLM, SamplingParams  # noqa: E402
 from ipc import SpecDecodingStats  # noqa: E402
 from launch.demo_corpus import split, stdlib_files  # noqa: E402
+from launch import train_mtp  # noqa: E402
 from launch.shipped import WEIGHTS_DIR  # noqa: E402
 from launch.train_demo import HELD_OUT_FRACTION  # noqa: E402
 import bench_device  # noqa: E402
@@ -135,7 +140,13 @@ def main() -> int:
                         help="instead: each method at these batch sizes with disable_by_batch_size off (where "
                              "speculation stops paying)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--method", choices=("ngram-draft", "mtp"), default="ngram-draft",
+                        help="prompt lookup and the draft model on the demo (default), or MTP (see above)")
+    parser.add_argument("--mtp-drafts", type=int, default=2)
+    parser.add_argument("--mtp-steps", type=int, default=train_mtp.RECIPE["steps"], help="its training steps")
     args = parser.parse_args()
+    if args.method == "mtp":
+        args.model = train_mtp.ensure_mtp_model(args.mtp_steps)
     args.device = bench_device.resolve(args.device)
     warnings.filterwarnings("ignore")
     code = held_out_code(args.model, max(args.requests, args.batch, *args.cutoff_sweep), lines=12)
@@ -149,8 +160,12 @@ def main() -> int:
                 compare(args, texts, batch, {**configs[method], "disable_by_batch_size": None},
                         f"{workload} batch {batch} {method}, always speculating")
         return 0
-    runs = [("edit", 1, "ngram"), ("free", 1, "draft")] if args.requests else []
-    runs += [("free", args.batch, "ngram"), ("free", args.batch, "draft")] if args.batch else []
+    if args.method == "mtp":
+        configs["mtp"] = {"method": "mtp", "num_speculative_tokens": args.mtp_drafts}
+        runs = ([("free", 1, "mtp")] if args.requests else []) + ([("free", args.batch, "mtp")] if args.batch else [])
+    else:
+        runs = [("edit", 1, "ngram"), ("free", 1, "draft")] if args.requests else []
+        runs += [("free", args.batch, "ngram"), ("free", args.batch, "draft")] if args.batch else []
     for workload, batch, method in runs:
         texts = prompts(workload, code)[:args.requests if batch == 1 else batch]
         compare(args, texts, batch, configs[method], f"{workload} batch {batch} {method}")

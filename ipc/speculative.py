@@ -9,7 +9,7 @@ from msgspec import Meta
 
 from ipc.bounds import check_fields
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 DraftLength = Annotated[int, Meta(ge=1, le=32)]
 NgramLength = Annotated[int, Meta(ge=1, le=1024)]
 
@@ -17,9 +17,11 @@ NgramLength = Annotated[int, Meta(ge=1, le=1024)]
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`ngram`: prompt lookup (the longest suffix of the request's tokens, between prompt_lookup_min and
     prompt_lookup_max long, that occurred before proposes the tokens that followed it). `draft_model`: `model`, a
-    smaller model folder with the same vocabulary, writes the drafts one token at a time."""
+    smaller model folder with the same vocabulary, writes the drafts one token at a time. `mtp`: the target's own
+    multi-token-prediction layer (DeepSeek-V3's num_nextn_predict_layers) drafts from its hidden states, applied
+    again to its own output for each further draft."""
 
-    method: Literal["ngram", "draft_model"]
+    method: Literal["ngram", "draft_model", "mtp"]
     num_speculative_tokens: DraftLength
     model: str | None = None
     prompt_lookup_max: NgramLength = 4
@@ -44,8 +46,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
     @property
     def num_lookahead_slots(self) -> int:
-        """KV slots past a step's tokens that its proposer writes: a draft model feeds its own drafts."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
+        """KV slots past a step's tokens that its proposer writes: a draft model or MTP layer feeds its own drafts."""
+        return self.num_speculative_tokens if self.method in ("draft_model", "mtp") else 0
 
 
 def parse_speculative_config(value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:

@@ -17,6 +17,10 @@ from workers.request_state import CachedRequestState
 from workers.step_sampling import SampleGroup
 
 
+# Each request's rows of a step: (request id, its first row, that row's position, its number of rows).
+StepRows = list[tuple[str, int, int, int]]
+
+
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor
@@ -30,6 +34,7 @@ class ModelInputs:
     pooling_jobs: list[PoolingJob] = field(default_factory=list)
     hidden: torch.Tensor | None = None  # the step's final hidden states where a forward pass ahead computed them
     prompt_embeds: StepEmbeds | None = None  # rows given as embeddings (first pipeline stage only)
+    rows: StepRows | None = None  # where a proposer reads the step's hidden states (MTP)
 
 
 @dataclass

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,11 +32,12 @@ DUMMY_STD = 0.02
 
 def load_model(model_path: str, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                quantization: str | None = None, quantize_lm_head: bool = False,
-               load_format: str = "auto") -> nn.Module:
+               load_format: str = "auto", build: Callable[[PretrainedConfig], nn.Module] | None = None) -> nn.Module:
     """The model of a folder of safetensors files or of a GGUF file, its weights loaded (or random, when
-    `load_format` is "dummy"; then quantized when an online `quantization` asks)."""
+    `load_format` is "dummy"; then quantized when an online `quantization` asks). build: another module of the
+    folder's weights than the config's architecture (a proposer's layer)."""
     with _default_dtype(dtype), torch.device(device):
-        model = get_model_class(config)(config)
+        model = (build or get_model_class(config))(config)
     if load_format == "dummy":
         if checkpoint_format(config, quantization) is not None:
             raise ValueError(f"model {model_path!r}: dummy weights are plain weights; the config's "

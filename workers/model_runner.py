@@ -29,7 +29,8 @@ from workers.pooling.pooler import ChunkedPooling, finish_embedding
 from workers.profile_step import profile_step
 from workers.prompt_embeds import step_embeds
 from workers.request_state import CachedRequestState, update_states
-from workers.spec_decode import DraftModel, make_speculator
+from workers.spec_decode import make_speculator
+from workers.spec_decode.feeds import ProposerCaches
 from workers.step_grammars import LentGrammars
 from workers.step_tensors import StepTensors
 from workers.step_sampling import SampleGroup, StepSampler, fails_alone
@@ -49,7 +50,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(config.seed))
         self.step_sampler = StepSampler(self.sampler, device)
         # Only the driver samples, so only it proposes drafts (and holds a draft model).
-        self.speculator = make_speculator(config.speculative_config, dtype, device, self.block_size,
+        self.speculator = make_speculator(config.speculative_config, config.model, dtype, device, self.block_size,
                                           config.max_model_len, self.sampler) if self.parallel.is_driver else None
         self.requests: dict[str, CachedRequestState] = {}
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -116,16 +117,22 @@ class ModelRunner:
         """The most decode steps one call runs (core/multi_step.py): on the CPU (CUDA graphs and decode ahead take
         that cost off the GPU's path), in one pipeline stage; under tensor parallelism every rank runs them
         (workers.later_step_calls), without drafts. With speculative decoding, each step verifies the drafts
-        proposed after the one before."""
+        proposed after the one before, except for a proposer that reads hidden states (later steps return none)."""
         if (self.device.type != "cpu" or self.decode_graphs is not None or self.parallel.pp_size > 1
-                or (self.parallel.tp_size > 1 and self.speculator is not None)):
+                or (self.parallel.tp_size > 1 and self.speculator is not None) or self._observes):
             return 1
         return self.config.num_scheduler_steps
 
     @property
-    def draft_model(self) -> DraftModel | None:
-        return self.speculator.proposer if self.speculator and isinstance(self.speculator.proposer, DraftModel) \
-            else None
+    def draft_model(self) -> ProposerCaches | None:
+        """The proposer with a model and KV cache of its own (a draft model, an MTP layer), if any."""
+        return self.speculator.proposer \
+            if self.speculator and isinstance(self.speculator.proposer, ProposerCaches) else None
+
+    @property
+    def _observes(self) -> bool:
+        """Whether the proposer reads each step's hidden states (MTP)."""
+        return self.speculator is not None and self.speculator.reads_hidden_states
 
     def profile_run(self) -> None:
         """The step with the largest activations, for the memory profile (workers.profile_step)."""
@@ -160,6 +167,8 @@ class ModelRunner:
                 prompt_logprobs[job.req_id] = prompt_logprobs_of(job_logits, job)
         groups = [group for group in inputs.sample_groups if group.state.req_id not in failed]
         if logits is None or not groups:
+            if self._observes:
+                self.speculator.observe(hidden, inputs.rows, self.requests, {})
             self.later_steps.decline(scheduler_output.num_steps)
             return ModelRunnerOutput(sampled_token_ids={}, prompt_logprobs=prompt_logprobs, failed=failed,
                                      pooled=pooled)
@@ -175,6 +184,8 @@ class ModelRunner:
         sampled = output.sampled_token_ids
         output.verified = {group.state.req_id: [(len(group.drafts), len(sampled[group.state.req_id]) - 1)]
                            for group in groups if group.drafts and group.state.req_id in sampled}
+        if self._observes:
+            self.speculator.observe(hidden, inputs.rows, self.requests, sampled)
         self.later_steps.start(output, [group.state for group in groups], scheduler_output, grammars)
         return output
 
@@ -286,7 +297,8 @@ class ModelRunner:
                                                              [drafts[i] for i in sampled])),
                            [self.sample_group(states[i], drafts[i]) for i in sampled], jobs,
                            [lora_slots[i] for i in sampled for _ in range(1 + len(drafts[i]))], pooling_jobs, hidden,
-                           embeds)
+                           embeds, [(req_id, int(query_start_loc[i]), int(starts[i]), int(num_tokens[i]))
+                                    for i, req_id in enumerate(req_ids)] if self._observes else None)
 
     def lora_slots(self, states: list[CachedRequestState], num_tokens: np.ndarray) -> list[int]:
         """Each request's adapter slot (-1: none), its adapter put in a slot; every token of the step tagged."""

@@ -8,17 +8,19 @@ import torch
 from ipc import SpeculativeConfig
 from kernels.cpu_greedy_decode import DraftModelDrafts
 from workers.distributed import single_rank
-from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.sampler import Sampler
 from workers.model_config import load_hf_config
 from workers.model_loader import load_model
 from workers.request_state import CachedRequestState
+from workers.spec_decode.feeds import FeedBatch, ProposerCaches
 from workers.step_sampling import sampling_metadata
 
 
-class DraftModel:
+class DraftModel(ProposerCaches):
     """Held whole by the driver rank alone: under tensor or pipeline parallelism the other ranks never wait for it,
     and a model 5-10x smaller gains little from being split."""
+
+    reads_hidden_states = False
 
     def __init__(self, config: SpeculativeConfig, dtype: torch.dtype, device: torch.device, block_size: int,
                  max_model_len: int, sampler: Sampler) -> None:
@@ -27,24 +29,12 @@ class DraftModel:
         self.dtype, self.device, self.sampler = dtype, device, sampler
         with single_rank():
             self.model = load_model(config.model, load_hf_config(config.model), self.dtype, device)
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # Per request: the position its draft KV is known right up to, and the drafts written after it (right while
         # the target accepts them); the distributions its last drafts were drawn from (sampled requests).
         self.fed: dict[str, tuple[int, list[int]]] = {}
         self.probs: dict[str, torch.Tensor] = {}
         # Greedy drafts the target's kernel already wrote after a request's first this-many tokens (resume()).
         self.written: dict[str, tuple[int, list[int]]] = {}
-
-    def block_bytes(self) -> int:
-        return sum(layer.kv_block_bytes(self.block_size, self.dtype) for layer in self.attention_layers)
-
-    def bind_kv_cache(self, num_blocks: int | None) -> None:
-        """Its own K and V per layer over the same block ids as the target's cache (None: release them)."""
-        for layer in self.attention_layers:
-            if num_blocks is None:
-                layer.kv_cache = None
-            else:
-                layer.bind_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
 
     def forget(self, req_id: str) -> None:
         """Its blocks were freed or replaced (finished, preempted): its draft KV is gone."""
@@ -127,29 +117,7 @@ class DraftModel:
             self.probs.pop(req_id, None)
 
     def _forward(self, states: list[CachedRequestState], feeds: list[tuple[int, list[int]]]) -> torch.Tensor:
-        """The draft's logits after each feed (tokens from a start position); single tokens first, as attention
-        wants them."""
-        order = sorted(range(len(feeds)), key=lambda i: len(feeds[i][1]) != 1)
-        lengths = np.array([len(feeds[i][1]) for i in order], dtype=np.int64)
-        starts = np.array([feeds[i][0] for i in order], dtype=np.int64)
-        query_start_loc = np.concatenate(([0], np.cumsum(lengths)))
-        positions = np.concatenate([np.arange(start, start + n) for start, n in zip(starts, lengths)])
-        table = np.zeros((len(order), max(len(states[i].block_ids) for i in order)), dtype=np.int64)
-        for row, i in enumerate(order):
-            table[row, :len(states[i].block_ids)] = states[i].block_ids
-        rows = np.repeat(np.arange(len(order)), lengths)
-        slots = table[rows, positions // self.block_size] * self.block_size + positions % self.block_size
-        seq_lens = starts + lengths
-        metadata = AttentionMetadata(
-            slot_mapping=self._tensor(slots), block_tables=self._tensor(table), query_start_loc=query_start_loc.tolist(),
-            seq_lens=seq_lens.tolist(), num_decodes=int((lengths == 1).sum()))
-        if self.device.type == "cuda":
-            metadata.device_query_start_loc = self._tensor(query_start_loc).int()
-            metadata.device_seq_lens = self._tensor(seq_lens).int()
-        input_ids = self._tensor(np.concatenate([feeds[i][1] for i in order]))
-        hidden = self.model(input_ids, self._tensor(positions), metadata)
-        logits = self.model.compute_logits(hidden[self._tensor(query_start_loc[1:] - 1)]).float()
-        return logits[self._tensor(np.argsort(order))]
-
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(np.ascontiguousarray(array, dtype=np.int64), device=self.device)
+        """The draft's logits after each feed (tokens from a start position)."""
+        batch = FeedBatch.of(states, feeds, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch.metadata)
+        return self.model.compute_logits(hidden[batch.last_rows]).float()

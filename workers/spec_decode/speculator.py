@@ -10,7 +10,9 @@ from ipc import SpeculativeConfig
 from kernels.cpu_greedy_decode import DraftModelDrafts, PromptLookupDrafts
 from workers.layers.sampler import Sampler
 from workers.request_state import CachedRequestState
+from workers.model_inputs import StepRows
 from workers.spec_decode.draft_model import DraftModel
+from workers.spec_decode.mtp import MtpProposer
 from workers.spec_decode.ngram import ngram_draft
 
 KernelDrafts = PromptLookupDrafts | DraftModelDrafts
@@ -34,8 +36,12 @@ class Proposer(Protocol):
     def resume(self, states: list[CachedRequestState], drafts: KernelDrafts, lengths: np.ndarray) -> None:
         """greedy_decode() drafted for `states` with `drafts`; they are `lengths` tokens long now."""
 
+    reads_hidden_states: bool  # observe() takes each step's final hidden states (a proposer of the target's layers)
+
 
 class PromptLookup:
+    reads_hidden_states = False
+
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
 
@@ -94,6 +100,15 @@ class Speculator:
     def resume(self, states: list[CachedRequestState], drafts: KernelDrafts, lengths: np.ndarray) -> None:
         self.proposer.resume(states, drafts, lengths)
 
+    @property
+    def reads_hidden_states(self) -> bool:
+        return self.proposer.reads_hidden_states
+
+    def observe(self, hidden: torch.Tensor, rows: StepRows, requests: dict[str, CachedRequestState],
+                sampled: dict[str, list[int]]) -> None:
+        """A step's final hidden states (`rows` says whose), and its sampled tokens, for a proposer that reads them."""
+        self.proposer.observe(hidden, rows, requests, sampled)
+
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         return self.proposer.draft_probs(req_id)
 
@@ -101,11 +116,13 @@ class Speculator:
         self.proposer.forget(req_id)
 
 
-def make_speculator(config: SpeculativeConfig | None, dtype: torch.dtype, device: torch.device, block_size: int,
-                    max_model_len: int, sampler: Sampler) -> Speculator | None:
-    """The speculator the driver rank runs (None without speculative decoding)."""
+def make_speculator(config: SpeculativeConfig | None, target: str, dtype: torch.dtype, device: torch.device,
+                    block_size: int, max_model_len: int, sampler: Sampler) -> Speculator | None:
+    """The speculator the driver rank runs for the model folder `target` (None without speculative decoding)."""
     if config is None:
         return None
     if config.method == "draft_model":
         return Speculator(config, DraftModel(config, dtype, device, block_size, max_model_len, sampler))
+    if config.method == "mtp":
+        return Speculator(config, MtpProposer(config, target, dtype, device, block_size, max_model_len, sampler))
     return Speculator(config, PromptLookup(config))
