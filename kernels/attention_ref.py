@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels import kv_quant
 from kernels.cpu_features import matmul_dtype
 
 # Decode rows are attended in groups whose shortest context is at least this fraction of the longest, so
@@ -58,6 +59,8 @@ def paged_attention(
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
     soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its whole context in the paged cache.
 
@@ -68,40 +71,46 @@ def paged_attention(
     positions p - sliding_window < j <= p. key/value: this step's new K/V ([num_tokens, num_kv_heads,
     head_dim], already written to the cache), which a prefill without cached prefix attends over directly.
     soft_cap: each scaled score s becomes soft_cap * tanh(s / soft_cap) before masking (Gemma 2).
-    Returns [num_tokens, num_heads, head_dim].
+    k_scale/v_scale: an fp8 cache's scales (kernels.kv_quant): its values are read as stored * scale, and fresh K/V
+    as the cache holds them. Returns [num_tokens, num_heads, head_dim].
     """
     out = torch.empty_like(query)
     if num_decodes:
         out[:num_decodes] = decode_attention(query[:num_decodes], key_cache, value_cache, block_tables,
-                                             seq_lens[:num_decodes], scale, sliding_window, soft_cap)
+                                             seq_lens[:num_decodes], scale, sliding_window, soft_cap, k_scale, v_scale)
     prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, num_decodes, scale,
-                      sliding_window, key, value, out, soft_cap)
+                      sliding_window, key, value, out, soft_cap, k_scale, v_scale)
     return out
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: list[int], scale: float,
-                     sliding_window: int | None, soft_cap: float | None = None) -> torch.Tensor:
+                     sliding_window: int | None, soft_cap: float | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """The decode rows (one query token each, the first len(seq_lens) rows of block_tables), in groups."""
     out = torch.empty_like(query)
     for group in plan_decode_groups(seq_lens, block_tables, key_cache.shape[2]):
         out[group.start:group.end] = _decode(query[group.start:group.end], key_cache, value_cache, group, scale,
-                                             sliding_window, soft_cap)
+                                             sliding_window, soft_cap, k_scale, v_scale)
     return out
 
 
 def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int], num_decodes: int,
                       scale: float, sliding_window: int | None, key: torch.Tensor | None,
-                      value: torch.Tensor | None, out: torch.Tensor, soft_cap: float | None = None) -> None:
+                      value: torch.Tensor | None, out: torch.Tensor, soft_cap: float | None = None,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """The prefill chunks (sequences num_decodes onward), written into their rows of `out`."""
+    if key is not None and kv_quant.is_fp8(key_cache.dtype):  # what the cache holds, as every other reader sees
+        key, value = kv_quant.stored_as(key, k_scale, key_cache.dtype), kv_quant.stored_as(value, v_scale,
+                                                                                          value_cache.dtype)
     for i in range(num_decodes, len(seq_lens)):
         start, end = query_start_loc[i], query_start_loc[i + 1]
         if end - start == seq_lens[i] and key is not None:  # no cached prefix: attend over the fresh K/V
             context = (key[start:end].transpose(0, 1).unsqueeze(0), value[start:end].transpose(0, 1).unsqueeze(0))
         else:
-            context = (context_of(key_cache, block_tables[i], seq_lens[i]),
-                       context_of(value_cache, block_tables[i], seq_lens[i]))
+            context = (read(context_of(key_cache, block_tables[i], seq_lens[i]), k_scale, query.dtype),
+                       read(context_of(value_cache, block_tables[i], seq_lens[i]), v_scale, query.dtype))
         out[start:end] = prefill_chunk(query[start:end], *context, scale, sliding_window, soft_cap)
 
 
@@ -113,15 +122,22 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) 
     return cache.index_select(0, block_ids).view(num_seqs, -1, *cache.shape[1:])
 
 
+def read(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache contents as values of `dtype`: an fp8 cache's dequantized (kernels.kv_quant), any other's converted."""
+    return kv_quant.dequantize(stored, scale, dtype) if kv_quant.is_fp8(stored.dtype) else stored.to(dtype)
+
+
 def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, group: DecodeGroup,
-            scale: float, sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
+            scale: float, sliding_window: int | None, soft_cap: float | None, k_scale: float,
+            v_scale: float) -> torch.Tensor:
     """One query token per sequence: the group in batched products over whole blocks, no re-layout copies.
 
     Query heads are grouped by their KV head (as HF's repeat_kv orders them), so GQA needs no repeated K/V.
     """
     num_seqs, num_heads, head_dim = query.shape
-    compute = matmul_dtype(key_cache.dtype, key_cache.device)
-    key = _gather_blocks(key_cache, group.block_ids, num_seqs).to(compute)  # [seqs, blocks, kv_heads, bs, dim]
+    compute = matmul_dtype(query.dtype, key_cache.device)
+    # [seqs, blocks, kv_heads, bs, dim]
+    key = read(_gather_blocks(key_cache, group.block_ids, num_seqs), k_scale, compute)
     _, num_blocks, kv_heads, block_size, _ = key.shape
     per_kv = num_heads // kv_heads
     grouped = query.view(num_seqs, 1, kv_heads, per_kv, head_dim).to(compute)
@@ -129,7 +145,7 @@ def _decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     scores = _capped(scores.permute(0, 2, 3, 1, 4).reshape(num_seqs, kv_heads, per_kv, -1).float() * scale, soft_cap)
     scores.masked_fill_(_decode_mask(group.seq_lens, num_blocks * block_size, sliding_window), float("-inf"))
     del key  # V is gathered only now, into the memory K just left (still in cache)
-    value = _gather_blocks(value_cache, group.block_ids, num_seqs).to(compute)
+    value = read(_gather_blocks(value_cache, group.block_ids, num_seqs), v_scale, compute)
     probs = scores.softmax(dim=-1).to(compute).view(num_seqs, kv_heads, per_kv, num_blocks, block_size)
     out = torch.matmul(probs.permute(0, 3, 1, 2, 4), value).sum(dim=1, dtype=torch.float32)
     return out.view(num_seqs, num_heads, head_dim).to(query.dtype)

@@ -17,6 +17,7 @@ from types import ModuleType
 import torch
 
 from kernels import cpu_extension
+from kernels.cpu_decode_attention import cache_kind
 from kernels.cpu_layer_weights import DecoderLayerWeights, max_rows, pointer
 
 
@@ -79,12 +80,19 @@ Product = Callable[[torch.Tensor], torch.Tensor]
 class PreparedLayers:
     """A stage's layers, their (key, value) caches and the final norm (of the layers' norm kind, its bias where a
     LayerNorm has one) as the kernel takes them, checked and turned into pointer lists once rather than every step
-    (the weights stay where loading put them; a model makes these again when its caches are bound anew)."""
+    (the weights stay where loading put them; a model makes these again when its caches are bound anew). The caches
+    hold the layers' dtype, or all one fp8 format with each layer's (k_scale, v_scale) in `scales` (default 1.0)."""
 
     def __init__(self, layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  dtype: torch.dtype, final_norm: torch.Tensor | None = None, final_eps: float = 0.0,
-                 final_norm_bias: torch.Tensor | None = None) -> None:
+                 final_norm_bias: torch.Tensor | None = None,
+                 scales: Sequence[tuple[float, float]] | None = None) -> None:
         self.module = _checked(layers, caches, dtype, final_norm, final_norm_bias)
+        self.cache_kind = cache_kind(*caches[0], dtype)
+        scales = [(1.0, 1.0)] * len(caches) if scales is None else list(scales)
+        if len(scales) != len(caches):
+            raise ValueError("scales: one (k_scale, v_scale) per layer")
+        self.scales = scales
         self.layers, self.caches, self.dtype = list(layers), list(caches), dtype
         self.layer_args = [w.args() for w in layers]
         self.block_size = caches[0][0].shape[2]
@@ -92,8 +100,9 @@ class PreparedLayers:
         # module.cpp's StageArgs
         self.stage_args = ([a[0] for a in self.layer_args], [a[1] for a in self.layer_args],
                            [a[2] for a in self.layer_args], [k.data_ptr() for k, _ in caches],
-                           [v.data_ptr() for _, v in caches], pointer(final_norm), pointer(final_norm_bias),
-                           final_eps)
+                           [v.data_ptr() for _, v in caches], self.cache_kind,
+                           [float(s) for pair in scales for s in pair], pointer(final_norm),
+                           pointer(final_norm_bias), final_eps)
 
     def check(self, x: torch.Tensor) -> None:
         if x.dtype != self.dtype:
@@ -148,8 +157,8 @@ def decoder_layers_with_products(prepared: PreparedLayers,
         module.before_attention(bf16, layer, x.data_ptr(), before, residual_out.data_ptr(), normed.data_ptr(), tokens)
         qkv = qkv_proj(normed).contiguous()
         attn = torch.empty(tokens, weights.num_heads * weights.head_dim, dtype=x.dtype)
-        module.attend(bf16, layer, qkv.data_ptr(), *rows, key_caches[i], value_caches[i], prepared.block_size,
-                      *tables, attn.data_ptr(), tokens)
+        module.attend(bf16, layer, qkv.data_ptr(), *rows, key_caches[i], value_caches[i], prepared.cache_kind,
+                      *prepared.scales[i], prepared.block_size, *tables, attn.data_ptr(), tokens)
         o = o_proj(attn).contiguous()
         module.after_attention(bf16, layer, o.data_ptr(), residual_out.data_ptr(), normed.data_ptr(), tokens)
         if down_proj is None:  # a mixture of experts: the product is the layer's whole MLP
@@ -178,8 +187,9 @@ def _checked(layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple[torch
     if not layers:
         raise ValueError("no layers to run")
     for weights, (key_cache, value_cache) in zip(layers, caches, strict=True):
-        if key_cache.dtype != dtype or value_cache.dtype != dtype or weights.input_norm.dtype != dtype:
-            raise TypeError("the caches and norms must share the hidden states' dtype")
+        if (key_cache.dtype, value_cache.dtype) != (caches[0][0].dtype,) * 2 or weights.input_norm.dtype != dtype:
+            raise TypeError("a stage's caches share one dtype, and its norms the hidden states' dtype")
+        cache_kind(key_cache, value_cache, dtype)
         weights.check(dtype)
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
             raise ValueError("the caches must be contiguous")

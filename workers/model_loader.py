@@ -11,7 +11,9 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
+from kernels import kv_quant
 from workers.cpu_allocator import gather_parameters_in_huge_pages
+from workers.layers.attention import Attention
 from workers.layers.fused_moe import expert_target
 from workers.layers.linear import Sliceable
 from workers.models import get_model_class
@@ -97,6 +99,26 @@ def load_weights(model: nn.Module, source: str, readers: dict, quantized: Checkp
         missing.discard(param_name)
     if missing:
         raise ValueError(f"model {source!r}: checkpoint lacks weights for {sorted(missing)[:8]}")
+    load_kv_scales(model, readers)
+
+
+def load_kv_scales(model: nn.Module, readers: dict) -> None:
+    """The checkpoint's fp8 KV cache scales (kernels.kv_quant.scale_target: k_scale, v_scale, kv_scale) onto the
+    attention of the decoder layer each names; layers without one keep 1.0. Read only by an fp8 cache."""
+    attention_of: dict[int, list[Attention]] = {}
+    for name, module in model.named_modules():
+        index = kv_quant.layer_index(name)
+        if isinstance(module, Attention) and index is not None:
+            attention_of.setdefault(index, []).append(module)
+    for name, reader in readers.items():
+        target = kv_quant.scale_target(name)
+        if target is None:
+            continue
+        index, which = target
+        scale = kv_quant.checked_scale(reader.get_tensor(name), name)
+        for attention in attention_of.get(index, []):
+            for kind in which:
+                setattr(attention, f"{kind}_scale", scale)
 
 
 def _load_quantized_modules(model: nn.Module, readers: dict, quantized: CheckpointFormat, params: dict,

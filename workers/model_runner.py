@@ -10,6 +10,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ipc import EngineConfig, ModelRunnerOutput, PoolingInfo, SchedulerOutput
+from kernels import kv_quant
 from kernels.gemv_choice import GemvChoice
 from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
 from workers.decode_ahead import AheadForward, DecodeRows, launch_ahead, next_rows
@@ -94,9 +95,10 @@ class ModelRunner:
                 and not any(isinstance(m, FusedMoE) for m in self.model.modules()))
 
     def bind_kv_cache(self, num_blocks: int) -> None:
-        """One cache tensor per attention layer (Attention.bind_kv_cache)."""
+        """One cache tensor per attention layer (Attention.bind_kv_cache), of kv_cache_dtype's storage."""
+        dtype = kv_quant.cache_dtype(self.config.kv_cache_dtype, self.dtype)
         for layer in self.attention_layers:
-            self.kv_caches.append(layer.bind_kv_cache(num_blocks, self.block_size, self.dtype, self.device))
+            self.kv_caches.append(layer.bind_kv_cache(num_blocks, self.block_size, dtype, self.device))
         if self.draft_model is not None:
             self.draft_model.bind_kv_cache(num_blocks)
 

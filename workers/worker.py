@@ -6,7 +6,7 @@ import os
 import torch
 
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
-from kernels import start_cpu_kernels_build
+from kernels import kv_quant, start_cpu_kernels_build
 from workers.cpu_allocator import keep_freed_memory_in_heap
 from workers.cpu_threads import ComputeThreads, compute_threads
 from workers.device import select_device
@@ -57,7 +57,8 @@ class Worker:
         model's on the rank that holds one."""
         layers = [m for m in self.model_runner.model.modules() if isinstance(m, Attention)]
         draft = self.model_runner.draft_model
-        return sum(layer.kv_block_bytes(self.config.block_size, self.dtype)
+        dtype = kv_quant.cache_dtype(self.config.kv_cache_dtype, self.dtype)
+        return sum(layer.kv_block_bytes(self.config.block_size, dtype)
                    for layer in layers) + (draft.block_bytes() if draft is not None else 0)
 
     def determine_num_kv_blocks(self) -> int:

@@ -12,6 +12,7 @@
 #endif
 
 #include "common.h"
+#include "kv_cache.h"
 
 namespace pagedserve {
 
@@ -26,6 +27,14 @@ inline const float* widen_rows(const uint16_t* src, float* buf, int64_t count) {
   for (; i < count; ++i) buf[i] = widen(src[i]);
   return buf;
 }
+// fp8 rows as widen_fp8_rows gives them (the caller folds in kFp8Unit and the scales).
+template <typename C, typename = std::enable_if_t<kIsFp8<C>>>
+inline const float* widen_rows(const C* src, float* buf, int64_t count) { return widen_fp8_rows(src, buf, count); }
+
+// The native bf16 path's rows: a bf16 cache's in place, an fp8 cache's converted into buf (bf16_fp8_rows).
+inline const uint16_t* bf16_rows(const uint16_t* src, uint16_t*, int64_t) { return src; }
+template <typename C, typename = std::enable_if_t<kIsFp8<C>>>
+inline const uint16_t* bf16_rows(const C* src, uint16_t* buf, int64_t count) { return bf16_fp8_rows(src, buf, count); }
 
 // The hardware prefetcher stops at the scattered block boundaries, so blocks are prefetched in two steps: those
 // kPrefetchBlocks ahead into L2 (and, during the K pass, the same V blocks, whose pass follows), then the next one
@@ -218,13 +227,17 @@ inline int64_t run_end(const int64_t* tables, int64_t max_blocks, int64_t first,
 // D > 0 fixes head_dim at compile time so the inner loops fully unroll; D == 0 handles any head_dim.
 // soft_cap > 0: scores become soft_cap * tanh(score / soft_cap) before the softmax (Gemma 2).
 // Row s attends to its context [max(0, lens[s] - window), lens[s]) over block table row s.
-template <typename T, int D>
-void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
+// C: the caches' element type (T, or fp8 read as widen_rows gives it): scale includes K's factor to values, out_mul
+// is V's (1 for T).
+template <typename T, typename C, int D>
+void decode(const T* q, const C* kc, const C* vc, const int64_t* tables, const int64_t* lens, T* out,
             int64_t num_seqs, int64_t num_heads, int64_t kv_heads, int64_t bs, int64_t head_dim,
-            int64_t max_blocks, float scale, float soft_cap, int64_t window) {
+            int64_t max_blocks, float scale, float out_mul, float soft_cap, int64_t window) {
   const int64_t dim = D ? D : head_dim, G = num_heads / kv_heads;
   // bf16 with AVX-512 BF16: products straight from the cache's rows (the query scaled after its products).
-  constexpr bool native = kNativeBf16Attention && std::is_same_v<T, uint16_t> && D > 0 && D % 32 == 0;
+  // An fp8 cache's blocks take that path converted to bf16 (exactly) a block at a time.
+  constexpr bool native = kNativeBf16Attention && std::is_same_v<T, uint16_t> &&
+                          (std::is_same_v<C, T> || kIsFp8<C>) && D > 0 && D % 32 == 0;
   std::vector<int64_t> runs{0};  // row ranges sharing a table
   while (runs.back() < num_seqs) runs.push_back(run_end(tables, max_blocks, runs.back(), num_seqs));
   // Runs split into pieces of rows, each reading the run's K/V again (from cache): so many rows that their scores
@@ -250,7 +263,8 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
 #pragma omp parallel
   {
     // Two passes over keys (scores, then V) with the scores kept here: each K and V row is read exactly once.
-    std::vector<float> scores, qf, acc, row(bs * dim), inv;
+    std::vector<float> scores, qf, acc, row(native ? 0 : bs * dim), inv;
+    std::vector<uint16_t> row16(native && kIsFp8<C> ? bs * dim : 0);
     std::vector<int64_t> starts;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_runs * kv_heads; ++item) {
@@ -274,15 +288,20 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
         for (int64_t i = 0; i < G * dim; ++i) qf[r * G * dim + i] = widen(qs[i]) * scale;
       }
       if (n > 0) {
-        for_each_block(kc, table, h, kv_heads, bs, dim, lo, hi, {kc, vc}, [&](int64_t j0, int64_t j1, const T* block) {
-          const float* k = native ? nullptr : widen_rows(block, row.data(), (j1 - j0) * dim);
+        for_each_block(kc, table, h, kv_heads, bs, dim, lo, hi, {kc, vc}, [&](int64_t j0, int64_t j1, const C* block) {
+          const float* k = nullptr;
+          const uint16_t* k16 = nullptr;
+          if constexpr (native)
+            k16 = bf16_rows(block, row16.data(), (j1 - j0) * dim);
+          else
+            k = widen_rows(block, row.data(), (j1 - j0) * dim);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t a = std::max(j0, starts[r]), b = std::min(j1, lens[first + r]);
             for (int64_t g = 0; a < b && g < G; ++g) {
               float* sc = scores.data() + (r * G + g) * n + a - lo;
               if constexpr (native)
-                score_rows_bf16<D>(q + ((first + r) * num_heads + h * G + g) * dim, block + (a - j0) * dim, b - a,
-                                 scale, sc);
+                score_rows_bf16<D>(q + ((first + r) * num_heads + h * G + g) * dim, k16 + (a - j0) * dim, b - a,
+                                   scale, sc);
               else
                 dot_rows<D>(qf.data() + (r * G + g) * dim, k + (a - j0) * dim, b - a, dim, sc);
             }
@@ -297,13 +316,18 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
               for (int64_t i = a; i < b; ++i) sc[i] = soft_cap * std::tanh(sc[i] / soft_cap);
             inv[r * G + g] = 1.f / exp_sum(sc + a, b - a, max_of(sc + a, b - a));
           }
-        for_each_block(vc, table, h, kv_heads, bs, dim, lo, hi, {vc}, [&](int64_t j0, int64_t j1, const T* block) {
-          const float* v = native ? nullptr : widen_rows(block, row.data(), (j1 - j0) * dim);
+        for_each_block(vc, table, h, kv_heads, bs, dim, lo, hi, {vc}, [&](int64_t j0, int64_t j1, const C* block) {
+          const float* v = nullptr;
+          const uint16_t* v16 = nullptr;
+          if constexpr (native)
+            v16 = bf16_rows(block, row16.data(), (j1 - j0) * dim);
+          else
+            v = widen_rows(block, row.data(), (j1 - j0) * dim);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t a = std::max(j0, starts[r]), b = std::min(j1, lens[first + r]);
             if (a >= b) continue;
             if constexpr (native) {  // the row's G query heads share its range of keys
-              accumulate_group_bf16<D>(scores.data() + r * G * n + a - lo, n, block + (a - j0) * dim, b - a,
+              accumulate_group_bf16<D>(scores.data() + r * G * n + a - lo, n, v16 + (a - j0) * dim, b - a,
                                        acc.data() + r * G * dim, G);
               continue;
             }
@@ -318,25 +342,46 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
         const bool empty = starts[r] >= lens[first + r];
         for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < dim; ++d)
-            store(empty ? 0.f : acc[(r * G + g) * dim + d] * inv[r * G + g], o + g * dim + d);
+            store(empty ? 0.f : acc[(r * G + g) * dim + d] * inv[r * G + g] * out_mul, o + g * dim + d);
       }
     }
   }
 }
 
 // decode() with the common head sizes' loops unrolled.
-template <typename T>
-void decode_any(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens, T* out,
-                int64_t num_seqs, int64_t num_heads, int64_t kv_heads, int64_t bs, int64_t head_dim,
-                int64_t max_blocks, float scale, float soft_cap, int64_t window) {
+template <typename T, typename C>
+void decode_dims(const T* q, const C* kc, const C* vc, const int64_t* tables, const int64_t* lens, T* out,
+                 int64_t num_seqs, int64_t num_heads, int64_t kv_heads, int64_t bs, int64_t head_dim,
+                 int64_t max_blocks, float scale, float out_mul, float soft_cap, int64_t window) {
   auto run = [&](auto kernel) {
-    kernel(q, kc, vc, tables, lens, out, num_seqs, num_heads, kv_heads, bs, head_dim, max_blocks, scale, soft_cap,
-           window);
+    kernel(q, kc, vc, tables, lens, out, num_seqs, num_heads, kv_heads, bs, head_dim, max_blocks, scale, out_mul,
+           soft_cap, window);
   };
-  if (head_dim == 32) run(decode<T, 32>);
-  else if (head_dim == 64) run(decode<T, 64>);
-  else if (head_dim == 128) run(decode<T, 128>);
-  else run(decode<T, 0>);
+  if (head_dim == 32) run(decode<T, C, 32>);
+  else if (head_dim == 64) run(decode<T, C, 64>);
+  else if (head_dim == 128) run(decode<T, C, 128>);
+  else run(decode<T, C, 0>);
+}
+
+// decode() over a layer's cache of any kind: an fp8 one's scales (and kFp8Unit) folded into the query's scale (K)
+// and the output (V).
+template <typename T>
+void decode_any(const T* q, const KvCache& kv, const int64_t* tables, const int64_t* lens, T* out, int64_t num_seqs,
+                int64_t num_heads, int64_t kv_heads, int64_t bs, int64_t head_dim, int64_t max_blocks, float scale,
+                float soft_cap, int64_t window) {
+  auto run = [&](auto* cache) {
+    using C = std::remove_pointer_t<decltype(cache)>;
+    const C *kc = static_cast<const C*>(kv.k), *vc = static_cast<const C*>(kv.v);
+    if constexpr (kIsFp8<C>)
+      decode_dims<T, C>(q, kc, vc, tables, lens, out, num_seqs, num_heads, kv_heads, bs, head_dim, max_blocks,
+                        scale * kv.k_scale * kFp8Unit<C>, kv.v_scale * kFp8Unit<C>, soft_cap, window);
+    else
+      decode_dims<T, C>(q, kc, vc, tables, lens, out, num_seqs, num_heads, kv_heads, bs, head_dim, max_blocks, scale,
+                        1.f, soft_cap, window);
+  };
+  if (kv.kind == kCacheE4m3) run(static_cast<Fp8E4m3*>(nullptr));
+  else if (kv.kind == kCacheE5m2) run(static_cast<Fp8E5m2*>(nullptr));
+  else run(static_cast<T*>(nullptr));
 }
 
 }  // namespace pagedserve

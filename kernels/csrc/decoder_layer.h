@@ -137,9 +137,10 @@ Norm<T> head_norm(const DecoderLayer<T>& L, const T* weight) {
 
 // The attention between the layer's qkv and o products: q/k norms where the layer has them, then rotary on q and k
 // of qkv [M, q + 2 kv] (in place), the step's K/V written into the caches [blocks, kv_heads, block_size, head_dim]
-// (a negative slot writes none), and each row's attention over its sequence into attn [M, q].
+// (a negative slot writes none; an fp8 cache stores them quantized), and each row's attention over its sequence into
+// attn [M, q].
 template <typename T>
-void attend(const DecoderLayer<T>& L, T* qkv, const int64_t* positions, const int64_t* slots, T* k_cache, T* v_cache,
+void attend(const DecoderLayer<T>& L, T* qkv, const int64_t* positions, const int64_t* slots, const KvCache& cache,
             int64_t block_size, const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, T* attn,
             int64_t M) {
   const int64_t D = L.head_dim, R = L.rotary_dim, q_size = L.heads * D, kv_size = L.kv_heads * D;
@@ -169,14 +170,19 @@ void attend(const DecoderLayer<T>& L, T* qkv, const int64_t* positions, const in
     }
     if (slots[m] < 0) continue;
     const int64_t block = slots[m] / block_size, offset = slots[m] % block_size;
-    for (int64_t h = 0; h < L.kv_heads; ++h) {
-      const int64_t at = ((block * L.kv_heads + h) * block_size + offset) * D;
-      const T *k = row + k_at + h * q_step, *v = row + v_at + h * q_step;
-      std::copy(k, k + D, k_cache + at);
-      std::copy(v, v + D, v_cache + at);
-    }
+    auto write = [&](auto* typed) {
+      using C = std::remove_pointer_t<decltype(typed)>;
+      for (int64_t h = 0; h < L.kv_heads; ++h) {
+        const int64_t at = ((block * L.kv_heads + h) * block_size + offset) * D;
+        store_row(row + k_at + h * q_step, static_cast<C*>(cache.k) + at, D, cache.k_scale);
+        store_row(row + v_at + h * q_step, static_cast<C*>(cache.v) + at, D, cache.v_scale);
+      }
+    };
+    if (cache.kind == kCacheE4m3) write(static_cast<Fp8E4m3*>(nullptr));
+    else if (cache.kind == kCacheE5m2) write(static_cast<Fp8E5m2*>(nullptr));
+    else write(static_cast<T*>(nullptr));
   }
-  decode_any<T>(q.data(), k_cache, v_cache, tables, seq_lens, attn, M, L.heads, L.kv_heads, block_size, D, max_blocks,
+  decode_any<T>(q.data(), cache, tables, seq_lens, attn, M, L.heads, L.kv_heads, block_size, D, max_blocks,
                 L.scale_q_first ? 1.f : L.scale, L.soft_cap, L.window);
 }
 
@@ -196,14 +202,14 @@ void dense_mlp(const DecoderLayer<T>& L, const T* normed, T* out, int64_t M, con
 // null: no row has one).
 template <typename T>
 void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* out, T* residual_out,
-                   const int64_t* positions, const int64_t* slots, T* k_cache, T* v_cache, int64_t block_size,
+                   const int64_t* positions, const int64_t* slots, const KvCache& cache, int64_t block_size,
                    const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M,
                    const int64_t* lora_slots) {
   const int64_t H = L.hidden, q_size = L.heads * L.head_dim, qkv_size = q_size + 2 * L.kv_heads * L.head_dim;
   std::vector<T> normed(M * H), qkv(M * qkv_size), attn(M * q_size);
   before_attention(L, x, residual, residual_out, normed.data(), M);
   project(L.qkv, normed.data(), L.qkv_bias, qkv.data(), M, qkv_size, H, lora_slots);
-  attend(L, qkv.data(), positions, slots, k_cache, v_cache, block_size, tables, max_blocks, seq_lens, attn.data(), M);
+  attend(L, qkv.data(), positions, slots, cache, block_size, tables, max_blocks, seq_lens, attn.data(), M);
   std::vector<T> o(M * H);
   project(L.o, attn.data(), L.o_bias, o.data(), M, H, q_size, lora_slots);
   after_attention(L, o.data(), residual_out, normed.data(), M);
@@ -222,16 +228,16 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
 
 // A stage's layers in order, the hidden states and residual carried in out and residual_out (x and residual are
 // only read; residual null before the first layer), then the final norm if final_norm is set: out = its norm,
-// residual_out = the last sum (a null final_norm.weight: none). One cache pair per layer.
+// residual_out = the last sum (a null final_norm.weight: none). One cache per layer.
 template <typename T>
-void stage_layers(const std::vector<DecoderLayer<T>>& layers, const std::vector<T*>& k_caches,
-                  const std::vector<T*>& v_caches, const Norm<T>& final_norm, const T* x, const T* residual,
+void stage_layers(const std::vector<DecoderLayer<T>>& layers, const std::vector<KvCache>& caches,
+                  const Norm<T>& final_norm, const T* x, const T* residual,
                   T* out, T* residual_out, const int64_t* positions, const int64_t* slots, int64_t block_size,
                   const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M,
                   const int64_t* lora_slots = nullptr) {
   for (size_t i = 0; i < layers.size(); ++i)
     decoder_layer(layers[i], i ? out : x, i ? residual_out : residual, out, residual_out, positions, slots,
-                  k_caches[i], v_caches[i], block_size, tables, max_blocks, seq_lens, M, lora_slots);
+                  caches[i], block_size, tables, max_blocks, seq_lens, M, lora_slots);
   if (final_norm.weight) add_and_norm_rows(out, residual_out, final_norm, residual_out, out, M, layers.front().hidden);
 }
 

@@ -66,7 +66,7 @@ void model_drafts(const DraftModel<T>& draft, const std::vector<std::vector<int6
     const int threads = omp_get_max_threads();
     if (R <= kDraftOneThreadRows) omp_set_num_threads(1);
 #endif
-    stage_layers(d.layers, d.k_caches, d.v_caches, d.final_norm, x.data(), static_cast<const T*>(nullptr),
+    stage_layers(d.layers, d.caches, d.final_norm, x.data(), static_cast<const T*>(nullptr),
                  hidden.data(), residual.data(), pos.data(), slots.data(), block_size, table.data(), max_blocks,
                  lens.data(), R);
     for (int64_t i = 0, r = 0; i < n; ++i) {  // each row's last fed token: the row ends where the next one starts

@@ -128,7 +128,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
         lora[r] = adapters ? adapters[m] : -1;
       }
     }
-    stage_layers(model.layers, model.k_caches, model.v_caches, model.final_norm, x.data(),
+    stage_layers(model.layers, model.caches, model.final_norm, x.data(),
                  static_cast<const T*>(nullptr), hidden.data(), residual.data(), pos.data(), slots.data(), block_size,
                  table.data(), max_blocks, lens.data(), R, adapters ? lora.data() : nullptr);
     products(hidden.data(), model.head, model.head_pairs, static_cast<const T*>(nullptr), logits.data(), R,

@@ -13,7 +13,7 @@ namespace pagedserve {
 template <typename T>
 struct GreedyModel {
   std::vector<DecoderLayer<T>> layers;
-  std::vector<T*> k_caches, v_caches;
+  std::vector<KvCache> caches;  // one per layer
   Norm<T> final_norm;
   const T* embedding;  // [vocab rows, hidden]
   const T* head;  // [head_rows, hidden]: logits for the first `vocab` rows are compared

@@ -64,26 +64,37 @@ pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
   return L;
 }
 
-// A stage: its layers' pointers, dims and floats (as LayerArgs, one entry each), key and value caches, then the
-// final norm's weight (0: none), bias (0: none) and eps.
+// A layer's cache: its key and value caches, their kind (pagedserve::KvCache: 0 the model dtype, 1 fp8 e4m3, 2 fp8
+// e5m2) and an fp8 cache's k and v scales.
+inline pagedserve::KvCache cache_of(uintptr_t k, uintptr_t v, int64_t kind, double k_scale, double v_scale) {
+  if (kind < pagedserve::kCacheModelDtype || kind > pagedserve::kCacheE5m2)
+    throw std::invalid_argument("a KV cache kind is 0 (the model dtype), 1 (fp8 e4m3) or 2 (fp8 e5m2)");
+  return {reinterpret_cast<void*>(k), reinterpret_cast<void*>(v), kind, float(k_scale), float(v_scale)};
+}
+
+// A stage: its layers' pointers, dims and floats (as LayerArgs, one entry each), key and value caches, the caches'
+// kind and each layer's k and v scales (2 per layer), then the final norm's weight (0: none), bias (0: none) and
+// eps.
 using StageArgs = std::tuple<std::vector<std::vector<uintptr_t>>, std::vector<std::vector<int64_t>>,
                              std::vector<std::vector<double>>, std::vector<uintptr_t>, std::vector<uintptr_t>,
-                             uintptr_t, uintptr_t, double>;
+                             int64_t, std::vector<double>, uintptr_t, uintptr_t, double>;
 
 template <typename T>
 struct Stage {
   std::vector<pagedserve::DecoderLayer<T>> layers;
-  std::vector<T*> k_caches, v_caches;
+  std::vector<pagedserve::KvCache> caches;
   pagedserve::Norm<T> final_norm;
 };
 
 template <typename T>
 Stage<T> stage_of(const StageArgs& args) {
-  const auto& [weights, dims, floats, k_caches, v_caches, norm, norm_bias, norm_eps] = args;
+  const auto& [weights, dims, floats, k_caches, v_caches, cache_kind, scales, norm, norm_bias, norm_eps] = args;
+  if (k_caches.size() != weights.size() || v_caches.size() != weights.size() || scales.size() != 2 * weights.size())
+    throw std::invalid_argument("a stage takes a key and value cache and two scales per layer");
   Stage<T> stage;
   for (size_t i = 0; i < weights.size(); ++i) stage.layers.push_back(layer_of<T>({weights[i], dims[i], floats[i]}));
-  for (uintptr_t p : k_caches) stage.k_caches.push_back(out<T>(p));
-  for (uintptr_t p : v_caches) stage.v_caches.push_back(out<T>(p));
+  for (size_t i = 0; i < weights.size(); ++i)
+    stage.caches.push_back(cache_of(k_caches[i], v_caches[i], cache_kind, scales[2 * i], scales[2 * i + 1]));
   const int64_t kind = stage.layers.empty() ? 0 : stage.layers.front().input_norm.kind;
   stage.final_norm = {kind, in<T>(norm), in<T>(norm_bias), float(norm_eps)};
   return stage;
@@ -101,7 +112,7 @@ pagedserve::GreedyModel<T> model_of(const ModelArgs& args) {
   const auto& [stage_args, embedding, head, head_rows, vocab, head_pairs, embed_scale, logit_cap, positions,
                position_offset] = args;
   Stage<T> stage = stage_of<T>(stage_args);
-  return {std::move(stage.layers), std::move(stage.k_caches), std::move(stage.v_caches), stage.final_norm,
+  return {std::move(stage.layers), std::move(stage.caches), stage.final_norm,
           in<T>(embedding), in<T>(head), head_rows, vocab, in<uint16_t>(head_pairs), float(embed_scale),
           float(logit_cap), in<T>(positions), position_offset};
 }

@@ -27,11 +27,11 @@ namespace {
 using namespace pagedserve::binding;
 
 template <typename T>
-void decode_attention(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t bt, uintptr_t lens, uintptr_t o,
+void decode_attention(uintptr_t q, const pagedserve::KvCache& cache, uintptr_t bt, uintptr_t lens, uintptr_t o,
                       int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t bs, int64_t dim,
                       int64_t max_blocks, float scale, float soft_cap, int64_t window) {
-  pagedserve::decode_any(in<T>(q), in<T>(k), in<T>(v), in<int64_t>(bt), in<int64_t>(lens), out<T>(o), num_seqs,
-                         heads, kv_heads, bs, dim, max_blocks, scale, soft_cap, window);
+  pagedserve::decode_any(in<T>(q), cache, in<int64_t>(bt), in<int64_t>(lens), out<T>(o), num_seqs, heads, kv_heads,
+                         bs, dim, max_blocks, scale, soft_cap, window);
 }
 
 template <typename T>
@@ -57,7 +57,7 @@ void decoder_layers(const StageArgs& args, uintptr_t x, uintptr_t residual, uint
                     uintptr_t positions, uintptr_t slots, int64_t block_size, uintptr_t tables, int64_t max_blocks,
                     uintptr_t seq_lens, int64_t m, uintptr_t lora_slots) {
   const Stage<T> stage = stage_of<T>(args);
-  pagedserve::stage_layers(stage.layers, stage.k_caches, stage.v_caches, stage.final_norm, in<T>(x), in<T>(residual),
+  pagedserve::stage_layers(stage.layers, stage.caches, stage.final_norm, in<T>(x), in<T>(residual),
                            out<T>(o), out<T>(residual_out), in<int64_t>(positions), in<int64_t>(slots), block_size,
                            in<int64_t>(tables), max_blocks, in<int64_t>(seq_lens), m, in<int64_t>(lora_slots));
 }
@@ -141,24 +141,25 @@ void final_norm(const StageArgs& args, uintptr_t x, uintptr_t residual, uintptr_
 }
 
 template <typename T>
-void attend(const LayerArgs& layer, uintptr_t qkv, uintptr_t positions, uintptr_t slots, uintptr_t k_cache,
-            uintptr_t v_cache, int64_t block_size, uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens,
-            uintptr_t attn, int64_t m) {
-  pagedserve::attend(layer_of<T>(layer), out<T>(qkv), in<int64_t>(positions), in<int64_t>(slots), out<T>(k_cache),
-                     out<T>(v_cache), block_size, in<int64_t>(tables), max_blocks, in<int64_t>(seq_lens),
-                     out<T>(attn), m);
+void attend(const LayerArgs& layer, uintptr_t qkv, uintptr_t positions, uintptr_t slots,
+            const pagedserve::KvCache& cache, int64_t block_size, uintptr_t tables, int64_t max_blocks,
+            uintptr_t seq_lens, uintptr_t attn, int64_t m) {
+  pagedserve::attend(layer_of<T>(layer), out<T>(qkv), in<int64_t>(positions), in<int64_t>(slots), cache, block_size,
+                     in<int64_t>(tables), max_blocks, in<int64_t>(seq_lens), out<T>(attn), m);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind_threads", &pagedserve::bind_threads, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("decode_attention", [](bool bf16, uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t bt, uintptr_t lens,
-                               uintptr_t o, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t bs,
-                               int64_t dim, int64_t max_blocks, double scale, double soft_cap, int64_t window) {
-    (bf16 ? decode_attention<uint16_t> : decode_attention<float>)(q, k, v, bt, lens, o, num_seqs, heads, kv_heads,
-                                                                  bs, dim, max_blocks, float(scale), float(soft_cap),
-                                                                  window);
+  // cache: k, v, its kind and an fp8 cache's k and v scales (cache_of)
+  m.def("decode_attention", [](bool bf16, uintptr_t q, uintptr_t k, uintptr_t v, int64_t kind, double k_scale,
+                               double v_scale, uintptr_t bt, uintptr_t lens, uintptr_t o, int64_t num_seqs,
+                               int64_t heads, int64_t kv_heads, int64_t bs, int64_t dim, int64_t max_blocks,
+                               double scale, double soft_cap, int64_t window) {
+    (bf16 ? decode_attention<uint16_t> : decode_attention<float>)(q, cache_of(k, v, kind, k_scale, v_scale), bt,
+                                                                  lens, o, num_seqs, heads, kv_heads, bs, dim,
+                                                                  max_blocks, float(scale), float(soft_cap), window);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gemv", [](bool bf16, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m, int64_t n,
                    int64_t k) {
@@ -186,10 +187,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     (bf16 ? before_attention<uint16_t> : before_attention<float>)(layer, x, residual, residual_out, normed, m);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("attend", [](bool bf16, const LayerArgs& layer, uintptr_t qkv, uintptr_t positions, uintptr_t slots,
-                     uintptr_t k_cache, uintptr_t v_cache, int64_t block_size, uintptr_t tables, int64_t max_blocks,
-                     uintptr_t seq_lens, uintptr_t attn, int64_t m) {
-    (bf16 ? attend<uint16_t> : attend<float>)(layer, qkv, positions, slots, k_cache, v_cache, block_size, tables,
-                                              max_blocks, seq_lens, attn, m);
+                     uintptr_t k_cache, uintptr_t v_cache, int64_t kind, double k_scale, double v_scale,
+                     int64_t block_size, uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, uintptr_t attn,
+                     int64_t m) {
+    const pagedserve::KvCache cache = cache_of(k_cache, v_cache, kind, k_scale, v_scale);
+    (bf16 ? attend<uint16_t> : attend<float>)(layer, qkv, positions, slots, cache, block_size, tables, max_blocks,
+                                              seq_lens, attn, m);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("after_attention", [](bool bf16, const LayerArgs& layer, uintptr_t o, uintptr_t residual_out,
                               uintptr_t normed, int64_t m) {

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import decode_attention, paged_attention, write_kv_cache
+from kernels import decode_attention, kv_quant, paged_attention, write_kv_cache
 from workers.cpu_allocator import huge_page_zeros
 
 
@@ -53,14 +53,19 @@ class Attention(nn.Module):
         self.soft_cap = soft_cap  # scores capped at ±soft_cap by tanh (Gemma 2)
         self.kv_entries = 1 if shared_kv else 2
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # An fp8 cache's per-tensor scales (kernels.kv_quant): the checkpoint's where it has them (model_loader).
+        self.k_scale, self.v_scale = 1.0, 1.0
 
     def kv_block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        """One block's bytes of K and V stored as `dtype` (the cache's: one byte an element for fp8)."""
+        self._check_cache_dtype(dtype)
         element_bytes = torch.empty((), dtype=dtype).element_size()
         return self.kv_entries * block_size * self.num_kv_heads * self.head_dim * element_bytes
 
     def bind_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
                       ) -> torch.Tensor:
         """Allocate this layer's cache, [kv_entries, num_blocks, kv_heads, block_size, head_dim], and bind it."""
+        self._check_cache_dtype(dtype)
         # Zeroed: never-written slots are masked out, but garbage there could hold NaN, and 0 * NaN = NaN.
         shape = (self.kv_entries, num_blocks, self.num_kv_heads, block_size, self.head_dim)
         if device.type == "cpu":  # on huge pages (workers.cpu_allocator), written now so that no step page-faults
@@ -69,6 +74,10 @@ class Attention(nn.Module):
             cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_cache = (cache[0], cache[-1])
         return cache
+
+    def _check_cache_dtype(self, dtype: torch.dtype) -> None:
+        if kv_quant.is_fp8(dtype) and self.kv_entries == 1:
+            raise ValueError(kv_quant.MLA_REFUSAL)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 metadata: StepMetadata) -> torch.Tensor:
@@ -80,7 +89,7 @@ class Attention(nn.Module):
         """This step's keys and values into their cache slots."""
         if self.kv_cache is None:
             raise RuntimeError("the KV cache was not bound to this attention layer")
-        write_kv_cache(key, value, *self.kv_cache, metadata.slot_mapping)
+        write_kv_cache(key, value, *self.kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
 
     def attend(self, query: torch.Tensor, metadata: StepMetadata, key: torch.Tensor | None = None,
                value: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,9 +99,10 @@ class Attention(nn.Module):
         if isinstance(metadata, DecodeMetadata):
             out = decode_attention(query, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
                                    metadata.seq_lens, self.scale, self.sliding_window, metadata.num_splits,
-                                   self.soft_cap)
+                                   self.soft_cap, self.k_scale, self.v_scale)
         else:
             out = paged_attention(query, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
                                   metadata.seq_lens, metadata.num_decodes, self.scale, self.sliding_window, key,
-                                  value, metadata.device_query_start_loc, metadata.device_seq_lens, self.soft_cap)
+                                  value, metadata.device_query_start_loc, metadata.device_seq_lens, self.soft_cap,
+                                  self.k_scale, self.v_scale)
         return out.flatten(1)

@@ -160,7 +160,7 @@ class FusedStage:
         weights = [self.layers[i].fused_weights for i in self.stage_layers]
         self._prepared_layers = cpu_decoder_layer.PreparedLayers(
             weights, caches, dtype, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
-            getattr(norm, "bias", None))
+            getattr(norm, "bias", None), [(a.k_scale, a.v_scale) for a in self._stage_attention])
         return self._prepared_layers
 
     @functools.cached_property

@@ -1,0 +1,138 @@
+"""fp8 KV cache (issue 57) against the model dtype's, in one run: accuracy, decode attention, throughput.
+
+1. Accuracy: the shipped demo model (bf16) over its held-out text (benchmarks/demo_perplexity.py's windows), scored
+   through prompt_logprobs with kv_cache_dtype auto and fp8 (e4m3; --formats adds fp8_e5m2): top-1 agreement with
+   auto's over every scored position, and perplexity. Targets: agreement >= 99%, perplexity within 1%.
+2. Decode attention: the C++ kernel over a whole-engine-sized cache (benchmarks/cpu_decode_attention.py's shapes and
+   flushes) with bf16 against fp8 caches: median time per call and K/V bytes read per second.
+3. Throughput: the issue's 96-request workload (benchmarks/throughput.py: inputs 16-400, outputs 8-200 tokens,
+   greedy, ignore_eos, the model maker's benchmark llama, bf16) with kv_cache_dtype auto and fp8 alternating for
+   --rounds rounds; output tokens/s of each and fp8 / auto (target >= 1.15x on a CPU with native bf16).
+    python benchmarks/kv_cache_fp8.py [--windows 64] [--rounds 2] [--skip-accuracy] [--skip-throughput]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cpu_decode_attention as attention_bench  # noqa: E402
+from demo_perplexity import held_out_tokens  # noqa: E402
+from throughput import make_requests, run_engine  # noqa: E402
+
+from frontend import LLM, SamplingParams  # noqa: E402
+from kernels import kv_quant  # noqa: E402
+from kernels.cpu_decode_attention import decode_attention  # noqa: E402
+from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
+from launch.make_model import ensure_benchmark_model  # noqa: E402
+from launch.shipped import WEIGHTS_DIR  # noqa: E402
+from workers.cpu_allocator import huge_page_zeros  # noqa: E402
+
+AGREEMENT_TARGET, PERPLEXITY_TARGET, SPEEDUP_TARGET = 0.99, 0.01, 1.15
+
+
+def scored(model: Path, windows: torch.Tensor, kv_cache_dtype: str) -> tuple[float, list[int]]:
+    """(summed NLL of every window's tokens after the first, the top-1 token at each of those positions)."""
+    llm = LLM(str(model), dtype="bfloat16", in_process=True, kv_cache_dtype=kv_cache_dtype)
+    try:
+        params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0)
+        outputs = llm.generate([{"prompt_token_ids": w.tolist()} for w in windows], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    nll, top1 = 0.0, []
+    for output, window in zip(outputs, windows):
+        for entry, token in zip(output.prompt_logprobs[1:], window[1:].tolist()):
+            nll -= entry[token].logprob
+            top1.append(next(t for t, logprob in entry.items() if logprob.rank == 1))
+    return nll, top1
+
+
+def accuracy(windows_wanted: int, formats: list[str]) -> None:
+    model = WEIGHTS_DIR / "demo"
+    windows = held_out_tokens(model, windows_wanted)
+    count = windows.shape[0] * (windows.shape[1] - 1)
+    base_nll, base_top1 = scored(model, windows, "auto")
+    print(f"accuracy: demo model, {count} held-out tokens in {windows.shape[0]} windows; bf16 KV perplexity "
+          f"{math.exp(base_nll / count):.3f}")
+    for kv_cache_dtype in formats:
+        nll, top1 = scored(model, windows, kv_cache_dtype)
+        agreement = sum(a == b for a, b in zip(top1, base_top1)) / len(top1)
+        change = math.exp(nll / count) / math.exp(base_nll / count) - 1
+        print(f"  {kv_cache_dtype}: top-1 agreement {agreement:.2%} (target >= {AGREEMENT_TARGET:.0%}), perplexity "
+              f"{math.exp(nll / count):.3f} ({change:+.2%}, target within {PERPLEXITY_TARGET:.0%})")
+
+
+def decode_attention_rates(formats: list[str]) -> None:
+    torch.manual_seed(0)
+    heads, kv_heads, dim, bs, blocks = (attention_bench.HEADS, attention_bench.KV_HEADS, attention_bench.HEAD_DIM,
+                                        attention_bench.BLOCK_SIZE, attention_bench.NUM_BLOCKS)
+    shape = (blocks, kv_heads, bs, dim)
+    bf16 = [huge_page_zeros(shape, torch.bfloat16).normal_() for _ in range(2)]
+    caches = {"auto": bf16}
+    for name in formats:
+        fmt = kv_quant.cache_dtype(name, torch.bfloat16)
+        caches[name] = [huge_page_zeros(shape, fmt).copy_(kv_quant.quantize(c, 1.0, fmt)) for c in bf16]
+    flush = torch.empty(64 << 20, dtype=torch.uint8)
+    print(f"decode attention (CPU native bf16: {cpu_has_native_bf16()}), {heads} heads over {kv_heads} KV heads of "
+          f"{dim}:")
+    for seqs, context in attention_bench.CASES:
+        tables = torch.randperm(blocks)[:seqs * -(-context // bs)].view(seqs, -1).contiguous()
+        query = torch.randn(seqs, heads, dim, dtype=torch.bfloat16)
+        lens = torch.full((seqs,), context, dtype=torch.int64)
+        times = {}
+        for name, (k, v) in caches.items():
+            def run(k=k, v=v):
+                return decode_attention(query, k, v, tables, lens, dim ** -0.5)
+            run()
+            times[name] = attention_bench.median_seconds(run, before=lambda: flush.fill_(1))
+        kv_elements = 2 * seqs * context * kv_heads * dim
+        line = ", ".join(f"{name} {t * 1e3:.3f} ms ({kv_elements * caches[name][0].element_size() / t / 1e9:.1f} GB/s)"
+                         for name, t in times.items())
+        speedups = ", ".join(f"{name} {times['auto'] / t:.2f}x" for name, t in times.items() if name != "auto")
+        print(f"  {seqs} x {context}: {line}; {speedups}")
+
+
+def throughput(rounds: int) -> None:
+    model = str(ensure_benchmark_model())
+    from transformers import AutoConfig
+    requests = make_requests(96, AutoConfig.from_pretrained(model).vocab_size, 0, (16, 400), (8, 200))
+    args = argparse.Namespace(dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=2048)
+    runs: dict[str, list[dict]] = {"auto": [], "fp8": []}
+    for _ in range(rounds):
+        for kv_cache_dtype in runs:
+            runs[kv_cache_dtype].append(run_engine(model, requests, args, kv_cache_dtype=kv_cache_dtype))
+    rates = {kind: sum(r["output_tokens"] for r in each) / sum(r["seconds"] for r in each)
+             for kind, each in runs.items()}
+    print(f"throughput: 96 requests (inputs 16-400, outputs 8-200), {model}, {rounds} alternating rounds")
+    for kind, each in runs.items():
+        each_rate = ", ".join(f"{r['output_tokens_per_s']:.1f}" for r in each)
+        print(f"  {kind}: {rates[kind]:.1f} output tok/s (runs: {each_rate})")
+    print(f"  fp8 / auto: {rates['fp8'] / rates['auto']:.2f}x (target >= {SPEEDUP_TARGET}x)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--windows", type=int, default=64, help="held-out windows to score (at most)")
+    parser.add_argument("--formats", nargs="+", default=["fp8"], choices=["fp8", "fp8_e5m2"])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--skip-attention", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args()
+    if not args.skip_accuracy:
+        accuracy(args.windows, args.formats)
+    if not args.skip_attention:
+        decode_attention_rates(args.formats)
+    if not args.skip_throughput:
+        throughput(args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

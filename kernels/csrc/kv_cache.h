@@ -1,0 +1,153 @@
+// A layer's paged KV cache as the kernels write and read it: of the model dtype, or fp8 (e4m3 or e5m2) with one scale
+// per tensor (kernels/kv_quant.py: stored = round(x / scale) saturated, read = stored * scale).
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "common.h"
+
+namespace pagedserve {
+
+// Cache element types: T (the model dtype) or one of these bytes.
+struct Fp8E4m3 { uint8_t bits; };
+struct Fp8E5m2 { uint8_t bits; };
+constexpr int64_t kCacheModelDtype = 0, kCacheE4m3 = 1, kCacheE5m2 = 2;  // kernels/kv_quant.py CACHE_KINDS
+
+struct KvCache {
+  void *k = nullptr, *v = nullptr;  // [blocks, kv_heads, block_size, head_dim] of the element type `kind` names
+  int64_t kind = kCacheModelDtype;
+  float k_scale = 1.f, v_scale = 1.f;  // fp8 only
+};
+
+template <typename C>
+constexpr bool kIsFp8 = std::is_same_v<C, Fp8E4m3> || std::is_same_v<C, Fp8E5m2>;
+
+// The readers widen e4m3 through float16 (below), which gives the value times 2^-8: the factor they multiply back.
+template <typename C>
+constexpr float kFp8Unit = std::is_same_v<C, Fp8E4m3> ? 256.f : 1.f;
+
+inline float bits_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t float_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+// float -> fp8 rounded to nearest even, as torch's c10::Float8_e4m3fn / Float8_e5m2 convert (the caller saturates
+// first, so no value reaches their NaN / inf).
+inline uint8_t to_fp8(float f, Fp8E4m3*) {
+  uint32_t bits = float_bits(f);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint8_t result;
+  if (bits >= (1087u << 20)) {
+    result = 0x7f;
+  } else if (bits < (121u << 23)) {  // a subnormal: the FPU's rounding aligns it
+    constexpr uint32_t denorm = 141u << 23;
+    result = uint8_t(float_bits(bits_float(bits) + bits_float(denorm)) - denorm);
+  } else {
+    const uint32_t odd = (bits >> 20) & 1;
+    bits += (uint32_t(7 - 127) << 23) + 0x7FFFF + odd;
+    result = uint8_t(bits >> 20);
+  }
+  return result | uint8_t(sign >> 24);
+}
+inline uint8_t to_fp8(float f, Fp8E5m2*) {
+  uint32_t bits = float_bits(f);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint8_t result;
+  if (bits >= (143u << 23)) {
+    result = bits > (255u << 23) ? 0x7F : 0x7C;
+  } else if (bits < (113u << 23)) {
+    constexpr uint32_t denorm = 134u << 23;
+    result = uint8_t(float_bits(bits_float(bits) + bits_float(denorm)) - denorm);
+  } else {
+    const uint32_t odd = (bits >> 21) & 1;
+    bits += (uint32_t(15 - 127) << 23) + 0xFFFFF + odd;
+    result = uint8_t(bits >> 21);
+  }
+  return result | uint8_t(sign >> 24);
+}
+
+template <typename C>
+constexpr float kFp8Max = std::is_same_v<C, Fp8E4m3> ? 448.f : 57344.f;
+
+// A row of D values into the cache at dst: copied for the model dtype; for fp8 x / scale saturated and rounded.
+template <typename T, typename C>
+inline void store_row(const T* x, C* dst, int64_t D, float scale) {
+  if constexpr (kIsFp8<C>) {
+    for (int64_t d = 0; d < D; ++d)
+      dst[d].bits = to_fp8(std::clamp(widen(x[d]) / scale, -kFp8Max<C>, kFp8Max<C>), static_cast<C*>(nullptr));
+  } else {
+    std::copy(x, x + D, dst);
+  }
+}
+
+// The float16 bits of an fp8 byte: e5m2 is float16's top byte; e4m3's bits placed there (bias 7 against 15) read as
+// its value times 2^-8 (kFp8Unit), subnormals included.
+inline uint16_t fp8_half_bits(uint8_t b, Fp8E4m3*) { return uint16_t(((b & 0x80) << 8) | ((b & 0x7F) << 7)); }
+inline uint16_t fp8_half_bits(uint8_t b, Fp8E5m2*) { return uint16_t(b << 8); }
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  if (exp == 0) return bits_float(sign) + (sign ? -1.f : 1.f) * std::ldexp(float(man), -24);
+  return bits_float(sign | ((exp + 112) << 23) | (man << 13));  // no inf / NaN is ever stored
+}
+
+// fp8 rows widened into buf as their values / kFp8Unit.
+template <typename C>
+inline const float* widen_fp8_rows(const C* src, float* buf, int64_t count) {
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX2__)
+  for (; i + 16 <= count; i += 16) {
+    const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
+    __m256i half;
+    if constexpr (std::is_same_v<C, Fp8E4m3>)
+      half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                             _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
+    else
+      half = _mm256_slli_epi16(h, 8);
+    _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(half));
+  }
+#endif
+#if defined(__AVX2__) && defined(__F16C__)
+  for (; i + 8 <= count; i += 8) {
+    const __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + i)));
+    __m128i half;
+    if constexpr (std::is_same_v<C, Fp8E4m3>)
+      half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
+                          _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
+    else
+      half = _mm_slli_epi16(h, 8);
+    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(half));
+  }
+#endif
+  for (; i < count; ++i) buf[i] = half_to_float(fp8_half_bits(b[i], static_cast<C*>(nullptr)));
+  return buf;
+}
+
+// fp8 rows as bf16 (exact: values / kFp8Unit, as widen_fp8_rows gives them) into buf, for the AVX-512 BF16 readers.
+template <typename C>
+inline const uint16_t* bf16_fp8_rows(const C* src, uint16_t* buf, int64_t count) {
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
+  int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  for (; i + 16 <= count; i += 16) {
+    const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
+    __m256i half;
+    if constexpr (std::is_same_v<C, Fp8E4m3>)
+      half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
+                             _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
+    else
+      half = _mm256_slli_epi16(h, 8);
+    const __m256bh narrowed = _mm512_cvtneps_pbh(_mm512_cvtph_ps(half));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf + i), reinterpret_cast<const __m256i&>(narrowed));
+  }
+#endif
+  for (; i < count; ++i)
+    buf[i] = uint16_t(float_bits(half_to_float(fp8_half_bits(b[i], static_cast<C*>(nullptr)))) >> 16);
+  return buf;
+}
+
+}  // namespace pagedserve
