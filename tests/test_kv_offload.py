@@ -69,7 +69,8 @@ def test_a_refused_allocation_takes_no_block_and_no_host_slot():
 
 def test_a_multi_step_call_stores_the_block_its_later_steps_overwrite():
     """The blocks a multi-step call's later steps write are allocated when the call is scheduled: a hashed block
-    evicted for them is stored by that call's copies, which the worker runs before the call's first step."""
+    evicted for them is stored by that call's copies, which the worker runs before the call's first step. Then a
+    tier hit, aborted after its step was sent: its loaded block stays findable in the device cache."""
     config = EngineConfig(model="unused", block_size=4, max_model_len=64, multi_step_budget_ms=None)
     scheduler = Scheduler(config, KVCacheManager(3, 4, num_host_blocks=4), multi_step=4)
     scheduler.add_request(make_request(0, prompt_len=8, max_tokens=1))
@@ -89,7 +90,12 @@ def test_a_multi_step_call_stores_the_block_its_later_steps_overwrite():
     out = scheduler.schedule()
     [new] = out.scheduled_new_reqs
     assert new.num_computed_tokens == 8 and out.kv_loads == [(0, new.block_ids[1])]
+    scheduler.abort_requests(["r2"])  # its step (with the load) went to the workers: the loaded block stays cached
     scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r2": [7]}))
+    scheduler.add_request(make_request(3, prompt_len=9))
+    out = scheduler.schedule()
+    assert out.scheduled_new_reqs[0].block_ids[:2] == new.block_ids[:2] and out.kv_loads == []
+    scheduler.update_from_output(ModelRunnerOutput(sampled_token_ids={"r3": [7]}))
     while scheduler.has_unfinished_requests():
         run_step(scheduler)
     assert scheduler.kv.num_free_blocks == 3 and scheduler.kv.take_copies() == ([], [])
