@@ -20,6 +20,7 @@ from ipc import EngineConfig  # noqa: E402
 from ipc.config import DP_BACKENDS, DP_ROUTING, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATION_METHODS  # noqa: E402
 from ipc.pooling import RUNNERS  # noqa: E402
 from launch.shipped import DEMO_MODEL_NAME, shipped_model  # noqa: E402
+from launch import dp_nodes  # noqa: E402
 from launch.supervisor import Launcher  # noqa: E402
 
 logger = logging.getLogger("pagedserve.launch")
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "this host may then send it requests and privileged calls")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on shutdown")
+    dp_nodes.add_arguments(parser)
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto")
     engine.add_argument("--max-model-len", type=int)

@@ -17,11 +17,13 @@ import tempfile
 import threading
 import time
 
+import msgspec
+
 from core.engine_spawn import EngineProcess, child_env, data_parallel_configs, start_engines
 from frontend.api.cli_args import API_KEY_ENV, gateway_argv
 from ipc import EngineConfig
 from ipc.lifeline import make_lifeline
-from ipc.sockets import private_ipc_address
+from launch.dp_nodes import placement
 from launch.shipped import DEMO_CHAT_PROMPT, DEMO_MODEL_NAME
 
 logger = logging.getLogger("pagedserve.launch")
@@ -70,14 +72,22 @@ class Launcher:
     def run(self) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: self.stop.set())
-        configs = data_parallel_configs(self.config, sorted(os.sched_getaffinity(0)))
-        if len(configs) > 1 and self.args.engine_address:
-            raise ValueError("--engine-address exposes one engine core; with --data-parallel-size the engine cores "
-                             "are private to the gateways")
-        addresses = [self.args.engine_address or private_ipc_address() for _ in configs]
+        where = placement(self.args, self.config.data_parallel_size)
+        local = msgspec.structs.replace(self.config, data_parallel_size=len(where.local_addresses))
+        configs = data_parallel_configs(local, sorted(os.sched_getaffinity(0)))
+        addresses = where.local_addresses
         engines = start_engines(configs, addresses, self.args.curve_key_file, self.args.engine_insecure_loopback)
+        if where.headless:
+            try:
+                logger.info("engine core(s) at %s: start the gateways' launcher with --data-parallel-remote %s",
+                            ", ".join(addresses), ",".join(addresses))
+                engines_died = self._supervise(engines)
+            finally:
+                for engine in engines:
+                    engine.shutdown()
+            return 1 if engines_died else 0
         try:
-            self._start_gateways(",".join(addresses))
+            self._start_gateways(",".join(addresses + where.remote_addresses))
             model_name = self.args.served_model_name or self.config.model
             logger.info("serving %s at %s://%s:%d/v1 (%d gateway process(es)); engine core(s) at %s", model_name,
                         "https" if getattr(self.args, "ssl_certfile", None) else "http", self.args.host,
@@ -143,7 +153,8 @@ class Launcher:
                 raise TimeoutError("a gateway process did not start (see its log above)")
 
     def _supervise(self, engines: list[EngineProcess]) -> bool:
-        """Until a signal or a gateway's death (then everything is taken down). True if a gateway died.
+        """Until a signal, a gateway's death (then everything is taken down) or, headless, the last engine core's.
+        True if a gateway (headless: every engine core) died.
 
         A dead engine core does not take the gateways down: they answer /health with 503 and its requests with
         errors (the other data-parallel engines serve on), which is what a load balancer or orchestrator needs to
@@ -156,6 +167,9 @@ class Launcher:
                     logger.error("engine core %d exited (code %s); the gateways now answer 503", rank,
                                  engine.returncode)
                     reported.add(rank)
+            if not self.gateways and not any(engine.is_alive() for engine in engines):
+                logger.error("every engine core of this headless launcher exited")
+                return True
             for gateway in self.gateways:
                 if gateway.poll() is not None:
                     logger.error("gateway %d exited (code %s); shutting down", gateway.pid, gateway.returncode)
