@@ -1,20 +1,26 @@
-"""Paged attention over a mixed batch of decode tokens and prefill chunks (Triton twin of attention_ref)."""
+"""Paged attention over a mixed batch of decode tokens and prefill chunks, over caches of the model dtype or fp8
+with per-tensor scales (Triton twin of attention_ref)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_cache_triton import cache_scales
+
 TILE_N = tl.constexpr(32)  # keys per inner-loop step; a tile may span several cache blocks, so any block size works
 
 
 @triton.jit
 def attend_keys(q, q_pos, key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head, key_start, key_end,
-                block_size, sliding_window, scale, soft_cap, head_dim, stride_cb, stride_ch, stride_cs,
+                block_size, sliding_window, scale, k_scale, v_scale, soft_cap, head_dim,
+                stride_cb, stride_ch, stride_cs,
                 BLOCK_M: tl.constexpr, DIM_PADDED: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
                 SOFT_CAP: tl.constexpr):
     """Online softmax of q [BLOCK_M, DIM_PADDED] (query positions q_pos) over keys at [key_start, key_end);
-    with SOFT_CAP each score s is first soft_cap * tanh(s / soft_cap).
+    with SOFT_CAP each score s is first soft_cap * tanh(s / soft_cap). The cache holds keys / k_scale and
+    values / v_scale (both 1 but for an fp8 cache): the scales multiply the products, not every loaded element,
+    and an fp8 element converts to the query's dtype exactly.
 
     Returns the unnormalized output [BLOCK_M, DIM_PADDED], the running max and the sum of exponentials.
     """
@@ -30,7 +36,7 @@ def attend_keys(q, q_pos, key_cache_ptr, value_cache_ptr, block_table_ptr, kv_he
                    + dims[None, :])
         kv_mask = in_range[:, None] & (dims[None, :] < head_dim)
         key = tl.load(key_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
-        scores = tl.dot(q, tl.trans(key), input_precision=PRECISION) * scale
+        scores = tl.dot(q, tl.trans(key), input_precision=PRECISION) * (scale * k_scale)
         if SOFT_CAP:
             scores = soft_cap * (2 * tl.sigmoid(2 * scores / soft_cap) - 1)  # tanh
         visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -45,7 +51,7 @@ def attend_keys(q, q_pos, key_cache_ptr, value_cache_ptr, block_table_ptr, kv_he
         value = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * rescale[:, None] + tl.dot(probs.to(q.dtype), value, input_precision=PRECISION)
         running_max = new_max
-    return acc, running_max, exp_sum
+    return acc * v_scale, running_max, exp_sum
 
 
 @triton.jit
@@ -64,7 +70,8 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                            query_start_loc_ptr, num_seqs, scale, soft_cap, sliding_window, head_dim, block_size,
+                            query_start_loc_ptr, num_seqs, scale, k_scale, v_scale, soft_cap, sliding_window,
+                            head_dim, block_size,
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_ch, stride_cs,
                             QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                             DIM_PADDED: tl.constexpr, SLIDING: tl.constexpr, PRECISION: tl.constexpr,
@@ -92,7 +99,8 @@ def _paged_attention_kernel(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, 
     if SLIDING:
         key_start = tl.maximum(0, seq_len - q_len + first_token - sliding_window + 1)
     acc, _, exp_sum = attend_keys(q, q_pos, key_cache_ptr, value_cache_ptr, block_tables_ptr + seq * stride_bt,
-                                  kv_head, key_start, key_end, block_size, sliding_window, scale, soft_cap, head_dim,
+                                  kv_head, key_start, key_end, block_size, sliding_window, scale, k_scale, v_scale,
+                                  soft_cap, head_dim,
                                   stride_cb, stride_ch, stride_cs, BLOCK_M, DIM_PADDED, SLIDING, PRECISION, SOFT_CAP)
     out = acc / exp_sum[:, None]
     tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -117,19 +125,22 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    sliding_window: int | None, out: torch.Tensor, soft_cap: float | None = None) -> torch.Tensor:
+                    sliding_window: int | None, out: torch.Tensor, soft_cap: float | None = None,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """attention_ref.paged_attention's contract, written into `out` and returned; every key is read from the cache.
 
     query_start_loc and seq_lens are int32 tensors on the query's device: the launch reads nothing from the host
     but shapes, so a CUDA graph can capture it. Decode rows need not come first. The last dims of query, out and
-    caches are contiguous; both caches share one layout.
+    caches are contiguous; both caches share one layout and dtype (fp8 caches read as stored * k_scale and
+    stored * v_scale).
     """
+    k_scale, v_scale = cache_scales(key_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = len(seq_lens), key_cache.shape[1]
     block_m, block_q = rows_per_program(num_heads // num_kv_heads)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_seqs, scale,
+        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, num_seqs, scale, k_scale, v_scale,
         soft_cap or 0.0, sliding_window or 0, head_dim, key_cache.shape[2], query.stride(0), query.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), key_cache.stride(0), key_cache.stride(1),
         key_cache.stride(2),
