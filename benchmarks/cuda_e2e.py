@@ -41,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ipc import EngineConfig, EngineCoreRequest, SamplingParams  # noqa: E402
+from ipc.config import KV_CACHE_DTYPES  # noqa: E402
 from launch.make_model import make_model, quiet_transformers  # noqa: E402
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ def random_prompts(args: argparse.Namespace, count: int) -> list[list[int]]:
 
 def engine_args(args: argparse.Namespace, **extra) -> dict:
     return dict(dtype="bfloat16", load_format="dummy", device=args.device, enforce_eager=args.enforce_eager,
-                decode_ahead=not args.no_decode_ahead,
+                decode_ahead=not args.no_decode_ahead, kv_cache_dtype=args.kv_cache_dtype,
                 max_model_len=args.max_model_len, **extra)
 
 
@@ -115,6 +116,7 @@ def record(args: argparse.Namespace, result: dict) -> None:
     if args.stage in ("batch1", "throughput", "overhead"):
         result["decode_ahead"] = not args.no_decode_ahead
         result["triton_gemv"] = args.triton_gemv
+        result["kv_cache_dtype"] = args.kv_cache_dtype
     print(json.dumps(result), flush=True)
     if args.results:
         with open(args.results, "a") as f:
@@ -296,6 +298,9 @@ def main() -> None:
     parser.add_argument("--no-decode-ahead", action="store_true", help="the engine's --no-decode-ahead")
     parser.add_argument("--triton-gemv", choices=["auto", "off", "always"], default="auto",
                         help="one-row products: timed choice of cuBLAS or the Triton GEMV, cuBLAS only, Triton only")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="the engine's --kv-cache-dtype (the decode attention kernels alone with fp8 caches: "
+                             "benchmarks/kernels.py --kv-cache-dtype)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test of the stages")
     parser.add_argument("--size", default="8b", help="stage make: the model maker's size")
     parser.add_argument("--num-requests", type=int, default=1000)
