@@ -171,6 +171,24 @@ def test_outputs_with_the_tier_equal_outputs_without_and_it_finds_more(prefix_wo
     assert hits["16MiB"] > hits[None] + 12 * 48 // 2
 
 
+def test_an_fp8_cache_goes_to_the_tier_as_stored(prefix_workload):
+    """One byte an element in the tier as in the cache: a 16 MiB tier holds 4x the fp8 blocks of float32 ones, and
+    outputs equal those of the same fp8 engine without prefix caching."""
+    prompts, params = prefix_workload
+    engine = dict(dtype="float32", in_process=True, max_model_len=128, kv_cache_dtype="fp8")
+    plain = LLM(tiny_model("llama"), enable_prefix_caching=False, **engine)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    plain.shutdown()
+    llm = LLM(tiny_model("llama"), num_kv_blocks=12, max_num_seqs=2, kv_offload_bytes="16MiB", **engine)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    worker, kv = llm.client.engine.executor.worker, llm.client.engine.kv_cache_manager
+    assert kv.prefix_cache_host_hits > 0 and kv.tier.num_slots == 16 * 2**20 // worker.block_bytes()
+    assert worker.block_bytes() * 4 == sum(layer.kv_block_bytes(16, torch.float32)
+                                           for layer in worker.model_runner.attention_layers)
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
 def test_preempted_requests_resume_through_the_tier(prefix_workload, expected):
     """8 blocks for up to 4 requests of 5 blocks each: decodes preempt the latest requests, which resume from
     their own blocks, in the device cache or loaded back from the tier."""
