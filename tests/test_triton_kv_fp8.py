@@ -181,3 +181,19 @@ def test_split_k_decode_over_fp8_caches(cache_dtype):
                                      k_scale=0.02, v_scale=0.009)
     torch.testing.assert_close(split_k, expected, **TOLERANCE)
     torch.testing.assert_close(single, expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("num_sms", [132, 1], ids=["split-K", "one-kernel"])
+def test_dispatch_passes_the_scales_and_equals_the_reference_on_fp8_caches(num_sms):
+    """kernels.attention's Triton dispatch (two long decodes split or not, then a chunk after a cached prefix)
+    against attention_ref reading the same fp8 caches with the same scales."""
+    from kernels.attention import triton_paged_attention
+
+    seqs = [(600, 1), (520, 1), (40, 9)]
+    query, stored, _, tables, starts = paged_batch(seqs, 16, 4, torch.float8_e4m3fn, 0.021, 0.0083, 5)
+    seq_lens = [ctx for ctx, _ in seqs]
+    expected = attention_ref.paged_attention(query, *stored, tables, starts, seq_lens, 2, 0.25, 100,
+                                             k_scale=0.021, v_scale=0.0083)
+    out = triton_paged_attention(query, *stored, tables, starts, seq_lens, 2, 0.25, 100, num_sms, k_scale=0.021,
+                                 v_scale=0.0083)
+    torch.testing.assert_close(out, expected, **TOLERANCE)
