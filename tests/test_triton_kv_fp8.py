@@ -3,6 +3,7 @@ kernels.kv_quant's bytes, the attention kernels equal the torch reference over t
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -165,6 +166,24 @@ def test_paged_attention_over_fp8_caches(cache_dtype, gqa, window, soft_cap):
 @pytest.mark.parametrize("window", [None, 20])
 def test_paged_attention_over_fp8_caches_every_shape(cache_dtype, block_size, gqa, window):
     run_mixed(cache_dtype, block_size, gqa, window, None)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="the interpreter's tl.dot multiplies bfloat16 bit patterns (triton-lang/triton#11584)")
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+def test_bfloat16_queries_over_fp8_caches(cache_dtype):
+    """The model's dtype on a GPU: fp8 tiles converted to bfloat16 for the products, against the reference that
+    reads the same bytes as bfloat16 values (a few bfloat16 ulps apart: it rounds stored * scale to bfloat16)."""
+    seqs = [(1, 1), (37, 1), (300, 1), (40, 20)]
+    query, stored, _, tables, starts = paged_batch(seqs, 16, 4, cache_dtype, 0.031, 0.0047, 11)
+    query = query.to(torch.bfloat16)
+    seq_lens = [ctx for ctx, _ in seqs]
+    expected = attention_ref.paged_attention(query, *stored, tables, starts, seq_lens, 3, 0.25, 50,
+                                             k_scale=0.031, v_scale=0.0047)
+    out = torch.empty_like(query)
+    attention_triton.paged_attention(query, *stored, tables, int32(starts), int32(seq_lens), 0.25, 50, out,
+                                     k_scale=0.031, v_scale=0.0047)
+    torch.testing.assert_close(out, expected, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
