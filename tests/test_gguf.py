@@ -3,7 +3,8 @@ gguf-package dequantization) on greedy tokens and their logprobs, float32; Q8_0 
 
 tests/data/llama-tiny-q8_0/model-q8_0.gguf was written by llama.cpp's converter (`python -m launch.make_gguf --model
 <the model maker's tiny llama> --type q8_0`) and is committed so the loader is tested everywhere; the other files are
-made here by llama.cpp's tools when LLAMA_CPP_DIR names a checkout with llama-quantize built (README: "GGUF files")."""
+made here by llama.cpp's tools when LLAMA_CPP_DIR names a checkout with llama-quantize built (README: "GGUF files");
+the Gemma 3 Q4_0 file by tests/gemma3_gguf.py (the gguf package's writer, llama.cpp's layout)."""
 from __future__ import annotations
 
 import functools
@@ -17,6 +18,7 @@ from launch.make_gguf import LLAMA_CPP_ENV, llama_cpp_dir, make_gguf
 from launch.make_model import make_model
 from quantized_checkpoints import gguf_reference
 from checkpoint_checks import assert_equals_reference
+from gemma3_gguf import write_gemma3_gguf
 
 COMMITTED = Path(__file__).parent / "data" / "llama-tiny-q8_0"
 COMMITTED_FILE = str(COMMITTED / "model-q8_0.gguf")
@@ -31,6 +33,24 @@ def reference_of(path: str, tokenizer: str) -> str:
 
 def test_committed_q8_0_file_equals_its_dequantized_reference():
     assert_equals_reference(COMMITTED_FILE, reference_of(COMMITTED_FILE, str(COMMITTED)), tokenizer=str(COMMITTED))
+
+
+@functools.cache
+def gemma3_q4_0() -> str:
+    """The tiny Gemma 3 as its QAT checkpoints ship: Q4_0 GGUF (tests/gemma3_gguf.py), cached with the test models."""
+    path = _MODEL_ROOT / "gemma3-tiny-q4_0" / "model-q4_0.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = write_gemma3_gguf(tiny_model("gemma3_text"), path.with_suffix(".partial"))
+        partial.rename(path)
+    return str(path)
+
+
+def test_gemma3_q4_0_file_equals_its_dequantized_reference():
+    """llama.cpp's Gemma 3 names, norms stored as 1 + w, Q4_0 projections dequantized at load: what transformers
+    reads from the same file."""
+    tokenizer = tiny_model("gemma3_text")
+    assert_equals_reference(gemma3_q4_0(), reference_of(gemma3_q4_0(), tokenizer), tokenizer=tokenizer)
 
 
 def test_q8_0_weights_stay_int8():

@@ -1,7 +1,10 @@
-"""GGUF files (llama.cpp's format) for the llama, mistral and qwen2 families, read with the `gguf` package: tensors
-renamed to the HF checkpoint names, llama's q/k rows put back in HF's rotary order, F32/F16/BF16 as they are,
-Q8_0 kept int8 (blocks of 32 with one scale: the grouped int8 kernels), every other type (Q4_K, Q5_K, Q6_K, ...)
-dequantized to the model dtype at load by the gguf package."""
+"""GGUF files (llama.cpp's format) for the llama, mistral, qwen2 and Gemma 3 (text) families, read with the `gguf`
+package: tensors renamed to the HF checkpoint names, llama's q/k rows put back in HF's rotary order, Gemma's norms
+(stored as 1 + w) back to w, F32/F16/BF16 as they are, Q8_0 kept int8 (blocks of 32 with one scale: the grouped int8
+kernels), every other type (Q4_0 as Gemma 3's QAT files hold, Q4_K, Q5_K, Q6_K, ...) dequantized to the model dtype
+at load by the gguf package. What a GGUF does not store comes from the family's config defaults, as transformers
+reads the file (Gemma 3: its layer pattern, five sliding layers to one global, and query_pre_attn_scalar, which
+llama.cpp also fixes by the model's size)."""
 from __future__ import annotations
 
 import re
@@ -13,7 +16,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from workers.quantization.formats import QuantizedTensors
 
-ARCHITECTURE_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURE_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                        "gemma3_text": "Gemma3ForCausalLM"}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_CLASSES)
 # llama.cpp's converter interleaves the rotary halves of q and k rows for these (its kernels rotate pairs).
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
@@ -21,6 +25,11 @@ GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
 LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# Gemma's layers have four norms, named by llama.cpp after where they sit.
+GEMMA_LAYER_NAMES = {**LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+                     "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
+OFFSET_NORM_ARCHITECTURES = ("gemma3_text",)  # norms scale by 1 + w; llama.cpp stores 1 + w
 SKIPPED = ("rope_freqs",)  # computed from the config's rope parameters
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34  # 32 int8 values after one float16 scale
 # The gguf package is imported where a GGUF file is read (0.2 s): every engine imports this module, few read GGUF.
@@ -55,9 +64,11 @@ class GGUFCheckpoint:
         self.reader = GGUFReader(path)
         self.config = config
         self.permuted = config.model_type in PERMUTED_ARCHITECTURES
+        self.offset_norms = config.model_type in OFFSET_NORM_ARCHITECTURES
+        layer_names = GEMMA_LAYER_NAMES if self.offset_norms else LAYER_NAMES
         self.tensors = {}
         for tensor in self.reader.tensors:
-            hf_name = _hf_name(tensor.name)
+            hf_name = _hf_name(tensor.name, layer_names)
             if hf_name is not None:
                 self.tensors[hf_name] = tensor
         self.q8_0 = GGMLQuantizationType.Q8_0
@@ -83,6 +94,8 @@ class GGUFCheckpoint:
             values = torch.from_numpy(data.copy())
         else:
             values = torch.from_numpy(dequantize(data, tensor.tensor_type).copy())
+        if self.offset_norms and name.endswith("norm.weight"):
+            values = values - 1
         return self._rotary_order(name, values)
 
     def _rotary_order(self, name: str, values: torch.Tensor) -> torch.Tensor:
@@ -111,13 +124,13 @@ class GGUFCheckpoint:
         return QuantizedTensors(weight.contiguous(), scale.contiguous()).check(module)
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:
     base, _, kind = name.rpartition(".")
     if base in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[base]}.{kind}"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if match and match.group(2) in LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}.{kind}"
+    if match and match.group(2) in layer_names:
+        return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}.{kind}"
     if base in SKIPPED:
         return None
     raise ValueError(f"GGUF tensor {name!r} has no place in the supported architectures")
