@@ -151,6 +151,8 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     code = held_out_code(args.model, max(args.requests, args.batch, *args.cutoff_sweep), lines=12)
     configs = {"ngram": json.loads(args.ngram_config), "draft": json.loads(args.draft_config)}
+    if args.method == "mtp":
+        configs = {"mtp": {"method": "mtp", "num_speculative_tokens": args.mtp_drafts}}
     print(bench_device.describe(args.device))
     print(f"{args.model.name}, greedy, {args.max_tokens} tokens per request; {configs}")
     if args.cutoff_sweep:
@@ -161,7 +163,6 @@ def main() -> int:
                         f"{workload} batch {batch} {method}, always speculating")
         return 0
     if args.method == "mtp":
-        configs["mtp"] = {"method": "mtp", "num_speculative_tokens": args.mtp_drafts}
         runs = ([("free", 1, "mtp")] if args.requests else []) + ([("free", args.batch, "mtp")] if args.batch else [])
     else:
         runs = [("edit", 1, "ngram"), ("free", 1, "draft")] if args.requests else []

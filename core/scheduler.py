@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import bisect
-import copy
 import heapq
 import time
 from collections import deque
@@ -13,18 +12,18 @@ from core.encoder_budget import chunk_within_encoder_budget, count_encoded
 from core.kv_cache_manager import KVCacheManager
 from core.request import Request, RequestStatus
 from core.scheduler_outputs import StepOutputs
+from core.scheduler_stats import SchedulerCounters
 from ipc.sampling_params import tokens_left
 from ipc import (
     CachedRequestData,
     EngineConfig,
     NewRequestData,
     SchedulerOutput,
-    SchedulerStats,
     SpecDecodingStats,
 )
 
 
-class Scheduler(StepOutputs):
+class Scheduler(StepOutputs, SchedulerCounters):
     """No prefill or decode phases: each request computes `num_tokens - num_computed_tokens` tokens, capped."""
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager, whole_prompts: bool = False,
@@ -280,24 +279,3 @@ class Scheduler(StepOutputs):
         request.num_preemptions += 1
         self.num_preemptions += 1
         heapq.heappush(self.waiting, (request.sort_key, request))
-
-    def _record_peak(self) -> None:
-        """At the step with the most blocks in use: tokens held in KV blocks / slots in allocated blocks. And the
-        most requests running at once (how many the KV cache fits, when it is what limits them)."""
-        self.peak_num_running = max(self.peak_num_running, len(self.running))
-        usage = self.kv.usage
-        if usage > self.peak_kv_usage:
-            slots = self.kv.num_allocated_slots()
-            self.peak_kv_usage = usage
-            self.kv_utilization_at_peak = sum(r.num_computed_tokens for r in self.running) / slots
-
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
-                              kv_cache_usage=self.kv.usage, num_free_blocks=self.kv.num_free_blocks,
-                              num_preemptions=self.num_preemptions, num_aborted_requests=self.num_aborted_requests,
-                              peak_kv_cache_usage=self.peak_kv_usage,
-                              kv_utilization_at_peak=self.kv_utilization_at_peak,
-                              peak_num_running=self.peak_num_running,
-                              prefix_cache_queries=self.kv.prefix_cache_queries,
-                              prefix_cache_hits=self.kv.prefix_cache_hits, spec_decoding=copy.deepcopy(self.spec_stats))
-

@@ -7,7 +7,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from ipc.bounds import MAX_ID_LENGTH, MAX_PROMPT_TOKENS, Count, Fraction, Int64, RequestId, Seconds, TokenId, check_fields
+from ipc.bounds import (MAX_ID_LENGTH, MAX_PROMPT_TOKENS, Count, Fraction, Int64, RequestId, Seconds, TokenId,
+                        check_fields)
 from ipc.lora import LoRARequest
 from ipc.multimodal import MAX_IMAGES_PER_PROMPT, ImageInput, ImageTiling
 from ipc.pooling import PoolingInfo, PoolingParams
@@ -152,6 +153,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     peak_num_running: Count = 0  # the most requests running in one step since start
     prefix_cache_queries: Count = 0
     prefix_cache_hits: Count = 0
+    prefix_cache_host_hits: Count = 0  # of those, found in the host-memory tier (kv_offload_bytes) and loaded from it
     spec_decoding: SpecDecodingStats | None = None  # when speculative decoding is configured
 
 

@@ -167,6 +167,7 @@ def test_outputs_with_the_tier_equal_outputs_without_and_it_finds_more(prefix_wo
             assert kv.prefix_cache_host_hits >= 12 * 48 // 2 and kv.tier.take_copies() == ([], [])
             assert any(so.num_steps > 1 and so.kv_stores for so in calls)  # multi-step calls that evicted
             assert sum(len(so.kv_loads) for so in calls) == kv.tier.blocks_loaded
+            assert llm.get_stats().prefix_cache_host_hits == kv.prefix_cache_host_hits  # the stats and /metrics'
         llm.shutdown()
     assert hits["16MiB"] > hits[None] + 12 * 48 // 2
 

@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m core.structured_output.compile_worker", description=__doc__)
     parser.add_argument("--tokenizer-dir", required=True)
     parser.add_argument("--vocab-size", type=int, required=True)
-    parser.add_argument("--memory-mb", type=int, required=True, help="address space it may add once its tables are built")
+    parser.add_argument("--memory-mb", type=int, required=True,
+                        help="address space it may add once its tables are built")
     parser.add_argument("--parent-pid", type=int, required=True, help="the engine process that started it")
     args = parser.parse_args(argv)
     _die_with_parent(args.parent_pid)  # before the imports below, which take seconds

@@ -28,7 +28,8 @@ def json_schema_backend(schema: dict[str, Any]) -> str:
 
 def _xgrammar_enforces(schema: dict[str, Any]) -> bool:
     value = schema.get("format")
-    if isinstance(value, str) and value in EXACT_FORMATS and "pattern" in schema:  # its exact pattern cannot join another one in xgrammar
+    # its exact pattern cannot join another one in xgrammar
+    if isinstance(value, str) and value in EXACT_FORMATS and "pattern" in schema:
         return False
     format_ok = value is None or (isinstance(value, str) and value in XGRAMMAR_FORMATS)
     return format_ok and XGRAMMAR_KEYWORDS.issuperset(schema)

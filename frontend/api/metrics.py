@@ -172,6 +172,8 @@ def _engine_families(stats: SchedulerStats, labels: list[str], labelnames: Seque
     yield from _families(CounterMetricFamily, labels, (
         ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", stats.prefix_cache_queries),
         ("prefix_cache_hits", "Prompt tokens found in the prefix cache", stats.prefix_cache_hits),
+        ("prefix_cache_host_hits", "Of those, tokens found in the host-memory tier and loaded from it",
+         stats.prefix_cache_host_hits),
         ("num_preemptions", "Requests preempted", stats.num_preemptions),
         ("num_aborted_requests", "Requests aborted (client gone, stop string, cancel)",
          stats.num_aborted_requests)), labelnames)
