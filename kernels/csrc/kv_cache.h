@@ -2,6 +2,7 @@
 // per tensor (kernels/kv_quant.py: stored = round(x / scale) saturated, read = stored * scale).
 #pragma once
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -127,26 +128,38 @@ inline const float* widen_fp8_rows(const C* src, float* buf, int64_t count) {
   return buf;
 }
 
-// fp8 rows as bf16 (exact: values / kFp8Unit, as widen_fp8_rows gives them) into buf, for the AVX-512 BF16 readers.
+// The bf16 bits of an fp8 byte without its sign (values / kFp8Unit, as widen_fp8_rows gives them; exact), by the
+// byte's low 7 bits.
+template <typename C>
+inline const uint16_t* fp8_bf16_table() {
+  alignas(64) static const std::array<uint16_t, 128> table = [] {
+    std::array<uint16_t, 128> t{};
+    for (int i = 0; i < 128; ++i)
+      t[i] = uint16_t(float_bits(half_to_float(fp8_half_bits(uint8_t(i), static_cast<C*>(nullptr)))) >> 16);
+    return t;
+  }();
+  return table.data();
+}
+
+// fp8 rows as bf16 into buf, for the AVX-512 BF16 readers: 32 bytes at a time looked up in the 128-entry table held
+// in four registers (two two-source permutes and a blend on bit 6), the sign moved up.
 template <typename C>
 inline const uint16_t* bf16_fp8_rows(const C* src, uint16_t* buf, int64_t count) {
   const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
+  const uint16_t* table = fp8_bf16_table<C>();
   int64_t i = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  for (; i + 16 <= count; i += 16) {
-    const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
-    __m256i half;
-    if constexpr (std::is_same_v<C, Fp8E4m3>)
-      half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
-                             _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
-    else
-      half = _mm256_slli_epi16(h, 8);
-    const __m256bh narrowed = _mm512_cvtneps_pbh(_mm512_cvtph_ps(half));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(buf + i), reinterpret_cast<const __m256i&>(narrowed));
+  const __m512i t0 = _mm512_load_si512(table), t1 = _mm512_load_si512(table + 32);
+  const __m512i t2 = _mm512_load_si512(table + 64), t3 = _mm512_load_si512(table + 96);
+  const __m512i bit6 = _mm512_set1_epi16(0x40), sign = _mm512_set1_epi16(0x80);
+  for (; i + 32 <= count; i += 32) {
+    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i)));
+    const __m512i low = _mm512_permutex2var_epi16(t0, x, t1), high = _mm512_permutex2var_epi16(t2, x, t3);
+    const __m512i value = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, bit6), low, high);
+    _mm512_storeu_si512(buf + i, _mm512_or_si512(value, _mm512_slli_epi16(_mm512_and_si512(x, sign), 8)));
   }
 #endif
-  for (; i < count; ++i)
-    buf[i] = uint16_t(float_bits(half_to_float(fp8_half_bits(b[i], static_cast<C*>(nullptr)))) >> 16);
+  for (; i < count; ++i) buf[i] = uint16_t(table[b[i] & 0x7F] | ((b[i] & 0x80) << 8));
   return buf;
 }
 
