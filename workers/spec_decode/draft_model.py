@@ -12,8 +12,7 @@ from workers.layers.sampler import Sampler
 from workers.model_config import load_hf_config
 from workers.model_loader import load_model
 from workers.request_state import CachedRequestState
-from workers.spec_decode.feeds import FeedBatch, ProposerCaches
-from workers.step_sampling import sampling_metadata
+from workers.spec_decode.feeds import FeedBatch, ProposerCaches, append_drafts
 
 
 class DraftModel(ProposerCaches):
@@ -64,12 +63,8 @@ class DraftModel(ProposerCaches):
             for step in range(max(counts, default=0)):
                 active = [i for i in active if step < counts[i]]
                 logits = self._forward([states[i] for i in active], [feeds[i] for i in active])
-                rows = [(states[i], new_tokens[i] + drafts[i]) for i in active]
-                tokens, distributions = self.sampler.draft(logits, sampling_metadata(rows, self.device))
-                for row, (i, token) in enumerate(zip(active, tokens.tolist())):
-                    drafts[i].append(token)
-                    if distributions is not None and not states[i].sampling_params.is_greedy:
-                        probs[i].append(distributions[row])
+                drawn = append_drafts(self.sampler, logits, states, new_tokens, active, drafts, probs)
+                for i, token in zip(active, drawn):
                     feeds[i] = (len(contexts[i]) + step, [token])
         for i, state in enumerate(states):
             self._record(state.req_id, len(contexts[i]), drafts[i], probs[i])

@@ -8,7 +8,9 @@ import numpy as np
 import torch
 
 from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.sampler import Sampler
 from workers.request_state import CachedRequestState
+from workers.step_sampling import sampling_metadata
 
 
 class ProposerCaches:
@@ -68,6 +70,22 @@ class FeedBatch:
             metadata.device_seq_lens = _tensor(seq_lens, device).int()
         return cls(_tensor(np.concatenate([feeds[i][1] for i in order]), device), _tensor(positions, device),
                    metadata, order, _tensor((query_start_loc[1:] - 1)[np.argsort(order)], device))
+
+
+def append_drafts(sampler: Sampler, logits: torch.Tensor, states: list[CachedRequestState],
+                  new_tokens: list[list[int]], active: list[int], drafts: list[list[int]],
+                  probs: list[list[torch.Tensor]]) -> list[int]:
+    """Each active request's next draft from its row of `logits`, processed as the target's will be (its tokens so far:
+    its state's, new_tokens and its drafts), appended to drafts[i]; a sampled request's distribution to probs[i].
+    Returns the drafts drawn, in `active`'s order."""
+    rows = [(states[i], new_tokens[i] + drafts[i]) for i in active]
+    tokens, distributions = sampler.draft(logits, sampling_metadata(rows, logits.device))
+    drawn = tokens.tolist()
+    for row, (i, token) in enumerate(zip(active, drawn)):
+        drafts[i].append(token)
+        if distributions is not None and not states[i].sampling_params.is_greedy:
+            probs[i].append(distributions[row])
+    return drawn
 
 
 def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -20,8 +20,7 @@ from workers.model_loader import load_model
 from workers.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM
 from workers.models.llama import head_dim_of
 from workers.request_state import CachedRequestState
-from workers.spec_decode.feeds import FeedBatch, ProposerCaches
-from workers.step_sampling import sampling_metadata
+from workers.spec_decode.feeds import FeedBatch, ProposerCaches, append_drafts
 
 MTP_MODEL_TYPES = ("deepseek_v3",)
 
@@ -155,13 +154,8 @@ class MtpProposer(ProposerCaches):
                                          self.block_size, self.device)
                     hidden = self.model(batch.input_ids, hidden[batch.order], batch.positions,
                                         batch.metadata)[batch.last_rows]
-                logits = self.model.compute_logits(hidden).float()
-                rows = [(states[i], new_tokens[i] + drafts[i]) for i in active]
-                tokens, distributions = self.sampler.draft(logits, sampling_metadata(rows, self.device))
-                for row, (i, token) in enumerate(zip(active, tokens.tolist())):
-                    drafts[i].append(token)
-                    if distributions is not None and not states[i].sampling_params.is_greedy:
-                        probs[i].append(distributions[row])
+                append_drafts(self.sampler, self.model.compute_logits(hidden).float(), states, new_tokens, active,
+                              drafts, probs)
         for i, state in enumerate(states):
             self.last.pop(state.req_id, None)
             if probs[i]:
