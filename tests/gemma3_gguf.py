@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 from safetensors.numpy import load_file
 
@@ -39,7 +39,11 @@ def write_gemma3_gguf(folder: str | Path, out: Path, kind: GGMLQuantizationType 
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_key_length(config["head_dim"])
     writer.add_value_length(config["head_dim"])
-    writer.add_rope_freq_base(config["rope_parameters"]["full_attention"]["rope_theta"])
+    full = config["rope_parameters"]["full_attention"]
+    writer.add_rope_freq_base(full["rope_theta"])
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_sliding_window(config["sliding_window"])
     writer.add_vocab_size(config["vocab_size"])
@@ -50,6 +54,8 @@ def write_gemma3_gguf(folder: str | Path, out: Path, kind: GGMLQuantizationType 
         values = values.astype(np.float32)
         if name.endswith("norm.weight"):
             writer.add_tensor(gguf_name(name), values + 1)
+        elif kind == GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(name), values)
         else:
             writer.add_tensor(gguf_name(name), quantize(values, kind), raw_dtype=kind)
     writer.write_header_to_file()

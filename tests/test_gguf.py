@@ -19,6 +19,8 @@ from launch.make_model import make_model
 from quantized_checkpoints import gguf_reference
 from checkpoint_checks import assert_equals_reference
 from gemma3_gguf import write_gemma3_gguf
+from gguf import GGMLQuantizationType
+from workers.model_config import load_hf_config
 
 COMMITTED = Path(__file__).parent / "data" / "llama-tiny-q8_0"
 COMMITTED_FILE = str(COMMITTED / "model-q8_0.gguf")
@@ -51,6 +53,21 @@ def test_gemma3_q4_0_file_equals_its_dequantized_reference():
     reads from the same file."""
     tokenizer = tiny_model("gemma3_text")
     assert_equals_reference(gemma3_q4_0(), reference_of(gemma3_q4_0(), tokenizer), tokenizer=tokenizer)
+
+
+def test_gemma3_gguf_keeps_the_global_layers_rope_scaling():
+    """A 4B-style file (six layers: five sliding, one global whose rope is scaled linearly by 8, which transformers'
+    reading of a GGUF drops): the engine on the F32 file equals transformers on the original folder."""
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    folder = str(make_model(_MODEL_ROOT / "gemma3-tiny-rope8", arch="gemma3_text", size="tiny", num_hidden_layers=6,
+                            layer_types=["sliding_attention"] * 5 + ["full_attention"], rope_parameters=rope))
+    path = Path(folder) / "gguf" / "model-f32.gguf"
+    if not path.exists():
+        path.parent.mkdir(exist_ok=True)
+        write_gemma3_gguf(folder, path.with_suffix(".partial"), GGMLQuantizationType.F32).rename(path)
+    assert load_hf_config(str(path)).rope_parameters["full_attention"]["factor"] == 8.0
+    assert_equals_reference(str(path), folder, tokenizer=folder)
 
 
 def test_q8_0_weights_stay_int8():

@@ -29,7 +29,8 @@ LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "at
 GEMMA_LAYER_NAMES = {**LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
                      "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                      "post_ffw_norm": "post_feedforward_layernorm"}
-OFFSET_NORM_ARCHITECTURES = ("gemma3_text",)  # norms scale by 1 + w; llama.cpp stores 1 + w
+OFFSET_NORM_ARCHITECTURES = ("gemma3_text",)
+GEMMA3_27B_LAYERS = 62  # norms scale by 1 + w; llama.cpp stores 1 + w
 SKIPPED = ("rope_freqs",)  # computed from the config's rope parameters
 Q8_0_BLOCK, Q8_0_BYTES = 32, 34  # 32 int8 values after one float16 scale
 # The gguf package is imported where a GGUF file is read (0.2 s): every engine imports this module, few read GGUF.
@@ -48,9 +49,35 @@ def load_gguf_config(path: str) -> PretrainedConfig:
         raise ValueError(f"GGUF model {path!r} is a {config.model_type!r}; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     config.architectures = [ARCHITECTURE_CLASSES[config.model_type]]
+    reader = GGUFReader(path)
     # llama.cpp writes no output.weight for a head tied to the embeddings.
-    config.tie_word_embeddings = not any(t.name == "output.weight" for t in GGUFReader(path).tensors)
+    config.tie_word_embeddings = not any(t.name == "output.weight" for t in reader.tensors)
+    if config.model_type == "gemma3_text":
+        _gemma3_from_file(config, reader)
     return config
+
+
+def _gemma3_from_file(config: PretrainedConfig, reader) -> None:
+    """What transformers' reading leaves out and llama.cpp keeps or derives: the global layers' rope scaling (the 4B
+    and larger: linear, factor 8), and the 27B's query_pre_attn_scalar (llama.cpp: hidden / heads for its 62 layers;
+    head_dim, the default's 256, for the other sizes)."""
+    kind, factor = _metadata(reader, "gemma3.rope.scaling.type"), _metadata(reader, "gemma3.rope.scaling.factor")
+    if kind not in (None, "none"):
+        if kind != "linear":
+            raise ValueError(f"Gemma 3 GGUF rope scaling {kind!r} is not supported (supported: linear)")
+        config.rope_parameters["full_attention"] = {**config.rope_parameters["full_attention"],
+                                                    "rope_type": "linear", "factor": float(factor)}
+    if config.num_hidden_layers == GEMMA3_27B_LAYERS:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+
+
+def _metadata(reader, key: str):
+    """A scalar or string metadata value of the file (None when absent)."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.parts[field.data[0]]
+    return bytes(value).decode() if field.types[0].name == "STRING" else value.item()
 
 
 class GGUFCheckpoint:
