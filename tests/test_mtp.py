@@ -102,7 +102,39 @@ def test_drafts_equal_the_reference_layer_over_the_whole_context(mtp_model, monk
         assert drafts == _reference_drafts(target, layer, context, len(drafts)), context
 
 
-def test_seeded_sampled_requests_repeat_and_drafts_carry_their_distribution(mtp_model):
+def test_sampled_drafts_carry_the_distribution_they_were_drawn_from(mtp_model, monkeypatch):
+    """Verification keeps a sampled draft d with probability min(1, p(d) / q(d)): q must be the layer's own
+    distribution at each draft, temperature applied, which the reference computes over the whole context."""
+    recorded: list[tuple[list[int], list[int], torch.Tensor]] = []
+    propose = MtpProposer.propose
+
+    def recording(self, states, new_tokens):
+        drafts = propose(self, states, new_tokens)
+        recorded.extend((state.token_ids + tokens, draft, self.probs[state.req_id].clone())
+                        for state, tokens, draft in zip(states, new_tokens, drafts) if draft)
+        return drafts
+
+    monkeypatch.setattr(MtpProposer, "propose", recording)
+    config = AutoConfig.from_pretrained(mtp_model)
+    temperature = 0.8
+    params = [SamplingParams(max_tokens=8, temperature=temperature, seed=i, ignore_eos=True) for i in range(2)]
+    _run(mtp_model, _prompts(config.vocab_size)[:2], params, MTP, enable_prefix_caching=False)
+    target = AutoModelForCausalLM.from_pretrained(mtp_model, dtype=torch.float32).eval()
+    layer = load_mtp_layer(mtp_model, config).eval()
+    assert len(recorded) >= 4
+    with torch.no_grad():
+        for context, drafts, probs in recorded:
+            ids = torch.tensor([context])
+            hidden, next_ids = target.model(ids).last_hidden_state[:, :-1], ids[:, 1:]
+            for position, draft in enumerate(drafts):
+                out = layer(next_ids, hidden)
+                expected = torch.softmax(layer.logits(out[0, -1]).float() / temperature, dim=-1)
+                torch.testing.assert_close(probs[position], expected, atol=1e-5, rtol=1e-4)
+                next_ids = torch.cat([next_ids, torch.tensor([[draft]])], 1)
+                hidden = torch.cat([hidden, out[:, -1:]], 1)
+
+
+def test_seeded_sampled_requests_repeat(mtp_model):
     config = AutoConfig.from_pretrained(mtp_model)
     params = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=i, ignore_eos=True) for i in range(4)]
     first, engine = _run(mtp_model, _prompts(config.vocab_size), params, MTP)
