@@ -74,11 +74,18 @@ def prompts() -> list[list[int]]:
     return random_prompts(PROMPT_LENGTHS, vocab=1000)
 
 
-# The dense families' second shapes change only head counts and dims, which the MoE, MLA and Gemma 2 second shapes
-# also do: they run with -m slow; so does Gemma 3's first shape (tests/test_gemma3.py covers its layers more).
+# One shape per family by default, both where they take different paths (DeepSeek-V2: group-limited routing without
+# q_lora_rank, greedy routing with it); -m slow runs the rest. The dense families' second shapes change only head
+# counts and dims, which the kept shapes also do; the first shapes of Mixtral, Qwen2-MoE, Qwen3-MoE and Gemma 2 take
+# their second shapes' paths with other counts (Qwen2-MoE's unnormalised top-k: DeepSeek-V2's); Gemma 3's first
+# shape too (tests/test_gemma3.py covers its layers more).
+DEFAULT_SHAPES = {"qwen3": ("default",), "phi3": ("default",), "gpt_neox": ("default",), "mixtral": ("odd",),
+                  "qwen2_moe": ("odd",), "qwen3_moe": ("odd",), "deepseek_v2": ("default", "odd"),
+                  "deepseek_v3": ("odd",), "gemma2": ("odd",), "gemma3_text": ("odd",)}
+
+
 @pytest.mark.parametrize("arch, shape", [
-    pytest.param(arch, shape, marks=pytest.mark.slow) if (shape == "odd" and arch in ("qwen3", "phi3", "gpt_neox"))
-    or (arch, shape) in (("gemma3_text", "default"), ("deepseek_v3", "default")) else (arch, shape)
+    (arch, shape) if shape in DEFAULT_SHAPES[arch] else pytest.param(arch, shape, marks=pytest.mark.slow)
     for arch in FAMILIES for shape in ("default", "odd")])
 def test_greedy_equals_hf_chunked_preempted_and_prefix_cached(arch, shape):
     model = family_model(arch, shape)
