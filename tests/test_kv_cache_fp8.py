@@ -307,3 +307,31 @@ def test_multi_step_cpp_calls_take_fp8_and_equal_python_steps(monkeypatch):
     assert all(c.dtype == torch.float8_e4m3fn for c in cpp[1])
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(cpp[1], python[1], strict=True))
     assert any(calls)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "opt"])
+def test_engine_fused_layers_equal_the_op_path_with_fp8(arch, monkeypatch):
+    """Greedy float32 through the engine with an fp8 cache (Gemma 2: soft cap and sliding window; OPT: q scaled
+    first): the C++ layer, which the engine takes, gives the op path's tokens and logprobs (to the rare fp8 byte
+    that their K, rotated in another order, rounds to the other side of a midpoint: one fp8 step of one value)."""
+    prompts = [{"prompt_token_ids": list(range(5 + i, 45 + 13 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, logprobs=3, ignore_eos=True)
+    calls = []
+    layers = cpu_decoder_layer.decoder_layers
+    monkeypatch.setattr(cpu_decoder_layer, "decoder_layers", lambda *args, **kw: calls.append(1) or layers(*args, **kw))
+
+    def run() -> list:
+        llm = LLM(tiny_model(arch), in_process=True, dtype="float32", block_size=16, kv_cache_dtype="fp8")
+        try:
+            return llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+
+    fused = run()
+    assert calls, "the engine never took the C++ layer"
+    monkeypatch.setattr(cpu_decoder_layer, "decode_step", lambda *args: None)
+    for got, expected in zip(fused, run(), strict=True):
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+        for got_step, expected_step in zip(got.outputs[0].logprobs, expected.outputs[0].logprobs):
+            for token in got_step.keys() & expected_step.keys():
+                assert got_step[token].logprob == pytest.approx(expected_step[token].logprob, abs=1e-2)
