@@ -98,10 +98,10 @@ def decode_attention_rates(formats: list[str]) -> None:
         print(f"  {seqs} x {context}: {line}; {speedups}")
 
 
-def throughput(rounds: int) -> None:
+def throughput(rounds: int, num_requests: int) -> None:
     model = str(ensure_benchmark_model())
     from transformers import AutoConfig
-    requests = make_requests(96, AutoConfig.from_pretrained(model).vocab_size, 0, (16, 400), (8, 200))
+    requests = make_requests(num_requests, AutoConfig.from_pretrained(model).vocab_size, 0, (16, 400), (8, 200))
     args = argparse.Namespace(dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=2048)
     runs: dict[str, list[dict]] = {"auto": [], "fp8": []}
     for _ in range(rounds):
@@ -109,7 +109,7 @@ def throughput(rounds: int) -> None:
             runs[kv_cache_dtype].append(run_engine(model, requests, args, kv_cache_dtype=kv_cache_dtype))
     rates = {kind: sum(r["output_tokens"] for r in each) / sum(r["seconds"] for r in each)
              for kind, each in runs.items()}
-    print(f"throughput: 96 requests (inputs 16-400, outputs 8-200), {model}, {rounds} alternating rounds")
+    print(f"throughput: {num_requests} requests (inputs 16-400, outputs 8-200), {model}, {rounds} alternating rounds")
     for kind, each in runs.items():
         each_rate = ", ".join(f"{r['output_tokens_per_s']:.1f}" for r in each)
         print(f"  {kind}: {rates[kind]:.1f} output tok/s (runs: {each_rate})")
@@ -121,6 +121,7 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=64, help="held-out windows to score (at most)")
     parser.add_argument("--formats", nargs="+", default=["fp8"], choices=["fp8", "fp8_e5m2"])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--num-requests", type=int, default=96, help="the issue's workload: 96")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
@@ -130,7 +131,7 @@ def main() -> int:
     if not args.skip_attention:
         decode_attention_rates(args.formats)
     if not args.skip_throughput:
-        throughput(args.rounds)
+        throughput(args.rounds, args.num_requests)
     return 0
 
 
