@@ -335,3 +335,27 @@ def test_engine_fused_layers_equal_the_op_path_with_fp8(arch, monkeypatch):
         for got_step, expected_step in zip(got.outputs[0].logprobs, expected.outputs[0].logprobs):
             for token in got_step.keys() & expected_step.keys():
                 assert got_step[token].logprob == pytest.approx(expected_step[token].logprob, abs=1e-2)
+
+
+def test_prefix_cached_blocks_give_what_recomputing_them_gives():
+    """Blocks are blocks: a prompt whose prefix is found in an fp8 cache gives the tokens and logprobs of the same
+    prompt computed whole."""
+    shared = random_prompts([48], vocab=1000, seed=9)[0]
+    prompts = [shared + tail for tail in random_prompts([5, 11], vocab=1000, seed=10)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, ignore_eos=True)
+    runs = {}
+    for caching in (True, False):
+        llm = LLM(tiny_model("llama"), in_process=True, dtype="float32", block_size=8, kv_cache_dtype="fp8",
+                  enable_prefix_caching=caching)
+        try:
+            outputs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+            assert_all_blocks_free(llm)
+            assert (outputs[1].num_cached_tokens >= 48) == caching
+            runs[caching] = [o.outputs[0] for o in outputs]
+        finally:
+            llm.shutdown()
+    for got, expected in zip(runs[True], runs[False], strict=True):
+        assert got.token_ids == expected.token_ids
+        for got_step, expected_step in zip(got.logprobs, expected.logprobs, strict=True):
+            for token in got_step:
+                assert got_step[token].logprob == pytest.approx(expected_step[token].logprob, abs=1e-4)
