@@ -86,10 +86,15 @@ def stage_nodes() -> dict[int, set[str]]:
 SLOW = pytest.mark.slow
 
 
+# Each family and each layout once by default, each family where its parts split: llama-kv1's one KV head copied
+# at tp 2, qwen2's tied table on the first and last stage at pp 2 (its q/k/v biases under tp: the int8 and
+# data-parallel cases), opt-proj's row-parallel biases and project_in/out at tp 2 x pp 2; the other six are slow.
+DEFAULT_LAYOUTS = {"llama-kv1": (2, 1), "qwen2": (1, 2), "opt-proj": (2, 2)}
+
+
 @pytest.mark.parametrize("name, tp, pp", [
-    # qwen2 runs at tp 2 x pp 2 by default, the others at tp 2 and pp 2 apart; every other pairing is slow.
-    (name, tp, pp) if ((tp, pp) == (2, 2)) == (name == "qwen2") else pytest.param(name, tp, pp, marks=SLOW)
-    for name in ("llama-kv1", "qwen2", "opt-proj") for tp, pp in ((2, 1), (1, 2), (2, 2))])
+    (name, tp, pp) if DEFAULT_LAYOUTS[name] == (tp, pp) else pytest.param(name, tp, pp, marks=SLOW)
+    for name in DEFAULT_LAYOUTS for tp, pp in ((2, 1), (1, 2), (2, 2))])
 def test_parallel_equals_single_rank(cluster, name, tp, pp):
     """Chunked and preempted; tp × pp runs in this process on the two-node cluster (each stage on one node)."""
     prompts, expected = single_rank_outputs(name)
@@ -108,7 +113,8 @@ def test_parallel_equals_single_rank(cluster, name, tp, pp):
 
 
 @pytest.mark.parametrize("name, tp, pp, expert_parallel", [
-    pytest.param("mixtral", 2, 1, False, marks=SLOW), ("mixtral", 2, 1, True),
+    # Mixtral's experts split by TP by default, DeepSeek-V3's handed out whole (expert parallel).
+    ("mixtral", 2, 1, False), pytest.param("mixtral", 2, 1, True, marks=SLOW),
     pytest.param("mixtral", 1, 2, False, marks=SLOW),
     ("qwen3", 2, 1, False), pytest.param("qwen3", 1, 2, False, marks=SLOW),
     pytest.param("deepseek_v2", 2, 1, True, marks=SLOW), ("deepseek_v3", 2, 1, True)])
@@ -219,8 +225,10 @@ def test_multi_step_calls_under_tp_equal_one_call_per_step(cluster):
                 assert logprob.logprob == pytest.approx(expected_step[token].logprob, abs=1e-5)
 
 
-def test_ranks_fall_back_to_zmq_without_shared_memory(cluster, monkeypatch):
-    """As for ranks on another host than the engine: steps and replies go over ZMQ instead of shared memory."""
+@pytest.mark.parametrize("tp, pp", [(2, 1), pytest.param(2, 2, marks=SLOW)])
+def test_ranks_fall_back_to_zmq_without_shared_memory(cluster, monkeypatch, tp, pp):
+    """As for ranks on another host than the engine: steps and replies go over ZMQ instead of shared memory (at
+    tp 2 x pp 2, the last stage's driver, rank 2, replies)."""
     import workers.ray_executor
 
     refused = []
@@ -230,7 +238,7 @@ def test_ranks_fall_back_to_zmq_without_shared_memory(cluster, monkeypatch):
 
     monkeypatch.setattr(workers.ray_executor, "create_channel", refuse)
     prompts, expected = single_rank_outputs("llama-kv1")
-    llm = LLM(model_dir("llama-kv1"), in_process=True, tensor_parallel_size=2, pipeline_parallel_size=2,
+    llm = LLM(model_dir("llama-kv1"), in_process=True, tensor_parallel_size=tp, pipeline_parallel_size=pp,
               **SMALL_ENGINE)
     try:
         assert generate(llm, prompts) == expected
