@@ -78,10 +78,16 @@ def test_demo_model_top1_agrees_with_bf16_kv_on_held_out_text(kv_cache_dtype):
         assert abs(math.exp(nll - base_nll) - 1) <= 0.01, math.exp(nll - base_nll)
 
 
-def test_multi_step_cpp_calls_take_fp8_and_equal_python_steps(monkeypatch):
+@pytest.mark.parametrize("speculation", [None, "ngram", "draft_model"])
+def test_multi_step_cpp_calls_take_fp8_and_equal_python_steps(monkeypatch, speculation):
     """The later steps' one C++ call (greedy_decode) writes the fp8 bytes and gives the tokens of the Python steps
-    (themselves the fused layer), and it is taken."""
-    prompts = random_prompts([5, 40, 17, 70, 9], vocab=1000, seed=6)
+    (themselves the fused layer), and it is taken; with prompt lookup's verification rows, and with a draft model
+    (whose own cache stays in the model dtype beside the target's fp8 one)."""
+    prompts = [p + p[:12] for p in random_prompts([5, 40, 17, 70, 9], vocab=1000, seed=6)]
+    speculative_config = None if speculation is None else {
+        "method": speculation, "num_speculative_tokens": 3, "disable_by_batch_size": None,
+        **({"prompt_lookup_min": 1, "prompt_lookup_max": 3} if speculation == "ngram" else
+           {"model": tiny_model("llama")})}
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (37, 11, 64, 30, 20)]
     calls = []
     in_one_call = LaterStepCalls._in_one_call
@@ -94,13 +100,13 @@ def test_multi_step_cpp_calls_take_fp8_and_equal_python_steps(monkeypatch):
     def run(cpp: bool):
         monkeypatch.setattr(LaterStepCalls, "_in_one_call", counted if cpp else lambda *args: False)
         llm = LLM(tiny_model("llama"), dtype="bfloat16", in_process=True, block_size=8, max_model_len=120,
-                  num_kv_blocks=48, enable_prefix_caching=False, num_scheduler_steps=8, multi_step_budget_ms=None,
-                  kv_cache_dtype="fp8")
+                  num_kv_blocks=56, enable_prefix_caching=False, num_scheduler_steps=8, multi_step_budget_ms=None,
+                  kv_cache_dtype="fp8", speculative_config=speculative_config)
         try:
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             assert_all_blocks_free(llm)
             caches = [c.clone() for c in llm.client.engine.executor.worker.model_runner.kv_caches]
-            return [o.outputs[0].token_ids for o in outputs], caches
+            return [o.outputs[0].token_ids for o in outputs], caches, llm.get_stats().spec_decoding
         finally:
             llm.shutdown()
 
@@ -109,6 +115,8 @@ def test_multi_step_cpp_calls_take_fp8_and_equal_python_steps(monkeypatch):
     assert all(c.dtype == torch.float8_e4m3fn for c in cpp[1])
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(cpp[1], python[1], strict=True))
     assert any(calls)
+    if speculation is not None:
+        assert cpp[2].num_drafts > 10 and cpp[2].num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "opt"])
