@@ -1,6 +1,7 @@
 """Speculative decoding: drafts change how fast tokens come, never which tokens (greedy) or from what distribution."""
 from __future__ import annotations
 
+import functools
 import json
 import random
 from pathlib import Path
@@ -145,22 +146,32 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
-@pytest.mark.parametrize("drafts", ["ngram", "always right", "always wrong"])
-def test_greedy_output_equals_no_speculation(llama_model, oracle, scenario, drafts):
-    """The oracle's drafts run on past max_tokens and past the stop token: what follows them is dropped."""
+@functools.cache
+def _without_speculation(model: str, scenario: str) -> tuple[list[list[int]], list[SamplingParams] | SamplingParams,
+                                                               dict[str, list[int]], dict[str, list[int]]]:
+    """A scenario's prompts, params and tokens without speculation (with and without its stop), computed once for
+    the three kinds of drafts."""
     engine_args, case = SCENARIOS[scenario]
     prompts = _prompts(1000)
     if case.get("shared_prefix"):
         prompts = [prompts[3][:40] + p for p in prompts] + [prompts[3][:40] + prompts[0]]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    expected = unbounded = _tokens(_run(llama_model, prompts, params, **engine_args)[0])
+    expected = unbounded = _tokens(_run(model, prompts, params, **engine_args)[0])
     if "stop_at" in case or "max_tokens" in case:
         params = [SamplingParams(max_tokens=case.get("max_tokens", 30), temperature=0.0,
                                  stop_token_ids=[tokens[case["stop_at"]]] if "stop_at" in case else None)
                   for tokens in unbounded.values()]
-        expected = _tokens(_run(llama_model, prompts, params, **engine_args)[0])
+        expected = _tokens(_run(model, prompts, params, **engine_args)[0])
         assert all(len(expected[r]) < len(unbounded[r]) for r in expected)
+    return prompts, params, expected, unbounded
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("drafts", ["ngram", "always right", "always wrong"])
+def test_greedy_output_equals_no_speculation(llama_model, oracle, scenario, drafts):
+    """The oracle's drafts run on past max_tokens and past the stop token: what follows them is dropped."""
+    engine_args, _ = SCENARIOS[scenario]
+    prompts, params, expected, unbounded = _without_speculation(llama_model, scenario)
     if drafts != "ngram":
         oracle(unbounded, 1000, right=0 if drafts == "always wrong" else None)
     results, engine = _run(llama_model, prompts, params, NGRAM, **engine_args)
@@ -314,7 +325,8 @@ def _two_sample_p_value(a: np.ndarray, b: np.ndarray) -> float:
                                          torch.tensor(statistic / 2, dtype=torch.float64)))
 
 
-_DRAFTS = [(0, False, "likely draft"), (3, False, "unlikely draft"), (None, True, "drafts drawn from a draft model's q")]
+_DRAFTS = [(0, False, "likely draft"), (3, False, "unlikely draft"),
+           (None, True, "drafts drawn from a draft model's q")]
 
 
 # Drafts from a draft model's q take every setting by default; a likely and an unlikely draft token take the first
