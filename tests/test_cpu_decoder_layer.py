@@ -157,11 +157,15 @@ def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer, products)
 
 
 def with_pairs(layer: LlamaDecoderLayer, paired: bool) -> LlamaDecoderLayer:
-    """The layer, its projections given their paired copies (as workers.prepacking gives them) if `paired`."""
+    """The layer, its linear projections given their paired copies (as workers.prepacking gives them) if `paired`:
+    a mixture's stacked experts have none, so only a dense layer's products all reach the pairs' row limit."""
     if paired:
-        for projection in layer.fused_products:
-            projection.pairs_weight = cpu_gemv.pair_weight(projection.weight)
-        assert layer.fused_weights.max_rows() == cpu_gemv.PAIRS_MAX_ROWS
+        for module in layer.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2 and cpu_gemv.pairs_serve(weight):
+                module.pairs_weight = cpu_gemv.pair_weight(weight)
+        if layer.fused_products[-1] is not None:  # a mixture of experts gives None for its MLP's down product
+            assert layer.fused_weights.max_rows() == cpu_gemv.PAIRS_MAX_ROWS
     return layer
 
 
