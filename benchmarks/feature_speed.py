@@ -43,6 +43,7 @@ from ipc.lora import LoRARequest  # noqa: E402
 from ipc.structured_outputs import StructuredOutputsParams  # noqa: E402
 from kernels import cpu_extension  # noqa: E402
 from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
+from launch.fp8_blocks import fp8_block_checkpoint  # noqa: E402
 from launch.make_model import ARCHS  # noqa: E402
 
 LORA_RANK = 16
@@ -57,6 +58,7 @@ class Row:
     engine: dict = field(default_factory=dict)
     sampling: dict = field(default_factory=dict)
     adapter: bool = False
+    fp8_blocks: bool = False  # projections stored as DeepSeek-V3's 128 x 128 FP8 blocks (launch/fp8_blocks.py)
 
 
 FEATURES = {
@@ -64,6 +66,7 @@ FEATURES = {
     "presence + repetition penalty": Row(sampling={"presence_penalty": 0.5, "repetition_penalty": 1.2}),
     "regex constraint": Row(sampling={"structured_outputs": StructuredOutputsParams(regex="[a-z ,.]+")}),
     "int8 weights": Row(engine={"quantization": "int8"}),
+    "fp8 block weights": Row(fp8_blocks=True),
     f"LoRA rank {LORA_RANK}": Row(engine={"enable_lora": True, "max_lora_rank": LORA_RANK}, adapter=True),
     "sampled (t 0.8, top-p 0.9, top-k 50)": Row(sampling={"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 0}),
 }
@@ -93,6 +96,8 @@ def per_token_cost(folder: Path) -> tuple[float, float]:
 
 def engine_speeds(row: Row, dtype: str, repeats: int, adapter_dir: Path) -> dict[int, float]:
     folder = str(model_dir(row.arch))
+    if row.fp8_blocks:
+        folder, _ = fp8_block_checkpoint(folder, adapter_dir, (128, 128), with_reference=False)
     lora = LoRARequest("bench", 1, write_adapter(adapter_dir, folder, LORA_RANK, 0)) if row.adapter else None
     llm = LLM(folder, dtype=dtype, **row.engine)
     try:
