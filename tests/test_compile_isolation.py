@@ -23,8 +23,15 @@ def _huge_schema(tag: int, properties: int = 5000) -> dict:
 
 
 def _compile_workers(engine: EngineCore) -> list[psutil.Process]:
-    return [psutil.Process(lane.process.pid) for lane in engine.structured.compiler.pool.lanes
-            if lane.process is not None and lane.process.poll() is None]
+    """The pool's live compile workers (one that exits while they are listed is left out)."""
+    workers = []
+    for lane in engine.structured.compiler.pool.lanes:
+        if lane.process is not None and lane.process.poll() is None:
+            try:
+                workers.append(psutil.Process(lane.process.pid))
+            except psutil.NoSuchProcess:
+                pass
+    return workers
 
 
 def _run(engine: EngineCore, requests: dict[str, StructuredOutputsParams]) -> dict[str, tuple[object, float]]:
@@ -91,7 +98,8 @@ def test_a_constraint_that_timed_out_fails_at_once_when_sent_again(engine):
 def test_a_constraint_that_allows_no_output_is_the_clients_error(engine, constraint):
     [(output, _)] = _run(engine, {"r": StructuredOutputsParams(**constraint)}).values()
     assert output.finish_reason == FinishReason.ERROR and output.error_kind == "invalid", output
-    assert "allows no output" in output.error
+    # ours after compiling, or xgrammar's own refusal to compile (0.2.9 finds circular $ref chains itself)
+    assert "allows no output" in output.error or "Circular $ref chain" in output.error, output.error
 
 
 def test_a_recursive_schema_with_a_way_out_compiles(engine):

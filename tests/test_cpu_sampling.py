@@ -118,4 +118,5 @@ def test_log_softmax_matches_torch(vocab):
     got, expected = cpu_sampling.log_softmax(logits), torch.log_softmax(logits, dim=-1)
     assert torch.equal(torch.isneginf(got), torch.isneginf(expected))
     finite = torch.isfinite(expected)
-    assert torch.allclose(got[finite], expected[finite], atol=2e-6, rtol=0)
+    # within two float32 ulps of torch's: at logprobs near -33 one ulp is 3.8e-6 (AVX-512 sums in another order)
+    assert torch.allclose(got[finite], expected[finite], atol=2e-6, rtol=2.4e-7)

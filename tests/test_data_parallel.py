@@ -13,7 +13,7 @@ import msgspec
 import openai
 import pytest
 
-from conftest import assert_all_blocks_free, child_pids, tiny_model, wait_until
+from conftest import assert_all_blocks_free, child_pids, long_context_llama, tiny_model, wait_until
 from frontend import LLM, AsyncLLM, SamplingParams
 from core.engine_spawn import data_parallel_configs
 from frontend.api.metrics import ServerMetrics
@@ -198,7 +198,8 @@ def test_served_with_two_engines_a_killed_one_fails_health_while_the_other_serve
 
 
 def test_a_front_end_steers_by_another_ones_load_and_metrics_label_each_engine():
-    long = SamplingParams(max_tokens=1000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    # long enough to run through the test on any machine (1,000 tokens of the 1k-context model did not on a fast one)
+    long = SamplingParams(max_tokens=30_000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
     async def until(condition, what: str, timeout: float = 5.0) -> None:
         deadline = time.monotonic() + timeout
@@ -214,7 +215,7 @@ def test_a_front_end_steers_by_another_ones_load_and_metrics_label_each_engine()
     async def run() -> None:
         # A step per call and one request running per engine, the rest waiting: the engines stay loaded for
         # seconds however fast the machine.
-        steered = AsyncLLM(tiny_model("llama"), dtype="float32", data_parallel_size=2, max_num_seqs=1,
+        steered = AsyncLLM(long_context_llama(), dtype="float32", data_parallel_size=2, max_num_seqs=1,
                            num_scheduler_steps=1)
         loader = AsyncLLM(engine_address=[client.endpoints.input for client in steered.client.clients])
         streams = []
