@@ -5,7 +5,7 @@ each asked --rounds times with a 16-token suffix of its own, round after round (
 others have passed through the cache), 16 output tokens each, greedy with ignore_eos, on the shipped demo model. The
 device cache gets --blocks blocks (default 64: a quarter of the 16 prefixes' 256 blocks), so without the tier a
 prefix is evicted before it comes back. Both engines run here, one after the other, in this process (LLM in_process,
-to read the tier's own hit count); their outputs must be identical.
+to read the tier's own hit count); their outputs must be identical in float32 (--dtype float32).
 
     python benchmarks/kv_offload.py [--blocks 64] [--prefixes 16] [--rounds 4] [--note "a quiet machine"] [--out F]
 """
@@ -37,9 +37,11 @@ def workload(vocab: int, prefixes: int, rounds: int, seed: int = 0) -> list[list
     return [base + [rng.randrange(3, vocab) for _ in range(SUFFIX_LEN)] for _ in range(rounds) for base in bases]
 
 
-def run(blocks: int, host_bytes: str | None, prompts: list[list[int]]) -> tuple[str, float, float, list]:
+def run(blocks: int, host_bytes: str | None, prompts: list[list[int]], dtype: str = "auto"
+        ) -> tuple[str, float, float, list]:
     """One engine over the workload: its line, hit rate, output tokens a second, and its outputs."""
-    llm = LLM(str(shipped_model("demo")), in_process=True, num_kv_blocks=blocks, kv_offload_bytes=host_bytes)
+    llm = LLM(str(shipped_model("demo")), in_process=True, num_kv_blocks=blocks, kv_offload_bytes=host_bytes,
+              dtype=dtype)
     try:
         warm_up = [random.Random(1).randrange(3, 4096) for _ in range(PREFIX_LEN)]  # shares no block with them
         llm.generate([{"prompt_token_ids": warm_up}], PARAMS, use_tqdm=False)
@@ -68,26 +70,32 @@ def main() -> None:
     parser.add_argument("--prefixes", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--host", default="64MiB", help="kv_offload_bytes of the engine with the tier")
+    parser.add_argument("--dtype", default="auto", help="float32: outputs must be identical (bf16's rounding "
+                        "depends on what is computed together, with or without prefix reuse)")
     parser.add_argument("--note", default="A machine shared with other work while it ran: indicative figures only.")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     prompts = workload(4096, args.prefixes, args.rounds)
-    without, rate_without, speed_without, expected = run(args.blocks, None, prompts)
+    without, rate_without, speed_without, expected = run(args.blocks, None, prompts, args.dtype)
     print(without, flush=True)
-    with_tier, rate_with, speed_with, outputs = run(args.blocks, args.host, prompts)
+    with_tier, rate_with, speed_with, outputs = run(args.blocks, args.host, prompts, args.dtype)
     print(with_tier, flush=True)
-    if outputs != expected:
-        raise SystemExit("outputs with the host tier differ from those without it")
+    differing = sum(a != b for a, b in zip(outputs, expected))
+    if differing and args.dtype == "float32":
+        raise SystemExit(f"outputs with the host tier differ from those without it ({differing} requests)")
+    outputs_line = f"outputs: {differing} of {len(prompts)} requests differ with the tier" + (
+        " (bf16: a prompt computed over reused blocks rounds otherwise than computed whole, as with any prefix "
+        "cache hit; --dtype float32 requires them identical)" if differing else "")
     lines = [without, with_tier, f"with / without the tier: hit rate {rate_with:.1%} / {rate_without:.1%}, "
-             f"output throughput {speed_with / speed_without:.2f}x; outputs identical"]
-    print(lines[-1])
+             f"output throughput {speed_with / speed_without:.2f}x", outputs_line]
+    print("\n".join(lines[2:]))
     today = datetime.date.today().isoformat()
     out = args.out or ROOT / "benchmarks" / "results" / f"kv-offload-cpu-{today}.md"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     command = f"`python benchmarks/kv_offload.py --blocks {args.blocks} --prefixes {args.prefixes} --rounds " \
-              f"{args.rounds} --host {args.host}` on {machine(args.note)}".replace(
-                  "float32. ", "bfloat16 (the demo's default). ")
+              f"{args.rounds} --host {args.host} --dtype {args.dtype}` on " \
+              f"{machine(args.note, 'bfloat16' if args.dtype == 'auto' else args.dtype)}"
     out.write_text(f"# benchmarks/kv_offload.py, {today}, at {commit}\n\n{textwrap.fill(command, 120)}\n\n"
                    "```\n" + "\n".join(lines) + "\n```\n")
 

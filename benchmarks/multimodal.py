@@ -143,14 +143,14 @@ def first_token_times(folder: Path, repeats: int) -> list[str]:
             f"  image in the encoder cache    {warm_ms:8.1f} ms  ({cold_ms / warm_ms:.2f}x faster)"]
 
 
-def machine(note: str) -> str:
+def machine(note: str, dtype: str = "float32") -> str:
     model = next((line.partition(":")[2].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), "an unknown CPU")
     flags = cpu_flags()
     sets = ", ".join(name for name, flag in (("AVX2", "avx2"), ("FMA", "fma"), ("AVX-512", "avx512f"))
                      if flag in flags) or "no AVX"
-    return f"{os.cpu_count()} CPUs ({model}; {sets}; native bf16 {cpu_has_native_bf16()}), torch {torch.__version__}, " \
-        f"float32. {note}"
+    return f"{os.cpu_count()} CPUs ({model}; {sets}; native bf16 {cpu_has_native_bf16()}), " \
+        f"torch {torch.__version__}, {dtype}. {note}"
 
 
 def main() -> None:
