@@ -10,16 +10,13 @@ import torch
 from transformers import PretrainedConfig
 
 from ipc import EngineConfig, ModelRunnerOutput, PoolingInfo, SchedulerOutput
-from kernels import kv_quant
 from kernels.gemv_choice import GemvChoice
-from workers.cuda_graphs import DecodeBatch, DecodeGraphs, capture_sizes, padded_batch_size
+from workers.cuda_graphs import DecodeBatch, DecodeGraphs
 from workers.decode_ahead import AheadForward, DecodeRows, launch_ahead, next_rows
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
 from workers.encoder_cache import ENCODER_CACHE_BYTES, EncoderCache
-from workers.gemv_tuning import choose_gemvs
 from workers.later_step_calls import LaterStepCalls
 from workers.layers.attention import Attention, DecodeMetadata
-from workers.layers.fused_moe import FusedMoE
 from workers.layers.sampler import Sampler
 from workers.lora.manager import LoRAManager
 from workers.model_inputs import (ModelInputs, PoolingJob, prompt_logprob_job, prompt_logprobs_of, rows_of,
@@ -30,6 +27,7 @@ from workers.pooling.pooler import ChunkedPooling, finish_embedding
 from workers.profile_step import profile_step
 from workers.prompt_embeds import step_embeds
 from workers.request_state import CachedRequestState, update_states
+from workers.runner_caches import RunnerCaches
 from workers.spec_decode import make_speculator
 from workers.spec_decode.feeds import ProposerCaches
 from workers.step_grammars import LentGrammars
@@ -39,7 +37,7 @@ from workers.step_sampling import SampleGroup, StepSampler, fails_alone
 logger = logging.getLogger("pagedserve.model_runner")
 
 
-class ModelRunner:
+class ModelRunner(RunnerCaches):
     def __init__(self, config: EngineConfig, hf_config: PretrainedConfig, dtype: torch.dtype,
                  device: torch.device, pooling: PoolingInfo) -> None:
         self.config, self.dtype, self.device = config, dtype, device
@@ -72,42 +70,6 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(self.model.encode_images, device,
                                           config.encoder_cache_memory or ENCODER_CACHE_BYTES) \
             if getattr(self.model, "takes_images", False) and self.parallel.is_first_stage else None
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache, then capture the decode graphs, which write into it. Before a graph of one row
-        is captured, its products are chosen (timed on the GPU while it is otherwise idle); only then, as the
-        Triton GEMV's launches cost more host time than cuBLAS's: the graph's replay makes its layers' launches
-        free, and the LM head's, outside it, is one launch a step."""
-        self.bind_kv_cache(num_blocks)
-        sizes = capture_sizes(self.config)
-        if sizes and self._captures_cuda_graphs():
-            if sizes[0] == 1:
-                self.gemv_choices = choose_gemvs(self.model)
-            self.decode_graphs = DecodeGraphs(self.model, sizes, self.config.max_model_len, self.block_size,
-                                              self.attention_layers[0].num_kv_heads, self.device)
-            self.decode_graphs.capture()
-
-    def _captures_cuda_graphs(self) -> bool:
-        """On CUDA unless enforce_eager; single rank only, as the TP/PP collectives are not known to be
-        capture-safe; no mixture of experts, whose fused kernel sizes its grid from the step's routing on the host."""
-        return (self.device.type == "cuda" and not self.config.enforce_eager
-                and self.parallel.tp_size * self.parallel.pp_size == 1
-                and not any(isinstance(m, FusedMoE) for m in self.model.modules()))
-
-    def bind_kv_cache(self, num_blocks: int) -> None:
-        """One cache tensor per attention layer (Attention.bind_kv_cache), of kv_cache_dtype's storage."""
-        dtype = kv_quant.cache_dtype(self.config.kv_cache_dtype, self.dtype)
-        for layer in self.attention_layers:
-            self.kv_caches.append(layer.bind_kv_cache(num_blocks, self.block_size, dtype, self.device))
-        if self.draft_model is not None:
-            self.draft_model.bind_kv_cache(num_blocks)
-
-    def release_kv_cache(self) -> None:
-        for layer in self.attention_layers:
-            layer.kv_cache = None
-        self.kv_caches = []
-        if self.draft_model is not None:
-            self.draft_model.bind_kv_cache(None)
 
     @property
     def decodes_ahead(self) -> bool:
@@ -314,7 +276,3 @@ class ModelRunner:
                       ) -> SampleGroup:
         probs = self.speculator.draft_probs(state.req_id) if drafts and self.speculator is not None else None
         return SampleGroup(state, drafts, probs, earlier or [])
-
-    def _graph_size(self, num_seqs: int) -> int | None:
-        """The captured size a decode-only batch of num_seqs replays at; None: run it eagerly."""
-        return None if self.decode_graphs is None else padded_batch_size(num_seqs, self.decode_graphs.sizes)
