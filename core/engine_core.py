@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from core import engine_checks
 from core.kv_cache_manager import KVCacheManager
 from core.kv_offload import check_offload
 from core.profiler import EngineProfiler
@@ -37,12 +38,12 @@ class EngineCore:
         text_config = hf_config.get_text_config()  # a vision-language model's language model, else the model's
         encoder = is_encoder(hf_config)
         pooling = pooling_info(config.model, hf_config, config.pooler_config)
-        runner = _resolve_runner(config.runner, pooling.generates)
+        runner = engine_checks.resolve_runner(config.runner, pooling.generates)
         if encoder:
-            _check_encoder_config(config)
+            engine_checks.check_encoder_config(config)
         # A sentence-transformers folder's max_seq_length is where its own library truncates: the default limit.
         limit = min(model_max_len(text_config), max_seq_length(config.model) or model_max_len(text_config))
-        self.config = _resolve_max_model_len(config, limit)
+        self.config = engine_checks.resolve_max_model_len(config, limit)
         if encoder and self.config.max_num_batched_tokens < self.config.max_model_len:  # a request runs whole
             self.config = msgspec.structs.replace(self.config, max_num_batched_tokens=self.config.max_model_len)
         self.vocab_size: int = text_config.vocab_size
@@ -52,7 +53,7 @@ class EngineCore:
         check_parallel_sizes(text_config, self.config.tensor_parallel_size, self.config.pipeline_parallel_size,
                              self.config.enable_expert_parallel)
         check_quantization(self.config.model, hf_config, self.config.quantization)  # here, not in a rank
-        _check_draft_model(self.config, text_config.vocab_size)
+        engine_checks.check_draft_model(self.config, text_config.vocab_size)
         check_offload(self.config)
         if self.config.enable_prompt_embeds:
             check_prompt_embeds(hf_config)
@@ -61,7 +62,7 @@ class EngineCore:
         self.executor = _make_executor(self.config)
         self.num_kv_blocks = self.executor.determine_num_kv_blocks()
         if not encoder:
-            _check_capacity(self.config, self.num_kv_blocks)
+            engine_checks.check_capacity(self.config, self.num_kv_blocks)
         weight_bytes = self.executor.weight_bytes()  # before the KV cache: Ray ranks then enter their step loop
         num_host_blocks = self.executor.num_host_blocks()
         self.executor.initialize_kv_cache(self.num_kv_blocks)
@@ -249,55 +250,3 @@ def _make_executor(config: EngineConfig) -> Executor:
     from workers.ray_executor import RayExecutor
 
     return RayExecutor(config)
-
-
-def _resolve_runner(runner: str, generates: bool) -> str:
-    if runner == "auto":
-        return "generate" if generates else "pooling"
-    if runner == "generate" and not generates:
-        raise ValueError("runner 'generate' needs a decoder with a language-model head; this model embeds, scores "
-                         "and classifies: use runner 'pooling'")
-    return runner
-
-
-def _check_encoder_config(config: EngineConfig) -> None:
-    """What an encoder-only model's engine cannot do (ValueError naming it)."""
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-        raise ValueError("encoder-only models run on one rank: tensor_parallel_size and pipeline_parallel_size "
-                         "must be 1")
-    if config.enable_lora or config.speculative_config is not None or config.quantization is not None:
-        raise ValueError("encoder-only models take no LoRA adapters, speculative decoding or quantization")
-
-
-def _resolve_max_model_len(config: EngineConfig, model_limit: int) -> EngineConfig:
-    if config.max_model_len is None:
-        return msgspec.structs.replace(config, max_model_len=model_limit)
-    if config.max_model_len > model_limit:
-        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's maximum length "
-                         f"{model_limit} (max_position_embeddings)")
-    return config
-
-
-def _check_draft_model(config: EngineConfig, vocab_size: int) -> None:
-    """A draft model must share the target's vocabulary and reach max_model_len (ValueError saying which not)."""
-    spec = config.speculative_config
-    if spec is None or spec.method != "draft_model":
-        return
-    try:
-        draft = load_hf_config(spec.model)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"speculative_config.model {spec.model!r} is not a model folder: {error}") from None
-    if draft.vocab_size != vocab_size:
-        raise ValueError(f"speculative_config.model has a vocabulary of {draft.vocab_size} tokens, the target "
-                         f"{vocab_size}: a draft model must use the target's tokenizer")
-    if model_max_len(draft) < config.max_model_len:
-        raise ValueError(f"speculative_config.model reaches {model_max_len(draft)} positions, fewer than "
-                         f"max_model_len={config.max_model_len}; lower max_model_len")
-
-
-def _check_capacity(config: EngineConfig, num_blocks: int) -> None:
-    capacity = num_blocks * config.block_size
-    if capacity < config.max_model_len:
-        raise ValueError(f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {config.block_size}), fewer "
-                         f"than max_model_len={config.max_model_len}; raise gpu_memory_utilization/kv_cache_memory/"
-                         "num_kv_blocks or lower max_model_len")
