@@ -5,7 +5,7 @@ import torch
 from tokenizers import Tokenizer
 
 from launch.demo_corpus import SourceFile, chat_pairs
-from launch.make_model import IM_END, IM_START
+from launch.make_tokenizer import IM_END, IM_START
 from launch.model_shapes import ENDOFTEXT_ID
 
 

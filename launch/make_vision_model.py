@@ -12,7 +12,8 @@ from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, GenerationCon
                           LlavaNextImageProcessorPil, LlavaNextProcessor, LlavaProcessor, PretrainedConfig,
                           PreTrainedTokenizerFast, ProcessorMixin)
 
-from launch.make_model import MARKER_FILE, quiet_transformers, train_tokenizer, write_model_folder
+from launch.make_model import MARKER_FILE, quiet_transformers, write_model_folder
+from launch.make_tokenizer import train_tokenizer
 from launch.model_shapes import ENDOFTEXT_ID, INIT_STD, SIZES, config_kwargs
 
 VISION_MAKER_VERSION = 1

@@ -23,7 +23,8 @@ from kernels.cpu_features import cpu_has_native_bf16
 from launch.demo_corpus import SourceFile, split, stdlib_files
 from launch.demo_skills import skill_documents
 from launch.demo_tokens import batch_at, held_out_windows, token_stream, training_documents
-from launch.make_model import CHAT_TEMPLATE, IM_END, bpe_tokenizer, hf_tokenizer, quiet_transformers
+from launch.make_model import quiet_transformers
+from launch.make_tokenizer import CHAT_TEMPLATE, IM_END, bpe_tokenizer, hf_tokenizer
 from launch.model_shapes import ENDOFTEXT_ID, ROPE_PARAMETERS
 from launch.shipped import WEIGHTS_DIR
 

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from launch import demo_skills
-from launch.make_model import CHAT_TEMPLATE
+from launch.make_tokenizer import CHAT_TEMPLATE
 from launch.shipped import shipped_model
 
 
