@@ -39,6 +39,9 @@ from typing import TYPE_CHECKING
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cuda_trace import gpu_busy, print_kernel_table  # noqa: E402
 
 from ipc import EngineConfig, EngineCoreRequest, SamplingParams  # noqa: E402
 from ipc.config import KV_CACHE_DTYPES  # noqa: E402
@@ -240,8 +243,8 @@ def stage_overhead(args: argparse.Namespace) -> None:
     trace = Path(tempfile.mkdtemp()) / "trace.json"
     profile.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())
-    busy, span, kernels = _gpu_busy(events)
-    _print_kernel_table(events, steps)
+    busy, span, kernels = gpu_busy(events)
+    print_kernel_table(events, steps)
     if args.host_profile:  # where the host's share of a step goes
         with cProfile.Profile() as host:
             for _ in range(steps):
@@ -255,34 +258,6 @@ def stage_overhead(args: argparse.Namespace) -> None:
                   "step_ms": step_ms, "profiled_steps": steps, "kernels": kernels, "gpu_busy_ms": busy / 1e3,
                   "span_ms": span / 1e3, "idle_fraction": 1 - busy / span if span else None,
                   "gemv_choices": choices})
-
-
-def _print_kernel_table(trace: dict, steps: int, top: int = 20) -> None:
-    """The kernels that took the most GPU time: per step, their time and launches."""
-    total: dict[str, list[float]] = {}
-    for e in trace["traceEvents"]:
-        if e.get("cat") == "kernel" and e.get("ph") == "X":
-            entry = total.setdefault(e["name"][:90], [0.0, 0])
-            entry[0] += e.get("dur", 0)
-            entry[1] += 1
-    print(f"{'us/step':>9} {'launches/step':>13}  kernel")
-    for name, (dur, count) in sorted(total.items(), key=lambda item: -item[1][0])[:top]:
-        print(f"{dur / steps:9.1f} {count / steps:13.1f}  {name}")
-
-
-def _gpu_busy(trace: dict) -> tuple[float, float, int]:
-    """Microseconds the GPU ran a kernel, copy or memset (overlaps merged), the span from the first start to the
-    last end (0 where the trace holds no GPU activity), and their count."""
-    intervals = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in trace["traceEvents"]
-                       if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X")
-    if not intervals:
-        return 0.0, 0.0, 0
-    busy, end = 0.0, float("-inf")
-    for lo, hi in intervals:
-        if hi > end:
-            busy += hi - max(lo, end)
-            end = hi
-    return busy, end - intervals[0][0], len(intervals)
 
 
 STAGES = {"make": stage_make, "batch1": stage_batch1, "throughput": stage_throughput, "hf": stage_hf,
