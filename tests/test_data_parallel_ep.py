@@ -1,0 +1,156 @@
+"""Data parallel attention with expert-parallel MoE (issue 55, item 4): the experts split over the engines, each MoE
+layer exchanging tokens across them, the engines stepping in waves (core/waves.py). Greedy outputs equal one engine
+without expert parallel; an idle engine keeps pace with dummy batches; kill -9 of one engine ends every request with
+an error, no hang, no orphan."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import msgspec
+import pytest
+
+from conftest import _MODEL_ROOT, wait_until
+from core.engine_spawn import data_parallel_configs
+from frontend import LLM, AsyncLLM, SamplingParams
+from frontend.core_client import EngineDeadError, RequestFailedError
+from ipc import EngineConfig, RequestOutputKind
+from launch.make_model import make_model
+from workers.distributed import parallel_state, set_expert_group, uneven_share
+from workers.expert_group import ExpertGroup
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+PROMPTS = [{"prompt_token_ids": [(11 * p + 3 * i) % 400 + 5 for i in range(5 + 7 * p)]} for p in range(6)]
+
+
+def moe_model(arch: str = "mixtral") -> str:
+    """A tiny MoE whose 5 experts split unevenly over 2 engines (3 + 2)."""
+    experts = {"mixtral": "num_local_experts", "qwen2_moe": "num_experts"}[arch]
+    return str(make_model(_MODEL_ROOT / f"{arch}-tiny-5experts", arch=arch, size="tiny", **{experts: 5}))
+
+
+def token_ids(llm: LLM, prompts: list[dict], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_experts_split_unevenly_and_each_engine_knows_its_place():
+    assert [uneven_share(5, rank, 2) for rank in range(2)] == [(0, 3), (3, 5)]
+    assert [uneven_share(7, rank, 3) for rank in range(3)] == [(0, 3), (3, 5), (5, 7)]
+    configs = data_parallel_configs(EngineConfig(model="unused", data_parallel_size=2, enable_expert_parallel=True),
+                                    [0, 1])
+    assert [c.data_parallel_rank for c in configs] == [0, 1]
+    address = configs[0].data_parallel_ep_address
+    assert address.startswith("127.0.0.1:") and configs[1].data_parallel_ep_address == address
+    plain = data_parallel_configs(EngineConfig(model="unused", data_parallel_size=2), [0, 1])
+    assert [c.data_parallel_ep_address for c in plain] == [None, None]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
+def test_dp_with_expert_parallel_equals_one_engine(arch):
+    single = LLM(moe_model(arch), dtype="float32")
+    expected = token_ids(single, PROMPTS)
+    single.shutdown()
+    llm = LLM(moe_model(arch), dtype="float32", data_parallel_size=2, enable_expert_parallel=True,
+              data_parallel_routing="round_robin")
+    try:
+        assert token_ids(llm, PROMPTS) == expected
+        stats = llm.get_stats()
+        assert all(engine.num_running == engine.num_waiting == 0 for engine in stats.engines)
+    finally:
+        llm.shutdown()
+
+
+def test_an_idle_engine_steps_dummy_batches_and_never_stalls_the_other():
+    """Every request pinned to one engine by its conversation: they finish, the other engine keeping pace with
+    dummy batches (its forward passes through the MoE layers' exchanges alone)."""
+    pinned = [{**prompt, "cache_salt": "one-conversation"} for prompt in PROMPTS[:3]]
+    single = LLM(moe_model(), dtype="float32")
+    expected = token_ids(single, pinned)
+    single.shutdown()
+    llm = LLM(moe_model(), dtype="float32", data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert token_ids(llm, pinned) == expected
+        dummies = [engine.num_dummy_steps for engine in llm.get_stats().engines]
+        assert min(dummies) == 0 and max(dummies) >= GREEDY.max_tokens, dummies
+        time.sleep(0.5)  # the wave is over: no engine steps while none has work
+        assert [engine.num_dummy_steps for engine in llm.get_stats().engines] == dummies
+    finally:
+        llm.shutdown()
+
+
+def test_the_group_splits_the_experts_and_runs_one_forward_pass_per_call():
+    """Each engine holds its share of the experts (3 and 2 of 5: fewer weight bytes than one engine, unequal), and
+    its runner takes neither the multi-step call nor the fused C++ layer: the MoE exchanges are per layer and
+    every engine must run as many forward passes as the others."""
+    single = LLM(moe_model(), dtype="float32", in_process=True)
+    runner = single.client.engine.executor.worker.model_runner
+    whole = single.client.engine.info.weight_bytes
+    assert runner.multi_steps > 1 and any(fused_layer(layer) for layer in runner.model.modules())
+    single.shutdown()
+    state = parallel_state()
+    set_expert_group(ExpertGroup(rank=1, size=2, group=None, store=None))  # never called: only its place is read
+    try:
+        split = LLM(moe_model(), dtype="float32", in_process=True)
+    finally:
+        set_expert_group(state.experts)
+    try:
+        runner = split.client.engine.executor.worker.model_runner
+        assert runner.multi_steps == 1 and runner.moe_layers
+        assert all(layer.expert_range == (3, 5) for layer in runner.moe_layers)
+        assert not any(fused_layer(layer) for layer in runner.model.modules())
+    finally:
+        split.shutdown()
+    llm = LLM(moe_model(), dtype="float32", data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        held = [client.info.weight_bytes for client in llm.client.clients]
+        assert whole > held[0] > held[1]
+    finally:
+        llm.shutdown()
+
+
+def fused_layer(module) -> bool:
+    return bool(getattr(module, "takes_one_call", False))
+
+
+def test_kill_one_engine_fails_every_request_without_hanging():
+    """With the experts split, the engine that lives cannot serve alone: it leaves the group at its next exchange,
+    and every request of both engines ends with an error within seconds; no process is left behind."""
+    async def run() -> None:
+        engine = AsyncLLM(moe_model(), dtype="float32", data_parallel_size=2, enable_expert_parallel=True,
+                          data_parallel_routing="round_robin")
+        pids = [client.process.pid for client in engine.client.clients]
+        started = [asyncio.Event() for _ in range(4)]
+
+        async def stream(n: int) -> None:
+            async for _ in engine.generate({"prompt_token_ids": [5 + n, 8, 9]}, LONG, f"l{n}"):
+                started[n].set()
+
+        try:
+            streams = [asyncio.ensure_future(stream(n)) for n in range(4)]
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
+            assert set(engine.client.balancer.owner.values()) == {0, 1}
+            os.kill(pids[0], signal.SIGKILL)
+            killed_at = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*streams, return_exceptions=True), 10)
+            assert time.monotonic() - killed_at < 5
+            assert all(isinstance(result, RequestFailedError) for result in results), results
+            assert any("expert-parallel group" in str(result) for result in results), results
+            with pytest.raises(EngineDeadError):
+                async for _ in engine.generate({"prompt_token_ids": [1, 2]}, GREEDY, "after"):
+                    pass
+        finally:
+            engine.shutdown()
+        assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in pids), timeout=10)
+
+    asyncio.run(run())
+
+
+def test_unsupported_combinations_are_refused():
+    with pytest.raises(ValueError, match="tensor_parallel_size and pipeline_parallel_size must be 1"):
+        from core.waves import check_waves_config
+
+        check_waves_config(msgspec.structs.replace(EngineConfig(model="unused", tensor_parallel_size=2),
+                                                   data_parallel_ep_address="127.0.0.1:1"))
