@@ -57,6 +57,7 @@ class EngineCore:
         engine_checks.check_draft_model(self.config, text_config.vocab_size)
         check_offload(self.config)
         check_waves_config(self.config)
+        self.waves = Waves.join(self.config) if self.config.data_parallel_ep_address is not None else None
         if self.config.enable_prompt_embeds:
             check_prompt_embeds(hf_config)
         self.lora_validator = AdapterValidator(hf_config, config.max_lora_rank, config.lora_dirs) \
@@ -75,7 +76,6 @@ class EngineCore:
                                    multi_step_grammars=self.executor.steps_grammars())
         self._arrivals = itertools.count()
         self.batches_submitted = 0
-        self.waves = Waves(self) if self.config.data_parallel_ep_address is not None else None
         self.profiler = None if config.profiler_dir is None else EngineProfiler(
             config.profiler_dir, config.profiler_max_seconds, config.profiler_max_steps)
         self.info = EngineInfo(model=self.config.model, max_model_len=self.config.max_model_len,

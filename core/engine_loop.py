@@ -114,8 +114,8 @@ class EngineCoreProc:
         whenever any engine has work; while none has, it waits for input WAVE_POLL_S at a time."""
         while self._drain_inputs(block=not waves.live and not self.engine.has_unfinished_requests(),
                                  timeout=WAVE_POLL_S):
-            if waves.next_step():
-                self._send_outputs(waves.step())
+            if waves.next_step(self.engine):
+                self._send_outputs(waves.step(self.engine))
             self.heart.progressed(self.engine.scheduler)
 
     def _drain_inputs(self, block: bool, timeout: float | None = None) -> bool:

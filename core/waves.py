@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ipc import EngineConfig, EngineCoreOutput, SchedulerOutput
-from workers.distributed import parallel_state
-from workers.expert_group import any_work
+from workers.expert_group import ExpertGroup, any_work, join_group
 
 if TYPE_CHECKING:
     from core.engine_core import EngineCore
@@ -27,10 +26,15 @@ def check_waves_config(config: EngineConfig) -> None:
     """What data parallel with expert parallel cannot run yet (ValueError naming it)."""
     if config.data_parallel_ep_address is None:
         return
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1 or config.data_parallel_backend == "ray":
-        raise ValueError("enable_expert_parallel with data_parallel_size > 1 runs each engine on one rank in its own "
-                         "process: tensor_parallel_size and pipeline_parallel_size must be 1 and "
-                         "data_parallel_backend 'mp'")
+    host, _, port = config.data_parallel_ep_address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"data_parallel_ep_address must be HOST:PORT, got {config.data_parallel_ep_address!r}")
+    if config.data_parallel_rank >= config.data_parallel_size:
+        raise ValueError(f"data_parallel_rank must be below data_parallel_size ({config.data_parallel_size}), got "
+                         f"{config.data_parallel_rank}")
+    if config.pipeline_parallel_size > 1 or config.data_parallel_backend == "ray":
+        raise ValueError("enable_expert_parallel with data_parallel_size > 1 runs the engines' ranks on this machine, "
+                         "one pipeline stage each: pipeline_parallel_size must be 1 and data_parallel_backend 'mp'")
     if config.speculative_config is not None:
         raise ValueError("enable_expert_parallel with data_parallel_size > 1 takes no speculative_config: a draft's "
                          "forward passes would not match the other engines'")
@@ -39,22 +43,26 @@ def check_waves_config(config: EngineConfig) -> None:
 class Waves:
     """This engine's side of the waves: the flag exchange and the step (its own batch, or the dummy batch)."""
 
-    def __init__(self, engine: EngineCore) -> None:
-        self.engine = engine
-        self.experts = parallel_state().experts
+    def __init__(self, group: ExpertGroup) -> None:
+        self.group = group
         self.live = False
         self.steps = 0  # steps of every wave, which every engine counts alike
         self.dummy_steps = 0  # of those, steps this engine had nothing to run in
 
-    def next_step(self) -> bool:
+    @classmethod
+    def join(cls, config: EngineConfig) -> Waves:
+        """Meet the other engine processes (before any engine's ranks meet in the experts' group)."""
+        return cls(join_group(config.data_parallel_ep_address, "waves", config.data_parallel_rank,
+                              config.data_parallel_size, serve=config.data_parallel_rank == 0))
+
+    def next_step(self, engine: EngineCore) -> bool:
         """Whether the engines step now: the same answer on every engine."""
-        self.live = any_work(self.experts, self.engine.has_unfinished_requests(), self.steps)
+        self.live = any_work(self.group, engine.has_unfinished_requests(), self.steps)
         return self.live
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self, engine: EngineCore) -> list[EngineCoreOutput]:
         """One step of a live wave: exactly one forward pass, the engine's own batch or the dummy batch."""
         self.steps += 1
-        engine = self.engine
         submitted = engine.batches_submitted
         outputs = engine.step() if engine.has_unfinished_requests() else []
         if engine.batches_submitted == submitted:  # nothing scheduled (idle, or every request blocked this step)

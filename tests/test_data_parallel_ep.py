@@ -9,15 +9,17 @@ import os
 import signal
 import time
 
-import msgspec
+import openai
 import pytest
 
 from conftest import _MODEL_ROOT, wait_until
 from core.engine_spawn import data_parallel_configs
+from core.waves import check_waves_config
 from frontend import LLM, AsyncLLM, SamplingParams
 from frontend.core_client import EngineDeadError, RequestFailedError
 from ipc import EngineConfig, RequestOutputKind
 from launch.make_model import make_model
+from launcher import start_launcher, stop_launcher
 from workers.distributed import parallel_state, set_expert_group, uneven_share
 from workers.expert_group import ExpertGroup
 
@@ -59,6 +61,21 @@ def test_dp_with_expert_parallel_equals_one_engine(arch):
         assert token_ids(llm, PROMPTS) == expected
         stats = llm.get_stats()
         assert all(engine.num_running == engine.num_waiting == 0 for engine in stats.engines)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_dp_times_tp_with_expert_parallel_equals_one_engine():
+    """DP = 2 x TP = 2: four ranks (two private Rays of two actors) share the 5 experts (2, 1, 1, 1); the engine
+    processes exchange the waves' flags, their ranks the tokens."""
+    single = LLM(moe_model(), dtype="float32")
+    expected = token_ids(single, PROMPTS[:3])
+    single.shutdown()
+    llm = LLM(moe_model(), dtype="float32", data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True,
+              data_parallel_routing="round_robin", max_model_len=256)
+    try:
+        assert token_ids(llm, PROMPTS[:3]) == expected
     finally:
         llm.shutdown()
 
@@ -148,9 +165,32 @@ def test_kill_one_engine_fails_every_request_without_hanging():
     asyncio.run(run())
 
 
-def test_unsupported_combinations_are_refused():
-    with pytest.raises(ValueError, match="tensor_parallel_size and pipeline_parallel_size must be 1"):
-        from core.waves import check_waves_config
+@pytest.mark.parametrize("changes, message", [
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size must be 1"),
+    ({"data_parallel_backend": "ray"}, "data_parallel_backend 'mp'"),
+    ({"data_parallel_ep_address": "nowhere"}, "data_parallel_ep_address must be HOST:PORT"),
+    ({"data_parallel_rank": 2}, "data_parallel_rank must be below data_parallel_size"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "takes no speculative_config")])
+def test_what_dp_expert_parallel_cannot_run_is_refused(changes, message):
+    config = EngineConfig(model="unused", data_parallel_size=2, enable_expert_parallel=True,
+                          **{"data_parallel_ep_address": "127.0.0.1:1234", **changes})
+    with pytest.raises(ValueError, match=message):
+        check_waves_config(config)
 
-        check_waves_config(msgspec.structs.replace(EngineConfig(model="unused", tensor_parallel_size=2),
-                                                   data_parallel_ep_address="127.0.0.1:1"))
+
+def test_served_through_http_with_two_engines_equal_one_engine():
+    single = LLM(moe_model(), dtype="float32")
+    expected = [output.outputs[0].text for output in single.generate(PROMPTS[:3], GREEDY, use_tqdm=False)]
+    single.shutdown()
+    process, base_url = start_launcher([moe_model(), "--dtype", "float32", "--dp", "2", "--enable-expert-parallel",
+                                        "--data-parallel-routing", "round_robin", "--max-model-len", "256"])
+    try:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        for prompt, text in zip(PROMPTS[:3], expected):
+            completion = client.completions.create(model=model, prompt=prompt["prompt_token_ids"],
+                                                   max_tokens=GREEDY.max_tokens, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+            assert completion.choices[0].text == text
+    finally:
+        stop_launcher(process)

@@ -7,7 +7,7 @@ from typing import Protocol
 
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from workers.distributed import set_expert_group
-from workers.expert_group import join_expert_group
+from workers.expert_group import join_group
 from workers.gpu_memory import release_device_memory
 from workers.step_grammars import LentGrammars
 from workers.worker import Worker
@@ -53,8 +53,8 @@ class InProcessExecutor:
 
     def __init__(self, config: EngineConfig) -> None:
         if config.data_parallel_ep_address is not None:  # before the model is built: it decides the experts held
-            set_expert_group(join_expert_group(config.data_parallel_ep_address, config.data_parallel_rank,
-                                               config.data_parallel_size))
+            set_expert_group(join_group(config.data_parallel_ep_address, "experts", config.data_parallel_rank,
+                                        config.data_parallel_size))
         self.worker = Worker(config)
         self.outputs: deque[ModelRunnerOutput] = deque()
 

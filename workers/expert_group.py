@@ -26,7 +26,7 @@ class ExpertGroup:
     rank: int
     size: int
     group: dist.ProcessGroup
-    store: dist.Store  # the group's rendezvous store, kept alive with it (rank 0 serves it)
+    store: dist.Store | None  # the rendezvous store, kept alive with the group
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
@@ -49,15 +49,15 @@ def _wait(work: dist.Work) -> None:
                               f"{error}") from error
 
 
-def join_expert_group(address: str, rank: int, size: int) -> ExpertGroup:
-    """Meet the other engines at address (host:port; rank 0 listens there): a gloo group of its own, apart from
-    any tensor-parallel world this process belongs to."""
+def join_group(address: str, name: str, rank: int, size: int, serve: bool = False) -> ExpertGroup:
+    """The gloo group `name` of `size` ranks, meeting at address (host:port), where the process that passes serve=True
+    (data-parallel engine 0) listens: apart from any tensor-parallel world this process belongs to. Two groups use
+    it: "waves", of the engine processes, and "experts", of every engine's ranks."""
     host, _, port = address.rpartition(":")
     if host.startswith("127."):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo would otherwise pick the hostname's interface
-    store = dist.TCPStore(host, int(port), size, is_master=rank == 0, timeout=_JOIN_TIMEOUT)
-    group = dist.ProcessGroupGloo(dist.PrefixStore("experts", store), rank, size,
-                                  timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    store = dist.TCPStore(host, int(port), is_master=serve, wait_for_workers=False, timeout=_JOIN_TIMEOUT)
+    group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     return ExpertGroup(rank, size, group, store)
 
 
