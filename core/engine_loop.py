@@ -46,7 +46,7 @@ from ipc.sockets import (
     remove_ipc_files,
     start_authenticator,
 )
-from workers.expert_group import ExpertGroupLost
+from workers.expert_group import EngineGroupLost
 
 logger = logging.getLogger("pagedserve.engine_core")
 _STOP = None  # on the input queue: leave the loop
@@ -92,7 +92,7 @@ class EngineCoreProc:
                 self._run_alone()
             else:
                 self._run_waves(self.engine.waves)
-        except ExpertGroupLost as error:  # another engine's end, not this one's fault: no traceback
+        except EngineGroupLost as error:  # another engine's end, not this one's fault: no traceback
             logger.warning("%s", error)
             self.stop_reason = str(error)
         except Exception as error:

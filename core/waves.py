@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ipc import EngineConfig, EngineCoreOutput, SchedulerOutput
-from workers.expert_group import ExpertGroup, any_work, join_group
+from workers.expert_group import EngineGroup, any_work, join_group
 
 if TYPE_CHECKING:
     from core.engine_core import EngineCore
@@ -43,7 +43,7 @@ def check_waves_config(config: EngineConfig) -> None:
 class Waves:
     """This engine's side of the waves: the flag exchange and the step (its own batch, or the dummy batch)."""
 
-    def __init__(self, group: ExpertGroup) -> None:
+    def __init__(self, group: EngineGroup) -> None:
         self.group = group
         self.live = False
         self.steps = 0  # steps of every wave, which every engine counts alike

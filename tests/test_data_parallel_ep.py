@@ -21,7 +21,7 @@ from ipc import EngineConfig, RequestOutputKind
 from launch.make_model import make_model
 from launcher import start_launcher, stop_launcher
 from workers.distributed import parallel_state, set_expert_group, uneven_share
-from workers.expert_group import ExpertGroup
+from workers.expert_group import EngineGroup
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
@@ -108,7 +108,7 @@ def test_the_group_splits_the_experts_and_runs_one_forward_pass_per_call():
     assert runner.multi_steps > 1 and any(fused_layer(layer) for layer in runner.model.modules())
     single.shutdown()
     state = parallel_state()
-    set_expert_group(ExpertGroup(rank=1, size=2, group=None, store=None))  # never called: only its place is read
+    set_expert_group(EngineGroup(rank=1, size=2, group=None, store=None))  # never called: only its place is read
     try:
         split = LLM(moe_model(), dtype="float32", in_process=True)
     finally:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from workers.shm_communicator import ShmCommunicator, connect_shm
 
 if TYPE_CHECKING:
-    from workers.expert_group import ExpertGroup
+    from workers.expert_group import EngineGroup
 
 _INIT_TIMEOUT = timedelta(minutes=5)
 
@@ -33,7 +33,7 @@ class ParallelState:
     tp_comm: ShmCommunicator | None = None
     expert_parallel: bool = False  # MoE layers divide whole experts among the TP ranks instead of each expert
     # With data parallel + expert parallel: the group of every engine's rank, which divides the experts instead.
-    experts: ExpertGroup | None = None
+    experts: EngineGroup | None = None
 
     @property
     def rank(self) -> int:
@@ -97,7 +97,7 @@ def init_distributed(host: str, port: int, tp_rank: int, tp_size: int, pp_rank: 
     return _state
 
 
-def set_expert_group(experts: ExpertGroup | None) -> None:
+def set_expert_group(experts: EngineGroup | None) -> None:
     """This process's expert-parallel group across data-parallel engines (before the model is built), or none."""
     global _state
     _state = replace(_state, experts=experts)

@@ -1,5 +1,5 @@
-"""Expert parallel across data-parallel engines: the gloo group of every engine's rank, the MoE layers' token
-exchange over it, the dummy pass of an engine with nothing to run, and the waves' per-step flag exchange."""
+"""Expert parallel across data-parallel engines: the gloo groups spanning the engines, the MoE layers' token exchange
+over the group of every engine's ranks, and the waves' per-step flag exchange (core/waves.py)."""
 from __future__ import annotations
 
 import os
@@ -16,13 +16,15 @@ _JOIN_TIMEOUT = timedelta(minutes=5)
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("PAGEDSERVE_EP_TIMEOUT_S", "300"))
 
 
-class ExpertGroupLost(RuntimeError):
-    """A collective of the group failed: an engine died or stopped. The experts it held are gone with it, so no
-    engine of the group can serve alone."""
+class EngineGroupLost(RuntimeError):
+    """A collective of the group failed: an engine died, stopped or hung. The experts it held are gone with it, so
+    no engine of the group can serve alone."""
 
 
 @dataclass(frozen=True)
-class ExpertGroup:
+class EngineGroup:
+    """A gloo group spanning the data-parallel engines (of their processes, or of all their ranks)."""
+
     rank: int
     size: int
     group: dist.ProcessGroup
@@ -44,12 +46,12 @@ def _wait(work: dist.Work) -> None:
     try:
         work.wait()
     except RuntimeError as error:
-        raise ExpertGroupLost("an engine of the data-parallel group left the expert-parallel group (it died or "
-                              "stopped); the experts it held are gone, so this engine cannot serve alone: "
-                              f"{error}") from error
+        raise EngineGroupLost("an engine of the data-parallel group left the expert-parallel group (it died, "
+                              "stopped, or did not answer within PAGEDSERVE_EP_TIMEOUT_S); the experts it held are "
+                              f"gone, so this engine cannot serve alone: {error}") from error
 
 
-def join_group(address: str, name: str, rank: int, size: int, serve: bool = False) -> ExpertGroup:
+def join_group(address: str, name: str, rank: int, size: int, serve: bool = False) -> EngineGroup:
     """The gloo group `name` of `size` ranks, meeting at address (host:port), where the process that passes serve=True
     (data-parallel engine 0) listens: apart from any tensor-parallel world this process belongs to. Two groups use
     it: "waves", of the engine processes, and "experts", of every engine's ranks."""
@@ -58,37 +60,37 @@ def join_group(address: str, name: str, rank: int, size: int, serve: bool = Fals
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo would otherwise pick the hostname's interface
     store = dist.TCPStore(host, int(port), is_master=serve, wait_for_workers=False, timeout=_JOIN_TIMEOUT)
     group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    return ExpertGroup(rank, size, group, store)
+    return EngineGroup(rank, size, group, store)
 
 
 Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def exchange_tokens(experts: ExpertGroup, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+def exchange_tokens(group: EngineGroup, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     compute: Experts) -> torch.Tensor:
     """This rank's rows of sum over ranks of compute(every rank's x, weights, ids): each rank's local experts applied
     to the group's tokens, then summed. Token counts differ per engine, so they are exchanged first and the tokens
     padded to the largest; x, routing weights and expert ids travel in one float32 tensor (ids < 2^24 are exact)."""
     count = torch.tensor([x.shape[0]], dtype=torch.int64)
-    counts = [int(part) for part in experts.all_gather(count)]
+    counts = [int(part) for part in group.all_gather(count)]
     total = sum(counts)
     if total == 0:  # every engine ran a dummy pass
         return x
     hidden, top_k = x.shape[1], ids.shape[1]
     packed = torch.zeros(max(counts), hidden + 2 * top_k, dtype=torch.float32)
     packed[:x.shape[0]] = torch.cat([x.float(), weights.float(), ids.float()], dim=1).cpu()  # gloo: host memory
-    rows = torch.cat([part[:n] for part, n in zip(experts.all_gather(packed), counts)]).to(x.device)
+    rows = torch.cat([part[:n] for part, n in zip(group.all_gather(packed), counts)]).to(x.device)
     out = compute(rows[:, :hidden].to(x.dtype), rows[:, hidden:hidden + top_k],
                   rows[:, hidden + top_k:].to(torch.int64))
-    out = experts.all_reduce(out.cpu())
-    start = sum(counts[:experts.rank])
+    out = group.all_reduce(out.cpu())
+    start = sum(counts[:group.rank])
     return out[start:start + x.shape[0]].to(x.device)
 
 
-def any_work(experts: ExpertGroup, has_work: bool, steps: int) -> bool:
+def any_work(group: EngineGroup, has_work: bool, steps: int) -> bool:
     """Whether any engine has work for the next step. Every engine calls it as often as the others; the step
     counts they give must agree, or the engines' collectives have fallen out of step (RuntimeError)."""
-    flags = experts.all_reduce(torch.tensor([int(has_work), steps, -steps], dtype=torch.int64), dist.ReduceOp.MAX)
+    flags = group.all_reduce(torch.tensor([int(has_work), steps, -steps], dtype=torch.int64), dist.ReduceOp.MAX)
     if int(flags[1]) != -int(flags[2]):
         raise RuntimeError(f"the data-parallel engines are out of step: step counts from {-int(flags[2])} to "
                            f"{int(flags[1])} (this engine: {steps})")

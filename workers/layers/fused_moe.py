@@ -41,12 +41,12 @@ class FusedMoE(nn.Module):
         super().__init__()
         state = parallel_state()
         self.routing, self.tp_size, self.num_experts = routing, state.tp_size, num_experts
-        self.experts = state.experts
-        if self.experts is not None:
-            if num_experts < self.experts.size:
-                raise ValueError(f"expert parallel over {self.experts.size} data-parallel ranks needs at least as "
+        self.group = state.experts
+        if self.group is not None:
+            if num_experts < self.group.size:
+                raise ValueError(f"expert parallel over {self.group.size} data-parallel ranks needs at least as "
                                  f"many experts; the model has {num_experts}")
-            self.expert_range = uneven_share(num_experts, self.experts.rank, self.experts.size)
+            self.expert_range = uneven_share(num_experts, self.group.rank, self.group.size)
             self.inter_range = (0, intermediate_size)
         elif state.expert_parallel:
             self.expert_range = shard_range(num_experts, state.tp_rank, state.tp_size)
@@ -84,12 +84,12 @@ class FusedMoE(nn.Module):
     @property
     def spans_ranks(self) -> bool:
         """Whether its experts are split over ranks (its output then takes a collective)."""
-        return self.tp_size > 1 or self.experts is not None
+        return self.tp_size > 1 or self.group is not None
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed tokens through the experts; an engine with no tokens passes none (its dummy pass)."""
-        if self.experts is not None:
-            return exchange_tokens(self.experts, x, weights, ids, self._local_experts)
+        if self.group is not None:
+            return exchange_tokens(self.group, x, weights, ids, self._local_experts)
         out = self._local_experts(x, weights, ids)
         return tp_all_reduce(out) if self.tp_size > 1 else out
 
