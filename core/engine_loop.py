@@ -93,7 +93,9 @@ class EngineCoreProc:
             else:
                 self._run_waves(self.engine.waves)
         except EngineGroupLost as error:  # another engine's end, not this one's fault: no traceback
-            logger.warning("%s", error)
+            # An idle group's first engine to stop (the front end shutting them all down) ends the others so too.
+            log = logger.warning if self.engine.has_unfinished_requests() else logger.info
+            log("%s", error)
             self.stop_reason = str(error)
         except Exception as error:
             logger.exception("the engine core failed")
