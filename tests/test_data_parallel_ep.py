@@ -8,9 +8,11 @@ import asyncio
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+import torch
 
 from conftest import _MODEL_ROOT, tiny_model, wait_until
 from core.engine_spawn import data_parallel_configs
@@ -20,8 +22,8 @@ from frontend.core_client import EngineDeadError, RequestFailedError
 from ipc import EngineConfig, RequestOutputKind
 from launch.make_model import make_model
 from launcher import start_launcher, stop_launcher
-from workers.distributed import parallel_state, set_expert_group, uneven_share
-from workers.expert_group import EngineGroup
+from workers.distributed import free_port, parallel_state, set_expert_group, uneven_share
+from workers.expert_group import EngineGroup, any_work, exchange_tokens, join_group
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
@@ -48,6 +50,36 @@ def test_experts_split_unevenly_and_each_engine_knows_its_place():
     assert address.startswith("127.0.0.1:") and configs[1].data_parallel_ep_address == address
     plain = data_parallel_configs(EngineConfig(model="unused", data_parallel_size=2), [0, 1])
     assert [c.data_parallel_ep_address for c in plain] == [None, None]
+
+
+def in_two_ranks(work) -> list:
+    """work(group) run by two ranks of one gloo group (two threads of this process), their results in rank order."""
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    with ThreadPoolExecutor(2) as pool:
+        groups = list(pool.map(lambda rank: join_group(address, "test", rank, 2, serve=rank == 0), range(2)))
+        return list(pool.map(work, groups))
+
+
+def test_the_exchange_sums_every_ranks_experts_for_every_ranks_tokens():
+    """Rank 0 has 3 tokens, rank 1 none (its dummy pass): rank 0 gets the sum of both ranks' contributions; a rank
+    whose step count differs from the other's is out of step."""
+    x = torch.randn(3, 4)
+    ids = torch.tensor([[0, 1], [1, 0], [1, 1]])
+    weights = torch.rand(3, 2)
+
+    def exchange(group):  # rank r's "experts" add (r + 1) * x * the weight of each choice of expert r
+        def compute(rows, w, chosen):
+            return rows * (w * (chosen == group.rank)).sum(dim=1, keepdim=True) * (group.rank + 1)
+        mine = (x, weights, ids) if group.rank == 0 else (x[:0], weights[:0], ids[:0])
+        return exchange_tokens(group, *mine, compute)
+
+    out = in_two_ranks(exchange)
+    expected = x * ((weights * (ids == 0)).sum(1, keepdim=True) + 2 * (weights * (ids == 1)).sum(1, keepdim=True))
+    torch.testing.assert_close(out[0], expected)
+    assert out[1].shape == (0, 4)
+    assert in_two_ranks(lambda group: any_work(group, group.rank == 1, steps=7)) == [True, True]
+    with pytest.raises(RuntimeError, match="out of step"):
+        in_two_ranks(lambda group: any_work(group, False, steps=group.rank))
 
 
 @pytest.mark.parametrize("arch", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
@@ -179,6 +211,7 @@ def test_what_dp_expert_parallel_cannot_run_is_refused(changes, message):
         check_waves_config(config)
 
 
+@pytest.mark.slow
 def test_a_dense_model_is_refused_before_the_engines_meet():
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
         LLM(tiny_model("llama"), dtype="float32", data_parallel_size=2, enable_expert_parallel=True)
