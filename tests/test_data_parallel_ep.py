@@ -83,16 +83,33 @@ def test_the_exchange_sums_every_ranks_experts_for_every_ranks_tokens():
 
 
 @pytest.mark.parametrize("arch", ["mixtral", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
-def test_dp_with_expert_parallel_equals_one_engine(arch):
+def test_dp_with_expert_parallel_equals_one_engine_and_an_idle_engine_keeps_pace(arch):
+    """Six prompts spread over both engines, then three pinned to one engine by their conversation: greedy outputs
+    equal one engine's without expert parallel, and each engine holds its share of the experts (3 and 2 of 5).
+    While one engine runs the pinned requests the other keeps pace with dummy batches (its forward passes through
+    the MoE layers' exchanges alone), and once the wave is over neither steps."""
+    pinned = [{**prompt, "cache_salt": "one-conversation"} for prompt in PROMPTS[:3]]
     single = LLM(moe_model(arch), dtype="float32")
-    expected = token_ids(single, PROMPTS)
+    expected, expected_pinned = token_ids(single, PROMPTS), token_ids(single, pinned)
+    whole = single.client.info.weight_bytes
     single.shutdown()
-    llm = LLM(moe_model(arch), dtype="float32", data_parallel_size=2, enable_expert_parallel=True,
-              data_parallel_routing="round_robin")
+    llm = LLM(moe_model(arch), dtype="float32", data_parallel_size=2, enable_expert_parallel=True)
+
+    def dummy_steps() -> list[int]:
+        return [engine.num_dummy_steps for engine in llm.get_stats().engines]
+
     try:
         assert token_ids(llm, PROMPTS) == expected
-        stats = llm.get_stats()
-        assert all(engine.num_running == engine.num_waiting == 0 for engine in stats.engines)
+        assert all(engine.prefix_cache_queries > 0 for engine in llm.get_stats().engines)  # both served
+        held = [client.info.weight_bytes for client in llm.client.clients]
+        assert whole > held[0] > held[1]
+        before = dummy_steps()
+        assert token_ids(llm, pinned) == expected_pinned
+        after = dummy_steps()
+        dummies = [now - then for now, then in zip(after, before)]
+        assert min(dummies) == 0 and max(dummies) >= GREEDY.max_tokens, dummies
+        time.sleep(0.5)
+        assert dummy_steps() == after
     finally:
         llm.shutdown()
 
@@ -112,31 +129,12 @@ def test_dp_times_tp_with_expert_parallel_equals_one_engine():
         llm.shutdown()
 
 
-def test_an_idle_engine_steps_dummy_batches_and_never_stalls_the_other():
-    """Every request pinned to one engine by its conversation: they finish, the other engine keeping pace with
-    dummy batches (its forward passes through the MoE layers' exchanges alone)."""
-    pinned = [{**prompt, "cache_salt": "one-conversation"} for prompt in PROMPTS[:3]]
-    single = LLM(moe_model(), dtype="float32")
-    expected = token_ids(single, pinned)
-    single.shutdown()
-    llm = LLM(moe_model(), dtype="float32", data_parallel_size=2, enable_expert_parallel=True)
-    try:
-        assert token_ids(llm, pinned) == expected
-        dummies = [engine.num_dummy_steps for engine in llm.get_stats().engines]
-        assert min(dummies) == 0 and max(dummies) >= GREEDY.max_tokens, dummies
-        time.sleep(0.5)  # the wave is over: no engine steps while none has work
-        assert [engine.num_dummy_steps for engine in llm.get_stats().engines] == dummies
-    finally:
-        llm.shutdown()
-
-
-def test_the_group_splits_the_experts_and_runs_one_forward_pass_per_call():
-    """Each engine holds its share of the experts (3 and 2 of 5: fewer weight bytes than one engine, unequal), and
-    its runner takes neither the multi-step call nor the fused C++ layer: the MoE exchanges are per layer and
-    every engine must run as many forward passes as the others."""
+def test_a_rank_of_the_group_holds_its_share_and_runs_one_forward_pass_per_call():
+    """A rank's share of the experts (the second of two: 3 and 4 of 0-4), and its runner takes neither the
+    multi-step call nor the fused C++ layer: the MoE exchanges are per layer and every engine must run as many
+    forward passes as the others."""
     single = LLM(moe_model(), dtype="float32", in_process=True)
     runner = single.client.engine.executor.worker.model_runner
-    whole = single.client.engine.info.weight_bytes
     assert runner.multi_steps > 1 and any(fused_layer(layer) for layer in runner.model.modules())
     single.shutdown()
     state = parallel_state()
@@ -152,12 +150,6 @@ def test_the_group_splits_the_experts_and_runs_one_forward_pass_per_call():
         assert not any(fused_layer(layer) for layer in runner.model.modules())
     finally:
         split.shutdown()
-    llm = LLM(moe_model(), dtype="float32", data_parallel_size=2, enable_expert_parallel=True)
-    try:
-        held = [client.info.weight_bytes for client in llm.client.clients]
-        assert whole > held[0] > held[1]
-    finally:
-        llm.shutdown()
 
 
 def fused_layer(module) -> bool:
@@ -217,6 +209,7 @@ def test_a_dense_model_is_refused_before_the_engines_meet():
         LLM(tiny_model("llama"), dtype="float32", data_parallel_size=2, enable_expert_parallel=True)
 
 
+@pytest.mark.slow  # the offline test covers the engines; this, the launcher's flags and the gateway over them
 def test_served_through_http_with_two_engines_equal_one_engine():
     single = LLM(moe_model(), dtype="float32")
     expected = [output.outputs[0].text for output in single.generate(PROMPTS[:3], GREEDY, use_tqdm=False)]
