@@ -12,6 +12,7 @@ from core.kv_offload import check_offload
 from core.profiler import EngineProfiler
 from core.request import Request
 from core.scheduler import Scheduler
+from core.waves import Waves, check_waves_config
 from ipc import (EngineConfig, EngineCoreOutput, EngineCoreRequest, EngineInfo, FinishReason, LoRARequest,
                  SchedulerStats)
 from ipc.request_rules import context_room
@@ -55,6 +56,8 @@ class EngineCore:
         check_quantization(self.config.model, hf_config, self.config.quantization)  # here, not in a rank
         engine_checks.check_draft_model(self.config, text_config.vocab_size)
         check_offload(self.config)
+        check_waves_config(self.config)
+        self.waves = Waves.join(self.config) if self.config.data_parallel_ep_address is not None else None
         if self.config.enable_prompt_embeds:
             check_prompt_embeds(hf_config)
         self.lora_validator = AdapterValidator(hf_config, config.max_lora_rank, config.lora_dirs) \
@@ -72,6 +75,7 @@ class EngineCore:
                                    decode_ahead=self.executor.decodes_ahead(), multi_step=self.executor.multi_steps(),
                                    multi_step_grammars=self.executor.steps_grammars())
         self._arrivals = itertools.count()
+        self.batches_submitted = 0
         self.profiler = None if config.profiler_dir is None else EngineProfiler(
             config.profiler_dir, config.profiler_max_seconds, config.profiler_max_steps)
         self.info = EngineInfo(model=self.config.model, max_model_len=self.config.max_model_len,
@@ -146,7 +150,10 @@ class EngineCore:
                 for r in compiling] + self.scheduler.abort_requests(request_ids)
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        if self.waves is not None:
+            stats.num_dummy_steps = self.waves.dummy_steps
+        return stats
 
     def call_utility(self, method: str, args: list) -> Any:
         """Run one of the utilities this engine allows by name (never an arbitrary attribute); errors raise."""
@@ -235,6 +242,7 @@ class EngineCore:
                     grammars = {req_id: self.scheduler.requests[req_id].grammar
                                 for req_id in scheduler_output.grammar_bitmask.req_ids}
             self.executor.submit_batch(scheduler_output, grammars)
+            self.batches_submitted += 1
 
     def shutdown(self) -> None:
         if self._structured is not None:

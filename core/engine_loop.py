@@ -20,6 +20,7 @@ import zmq
 from core.engine_clients import LivingClients, Peers, RateLimitedWarnings
 from core.engine_core import EngineCore
 from core.engine_heartbeat import Heart
+from core.waves import WAVE_POLL_S, Waves
 from ipc import (
     CLIENT_ALIVE_INTERVAL_S,
     CLIENT_SILENCE_S,
@@ -45,6 +46,7 @@ from ipc.sockets import (
     remove_ipc_files,
     start_authenticator,
 )
+from workers.expert_group import EngineGroupLost
 
 logger = logging.getLogger("pagedserve.engine_core")
 _STOP = None  # on the input queue: leave the loop
@@ -86,11 +88,15 @@ class EngineCoreProc:
     def run(self) -> None:
         """The busy loop; blocks on the input queue while there is nothing to compute."""
         try:
-            while self._drain_inputs(block=not self.engine.has_unfinished_requests()):
-                self.heart.progressed(self.engine.scheduler)
-                if self.engine.has_unfinished_requests():
-                    self._send_outputs(self.engine.step())
-                    self.heart.progressed(self.engine.scheduler)
+            if self.engine.waves is None:
+                self._run_alone()
+            else:
+                self._run_waves(self.engine.waves)
+        except EngineGroupLost as error:  # another engine's end, not this one's fault: no traceback
+            # An idle group's first engine to stop (the front end shutting them all down) ends the others so too.
+            log = logger.warning if self.engine.has_unfinished_requests() else logger.info
+            log("%s", error)
+            self.stop_reason = str(error)
         except Exception as error:
             logger.exception("the engine core failed")
             self.stop_reason = f"the engine core failed: {type(error).__name__}: {error}"
@@ -98,10 +104,27 @@ class EngineCoreProc:
         finally:
             self._shutdown()
 
-    def _drain_inputs(self, block: bool) -> bool:
-        """Handle every queued input (waiting for the first if `block`); False when asked to stop."""
+    def _run_alone(self) -> None:
+        while self._drain_inputs(block=not self.engine.has_unfinished_requests()):
+            self.heart.progressed(self.engine.scheduler)
+            if self.engine.has_unfinished_requests():
+                self._send_outputs(self.engine.step())
+                self.heart.progressed(self.engine.scheduler)
+
+    def _run_waves(self, waves: Waves) -> None:
+        """The loop of an engine whose experts are split across the data-parallel engines (core/waves.py): it steps
+        whenever any engine has work; while none has, it waits for input WAVE_POLL_S at a time."""
+        while self._drain_inputs(block=not waves.live and not self.engine.has_unfinished_requests(),
+                                 timeout=WAVE_POLL_S):
+            if waves.next_step(self.engine):
+                self._send_outputs(waves.step(self.engine))
+            self.heart.progressed(self.engine.scheduler)
+
+    def _drain_inputs(self, block: bool, timeout: float | None = None) -> bool:
+        """Handle every queued input (waiting for the first if `block`, up to `timeout` if given); False when asked
+        to stop."""
         try:
-            item = self._wait_for_input() if block else self.inputs.get_nowait()
+            item = self._wait_for_input(timeout) if block else self.inputs.get_nowait()
             while item is not _STOP:
                 self._handle(*item)
                 item = self.inputs.get_nowait()
@@ -109,14 +132,18 @@ class EngineCoreProc:
         except queue.Empty:
             return True
 
-    def _wait_for_input(self) -> Any:
+    def _wait_for_input(self, timeout: float | None = None) -> Any:
         # A signal that lands on another thread (zmq's, torch's) cannot wake a main thread blocked on a lock,
         # and Python runs handlers only on the main thread: wake up now and then to let SIGTERM through.
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
-                return self.inputs.get(timeout=_SIGNAL_CHECK_S)
+                wait = _SIGNAL_CHECK_S if deadline is None else min(_SIGNAL_CHECK_S, deadline - time.monotonic())
+                return self.inputs.get(timeout=max(wait, 0.0))
             except queue.Empty:
                 self.heart.last_progress = now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise
                 if now - self.last_health_check >= _IDLE_HEALTH_CHECK_S:
                     self.last_health_check = now
                     self.engine.check_health()  # raises, ending the engine, if a worker rank died

@@ -131,14 +131,22 @@ def start_engines(configs: list[EngineConfig], addresses: list[str], curve_key_f
 
 
 def data_parallel_configs(config: EngineConfig, cpus: list[int]) -> list[EngineConfig]:
-    """Each data-parallel engine's config: on a CPU a single-rank engine's threads pinned to its own equal share of
-    `cpus` (engines whose threads all roam every CPU slow each other down), unless cpu_threads_bind or cpu_threads
-    is given, there are more engines than CPUs, or the ranks are Ray actors (Ray places them)."""
+    """Each data-parallel engine's config: its rank; with enable_expert_parallel, where the engines' expert-parallel
+    group meets (a free loopback port: the engines started here form one group); on a CPU a single-rank engine's
+    threads pinned to its own equal share of `cpus` (engines whose threads all roam every CPU slow each other down),
+    unless cpu_threads_bind or cpu_threads is given, there are more engines than CPUs, or the ranks are Ray actors
+    (Ray places them)."""
     size = config.data_parallel_size
-    if config.cpu_threads_bind is not None or config.cpu_threads is not None or config.device == "cuda" or \
-            config.tensor_parallel_size * config.pipeline_parallel_size > 1 or len(cpus) < size or \
-            config.data_parallel_backend == "ray":
-        return [config] * size
+    shared = {}
+    if config.enable_expert_parallel and size > 1:
+        from workers.distributed import free_port  # torch: only where an engine group needs it
+
+        shared["data_parallel_ep_address"] = f"127.0.0.1:{free_port('127.0.0.1')}"
     share = len(cpus) // size
-    return [msgspec.structs.replace(config, cpu_threads_bind=",".join(map(str, cpus[rank * share:(rank + 1) * share])))
-            for rank in range(size)]
+    pin = not (config.cpu_threads_bind is not None or config.cpu_threads is not None or config.device == "cuda" or
+               config.tensor_parallel_size * config.pipeline_parallel_size > 1 or share == 0 or
+               config.data_parallel_backend == "ray")
+    return [msgspec.structs.replace(
+        config, data_parallel_rank=rank, **shared,
+        **({"cpu_threads_bind": ",".join(map(str, cpus[rank * share:(rank + 1) * share]))} if pin else {}))
+        for rank in range(size)]

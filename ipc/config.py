@@ -65,6 +65,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Mixture-of-experts models: each TP rank holds whole experts (a share of them) instead of a slice of every
     # expert; attention stays tensor parallel.
     enable_expert_parallel: bool = False
+    # Set by the spawner for each data-parallel engine: its rank among them, and, with enable_expert_parallel, the
+    # host:port where every engine's rank joins the expert-parallel group spanning them (workers/expert_group.py).
+    data_parallel_rank: Annotated[int, Meta(ge=0, le=1023)] = 0
+    data_parallel_ep_address: str | None = None
     # Weight quantization: None (as the checkpoint is stored), "int8" or "fp8" applied at load (per output
     # channel), or a checkpoint format (QUANTIZATION_METHODS) that must match the checkpoint's. The LM head (and an
     # embedding table tied to it) stays in the model dtype unless quantize_lm_head.

@@ -155,6 +155,8 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prefix_cache_hits: Count = 0
     prefix_cache_host_hits: Count = 0  # of those, found in the host-memory tier (kv_offload_bytes) and loaded from it
     spec_decoding: SpecDecodingStats | None = None  # when speculative decoding is configured
+    # Data parallel + expert parallel: steps this engine ran a dummy batch in, keeping pace with the others'
+    num_dummy_steps: Count = 0
 
 
 class EngineInfo(msgspec.Struct, kw_only=True):

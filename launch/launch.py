@@ -90,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-lora-rank", type=int, default=16)
     engine.add_argument("--max-cpu-loras", type=int, help="adapters kept loaded (default: --max-loras)")
     engine.add_argument("--enable-expert-parallel", action="store_true",
-                        help="MoE models under --tp: divide whole experts among the ranks")
+                        help="MoE models under --tp: divide whole experts among the ranks; with --dp > 1: among the "
+                             "engines, which step together (docs/parallel.md)")
     engine.add_argument("--ray-address", help="with --tp/--pp > 1: join this Ray cluster ('auto' or HOST:6379; "
                                               "default: start a private Ray on this machine)")
     engine.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),

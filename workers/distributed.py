@@ -5,13 +5,17 @@ import contextlib
 import os
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from workers.shm_communicator import ShmCommunicator, connect_shm
+
+if TYPE_CHECKING:
+    from workers.expert_group import EngineGroup
 
 _INIT_TIMEOUT = timedelta(minutes=5)
 
@@ -28,6 +32,8 @@ class ParallelState:
     tp_group: dist.ProcessGroup | None = None
     tp_comm: ShmCommunicator | None = None
     expert_parallel: bool = False  # MoE layers divide whole experts among the TP ranks instead of each expert
+    # With data parallel + expert parallel: the group of every engine's rank, which divides the experts instead.
+    experts: EngineGroup | None = None
 
     @property
     def rank(self) -> int:
@@ -89,6 +95,12 @@ def init_distributed(host: str, port: int, tp_rank: int, tp_size: int, pp_rank: 
         tp_comm = connect_shm(groups[pp_rank], tp_rank, tp_size, f"pagedserve-{host}-{port}-stage{pp_rank}")
     _state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, groups[pp_rank], tp_comm, expert_parallel)
     return _state
+
+
+def set_expert_group(experts: EngineGroup | None) -> None:
+    """This process's expert-parallel group across data-parallel engines (before the model is built), or none."""
+    global _state
+    _state = replace(_state, experts=experts)
 
 
 def shutdown_distributed() -> None:
@@ -166,3 +178,10 @@ def shard_range(total: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
         return unit, unit + 1
     raise ValueError(f"{total} cannot be split over tensor_parallel_size={tp_size}: "
                      "one must divide the other")
+
+
+def uneven_share(total: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, end) of `total` units held by `rank` of `size`: contiguous, the first total % size ranks one more."""
+    base, extra = divmod(total, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)

@@ -6,6 +6,8 @@ from collections import deque
 from typing import Protocol
 
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
+from workers.distributed import set_expert_group
+from workers.expert_group import join_group
 from workers.gpu_memory import release_device_memory
 from workers.step_grammars import LentGrammars
 from workers.worker import Worker
@@ -50,6 +52,9 @@ class InProcessExecutor:
     max_concurrent_batches = 1
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.data_parallel_ep_address is not None:  # before the model is built: it decides the experts held
+            set_expert_group(join_group(config.data_parallel_ep_address, "experts", config.data_parallel_rank,
+                                        config.data_parallel_size))
         self.worker = Worker(config)
         self.outputs: deque[ModelRunnerOutput] = deque()
 
@@ -90,4 +95,5 @@ class InProcessExecutor:
         another engine on the same GPU straight after (the Ray executor tears down its actors here)."""
         device = self.worker.device
         del self.worker
+        set_expert_group(None)
         release_device_memory(device)

@@ -17,6 +17,7 @@ from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
 from workers.encoder_cache import ENCODER_CACHE_BYTES, EncoderCache
 from workers.later_step_calls import LaterStepCalls
 from workers.layers.attention import Attention, DecodeMetadata
+from workers.layers.fused_moe import FusedMoE
 from workers.layers.sampler import Sampler
 from workers.lora.manager import LoRAManager
 from workers.model_inputs import (ModelInputs, PoolingJob, prompt_logprob_job, prompt_logprobs_of, rows_of,
@@ -53,6 +54,7 @@ class ModelRunner(RunnerCaches):
                                           config.max_model_len, self.sampler) if self.parallel.is_driver else None
         self.requests: dict[str, CachedRequestState] = {}
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         self.kv_caches: list[torch.Tensor] = []
         self.staging = PinnedStaging(staging_bytes(config), device) if device.type == "cuda" else None
         self.tensors = StepTensors(self.block_size, self.staging)
@@ -81,8 +83,10 @@ class ModelRunner(RunnerCaches):
         """The most decode steps one call runs (core/multi_step.py): on the CPU (CUDA graphs and decode ahead take
         that cost off the GPU's path), in one pipeline stage; under tensor parallelism every rank runs them
         (workers.later_step_calls), without drafts. With speculative decoding, each step verifies the drafts
-        proposed after the one before, except for a proposer that reads hidden states (later steps return none)."""
+        proposed after the one before, except for a proposer that reads hidden states (later steps return none).
+        Experts split over data-parallel engines: one forward pass per call, which every engine matches."""
         if (self.device.type != "cpu" or self.decode_graphs is not None or self.parallel.pp_size > 1
+                or self.parallel.experts is not None
                 or (self.parallel.tp_size > 1 and self.speculator is not None) or self._observes):
             return 1
         return self.config.num_scheduler_steps
@@ -108,6 +112,9 @@ class ModelRunner(RunnerCaches):
         self._update_states(scheduler_output)
         ahead, self.ahead, self.ahead_plan = self.ahead, None, None  # a step ahead serves the next step only
         if scheduler_output.total_num_scheduled_tokens == 0:
+            if self.parallel.experts is not None:  # a wave's dummy batch (core/waves.py)
+                for layer in self.moe_layers:
+                    layer.dummy_pass()
             return ModelRunnerOutput(sampled_token_ids={})
         inputs = self._prepare_inputs(scheduler_output, ahead)
         hidden = self.forward(inputs)

@@ -12,7 +12,8 @@ import zmq
 from ipc import Decoder, EngineConfig, Encoder, SchedulerOutput
 from ipc.serialization import Frame
 from workers.device import select_device
-from workers.distributed import free_port, init_distributed, parallel_state
+from workers.distributed import free_port, init_distributed, parallel_state, set_expert_group
+from workers.expert_group import join_group
 from workers.polling import poll, poll_budget_ns
 from workers.shm_channel import ShmChannel, attach_channel, executor_channel_paths
 from workers.worker import Worker
@@ -50,6 +51,11 @@ class RankWorker:
         of the model."""
         init_distributed(host, port, *self.grid, device=select_device(self.config.device),
                          expert_parallel=self.config.enable_expert_parallel)
+        config, (tp_rank, tp_size) = self.config, self.grid[:2]
+        if config.data_parallel_ep_address is not None:  # the experts split over every engine's TP ranks
+            set_expert_group(join_group(config.data_parallel_ep_address, "experts",
+                                        config.data_parallel_rank * tp_size + tp_rank,
+                                        config.data_parallel_size * tp_size))
         self.worker = Worker(self.config)
 
     def determine_num_kv_blocks(self) -> int:

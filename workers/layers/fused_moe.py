@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from kernels.fused_moe import fused_experts, select_experts
-from workers.distributed import parallel_state, shard_range, tp_all_reduce
+from workers.distributed import parallel_state, shard_range, tp_all_reduce, uneven_share
+from workers.expert_group import exchange_tokens
 from workers.layers.linear import Sliceable, copy_checked
 
 # model.layers.3.mlp.experts.7.gate_proj.weight → ("model.layers.3.mlp.experts", 7, "gate_proj")
@@ -32,13 +33,22 @@ class FusedMoE(nn.Module):
 
     Under TP every rank holds every expert's slice of the intermediate dimension; with expert parallel each rank
     holds whole experts, a contiguous share of them. Either way each rank's output is a partial sum, all-reduced.
+    With data parallel + expert parallel the share is of the ranks of every engine (uneven where they do not divide
+    the experts), and each layer exchanges the engines' tokens (workers/expert_group.py).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, routing: Routing) -> None:
         super().__init__()
         state = parallel_state()
         self.routing, self.tp_size, self.num_experts = routing, state.tp_size, num_experts
-        if state.expert_parallel:
+        self.group = state.experts
+        if self.group is not None:
+            if num_experts < self.group.size:
+                raise ValueError(f"expert parallel over {self.group.size} data-parallel ranks needs at least as "
+                                 f"many experts; the model has {num_experts}")
+            self.expert_range = uneven_share(num_experts, self.group.rank, self.group.size)
+            self.inter_range = (0, intermediate_size)
+        elif state.expert_parallel:
             self.expert_range = shard_range(num_experts, state.tp_rank, state.tp_size)
             self.inter_range = (0, intermediate_size)
         else:
@@ -69,8 +79,28 @@ class FusedMoE(nn.Module):
         r = self.routing
         weights, ids = select_experts(router_logits, r.top_k, r.renormalize, r.scoring, r.num_expert_group,
                                       r.topk_group, r.routed_scaling_factor, correction_bias)
-        out = fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.expert_range[0])
+        return self.run_experts(x, weights, ids)
+
+    @property
+    def spans_ranks(self) -> bool:
+        """Whether its experts are split over ranks (its output then takes a collective)."""
+        return self.tp_size > 1 or self.group is not None
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed tokens through the experts; an engine with no tokens passes none (its dummy pass)."""
+        if self.group is not None:
+            return exchange_tokens(self.group, x, weights, ids, self._local_experts)
+        out = self._local_experts(x, weights, ids)
         return tp_all_reduce(out) if self.tp_size > 1 else out
+
+    def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, self.expert_range[0])
+
+    def dummy_pass(self) -> None:
+        """Take part in the layer's exchange with no tokens of this engine's own."""
+        hidden, top_k = self.gate_up_proj.shape[2], self.routing.top_k
+        self.run_experts(torch.empty(0, hidden, dtype=self.gate_up_proj.dtype), torch.empty(0, top_k),
+                         torch.empty(0, top_k, dtype=torch.int64))
 
 
 def expert_target(name: str, expert_modules: dict[str, tuple[str, int]]) -> tuple[str, tuple[int, int]] | None:

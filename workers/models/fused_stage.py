@@ -41,7 +41,7 @@ def experts_form(block: nn.Module) -> dict | None:
     fields; None where the C++ layer does not compute it: sigmoid scores or group-limited routing (DeepSeek's),
     experts split over ranks, a quantized or biased router."""
     moe, router, routing = block.experts, block.gate, block.experts.routing
-    if routing.scoring != "softmax" or (routing.num_expert_group or 1) > 1 or moe.tp_size > 1 or \
+    if routing.scoring != "softmax" or (routing.num_expert_group or 1) > 1 or moe.spans_ranks or \
             router.weight_scale is not None or router.bias is not None or moe.gate_up_proj.dtype != router.weight.dtype:
         return None
     gate = getattr(block, "shared_expert_gate", None)
