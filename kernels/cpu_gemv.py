@@ -9,6 +9,7 @@ outer-product tiles take over and run near the FMA peak, still widening bf16 wei
 converting them per call. Where the CPU has AVX-512 BF16, bf16 products are its dot-product instruction's instead
 (gemv_bf16.h), and from a weight's pair_weight() copy, where the model keeps one, gemv_pairs.h's (any rows up to
 PAIRS_MAX_ROWS). Same arithmetic as the float32 path: float32 products and sums, one rounding to the output dtype.
+int8 and fp8 e4m3 weights with scales per row or per group of columns are read as stored (gemv_quantized).
 """
 from __future__ import annotations
 

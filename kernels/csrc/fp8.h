@@ -70,18 +70,6 @@ template <typename C>
 inline const float* widen_fp8_rows(const C* src, float* buf, int64_t count) {
   const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
   int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX2__)
-  for (; i + 16 <= count; i += 16) {
-    const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
-    __m256i half;
-    if constexpr (std::is_same_v<C, Fp8E4m3>)
-      half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
-                             _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
-    else
-      half = _mm256_slli_epi16(h, 8);
-    _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(half));
-  }
-#endif
 #if defined(__AVX2__) && defined(__F16C__)
   for (; i + 8 <= count; i += 8) _mm256_storeu_ps(buf + i, fp8_units8<C>(b + i));
 #endif
