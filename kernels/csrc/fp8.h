@@ -90,21 +90,23 @@ inline const uint16_t* fp8_bf16_table() {
   return table.data();
 }
 
-// fp8 rows as bf16 into buf, for the AVX-512 BF16 readers: 32 bytes at a time looked up in the 128-entry table held
-// in four registers (two two-source permutes and a blend on bit 6), the sign moved up.
+// fp8 rows as bf16 into buf, for the AVX-512 BF16 readers, 32 bytes at a time: a normal byte's exponent and
+// mantissa bits moved into bf16's and its exponent rebased (bias 7 or 15, less log2 kFp8Unit, against 127: 112 for
+// both kinds), a subnormal's (exponent bits 0) looked up in the table's first 32 entries, the sign moved up.
 template <typename C>
 inline const uint16_t* bf16_fp8_rows(const C* src, uint16_t* buf, int64_t count) {
   const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
   const uint16_t* table = fp8_bf16_table<C>();
   int64_t i = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  const __m512i t0 = _mm512_load_si512(table), t1 = _mm512_load_si512(table + 32);
-  const __m512i t2 = _mm512_load_si512(table + 64), t3 = _mm512_load_si512(table + 96);
-  const __m512i bit6 = _mm512_set1_epi16(0x40), sign = _mm512_set1_epi16(0x80);
+  constexpr bool e4m3 = std::is_same_v<C, Fp8E4m3>;
+  const __m512i subnormals = _mm512_load_si512(table), low7 = _mm512_set1_epi16(0x7F);
+  const __m512i rebase = _mm512_set1_epi16(112 << 7), exponent = _mm512_set1_epi16(e4m3 ? 0x78 : 0x7C);
+  const __m512i sign = _mm512_set1_epi16(0x80);
   for (; i + 32 <= count; i += 32) {
     const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i)));
-    const __m512i low = _mm512_permutex2var_epi16(t0, x, t1), high = _mm512_permutex2var_epi16(t2, x, t3);
-    const __m512i value = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, bit6), low, high);
+    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(x, low7), e4m3 ? 4 : 5), rebase);
+    const __m512i value = _mm512_mask_permutexvar_epi16(normal, _mm512_testn_epi16_mask(x, exponent), x, subnormals);
     _mm512_storeu_si512(buf + i, _mm512_or_si512(value, _mm512_slli_epi16(_mm512_and_si512(x, sign), 8)));
   }
 #endif

@@ -127,24 +127,34 @@ inline void gemv_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias
 }
 
 // One weight row w [K] (bf16 of fp8 values / kFp8Unit) against input rows m0..m0+MB with a scale per group of
-// `group` columns (K: one per row): each group's sums scaled once into the rows' running vectors.
+// `group` columns (K: one per row): each group's sums scaled once into the rows' running vectors. U sums per input
+// row, taken in turn over k, so that few rows do not wait on one sum's latency.
 template <int MB>
 inline void dot_groups_bf16(const uint16_t* w, const uint16_t* x, int64_t K, int64_t group, const float* scale,
                             float* acc) {
+  constexpr int U = MB == 1 ? 4 : MB == 2 ? 2 : 1;
   __m512 total[MB];
   for (int m = 0; m < MB; ++m) total[m] = _mm512_setzero_ps();
   for (int64_t g0 = 0; g0 < K; g0 += group) {
-    __m512 a[MB];
-    for (int m = 0; m < MB; ++m) a[m] = _mm512_setzero_ps();
-    auto step = [&](int64_t k, __mmask32 mask) {
+    __m512 a[MB][U];
+    for (int m = 0; m < MB; ++m)
+      for (int u = 0; u < U; ++u) a[m][u] = _mm512_setzero_ps();
+    auto step = [&](int64_t k, int u, __mmask32 mask) {
       const __m512bh wv = load32(w + k, mask);
-      for (int m = 0; m < MB; ++m) a[m] = _mm512_dpbf16_ps(a[m], wv, load32(x + m * K + k, mask));
+      for (int m = 0; m < MB; ++m) a[m][u] = _mm512_dpbf16_ps(a[m][u], wv, load32(x + m * K + k, mask));
     };
+    const __mmask32 all = _cvtu32_mask32(0xffffffffu);
     int64_t k = g0;
-    for (; k + 32 <= g0 + group; k += 32) step(k, _cvtu32_mask32(0xffffffffu));
-    if (k < g0 + group) step(k, _cvtu32_mask32((1u << (g0 + group - k)) - 1));
+    for (; k + 32 * U <= g0 + group; k += 32 * U)
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) step(k + 32 * u, u, all);
+    for (; k + 32 <= g0 + group; k += 32) step(k, 0, all);
+    if (k < g0 + group) step(k, 0, _cvtu32_mask32((1u << (g0 + group - k)) - 1));
     const __m512 s = _mm512_set1_ps(scale[g0 / group]);
-    for (int m = 0; m < MB; ++m) total[m] = _mm512_fmadd_ps(a[m], s, total[m]);
+    for (int m = 0; m < MB; ++m) {
+      for (int u = 1; u < U; ++u) a[m][0] = _mm512_add_ps(a[m][0], a[m][u]);
+      total[m] = _mm512_fmadd_ps(a[m][0], s, total[m]);
+    }
   }
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_reduce_add_ps(total[m]) * kFp8Unit<Fp8E4m3>;
 }
