@@ -146,13 +146,40 @@ def gemv_quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     per group of columns [N, K / group] (group a multiple of 8), the weight read as stored: half of bf16's bytes.
     Each row's (or group's) sum is scaled once, in float32 (from 12 rows on, a grouped weight is dequantized a tile
     at a time instead)."""
+    _check_scaled(weight, scale)
+    return _run(x, weight, scale.contiguous(), bias)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+               g_idx: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """kernels.quantized_matmul.dequantize in the C++ kernels, for the weights gemv_quantized takes (no zero points
+    or g_idx), into float32 or bf16: the tiles of quantized_linear's GEMMs past the kernel's rows."""
+    if zero is not None or g_idx is not None or dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"zero, g_idx, dtype: the kernel dequantizes symmetric scales into float32 or bf16, not "
+                         f"zero points, g_idx or {dtype}")
+    _check_scaled(weight, scale)
+    module = cpu_extension.load()
+    if module is None:
+        raise RuntimeError("the C++ CPU kernels could not be built")
+    weight, scale = weight.contiguous(), scale.contiguous()
+    out = torch.empty(weight.shape, dtype=dtype)
+    module.dequantize_scaled(dtype == torch.bfloat16, weight.dtype == torch.float8_e4m3fn, weight.data_ptr(),
+                             scale.data_ptr(), _group(weight, scale), out.data_ptr(), *weight.shape)
+    return out
+
+
+def _check_scaled(weight: torch.Tensor, scale: torch.Tensor) -> None:
     if weight.dtype not in SCALED_DTYPES or weight.dim() != 2:
-        raise ValueError(f"weight: gemv_quantized takes a 2-D int8 or float8_e4m3fn weight, not {weight.dtype}")
+        raise ValueError(f"weight: the kernels take a 2-D int8 or float8_e4m3fn weight, not {weight.dtype}")
     if scale.dtype != torch.float32 or scale.shape[:1] != weight.shape[:1] or scale.dim() not in (1, 2) \
             or (scale.dim() == 2 and not takes_groups(weight, scale)):
-        raise ValueError("scale: gemv_quantized takes a float32 scale [N] or [N, K / group] for a weight [N, K], "
-                         "the group a multiple of 8")
-    return _run(x, weight, scale.contiguous(), bias)
+        raise ValueError("scale: the kernels take a float32 scale [N] or [N, K / group] for a weight [N, K], the "
+                         "group a multiple of 8")
+
+
+def _group(weight: torch.Tensor, scale: torch.Tensor) -> int:
+    """The columns sharing a scale: 0 for a scale per row."""
+    return weight.shape[1] // scale.shape[1] if scale.dim() == 2 else 0
 
 
 def takes_groups(weight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -179,7 +206,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias
         module.gemv(bf16, rows.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), rows.shape[0], out_features,
                     in_features)
     else:
-        group = in_features // scale.shape[1] if scale.dim() == 2 else 0
         module.gemv_scaled(bf16, weight.dtype == torch.float8_e4m3fn, rows.data_ptr(), weight.data_ptr(),
-                           scale.data_ptr(), group, bias_ptr, out.data_ptr(), rows.shape[0], out_features, in_features)
+                           scale.data_ptr(), _group(weight, scale), bias_ptr, out.data_ptr(), rows.shape[0],
+                           out_features, in_features)
     return out.reshape(*x.shape[:-1], out_features)

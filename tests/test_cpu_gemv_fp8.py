@@ -74,21 +74,39 @@ def test_bad_scales_and_weights_are_refused_by_name():
         cpu_gemv.gemv_quantized(x, weight.view(torch.uint8), torch.ones(8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("groups", [0, 3])
+@pytest.mark.parametrize("stored", [torch.int8, torch.float8_e4m3fn])
+def test_kernel_dequantizes_as_the_twin_does(dtype, groups, stored):
+    """cpu_gemv.dequantize (the tiles of products past the kernel's rows) equals quantized_matmul.dequantize bit for
+    bit: each element times its scale in float32, rounded once to the dtype."""
+    generator = torch.Generator().manual_seed(groups)
+    weight, scale = fp8_weight(37, 120, groups, generator)
+    if stored == torch.int8:
+        weight = torch.randint(-128, 128, (37, 120), dtype=torch.int8, generator=generator)
+    assert torch.equal(cpu_gemv.dequantize(weight, scale, dtype=dtype), dequantize(weight, scale, dtype=dtype))
+    with pytest.raises(ValueError, match="zero"):
+        cpu_gemv.dequantize(weight, scale, torch.zeros_like(scale), dtype=dtype)
+
+
 def test_linear_reads_fp8_block_weights_in_the_kernel_up_to_its_rows(monkeypatch):
-    """matmul.linear hands fp8 products of few rows with block scales to the kernel; a block that does not divide
-    K (each column naming its group) and more rows than INT8_MAX_ROWS stay on the tiles dequantized in torch."""
+    """matmul.linear hands fp8 products of few rows with block scales to the kernel, and more rows than
+    INT8_MAX_ROWS to torch's GEMM on tiles the kernels dequantize; a block that does not divide K (each column
+    naming its group) stays on the tiles dequantized in torch."""
     generator = torch.Generator().manual_seed(4)
-    calls = []
-    kernel = cpu_gemv.gemv_quantized
+    calls, dequantized = [], []
+    kernel, dequantizer = cpu_gemv.gemv_quantized, cpu_gemv.dequantize
     monkeypatch.setattr(cpu_gemv, "gemv_quantized", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
+    monkeypatch.setattr(cpu_gemv, "dequantize", lambda *args: dequantized.append(1) or dequantizer(*args))
     fmt = FP8BlockFormat({"weight_block_size": [16, 32]})
     for columns, rows, served in ((96, 4, True), (96, cpu_gemv.INT8_MAX_ROWS + 1, False), (100, 4, False)):
         stored = (torch.randn(40, columns, generator=generator) * 100).to(torch.float8_e4m3fn)
         blocks = torch.rand(3, -(-columns // 32), generator=generator) + 0.01
         q = fmt.convert("layer", {"weight": stored, "weight_scale_inv": blocks})
         x = torch.randn(rows, columns, generator=generator)
-        calls.clear()
+        calls.clear(), dequantized.clear()
         with torch.inference_mode():
             out = matmul.linear(x, q.weight, None, q.scale, q.zero, q.g_idx)
         torch.testing.assert_close(out, linear_reference(x, q.weight, q.scale, None, q.g_idx), rtol=1e-5, atol=1e-4)
         assert calls == ([rows] if served else [])
+        assert bool(dequantized) == (q.g_idx is None and not served)

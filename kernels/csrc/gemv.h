@@ -162,6 +162,23 @@ void gemv_grouped(const T* x, const WT* w, const float* scale, const T* bias, T*
             y + m * N + n);
 }
 
+// w int8 or fp8 e4m3 [N, K] with scale [N] (group 0) or [N, K / group] (a multiple of 8) into out [N, K] of T: each
+// element times its scale in float32, rounded once to T (kernels/quantized_matmul.py's dequantize), for torch's GEMMs.
+template <typename T, typename WT>
+void dequantize_scaled(const WT* w, const float* scale, int64_t group, T* out, int64_t N, int64_t K) {
+  const int64_t width = group ? group : K, groups = K / width;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < N * groups; ++g) {
+    const int64_t first = g / groups * K + g % groups * width;
+    int64_t i = 0;
+#ifdef __AVX2__
+    for (const __m256 s = _mm256_set1_ps(scale[g]); i + 8 <= width; i += 8)
+      store8(_mm256_mul_ps(load8(w + first + i), s), out + first + i);
+#endif
+    for (; i < width; ++i) store(widen(w[first + i]) * scale[g], out + first + i);
+  }
+}
+
 // x [M, K], w int8 or fp8 e4m3 [N, K] with a float32 scale per row [N] (group 0) or per group of `group` columns
 // [N, K / group] (a multiple of 8), bias [N] or null, y [M, N]: gemm.h's tiles from kGemmMinRows rows on; short of
 // them, bf16 rows against fp8 weights by the bf16 dot products where the CPU has them, else gemv() or

@@ -50,6 +50,14 @@ void gemv_scaled(bool fp8, uintptr_t x, uintptr_t w, uintptr_t scale, int64_t gr
     pagedserve::gemv_scaled(in<T>(x), in<int8_t>(w), in<float>(scale), group, in<T>(bias), out<T>(y), m, n, k);
 }
 
+template <typename T>
+void dequantize_scaled(bool fp8, uintptr_t w, uintptr_t scale, int64_t group, uintptr_t o, int64_t n, int64_t k) {
+  if (fp8)
+    pagedserve::dequantize_scaled(in<pagedserve::Fp8E4m3>(w), in<float>(scale), group, out<T>(o), n, k);
+  else
+    pagedserve::dequantize_scaled(in<int8_t>(w), in<float>(scale), group, out<T>(o), n, k);
+}
+
 // pagedserve::stage_layers() over the stage.
 template <typename T>
 void decoder_layers(const StageArgs& args, uintptr_t x, uintptr_t residual, uintptr_t o, uintptr_t residual_out,
@@ -175,6 +183,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_scaled", [](bool bf16, bool fp8, uintptr_t x, uintptr_t w, uintptr_t scale, int64_t group,
                           uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k) {
     (bf16 ? gemv_scaled<uint16_t> : gemv_scaled<float>)(fp8, x, w, scale, group, bias, y, m, n, k);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("dequantize_scaled", [](bool bf16, bool fp8, uintptr_t w, uintptr_t scale, int64_t group, uintptr_t o,
+                                int64_t n, int64_t k) {
+    (bf16 ? dequantize_scaled<uint16_t> : dequantize_scaled<float>)(fp8, w, scale, group, o, n, k);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   // The phases of a layer between its products (torch's GEMMs run those), and a stage's final norm after them.
   m.def("before_attention", [](bool bf16, const LayerArgs& layer, uintptr_t x, uintptr_t residual,
