@@ -6,7 +6,7 @@ multiplied once per pass by `rows` random rows, so the weights stream from memor
 what linear() does without the kernel (F.linear, in float32 on CPUs without bf16 instructions). Best of 7.
 
 Then the same for int8 weights (one float32 scale per row, weight-only quantization), three ways: the kernel's
-gemv_int8, torch's int8 weight-only matmul (torch._weight_int8pack_mm, scales in the activations' dtype), and
+gemv_quantized, torch's int8 weight-only matmul (torch._weight_int8pack_mm, scales in the activations' dtype), and
 dequantizing into the GEMM's dtype per call (what kernels.matmul does past max_rows).
 
 --pairs (CPUs with AVX-512 BF16): bf16 products four ways, by row count, on the benchmark model's matrices and the
@@ -101,7 +101,7 @@ def compare_int8() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         scales = {id(q): (scale, scale.to(dtype)) for q, scale in quantized}
         ways = {
-            "gemv_int8": lambda x, q: cpu_gemv.gemv_int8(x, q, scales[id(q)][0]),
+            "gemv_quantized": lambda x, q: cpu_gemv.gemv_quantized(x, q, scales[id(q)][0]),
             "_weight_int8pack_mm": lambda x, q: torch._weight_int8pack_mm(x, q, scales[id(q)][1]),
             "dequantize+GEMM": lambda x, q: torch_path(x, (q.float() * scales[id(q)][0][:, None]).to(dtype)),
         }
@@ -109,8 +109,8 @@ def compare_int8() -> None:
             inputs = {k: torch.randn(rows, k).to(dtype) for k in (512, 1408)}
             times = {name: seconds_per_pass(fn, [q for q, _ in quantized], inputs) for name, fn in ways.items()}
             line = ", ".join(f"{name} {t * 1e3:7.2f} ms" for name, t in times.items())
-            rate = size / times["gemv_int8"] / 1e9
-            print(f"int8 weights, {str(dtype):15s} rows {rows:3d}: {line} (gemv_int8 {rate:.1f} GB/s)")
+            rate = size / times["gemv_quantized"] / 1e9
+            print(f"int8 weights, {str(dtype):15s} rows {rows:3d}: {line} (gemv_quantized {rate:.1f} GB/s)")
 
 
 if __name__ == "__main__":

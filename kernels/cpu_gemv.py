@@ -9,6 +9,7 @@ outer-product tiles take over and run near the FMA peak, still widening bf16 wei
 converting them per call. Where the CPU has AVX-512 BF16, bf16 products are its dot-product instruction's instead
 (gemv_bf16.h), and from a weight's pair_weight() copy, where the model keeps one, gemv_pairs.h's (any rows up to
 PAIRS_MAX_ROWS). Same arithmetic as the float32 path: float32 products and sums, one rounding to the output dtype.
+int8 and fp8 e4m3 weights with scales per row or per group of columns are read as stored (gemv_quantized).
 """
 from __future__ import annotations
 
@@ -20,10 +21,14 @@ from kernels import cpu_extension
 from kernels.cpu_features import cpu_flags, cpu_has_native_bf16
 
 
-# int8 weights: the alternative past the kernel dequantizes the whole weight per call, so the kernel wins longer.
+# int8 and fp8 weights: the alternative past the kernel dequantizes the whole weight per call, so the kernel wins
+# longer.
 # benchmarks/cpu_gemv.py (2-core AVX2, 33 matrices): at 64 rows 65 ms against 89-134 ms dequantizing, at 256 rows
 # 237-252 ms against 186-218 ms; torch._weight_int8pack_mm measured alongside was never clearly faster.
 INT8_MAX_ROWS = 64
+
+# The weight dtypes the kernels read with float32 scales per row or group (gemv_quantized).
+SCALED_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 # float32 weights: torch's float32 GEMM catches up past this many rows (measured below).
@@ -50,8 +55,8 @@ PAIRS_MAX_ROWS = 64
 
 
 def max_rows(dtype: torch.dtype, weight: torch.Tensor | None = None, pairs: torch.Tensor | None = None) -> int:
-    """The most rows of `dtype` the kernels take (for `weight`, if given: an int8 one takes INT8_MAX_ROWS, a small
-    bf16 one SMALL_BF16_MAX_ROWS where the CPU has bf16 instructions, a bf16 one with its `pairs` copy
+    """The most rows of `dtype` the kernels take (for `weight`, if given: an int8 or fp8 one takes INT8_MAX_ROWS, a
+    small bf16 one SMALL_BF16_MAX_ROWS where the CPU has bf16 instructions, a bf16 one with its `pairs` copy
     PAIRS_MAX_ROWS), each measured against torch's path on the benchmark model's 33 matrices (python
     benchmarks/cpu_gemv.py, best of 7).
 
@@ -62,7 +67,7 @@ def max_rows(dtype: torch.dtype, weight: torch.Tensor | None = None, pairs: torc
     2.4x at 4, 1.5x at 8, 0.95x at 12, 0.86x at 16, hence NATIVE_BF16_MAX_ROWS; float32 1.4-2.9x at 1-64 rows,
     1.1-1.2x at 128-512, 0.94x at 1024. With AVX-512 but no bf16 instructions the kernels keep to 4 bf16 and 64
     float32 rows, where a step is surely memory-bound (unmeasured: no such CPU here)."""
-    if weight is not None and weight.dtype == torch.int8:
+    if weight is not None and weight.dtype in SCALED_DTYPES:
         return INT8_MAX_ROWS
     if pairs is not None and dtype == torch.bfloat16:
         return PAIRS_MAX_ROWS
@@ -112,11 +117,11 @@ def fits_pairs(weight: torch.Tensor, pairs: torch.Tensor) -> bool:
 
 def serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pairs: torch.Tensor | None = None
            ) -> bool:
-    """Whether gemv() (or gemv_int8() for an int8 weight) takes this product: on the CPU, up to max_rows rows (for
-    this weight, and its `pairs` copy where given), float32 or bfloat16 activations, weight and bias, kernel
-    built."""
+    """Whether gemv() (or gemv_quantized() for an int8 or fp8 weight) takes this product: on the CPU, up to max_rows
+    rows (for this weight, and its `pairs` copy where given), float32 or bfloat16 activations, weight and bias,
+    kernel built."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and weight.dtype in (x.dtype, torch.int8)
+            and (weight.dtype == x.dtype or weight.dtype in SCALED_DTYPES)
             and x.numel() <= max_rows(x.dtype, weight, pairs) * weight.shape[-1]
             and weight.dim() == 2 and weight.is_contiguous()
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
@@ -135,16 +140,46 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return _run(x, weight, None, bias)
 
 
-def gemv_int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
-              ) -> torch.Tensor:
-    """F.linear(x, weight * scale, bias) for an int8 weight [N, K] with a float32 scale per row [N] or per group of
-    columns [N, K / group] (group a multiple of 8), the weight read as int8: half of bf16's bytes. Each row's (or
-    group's) sum is scaled once, in float32."""
-    if weight.dtype != torch.int8 or scale.dtype != torch.float32 or scale.shape[:1] != weight.shape[:1] \
-            or scale.dim() not in (1, 2) or (scale.dim() == 2 and not takes_groups(weight, scale)):
-        raise ValueError("gemv_int8 takes an int8 weight [N, K] and a float32 scale [N] or [N, K / group], "
-                         "the group a multiple of 8")
+def gemv_quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """F.linear(x, weight * scale, bias) for an int8 or fp8 e4m3 weight [N, K] with a float32 scale per row [N] or
+    per group of columns [N, K / group] (group a multiple of 8), the weight read as stored: half of bf16's bytes.
+    Each row's (or group's) sum is scaled once, in float32 (from 12 rows on, a grouped weight is dequantized a tile
+    at a time instead)."""
+    _check_scaled(weight, scale)
     return _run(x, weight, scale.contiguous(), bias)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
+               g_idx: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """kernels.quantized_matmul.dequantize in the C++ kernels, for the weights gemv_quantized takes (no zero points
+    or g_idx), into float32 or bf16: the tiles of quantized_linear's GEMMs past the kernel's rows."""
+    if zero is not None or g_idx is not None or dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"zero, g_idx, dtype: the kernel dequantizes symmetric scales into float32 or bf16, not "
+                         f"zero points, g_idx or {dtype}")
+    _check_scaled(weight, scale)
+    module = cpu_extension.load()
+    if module is None:
+        raise RuntimeError("the C++ CPU kernels could not be built")
+    weight, scale = weight.contiguous(), scale.contiguous()
+    out = torch.empty(weight.shape, dtype=dtype)
+    module.dequantize_scaled(dtype == torch.bfloat16, weight.dtype == torch.float8_e4m3fn, weight.data_ptr(),
+                             scale.data_ptr(), _group(weight, scale), out.data_ptr(), *weight.shape)
+    return out
+
+
+def _check_scaled(weight: torch.Tensor, scale: torch.Tensor) -> None:
+    if weight.dtype not in SCALED_DTYPES or weight.dim() != 2:
+        raise ValueError(f"weight: the kernels take a 2-D int8 or float8_e4m3fn weight, not {weight.dtype}")
+    if scale.dtype != torch.float32 or scale.shape[:1] != weight.shape[:1] or scale.dim() not in (1, 2) \
+            or (scale.dim() == 2 and not takes_groups(weight, scale)):
+        raise ValueError("scale: the kernels take a float32 scale [N] or [N, K / group] for a weight [N, K], the "
+                         "group a multiple of 8")
+
+
+def _group(weight: torch.Tensor, scale: torch.Tensor) -> int:
+    """The columns sharing a scale: 0 for a scale per row."""
+    return weight.shape[1] // scale.shape[1] if scale.dim() == 2 else 0
 
 
 def takes_groups(weight: torch.Tensor, scale: torch.Tensor) -> bool:
@@ -170,11 +205,8 @@ def _run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias
     elif scale is None:
         module.gemv(bf16, rows.data_ptr(), weight.data_ptr(), bias_ptr, out.data_ptr(), rows.shape[0], out_features,
                     in_features)
-    elif scale.dim() == 2:
-        module.gemv_int8_grouped(bf16, rows.data_ptr(), weight.data_ptr(), scale.data_ptr(), bias_ptr,
-                                 out.data_ptr(), rows.shape[0], out_features, in_features,
-                                 in_features // scale.shape[1])
     else:
-        module.gemv_int8(bf16, rows.data_ptr(), weight.data_ptr(), scale.data_ptr(), bias_ptr, out.data_ptr(),
-                         rows.shape[0], out_features, in_features)
+        module.gemv_scaled(bf16, weight.dtype == torch.float8_e4m3fn, rows.data_ptr(), weight.data_ptr(),
+                           scale.data_ptr(), _group(weight, scale), bias_ptr, out.data_ptr(), rows.shape[0],
+                           out_features, in_features)
     return out.reshape(*x.shape[:-1], out_features)

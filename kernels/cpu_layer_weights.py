@@ -30,7 +30,8 @@ class DecoderLayerWeights:
     """One layer's parameters (biases None where absent) and shape, and the form of its family's layer
     (decoder_layer.h's DecoderLayer: llama's by default); tensors, so a reloaded weight is followed.
 
-    A projection may be int8 with a float32 scale per output row or group (weight-only quantization): its *_scale.
+    A projection may be int8 or fp8 e4m3 with a float32 scale per output row or group (weight-only quantization):
+    its *_scale.
     A bf16 projection may come with its kernels.cpu_gemv.pair_weight copy (*_pairs), which its products then read.
     Every norm is of norm_kind ("rms", Gemma's "gemma" (1 + w), or "layer": LayerNorm with its *_bias) with eps:
     input_norm before attention, post_norm before the MLP, and where given attn_out_norm and mlp_out_norm on the
@@ -129,20 +130,21 @@ class DecoderLayerWeights:
                 NORM_KINDS[self.norm_kind], ACTIVATIONS[self.activation], int(self.parallel_residual),
                 int(self.qkv_per_head), int(self.scale_q_first), *experts,
                 *(0 if slots is None else slots.a.shape[1] for slots in self._loras()),
-                int(any(slots is not None and slots.a.dtype == torch.bfloat16 for slots in self._loras()))]
+                int(any(slots is not None and slots.a.dtype == torch.bfloat16 for slots in self._loras())),
+                *(int(weight is not None and weight.dtype == torch.float8_e4m3fn) for weight, _ in self._projections())]
         return [pointer(t) for t in tensors], dims, [self.eps, self.scale, self.soft_cap, self.routed_scaling]
 
     def check(self, dtype: torch.dtype) -> None:
-        """Each projection of the hidden states' dtype, or int8 with its float32 scales (per row or group); norms,
-        biases and rotary tables that fit the shape."""
+        """Each projection of the hidden states' dtype, or int8 or fp8 with its float32 scales (per row or group);
+        norms, biases and rotary tables that fit the shape."""
         for weight, scale in self._projections():
             if weight is None:
                 continue
-            int8 = weight.dtype == torch.int8 and scale is not None and scale.dtype == torch.float32 \
+            scaled = weight.dtype in cpu_gemv.SCALED_DTYPES and scale is not None and scale.dtype == torch.float32 \
                 and scale.is_contiguous() and _scale_group(weight, scale) is not None
-            if not (int8 or (weight.dtype == dtype and scale is None)):
-                raise TypeError("a projection's weight must be of the hidden states' dtype, or int8 with float32 "
-                                "scales per row [N] or per group of a multiple of 8 columns [N, K / group]")
+            if not (scaled or (weight.dtype == dtype and scale is None)):
+                raise TypeError("a projection's weight must be of the hidden states' dtype, or int8 or fp8 e4m3 with "
+                                "float32 scales per row [N] or per group of a multiple of 8 columns [N, K / group]")
         hidden, width = self.qkv.shape[1], self.intermediate * (2 if self.activation.endswith("_glu") else 1)
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         shapes = {"input_norm": hidden, "post_norm": hidden, "input_norm_bias": hidden, "post_norm_bias": hidden,
@@ -238,9 +240,9 @@ def _scale_group(weight: torch.Tensor, scale: torch.Tensor) -> int | None:
 
 def takes_projection(weight: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
                      g_idx: torch.Tensor | None) -> bool:
-    """Whether the one-call layer reads this projection: unquantized, or symmetric int8 with scales per row or per
-    group (GGUF's Q8_0)."""
-    return scale is None or (weight.dtype == torch.int8 and zero is None and g_idx is None
+    """Whether the one-call layer reads this projection: unquantized, or symmetric int8 or fp8 e4m3 with scales per
+    row or per group (GGUF's Q8_0, fp8 block checkpoints' blocks along K where they divide it)."""
+    return scale is None or (weight.dtype in cpu_gemv.SCALED_DTYPES and zero is None and g_idx is None
                              and _scale_group(weight, scale) is not None)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_gemv, cpu_prepacked
+from kernels import cpu_extension, cpu_gemv, cpu_prepacked
 from kernels.backend import use_triton
 from kernels.cpu_features import matmul_dtype
 from kernels.gemv_choice import GemvConfig
@@ -21,8 +21,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     CPU (decode at small batch) go to the GEMV kernel, which streams the weight once.
 
     A quantized weight (int8, packed 4-bit, fp8) comes with its scales and optional zero points and act-order
-    g_idx. Symmetric int8 read by few rows stays int8 (the GEMV kernel); the rest is dequantized a tile of rows at
-    a time into the GEMM's dtype.
+    g_idx. Symmetric int8 and fp8 read by few rows stay as stored (the GEMV kernel); the rest is dequantized a tile
+    of rows at a time into the GEMM's dtype (by the C++ kernels where they take the weight).
 
     `pairs`, the weight's kernels.cpu_gemv.pair_weight copy where the model keeps one, serves bf16 products of up to
     cpu_gemv.PAIRS_MAX_ROWS rows; `packed`, its kernels.cpu_prepacked copy, the GEMMs the GEMV kernel does not take.
@@ -50,9 +50,11 @@ def _quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                       zero: torch.Tensor | None, g_idx: torch.Tensor | None) -> torch.Tensor:
     if scale is None:
         raise ValueError(f"a {weight.dtype} weight needs its weight_scale")
-    if weight.dtype == torch.int8 and zero is None and g_idx is None and cpu_gemv.serves(x, weight, bias) \
-            and (scale.dim() == 1 or cpu_gemv.takes_groups(weight, scale)):
-        return cpu_gemv.gemv_int8(x, weight, scale, bias)
+    if weight.dtype in cpu_gemv.SCALED_DTYPES and zero is None and g_idx is None and x.device.type == "cpu" \
+            and (scale.dim() == 1 or cpu_gemv.takes_groups(weight, scale)) and cpu_extension.ready() is not None:
+        if cpu_gemv.serves(x, weight, bias):
+            return cpu_gemv.gemv_quantized(x, weight, scale, bias)
+        return quantized_linear(x, weight, scale, None, None, bias, dequantizer=cpu_gemv.dequantize)
     if weight.dtype == torch.float8_e4m3fn and fp8_tensor_cores(x, weight, scale, zero, g_idx):
         return _fp8_scaled_mm(x, weight, scale, bias)
     if weight.dtype != torch.float8_e4m3fn and use_triton(x):  # other fp8 cases dequantize tiles in torch

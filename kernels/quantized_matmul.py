@@ -13,6 +13,8 @@ Real weight = (q - zero) * scale, of that column's group.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -79,8 +81,10 @@ def check_quantized(weight: torch.Tensor, scale: torch.Tensor | None, zero: torc
 
 
 def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
-                     g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, dequantize(...), bias) in the GEMM dtype of x, a tile of output rows at a time."""
+                     g_idx: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                     dequantizer: Callable[..., torch.Tensor] = dequantize) -> torch.Tensor:
+    """F.linear(x, dequantize(...), bias) in the GEMM dtype of x, a tile of output rows at a time (dequantized by
+    `dequantizer`, dequantize's signature: the C++ kernels' kernels.cpu_gemv.dequantize where they take the weight)."""
     compute = matmul_dtype(x.dtype, x.device)
     rows = x.reshape(-1, x.shape[-1]).to(compute)
     out_features = weight.shape[0]
@@ -88,8 +92,8 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     out = torch.empty(rows.shape[0], out_features, dtype=compute, device=x.device)
     for start in range(0, out_features, tile):
         end = min(start + tile, out_features)
-        w = dequantize(weight[start:end], scale[start:end], None if zero is None else zero[start:end], g_idx,
-                       compute)
+        w = dequantizer(weight[start:end], scale[start:end], None if zero is None else zero[start:end], g_idx,
+                        compute)
         out[:, start:end] = rows @ w.t()
     if bias is not None:
         out += bias.to(compute)

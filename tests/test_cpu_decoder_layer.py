@@ -25,6 +25,7 @@ from workers.models.opt import OPTDecoderLayer
 from workers.models.qwen2 import Qwen2DecoderLayer
 from workers.models.qwen2_moe import Qwen2MoeDecoderLayer
 from workers.models.qwen3 import Qwen3DecoderLayer
+from workers.quantization.fp8_blocks import FP8BlockFormat
 from workers.quantization.online import quantize_model_rows
 
 BLOCK_SIZE = 8
@@ -182,6 +183,48 @@ def test_int8_projections_equal_the_layers_own_forward(dtype, seqs, scales, prod
     assert layer.self_attn.qkv_proj.weight.dtype == torch.int8
     assert layer.mlp.down_proj.weight_scale.dim() == (1 if scales == "rows" else 2)
     assert layer.takes_one_call
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqs", [[(1, 1)], [(9, 1), (70, 5), (130, 3)]], ids=["one decode", "mixed"])
+@pytest.mark.parametrize("scales", ["rows", "blocks"])
+def test_fp8_projections_equal_the_layers_own_forward(dtype, seqs, scales):
+    """fp8 e4m3 weights: the kernel reads each projection as fp8 with its scales per row, or per block of 16 rows by
+    128 columns (8 where 128 does not divide the columns) as the fp8 checkpoint loader keeps them (groups along K)."""
+    layer_class, config = CASES["qwen2 biases, head_dim 128, window" if scales == "rows" else "llama head_dim 64"]
+    layer = make_layer(layer_class, config, dtype, seed=3)
+    exact = make_layer(layer_class, config, torch.float32, seed=0) if dtype == torch.bfloat16 else None
+    if exact is not None:
+        exact.load_state_dict({name: value.float() for name, value in layer.state_dict().items()})
+    for each in (layer, exact):
+        if each is not None:
+            quantize_fp8(each, scales)
+    assert_fused_matches(layer, layer_class, config, dtype, seqs, first_layer=False, exact_layer=exact)
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    assert layer.mlp.down_proj.weight_scale.dim() == (1 if scales == "rows" else 2)
+    assert layer.takes_one_call and layer.fused_weights.max_rows() == cpu_gemv.INT8_MAX_ROWS
+
+
+def quantize_fp8(model: torch.nn.Module, scales: str) -> None:
+    """Every projection to fp8 e4m3: absmax / 448 per row, or per block through the checkpoint loader's convert."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, Linear)):
+            weight = module.weight.data.float()
+            if scales == "rows":
+                scale = (weight.abs().amax(-1) / 448).clamp(min=1e-12)
+                q = (weight / scale[:, None]).to(torch.float8_e4m3fn)
+            else:
+                rows, columns = weight.shape
+                block = (16, next(g for g in (128, 8) if columns % g == 0))
+                padded = torch.nn.functional.pad(weight, (0, 0, 0, -rows % block[0]))
+                blocks = padded.view(-1, block[0], columns // block[1], block[1])
+                block_scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-12)
+                q = (blocks / block_scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(padded.shape)[:rows]
+                fmt = FP8BlockFormat({"weight_block_size": list(block)})
+                converted = fmt.convert("projection", {"weight": q, "weight_scale_inv": block_scale})
+                q, scale = converted.weight, converted.scale
+            module.weight = torch.nn.Parameter(q, requires_grad=False)
+            module.weight_scale = scale
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

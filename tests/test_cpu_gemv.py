@@ -73,7 +73,7 @@ def test_int8_weights_match_the_float64_twin_of_the_scaled_weight(dtype, rows, g
     bias = torch.randn(67, generator=generator).to(dtype)
     dequantized = weight.double() * (scale.double().repeat_interleave(96 // groups, dim=1) if groups
                                      else scale.double()[:, None])
-    out = cpu_gemv.gemv_int8(x, weight, scale, bias)
+    out = cpu_gemv.gemv_quantized(x, weight, scale, bias)
     expected = F.linear(x.double(), dequantized, bias.double())
     tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-2)
     torch.testing.assert_close(out.double(), expected.to(dtype).double(), **tolerance)

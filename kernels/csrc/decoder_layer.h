@@ -17,7 +17,7 @@
 
 namespace pagedserve {
 
-// A projection's weight: T, or int8 with a float32 scale per output row or per group of input columns
+// A projection's weight: T, or int8 or fp8 e4m3 with a float32 scale per output row or per group of input columns
 // (weight-only quantization).
 struct Projection {
   const void* weight;
@@ -25,6 +25,7 @@ struct Projection {
   int64_t group;  // 0: one scale per row; else the columns sharing a scale (scale is [N, K / group])
   const uint16_t* pairs = nullptr;  // a bf16 weight's gemv_pairs.h copy, which its products then read; or null
   LoraSlots lora;  // its adapter slots (lora.h), or none
+  bool fp8 = false;  // a scaled weight's elements: fp8 e4m3, else int8
 };
 
 // y = x W^T + b from W's pairs copy where it has one (bf16 on AVX-512 BF16 CPUs), else from W.
@@ -64,10 +65,10 @@ struct DecoderLayer {
 template <typename T>
 void project(const Projection& p, const T* x, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
              const int64_t* lora_slots) {
-  if (p.scale && p.group)
-    gemv_grouped(x, static_cast<const int8_t*>(p.weight), p.scale, bias, y, M, N, K, p.group);
+  if (p.scale && p.fp8)
+    gemv_scaled(x, static_cast<const Fp8E4m3*>(p.weight), p.scale, p.group, bias, y, M, N, K);
   else if (p.scale)
-    gemv(x, static_cast<const int8_t*>(p.weight), bias, y, M, N, K, p.scale);
+    gemv_scaled(x, static_cast<const int8_t*>(p.weight), p.scale, p.group, bias, y, M, N, K);
   else
     products(x, static_cast<const T*>(p.weight), p.pairs, bias, y, M, N, K);
   add_lora(p.lora, x, y, M, N, K, lora_slots);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common.h"
+#include "fp8.h"
 
 namespace pagedserve {
 
@@ -106,22 +107,36 @@ inline void weight_tile(int nr, const float* w, int64_t ldw, const float* block,
   }
 }
 
-// The weight rows of one tile as float32: bf16 or int8 widened into `scratch`, float32 used in place.
-inline const float* tile_weights(const float* w, int64_t, std::vector<float>&) { return w; }
+// The weight rows of one tile (rows x K) as float32: bf16, int8 or fp8 widened into `scratch`, each column times
+// its group's scale where `group` is set (scale: the tile's rows' [rows, K / group]; the dequantized weight), float32
+// used in place.
+inline const float* tile_weights(const float* w, int64_t, int64_t, const float*, int64_t, std::vector<float>&) {
+  return w;
+}
 template <typename WT>
-inline const float* tile_weights(const WT* w, int64_t count, std::vector<float>& scratch) {
+inline const float* tile_weights(const WT* w, int64_t rows, int64_t K, const float* scale, int64_t group,
+                                 std::vector<float>& scratch) {
+  float* out = scratch.data();
+  if (group) {
+    for (int64_t g = 0; g < rows * K / group; ++g) {
+      const __m256 s = _mm256_set1_ps(scale[g]);
+      for (int64_t i = g * group; i < (g + 1) * group; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(load8(w + i), s));
+    }
+    return out;
+  }
   int64_t i = 0;
-  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(scratch.data() + i, load8(w + i));
-  for (; i < count; ++i) scratch[i] = widen(w[i]);
-  return scratch.data();
+  for (; i + 8 <= rows * K; i += 8) _mm256_storeu_ps(out + i, load8(w + i));
+  for (; i < rows * K; ++i) out[i] = widen(w[i]);
+  return out;
 }
 
-// Up to kChunkRows rows of x [M, K] against w [N, K] (int8 with scale [N]: each sum times its row's scale): pack
-// the rows, then each thread takes tiles of weight rows, widens one, and runs every block of rows over it, kBlockK
-// columns at a time.
+// Up to kChunkRows rows of x [M, K] against w [N, K] (int8 or fp8 with scale [N]: each sum times its row's scale;
+// with scale [N, K / group]: the weight dequantized per tile): pack the rows, then each thread takes tiles of weight
+// rows, widens one, and runs every block of rows over it, kBlockK columns at a time.
 template <typename T, typename WT>
-void gemm_chunk(const T* x, const WT* w, const T* bias, const float* scale, T* y, int64_t M, int64_t N, int64_t K,
-                std::vector<float>& packed) {
+void gemm_chunk(const T* x, const WT* w, const T* bias, const float* scale, int64_t group, T* y, int64_t M, int64_t N,
+                int64_t K, std::vector<float>& packed) {
   const int64_t blocks = (M + kTileRows - 1) / kTileRows, tiles = (N + kTileWeights - 1) / kTileWeights;
 #pragma omp parallel
   {
@@ -133,7 +148,7 @@ void gemm_chunk(const T* x, const WT* w, const T* bias, const float* scale, T* y
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t n0 = t * kTileWeights;
       const int nr = int(std::min<int64_t>(kTileWeights, N - n0));
-      const float* wt = tile_weights(w + n0 * K, nr * K, scratch);
+      const float* wt = tile_weights(w + n0 * K, nr, K, group ? scale + n0 * (K / group) : nullptr, group, scratch);
       for (int64_t k0 = 0; k0 < K; k0 += kBlockK)
         for (int64_t b = 0; b < blocks; ++b)
           weight_tile(nr, wt + k0, K, packed.data() + (b * K + k0) * kTileRows, std::min(kBlockK, K - k0),
@@ -143,7 +158,7 @@ void gemm_chunk(const T* x, const WT* w, const T* bias, const float* scale, T* y
         const int64_t m0 = b * kTileRows, rows = std::min<int64_t>(kTileRows, M - m0);
         const float* out = sums.data() + b * kTileWeights * kTileRows;
         for (int r = 0; r < nr; ++r) {
-          const float add = bias ? widen(bias[n0 + r]) : 0.f, times = scale ? scale[n0 + r] : 1.f;
+          const float add = bias ? widen(bias[n0 + r]) : 0.f, times = scale && !group ? scale[n0 + r] : 1.f;
           for (int64_t m = 0; m < rows; ++m) store(out[r * kTileRows + m] * times + add, y + (m0 + m) * N + n0 + r);
         }
       }
@@ -151,13 +166,14 @@ void gemm_chunk(const T* x, const WT* w, const T* bias, const float* scale, T* y
   }
 }
 
-// x [M, K], w [N, K], bias [N] or null, y [M, N], all T (float or bf16 bits); or w int8 with scale [N].
+// x [M, K], w [N, K], bias [N] or null, y [M, N], all T (float or bf16 bits); or w int8 or fp8 e4m3 with scale
+// [N] (group 0) or [N, K / group] (a multiple of 8).
 template <typename T, typename WT = T>
 void gemm(const T* x, const WT* w, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
-          const float* scale = nullptr) {
+          const float* scale = nullptr, int64_t group = 0) {
   std::vector<float> packed(std::min(M + kTileRows, kChunkRows) * K);
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows)
-    gemm_chunk(x + m0 * K, w, bias, scale, y + m0 * N, std::min(kChunkRows, M - m0), N, K, packed);
+    gemm_chunk(x + m0 * K, w, bias, scale, group, y + m0 * N, std::min(kChunkRows, M - m0), N, K, packed);
 }
 
 }  // namespace pagedserve

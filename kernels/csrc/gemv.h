@@ -1,14 +1,16 @@
 // Small-batch matrix-vector products y = x W^T + b that stream W once at memory speed, bf16 widened in registers
 // (12 rows or more of a plain weight go to gemm.h's register tiles; bf16 ones to gemv_bf16.h's bf16 dot products
 // where the CPU has them).
-// W may be int8 with a float32 scale per output row (weight-only quantization): y = (x . q) * scale + b, or per
-// group of G input columns (GGUF's Q8_0: G = 32): y = sum over groups of (x_g . q_g) * scale_g + b.
+// W may be int8 or fp8 e4m3 with a float32 scale per output row (weight-only quantization): y = (x . q) * scale + b,
+// or per group of G input columns (GGUF's Q8_0: G = 32; fp8 block checkpoints' blocks along K): y = sum over groups
+// of (x_g . q_g) * scale_g + b (gemv_scaled).
 #pragma once
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
 #include "common.h"
+#include "fp8.h"
 #include "gemm.h"
 #include "gemv_bf16.h"
 
@@ -73,8 +75,8 @@ inline void output_tile(const WT* w, const float* x, const T* bias, const float*
             y + (m0 + m) * N + n + r);
 }
 
-// x [M, K], w [N, K] (T, or int8 with scale [N]), bias [N] or null, y [M, N]; float32 accumulation, one rounding
-// to T at the end.
+// x [M, K], w [N, K] (T, or int8 / fp8 e4m3 with scale [N]), bias [N] or null, y [M, N]; float32 accumulation,
+// one rounding to T at the end.
 template <typename T, typename WT = T>
 void gemv(const T* x, const WT* w, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
           const float* scale = nullptr) {
@@ -107,7 +109,8 @@ void gemv(const T* x, const WT* w, const T* bias, T* y, int64_t M, int64_t N, in
 
 #ifdef __AVX2__
 // One group's products, summed in a vector (group a multiple of 8).
-inline __m256 group_products(const int8_t* w, const float* x, int64_t group) {
+template <typename WT>
+inline __m256 group_products(const WT* w, const float* x, int64_t group) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0;
   int64_t k = 0;
   for (; k + 16 <= group; k += 16) {
@@ -119,10 +122,11 @@ inline __m256 group_products(const int8_t* w, const float* x, int64_t group) {
 }
 #endif
 
-// Row w [K] int8 against x [K] with a scale per group of `group` columns (a multiple of 8): each group's
+// Row w [K] (int8 or fp8) against x [K] with a scale per group of `group` columns (a multiple of 8): each group's
 // products are summed in a vector and scaled once into one of two running vectors (two, so that consecutive groups
 // do not wait on each other); one horizontal sum at the end.
-inline float dot_grouped(const int8_t* w, const float* x, const float* scale, int64_t K, int64_t group) {
+template <typename WT>
+inline float dot_grouped(const WT* w, const float* x, const float* scale, int64_t K, int64_t group) {
 #ifdef __AVX2__
   __m256 t0 = _mm256_setzero_ps(), t1 = t0;
   int64_t k = 0, g = 0;
@@ -136,17 +140,17 @@ inline float dot_grouped(const int8_t* w, const float* x, const float* scale, in
   float sum = 0.f;
   for (int64_t k = 0, g = 0; k < K; ++g) {
     float part = 0.f;
-    for (const int64_t end = k + group; k < end; ++k) part += float(w[k]) * x[k];
+    for (const int64_t end = k + group; k < end; ++k) part += widen(w[k]) * x[k];
     sum += part * scale[g];
   }
   return sum;
 #endif
 }
 
-// x [M, K], w int8 [N, K] with scale [N, K / group], bias [N] or null, y [M, N]. A weight row (K bytes) stays in
-// L1 while every input row passes over it.
-template <typename T>
-void gemv_grouped(const T* x, const int8_t* w, const float* scale, const T* bias, T* y, int64_t M, int64_t N,
+// x [M, K], w int8 or fp8 [N, K] with scale [N, K / group], bias [N] or null, y [M, N]. A weight row (K bytes)
+// stays in L1 while every input row passes over it.
+template <typename T, typename WT>
+void gemv_grouped(const T* x, const WT* w, const float* scale, const T* bias, T* y, int64_t M, int64_t N,
                   int64_t K, int64_t group) {
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(x[i]);
@@ -156,6 +160,41 @@ void gemv_grouped(const T* x, const int8_t* w, const float* scale, const T* bias
     for (int64_t m = 0; m < M; ++m)
       store(dot_grouped(w + n * K, xf.data() + m * K, scale + n * groups, K, group) + (bias ? widen(bias[n]) : 0.f),
             y + m * N + n);
+}
+
+// w int8 or fp8 e4m3 [N, K] with scale [N] (group 0) or [N, K / group] (a multiple of 8) into out [N, K] of T: each
+// element times its scale in float32, rounded once to T (kernels/quantized_matmul.py's dequantize), for torch's GEMMs.
+template <typename T, typename WT>
+void dequantize_scaled(const WT* w, const float* scale, int64_t group, T* out, int64_t N, int64_t K) {
+  const int64_t width = group ? group : K, groups = K / width;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < N * groups; ++g) {
+    const int64_t first = g / groups * K + g % groups * width;
+    int64_t i = 0;
+#ifdef __AVX2__
+    for (const __m256 s = _mm256_set1_ps(scale[g]); i + 8 <= width; i += 8)
+      store8(_mm256_mul_ps(load8(w + first + i), s), out + first + i);
+#endif
+    for (; i < width; ++i) store(widen(w[first + i]) * scale[g], out + first + i);
+  }
+}
+
+// x [M, K], w int8 or fp8 e4m3 [N, K] with a float32 scale per row [N] (group 0) or per group of `group` columns
+// [N, K / group] (a multiple of 8), bias [N] or null, y [M, N]: gemm.h's tiles from kGemmMinRows rows on; short of
+// them, bf16 rows against fp8 weights by the bf16 dot products where the CPU has them, else gemv() or
+// gemv_grouped().
+template <typename T, typename WT>
+void gemv_scaled(const T* x, const WT* w, const float* scale, int64_t group, const T* bias, T* y, int64_t M,
+                 int64_t N, int64_t K) {
+#ifdef __AVX2__
+  if (M >= kGemmMinRows) return gemm(x, w, bias, y, M, N, K, scale, group);
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<WT, Fp8E4m3>)
+    return gemv_fp8_bf16(x, w, scale, group ? group : K, bias, y, M, N, K);
+#endif
+  if (group) return gemv_grouped(x, w, scale, bias, y, M, N, K, group);
+  gemv(x, w, bias, y, M, N, K, scale);
 }
 
 }  // namespace pagedserve

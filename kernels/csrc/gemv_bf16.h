@@ -1,15 +1,17 @@
-// y = x W^T + b for bf16 x and W on CPUs with AVX-512 BF16: vdpbf16ps multiplies 32 bf16 pairs exactly and adds
-// them to 16 float32 sums in one instruction, so neither operand is widened and the products cost a quarter of
-// the widen-and-FMA path's instructions. The weights stream from memory once per call. Sums in float32 (the
-// instruction flushes denormal inputs and sums to zero), rounded once to bf16.
+// y = x W^T + b for bf16 x and W (or fp8 e4m3 W converted a row at a time, with its scales) on CPUs with AVX-512 BF16:
+// vdpbf16ps multiplies 32 bf16 pairs exactly and adds them to 16 float32 sums in one instruction, so neither operand is
+// widened and the products cost a quarter of the widen-and-FMA path's instructions. The weights stream from memory once
+// per call. Sums in float32 (the instruction flushes denormal inputs and sums to zero), rounded once to bf16.
 #pragma once
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "common.h"
+#include "fp8.h"
 
 namespace pagedserve {
 
@@ -121,6 +123,72 @@ inline void gemv_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias
       continue;
     }
     for (int64_t n = n0; n < n1; ++n) rows_from_bf16(w, x, bias ? widen(bias[n]) : 0.f, y, n, 0, M, N, K);
+  }
+}
+
+// One weight row w [K] (bf16 of fp8 values / kFp8Unit) against input rows m0..m0+MB with a scale per group of
+// `group` columns (K: one per row): each group's sums scaled once into the rows' running vectors. U sums per input
+// row, taken in turn over k, so that few rows do not wait on one sum's latency.
+template <int MB>
+inline void dot_groups_bf16(const uint16_t* w, const uint16_t* x, int64_t K, int64_t group, const float* scale,
+                            float* acc) {
+  constexpr int U = MB == 1 ? 4 : MB == 2 ? 2 : 1;
+  __m512 total[MB];
+  for (int m = 0; m < MB; ++m) total[m] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < K; g0 += group) {
+    __m512 a[MB][U];
+    for (int m = 0; m < MB; ++m)
+      for (int u = 0; u < U; ++u) a[m][u] = _mm512_setzero_ps();
+    auto step = [&](int64_t k, int u, __mmask32 mask) {
+      const __m512bh wv = load32(w + k, mask);
+      for (int m = 0; m < MB; ++m) a[m][u] = _mm512_dpbf16_ps(a[m][u], wv, load32(x + m * K + k, mask));
+    };
+    const __mmask32 all = _cvtu32_mask32(0xffffffffu);
+    int64_t k = g0;
+    for (; k + 32 * U <= g0 + group; k += 32 * U)
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) step(k + 32 * u, u, all);
+    for (; k + 32 <= g0 + group; k += 32) step(k, 0, all);
+    if (k < g0 + group) step(k, 0, _cvtu32_mask32((1u << (g0 + group - k)) - 1));
+    const __m512 s = _mm512_set1_ps(scale[g0 / group]);
+    for (int m = 0; m < MB; ++m) {
+      for (int u = 1; u < U; ++u) a[m][0] = _mm512_add_ps(a[m][0], a[m][u]);
+      total[m] = _mm512_fmadd_ps(a[m][0], s, total[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_reduce_add_ps(total[m]) * kFp8Unit<Fp8E4m3>;
+}
+
+template <int MB>
+inline void output_groups_bf16(const uint16_t* w, const uint16_t* x, int64_t K, int64_t group, const float* scale,
+                               float bias, uint16_t* y, int64_t n, int64_t m0, int64_t N) {
+  float acc[MB];
+  dot_groups_bf16<MB>(w, x + m0 * K, K, group, scale, acc);
+  for (int m = 0; m < MB; ++m) store(acc[m] + bias, y + (m0 + m) * N + n);
+}
+
+// x [M, K] bf16, w fp8 e4m3 [N, K] with scale [N, K / group] (group K: [N]), bias [N] or null, y [M, N]: each weight
+// row converted exactly to bf16 once (fp8.h's bf16_fp8_rows) while the input rows pass over it, 4 at a time.
+inline void gemv_fp8_bf16(const uint16_t* x, const Fp8E4m3* w, const float* scale, int64_t group,
+                          const uint16_t* bias, uint16_t* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t groups = K / group;
+#pragma omp parallel
+  {
+    std::vector<uint16_t> row(K);
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const uint16_t* r = bf16_fp8_rows(w + n * K, row.data(), K);
+      const float* s = scale + n * groups;
+      const float b = bias ? widen(bias[n]) : 0.f;
+      int64_t m0 = 0;
+      for (; m0 + 4 <= M; m0 += 4) output_groups_bf16<4>(r, x, K, group, s, b, y, n, m0, N);
+      switch (M - m0) {
+        case 3: output_groups_bf16<3>(r, x, K, group, s, b, y, n, m0, N); break;
+        case 2: output_groups_bf16<2>(r, x, K, group, s, b, y, n, m0, N); break;
+        case 1: output_groups_bf16<1>(r, x, K, group, s, b, y, n, m0, N); break;
+        default: break;
+      }
+    }
   }
 }
 

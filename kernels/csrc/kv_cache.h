@@ -9,12 +9,11 @@
 #include <type_traits>
 
 #include "common.h"
+#include "fp8.h"
 
 namespace pagedserve {
 
-// Cache element types: T (the model dtype) or one of these bytes.
-struct Fp8E4m3 { uint8_t bits; };
-struct Fp8E5m2 { uint8_t bits; };
+// Cache element types: T (the model dtype) or one of fp8.h's bytes.
 constexpr int64_t kCacheModelDtype = 0, kCacheE4m3 = 1, kCacheE5m2 = 2;  // kernels/kv_quant.py CACHE_KINDS
 
 struct KvCache {
@@ -22,16 +21,6 @@ struct KvCache {
   int64_t kind = kCacheModelDtype;
   float k_scale = 1.f, v_scale = 1.f;  // fp8 only
 };
-
-template <typename C>
-constexpr bool kIsFp8 = std::is_same_v<C, Fp8E4m3> || std::is_same_v<C, Fp8E5m2>;
-
-// The readers widen e4m3 through float16 (below), which gives the value times 2^-8: the factor they multiply back.
-template <typename C>
-constexpr float kFp8Unit = std::is_same_v<C, Fp8E4m3> ? 256.f : 1.f;
-
-inline float bits_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline uint32_t float_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 
 // float -> fp8 rounded to nearest even, as torch's c10::Float8_e4m3fn / Float8_e5m2 convert (the caller saturates
 // first, so no value reaches their NaN / inf).
@@ -82,85 +71,6 @@ inline void store_row(const T* x, C* dst, int64_t D, float scale) {
   } else {
     std::copy(x, x + D, dst);
   }
-}
-
-// The float16 bits of an fp8 byte: e5m2 is float16's top byte; e4m3's bits placed there (bias 7 against 15) read as
-// its value times 2^-8 (kFp8Unit), subnormals included.
-inline uint16_t fp8_half_bits(uint8_t b, Fp8E4m3*) { return uint16_t(((b & 0x80) << 8) | ((b & 0x7F) << 7)); }
-inline uint16_t fp8_half_bits(uint8_t b, Fp8E5m2*) { return uint16_t(b << 8); }
-
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-  if (exp == 0) return bits_float(sign) + (sign ? -1.f : 1.f) * std::ldexp(float(man), -24);
-  return bits_float(sign | ((exp + 112) << 23) | (man << 13));  // no inf / NaN is ever stored
-}
-
-// fp8 rows widened into buf as their values / kFp8Unit.
-template <typename C>
-inline const float* widen_fp8_rows(const C* src, float* buf, int64_t count) {
-  const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
-  int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX2__)
-  for (; i + 16 <= count; i += 16) {
-    const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
-    __m256i half;
-    if constexpr (std::is_same_v<C, Fp8E4m3>)
-      half = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x80)), 8),
-                             _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x7F)), 7));
-    else
-      half = _mm256_slli_epi16(h, 8);
-    _mm512_storeu_ps(buf + i, _mm512_cvtph_ps(half));
-  }
-#endif
-#if defined(__AVX2__) && defined(__F16C__)
-  for (; i + 8 <= count; i += 8) {
-    const __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + i)));
-    __m128i half;
-    if constexpr (std::is_same_v<C, Fp8E4m3>)
-      half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8),
-                          _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7F)), 7));
-    else
-      half = _mm_slli_epi16(h, 8);
-    _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(half));
-  }
-#endif
-  for (; i < count; ++i) buf[i] = half_to_float(fp8_half_bits(b[i], static_cast<C*>(nullptr)));
-  return buf;
-}
-
-// The bf16 bits of an fp8 byte without its sign (values / kFp8Unit, as widen_fp8_rows gives them; exact), by the
-// byte's low 7 bits.
-template <typename C>
-inline const uint16_t* fp8_bf16_table() {
-  alignas(64) static const std::array<uint16_t, 128> table = [] {
-    std::array<uint16_t, 128> t{};
-    for (int i = 0; i < 128; ++i)
-      t[i] = uint16_t(float_bits(half_to_float(fp8_half_bits(uint8_t(i), static_cast<C*>(nullptr)))) >> 16);
-    return t;
-  }();
-  return table.data();
-}
-
-// fp8 rows as bf16 into buf, for the AVX-512 BF16 readers: 32 bytes at a time looked up in the 128-entry table held
-// in four registers (two two-source permutes and a blend on bit 6), the sign moved up.
-template <typename C>
-inline const uint16_t* bf16_fp8_rows(const C* src, uint16_t* buf, int64_t count) {
-  const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
-  const uint16_t* table = fp8_bf16_table<C>();
-  int64_t i = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  const __m512i t0 = _mm512_load_si512(table), t1 = _mm512_load_si512(table + 32);
-  const __m512i t2 = _mm512_load_si512(table + 64), t3 = _mm512_load_si512(table + 96);
-  const __m512i bit6 = _mm512_set1_epi16(0x40), sign = _mm512_set1_epi16(0x80);
-  for (; i + 32 <= count; i += 32) {
-    const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i)));
-    const __m512i low = _mm512_permutex2var_epi16(t0, x, t1), high = _mm512_permutex2var_epi16(t2, x, t3);
-    const __m512i value = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, bit6), low, high);
-    _mm512_storeu_si512(buf + i, _mm512_or_si512(value, _mm512_slli_epi16(_mm512_and_si512(x, sign), 8)));
-  }
-#endif
-  for (; i < count; ++i) buf[i] = uint16_t(table[b[i] & 0x7F] | ((b[i] & 0x80) << 8));
-  return buf;
 }
 
 }  // namespace pagedserve

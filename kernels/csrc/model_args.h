@@ -18,7 +18,7 @@ T* out(uintptr_t p) { return reinterpret_cast<T*>(p); }
 
 // A layer: its pointers, dims and floats.
 // pointers: input_norm, qkv, qkv_bias, o, o_bias, post_norm, gate_up, down, cos, sin, then the scales of qkv, o,
-// gate_up and down (0 for a weight of the model dtype; else it is int8), then their gemv_pairs.h copies (0: none),
+// gate_up and down (0 for a model-dtype weight; else int8 or fp8 e4m3), then their gemv_pairs.h copies (0: none),
 // then the q and k head norms, input_norm's and post_norm's biases, attn_out_norm, mlp_out_norm, gate_up's and down's
 // biases (0: none, and for every absent bias), then the experts' router, gate_up and down and the shared expert's
 // gate (0: a dense MLP; pagedserve::Experts), then the adapter slots' a, b and used of qkv, o, gate_up and down (0:
@@ -27,22 +27,22 @@ T* out(uintptr_t p) { return reinterpret_cast<T*>(p); }
 // qkv, o, gate_up and down (0: a scale per row, or no scale), then rotary_dim, the norm kind, the activation,
 // parallel_residual, qkv_per_head and scale_q_first (layer_ops.h, pagedserve::DecoderLayer), then the experts' count,
 // top_k, intermediate size and renormalize, then the adapter slots' widths of qkv, o, gate_up and down and whether
-// they are bf16;
+// they are bf16, then whether the scaled weights of qkv, o, gate_up and down are fp8 e4m3 (else int8);
 // floats: the norms' eps, the attention's scale and soft cap, the experts' weights' scaling.
 using LayerArgs = std::tuple<std::vector<uintptr_t>, std::vector<int64_t>, std::vector<double>>;
 
 template <typename T>
 pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
   const auto& [w, dims, floats] = args;
-  if (w.size() != 42 || dims.size() != 25 || floats.size() != 4)
-    throw std::invalid_argument("a layer takes 42 pointers, 25 dims and 4 floats");
+  if (w.size() != 42 || dims.size() != 29 || floats.size() != 4)
+    throw std::invalid_argument("a layer takes 42 pointers, 29 dims and 4 floats");
   auto projection = [&](int weight, int scale) {
     const int i = scale - 10;  // the projection's index: qkv, o, gate_up, down
     const pagedserve::LoraSlots lora{reinterpret_cast<const void*>(w[30 + 3 * i]),
                                      reinterpret_cast<const void*>(w[31 + 3 * i]), in<uint8_t>(w[32 + 3 * i]),
                                      dims[20 + i], dims[24] != 0};
     return pagedserve::Projection{reinterpret_cast<const void*>(w[weight]), in<float>(w[scale]), dims[scale - 4],
-                                  in<uint16_t>(w[scale + 4]), lora};
+                                  in<uint16_t>(w[scale + 4]), lora, dims[25 + i] != 0};
   };
   const float eps = float(floats[0]);
   auto norm = [&](int weight, int bias) {

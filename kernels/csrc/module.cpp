@@ -39,16 +39,23 @@ void gemv(uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m, int6
   pagedserve::gemv(in<T>(x), in<T>(w), in<T>(bias), out<T>(y), m, n, k);
 }
 
+// An int8 or fp8 e4m3 weight with its scales per row (group 0) or per group of columns.
 template <typename T>
-void gemv_int8(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uintptr_t y, int64_t m, int64_t n,
-               int64_t k) {
-  pagedserve::gemv(in<T>(x), in<int8_t>(w), in<T>(bias), out<T>(y), m, n, k, in<float>(scale));
+void gemv_scaled(bool fp8, uintptr_t x, uintptr_t w, uintptr_t scale, int64_t group, uintptr_t bias, uintptr_t y,
+                 int64_t m, int64_t n, int64_t k) {
+  if (fp8)
+    pagedserve::gemv_scaled(in<T>(x), in<pagedserve::Fp8E4m3>(w), in<float>(scale), group, in<T>(bias), out<T>(y), m,
+                            n, k);
+  else
+    pagedserve::gemv_scaled(in<T>(x), in<int8_t>(w), in<float>(scale), group, in<T>(bias), out<T>(y), m, n, k);
 }
 
 template <typename T>
-void gemv_int8_grouped(uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uintptr_t y, int64_t m, int64_t n,
-                       int64_t k, int64_t group) {
-  pagedserve::gemv_grouped(in<T>(x), in<int8_t>(w), in<float>(scale), in<T>(bias), out<T>(y), m, n, k, group);
+void dequantize_scaled(bool fp8, uintptr_t w, uintptr_t scale, int64_t group, uintptr_t o, int64_t n, int64_t k) {
+  if (fp8)
+    pagedserve::dequantize_scaled(in<pagedserve::Fp8E4m3>(w), in<float>(scale), group, out<T>(o), n, k);
+  else
+    pagedserve::dequantize_scaled(in<int8_t>(w), in<float>(scale), group, out<T>(o), n, k);
 }
 
 // pagedserve::stage_layers() over the stage.
@@ -173,13 +180,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     throw std::runtime_error("gemv_pairs needs AVX-512 BF16");
 #endif
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("gemv_int8", [](bool bf16, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uintptr_t y,
-                        int64_t m, int64_t n, int64_t k) {
-    (bf16 ? gemv_int8<uint16_t> : gemv_int8<float>)(x, w, scale, bias, y, m, n, k);
+  m.def("gemv_scaled", [](bool bf16, bool fp8, uintptr_t x, uintptr_t w, uintptr_t scale, int64_t group,
+                          uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k) {
+    (bf16 ? gemv_scaled<uint16_t> : gemv_scaled<float>)(fp8, x, w, scale, group, bias, y, m, n, k);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("gemv_int8_grouped", [](bool bf16, uintptr_t x, uintptr_t w, uintptr_t scale, uintptr_t bias, uintptr_t y,
-                                int64_t m, int64_t n, int64_t k, int64_t group) {
-    (bf16 ? gemv_int8_grouped<uint16_t> : gemv_int8_grouped<float>)(x, w, scale, bias, y, m, n, k, group);
+  m.def("dequantize_scaled", [](bool bf16, bool fp8, uintptr_t w, uintptr_t scale, int64_t group, uintptr_t o,
+                                int64_t n, int64_t k) {
+    (bf16 ? dequantize_scaled<uint16_t> : dequantize_scaled<float>)(fp8, w, scale, group, o, n, k);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   // The phases of a layer between its products (torch's GEMMs run those), and a stage's final norm after them.
   m.def("before_attention", [](bool bf16, const LayerArgs& layer, uintptr_t x, uintptr_t residual,

@@ -1,7 +1,8 @@
 """FP8 block-quantized checkpoints (DeepSeek-V3's; transformers' FineGrainedFP8): float8_e4m3fn weights [N, K] with a
 float32 `weight_scale_inv` per block of weight_block_size [bn, bk], [ceil(N / bn), ceil(K / bk)] of them; real
-weight = q * the scale of its block. Kept in fp8, each row with its blocks' scales as groups along K (a last block
-narrower than bk makes unequal groups: then each column names its group), multiplied a tile at a time."""
+weight = q * the scale of its block. Kept in fp8, each row with its blocks' scales as groups along K: read as fp8 by
+the C++ products (kernels/cpu_gemv.py, the fused decoder layer) where bk divides K; a last block narrower than bk makes
+unequal groups (each column names its group), multiplied a tile at a time dequantized in torch."""
 from __future__ import annotations
 
 from typing import Any
