@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 
+from core.kv_transfer import remove_region, transfer_group_configs
 from ipc import EngineConfig, EngineInfo, EngineStartup
 from ipc.lifeline import make_lifeline
 from ipc.sockets import EngineEndpoints, remove_ipc_files
@@ -127,18 +128,22 @@ def start_engines(configs: list[EngineConfig], addresses: list[str], curve_key_f
         for process in processes:
             process.shutdown()
         raise
+    finally:
+        remove_region(configs)
     return processes
 
 
 def data_parallel_configs(config: EngineConfig, cpus: list[int]) -> list[EngineConfig]:
     """Each data-parallel engine's config: on a CPU a single-rank engine's threads pinned to its own equal share of
     `cpus` (engines whose threads all roam every CPU slow each other down), unless cpu_threads_bind or cpu_threads
-    is given, there are more engines than CPUs, or the ranks are Ray actors (Ray places them)."""
+    is given, there are more engines than CPUs, or the ranks are Ray actors (Ray places them). A kv_transfer_config
+    group's engines get their roles (core/kv_transfer.py)."""
     size = config.data_parallel_size
     if config.cpu_threads_bind is not None or config.cpu_threads is not None or config.device == "cuda" or \
             config.tensor_parallel_size * config.pipeline_parallel_size > 1 or len(cpus) < size or \
             config.data_parallel_backend == "ray":
-        return [config] * size
+        return transfer_group_configs([config] * size)
     share = len(cpus) // size
-    return [msgspec.structs.replace(config, cpu_threads_bind=",".join(map(str, cpus[rank * share:(rank + 1) * share])))
-            for rank in range(size)]
+    return transfer_group_configs([
+        msgspec.structs.replace(config, cpu_threads_bind=",".join(map(str, cpus[rank * share:(rank + 1) * share])))
+        for rank in range(size)])

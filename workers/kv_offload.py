@@ -15,19 +15,19 @@ from workers.layers.attention import Attention
 class HostKVTier:
     """Byte copies of whole blocks: a cache of any dtype (fp8 included) is stored as it is held."""
 
-    def __init__(self, caches: list[torch.Tensor], num_slots: int, device: torch.device) -> None:
-        """caches: [num_blocks, ...] tensors whose first dimension is the block id."""
+    def __init__(self, caches: list[torch.Tensor], num_slots: int, device: torch.device,
+                 host: list[torch.Tensor] | None = None) -> None:
+        """caches: [num_blocks, ...] tensors whose first dimension is the block id. host: the slots' memory, uint8
+        [num_slots, *cache block's bytes] per cache (disaggregated prefill's shared region); None: allocated here."""
         self.caches = [_as_bytes(cache) for cache in caches]
-        pinned = device.type == "cuda"
-        self.host = [torch.empty((num_slots, *cache.shape[1:]), dtype=torch.uint8, pin_memory=pinned)
-                     for cache in self.caches]
+        pinned = device.type == "cuda" and host is None
+        self.host = host if host is not None else [
+            torch.empty((num_slots, *cache.shape[1:]), dtype=torch.uint8, pin_memory=pinned) for cache in self.caches]
         self.stream = torch.cuda.Stream(device) if pinned else None
 
     @classmethod
     def for_layers(cls, layers: list[Attention], num_slots: int, device: torch.device) -> HostKVTier:
-        """For the K and V of these layers (a layer whose K is its V, as MLA's latent cache, counted once)."""
-        caches = {cache.data_ptr(): cache for layer in layers for cache in layer.kv_cache}
-        return cls(list(caches.values()), num_slots, device)
+        return cls(layer_caches(layers), num_slots, device)
 
     @property
     def num_slots(self) -> int:
@@ -62,6 +62,11 @@ class HostKVTier:
             slots, blocks = (torch.tensor(column, dtype=torch.int64) for column in zip(*loads))
             for device_cache, host in zip(self.caches, self.host):
                 device_cache.index_copy_(0, blocks, host.index_select(0, slots))
+
+
+def layer_caches(layers: list[Attention]) -> list[torch.Tensor]:
+    """The K and V of these layers (a layer whose K is its V, as MLA's latent cache, counted once)."""
+    return list({cache.data_ptr(): cache for layer in layers for cache in layer.kv_cache}.values())
 
 
 def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
