@@ -1,0 +1,166 @@
+"""Disaggregated prefill (issue 57, item 3): a data-parallel group of two engines with kv_transfer_config "kv_both",
+engine 0 prefilling and handing the prompt's KV blocks over shared memory to engine 1, which decodes. Greedy outputs
+equal one engine's (offline, over HTTP); a slot overwritten or not matching recomputes; a killed engine ends its
+requests cleanly."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import msgspec
+import openai
+import pytest
+import torch
+
+from conftest import assert_all_blocks_free, child_pids, tiny_model
+from core.engine_spawn import data_parallel_configs
+from core.kv_cache_manager import KVCacheManager
+from core.kv_transfer import KVConnector, token_checksum
+from core.request import Request
+from frontend import LLM, AsyncLLM, SamplingParams
+from frontend.core_client import RequestFailedError
+from ipc import EngineConfig, EngineCoreRequest, RequestOutputKind
+from ipc.kv_transfer import KVTransferParams
+from launcher import descendants, start_launcher, stop_launcher
+from workers.kv_transfer import TransferRegion
+
+CONNECTOR = {"kv_connector": "SharedMemoryConnector", "kv_role": "kv_both", "kv_buffer_bytes": "128KiB"}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+# Shorter than a block (straight to the decode engine), exactly one and two whole blocks, and longer ones.
+LENGTHS = [5, 16, 17, 32, 33, 70]
+PROMPTS = [[(7 * n + i) % 500 + 1 for i in range(length)] for n, length in enumerate(LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[list[int]]:
+    single = LLM(tiny_model("llama"), dtype="float32")
+    try:
+        return [o.outputs[0].token_ids for o in single.generate(_token_prompts(PROMPTS), GREEDY, use_tqdm=False)]
+    finally:
+        single.shutdown()
+
+
+@pytest.fixture(scope="module")
+def group():
+    llm = LLM(tiny_model("llama"), dtype="float32", data_parallel_size=2, kv_transfer_config=CONNECTOR)
+    yield llm
+    llm.shutdown()
+
+
+def _token_prompts(prompts: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": ids} for ids in prompts]
+
+
+def _long(seed: int) -> list[int]:
+    return [(11 * seed + 3 * i) % 700 + 2 for i in range(70)]
+
+
+def test_the_config_is_checked_by_name():
+    for bad, field in [({**CONNECTOR, "kv_connector": "NixlConnector"}, "kv_connector"),
+                       ({**CONNECTOR, "kv_role": "prefill"}, "kv_role"), ({**CONNECTOR, "kv_ip": "1.2.3.4"}, "kv_ip"),
+                       ({**CONNECTOR, "region": "../etc"}, "region"),
+                       ({**CONNECTOR, "kv_buffer_bytes": "lots"}, "kv_buffer_bytes")]:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(model="unused", data_parallel_size=2, kv_transfer_config=bad)
+    with pytest.raises(ValueError, match="data_parallel_size=2"):
+        EngineConfig(model="unused", kv_transfer_config=CONNECTOR)
+    with pytest.raises(ValueError, match="kv_offload_bytes"):
+        EngineConfig(model="unused", data_parallel_size=2, kv_transfer_config=CONNECTOR, kv_offload_bytes=1 << 20)
+    config = EngineConfig(model="unused", data_parallel_size=2, kv_transfer_config=msgspec.json.encode(CONNECTOR).decode())
+    producer, consumer = (c.kv_transfer_config for c in data_parallel_configs(config, [0, 1]))
+    assert (producer.kv_role, consumer.kv_role) == ("kv_producer", "kv_consumer")
+    assert producer.region == consumer.region and producer.kv_buffer_bytes == 128 << 10
+
+
+def _request(request_id: str, ids: list[int], **fields) -> Request:
+    core = EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=SamplingParams(), **fields)
+    return Request(core, 0, max_tokens=1)
+
+
+def test_slots_are_checked_reused_least_recently_written_first_and_a_mismatch_loads_nothing(tmp_path):
+    """Two engines' worth of KV caches over one region, in this process: blocks go over byte for byte; a slot
+    rewritten since, or tokens not the ones sent, leave the decode side's cache without them."""
+    name = f"pagedserve-kv-test-{os.getpid()}"
+    block = 4
+    producer_cache, consumer_cache = torch.randn(8, block, 3), torch.zeros(8, block, 3)
+    try:
+        regions = [TransferRegion(name, [cache], 3 * (block * 3 * 4 + 32), torch.device("cpu"))
+                   for cache in (producer_cache, consumer_cache)]
+    finally:
+        os.unlink(f"/dev/shm/{name}")
+    producer_kv, consumer_kv = KVCacheManager(8, block), KVCacheManager(8, block)
+    sender = KVConnector("kv_producer", name, regions[0], producer_kv)
+    receiver = KVConnector("kv_consumer", name, regions[1], consumer_kv)
+    prompts = {rid: [n + 10 * k for n in range(9)] for k, rid in enumerate("abc")}
+    sent, blocks = {}, {}
+    for rid, ids in prompts.items():
+        request = _request(rid, ids, produce_kv=True)
+        producer_kv.allocate_slots(request, len(ids))
+        sent[rid], blocks[rid] = sender.send(request), producer_kv.block_ids(request)[:2]
+        producer_kv.free(request)
+    # Three slots: b takes the free one and a's first, c what b did not rewrite of a's and b's oldest.
+    assert [sent[rid].slots for rid in "abc"] == [[0, 1], [0, 2], [0, 1]] and sent["a"].num_tokens == 8
+    assert sent["a"].checksum == token_checksum(prompts["a"][:8])
+    forged = msgspec.structs.replace(sent["c"], checksum=sent["c"].checksum ^ 1)
+    for rid, params in [("a", sent["a"]), ("c", forged)]:  # overwritten, then not these tokens
+        receiver.receive(_request(rid, prompts[rid], kv_transfer_params=params))
+        assert consumer_kv.computed_blocks(_request(rid, prompts[rid])) == []
+    request = _request("c", prompts["c"], kv_transfer_params=sent["c"])
+    receiver.receive(request)
+    loaded = consumer_kv.computed_blocks(request)
+    assert len(loaded) == 2 and consumer_kv.num_free_blocks == 8  # in the prefix cache, held by nobody
+    assert torch.equal(consumer_cache[loaded], producer_cache[blocks["c"]])
+    assert (receiver.blocks_received, receiver.recomputes, sender.blocks_sent) == (2, 2, 6)
+    assert all(regions[0].released(slot) for slot in sent["c"].slots)  # the decode side released them
+
+
+def test_greedy_outputs_equal_one_engines_and_the_blocks_go_over(group, expected):
+    before = group.get_stats()
+    outputs = group.generate(_token_prompts(PROMPTS), GREEDY, use_tqdm=False)
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+    stats, size = group.get_stats(), group.info.block_size
+    blocks = sum((len(ids) - 1) // size for ids in PROMPTS)  # the 5- and 16-token prompts went straight to decode
+    assert stats.kv_transfer_blocks_sent - before.kv_transfer_blocks_sent == blocks
+    assert stats.engines[1].kv_transfer_blocks_received - before.kv_transfer_blocks_received == blocks
+    assert stats.kv_transfer_recomputes == before.kv_transfer_recomputes
+    assert_all_blocks_free(group)
+
+
+def _run(client, request: EngineCoreRequest):
+    """The request alone on one engine of the group: (its tokens, its final output)."""
+    client.add_request(request)
+    tokens = []
+    while True:
+        for output in client.get_outputs().outputs:
+            assert output.request_id == request.request_id and output.error is None
+            tokens += output.new_token_ids
+            if output.finish_reason is not None:
+                return tokens, output
+
+
+def test_an_overwritten_or_forged_transfer_recomputes_the_same_tokens(group, expected):
+    prefill, decode = group.client.clients
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    ids = PROMPTS[-1]
+
+    def prefilled(request_id: str, prompt: list[int]) -> KVTransferParams:
+        return _run(prefill, EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=one,
+                                               produce_kv=True))[1].kv_transfer_params
+
+    overwritten, n = prefilled("first", ids), 0
+    while not set(prefilled(f"later{n}", _long(n)).slots) & set(overwritten.slots):  # a later prefill reuses a slot
+        n += 1
+        assert n < 20
+    fresh = prefilled("again", ids)
+    forged = msgspec.structs.replace(fresh, nonce=fresh.nonce ^ 1)
+    before = decode.get_stats()
+    for request_id, transfer in [("overwritten", overwritten), ("forged", forged), ("intact", fresh)]:
+        decode.call_utility("reset_prefix_cache")  # nothing found there: the transfer alone decides
+        got, _ = _run(decode, EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=GREEDY,
+                                                kv_transfer_params=transfer))
+        assert got == expected[len(PROMPTS) - 1], request_id
+    stats = decode.get_stats()
+    assert stats.kv_transfer_recomputes - before.kv_transfer_recomputes == 2
+    assert stats.kv_transfer_blocks_received - before.kv_transfer_blocks_received == len(fresh.slots) == 4
