@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from conftest import assert_all_blocks_free, child_pids, tiny_model
+from conftest import assert_all_blocks_free, child_pids, long_context_llama, tiny_model, wait_until
 from core.engine_spawn import data_parallel_configs
 from core.kv_cache_manager import KVCacheManager
 from core.kv_transfer import KVConnector, token_checksum
@@ -34,12 +34,18 @@ PROMPTS = [[(7 * n + i) % 500 + 1 for i in range(length)] for n, length in enume
 
 
 @pytest.fixture(scope="module")
-def expected() -> list[list[int]]:
+def reference() -> list:
+    """One engine's greedy completion of each prompt."""
     single = LLM(tiny_model("llama"), dtype="float32")
     try:
-        return [o.outputs[0].token_ids for o in single.generate(_token_prompts(PROMPTS), GREEDY, use_tqdm=False)]
+        return [o.outputs[0] for o in single.generate(_token_prompts(PROMPTS), GREEDY, use_tqdm=False)]
     finally:
         single.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(reference) -> list[list[int]]:
+    return [completion.token_ids for completion in reference]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +74,8 @@ def test_the_config_is_checked_by_name():
         EngineConfig(model="unused", kv_transfer_config=CONNECTOR)
     with pytest.raises(ValueError, match="kv_offload_bytes"):
         EngineConfig(model="unused", data_parallel_size=2, kv_transfer_config=CONNECTOR, kv_offload_bytes=1 << 20)
-    config = EngineConfig(model="unused", data_parallel_size=2, kv_transfer_config=msgspec.json.encode(CONNECTOR).decode())
+    as_json = msgspec.json.encode(CONNECTOR).decode()  # as the CLI flag gives it
+    config = EngineConfig(model="unused", data_parallel_size=2, kv_transfer_config=as_json)
     producer, consumer = (c.kv_transfer_config for c in data_parallel_configs(config, [0, 1]))
     assert (producer.kv_role, consumer.kv_role) == ("kv_producer", "kv_consumer")
     assert producer.region == consumer.region and producer.kv_buffer_bytes == 128 << 10
@@ -164,3 +171,59 @@ def test_an_overwritten_or_forged_transfer_recomputes_the_same_tokens(group, exp
     stats = decode.get_stats()
     assert stats.kv_transfer_recomputes - before.kv_transfer_recomputes == 2
     assert stats.kv_transfer_blocks_received - before.kv_transfer_blocks_received == len(fresh.slots) == 4
+
+
+def test_served_over_http_equal_one_engine(reference):
+    connector = msgspec.json.encode(CONNECTOR).decode()
+    process, base_url = start_launcher([tiny_model("llama"), "--dtype", "float32", "--dp", "2",
+                                        "--max-model-len", "256", "--kv-transfer-config", connector])
+    try:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        for ids, completion in zip(PROMPTS, reference):
+            served = client.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0,
+                                               extra_body={"ignore_eos": True})
+            assert served.choices[0].text == completion.text
+        engines = [pid for pid, command in descendants(process.pid) if "core.engine_process" in command]
+        assert len(engines) == 2
+    finally:
+        stop_launcher(process)
+    assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in engines), timeout=10)
+
+
+def test_a_killed_prefill_engine_hands_over_to_decode_and_a_killed_decode_engine_fails_at_once():
+    """Prefill engine killed: streams on the decode engine go on, its requests (and new ones) compute their prompts
+    there. Decode engine killed: every request ends with an error within a second. (The 64k-context llama: its
+    streams run for many seconds on any machine.)"""
+    async def final(engine: AsyncLLM, request_id: str, ids: list[int], params: SamplingParams,
+                    started: asyncio.Event | None = None) -> list[int]:
+        tokens = []
+        async for output in engine.generate({"prompt_token_ids": ids}, params, request_id):
+            tokens += output.outputs[0].token_ids
+            if started is not None:
+                started.set()
+        return tokens
+
+    async def run() -> None:
+        engine = AsyncLLM(long_context_llama(), dtype="float32", data_parallel_size=2, kv_transfer_config=CONNECTOR)
+        pids = [client.process.pid for client in engine.client.clients]
+        try:
+            long = SamplingParams(temperature=0.0, max_tokens=30_000, ignore_eos=True,
+                                  output_kind=RequestOutputKind.DELTA)
+            delta = msgspec.structs.replace(GREEDY, output_kind=RequestOutputKind.DELTA)
+            started = [asyncio.Event() for _ in range(4)]
+            streams = [asyncio.ensure_future(final(engine, f"s{i}", _long(i), long, started[i])) for i in range(4)]
+            await asyncio.gather(*(event.wait() for event in started))
+            os.kill(pids[0], signal.SIGKILL)
+            after = await asyncio.gather(*(final(engine, f"a{i}", ids, delta) for i, ids in enumerate(PROMPTS)))
+            assert all(len(tokens) == 12 for tokens in after) and not any(stream.done() for stream in streams)
+            os.kill(pids[1], signal.SIGKILL)
+            killed_at = time.monotonic()
+            results = await asyncio.gather(*streams, return_exceptions=True)
+            assert all(isinstance(result, RequestFailedError) for result in results), results
+            assert time.monotonic() - killed_at < 1.0
+        finally:
+            engine.shutdown()
+        assert not set(pids) & set(child_pids())
+
+    asyncio.run(run())
