@@ -2,7 +2,6 @@
 engine's final output carries to the decode engine (where its prompt's KV blocks lie in the shared region)."""
 from __future__ import annotations
 
-import json
 import re
 from typing import Annotated, Any
 
@@ -44,13 +43,13 @@ def parse_kv_transfer_config(value: KVTransferConfig | dict | str | None) -> KVT
     field at fault."""
     if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as error:
-            raise ValueError(f"kv_transfer_config is not valid JSON: {error}") from None
     if isinstance(value, KVTransferConfig):
         value = msgspec.structs.asdict(value)
+    elif isinstance(value, str):
+        try:
+            value = msgspec.json.decode(value)
+        except msgspec.DecodeError as error:
+            raise ValueError(f"kv_transfer_config: not JSON ({error})") from None
     if not isinstance(value, dict):
         raise ValueError(f"kv_transfer_config must be an object, got {type(value).__name__}")
     unknown = sorted(set(value) - set(KVTransferConfig.__struct_fields__))
