@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import msgspec
 import openai
@@ -21,7 +22,9 @@ from core.kv_transfer import KVConnector, token_checksum
 from core.request import Request
 from frontend import LLM, AsyncLLM, SamplingParams
 from frontend.core_client import RequestFailedError
-from ipc import EngineConfig, EngineCoreRequest, RequestOutputKind
+from frontend.disagg_proxy import DisaggProxy
+from frontend.dp_balance import EngineBalancer
+from ipc import EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, RequestOutputKind
 from ipc.kv_transfer import KVTransferParams
 from launcher import descendants, start_launcher, stop_launcher
 from workers.kv_transfer import TransferRegion
@@ -79,6 +82,44 @@ def test_the_config_is_checked_by_name():
     producer, consumer = (c.kv_transfer_config for c in data_parallel_configs(config, [0, 1]))
     assert (producer.kv_role, consumer.kv_role) == ("kv_producer", "kv_consumer")
     assert producer.region == consumer.region and producer.kv_buffer_bytes == 128 << 10
+
+
+class _Engine:
+    """An engine client that records what it is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[EngineCoreRequest] = []
+        self.dead_reason = None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.sent.append(request)
+
+
+def test_the_proxy_sends_prefill_then_decode_and_ends_aborted_or_orphaned_prefills_once():
+    group = SimpleNamespace(clients=[_Engine(), _Engine()], balancer=EngineBalancer(2, 16), dead_reason=None,
+                            info=SimpleNamespace(block_size=16))
+    proxy = DisaggProxy(group)
+    params = SamplingParams(temperature=0.0, max_tokens=50, min_tokens=5, stop=["x"], logprobs=2)
+    for rid, ids in [("short", list(range(1, 17))), ("a", list(range(1, 18))), ("b", list(range(1, 40))),
+                     ("c", list(range(1, 40)))]:
+        proxy.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=ids, sampling_params=params))
+    prefill, decode = group.clients
+    assert [r.request_id for r in decode.sent] == ["short"] and [r.request_id for r in prefill.sent] == ["a", "b", "c"]
+    sent = prefill.sent[0]
+    assert sent.produce_kv and sent.sampling_params.max_tokens == 1 and sent.sampling_params.min_tokens == 0
+    assert sent.sampling_params.stop is None and sent.sampling_params.logprobs is None
+    transfer = KVTransferParams(region="r", slots=[3], num_tokens=16, nonce=7, checksum=9)
+    proxy.abort(["b"])
+    done = [EngineCoreOutput(request_id=rid, new_token_ids=[5], finish_reason=FinishReason.LENGTH,
+                             kv_transfer_params=transfer) for rid in ("a", "b")]
+    batch = proxy.filter(EngineCoreOutputs(outputs=[*done, EngineCoreOutput(request_id="short", new_token_ids=[1])]))
+    assert [(o.request_id, o.finish_reason) for o in batch.outputs] == [("b", FinishReason.ABORT), ("short", None)]
+    assert decode.sent[-1].request_id == "a" and decode.sent[-1].kv_transfer_params == transfer
+    assert decode.sent[-1].sampling_params == params and not decode.sent[-1].produce_kv
+    group.balancer.engine_died(0)
+    orphaned = proxy.prefill_engine_died()  # c goes on without KV
+    assert not orphaned.outputs and not orphaned.errors and decode.sent[-1].request_id == "c"
+    assert decode.sent[-1].kv_transfer_params is None and group.balancer.owner == {"short": 1, "a": 1, "c": 1}
 
 
 def _request(request_id: str, ids: list[int], **fields) -> Request:
