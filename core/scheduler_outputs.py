@@ -15,7 +15,7 @@ logger = logging.getLogger("pagedserve.scheduler")
 class StepOutputs:
     """The Scheduler's half that takes each batch's output back and ends requests (mixed into
     core.scheduler.Scheduler, whose state it reads and changes: in_flight, requests, running, waiting, kv,
-    spec_stats, step_times, max_model_len, finished_req_ids)."""
+    spec_stats, step_times, max_model_len, finished_req_ids, connector)."""
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """For the oldest batch in flight: append sampled tokens, finish requests that stop, report new tokens."""

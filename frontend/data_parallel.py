@@ -213,14 +213,15 @@ class AsyncDataParallelClient(DataParallelClient):
 
     async def check_health_async(self, max_stall_s: float = DEFAULT_MAX_STALL_S, every: bool = True) -> None:
         """EnginesDownError naming each engine that is not healthy: the group is unhealthy while any one is (or,
-        with every=False, only when none is: it can still serve)."""
+        with every=False, only when it cannot serve: none is, or a disaggregated group's decode engine is not)."""
         down = []
         for engine, client in enumerate(self.clients):
             try:
                 await client.check_health_async(max_stall_s)
             except EngineDeadError:
                 down.append(engine)
-        if down and (every or len(down) == len(self.clients)):
+        cannot_decode = self.proxy is not None and DECODE in down  # a disaggregated group serves on without prefill
+        if down and (every or len(down) == len(self.clients) or cannot_decode):
             raise EnginesDownError(self.health_problem(max_stall_s) or "engine cores down", down, len(self.clients))
 
     async def check_serving_async(self, max_stall_s: float = DEFAULT_MAX_STALL_S) -> None:

@@ -21,7 +21,7 @@ from core.kv_cache_manager import KVCacheManager
 from core.kv_transfer import KVConnector, token_checksum
 from core.request import Request
 from frontend import LLM, AsyncLLM, SamplingParams
-from frontend.core_client import RequestFailedError
+from frontend.core_client import EngineDeadError, RequestFailedError
 from frontend.disagg_proxy import DisaggProxy
 from frontend.dp_balance import EngineBalancer
 from ipc import EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, RequestOutputKind
@@ -258,11 +258,14 @@ def test_a_killed_prefill_engine_hands_over_to_decode_and_a_killed_decode_engine
             os.kill(pids[0], signal.SIGKILL)
             after = await asyncio.gather(*(final(engine, f"a{i}", ids, delta) for i, ids in enumerate(PROMPTS)))
             assert all(len(tokens) == 12 for tokens in after) and not any(stream.done() for stream in streams)
+            await engine.check_serving()  # without its prefill engine the group still serves
             os.kill(pids[1], signal.SIGKILL)
             killed_at = time.monotonic()
             results = await asyncio.gather(*streams, return_exceptions=True)
             assert all(isinstance(result, RequestFailedError) for result in results), results
             assert time.monotonic() - killed_at < 1.0
+            with pytest.raises(EngineDeadError, match="engine core 1"):
+                await engine.check_serving()
         finally:
             engine.shutdown()
         assert not set(pids) & set(child_pids())

@@ -34,7 +34,7 @@ class TransferRegion:
         offsets = [header_bytes(8 * _HEADER_WORDS * self.num_slots)]
         for size in block_bytes:
             offsets.append(offsets[-1] + header_bytes(size * self.num_slots))
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             os.posix_fallocate(fd, 0, offsets[-1])  # pages reserved now: a full /dev/shm fails here, not as SIGBUS
             self.region = mmap.mmap(fd, offsets[-1])
