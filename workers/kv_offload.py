@@ -15,14 +15,12 @@ from workers.layers.attention import Attention
 class HostKVTier:
     """Byte copies of whole blocks: a cache of any dtype (fp8 included) is stored as it is held."""
 
-    def __init__(self, caches: list[torch.Tensor], num_slots: int, device: torch.device,
-                 host: list[torch.Tensor] | None = None) -> None:
-        """caches: [num_blocks, ...] tensors whose first dimension is the block id. host: the slots' memory, uint8
-        [num_slots, *cache block's bytes] per cache (disaggregated prefill's shared region); None: allocated here."""
-        self.caches = [_as_bytes(cache) for cache in caches]
-        pinned = device.type == "cuda" and host is None
-        self.host = host if host is not None else [
-            torch.empty((num_slots, *cache.shape[1:]), dtype=torch.uint8, pin_memory=pinned) for cache in self.caches]
+    def __init__(self, caches: list[torch.Tensor], num_slots: int, device: torch.device) -> None:
+        """caches: [num_blocks, ...] tensors whose first dimension is the block id."""
+        self.caches = [as_bytes(cache) for cache in caches]
+        pinned = device.type == "cuda"
+        self.host = [torch.empty((num_slots, *cache.shape[1:]), dtype=torch.uint8, pin_memory=pinned)
+                     for cache in self.caches]
         self.stream = torch.cuda.Stream(device) if pinned else None
 
     @classmethod
@@ -69,7 +67,7 @@ def layer_caches(layers: list[Attention]) -> list[torch.Tensor]:
     return list({cache.data_ptr(): cache for layer in layers for cache in layer.kv_cache}.values())
 
 
-def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
     """The same memory as uint8 (the last dimension widened by the element size)."""
     if not cache.is_contiguous():
         raise ValueError(f"a KV cache tensor of shape {tuple(cache.shape)} is not contiguous: the host tier copies "

@@ -12,7 +12,7 @@ import os
 import numpy as np
 import torch
 
-from workers.kv_offload import HostKVTier, layer_caches
+from workers.kv_offload import as_bytes, layer_caches
 from workers.layers.attention import Attention
 from workers.shm_region import SHM_DIR, header_bytes, shared_memory_supported
 
@@ -42,10 +42,10 @@ class TransferRegion:
             os.close(fd)
         self.headers = np.frombuffer(self.region, dtype=np.uint64, count=_HEADER_WORDS * self.num_slots
                                      ).reshape(self.num_slots, _HEADER_WORDS)
-        host = [torch.frombuffer(self.region, dtype=torch.uint8, count=size * self.num_slots, offset=offset)
-                .view(self.num_slots, *cache.view(torch.uint8).shape[1:])
-                for size, offset, cache in zip(block_bytes, offsets, caches)]
-        self.copies = HostKVTier(caches, self.num_slots, device, host=host)
+        self.caches = [as_bytes(cache) for cache in caches]
+        self.slots = [torch.frombuffer(self.region, dtype=torch.uint8, count=size * self.num_slots, offset=offset)
+                      .view(self.num_slots, *cache.shape[1:])
+                      for size, offset, cache in zip(block_bytes, offsets, self.caches)]
         self.device = device
 
     @classmethod
@@ -59,8 +59,9 @@ class TransferRegion:
     def write(self, block_ids: list[int], slots: list[int], nonce: int, checksum: int) -> None:
         """Block block_ids[i] into slots[i], headed (nonce, i, checksum)."""
         self.headers[slots, _NONCE] = 0
-        self.copies.apply(list(zip(block_ids, slots)), [])
-        self._synchronize()
+        blocks, targets = self._indices(block_ids), torch.tensor(slots, dtype=torch.int64)
+        for cache, region in zip(self.caches, self.slots):
+            region.index_copy_(0, targets, cache.index_select(0, blocks).cpu())
         for index, slot in enumerate(slots):
             self.headers[slot, _INDEX] = index
             self.headers[slot, _CHECKSUM] = checksum
@@ -75,13 +76,18 @@ class TransferRegion:
         expected = [(nonce, first + index, checksum) for index in range(len(slots))]
         if [tuple(int(word) for word in self.headers[slot, :3]) for slot in slots] != expected:
             return False
-        self.copies.apply([], list(zip(slots, block_ids)))
-        self._synchronize()
+        blocks, sources = self._indices(block_ids), torch.tensor(slots, dtype=torch.int64)
+        for cache, region in zip(self.caches, self.slots):
+            cache.index_copy_(0, blocks, region.index_select(0, sources).to(self.device))
+        self._synchronize()  # the copy has read the slots before their nonce is checked again
         intact = all(int(self.headers[slot, _NONCE]) == nonce for slot in slots)
         for slot in slots:
             if int(self.headers[slot, _NONCE]) == nonce:
                 self.headers[slot, _NONCE] = 0
         return intact
+
+    def _indices(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.int64, device=self.device)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
