@@ -5,10 +5,13 @@ The workload (issue 57's): --streams requests of a 32-token prompt decode --stre
 ignore_eos); once all have started, --long prompts of --long-len tokens arrive one every --interval s, each generating
 8 tokens. Each configuration is two engine cores on this machine, each pinned to its own share of the CPUs (one core
 each on two), behind one AsyncLLM: plain DP routed round robin, plain DP routed by prefix, and disaggregated (engine 0
-prefills, engine 1 decodes). A stream's inter-token latency: the gap before each output, spread over its tokens (a
-multi-step call delivers several at once); its first output (time to first token) is left out.
+prefills, engine 1 decodes). Engines run --num-scheduler-steps 1 by default, so each token reaches its stream as its
+step ends and a stall shows whole (a multi-step call would hold tokens back and deliver them together either way). A
+stream's inter-token latency: the gap before each of its outputs, spread over the tokens it brings; its first output
+(time to first token) is left out.
 
-    python benchmarks/disagg_prefill.py [--streams 4] [--long 8] [--long-len 448] [--interval 0.25] [--note ...]
+    python benchmarks/disagg_prefill.py [--streams 4] [--long 8] [--long-len 448] [--interval 0.25]
+        [--num-scheduler-steps 1] [--note ...]
 """
 from __future__ import annotations
 
@@ -50,7 +53,8 @@ async def stream(engine: AsyncLLM, request_id: str, ids: list[int], params: Samp
 async def run(name: str, engine_args: dict, args: argparse.Namespace, vocab: int) -> list[float]:
     """One configuration over the workload: the streams' inter-token gaps (s)."""
     rng = random.Random(0)
-    engine = AsyncLLM(str(shipped_model("demo")), data_parallel_size=2, **engine_args)
+    engine = AsyncLLM(str(shipped_model("demo")), data_parallel_size=2, num_scheduler_steps=args.num_scheduler_steps,
+                      **engine_args)
     try:
         warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         await asyncio.gather(*(stream(engine, f"warm{i}", [rng.randrange(3, vocab) for _ in range(64)], warm)
@@ -89,6 +93,7 @@ def main() -> None:
     parser.add_argument("--long", type=int, default=8, help="long prompts arriving while the streams decode")
     parser.add_argument("--long-len", type=int, default=448)
     parser.add_argument("--interval", type=float, default=0.25, help="seconds between long prompts")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per engine call")
     parser.add_argument("--note", default="A machine shared with other work while it ran: indicative figures only.")
     args = parser.parse_args()
     print(machine(args.note, "bfloat16"), flush=True)
