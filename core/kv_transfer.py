@@ -70,6 +70,8 @@ class KVConnector:
             self.recomputes += 1
         elif loaded:
             self.blocks_received += loaded
+        else:  # the prefix cache held them already (or too few blocks were free): the slots are not needed
+            self.region.release(params.slots, params.nonce)
 
     def _take_slots(self, count: int) -> list[int]:
         """`count` slots: released ones first, then those written longest ago (a decode engine that has not read

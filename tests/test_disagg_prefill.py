@@ -162,6 +162,11 @@ def test_slots_are_checked_reused_least_recently_written_first_and_a_mismatch_lo
     assert torch.equal(consumer_cache[loaded], producer_cache[blocks["c"]])
     assert (receiver.blocks_received, receiver.recomputes, sender.blocks_sent) == (2, 2, 6)
     assert all(regions[0].released(slot) for slot in sent["c"].slots)  # the decode side released them
+    again = _request("c", prompts["c"], produce_kv=True)
+    producer_kv.allocate_slots(again, 9)
+    resent = sender.send(again)
+    receiver.receive(_request("c", prompts["c"], kv_transfer_params=resent))  # its prefix cache holds them
+    assert all(regions[0].released(slot) for slot in resent.slots) and receiver.blocks_received == 2
 
 
 def test_greedy_outputs_equal_one_engines_and_the_blocks_go_over(group, expected):

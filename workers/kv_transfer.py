@@ -81,10 +81,14 @@ class TransferRegion:
             cache.index_copy_(0, blocks, region.index_select(0, sources).to(self.device))
         self._synchronize()  # the copy has read the slots before their nonce is checked again
         intact = all(int(self.headers[slot, _NONCE]) == nonce for slot in slots)
-        for slot in slots:
-            if int(self.headers[slot, _NONCE]) == nonce:
-                self.headers[slot, _NONCE] = 0
+        self.release(slots, nonce)
         return intact
+
+    def release(self, slots: list[int], nonce: int) -> None:
+        """Free those of the slots that still hold this transfer for the prefill engine's next ones."""
+        for slot in slots:
+            if 0 <= slot < self.num_slots and int(self.headers[slot, _NONCE]) == nonce:
+                self.headers[slot, _NONCE] = 0
 
     def _indices(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.int64, device=self.device)
