@@ -9,6 +9,7 @@ import msgspec
 from core import engine_checks
 from core.kv_cache_manager import KVCacheManager
 from core.kv_offload import check_offload
+from core.kv_transfer import KVConnector
 from core.profiler import EngineProfiler
 from core.request import Request
 from core.scheduler import Scheduler
@@ -74,6 +75,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, whole_prompts=encoder,
                                    decode_ahead=self.executor.decodes_ahead(), multi_step=self.executor.multi_steps(),
                                    multi_step_grammars=self.executor.steps_grammars())
+        transfer = self.config.kv_transfer_config
+        if transfer is not None and not encoder:
+            region = self.executor.kv_transfer_region()
+            self.scheduler.connector = KVConnector(transfer.kv_role, transfer.region, region, self.kv_cache_manager)
         self._arrivals = itertools.count()
         self.batches_submitted = 0
         self.profiler = None if config.profiler_dir is None else EngineProfiler(
@@ -85,7 +90,8 @@ class EngineCore:
                                privileged_utilities=sorted(self._privileged_utilities()),
                                max_logprobs=self.config.max_logprobs, runner=runner, pooling=pooling,
                                hidden_size=text_config.hidden_size,
-                               enable_prompt_embeds=self.config.enable_prompt_embeds, **image_inputs(hf_config))
+                               enable_prompt_embeds=self.config.enable_prompt_embeds,
+                               kv_role=transfer.kv_role if transfer is not None else None, **image_inputs(hf_config))
 
     def validate_request(self, request: EngineCoreRequest, request_id: str | None = None) -> None:
         """Raise ValueError naming what is wrong; nothing is queued. `request_id`: the id the engine will hold it

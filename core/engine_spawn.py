@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 
+from core.kv_transfer import remove_region, transfer_group_configs
 from ipc import EngineConfig, EngineInfo, EngineStartup
 from ipc.lifeline import make_lifeline
 from ipc.sockets import EngineEndpoints, remove_ipc_files
@@ -127,6 +128,8 @@ def start_engines(configs: list[EngineConfig], addresses: list[str], curve_key_f
         for process in processes:
             process.shutdown()
         raise
+    finally:
+        remove_region(configs)
     return processes
 
 
@@ -135,7 +138,7 @@ def data_parallel_configs(config: EngineConfig, cpus: list[int]) -> list[EngineC
     group meets (a free loopback port: the engines started here form one group); on a CPU a single-rank engine's
     threads pinned to its own equal share of `cpus` (engines whose threads all roam every CPU slow each other down),
     unless cpu_threads_bind or cpu_threads is given, there are more engines than CPUs, or the ranks are Ray actors
-    (Ray places them)."""
+    (Ray places them). A kv_transfer_config group's engines get their roles (core/kv_transfer.py)."""
     size = config.data_parallel_size
     shared = {}
     if config.enable_expert_parallel and size > 1:
@@ -146,7 +149,7 @@ def data_parallel_configs(config: EngineConfig, cpus: list[int]) -> list[EngineC
     pin = not (config.cpu_threads_bind is not None or config.cpu_threads is not None or config.device == "cuda" or
                config.tensor_parallel_size * config.pipeline_parallel_size > 1 or share == 0 or
                config.data_parallel_backend == "ray")
-    return [msgspec.structs.replace(
+    return transfer_group_configs([msgspec.structs.replace(
         config, data_parallel_rank=rank, **shared,
         **({"cpu_threads_bind": ",".join(map(str, cpus[rank * share:(rank + 1) * share]))} if pin else {}))
-        for rank in range(size)]
+        for rank in range(size)])

@@ -1,6 +1,8 @@
 """KVCacheManager: THE global block table (block ids per request), grown on demand, shared by prefix hash."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from core.block_hash import extend_block_hashes
 from core.block_pool import BlockPool
 from core.kv_offload import OffloadTier
@@ -77,6 +79,24 @@ class KVCacheManager:
         self.prefix_cache_host_hits += len(hashes) * self.block_size
         loaded = iter(fresh)
         return [next(loaded) if isinstance(block, bytes) else block for block in computed_blocks]
+
+    def cache_loaded(self, request: Request, num_blocks: int, load: Callable[[int, list[int]], bool]) -> int | bool:
+        """The request's first num_blocks prompt blocks in the prefix cache: those past the ones it holds already
+        loaded by load(first block index, fresh block ids) into free blocks, cached by their hashes and freed (to be
+        found like any cached block). The blocks loaded (0: none needed, or too few free), or False if load failed."""
+        found = self.computed_blocks(request)
+        cached, first = [block for block in found if isinstance(block, int)], len(found)
+        count = num_blocks - first
+        if count <= 0 or count > self.pool.num_free_blocks - sum(self.pool.ref_counts[b] == 0 for b in cached):
+            return 0
+        self.pool.touch(cached)  # not evicted by the allocation
+        fresh = self.pool.allocate(count)
+        loaded = load(first, fresh)
+        if loaded:
+            for index, block_id in enumerate(fresh, start=first):
+                self.pool.cache_block(block_id, request.block_hashes[index])
+        self.pool.free([*cached, *reversed(fresh)])
+        return count if loaded else False
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The step's host-tier copies (OffloadTier.take_copies); none without a tier."""

@@ -7,6 +7,7 @@ import secrets
 from typing import TYPE_CHECKING
 
 from ipc import EngineCoreRequest, FinishReason, PromptLogprobs, SamplingParams
+from ipc.kv_transfer import KVTransferParams
 from ipc.sampling_params import stop_tokens, tokens_left
 
 if TYPE_CHECKING:
@@ -90,6 +91,11 @@ class Request:
         # Whether cached blocks may stand in for its first tokens: not when each prompt position's output is wanted
         # (prompt logprobs; pooling other than the last token's).
         self.reads_prefix_cache = self.sampling_params.prompt_logprobs is None
+        # Disaggregated prefill (core/kv_transfer.py): hand the prompt's KV over when finished (a prefill engine's
+        # request), where it went (on its final output), and where to load it from (a decode engine's request).
+        self.produce_kv = core_request.produce_kv
+        self.kv_sent: KVTransferParams | None = None
+        self.kv_transfer_params = core_request.kv_transfer_params
 
     @property
     def num_tokens(self) -> int:

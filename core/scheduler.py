@@ -10,6 +10,7 @@ from core import multi_step
 from core.multi_step import StepTimes
 from core.encoder_budget import chunk_within_encoder_budget, count_encoded
 from core.kv_cache_manager import KVCacheManager
+from core.kv_transfer import KVConnector
 from core.request import Request, RequestStatus
 from core.scheduler_outputs import StepOutputs
 from core.scheduler_stats import SchedulerCounters
@@ -69,6 +70,7 @@ class Scheduler(StepOutputs, SchedulerCounters):
         self._decode_calls: deque[tuple[float, int, int] | None] = deque()
         if decode_ahead:
             self.num_lookahead_slots = max(self.num_lookahead_slots, 1)
+        self.connector: KVConnector | None = None  # disaggregated prefill's (set by the engine core)
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -214,6 +216,8 @@ class Scheduler(StepOutputs, SchedulerCounters):
                     break
                 num_cached, num_new = 0, request.num_tokens
             else:
+                if request.kv_transfer_params is not None and self.connector is not None:
+                    self.connector.receive(request)
                 computed_blocks = self.kv.computed_blocks(request)
                 num_cached = len(computed_blocks) * self.kv.block_size
                 num_new = self._within_encoder_budget(request, num_cached, min(request.num_tokens - num_cached, budget))

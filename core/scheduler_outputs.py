@@ -15,7 +15,7 @@ logger = logging.getLogger("pagedserve.scheduler")
 class StepOutputs:
     """The Scheduler's half that takes each batch's output back and ends requests (mixed into
     core.scheduler.Scheduler, whose state it reads and changes: in_flight, requests, running, waiting, kv,
-    spec_stats, step_times, max_model_len, finished_req_ids)."""
+    spec_stats, step_times, max_model_len, finished_req_ids, connector)."""
 
     def update_from_output(self, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """For the oldest batch in flight: append sampled tokens, finish requests that stop, report new tokens."""
@@ -80,7 +80,7 @@ class StepOutputs:
         output = EngineCoreOutput(request_id=req_id, new_token_ids=token_ids,
                                   finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
                                   num_cached_tokens=request.num_cached_tokens,
-                                  prompt_logprobs=request.pending_prompt_logprobs)
+                                  prompt_logprobs=request.pending_prompt_logprobs, kv_transfer_params=request.kv_sent)
         request.pending_prompt_logprobs = None
         if req_id in runner_output.logprobs:
             count = len(token_ids)
@@ -115,6 +115,8 @@ class StepOutputs:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting = [(key, r) for key, r in self.waiting if r is not request]
             heapq.heapify(self.waiting)
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and self.connector is not None:
+            request.kv_sent = self.connector.send(request)  # its blocks still hold the prompt's KV
         request.set_status(status)
         self.kv.free(request)
         del self.requests[request.request_id]

@@ -8,7 +8,7 @@ from ipc import SchedulerStats
 
 class SchedulerCounters:
     """Mixed into core.scheduler.Scheduler, whose state it reads (running, waiting, kv, num_preemptions,
-    num_aborted_requests, spec_stats) and whose peak figures it keeps (peak_num_running, peak_kv_usage,
+    num_aborted_requests, spec_stats, connector) and whose peak figures it keeps (peak_num_running, peak_kv_usage,
     kv_utilization_at_peak)."""
 
     def _record_peak(self) -> None:
@@ -31,5 +31,12 @@ class SchedulerCounters:
                               prefix_cache_queries=self.kv.prefix_cache_queries,
                               prefix_cache_hits=self.kv.prefix_cache_hits,
                               prefix_cache_host_hits=self.kv.prefix_cache_host_hits,
-                              spec_decoding=copy.deepcopy(self.spec_stats))
+                              spec_decoding=copy.deepcopy(self.spec_stats), **self._transfer_counts())
+
+    def _transfer_counts(self) -> dict[str, int]:
+        connector = self.connector
+        if connector is None:
+            return {}
+        return {"kv_transfer_blocks_sent": connector.blocks_sent, "kv_transfer_blocks_received":
+                connector.blocks_received, "kv_transfer_recomputes": connector.recomputes}
 

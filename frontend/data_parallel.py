@@ -13,6 +13,7 @@ import zmq
 
 from frontend.async_core_client import AsyncEngineCoreClient
 from frontend.core_client import DEFAULT_MAX_STALL_S, POLL_MS, EngineCoreClient, EngineDeadError
+from frontend.disagg_proxy import DECODE, PREFILL, DisaggProxy, is_disaggregated
 from frontend.dp_balance import EngineBalancer
 from frontend.dp_stats import GroupStats, group_stats
 from ipc import EngineCoreOutputs, EngineCoreRequest, RequestError, SchedulerStats
@@ -32,6 +33,8 @@ class DataParallelClient:
                                             num_kv_blocks=sum(client.info.num_kv_blocks for client in clients))
         self.balancer = EngineBalancer(len(clients), self.info.block_size, policy)
         self.pending: deque[EngineCoreOutputs] = deque()  # outputs taken from the engines' clients, in order
+        # A kv_transfer_config group: engine 0 prefills, engine 1 decodes (frontend/disagg_proxy.py).
+        self.proxy = DisaggProxy(self) if is_disaggregated([client.info for client in clients]) else None
         self.poller = zmq.Poller()
         for client in clients:
             for sock in (client.output, *client.monitors):
@@ -44,12 +47,18 @@ class DataParallelClient:
     @property
     def dead_reason(self) -> str | None:
         """Why the group can serve nothing (every engine gone), or None."""
+        if self.proxy is not None and not self.balancer.alive[DECODE]:
+            return f"the decode engine ({DECODE}) of the disaggregated group is gone: " \
+                f"{self.clients[DECODE].dead_reason}"
         if self.live:
             return None
         return "every engine core of the data-parallel group is gone: " + "; ".join(
             f"engine {engine}: {client.dead_reason}" for engine, client in enumerate(self.clients))
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if self.proxy is not None:
+            self.proxy.add_request(request)
+            return
         while True:
             if self.dead_reason is not None:
                 raise EngineDeadError(self.dead_reason)
@@ -71,6 +80,8 @@ class DataParallelClient:
             self.balancer.others[engine] = max(0, beat.num_waiting + beat.num_running - beat.num_yours) if fresh else 0
 
     def abort_requests(self, request_ids: list[str]) -> None:
+        if self.proxy is not None:
+            self.proxy.abort(request_ids)
         by_engine: dict[int, list[str]] = {}
         for request_id in request_ids:
             engine = self.balancer.finished(request_id)
@@ -106,6 +117,8 @@ class DataParallelClient:
         return None
 
     def _seen(self, batch: EngineCoreOutputs) -> EngineCoreOutputs:
+        if self.proxy is not None:
+            batch = self.proxy.filter(batch)
         for output in batch.outputs:
             if output.finish_reason is not None:
                 self.balancer.finished(output.request_id)
@@ -120,6 +133,9 @@ class DataParallelClient:
             self.pending.append(self._seen(client.pending.popleft()))
         message = f"engine core {engine} of the data-parallel group is gone: {client.dead_reason}"
         lost = self.balancer.engine_died(engine)
+        if self.proxy is not None and engine == PREFILL:
+            self.pending.append(self.proxy.prefill_engine_died())
+            return
         self.pending.append(EngineCoreOutputs(errors=[RequestError(request_id, message, "failed")
                                                       for request_id in lost]))
 
@@ -197,14 +213,15 @@ class AsyncDataParallelClient(DataParallelClient):
 
     async def check_health_async(self, max_stall_s: float = DEFAULT_MAX_STALL_S, every: bool = True) -> None:
         """EnginesDownError naming each engine that is not healthy: the group is unhealthy while any one is (or,
-        with every=False, only when none is: it can still serve)."""
+        with every=False, only when it cannot serve: none is, or a disaggregated group's decode engine is not)."""
         down = []
         for engine, client in enumerate(self.clients):
             try:
                 await client.check_health_async(max_stall_s)
             except EngineDeadError:
                 down.append(engine)
-        if down and (every or len(down) == len(self.clients)):
+        cannot_decode = self.proxy is not None and DECODE in down  # a disaggregated group serves on without prefill
+        if down and (every or len(down) == len(self.clients) or cannot_decode):
             raise EnginesDownError(self.health_problem(max_stall_s) or "engine cores down", down, len(self.clients))
 
     async def check_serving_async(self, max_stall_s: float = DEFAULT_MAX_STALL_S) -> None:

@@ -51,9 +51,13 @@ class EngineBalancer:
             engine = self._least_loaded()
             self.load_routed += 1
         self._remember(hashes, request.cache_salt, engine)
-        self.owner[request.request_id] = engine
-        self.load[engine] += 1
+        self.assign(request.request_id, engine)
         return engine
+
+    def assign(self, request_id: str, engine: int) -> None:
+        """The request is in flight on `engine` until finished()."""
+        self.owner[request_id] = engine
+        self.load[engine] += 1
 
     def finished(self, request_id: str) -> int | None:
         """The request ended (its final output or error): its engine, no longer loaded by it."""

@@ -34,7 +34,8 @@ def combined_stats(stats: list[SchedulerStats]) -> SchedulerStats:
             accepted_per_position=[sum(s.accepted_per_position[i] for s in specs
                                        if i < len(s.accepted_per_position)) for i in range(width)])
     counts = ("num_running", "num_waiting", "num_free_blocks", "num_preemptions", "num_aborted_requests",
-              "peak_num_running", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_host_hits")
+              "peak_num_running", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_host_hits",
+              "kv_transfer_blocks_sent", "kv_transfer_blocks_received", "kv_transfer_recomputes")
     return SchedulerStats(**{field: total(field) for field in counts},
                           kv_cache_usage=total("kv_cache_usage") / len(stats),
                           peak_kv_cache_usage=max(s.peak_kv_cache_usage for s in stats),

@@ -8,6 +8,7 @@ import msgspec
 from msgspec import Meta
 
 from ipc.bounds import INT32_MAX, Int64, check_fields
+from ipc.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from ipc.pooling import RUNNERS, PoolerConfig, parse_pooler_config
 from ipc.sampling_params import NumLogprobs
 from ipc.speculative import SpeculativeConfig, parse_speculative_config
@@ -50,6 +51,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Host-memory tier of the prefix cache (bytes or a size like "8GiB"): full blocks evicted from the KV cache are
     # kept there by hash and copied back on a prefix hit instead of recomputed (core/kv_offload.py); None: none.
     kv_offload_bytes: Annotated[int, Meta(ge=1, le=2**62)] | None = None
+    # Disaggregated prefill (ipc/kv_transfer.py; a dict or JSON text is accepted): with data_parallel_size=2 and
+    # kv_role "kv_both", engine 0 computes each prompt and hands its KV blocks over shared memory to engine 1, which
+    # decodes (docs/kv-cache.md). None: every engine prefills and decodes its own requests.
+    kv_transfer_config: KVTransferConfig | None = None
     seed: Int64 = 0
     tensor_parallel_size: Annotated[int, Meta(ge=1, le=4096)] = 1
     pipeline_parallel_size: Annotated[int, Meta(ge=1, le=4096)] = 1
@@ -160,6 +165,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if isinstance(self.kv_offload_bytes, str):
             self.kv_offload_bytes = parse_memory_size(self.kv_offload_bytes, "kv_offload_bytes")
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        self.kv_transfer_config = parse_kv_transfer_config(self.kv_transfer_config)
         self.pooler_config = parse_pooler_config(self.pooler_config)
         check_fields(self)
         _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
@@ -181,6 +187,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                  f"must be at least max_loras ({self.max_loras}), got {self.max_cpu_loras}")
         if self.cpu_threads_bind is not None:
             _check_cpu_threads_bind(self)
+        if self.kv_transfer_config is not None:
+            _check_kv_transfer(self)
 
 
 def cpu_lists(text: str) -> list[list[int]]:
@@ -209,6 +217,24 @@ def _check_cpu_threads_bind(config: EngineConfig) -> None:
     _require(config.cpu_threads is None or all(len(cpus) == config.cpu_threads for cpus in lists), "cpu_threads",
              f"must equal the length of each cpu_threads_bind list when both are given, got {config.cpu_threads}")
     _require(sum(map(len, lists)) == len(set().union(*lists)), "cpu_threads_bind", "ranks' CPU lists overlap")
+
+
+def _check_kv_transfer(config: EngineConfig) -> None:
+    """The shared-memory connector joins two single-rank engine processes on one node."""
+    transfer = config.kv_transfer_config
+    if transfer.kv_role == "kv_both":
+        _require(config.data_parallel_size == 2, "kv_transfer_config",
+                 f"with kv_role 'kv_both' needs data_parallel_size=2 (a prefill and a decode engine), got "
+                 f"{config.data_parallel_size}")
+    else:
+        _require(transfer.region is not None, "kv_transfer_config",
+                 f"with kv_role {transfer.kv_role!r} is one engine of a group: start the group with kv_role 'kv_both'")
+    _require(config.tensor_parallel_size * config.pipeline_parallel_size == 1 and config.data_parallel_backend == "mp",
+             "kv_transfer_config", "needs single-rank engine processes (tensor_parallel_size = "
+             "pipeline_parallel_size = 1, data_parallel_backend 'mp'): the connector copies between their KV caches")
+    _require(config.enable_prefix_caching and config.kv_offload_bytes is None, "kv_transfer_config",
+             "needs enable_prefix_caching=True and no kv_offload_bytes: the decode engine finds the transferred blocks "
+             "by their hashes in its device cache")
 
 
 def parse_memory_size(text: str, field: str = "kv_cache_memory") -> int:

@@ -9,6 +9,7 @@ from msgspec import Meta
 
 from ipc.bounds import (MAX_ID_LENGTH, MAX_PROMPT_TOKENS, Count, Fraction, Int64, RequestId, Seconds, TokenId,
                         check_fields)
+from ipc.kv_transfer import KVTransferParams
 from ipc.lora import LoRARequest
 from ipc.multimodal import MAX_IMAGES_PER_PROMPT, ImageInput, ImageTiling
 from ipc.pooling import PoolingInfo, PoolingParams
@@ -44,6 +45,11 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, tag="add"):
     prompt_embeds: PromptEmbeds | None = None
     # Its images, in prompt order: each one's features replace the embeddings of its placeholder tokens.
     mm_inputs: Annotated[list[ImageInput], Meta(max_length=MAX_IMAGES_PER_PROMPT)] | None = None
+    # Disaggregated prefill (a kv_transfer_config group; other engines ignore both): produce_kv asks the prefill
+    # engine to hand the prompt's KV blocks over (its final output carries where they are); kv_transfer_params tells
+    # the decode engine where to load them from.
+    produce_kv: bool = False
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, "EngineCoreRequest.")
@@ -66,6 +72,7 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     error_kind: str = "failed"  # the RequestError kind it ends with: "invalid" when its input was at fault
     error_param: str | None = None  # the request field at fault, for an "invalid" one
     pooled: bytes | None = None  # a pooling request's result, float32 little-endian, on its final output
+    kv_transfer_params: KVTransferParams | None = None  # a produce_kv request's final output: where its KV went
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -157,6 +164,11 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     spec_decoding: SpecDecodingStats | None = None  # when speculative decoding is configured
     # Data parallel + expert parallel: steps this engine ran a dummy batch in, keeping pace with the others'
     num_dummy_steps: Count = 0
+    # Disaggregated prefill since start: KV blocks a prefill engine wrote to the shared region, blocks a decode
+    # engine loaded from it, and the requests whose transfer failed a check there (they computed their prompt).
+    kv_transfer_blocks_sent: Count = 0
+    kv_transfer_blocks_received: Count = 0
+    kv_transfer_recomputes: Count = 0
 
 
 class EngineInfo(msgspec.Struct, kw_only=True):
@@ -180,6 +192,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     image_token_id: TokenId | None = None
     image_feature_count: Count = 0
     image_tiling: ImageTiling | None = None
+    kv_role: str | None = None  # its kv_transfer_config's role (kv_producer, kv_consumer), None without one
 
     def validate_request(self, request: EngineCoreRequest) -> None:
         """Raise InvalidRequestError naming what is wrong with a request this engine would refuse."""

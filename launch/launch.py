@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                              "(also prompt_lookup_min, prompt_lookup_max, disable_by_batch_size), or "
                              '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\'')
+    engine.add_argument("--kv-transfer-config", metavar="JSON",
+                        help='disaggregated prefill with --dp 2: \'{"kv_connector": "SharedMemoryConnector", '
+                             '"kv_role": "kv_both", "kv_buffer_bytes": "256MiB"}\' (engine 0 prefills, 1 decodes)')
     engine.add_argument("--structured-outputs-compile-timeout", type=float, default=10.0,
                         help="a request whose schema/regex/grammar takes longer to compile gets a 400 "
                         "(seconds, default: %(default)s)")
@@ -234,7 +237,8 @@ def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
                         structured_outputs_compile_timeout=args.structured_outputs_compile_timeout,
                         structured_outputs_compile_memory_mb=args.structured_outputs_compile_memory_mb,
                         structured_outputs_cache_mb=args.structured_outputs_cache_mb,
-                        speculative_config=args.speculative_config, runner=args.runner,
+                        speculative_config=args.speculative_config, kv_transfer_config=args.kv_transfer_config,
+                        runner=args.runner,
                         pooler_config=args.pooler_config, enable_prompt_embeds=args.enable_prompt_embeds)
 
 

@@ -17,7 +17,7 @@ class HostKVTier:
 
     def __init__(self, caches: list[torch.Tensor], num_slots: int, device: torch.device) -> None:
         """caches: [num_blocks, ...] tensors whose first dimension is the block id."""
-        self.caches = [_as_bytes(cache) for cache in caches]
+        self.caches = [as_bytes(cache) for cache in caches]
         pinned = device.type == "cuda"
         self.host = [torch.empty((num_slots, *cache.shape[1:]), dtype=torch.uint8, pin_memory=pinned)
                      for cache in self.caches]
@@ -25,9 +25,7 @@ class HostKVTier:
 
     @classmethod
     def for_layers(cls, layers: list[Attention], num_slots: int, device: torch.device) -> HostKVTier:
-        """For the K and V of these layers (a layer whose K is its V, as MLA's latent cache, counted once)."""
-        caches = {cache.data_ptr(): cache for layer in layers for cache in layer.kv_cache}
-        return cls(list(caches.values()), num_slots, device)
+        return cls(layer_caches(layers), num_slots, device)
 
     @property
     def num_slots(self) -> int:
@@ -64,7 +62,12 @@ class HostKVTier:
                 device_cache.index_copy_(0, blocks, host.index_select(0, slots))
 
 
-def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
+def layer_caches(layers: list[Attention]) -> list[torch.Tensor]:
+    """The K and V of these layers (a layer whose K is its V, as MLA's latent cache, counted once)."""
+    return list({cache.data_ptr(): cache for layer in layers for cache in layer.kv_cache}.values())
+
+
+def as_bytes(cache: torch.Tensor) -> torch.Tensor:
     """The same memory as uint8 (the last dimension widened by the element size)."""
     if not cache.is_contiguous():
         raise ValueError(f"a KV cache tensor of shape {tuple(cache.shape)} is not contiguous: the host tier copies "

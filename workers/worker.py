@@ -13,6 +13,7 @@ from workers.device import select_device
 from workers.distributed import parallel_state
 from workers.gpu_memory import kv_cache_budget, profile_memory
 from workers.kv_offload import HostKVTier
+from workers.kv_transfer import TransferRegion
 from workers.layers.attention import Attention
 from workers.model_config import load_hf_config, resolve_dtype
 from workers.model_runner import ModelRunner
@@ -45,6 +46,7 @@ class Worker:
         runner = EncoderRunner if self.encoder else ModelRunner
         self.model_runner = runner(config, self.hf_config, self.dtype, self.device, pooling)
         self.kv_offload: HostKVTier | None = None
+        self.kv_transfer: TransferRegion | None = None  # disaggregated prefill's shared region
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's model parameters and buffers as held (int8 weights count one byte each)."""
@@ -111,9 +113,13 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
         num_host_blocks, runner = self.num_host_blocks(), self.model_runner
+        layers = runner.attention_layers + (runner.draft_model.attention_layers if runner.draft_model else [])
         if num_host_blocks:
-            layers = runner.attention_layers + (runner.draft_model.attention_layers if runner.draft_model else [])
             self.kv_offload = HostKVTier.for_layers(layers, num_host_blocks, self.device)
+        transfer = self.config.kv_transfer_config
+        if transfer is not None and not self.encoder:
+            self.kv_transfer = TransferRegion.for_layers(transfer.region, layers, transfer.kv_buffer_bytes,
+                                                         self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammars: LentGrammars | None = None) -> ModelRunnerOutput:

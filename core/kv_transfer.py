@@ -1,0 +1,109 @@
+"""Disaggregated prefill, engine-core side: between steps, a finished prefill's whole prompt blocks are written to the
+shared region (slots from a free list, else the least recently written one reused), and a decode request's blocks are
+loaded from it into the prefix cache before it is first scheduled, which then finds them by its own hashes."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import secrets
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+
+from ipc import EngineConfig
+from ipc.kv_transfer import KVTransferParams
+from workers.shm_region import SHM_DIR
+
+if TYPE_CHECKING:  # the front end's start-up imports this module for its last two functions: no torch there
+    from core.kv_cache_manager import KVCacheManager
+    from core.request import Request
+    from workers.kv_transfer import TransferRegion
+
+
+class KVConnector:
+    def __init__(self, role: str, name: str, region: TransferRegion, kv: KVCacheManager) -> None:
+        self.role, self.name, self.region, self.kv = role, name, region, kv
+        self.free_slots = list(range(region.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.written: OrderedDict[int, None] = OrderedDict()  # slots holding a transfer, least recently written first
+        self.blocks_sent = self.blocks_received = self.recomputes = 0
+
+    def send(self, request: Request) -> KVTransferParams | None:
+        """A prefill engine's finished produce_kv request, before its blocks go back to the pool: its prompt's whole
+        blocks (bar the one holding its last token, which the decode engine computes to sample) into slots."""
+        if self.role != "kv_producer" or not request.produce_kv:
+            return None
+        block_ids = self.kv.block_ids(request)
+        num_blocks = min((len(request.prompt_token_ids) - 1) // self.kv.block_size, len(block_ids),
+                         self.region.num_slots)
+        if num_blocks <= 0:
+            return None
+        num_tokens = num_blocks * self.kv.block_size
+        slots, nonce = self._take_slots(num_blocks), 1 + secrets.randbelow(2**63 - 1)
+        checksum = token_checksum(request.prompt_token_ids[:num_tokens])
+        self.region.write(block_ids[:num_blocks], slots, nonce, checksum)
+        self.blocks_sent += num_blocks
+        return KVTransferParams(region=self.name, slots=slots, num_tokens=num_tokens, nonce=nonce, checksum=checksum)
+
+    def receive(self, request: Request) -> None:
+        """A decode engine's request before its first scheduling: its transferred blocks that the prefix cache lacks,
+        loaded and cached there; any check failing (another group's params, other tokens, a slot overwritten or
+        missing) leaves them to be computed."""
+        params, request.kv_transfer_params = request.kv_transfer_params, None
+        if self.role != "kv_consumer" or params is None:
+            return
+        size = self.kv.block_size
+        num_blocks = min(len(params.slots), (request.num_tokens - 1) // size)
+        if params.region != self.name or params.num_tokens != len(params.slots) * size or \
+                params.checksum != token_checksum(request.prompt_token_ids[:params.num_tokens]):
+            self.recomputes += 1
+            return
+
+        def read(first: int, block_ids: list[int]) -> bool:
+            return self.region.read(params.slots[first:first + len(block_ids)], block_ids, params.nonce,
+                                    params.checksum, first)
+
+        loaded = self.kv.cache_loaded(request, num_blocks, read)
+        if loaded is False:
+            self.recomputes += 1
+        elif loaded:
+            self.blocks_received += loaded
+        else:  # the prefix cache held them already (or too few blocks were free): the slots are not needed
+            self.region.release(params.slots, params.nonce)
+
+    def _take_slots(self, count: int) -> list[int]:
+        """`count` slots: released ones first, then those written longest ago (a decode engine that has not read
+        one yet finds it overwritten and recomputes)."""
+        for slot in [slot for slot in self.written if self.region.released(slot)]:
+            del self.written[slot]
+            self.free_slots.append(slot)
+        while len(self.free_slots) < count:
+            self.free_slots.append(self.written.popitem(last=False)[0])
+        slots = [self.free_slots.pop() for _ in range(count)]
+        self.written.update(dict.fromkeys(slots))
+        return slots
+
+
+def token_checksum(token_ids: list[int]) -> int:
+    digest = hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # 63 bits: msgspec's bounds fit an int64
+
+
+def transfer_group_configs(configs: list[EngineConfig]) -> list[EngineConfig]:
+    """A kv_both group's engines: engine 0 the producer, engine 1 the consumer, sharing a fresh region name."""
+    transfer = configs[0].kv_transfer_config if configs else None
+    if transfer is None or transfer.kv_role != "kv_both":
+        return configs
+    name = f"pagedserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
+    return [msgspec.structs.replace(config, kv_transfer_config=msgspec.structs.replace(
+        transfer, kv_role=role, region=name)) for config, role in zip(configs, ("kv_producer", "kv_consumer"))]
+
+
+def remove_region(configs: list[EngineConfig]) -> None:
+    """The region's name, once every engine has mapped it (at start-up): no file outlives them, even killed."""
+    names = {config.kv_transfer_config.region for config in configs if config.kv_transfer_config is not None}
+    for name in names - {None}:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
