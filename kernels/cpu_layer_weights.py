@@ -45,7 +45,12 @@ class DecoderLayerWeights:
     softmax score (renormalized where set, times routed_scaling), each a SwiGLU MLP of experts_gate_up [experts,
     2 * inter, hidden] and experts_down [experts, hidden, inter]; gate_up and down then are a shared expert's,
     weighted by sigmoid(x shared_gate^T) (Qwen-MoE), or None. *_lora: a projection's adapter slots, whose deltas
-    the rows of a step with an adapter get."""
+    the rows of a step with an adapter get.
+
+    Multi-head latent attention (DeepSeek; mla_kv_a given): qkv is the q projection [heads * (nope + rope), hidden]
+    (V3: q_b_proj [.., q_lora] over mla_q_a's rows [q_lora, hidden] normed by mla_q_a_norm), mla_kv_a [lora + rope,
+    hidden] the latent's, normed by mla_kv_norm [lora]; mla_w_uk_t [heads, lora, nope] and mla_w_uv [heads, v, lora]
+    (kv_b_proj's halves); o [hidden, heads * v]; head_dim lora + rope over one KV head; RMSNorms of mla_eps."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
@@ -96,6 +101,27 @@ class DecoderLayerWeights:
     o_lora: AdapterSlots | None = None
     gate_up_lora: AdapterSlots | None = None
     down_lora: AdapterSlots | None = None
+    mla_q_a: torch.Tensor | None = None
+    mla_kv_a: torch.Tensor | None = None
+    mla_q_a_norm: torch.Tensor | None = None
+    mla_kv_norm: torch.Tensor | None = None
+    mla_w_uk_t: torch.Tensor | None = None
+    mla_w_uv: torch.Tensor | None = None
+    mla_eps: float = 0.0
+
+    @property
+    def mla_dims(self) -> list[int]:
+        """MLA's kv_lora_rank, q_lora_rank, nope, rope and v head dims (all 0 without MLA)."""
+        if self.mla_kv_a is None:
+            return [0] * 5
+        lora = self.mla_kv_norm.shape[0]
+        return [lora, 0 if self.mla_q_a is None else self.mla_q_a.shape[0], self.mla_w_uk_t.shape[2],
+                self.head_dim - lora, self.mla_w_uv.shape[1]]
+
+    @property
+    def attn_width(self) -> int:
+        """The attention's output per token, o's input."""
+        return self.num_heads * (self.mla_dims[4] if self.mla_kv_a is not None else self.head_dim)
 
     @property
     def intermediate(self) -> int:
@@ -110,6 +136,8 @@ class DecoderLayerWeights:
                 pairs.append(paired)
         if self.router is not None:
             weights += [self.experts_gate_up[0], self.experts_down[0]]
+        weights += [t for t in (self.mla_q_a, self.mla_kv_a) if t is not None]
+        pairs += [None] * (len(weights) - len(pairs))
         return max_rows(self.input_norm.dtype, weights, pairs)
 
     def args(self) -> tuple[list[int], list[int], list[float]]:
@@ -120,17 +148,20 @@ class DecoderLayerWeights:
                    self.attn_out_norm, self.mlp_out_norm, self.gate_up_bias, self.down_bias, self.router,
                    self.experts_gate_up, self.experts_down, self.shared_gate,
                    *(t for slots in self._loras() for t in ((None,) * 3 if slots is None else
-                                                             (slots.a, slots.b, slots.used))))
+                                                             (slots.a, slots.b, slots.used))),
+                   self.mla_q_a, self.mla_kv_a, self.mla_q_a_norm, self.mla_kv_norm, self.mla_w_uk_t, self.mla_w_uv)
         groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self._projections()]
         experts = [0, 0, 0, 0] if self.router is None else \
             [self.router.shape[0], self.top_k, self.experts_down.shape[2], int(self.renormalize)]
-        dims = [self.qkv.shape[1], self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
+        dims = [self.input_norm.shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
                 self.sliding_window or 0, *groups, 0 if self.cos is None else self.cos.shape[1],
                 NORM_KINDS[self.norm_kind], ACTIVATIONS[self.activation], int(self.parallel_residual),
                 int(self.qkv_per_head), int(self.scale_q_first), *experts,
                 *(0 if slots is None else slots.a.shape[1] for slots in self._loras()),
-                int(any(slots is not None and slots.a.dtype == torch.bfloat16 for slots in self._loras()))]
-        return [pointer(t) for t in tensors], dims, [self.eps, self.scale, self.soft_cap, self.routed_scaling]
+                int(any(slots is not None and slots.a.dtype == torch.bfloat16 for slots in self._loras())),
+                *self.mla_dims]
+        return [pointer(t) for t in tensors], dims, [self.eps, self.scale, self.soft_cap, self.routed_scaling,
+                                                     self.mla_eps]
 
     def check(self, dtype: torch.dtype) -> None:
         """Each projection of the hidden states' dtype, or int8 with its float32 scales (per row or group); norms,
@@ -143,8 +174,10 @@ class DecoderLayerWeights:
             if not (int8 or (weight.dtype == dtype and scale is None)):
                 raise TypeError("a projection's weight must be of the hidden states' dtype, or int8 with float32 "
                                 "scales per row [N] or per group of a multiple of 8 columns [N, K / group]")
-        hidden, width = self.qkv.shape[1], self.intermediate * (2 if self.activation.endswith("_glu") else 1)
-        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        hidden, width = self.input_norm.shape[0], self.intermediate * (2 if self.activation.endswith("_glu") else 1)
+        qkv_rows, qkv_in = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, hidden
+        if self.mla_kv_a is not None:
+            qkv_rows, qkv_in = self._check_mla(dtype, hidden)
         shapes = {"input_norm": hidden, "post_norm": hidden, "input_norm_bias": hidden, "post_norm_bias": hidden,
                   "attn_out_norm": hidden, "mlp_out_norm": hidden, "q_norm": self.head_dim, "k_norm": self.head_dim,
                   "qkv_bias": qkv_rows, "o_bias": hidden, "gate_up_bias": width, "down_bias": hidden}
@@ -153,7 +186,7 @@ class DecoderLayerWeights:
             if tensor is not None and not (tensor.dtype == dtype and tensor.shape == (size,)
                                            and tensor.is_contiguous()):
                 raise ValueError(f"{name} must be a contiguous [{size}] tensor of the hidden states' dtype")
-        if self.qkv.shape[0] != qkv_rows or self.o.shape != (hidden, self.num_heads * self.head_dim) or (
+        if self.qkv.shape != (qkv_rows, qkv_in) or self.o.shape != (hidden, self.attn_width) or (
                 (self.gate_up is None) != (self.down is None)) or (
                 self.gate_up is not None and self.gate_up.shape[0] != width):
             raise ValueError("the projections do not fit the layer's heads and activation")
@@ -171,6 +204,27 @@ class DecoderLayerWeights:
                     and cpu_gemv.fits_pairs(weight, pairs)):
                 raise ValueError("a projection's pairs must be kernels.cpu_gemv.pair_weight of its bf16 weight, on a "
                                  "CPU with AVX-512 BF16")
+
+    def _check_mla(self, dtype: torch.dtype, hidden: int) -> tuple[int, int]:
+        """MLA's tensors of the hidden states' dtype that fit one another → the q projection's (rows, inputs)."""
+        lora = 0 if self.mla_kv_norm is None else self.mla_kv_norm.shape[0]
+        rope, heads = self.head_dim - lora, self.num_heads
+        tensors = [self.mla_kv_a, self.mla_kv_norm, self.mla_w_uk_t, self.mla_w_uv]
+        q_lora = 0 if self.mla_q_a is None else self.mla_q_a.shape[0]
+        if self.mla_q_a is not None:
+            tensors += [self.mla_q_a, self.mla_q_a_norm]
+        if not (all(t is not None and t.dtype == dtype and t.is_contiguous() for t in tensors) and lora > 0
+                and rope > 0 and rope % 2 == 0 and self.num_kv_heads == 1
+                and self.mla_kv_a.shape == (lora + rope, hidden)
+                and self.mla_w_uk_t.dim() == 3 and self.mla_w_uk_t.shape[:2] == (heads, lora)
+                and self.mla_w_uv.dim() == 3 and self.mla_w_uv.shape[0] == heads and self.mla_w_uv.shape[2] == lora
+                and (self.mla_q_a is None or (self.mla_q_a.shape == (q_lora, hidden)
+                                              and self.mla_q_a_norm.shape == (q_lora,)))
+                and self.cos is not None and self.cos.shape[1] == rope and self.mla_eps > 0):
+            raise ValueError("MLA needs kv_a [lora + rope, hidden], kv_norm [lora], w_uk_t [heads, lora, nope], w_uv "
+                             "[heads, v, lora] (and q_a [q_lora, hidden] with q_a_norm [q_lora]) of the hidden states' "
+                             "dtype, one KV head of lora + rope, a rotary table of rope and mla_eps")
+        return heads * (self.mla_w_uk_t.shape[2] + rope), q_lora or hidden
 
     def _check_experts(self, dtype: torch.dtype, hidden: int) -> None:
         """A mixture of experts of the hidden states' dtype with a SwiGLU per expert; a dense MLP only as its

@@ -3,14 +3,20 @@ the rest a mixture of routed experts (softmax, greedy or group-limited top-k, sc
 experts."""
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from kernels import cpu_layer_weights
+from workers.distributed import parallel_state
 from workers.layers.fused_moe import FusedMoE, Routing
 from workers.layers.linear import Linear
 from workers.layers.mla import MLAAttention
+from workers.models.fused_stage import describe_layer, takes_projections
 from workers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -38,14 +44,33 @@ class DeepseekV2MoE(nn.Module):
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
+    """The C++ layer takes its dense layers in MLA form (kernels/csrc/mla.h); its mixtures of experts (group-limited
+    and sigmoid routing, ungated shared experts) not yet."""
+
     attention_class = MLAAttention
     moe_class: type[nn.Module] = DeepseekV2MoE
-    one_call_capable = False
 
     def build_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
         sparse = (config.n_routed_experts and layer_idx >= config.first_k_dense_replace
                   and layer_idx % (getattr(config, "moe_layer_freq", 1) or 1) == 0)
         return self.moe_class(config) if sparse else LlamaMLP(config)
+
+    @property
+    def takes_one_call(self) -> bool:
+        attn = self.self_attn
+        return self._experts is None and parallel_state().tp_size == 1 and attn.takes_one_call() and \
+            takes_projections(attn.q_projection, attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+
+    @property
+    def fused_products(self) -> tuple[Callable, nn.Module, nn.Module, nn.Module]:
+        return self.self_attn.fused_qkv, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
+
+    @functools.cached_property
+    def fused_weights(self) -> cpu_layer_weights.DecoderLayerWeights:
+        attn = self.self_attn
+        return describe_layer(input_norm=self.input_layernorm, post_norm=self.post_attention_layernorm,
+                              qkv=attn.q_projection, o=attn.o_proj, gate_up=self.mlp.gate_up_proj,
+                              down=self.mlp.down_proj, attention=attn.attn, rotary=attn.rotary, **attn.fused_form())
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,111 @@
+"""The C++ layer's MLA form (kernels/csrc/mla.h) against DeepSeek's own op-by-op layer, and in the engine."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DeepseekV2Config, DeepseekV3Config
+
+from frontend import LLM, SamplingParams
+from kernels import cpu_decoder_layer, cpu_extension
+from tests.test_cpu_decoder_layer import BLOCK_SIZE, make_layer, step_batch
+from workers.models.deepseek_v2 import DeepseekV2DecoderLayer
+from workers.models.deepseek_v3 import DeepseekV3DecoderLayer
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1}
+SHAPE = dict(hidden_size=80, num_attention_heads=5, kv_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=12,
+             v_head_dim=10, intermediate_size=72, max_position_embeddings=512, n_routed_experts=4,
+             first_k_dense_replace=1, num_hidden_layers=1)
+CASES = {  # five heads (odd); V2 without a q LoRA, V3 with one; YaRN's mscale in the softmax scale
+    "v2": (DeepseekV2DecoderLayer, DeepseekV2Config(**SHAPE, q_lora_rank=None, rope_parameters=YARN)),
+    "v3 q_lora": (DeepseekV3DecoderLayer, DeepseekV3Config(**SHAPE, q_lora_rank=24, rope_parameters=YARN)),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    if cpu_extension.load() is None:
+        pytest.fail("the extension did not build")
+
+
+def run_both(layer, config, dtype: torch.dtype, seqs, products: str, values: torch.dtype | None = None
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(the C++ layer's (out, residual, cache), forward()'s) on one random latent cache [blocks, 1, block, lora +
+    rope] bound as key and value, as Attention(shared_kv=True) binds it; inputs rounded to `values` first."""
+    tokens = sum(new for _, new in seqs)
+    generator = torch.Generator().manual_seed(tokens)
+    num_blocks = sum(-(-length // BLOCK_SIZE) for length, _ in seqs) + 3
+    values = values or dtype
+    width = config.kv_lora_rank + config.qk_rope_head_dim
+    cache = torch.randn(num_blocks, 1, BLOCK_SIZE, width, generator=generator).to(values).to(dtype)
+    metadata, positions = step_batch(seqs, num_blocks, generator)
+    x, residual = (torch.randn(tokens, config.hidden_size, generator=generator).to(values).to(dtype) for _ in "xr")
+    attention = layer.fused_attention
+    with torch.inference_mode():
+        own = cache.clone()
+        attention.kv_cache = (own, own)
+        expected = [*layer(positions, x, residual, metadata), own]
+        own = cache.clone()
+        attention.kv_cache = (own, own)
+        step = cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
+                                             metadata.query_start_loc, layer.fused_weights.max_rows())
+        prepared = cpu_decoder_layer.PreparedLayers([layer.fused_weights], [attention.kv_cache], dtype)
+        if products == "torch":
+            got = cpu_decoder_layer.decoder_layers_with_products(prepared, [layer.fused_products], x, residual, step)
+        else:
+            assert step.kernel_products
+            got = cpu_decoder_layer.decoder_layers(prepared, x, residual, step)
+    return [*got, own], expected
+
+
+SEQS = {"one decode": [(1, 1)], "decodes": [(37, 1), (5, 1), (200, 1)], "short prompt": [(6, 6)],
+        "mixed": [(9, 1), (70, 5), (130, 3), (17, 2)]}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqs", list(SEQS))
+@pytest.mark.parametrize("products", ["kernel", "torch"])
+def test_mla_form_equals_the_layers_own_forward(case, dtype, seqs, products):
+    """float32 within a few ulps of forward(); bf16 as close to the float32 layer as forward() is. Decodes run
+    absorbed on both paths; chunks run absorbed in the kernel, expanded on the op path."""
+    layer_class, config = CASES[case]
+    layer = make_layer(layer_class, config, dtype, seed=len(seqs))
+    assert layer.takes_one_call and layer.fused_weights.mla_kv_a is not None
+    got, expected = run_both(layer, config, dtype, SEQS[seqs], products)
+    # From the same kv_a rows (torch's products) the bf16 latents the kernel writes (norm, rotary, slots) are the op
+    # path's bytes; float32 within a few ulps (the norm sums its squares in another order than torch), as from the
+    # kernels' products, whose sums run in other orders.
+    exact_cache = products == "torch" and dtype == torch.bfloat16
+    if exact_cache or dtype == torch.float32:
+        torch.testing.assert_close(got[2], expected[2], rtol=0 if exact_cache else 1e-5,
+                                   atol=0 if exact_cache else 1e-5)
+    if dtype == torch.float32:
+        for tensor, reference in zip(got[:2], expected[:2]):
+            atol = max(1e-5, 4e-6 * reference.abs().max().item())
+            torch.testing.assert_close(tensor, reference, rtol=1e-5, atol=atol)
+        return
+    exact = make_layer(layer_class, config, torch.float32, seed=0)
+    exact.load_state_dict({name: value.float() for name, value in layer.state_dict().items()})
+    reference = run_both(exact, config, torch.float32, SEQS[seqs], products, values=torch.bfloat16)[1]
+    for tensor, own, exact_value in zip(got[:2], expected[:2], reference[:2]):
+        kernel_error, op_error = (tensor.float() - exact_value).abs(), (own.float() - exact_value).abs()
+        step = 2.0 ** (int(exact_value.abs().max().log2().floor()) - 7)
+        assert kernel_error.mean() <= 1.1 * op_error.mean() + 1e-5, (kernel_error.mean(), op_error.mean())
+        assert kernel_error.max() <= op_error.max() + 2 * step, (kernel_error.max(), op_error.max(), step)
+
+
+def test_mla_form_rejects_a_misfit_latent():
+    layer_class, config = CASES["v2"]
+    weights = make_layer(layer_class, config, torch.float32, seed=0).fused_weights
+    bad = type(weights)(**{**weights.__dict__, "mla_kv_a": weights.mla_kv_a[1:]})
+    with pytest.raises(ValueError, match="MLA needs kv_a"):
+        bad.check(torch.float32)
+
+
+def test_moe_layers_still_decline():
+    _, config = CASES["v2"]
+    sparse = DeepseekV2Config(**{**SHAPE, "n_routed_experts": 4, "first_k_dense_replace": 0, "num_experts_per_tok": 2,
+                                 "topk_method": "greedy", "moe_intermediate_size": 16}, q_lora_rank=None,
+                              rope_parameters=YARN)
+    assert not make_layer(DeepseekV2DecoderLayer, sparse, torch.float32, seed=0).takes_one_call
