@@ -1,12 +1,17 @@
 """The C++ layer's MLA form (kernels/csrc/mla.h) against DeepSeek's own op-by-op layer, and in the engine."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV3Config
 
 from frontend import LLM, SamplingParams
-from kernels import cpu_decoder_layer, cpu_extension
+from kernels import cpu_decoder_layer, cpu_extension, cpu_greedy_decode
+from launch.make_model import make_model
+from tests.conftest import tiny_model
+from tests.hf_reference import hf_greedy
 from tests.test_cpu_decoder_layer import BLOCK_SIZE, make_layer, step_batch
 from workers.models.deepseek_v2 import DeepseekV2DecoderLayer
 from workers.models.deepseek_v3 import DeepseekV3DecoderLayer
@@ -109,3 +114,30 @@ def test_moe_layers_still_decline():
                                  "topk_method": "greedy", "moe_intermediate_size": 16}, q_lora_rank=None,
                               rope_parameters=YARN)
     assert not make_layer(DeepseekV2DecoderLayer, sparse, torch.float32, seed=0).takes_one_call
+
+
+@pytest.mark.parametrize("arch, q_lora_rank, steps", [("deepseek_v2", None, 1), ("deepseek_v3", 24, 8)])
+def test_engine_takes_the_c_layer_and_equals_hf(arch, q_lora_rank, steps, monkeypatch):
+    """A DeepSeek model of dense layers only (first_k_dense_replace past them; odd heads, YaRN): its prompts and
+    decodes run in the C++ layer, a multi-step call's later steps in one C++ call, greedy float32 equal to HF."""
+    folder = Path(tiny_model(arch)).parent / f"{arch}-tiny-dense-mla"
+    model = str(make_model(folder, arch=arch, size="tiny", hidden_size=80, num_attention_heads=5,
+                           num_key_value_heads=5, q_lora_rank=q_lora_rank, kv_lora_rank=20, qk_rope_head_dim=8,
+                           qk_nope_head_dim=12, v_head_dim=10, n_routed_experts=4, first_k_dense_replace=2,
+                           num_hidden_layers=2, rope_parameters=dict(YARN, original_max_position_embeddings=64)))
+    prompts = [list(range(5 + i, 12 + 9 * i)) for i in range(3)]
+    calls, whole_steps = [], []
+    layers, greedy = cpu_decoder_layer.decoder_layers, cpu_greedy_decode.greedy_decode
+    monkeypatch.setattr(cpu_decoder_layer, "decoder_layers", lambda *args: calls.append(1) or layers(*args))
+    monkeypatch.setattr(cpu_greedy_decode, "greedy_decode", lambda *args: whole_steps.append(1) or greedy(*args))
+    llm = LLM(model, in_process=True, dtype="float32", block_size=16, num_scheduler_steps=steps,
+              multi_step_budget_ms=None)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert calls, "the engine never took the C++ layer"
+    assert bool(whole_steps) == (steps > 1)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(model, prompt, 16)
