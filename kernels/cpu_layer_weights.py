@@ -50,7 +50,11 @@ class DecoderLayerWeights:
     Multi-head latent attention (DeepSeek; mla_kv_a given): qkv is the q projection [heads * (nope + rope), hidden]
     (V3: q_b_proj [.., q_lora] over mla_q_a's rows [q_lora, hidden] normed by mla_q_a_norm), mla_kv_a [lora + rope,
     hidden] the latent's, normed by mla_kv_norm [lora]; mla_w_uk_t [heads, lora, nope] and mla_w_uv [heads, v, lora]
-    (kv_b_proj's halves); o [hidden, heads * v]; head_dim lora + rope over one KV head; RMSNorms of mla_eps."""
+    (kv_b_proj's halves); o [hidden, heads * v]; head_dim lora + rope over one KV head; RMSNorms of mla_eps.
+
+    DeepSeek's routing (grouped_router, the router's float32 copy, given): float32 logits, softmax or sigmoid scores
+    (sigmoid_scores), top_k within the topk_groups best of expert_groups groups, chosen by score + correction_bias
+    (float32 [experts], V3) where given; gate_up and down then are the shared experts' MLP, added ungated."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
@@ -108,6 +112,11 @@ class DecoderLayerWeights:
     mla_w_uk_t: torch.Tensor | None = None
     mla_w_uv: torch.Tensor | None = None
     mla_eps: float = 0.0
+    grouped_router: torch.Tensor | None = None
+    correction_bias: torch.Tensor | None = None
+    expert_groups: int = 0
+    topk_groups: int = 0
+    sigmoid_scores: bool = False
 
     @property
     def mla_dims(self) -> list[int]:
@@ -149,7 +158,8 @@ class DecoderLayerWeights:
                    self.experts_gate_up, self.experts_down, self.shared_gate,
                    *(t for slots in self._loras() for t in ((None,) * 3 if slots is None else
                                                              (slots.a, slots.b, slots.used))),
-                   self.mla_q_a, self.mla_kv_a, self.mla_q_a_norm, self.mla_kv_norm, self.mla_w_uk_t, self.mla_w_uv)
+                   self.mla_q_a, self.mla_kv_a, self.mla_q_a_norm, self.mla_kv_norm, self.mla_w_uk_t, self.mla_w_uv,
+                   self.grouped_router, self.correction_bias)
         groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self._projections()]
         experts = [0, 0, 0, 0] if self.router is None else \
             [self.router.shape[0], self.top_k, self.experts_down.shape[2], int(self.renormalize)]
@@ -159,7 +169,7 @@ class DecoderLayerWeights:
                 int(self.qkv_per_head), int(self.scale_q_first), *experts,
                 *(0 if slots is None else slots.a.shape[1] for slots in self._loras()),
                 int(any(slots is not None and slots.a.dtype == torch.bfloat16 for slots in self._loras())),
-                *self.mla_dims]
+                *self.mla_dims, self.expert_groups, self.topk_groups, int(self.sigmoid_scores)]
         return [pointer(t) for t in tensors], dims, [self.eps, self.scale, self.soft_cap, self.routed_scaling,
                                                      self.mla_eps]
 
@@ -243,10 +253,29 @@ class DecoderLayerWeights:
                              "[experts, hidden, inter] of the hidden states' dtype")
         if not 0 < self.top_k <= experts or self.activation != "silu_glu":
             raise ValueError("experts take top_k of 1 up to their count, each a SwiGLU MLP")
-        if (self.shared_gate is None) != (self.gate_up is None) or (
+        grouped = self.grouped_router is not None
+        if (self.shared_gate is not None and self.gate_up is None) or (grouped and self.shared_gate is not None) or (
+                not grouped and (self.shared_gate is None) != (self.gate_up is None)) or (
                 self.shared_gate is not None and not (self.shared_gate.dtype == dtype and self.shared_gate.shape
                                                       == (1, hidden) and self.shared_gate.is_contiguous())):
-            raise ValueError("a shared expert needs its gate [1, hidden] of the hidden states' dtype, and its MLP")
+            raise ValueError("a shared expert needs its MLP and its gate [1, hidden] of the hidden states' dtype "
+                             "(DeepSeek's routing: no gate)")
+        if grouped:
+            self._check_grouped_routing(experts, hidden)
+
+    def _check_grouped_routing(self, experts: int, hidden: int) -> None:
+        """DeepSeek's routing: a float32 router [experts, hidden], a float32 bias [experts] or none, groups that
+        divide the experts, top_k of the competing groups' experts."""
+        groups = max(self.expert_groups, 1)
+        bias = self.correction_bias
+        if not (self.grouped_router.dtype == torch.float32 and self.grouped_router.shape == (experts, hidden)
+                and self.grouped_router.is_contiguous() and experts % groups == 0
+                and 0 < (self.topk_groups if groups > 1 else 1) <= groups
+                and self.top_k <= (experts // groups) * (self.topk_groups if groups > 1 else 1)
+                and (bias is None or (bias.dtype == torch.float32 and bias.shape == (experts,)
+                                      and bias.is_contiguous()))):
+            raise ValueError("grouped routing needs a float32 router [experts, hidden], a float32 correction_bias "
+                             "[experts] or none, expert_groups that divide the experts and top_k within topk_groups")
 
     def _check_loras(self) -> None:
         """Adapter slots that fit their projections, all of one compute dtype (float32 or bf16)."""

@@ -90,12 +90,22 @@ def test_mla_form_equals_the_layers_own_forward(case, dtype, seqs, products):
             atol = max(1e-5, 4e-6 * reference.abs().max().item())
             torch.testing.assert_close(tensor, reference, rtol=1e-5, atol=atol)
         return
+    assert_as_close_as_the_op_path(layer, layer_class, config, SEQS[seqs], products, got, expected)
+
+
+def assert_as_close_as_the_op_path(layer, layer_class, config, seqs, products: str, got, expected,
+                                   rerouted_share: float = 0.0) -> None:
+    """bf16: the kernel's (out, residual) as close to the float32 layer's (from the same bf16 values) as forward()'s,
+    on average and at worst (two bf16 steps of slack: sums in other orders round either way); up to rerouted_share
+    of the rows, whose experts tie within a rounding, may take other experts and are left out."""
     exact = make_layer(layer_class, config, torch.float32, seed=0)
     exact.load_state_dict({name: value.float() for name, value in layer.state_dict().items()})
-    reference = run_both(exact, config, torch.float32, SEQS[seqs], products, values=torch.bfloat16)[1]
+    reference = run_both(exact, config, torch.float32, seqs, products, values=torch.bfloat16)[1]
     for tensor, own, exact_value in zip(got[:2], expected[:2], reference[:2]):
-        kernel_error, op_error = (tensor.float() - exact_value).abs(), (own.float() - exact_value).abs()
         step = 2.0 ** (int(exact_value.abs().max().log2().floor()) - 7)
+        rerouted = (tensor.float() - own.float()).abs().amax(-1) > 8 * step
+        assert rerouted.float().mean() <= rerouted_share, rerouted.sum()
+        kernel_error, op_error = ((t[~rerouted].float() - exact_value[~rerouted]).abs() for t in (tensor, own))
         assert kernel_error.mean() <= 1.1 * op_error.mean() + 1e-5, (kernel_error.mean(), op_error.mean())
         assert kernel_error.max() <= op_error.max() + 2 * step, (kernel_error.max(), op_error.max(), step)
 
@@ -108,23 +118,56 @@ def test_mla_form_rejects_a_misfit_latent():
         bad.check(torch.float32)
 
 
-def test_moe_layers_still_decline():
-    _, config = CASES["v2"]
-    sparse = DeepseekV2Config(**{**SHAPE, "n_routed_experts": 4, "first_k_dense_replace": 0, "num_experts_per_tok": 2,
-                                 "topk_method": "greedy", "moe_intermediate_size": 16}, q_lora_rank=None,
-                              rope_parameters=YARN)
-    assert not make_layer(DeepseekV2DecoderLayer, sparse, torch.float32, seed=0).takes_one_call
+MOE = {  # V2: softmax, greedy or group-limited; V3: sigmoid + correction bias within groups (noaux_tc)
+    "v2 greedy": (DeepseekV2DecoderLayer, DeepseekV2Config(
+        **{**SHAPE, "first_k_dense_replace": 0}, q_lora_rank=None, rope_parameters=YARN, num_experts_per_tok=2,
+        topk_method="greedy", moe_intermediate_size=16, n_shared_experts=2, routed_scaling_factor=1.5)),
+    "v2 groups, renormalized": (DeepseekV2DecoderLayer, DeepseekV2Config(
+        **{**SHAPE, "first_k_dense_replace": 0, "n_routed_experts": 6}, q_lora_rank=None, rope_parameters=YARN,
+        num_experts_per_tok=3, topk_method="group_limited_greedy", n_group=3, topk_group=2, norm_topk_prob=True,
+        moe_intermediate_size=16, n_shared_experts=1)),
+    "v3 sigmoid, bias, groups": (DeepseekV3DecoderLayer, DeepseekV3Config(
+        **{**SHAPE, "first_k_dense_replace": 0, "n_routed_experts": 6}, q_lora_rank=24, rope_parameters=YARN,
+        num_experts_per_tok=3, n_group=3, topk_group=2, moe_intermediate_size=16, n_shared_experts=1,
+        routed_scaling_factor=2.5)),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqs", ["decodes", "mixed"])
+def test_deepseek_experts_equal_the_layers_own_forward(case, dtype, seqs):
+    """DeepSeek's routing (float32 logits; softmax or sigmoid with V3's correction bias; groups) and ungated shared
+    experts: float32 within a few ulps of forward(); bf16 as close to the float32 layer (a token whose experts tie
+    within a rounding may take the other)."""
+    layer_class, config = MOE[case]
+    layer = make_layer(layer_class, config, dtype, seed=len(seqs))
+    bias = getattr(layer.mlp.gate, "e_score_correction_bias", None)
+    if bias is not None:  # spread so that it changes choices
+        bias.data.copy_(0.2 * torch.randn(bias.shape, generator=torch.Generator().manual_seed(1)))
+    assert layer.takes_one_call and layer.fused_weights.grouped_router is not None
+    got, expected = run_both(layer, config, dtype, SEQS[seqs], "kernel")
+    if dtype == torch.float32:
+        for tensor, reference in zip(got[:2], expected[:2]):
+            atol = max(1e-5, 4e-6 * reference.abs().max().item())
+            torch.testing.assert_close(tensor, reference, rtol=1e-5, atol=atol)
+        return
+    assert_as_close_as_the_op_path(layer, layer_class, config, SEQS[seqs], "kernel", got, expected,
+                                   rerouted_share=0.1)
 
 
 @pytest.mark.parametrize("arch, q_lora_rank, steps", [("deepseek_v2", None, 1), ("deepseek_v3", 24, 8)])
 def test_engine_takes_the_c_layer_and_equals_hf(arch, q_lora_rank, steps, monkeypatch):
-    """A DeepSeek model of dense layers only (first_k_dense_replace past them; odd heads, YaRN): its prompts and
-    decodes run in the C++ layer, a multi-step call's later steps in one C++ call, greedy float32 equal to HF."""
-    folder = Path(tiny_model(arch)).parent / f"{arch}-tiny-dense-mla"
+    """A DeepSeek model (odd heads, YaRN; a dense layer, then experts in groups: V2 group-limited softmax, V3
+    sigmoid with its bias): its prompts and decodes run in the C++ layer, a multi-step call's later steps in one
+    C++ call, greedy float32 equal to HF."""
+    folder = Path(tiny_model(arch)).parent / f"{arch}-tiny-fused-mla"
+    routing = {"topk_method": "group_limited_greedy"} if arch == "deepseek_v2" else {}
     model = str(make_model(folder, arch=arch, size="tiny", hidden_size=80, num_attention_heads=5,
                            num_key_value_heads=5, q_lora_rank=q_lora_rank, kv_lora_rank=20, qk_rope_head_dim=8,
-                           qk_nope_head_dim=12, v_head_dim=10, n_routed_experts=4, first_k_dense_replace=2,
-                           num_hidden_layers=2, rope_parameters=dict(YARN, original_max_position_embeddings=64)))
+                           qk_nope_head_dim=12, v_head_dim=10, n_routed_experts=6, n_group=3, topk_group=2,
+                           num_experts_per_tok=3, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=2,
+                           rope_parameters=dict(YARN, original_max_position_embeddings=64), **routing))
     prompts = [list(range(5 + i, 12 + 9 * i)) for i in range(3)]
     calls, whole_steps = [], []
     layers, greedy = cpu_decoder_layer.decoder_layers, cpu_greedy_decode.greedy_decode

@@ -262,7 +262,7 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
   after_attention(L, o.data(), residual_out, normed.data(), M);
   if (L.experts.count) {
     mixture_of_experts(L.experts, normed.data(), out, M, H);
-    if (L.experts.shared_gate) {
+    if (L.gate_up.weight) {  // a shared expert
       std::vector<T> shared(M * H);
       dense_mlp(L, normed.data(), shared.data(), M, lora_slots);
       add_shared_expert(L.experts, normed.data(), shared.data(), out, M, H);
