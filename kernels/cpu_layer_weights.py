@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_gemv
+from kernels import cpu_deepseek_weights, cpu_gemv
 
 NORM_KINDS = {"rms": 0, "gemma": 1, "layer": 2}  # layer_ops.h's NormKind
 ACTIVATIONS = {"silu_glu": 0, "gelu_tanh_glu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}  # and its Activation
@@ -187,7 +187,7 @@ class DecoderLayerWeights:
         hidden, width = self.input_norm.shape[0], self.intermediate * (2 if self.activation.endswith("_glu") else 1)
         qkv_rows, qkv_in = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, hidden
         if self.mla_kv_a is not None:
-            qkv_rows, qkv_in = self._check_mla(dtype, hidden)
+            qkv_rows, qkv_in = cpu_deepseek_weights.check_mla(self, dtype, hidden)
         shapes = {"input_norm": hidden, "post_norm": hidden, "input_norm_bias": hidden, "post_norm_bias": hidden,
                   "attn_out_norm": hidden, "mlp_out_norm": hidden, "q_norm": self.head_dim, "k_norm": self.head_dim,
                   "qkv_bias": qkv_rows, "o_bias": hidden, "gate_up_bias": width, "down_bias": hidden}
@@ -215,27 +215,6 @@ class DecoderLayerWeights:
                 raise ValueError("a projection's pairs must be kernels.cpu_gemv.pair_weight of its bf16 weight, on a "
                                  "CPU with AVX-512 BF16")
 
-    def _check_mla(self, dtype: torch.dtype, hidden: int) -> tuple[int, int]:
-        """MLA's tensors of the hidden states' dtype that fit one another → the q projection's (rows, inputs)."""
-        lora = 0 if self.mla_kv_norm is None else self.mla_kv_norm.shape[0]
-        rope, heads = self.head_dim - lora, self.num_heads
-        tensors = [self.mla_kv_a, self.mla_kv_norm, self.mla_w_uk_t, self.mla_w_uv]
-        q_lora = 0 if self.mla_q_a is None else self.mla_q_a.shape[0]
-        if self.mla_q_a is not None:
-            tensors += [self.mla_q_a, self.mla_q_a_norm]
-        if not (all(t is not None and t.dtype == dtype and t.is_contiguous() for t in tensors) and lora > 0
-                and rope > 0 and rope % 2 == 0 and self.num_kv_heads == 1
-                and self.mla_kv_a.shape == (lora + rope, hidden)
-                and self.mla_w_uk_t.dim() == 3 and self.mla_w_uk_t.shape[:2] == (heads, lora)
-                and self.mla_w_uv.dim() == 3 and self.mla_w_uv.shape[0] == heads and self.mla_w_uv.shape[2] == lora
-                and (self.mla_q_a is None or (self.mla_q_a.shape == (q_lora, hidden)
-                                              and self.mla_q_a_norm.shape == (q_lora,)))
-                and self.cos is not None and self.cos.shape[1] == rope and self.mla_eps > 0):
-            raise ValueError("MLA needs kv_a [lora + rope, hidden], kv_norm [lora], w_uk_t [heads, lora, nope], w_uv "
-                             "[heads, v, lora] (and q_a [q_lora, hidden] with q_a_norm [q_lora]) of the hidden states' "
-                             "dtype, one KV head of lora + rope, a rotary table of rope and mla_eps")
-        return heads * (self.mla_w_uk_t.shape[2] + rope), q_lora or hidden
-
     def _check_experts(self, dtype: torch.dtype, hidden: int) -> None:
         """A mixture of experts of the hidden states' dtype with a SwiGLU per expert; a dense MLP only as its
         shared expert; or neither (a dense MLP)."""
@@ -261,21 +240,7 @@ class DecoderLayerWeights:
             raise ValueError("a shared expert needs its MLP and its gate [1, hidden] of the hidden states' dtype "
                              "(DeepSeek's routing: no gate)")
         if grouped:
-            self._check_grouped_routing(experts, hidden)
-
-    def _check_grouped_routing(self, experts: int, hidden: int) -> None:
-        """DeepSeek's routing: a float32 router [experts, hidden], a float32 bias [experts] or none, groups that
-        divide the experts, top_k of the competing groups' experts."""
-        groups = max(self.expert_groups, 1)
-        bias = self.correction_bias
-        if not (self.grouped_router.dtype == torch.float32 and self.grouped_router.shape == (experts, hidden)
-                and self.grouped_router.is_contiguous() and experts % groups == 0
-                and 0 < (self.topk_groups if groups > 1 else 1) <= groups
-                and self.top_k <= (experts // groups) * (self.topk_groups if groups > 1 else 1)
-                and (bias is None or (bias.dtype == torch.float32 and bias.shape == (experts,)
-                                      and bias.is_contiguous()))):
-            raise ValueError("grouped routing needs a float32 router [experts, hidden], a float32 correction_bias "
-                             "[experts] or none, expert_groups that divide the experts and top_k within topk_groups")
+            cpu_deepseek_weights.check_grouped_routing(self, experts, hidden)
 
     def _check_loras(self) -> None:
         """Adapter slots that fit their projections, all of one compute dtype (float32 or bf16)."""

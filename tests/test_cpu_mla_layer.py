@@ -118,6 +118,15 @@ def test_mla_form_rejects_a_misfit_latent():
         bad.check(torch.float32)
 
 
+def test_grouped_routing_rejects_groups_that_do_not_divide_the_experts():
+    layer_class, config = MOE["v2 groups, renormalized"]
+    weights = make_layer(layer_class, config, torch.float32, seed=0).fused_weights
+    weights.check(torch.float32)
+    bad = type(weights)(**{**weights.__dict__, "expert_groups": 4})
+    with pytest.raises(ValueError, match="expert_groups that divide the experts"):
+        bad.check(torch.float32)
+
+
 MOE = {  # V2: softmax, greedy or group-limited; V3: sigmoid + correction bias within groups (noaux_tc)
     "v2 greedy": (DeepseekV2DecoderLayer, DeepseekV2Config(
         **{**SHAPE, "first_k_dense_replace": 0}, q_lora_rank=None, rope_parameters=YARN, num_experts_per_tok=2,
