@@ -13,6 +13,7 @@ from launch.make_model import make_model
 from tests.conftest import tiny_model
 from tests.hf_reference import hf_greedy
 from tests.test_cpu_decoder_layer import BLOCK_SIZE, make_layer, step_batch
+from tests.test_cpu_decoder_layer import test_engine_outputs_equal_the_op_by_op_path as engine_outputs_equal
 from workers.models.deepseek_v2 import DeepseekV2DecoderLayer
 from workers.models.deepseek_v3 import DeepseekV3DecoderLayer
 
@@ -193,3 +194,10 @@ def test_engine_takes_the_c_layer_and_equals_hf(arch, q_lora_rank, steps, monkey
     assert bool(whole_steps) == (steps > 1)
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(model, prompt, 16)
+
+
+@pytest.mark.parametrize(("arch", "products"), [("deepseek_v2", "kernel"), ("deepseek_v3", "torch")])
+def test_engine_tokens_and_logprobs_equal_the_op_path(arch, products, monkeypatch):
+    """The tiny DeepSeek models through the engine (test_cpu_decoder_layer's check): the same tokens and logprobs
+    with the C++ layer, its products the kernels' or torch's, as on the op path."""
+    engine_outputs_equal(arch, products, monkeypatch)
