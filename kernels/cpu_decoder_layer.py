@@ -156,7 +156,7 @@ def decoder_layers_with_products(prepared: PreparedLayers,
         before = residual_out.data_ptr() if i else pointer(residual)
         module.before_attention(bf16, layer, x.data_ptr(), before, residual_out.data_ptr(), normed.data_ptr(), tokens)
         qkv = qkv_proj(normed).contiguous()
-        attn = torch.empty(tokens, weights.num_heads * weights.head_dim, dtype=x.dtype)
+        attn = torch.empty(tokens, weights.attn_width, dtype=x.dtype)
         module.attend(bf16, layer, qkv.data_ptr(), *rows, key_caches[i], value_caches[i], prepared.cache_kind,
                       *prepared.scales[i], prepared.block_size, *tables, attn.data_ptr(), tokens)
         o = o_proj(attn).contiguous()

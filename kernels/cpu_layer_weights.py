@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_gemv
+from kernels import cpu_deepseek_weights, cpu_gemv
 
 NORM_KINDS = {"rms": 0, "gemma": 1, "layer": 2}  # layer_ops.h's NormKind
 ACTIVATIONS = {"silu_glu": 0, "gelu_tanh_glu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}  # and its Activation
@@ -46,7 +46,16 @@ class DecoderLayerWeights:
     softmax score (renormalized where set, times routed_scaling), each a SwiGLU MLP of experts_gate_up [experts,
     2 * inter, hidden] and experts_down [experts, hidden, inter]; gate_up and down then are a shared expert's,
     weighted by sigmoid(x shared_gate^T) (Qwen-MoE), or None. *_lora: a projection's adapter slots, whose deltas
-    the rows of a step with an adapter get."""
+    the rows of a step with an adapter get.
+
+    Multi-head latent attention (DeepSeek; mla_kv_a given): qkv is the q projection [heads * (nope + rope), hidden]
+    (V3: q_b_proj [.., q_lora] over mla_q_a's rows [q_lora, hidden] normed by mla_q_a_norm), mla_kv_a [lora + rope,
+    hidden] the latent's, normed by mla_kv_norm [lora]; mla_w_uk_t [heads, lora, nope] and mla_w_uv [heads, v, lora]
+    (kv_b_proj's halves); o [hidden, heads * v]; head_dim lora + rope over one KV head; RMSNorms of mla_eps.
+
+    DeepSeek's routing (grouped_router, the router's float32 copy, given): float32 logits, softmax or sigmoid scores
+    (sigmoid_scores), top_k within the topk_groups best of expert_groups groups, chosen by score + correction_bias
+    (float32 [experts], V3) where given; gate_up and down then are the shared experts' MLP, added ungated."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
@@ -97,6 +106,32 @@ class DecoderLayerWeights:
     o_lora: AdapterSlots | None = None
     gate_up_lora: AdapterSlots | None = None
     down_lora: AdapterSlots | None = None
+    mla_q_a: torch.Tensor | None = None
+    mla_kv_a: torch.Tensor | None = None
+    mla_q_a_norm: torch.Tensor | None = None
+    mla_kv_norm: torch.Tensor | None = None
+    mla_w_uk_t: torch.Tensor | None = None
+    mla_w_uv: torch.Tensor | None = None
+    mla_eps: float = 0.0
+    grouped_router: torch.Tensor | None = None
+    correction_bias: torch.Tensor | None = None
+    expert_groups: int = 0
+    topk_groups: int = 0
+    sigmoid_scores: bool = False
+
+    @property
+    def mla_dims(self) -> list[int]:
+        """MLA's kv_lora_rank, q_lora_rank, nope, rope and v head dims (all 0 without MLA)."""
+        if self.mla_kv_a is None:
+            return [0] * 5
+        lora = self.mla_kv_norm.shape[0]
+        return [lora, 0 if self.mla_q_a is None else self.mla_q_a.shape[0], self.mla_w_uk_t.shape[2],
+                self.head_dim - lora, self.mla_w_uv.shape[1]]
+
+    @property
+    def attn_width(self) -> int:
+        """The attention's output per token, o's input."""
+        return self.num_heads * (self.mla_dims[4] if self.mla_kv_a is not None else self.head_dim)
 
     @property
     def intermediate(self) -> int:
@@ -111,6 +146,8 @@ class DecoderLayerWeights:
                 pairs.append(paired)
         if self.router is not None:
             weights += [self.experts_gate_up[0], self.experts_down[0]]
+        weights += [t for t in (self.mla_q_a, self.mla_kv_a) if t is not None]
+        pairs += [None] * (len(weights) - len(pairs))
         return max_rows(self.input_norm.dtype, weights, pairs)
 
     def args(self) -> tuple[list[int], list[int], list[float]]:
@@ -121,18 +158,22 @@ class DecoderLayerWeights:
                    self.attn_out_norm, self.mlp_out_norm, self.gate_up_bias, self.down_bias, self.router,
                    self.experts_gate_up, self.experts_down, self.shared_gate,
                    *(t for slots in self._loras() for t in ((None,) * 3 if slots is None else
-                                                             (slots.a, slots.b, slots.used))))
+                                                             (slots.a, slots.b, slots.used))),
+                   self.mla_q_a, self.mla_kv_a, self.mla_q_a_norm, self.mla_kv_norm, self.mla_w_uk_t, self.mla_w_uv,
+                   self.grouped_router, self.correction_bias)
         groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self._projections()]
         experts = [0, 0, 0, 0] if self.router is None else \
             [self.router.shape[0], self.top_k, self.experts_down.shape[2], int(self.renormalize)]
-        dims = [self.qkv.shape[1], self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
+        dims = [self.input_norm.shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
                 self.sliding_window or 0, *groups, 0 if self.cos is None else self.cos.shape[1],
                 NORM_KINDS[self.norm_kind], ACTIVATIONS[self.activation], int(self.parallel_residual),
                 int(self.qkv_per_head), int(self.scale_q_first), *experts,
                 *(0 if slots is None else slots.a.shape[1] for slots in self._loras()),
                 int(any(slots is not None and slots.a.dtype == torch.bfloat16 for slots in self._loras())),
-                *(int(weight is not None and weight.dtype == torch.float8_e4m3fn) for weight, _ in self._projections())]
-        return [pointer(t) for t in tensors], dims, [self.eps, self.scale, self.soft_cap, self.routed_scaling]
+                *(int(weight is not None and weight.dtype == torch.float8_e4m3fn) for weight, _ in self._projections()),
+                *self.mla_dims, self.expert_groups, self.topk_groups, int(self.sigmoid_scores)]
+        return [pointer(t) for t in tensors], dims, [self.eps, self.scale, self.soft_cap, self.routed_scaling,
+                                                     self.mla_eps]
 
     def check(self, dtype: torch.dtype) -> None:
         """Each projection of the hidden states' dtype, or int8 or fp8 with its float32 scales (per row or group);
@@ -145,8 +186,10 @@ class DecoderLayerWeights:
             if not (scaled or (weight.dtype == dtype and scale is None)):
                 raise TypeError("a projection's weight must be of the hidden states' dtype, or int8 or fp8 e4m3 with "
                                 "float32 scales per row [N] or per group of a multiple of 8 columns [N, K / group]")
-        hidden, width = self.qkv.shape[1], self.intermediate * (2 if self.activation.endswith("_glu") else 1)
-        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        hidden, width = self.input_norm.shape[0], self.intermediate * (2 if self.activation.endswith("_glu") else 1)
+        qkv_rows, qkv_in = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, hidden
+        if self.mla_kv_a is not None:
+            qkv_rows, qkv_in = cpu_deepseek_weights.check_mla(self, dtype, hidden)
         shapes = {"input_norm": hidden, "post_norm": hidden, "input_norm_bias": hidden, "post_norm_bias": hidden,
                   "attn_out_norm": hidden, "mlp_out_norm": hidden, "q_norm": self.head_dim, "k_norm": self.head_dim,
                   "qkv_bias": qkv_rows, "o_bias": hidden, "gate_up_bias": width, "down_bias": hidden}
@@ -155,7 +198,7 @@ class DecoderLayerWeights:
             if tensor is not None and not (tensor.dtype == dtype and tensor.shape == (size,)
                                            and tensor.is_contiguous()):
                 raise ValueError(f"{name} must be a contiguous [{size}] tensor of the hidden states' dtype")
-        if self.qkv.shape[0] != qkv_rows or self.o.shape != (hidden, self.num_heads * self.head_dim) or (
+        if self.qkv.shape != (qkv_rows, qkv_in) or self.o.shape != (hidden, self.attn_width) or (
                 (self.gate_up is None) != (self.down is None)) or (
                 self.gate_up is not None and self.gate_up.shape[0] != width):
             raise ValueError("the projections do not fit the layer's heads and activation")
@@ -191,10 +234,15 @@ class DecoderLayerWeights:
                              "[experts, hidden, inter] of the hidden states' dtype")
         if not 0 < self.top_k <= experts or self.activation != "silu_glu":
             raise ValueError("experts take top_k of 1 up to their count, each a SwiGLU MLP")
-        if (self.shared_gate is None) != (self.gate_up is None) or (
+        grouped = self.grouped_router is not None
+        if (self.shared_gate is not None and self.gate_up is None) or (grouped and self.shared_gate is not None) or (
+                not grouped and (self.shared_gate is None) != (self.gate_up is None)) or (
                 self.shared_gate is not None and not (self.shared_gate.dtype == dtype and self.shared_gate.shape
                                                       == (1, hidden) and self.shared_gate.is_contiguous())):
-            raise ValueError("a shared expert needs its gate [1, hidden] of the hidden states' dtype, and its MLP")
+            raise ValueError("a shared expert needs its MLP and its gate [1, hidden] of the hidden states' dtype "
+                             "(DeepSeek's routing: no gate)")
+        if grouped:
+            cpu_deepseek_weights.check_grouped_routing(self, experts, hidden)
 
     def _check_loras(self) -> None:
         """Adapter slots that fit their projections, all of one compute dtype (float32 or bf16)."""

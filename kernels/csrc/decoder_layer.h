@@ -14,6 +14,7 @@
 #include "gemv_pairs.h"
 #include "layer_ops.h"
 #include "lora.h"
+#include "mla.h"
 
 namespace pagedserve {
 
@@ -59,7 +60,22 @@ struct DecoderLayer {
   // null
   const T *q_norm = nullptr, *k_norm = nullptr;
   Experts<T> experts;  // count > 0: a mixture of experts (experts.h), the dense MLP its shared expert if any
+  // MLA (mla.h, mla.lora > 0): qkv is the q projection (V3: q_b, from mla_q_a's normed rows), mla_kv_a the latent's;
+  // head_dim is the cache row's lora + rope, kv_heads 1.
+  Mla<T> mla;
+  Projection mla_q_a{}, mla_kv_a{};
 };
+
+// The widths of a row of qkv (MLA: q then the latent's kv_a) and of the attention's output (o's input).
+template <typename T>
+int64_t qkv_width(const DecoderLayer<T>& L) {
+  if (L.mla.lora) return L.heads * (L.mla.nope + L.mla.rope) + L.mla.lora + L.mla.rope;
+  return (L.heads + 2 * L.kv_heads) * L.head_dim;
+}
+template <typename T>
+int64_t attn_width(const DecoderLayer<T>& L) {
+  return L.heads * (L.mla.lora ? L.mla.v : L.head_dim);
+}
 
 // y = x W^T + b, then each adapted row's delta (lora_slots: each row's adapter slot, -1 none; null: no row).
 template <typename T>
@@ -144,6 +160,11 @@ template <typename T>
 void attend(const DecoderLayer<T>& L, T* qkv, const int64_t* positions, const int64_t* slots, const KvCache& cache,
             int64_t block_size, const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, T* attn,
             int64_t M) {
+  if (L.mla.lora) {
+    const int64_t width = qkv_width(L);
+    return mla_attend(L.mla, L.heads, L.cos, L.sin, L.scale, qkv, width, qkv + width - L.mla.lora - L.mla.rope, width,
+                      positions, slots, cache, block_size, tables, max_blocks, seq_lens, attn, M);
+  }
   const int64_t D = L.head_dim, R = L.rotary_dim, q_size = L.heads * D, kv_size = L.kv_heads * D;
   const int64_t qkv_size = q_size + 2 * kv_size;
   // Where head h's q, k and v start in a row.
@@ -187,6 +208,26 @@ void attend(const DecoderLayer<T>& L, T* qkv, const int64_t* positions, const in
                 L.scale_q_first ? 1.f : L.scale, L.soft_cap, L.window);
 }
 
+// MLA's products (q: V3's q_a, its norm and q_b; kv_a) from normed [M, hidden], then its attention into attn.
+template <typename T>
+void mla_layer_attention(const DecoderLayer<T>& L, const T* normed, const int64_t* positions, const int64_t* slots,
+                         const KvCache& cache, int64_t block_size, const int64_t* tables, int64_t max_blocks,
+                         const int64_t* seq_lens, T* attn, int64_t M, const int64_t* lora_slots) {
+  const Mla<T>& A = L.mla;
+  const int64_t H = L.hidden, q_size = L.heads * (A.nope + A.rope), kv_size = A.lora + A.rope;
+  std::vector<T> q(M * q_size), kv(M * kv_size), q_a(M * A.q_lora);
+  project(L.mla_kv_a, normed, static_cast<const T*>(nullptr), kv.data(), M, kv_size, H, nullptr);
+  if (A.q_lora) {
+    project(L.mla_q_a, normed, static_cast<const T*>(nullptr), q_a.data(), M, A.q_lora, H, nullptr);
+    const Norm<T> norm{kRmsNorm, A.q_a_norm, nullptr, A.eps};
+    for (int64_t m = 0; m < M; ++m) norm_row(norm, q_a.data() + m * A.q_lora, q_a.data() + m * A.q_lora, A.q_lora);
+  }
+  project(L.qkv, A.q_lora ? q_a.data() : normed, L.qkv_bias, q.data(), M, q_size, A.q_lora ? A.q_lora : H,
+          lora_slots);
+  mla_attend(A, L.heads, L.cos, L.sin, L.scale, q.data(), q_size, kv.data(), kv_size, positions, slots, cache,
+             block_size, tables, max_blocks, seq_lens, attn, M);
+}
+
 // The layer's dense MLP: its up product(s), activation and down product from normed [M, hidden] into out.
 template <typename T>
 void dense_mlp(const DecoderLayer<T>& L, const T* normed, T* out, int64_t M, const int64_t* lora_slots) {
@@ -206,17 +247,23 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
                    const int64_t* positions, const int64_t* slots, const KvCache& cache, int64_t block_size,
                    const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M,
                    const int64_t* lora_slots) {
-  const int64_t H = L.hidden, q_size = L.heads * L.head_dim, qkv_size = q_size + 2 * L.kv_heads * L.head_dim;
-  std::vector<T> normed(M * H), qkv(M * qkv_size), attn(M * q_size);
+  const int64_t H = L.hidden, attn_size = attn_width(L);
+  std::vector<T> normed(M * H), attn(M * attn_size);
   before_attention(L, x, residual, residual_out, normed.data(), M);
-  project(L.qkv, normed.data(), L.qkv_bias, qkv.data(), M, qkv_size, H, lora_slots);
-  attend(L, qkv.data(), positions, slots, cache, block_size, tables, max_blocks, seq_lens, attn.data(), M);
+  if (L.mla.lora) {
+    mla_layer_attention(L, normed.data(), positions, slots, cache, block_size, tables, max_blocks, seq_lens,
+                        attn.data(), M, lora_slots);
+  } else {
+    std::vector<T> qkv(M * qkv_width(L));
+    project(L.qkv, normed.data(), L.qkv_bias, qkv.data(), M, qkv_width(L), H, lora_slots);
+    attend(L, qkv.data(), positions, slots, cache, block_size, tables, max_blocks, seq_lens, attn.data(), M);
+  }
   std::vector<T> o(M * H);
-  project(L.o, attn.data(), L.o_bias, o.data(), M, H, q_size, lora_slots);
+  project(L.o, attn.data(), L.o_bias, o.data(), M, H, attn_size, lora_slots);
   after_attention(L, o.data(), residual_out, normed.data(), M);
   if (L.experts.count) {
     mixture_of_experts(L.experts, normed.data(), out, M, H);
-    if (L.experts.shared_gate) {
+    if (L.gate_up.weight) {  // a shared expert
       std::vector<T> shared(M * H);
       dense_mlp(L, normed.data(), shared.data(), M, lora_slots);
       add_shared_expert(L.experts, normed.data(), shared.data(), out, M, H);

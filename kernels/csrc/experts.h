@@ -11,6 +11,7 @@
 
 #include "common.h"
 #include "gemv.h"
+#include "grouped_routing.h"
 #include "layer_ops.h"
 
 #ifdef _OPENMP
@@ -22,13 +23,15 @@ namespace pagedserve {
 // count > 0: the layer's MLP is a mixture of `count` experts. router [count, hidden], gate_up [count, 2 inter,
 // hidden] (gate rows first), down [count, hidden, inter], all of T; each row's top_k weights renormalized to sum 1
 // where set, times scaling. shared_gate: where set, the layer's dense MLP is a shared expert every row passes
-// through, weighted by sigmoid(x shared_gate^T) ([1, hidden]) and added (Qwen-MoE).
+// through, weighted by sigmoid(x shared_gate^T) ([1, hidden]) and added (Qwen-MoE); without it, added as it is
+// (DeepSeek). grouped.router set: DeepSeek's routing (grouped_routing.h) instead of the softmax top-k.
 template <typename T>
 struct Experts {
   int64_t count = 0, top_k = 0, inter = 0;
   const T *router = nullptr, *gate_up = nullptr, *down = nullptr, *shared_gate = nullptr;
   bool renormalize = false;
   float scaling = 1.f;
+  GroupedRouting grouped{};
 };
 
 // Row m's experts and weights into ids/weights [m * top_k ..]: softmax of its logits in float32, the top_k largest
@@ -67,11 +70,15 @@ void route(const Experts<T>& E, const T* logits, int64_t M, int64_t* ids, float*
 template <typename T>
 void mixture_of_experts(const Experts<T>& E, const T* x, T* out, int64_t M, int64_t H) {
   const int64_t K = E.top_k, I = E.inter;
-  std::vector<T> logits(M * E.count);
-  gemv(x, E.router, static_cast<const T*>(nullptr), logits.data(), M, E.count, H);
   std::vector<int64_t> ids(M * K);
   std::vector<float> weights(M * K);
-  route(E, logits.data(), M, ids.data(), weights.data());
+  if (E.grouped.router) {
+    route_grouped(E.grouped, x, M, H, E.count, K, E.renormalize, E.scaling, ids.data(), weights.data());
+  } else {
+    std::vector<T> logits(M * E.count);
+    gemv(x, E.router, static_cast<const T*>(nullptr), logits.data(), M, E.count, H);
+    route(E, logits.data(), M, ids.data(), weights.data());
+  }
   // The (row, choice) pairs by expert, ascending: expert active[i] runs pairs [starts[i], starts[i + 1]).
   std::vector<int64_t> pairs, active, starts;
   for (int64_t e = 0; e < E.count; ++e) {
@@ -120,9 +127,14 @@ void mixture_of_experts(const Experts<T>& E, const T* x, T* out, int64_t M, int6
   }
 }
 
-// out += round(sigmoid(x shared_gate^T) * shared) for each row: the shared expert's output `shared` [M, H] joins.
+// out += round(sigmoid(x shared_gate^T) * shared) for each row: the shared expert's output `shared` [M, H] joins;
+// without a gate, out += shared.
 template <typename T>
 void add_shared_expert(const Experts<T>& E, const T* x, const T* shared, T* out, int64_t M, int64_t H) {
+  if (!E.shared_gate) {
+    for (int64_t i = 0; i < M * H; ++i) out[i] = round_to<T>(widen(out[i]) + widen(shared[i]));
+    return;
+  }
   std::vector<T> gate(M);
   gemv(x, E.shared_gate, static_cast<const T*>(nullptr), gate.data(), M, 1, H);
   for (int64_t m = 0; m < M; ++m) {

@@ -22,20 +22,23 @@ T* out(uintptr_t p) { return reinterpret_cast<T*>(p); }
 // then the q and k head norms, input_norm's and post_norm's biases, attn_out_norm, mlp_out_norm, gate_up's and down's
 // biases (0: none, and for every absent bias), then the experts' router, gate_up and down and the shared expert's
 // gate (0: a dense MLP; pagedserve::Experts), then the adapter slots' a, b and used of qkv, o, gate_up and down (0:
-// none; pagedserve::LoraSlots);
+// none; pagedserve::LoraSlots), then MLA's q_a and kv_a weights, q_a and kv_a norms, W_UK^T and W_UV (0: none;
+// pagedserve::Mla), then DeepSeek's float32 router and correction bias (0: none; pagedserve::GroupedRouting);
 // dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none), then the scale group sizes of
 // qkv, o, gate_up and down (0: a scale per row, or no scale), then rotary_dim, the norm kind, the activation,
 // parallel_residual, qkv_per_head and scale_q_first (layer_ops.h, pagedserve::DecoderLayer), then the experts' count,
 // top_k, intermediate size and renormalize, then the adapter slots' widths of qkv, o, gate_up and down and whether
-// they are bf16, then whether the scaled weights of qkv, o, gate_up and down are fp8 e4m3 (else int8);
-// floats: the norms' eps, the attention's scale and soft cap, the experts' weights' scaling.
+// they are bf16, then whether the scaled weights of qkv, o, gate_up and down are fp8 e4m3 (else int8), then
+// MLA's kv_lora_rank (0: no MLA), q_lora_rank, nope, rope and v head dims, then the experts'
+// groups, the groups that compete and whether scores are sigmoid;
+// floats: the norms' eps, the attention's scale and soft cap, the experts' weights' scaling, MLA's norms' eps.
 using LayerArgs = std::tuple<std::vector<uintptr_t>, std::vector<int64_t>, std::vector<double>>;
 
 template <typename T>
 pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
   const auto& [w, dims, floats] = args;
-  if (w.size() != 42 || dims.size() != 29 || floats.size() != 4)
-    throw std::invalid_argument("a layer takes 42 pointers, 29 dims and 4 floats");
+  if (w.size() != 50 || dims.size() != 37 || floats.size() != 5)
+    throw std::invalid_argument("a layer takes 50 pointers, 37 dims and 5 floats");
   auto projection = [&](int weight, int scale) {
     const int i = scale - 10;  // the projection's index: qkv, o, gate_up, down
     const pagedserve::LoraSlots lora{reinterpret_cast<const void*>(w[30 + 3 * i]),
@@ -61,6 +64,11 @@ pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
   L.q_norm = in<T>(w[18]), L.k_norm = in<T>(w[19]);
   L.experts = {dims[16], dims[17], dims[18], in<T>(w[26]), in<T>(w[27]), in<T>(w[28]), in<T>(w[29]), dims[19] != 0,
                float(floats[3])};
+  L.mla = {in<T>(w[44]), in<T>(w[45]), in<T>(w[46]), in<T>(w[47]), dims[29], dims[30], dims[31], dims[32], dims[33],
+           float(floats[4])};
+  L.mla_q_a = {reinterpret_cast<const void*>(w[42]), nullptr, 0};
+  L.mla_kv_a = {reinterpret_cast<const void*>(w[43]), nullptr, 0};
+  L.experts.grouped = {in<float>(w[48]), in<float>(w[49]), dims[34], dims[35], dims[36] != 0};
   return L;
 }
 

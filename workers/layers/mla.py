@@ -51,7 +51,7 @@ class MLAAttention(nn.Module):
                               shared_kv=True)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, metadata: StepMetadata) -> torch.Tensor:
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = self._q(x)
         q_nope, q_pe = q.view(-1, self.num_heads, self.nope_dim + self.rope_dim).split(
             [self.nope_dim, self.rope_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -66,6 +66,36 @@ class MLAAttention(nn.Module):
             out[:split] = self._absorbed(q_nope[:split], q_pe[:split], _decodes_of(metadata))
         out[split:] = self._expanded(q_nope[split:], q_pe[split:], latent[split:], metadata)
         return self.o_proj(out)
+
+    def _q(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    @property
+    def q_projection(self) -> nn.Module:
+        """The projection whose output is each head's query: q_proj, or V3's q_b_proj."""
+        return self.q_proj if self.q_lora_rank is None else self.q_b_proj
+
+    def fused_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """The C++ layer's qkv rows (kernels/csrc/mla.h): [q | kv_a], as forward() projects them."""
+        return torch.cat((self._q(x), self.kv_a_proj_with_mqa(x)), dim=-1)
+
+    def fused_form(self) -> dict:
+        """The MLA fields of kernels.cpu_layer_weights.DecoderLayerWeights, in the model dtype."""
+        weight = dequantized_weight(self.kv_b_proj).to(self.kv_a_layernorm.weight.dtype)
+        w_uk, w_uv = weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank).split(
+            [self.nope_dim, self.v_dim], dim=1)
+        q_lora = self.q_lora_rank is not None
+        return {"mla_q_a": self.q_a_proj.weight if q_lora else None, "mla_kv_a": self.kv_a_proj_with_mqa.weight,
+                "mla_q_a_norm": self.q_a_layernorm.weight if q_lora else None,
+                "mla_kv_norm": self.kv_a_layernorm.weight, "mla_w_uk_t": w_uk.transpose(1, 2).contiguous(),
+                "mla_w_uv": w_uv.contiguous(), "mla_eps": self.kv_a_layernorm.eps}
+
+    def takes_one_call(self) -> bool:
+        """Whether the C++ layer's MLA form computes forward(): q_a and kv_a plain (no bias, quantization or
+        adapter), one norm eps."""
+        plain = [self.kv_a_proj_with_mqa] + ([] if self.q_lora_rank is None else [self.q_a_proj])
+        return all(p.bias is None and p.weight_scale is None and p.lora is None for p in plain) and (
+            self.q_lora_rank is None or self.q_a_layernorm.eps == self.kv_a_layernorm.eps)
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, metadata: StepMetadata) -> torch.Tensor:
         """Decode rows over the latent cache → [tokens, heads * v_dim]."""

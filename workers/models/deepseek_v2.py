@@ -3,14 +3,20 @@ the rest a mixture of routed experts (softmax, greedy or group-limited top-k, sc
 experts."""
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from kernels import cpu_layer_weights
+from workers.distributed import parallel_state
 from workers.layers.fused_moe import FusedMoE, Routing
 from workers.layers.linear import Linear
 from workers.layers.mla import MLAAttention
+from workers.models.fused_stage import describe_layer, takes_projections
 from workers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -38,14 +44,60 @@ class DeepseekV2MoE(nn.Module):
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
+    """The C++ layer takes it in MLA form (kernels/csrc/mla.h), its mixture of experts with DeepSeek's routing
+    (kernels/csrc/grouped_routing.h) and ungated shared experts."""
+
     attention_class = MLAAttention
     moe_class: type[nn.Module] = DeepseekV2MoE
-    one_call_capable = False
 
     def build_mlp(self, config: PretrainedConfig, layer_idx: int) -> nn.Module:
         sparse = (config.n_routed_experts and layer_idx >= config.first_k_dense_replace
                   and layer_idx % (getattr(config, "moe_layer_freq", 1) or 1) == 0)
         return self.moe_class(config) if sparse else LlamaMLP(config)
+
+    @property
+    def takes_one_call(self) -> bool:
+        attn, dense = self.self_attn, self._dense_mlp
+        return parallel_state().tp_size == 1 and attn.takes_one_call() and \
+            takes_projections(attn.q_projection, attn.o_proj) and (
+                dense is None or takes_projections(dense.gate_up_proj, dense.down_proj)) and (
+                self._experts is None or _experts_form(self.mlp) is not None)
+
+    @property
+    def fused_products(self) -> tuple[Callable, nn.Module, nn.Module, nn.Module | None]:
+        if self._experts is not None:
+            return self.self_attn.fused_qkv, self.self_attn.o_proj, self.mlp, None
+        return self.self_attn.fused_qkv, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
+
+    @property
+    def _dense_mlp(self) -> nn.Module | None:
+        return self.mlp.shared_experts if self._experts is not None else self.mlp
+
+    @functools.cached_property
+    def fused_weights(self) -> cpu_layer_weights.DecoderLayerWeights:
+        attn, dense = self.self_attn, self._dense_mlp
+        experts = {} if self._experts is None else _experts_form(self.mlp)
+        return describe_layer(input_norm=self.input_layernorm, post_norm=self.post_attention_layernorm,
+                              qkv=attn.q_projection, o=attn.o_proj,
+                              gate_up=None if dense is None else dense.gate_up_proj,
+                              down=None if dense is None else dense.down_proj, attention=attn.attn,
+                              rotary=attn.rotary, **attn.fused_form(), **experts)
+
+
+def _experts_form(block: nn.Module) -> dict | None:
+    """DeepSeek's mixture of experts as DecoderLayerWeights' expert fields (its router also as the float32 copy
+    it routes by); None where the C++ layer does not compute it: experts split over ranks, a quantized router."""
+    moe, router, routing = block.experts, block.gate, block.experts.routing
+    if moe.tp_size > 1 or router.weight_scale is not None or router.bias is not None or \
+            moe.gate_up_proj.dtype != router.weight.dtype:
+        return None
+    bias = getattr(router, "e_score_correction_bias", None)
+    return {"router": router.weight, "experts_gate_up": moe.gate_up_proj.data, "experts_down": moe.down_proj.data,
+            "top_k": routing.top_k, "renormalize": routing.renormalize, "routed_scaling": routing.routed_scaling_factor,
+            "grouped_router": router.weight.float().contiguous(),
+            "correction_bias": None if bias is None else bias.float().contiguous(),
+            "expert_groups": routing.num_expert_group or 0, "topk_groups": routing.topk_group or 0,
+            "sigmoid_scores": routing.scoring == "sigmoid"}
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
