@@ -36,11 +36,11 @@ class DecoderLayerWeights:
     Every norm is of norm_kind ("rms", Gemma's "gemma" (1 + w), or "layer": LayerNorm with its *_bias) with eps:
     input_norm before attention, post_norm before the MLP, and where given attn_out_norm and mlp_out_norm on the
     attention's and the MLP's outputs (Gemma 2). q_norm and k_norm: the weight [head_dim] of the norm (of norm_kind)
-    each q and k head goes through before rotary (Qwen3, Gemma 3). gate_up: [gate | up] for a gated activation ("silu_glu", "gelu_tanh_glu"),
-    else the one up product ("gelu", "gelu_tanh", "relu"). cos and sin: float32 [max_position, rotary_dim] of the
-    leading dims that rotate, or None (learned positions). parallel_residual: GPT-NeoX's x + attn(ln1 x) + mlp(ln2 x);
-    qkv_per_head: qkv's rows hold each head's q, k and v together; scale_q_first: q scaled and rounded before its
-    scores (OPT); soft_cap: the attention scores' tanh cap (0: none).
+    each q and k head goes through before rotary (Qwen3, Gemma 3). gate_up: [gate | up] for a gated activation
+    ("silu_glu", "gelu_tanh_glu"), else the one up product ("gelu", "gelu_tanh", "relu"). cos and sin: float32
+    [max_position, rotary_dim] of the leading dims that rotate, or None (learned positions). parallel_residual:
+    GPT-NeoX's x + attn(ln1 x) + mlp(ln2 x); qkv_per_head: qkv's rows hold each head's q, k and v together;
+    scale_q_first: q scaled and rounded before its scores (OPT); soft_cap: the attention scores' tanh cap (0: none).
 
     A mixture of experts (router [experts, hidden] given) replaces the dense MLP: each token's top_k experts by
     softmax score (renormalized where set, times routed_scaling), each a SwiGLU MLP of experts_gate_up [experts,
