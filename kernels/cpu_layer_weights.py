@@ -44,8 +44,9 @@ class DecoderLayerWeights:
     A mixture of experts (router [experts, hidden] given) replaces the dense MLP: each token's top_k experts by
     softmax score (renormalized where set, times routed_scaling), each a SwiGLU MLP of experts_gate_up [experts,
     2 * inter, hidden] and experts_down [experts, hidden, inter]; gate_up and down then are a shared expert's,
-    weighted by sigmoid(x shared_gate^T) (Qwen-MoE), or None. *_lora: a projection's adapter slots, whose deltas
-    the rows of a step with an adapter get."""
+    weighted by sigmoid(x shared_gate^T) (Qwen-MoE), or None; experts_*_pairs: the experts' pair_weight copies,
+    [experts, *pairs_shape of one expert's weight] (bf16), which their products then read. *_lora: a projection's
+    adapter slots, whose deltas the rows of a step with an adapter get."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
@@ -88,6 +89,8 @@ class DecoderLayerWeights:
     router: torch.Tensor | None = None
     experts_gate_up: torch.Tensor | None = None
     experts_down: torch.Tensor | None = None
+    experts_gate_up_pairs: torch.Tensor | None = None
+    experts_down_pairs: torch.Tensor | None = None
     shared_gate: torch.Tensor | None = None
     top_k: int = 0
     renormalize: bool = False
@@ -110,6 +113,7 @@ class DecoderLayerWeights:
                 pairs.append(paired)
         if self.router is not None:
             weights += [self.experts_gate_up[0], self.experts_down[0]]
+            pairs += [self.experts_gate_up_pairs, self.experts_down_pairs]
         return max_rows(self.input_norm.dtype, weights, pairs)
 
     def args(self) -> tuple[list[int], list[int], list[float]]:
@@ -120,7 +124,8 @@ class DecoderLayerWeights:
                    self.attn_out_norm, self.mlp_out_norm, self.gate_up_bias, self.down_bias, self.router,
                    self.experts_gate_up, self.experts_down, self.shared_gate,
                    *(t for slots in self._loras() for t in ((None,) * 3 if slots is None else
-                                                             (slots.a, slots.b, slots.used))))
+                                                             (slots.a, slots.b, slots.used))),
+                   self.experts_gate_up_pairs, self.experts_down_pairs)
         groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self._projections()]
         experts = [0, 0, 0, 0] if self.router is None else \
             [self.router.shape[0], self.top_k, self.experts_down.shape[2], int(self.renormalize)]
@@ -193,6 +198,13 @@ class DecoderLayerWeights:
                 self.shared_gate is not None and not (self.shared_gate.dtype == dtype and self.shared_gate.shape
                                                       == (1, hidden) and self.shared_gate.is_contiguous())):
             raise ValueError("a shared expert needs its gate [1, hidden] of the hidden states' dtype, and its MLP")
+        for name in ("experts_gate_up", "experts_down"):
+            weights, pairs = getattr(self, name), getattr(self, f"{name}_pairs")
+            if pairs is not None and not (weights.dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weights[0])
+                                          and pairs.shape[:1] == weights.shape[:1]
+                                          and cpu_gemv.fits_pairs(weights[0], pairs[0]) and pairs.is_contiguous()):
+                raise ValueError(f"{name}_pairs must be kernels.cpu_gemv.pair_weight of each bf16 expert's weight, "
+                                 "stacked, on a CPU with AVX-512 BF16")
 
     def _check_loras(self) -> None:
         """Adapter slots that fit their projections, all of one compute dtype (float32 or bf16)."""

@@ -22,7 +22,7 @@ T* out(uintptr_t p) { return reinterpret_cast<T*>(p); }
 // then the q and k head norms, input_norm's and post_norm's biases, attn_out_norm, mlp_out_norm, gate_up's and down's
 // biases (0: none, and for every absent bias), then the experts' router, gate_up and down and the shared expert's
 // gate (0: a dense MLP; pagedserve::Experts), then the adapter slots' a, b and used of qkv, o, gate_up and down (0:
-// none; pagedserve::LoraSlots);
+// none; pagedserve::LoraSlots), then the experts' gate_up and down gemv_pairs.h copies (0: none);
 // dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none), then the scale group sizes of
 // qkv, o, gate_up and down (0: a scale per row, or no scale), then rotary_dim, the norm kind, the activation,
 // parallel_residual, qkv_per_head and scale_q_first (layer_ops.h, pagedserve::DecoderLayer), then the experts' count,
@@ -34,8 +34,8 @@ using LayerArgs = std::tuple<std::vector<uintptr_t>, std::vector<int64_t>, std::
 template <typename T>
 pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
   const auto& [w, dims, floats] = args;
-  if (w.size() != 42 || dims.size() != 25 || floats.size() != 4)
-    throw std::invalid_argument("a layer takes 42 pointers, 25 dims and 4 floats");
+  if (w.size() != 44 || dims.size() != 25 || floats.size() != 4)
+    throw std::invalid_argument("a layer takes 44 pointers, 25 dims and 4 floats");
   auto projection = [&](int weight, int scale) {
     const int i = scale - 10;  // the projection's index: qkv, o, gate_up, down
     const pagedserve::LoraSlots lora{reinterpret_cast<const void*>(w[30 + 3 * i]),
@@ -61,6 +61,7 @@ pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
   L.q_norm = in<T>(w[18]), L.k_norm = in<T>(w[19]);
   L.experts = {dims[16], dims[17], dims[18], in<T>(w[26]), in<T>(w[27]), in<T>(w[28]), in<T>(w[29]), dims[19] != 0,
                float(floats[3])};
+  L.experts.gate_up_pairs = in<uint16_t>(w[42]), L.experts.down_pairs = in<uint16_t>(w[43]);
   return L;
 }
 
