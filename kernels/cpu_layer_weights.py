@@ -12,6 +12,11 @@ import torch
 from kernels import cpu_gemv
 
 NORM_KINDS = {"rms": 0, "gemma": 1, "layer": 2}  # layer_ops.h's NormKind
+# One expert's multiply-adds over its mean share of a step's rows past which torch's GEMMs (oneDNN's: AMX where the
+# CPU has it) beat the kernels' products from the paired copies, torch's per-expert Python included
+# (benchmarks/moe_fused_layer.py --cpu-time: Mixtral 30m's experts cross near 16 rows each, Qwen-MoE 30m's quarter
+# width ones stay faster in the kernels up to 64 rows).
+EXPERT_MAX_PRODUCTS = 40_000_000
 ACTIVATIONS = {"silu_glu": 0, "gelu_tanh_glu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}  # and its Activation
 
 
@@ -111,10 +116,16 @@ class DecoderLayerWeights:
             if weight is not None:
                 weights.append(weight)
                 pairs.append(paired)
-        if self.router is not None:
-            weights += [self.experts_gate_up[0], self.experts_down[0]]
-            pairs += [self.experts_gate_up_pairs, self.experts_down_pairs]
-        return max_rows(self.input_norm.dtype, weights, pairs)
+        if self.router is None:
+            return max_rows(self.input_norm.dtype, weights, pairs)
+        weights += [self.experts_gate_up[0], self.experts_down[0]]
+        pairs += [self.experts_gate_up_pairs, self.experts_down_pairs]
+        limit = max_rows(self.input_norm.dtype, weights, pairs)
+        if self.experts_gate_up_pairs is None:
+            return limit
+        # Each expert takes top_k / experts of a step's rows on average: its products stay within EXPERT_MAX_PRODUCTS.
+        per_row = self.experts_gate_up[0].numel() + self.experts_down[0].numel()
+        return max(1, min(limit, EXPERT_MAX_PRODUCTS * self.router.shape[0] // (self.top_k * per_row)))
 
     def args(self) -> tuple[list[int], list[int], list[float]]:
         """The layer as the kernels' module takes it (module.cpp's LayerArgs: pointers, dims, floats)."""

@@ -360,6 +360,20 @@ def test_a_layer_takes_the_fewest_rows_its_weights_allow(monkeypatch):
     assert cpu_layer_weights.max_rows(torch.bfloat16, [large, large], [pairs, None]) == cpu_gemv.NATIVE_BF16_MAX_ROWS
 
 
+@pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="paired copies: bf16 weights on CPUs with AVX-512 BF16")
+def test_paired_experts_take_the_rows_their_products_allow(monkeypatch):
+    """A mixture of paired experts: PAIRS_MAX_ROWS, or fewer where an expert's mean share of the rows (top_k /
+    experts of them) would pass EXPERT_MAX_PRODUCTS multiply-adds; unpaired experts: their weights' limit."""
+    layer_class, config = CASES["mixtral experts, top 2 of 5"]  # experts 2 x 72 + 72 by 128: 27648 weights each
+    weights = with_pairs(make_layer(layer_class, config, torch.bfloat16, seed=0), True).fused_weights
+    monkeypatch.setattr(cpu_layer_weights, "EXPERT_MAX_PRODUCTS", 27648 * 10 * 2 // 5)
+    assert weights.max_rows() == 10
+    monkeypatch.setattr(cpu_layer_weights, "EXPERT_MAX_PRODUCTS", 1)
+    assert weights.max_rows() == 1
+    unpaired = dataclasses.replace(weights, experts_gate_up_pairs=None, experts_down_pairs=None)
+    assert unpaired.max_rows() == cpu_layer_weights.max_rows(torch.bfloat16, [unpaired.experts_gate_up[0]])
+
+
 def test_declines_steps_it_does_not_compute():
     x, positions, slots, tables = torch.randn(2, 8), torch.tensor([3, 4]), torch.tensor([3, 4]), torch.zeros(2, 1)
     with torch.inference_mode():
