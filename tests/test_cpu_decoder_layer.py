@@ -174,7 +174,7 @@ def with_pairs(layer: LlamaDecoderLayer, paired: bool) -> LlamaDecoderLayer:
     if paired:
         prepack_linear_weights(layer, available_bytes=1 << 40)
         assert layer.fused_weights.max_rows() == cpu_gemv.PAIRS_MAX_ROWS
-        experts = getattr(layer.mlp, "experts", None)
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
         assert experts is None or layer.fused_weights.experts_down_pairs is experts.down_pairs is not None
     return layer
 
