@@ -3,20 +3,23 @@ layer (kernels.cpu_decoder_layer), bf16: microseconds per call at 1 and 32 token
 speed normalised by the bytes a token reads (1 token: the routed experts' share) and the FLOPs of its products
 (32 tokens), as benchmarks/feature_speed.py normalises whole models.
 
-    python benchmarks/moe_fused_layer.py [--rows 1 32] [--rounds 100] [--cpu-time]
+    python benchmarks/moe_fused_layer.py [--rows 1 32] [--rounds 100] [--layers 8] [--cpu-time] [--no-expert-pairs]
 
---cpu-time: one thread, timed by its CPU time (time.thread_time), which other processes' load barely moves: the
-work a layer does, for comparing kernels on a busy machine (not how the threads share it).
+--layers: that many layers of distinct weights per call, so the weights a step reads outgrow the caches as a
+model's do. --cpu-time: one thread, timed by its CPU time (time.thread_time), which other processes' load moves
+less than wall time: the work a layer does, for comparing kernels on a busy machine (not how threads share it).
+--no-expert-pairs: the experts without their paired copies (torch's products past their weights' rows).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -34,8 +37,12 @@ FAMILIES = {"llama": LlamaDecoderLayer, "mixtral": MixtralDecoderLayer, "qwen2_m
 CONTEXT = 96  # each row's sequence length
 
 
-def make_layer(arch: str, expert_pairs: bool = True, seed: int = 0) -> tuple[LlamaDecoderLayer, object]:
-    config = AutoConfig.for_model(arch, **config_kwargs(arch, SIZES["30m"], 8192))
+def config_of(arch: str) -> PretrainedConfig:
+    return AutoConfig.for_model(arch, **config_kwargs(arch, SIZES["30m"], 8192))
+
+
+def make_layer(arch: str, config: PretrainedConfig, expert_pairs: bool, seed: int) -> LlamaDecoderLayer:
+    """A bf16 layer of random weights with its paired (and prepacked) copies, as a loaded model keeps them."""
     generator = torch.Generator().manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -49,7 +56,7 @@ def make_layer(arch: str, expert_pairs: bool = True, seed: int = 0) -> tuple[Lla
     prepack_linear_weights(layer, available_bytes=1 << 40)
     if not expert_pairs and hasattr(layer.mlp, "experts"):
         layer.mlp.experts.gate_up_pairs = layer.mlp.experts.down_pairs = None
-    return layer, config
+    return layer
 
 
 def per_token_cost(layer: LlamaDecoderLayer) -> tuple[float, float]:
@@ -65,8 +72,8 @@ def per_token_cost(layer: LlamaDecoderLayer) -> tuple[float, float]:
 
 
 @torch.inference_mode()
-def time_layers(layers: list[LlamaDecoderLayer], config, rows: int, rounds: int, clock=time.perf_counter
-                ) -> tuple[float, bool]:
+def time_layers(layers: list[LlamaDecoderLayer], config: PretrainedConfig, rows: int, rounds: int,
+                clock: Callable[[], float] = time.perf_counter) -> tuple[float, bool]:
     """Microseconds per layer of a call of the C++ layers over `rows` decodes (torch's products past their
     max_rows)."""
     head_dim, kv_heads = head_dim_of(config), config.num_key_value_heads
@@ -113,10 +120,10 @@ def main() -> None:
         raise SystemExit("the C++ CPU kernels did not build")
     print(f"native bf16 pairs: {cpu_gemv.pairs_cpu()}; {torch.get_num_threads()} threads")
     families = ["llama", *(f for f in args.families if f != "llama")]
-    base = {}
+    base: dict[int, float] = {}
     for arch in families:
-        layers = [make_layer(arch, not args.no_expert_pairs, seed)[0] for seed in range(args.layers)]
-        config = make_layer(arch)[1]
+        config = config_of(arch)
+        layers = [make_layer(arch, config, not args.no_expert_pairs, seed) for seed in range(args.layers)]
         read, flops = per_token_cost(layers[0])
         parts = []
         for rows in args.rows:
