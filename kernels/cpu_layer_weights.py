@@ -12,6 +12,11 @@ import torch
 from kernels import cpu_deepseek_weights, cpu_gemv
 
 NORM_KINDS = {"rms": 0, "gemma": 1, "layer": 2}  # layer_ops.h's NormKind
+# One expert's multiply-adds over its mean share of a step's rows past which torch's GEMMs (oneDNN's: AMX where the
+# CPU has it) beat the kernels' products from the paired copies, torch's per-expert Python included
+# (benchmarks/moe_fused_layer.py --cpu-time: Mixtral 30m's experts cross near 16 rows each, Qwen-MoE 30m's quarter
+# width ones stay faster in the kernels up to 64 rows).
+EXPERT_MAX_PRODUCTS = 40_000_000
 ACTIVATIONS = {"silu_glu": 0, "gelu_tanh_glu": 1, "gelu": 2, "gelu_tanh": 3, "relu": 4}  # and its Activation
 
 
@@ -45,8 +50,9 @@ class DecoderLayerWeights:
     A mixture of experts (router [experts, hidden] given) replaces the dense MLP: each token's top_k experts by
     softmax score (renormalized where set, times routed_scaling), each a SwiGLU MLP of experts_gate_up [experts,
     2 * inter, hidden] and experts_down [experts, hidden, inter]; gate_up and down then are a shared expert's,
-    weighted by sigmoid(x shared_gate^T) (Qwen-MoE), or None. *_lora: a projection's adapter slots, whose deltas
-    the rows of a step with an adapter get.
+    weighted by sigmoid(x shared_gate^T) (Qwen-MoE), or None; experts_*_pairs: the experts' pair_weight copies,
+    [experts, *pairs_shape of one expert's weight] (bf16), which their products then read. *_lora: a projection's
+    adapter slots, whose deltas the rows of a step with an adapter get.
 
     Multi-head latent attention (DeepSeek; mla_kv_a given): qkv is the q projection [heads * (nope + rope), hidden]
     (V3: q_b_proj [.., q_lora] over mla_q_a's rows [q_lora, hidden] normed by mla_q_a_norm), mla_kv_a [lora + rope,
@@ -98,6 +104,8 @@ class DecoderLayerWeights:
     router: torch.Tensor | None = None
     experts_gate_up: torch.Tensor | None = None
     experts_down: torch.Tensor | None = None
+    experts_gate_up_pairs: torch.Tensor | None = None
+    experts_down_pairs: torch.Tensor | None = None
     shared_gate: torch.Tensor | None = None
     top_k: int = 0
     renormalize: bool = False
@@ -144,11 +152,18 @@ class DecoderLayerWeights:
             if weight is not None:
                 weights.append(weight)
                 pairs.append(paired)
-        if self.router is not None:
-            weights += [self.experts_gate_up[0], self.experts_down[0]]
         weights += [t for t in (self.mla_q_a, self.mla_kv_a) if t is not None]
         pairs += [None] * (len(weights) - len(pairs))
-        return max_rows(self.input_norm.dtype, weights, pairs)
+        if self.router is None:
+            return max_rows(self.input_norm.dtype, weights, pairs)
+        weights += [self.experts_gate_up[0], self.experts_down[0]]
+        pairs += [self.experts_gate_up_pairs, self.experts_down_pairs]
+        limit = max_rows(self.input_norm.dtype, weights, pairs)
+        if self.experts_gate_up_pairs is None:
+            return limit
+        # Each expert takes top_k / experts of a step's rows on average: its products stay within EXPERT_MAX_PRODUCTS.
+        per_row = self.experts_gate_up[0].numel() + self.experts_down[0].numel()
+        return max(1, min(limit, EXPERT_MAX_PRODUCTS * self.router.shape[0] // (self.top_k * per_row)))
 
     def args(self) -> tuple[list[int], list[int], list[float]]:
         """The layer as the kernels' module takes it (module.cpp's LayerArgs: pointers, dims, floats)."""
@@ -160,7 +175,8 @@ class DecoderLayerWeights:
                    *(t for slots in self._loras() for t in ((None,) * 3 if slots is None else
                                                              (slots.a, slots.b, slots.used))),
                    self.mla_q_a, self.mla_kv_a, self.mla_q_a_norm, self.mla_kv_norm, self.mla_w_uk_t, self.mla_w_uv,
-                   self.grouped_router, self.correction_bias)
+                   self.grouped_router, self.correction_bias, self.experts_gate_up_pairs,
+                   self.experts_down_pairs)
         groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self._projections()]
         experts = [0, 0, 0, 0] if self.router is None else \
             [self.router.shape[0], self.top_k, self.experts_down.shape[2], int(self.renormalize)]
@@ -243,6 +259,13 @@ class DecoderLayerWeights:
                              "(DeepSeek's routing: no gate)")
         if grouped:
             cpu_deepseek_weights.check_grouped_routing(self, experts, hidden)
+        for name in ("experts_gate_up", "experts_down"):
+            weights, pairs = getattr(self, name), getattr(self, f"{name}_pairs")
+            if pairs is not None and not (weights.dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weights[0])
+                                          and pairs.shape[:1] == weights.shape[:1]
+                                          and cpu_gemv.fits_pairs(weights[0], pairs[0]) and pairs.is_contiguous()):
+                raise ValueError(f"{name}_pairs must be kernels.cpu_gemv.pair_weight of each bf16 expert's weight, "
+                                 "stacked, on a CPU with AVX-512 BF16")
 
     def _check_loras(self) -> None:
         """Adapter slots that fit their projections, all of one compute dtype (float32 or bf16)."""

@@ -1,13 +1,14 @@
 """The C++ decoder layer against its twin, the model's own op-by-op layer, and in the engine."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import pytest
 import torch
 from transformers import (Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, LlamaConfig, MixtralConfig, OPTConfig,
-                          Qwen2Config, Qwen2MoeConfig, Qwen3Config)
+                          Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
 from frontend import LLM, SamplingParams
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv, cpu_layer_weights
@@ -25,6 +26,8 @@ from workers.models.opt import OPTDecoderLayer
 from workers.models.qwen2 import Qwen2DecoderLayer
 from workers.models.qwen2_moe import Qwen2MoeDecoderLayer
 from workers.models.qwen3 import Qwen3DecoderLayer
+from workers.models.qwen3_moe import Qwen3MoeDecoderLayer
+from workers.prepacking import prepack_linear_weights
 from workers.quantization.fp8_blocks import FP8BlockFormat
 from workers.quantization.online import quantize_model_rows
 
@@ -120,6 +123,15 @@ CASES = {
                                              intermediate_size=160, moe_intermediate_size=48, num_experts=6,
                                              num_experts_per_tok=3, shared_expert_intermediate_size=96,
                                              norm_topk_prob=False, max_position_embeddings=512, qkv_bias=True)),
+    # Experts' products of a partial tile (74 rows) and an odd number of columns (37): the paired copies' edges.
+    "qwen3_moe experts, top 4 of 7, odd inter": (
+        Qwen3MoeDecoderLayer, Qwen3MoeConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                             moe_intermediate_size=37, num_experts=7, num_experts_per_tok=4,
+                                             norm_topk_prob=False, max_position_embeddings=512, num_hidden_layers=1)),
+    "qwen3_moe experts, top 1 of 3, renormalized": (
+        Qwen3MoeDecoderLayer, Qwen3MoeConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                             moe_intermediate_size=40, num_experts=3, num_experts_per_tok=1,
+                                             norm_topk_prob=True, max_position_embeddings=512, num_hidden_layers=1)),
     "opt learned positions, q scaled first, relu": (
         OPTDecoderLayer, OPTConfig(hidden_size=128, num_attention_heads=4, ffn_dim=200, max_position_embeddings=512,
                                    word_embed_proj_dim=128, activation_function="relu")),
@@ -158,16 +170,26 @@ def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer, products)
 
 
 def with_pairs(layer: LlamaDecoderLayer, paired: bool) -> LlamaDecoderLayer:
-    """The layer, its linear projections given their paired copies (as workers.prepacking gives them) if `paired`:
-    a mixture's stacked experts have none, so only a dense layer's products all reach the pairs' row limit."""
+    """The layer, its linear projections and a mixture's stacked experts given their paired copies (as
+    workers.prepacking gives them) if `paired`: every product then reaches the pairs' row limit."""
     if paired:
-        for module in layer.modules():
-            weight = getattr(module, "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.dim() == 2 and cpu_gemv.pairs_serve(weight):
-                module.pairs_weight = cpu_gemv.pair_weight(weight)
-        if layer.fused_products[-1] is not None:  # a mixture of experts gives None for its MLP's down product
-            assert layer.fused_weights.max_rows() == cpu_gemv.PAIRS_MAX_ROWS
+        prepack_linear_weights(layer, available_bytes=1 << 40)
+        assert layer.fused_weights.max_rows() == cpu_gemv.PAIRS_MAX_ROWS
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        assert experts is None or layer.fused_weights.experts_down_pairs is experts.down_pairs is not None
     return layer
+
+
+@pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="paired copies: bf16 weights on CPUs with AVX-512 BF16")
+def test_experts_pairs_of_another_shape_are_refused():
+    layer_class, config = CASES["mixtral experts, top 2 of 5"]
+    weights = with_pairs(make_layer(layer_class, config, torch.bfloat16, seed=0), True).fused_weights
+    cache = torch.zeros(4, config.num_key_value_heads, BLOCK_SIZE, head_dim_of(config), dtype=torch.bfloat16)
+    for name, wrong in (("experts_down_pairs", weights.experts_gate_up_pairs),
+                        ("experts_gate_up_pairs", weights.experts_gate_up_pairs[:2])):
+        with pytest.raises(ValueError, match=name):
+            cpu_decoder_layer.PreparedLayers([dataclasses.replace(weights, **{name: wrong})], [(cache, cache)],
+                                             torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -379,6 +401,20 @@ def test_a_layer_takes_the_fewest_rows_its_weights_allow(monkeypatch):
     assert cpu_layer_weights.max_rows(torch.bfloat16, [large], [pairs]) == cpu_gemv.PAIRS_MAX_ROWS
     assert cpu_layer_weights.max_rows(torch.bfloat16, [large, int8], [pairs, None]) == cpu_gemv.INT8_MAX_ROWS
     assert cpu_layer_weights.max_rows(torch.bfloat16, [large, large], [pairs, None]) == cpu_gemv.NATIVE_BF16_MAX_ROWS
+
+
+@pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="paired copies: bf16 weights on CPUs with AVX-512 BF16")
+def test_paired_experts_take_the_rows_their_products_allow(monkeypatch):
+    """A mixture of paired experts: PAIRS_MAX_ROWS, or fewer where an expert's mean share of the rows (top_k /
+    experts of them) would pass EXPERT_MAX_PRODUCTS multiply-adds; unpaired experts: their weights' limit."""
+    layer_class, config = CASES["mixtral experts, top 2 of 5"]  # experts 2 x 72 + 72 by 128: 27648 weights each
+    weights = with_pairs(make_layer(layer_class, config, torch.bfloat16, seed=0), True).fused_weights
+    monkeypatch.setattr(cpu_layer_weights, "EXPERT_MAX_PRODUCTS", 27648 * 10 * 2 // 5)
+    assert weights.max_rows() == 10
+    monkeypatch.setattr(cpu_layer_weights, "EXPERT_MAX_PRODUCTS", 1)
+    assert weights.max_rows() == 1
+    unpaired = dataclasses.replace(weights, experts_gate_up_pairs=None, experts_down_pairs=None)
+    assert unpaired.max_rows() == cpu_layer_weights.max_rows(torch.bfloat16, [unpaired.experts_gate_up[0]])
 
 
 def test_declines_steps_it_does_not_compute():

@@ -14,6 +14,7 @@ from frontend import LLM, SamplingParams
 from kernels import cpu_gemv, cpu_prepacked
 from kernels.cpu_features import cpu_has_native_bf16
 from workers import prepacking
+from workers.layers.fused_moe import FusedMoE
 from workers.layers.linear import Linear
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from workers.model_config import load_hf_config
@@ -70,10 +71,41 @@ def test_copies_are_kept_only_within_the_memory_budget():
     assert isinstance(embedding, VocabParallelEmbedding) and not hasattr(embedding, "packed_weight")  # a lookup
 
 
+@pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="paired copies need AVX-512 BF16")
+def test_experts_stacks_are_paired_within_the_pairs_budget():
+    """A mixture of experts' stacked weights get each expert's paired copy, stacked, with the linear layers' and
+    counted in their budget: all of them or none."""
+    model = tiny_model("mixtral")
+    loaded = load_model(model, load_hf_config(model), torch.bfloat16, torch.device("cpu"))
+    linears = [m for m in loaded.modules() if hasattr(m, "pairs_weight")]
+    moes = [m for m in loaded.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(m.gate_up_pairs is not None and m.down_pairs is not None for m in moes)
+
+    def paired(available: int) -> set[bool]:
+        """Which of the linear layers and experts' stacks got paired copies within that budget."""
+        for m in linears:
+            m.packed_weight = m.pairs_weight = None
+        for m in moes:
+            m.gate_up_pairs = m.down_pairs = None
+        prepacking.prepack_linear_weights(loaded, available_bytes=available)
+        return {m.pairs_weight is not None for m in linears} | {p is not None for m in moes
+                                                               for p in (m.gate_up_pairs, m.down_pairs)}
+
+    stacks = [m.gate_up_proj for m in moes] + [m.down_proj for m in moes]
+    pairs_bytes = sum(math.prod(cpu_gemv.pairs_shape(m.weight)) * 2 for m in linears) + sum(
+        len(stack) * math.prod(cpu_gemv.pairs_shape(stack[0])) * 2 for stack in stacks)
+    assert paired(int(pairs_bytes / prepacking.PREPACK_MEMORY_FRACTION) - 1) == {False}
+    assert paired(int(pairs_bytes / prepacking.PREPACK_MEMORY_FRACTION) + 1) == {True}
+    for moe in moes:
+        for stack, pairs in ((moe.gate_up_proj, moe.gate_up_pairs), (moe.down_proj, moe.down_pairs)):
+            assert torch.equal(pairs, torch.stack([cpu_gemv.pair_weight(w) for w in stack]))
+
+
 def test_float32_weights_are_not_packed():
     model = tiny_model("llama")
     loaded = load_model(model, load_hf_config(model), torch.float32, torch.device("cpu"))
-    assert all(getattr(m, name, None) is None for m in loaded.modules() for name in ("packed_weight", "pairs_weight"))
+    assert all(getattr(m, name, None) is None for m in loaded.modules()
+               for name in ("packed_weight", "pairs_weight", "gate_up_pairs", "down_pairs"))
 
 
 PROMPTS = [{"prompt_token_ids": p} for p in random_prompts([40, 90, 17, 60] * 10, vocab=1000, seed=3)]

@@ -23,33 +23,50 @@ PREPACK_MEMORY_FRACTION = 0.125
 
 
 def prepack_linear_weights(model: nn.Module, available_bytes: int | None = None) -> int:
-    """Give each linear layer with a plain bf16 weight its paired copy (`pairs_weight`) where the CPU has the
-    kernel's instruction, then its prepacked copy (`packed_weight`), each kind only if all copies fit the budget;
-    the bytes copied (0 when none was). Made once: nothing changes a weight after loading (a weight changed in place
-    would leave its copies, and the C++ layers' pointers to them, stale)."""
+    """Give each linear layer with a plain bf16 weight its paired copy (`pairs_weight`), and each mixture of experts'
+    stacked bf16 weights theirs (workers.layers.fused_moe.FusedMoE's `gate_up_pairs`, `down_pairs`), where the CPU
+    has the kernel's instruction, then each linear layer its prepacked copy (`packed_weight`), each kind only if all
+    copies fit the budget; the bytes copied (0 when none was). Made once: nothing changes a weight after loading (a
+    weight changed in place would leave its copies, and the C++ layers' pointers to them, stale)."""
     plain = [m for m in model.modules() if getattr(m, "packed_weight", False) is None
              and getattr(m, "weight_scale", None) is None]
+    stacks = [(m, f"{name}_pairs", getattr(m, f"{name}_proj")) for m in model.modules()
+              for name in ("gate_up", "down") if getattr(m, f"{name}_pairs", False) is None]
     if available_bytes is None:
         available_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     budget, copied = available_bytes * PREPACK_MEMORY_FRACTION, 0
-    for attribute, takes, nbytes, copy in (
-            ("pairs_weight", cpu_gemv.pairs_serve, lambda w: math.prod(cpu_gemv.pairs_shape(w)) * 2, _paired),
-            ("packed_weight", cpu_prepacked.packable, lambda w: w.nbytes, _prepacked)):
-        layers = [m for m in plain if takes(m.weight)]
-        total = sum(nbytes(m.weight) for m in layers)
-        if not layers or copied + total > budget:
+    for targets, takes, nbytes, copy in (
+            ([(m, "pairs_weight", m.weight) for m in plain] + stacks, lambda w: cpu_gemv.pairs_serve(_matrix(w)),
+             lambda w: math.prod(_pairs_shape(w)) * 2, _paired),
+            ([(m, "packed_weight", m.weight) for m in plain], cpu_prepacked.packable, lambda w: w.nbytes, _prepacked)):
+        targets = [(owner, attribute, weight) for owner, attribute, weight in targets if takes(weight)]
+        total = sum(nbytes(weight) for _, _, weight in targets)
+        if not targets or copied + total > budget:
             continue
-        for layer, weight_copy in zip(layers, copy([m.weight for m in layers]), strict=True):
-            setattr(layer, attribute, weight_copy)
+        for (owner, attribute, _), weight_copy in zip(targets, copy([w for _, _, w in targets]), strict=True):
+            setattr(owner, attribute, weight_copy)
         copied += total
     return copied
 
 
+def _matrix(weight: torch.Tensor) -> torch.Tensor:
+    """A weight matrix, or a stack's first."""
+    return weight[(0,) * (weight.dim() - 2)]
+
+
+def _pairs_shape(weight: torch.Tensor) -> tuple[int, ...]:
+    """A weight matrix's pair_weight shape, or a stack's: each matrix's, stacked."""
+    return (*weight.shape[:-2], *cpu_gemv.pairs_shape(_matrix(weight)))
+
+
 def _paired(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The weights' pairs copies in one arena on huge pages: batch-1 decode streams them, as it streams the weights
-    (workers.cpu_allocator)."""
-    homes = huge_page_views([(cpu_gemv.pairs_shape(w), torch.bfloat16) for w in weights])
-    return [cpu_gemv.pair_weight(w, out=home) for w, home in zip(weights, homes)]
+    """The weights' pairs copies (a stack's matrices each paired in turn) in one arena on huge pages: batch-1 decode
+    streams them, as it streams the weights (workers.cpu_allocator)."""
+    homes = huge_page_views([(_pairs_shape(w), torch.bfloat16) for w in weights])
+    for weight, home in zip(weights, homes):
+        for matrix, out in zip(weight.reshape(-1, *weight.shape[-2:]), home.view(-1, *home.shape[-4:])):
+            cpu_gemv.pair_weight(matrix, out=out)
+    return homes
 
 
 def _prepacked(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -7,11 +7,13 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
 #include "gemv.h"
 #include "grouped_routing.h"
+#include "gemv_pairs.h"
 #include "layer_ops.h"
 
 #ifdef _OPENMP
@@ -32,6 +34,8 @@ struct Experts {
   bool renormalize = false;
   float scaling = 1.f;
   GroupedRouting grouped{};
+  // bf16: gate_up's and down's gemv_pairs.h copies, each expert's in turn (kernels.cpu_gemv.pair_weight), or null
+  const uint16_t *gate_up_pairs = nullptr, *down_pairs = nullptr;
 };
 
 // Row m's experts and weights into ids/weights [m * top_k ..]: softmax of its logits in float32, the top_k largest
@@ -64,12 +68,110 @@ void route(const Experts<T>& E, const T* logits, int64_t M, int64_t* ids, float*
   }
 }
 
+// The (row, choice) pairs of a step grouped by expert: active[i], the i-th expert some row chose (ascending), runs
+// pairs[starts[i] .. starts[i + 1]) (each an index row * top_k + choice, ascending).
+struct ExpertGroups {
+  std::vector<int64_t> pairs, active, starts;
+};
+
+inline ExpertGroups group_by_expert(const int64_t* ids, int64_t count, int64_t pairs) {
+  std::vector<int64_t> at(count + 1, 0);
+  for (int64_t i = 0; i < pairs; ++i) ++at[ids[i] + 1];
+  ExpertGroups g;
+  for (int64_t e = 0; e < count; ++e) {
+    if (at[e + 1]) g.active.push_back(e), g.starts.push_back(at[e]);
+    at[e + 1] += at[e];
+  }
+  g.starts.push_back(pairs);
+  g.pairs.resize(pairs);
+  for (int64_t i = 0; i < pairs; ++i) g.pairs[at[ids[i]]++] = i;
+  return g;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// A tile's cost in input rows: streaming its weights costs about what this many rows' products do, so a split by
+// cost balances a batch-1 step (all weights) and a batch-32 one (mostly products) alike.
+constexpr int64_t kTileStreamRows = 8;
+
+// One product of every active expert from its gemv_pairs.h copy (pairs: each expert's copy of W [N, K] in turn):
+// expert i's rows [starts[i], starts[i + 1]) of x [rows, K] into y [rows, N]. The (expert, tile) items in order are
+// split into one contiguous run per thread of about equal cost, so the threads share every expert's weights (one
+// expert or many, each read once) and a tile stays in L1 while its expert's rows pass over it.
+inline void expert_products(const ExpertGroups& g, const uint16_t* pairs, const uint16_t* x, uint16_t* y, int64_t N,
+                            int64_t K) {
+  const int64_t tiles = (N + kPairTileRows - 1) / kPairTileRows, tile_elems = (K + 1) / 2 * 2 * kPairTileRows;
+  const int64_t count = int64_t(g.active.size());
+  std::vector<int64_t> before(count + 1, 0);  // the cost of the items ahead of expert i's first tile
+  for (int64_t i = 0; i < count; ++i)
+    before[i + 1] = before[i] + tiles * (kTileStreamRows + g.starts[i + 1] - g.starts[i]);
+#pragma omp parallel
+  {
+#ifdef _OPENMP
+    const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+#else
+    const int64_t team = 1, me = 0;
+#endif
+    // This thread's items: those whose cost ahead lies in [from, to).
+    const int64_t from = before[count] * me / team, to = before[count] * (me + 1) / team;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t first = g.starts[i], rows = g.starts[i + 1] - first, cost = kTileStreamRows + rows;
+      const int64_t t0 = std::clamp<int64_t>((from - before[i] + cost - 1) / cost, 0, tiles);
+      const int64_t t1 = std::clamp<int64_t>((to - before[i] + cost - 1) / cost, 0, tiles);
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t m0 = 0; m0 < rows; m0 += kPairGroupRows)
+          pair_group(pairs + (g.active[i] * tiles + t) * tile_elems, x + first * K, nullptr, y + first * N,
+                     t * kPairTileRows, m0, std::min(kPairGroupRows, rows - m0), N, K);
+    }
+  }
+}
+#endif
+
+// Each pair's expert MLP output into y [pairs, H] (pairs' order) from x [M, H]: the rows gathered by expert, then
+// from the experts' pairs copies every product split over all threads; else each active expert on one thread
+// (with at least as many of them as threads), or each product over all of them.
+template <typename T>
+void run_experts(const Experts<T>& E, const ExpertGroups& g, const T* x, T* y, int64_t H) {
+  const int64_t K = E.top_k, I = E.inter, P = int64_t(g.pairs.size());
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (E.gate_up_pairs && E.down_pairs) {
+      std::vector<T> xs(P * H), h(P * 2 * I), act(P * I);
+#pragma omp parallel for if (P * H >= kParallelMinElements)
+      for (int64_t p = 0; p < P; ++p) std::copy(x + g.pairs[p] / K * H, x + (g.pairs[p] / K + 1) * H, &xs[p * H]);
+      expert_products(g, E.gate_up_pairs, xs.data(), h.data(), 2 * I, H);
+#pragma omp parallel for if (P * I >= kParallelMinElements)
+      for (int64_t p = 0; p < P; ++p) silu_and_mul_row(h.data() + p * 2 * I, act.data() + p * I, I);
+      expert_products(g, E.down_pairs, act.data(), y, H, I);
+      return;
+    }
+  }
+#endif
+  auto run = [&](size_t i) {
+    const int64_t e = g.active[i], first = g.starts[i], n = g.starts[i + 1] - first;
+    std::vector<T> xs(n * H), h(n * 2 * I), act(n * I);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t row = g.pairs[first + r] / K;
+      std::copy(x + row * H, x + (row + 1) * H, xs.data() + r * H);
+    }
+    gemv(xs.data(), E.gate_up + e * 2 * I * H, static_cast<const T*>(nullptr), h.data(), n, 2 * I, H);
+    for (int64_t r = 0; r < n; ++r) silu_and_mul_row(h.data() + r * 2 * I, act.data() + r * I, I);
+    gemv(act.data(), E.down + e * H * I, static_cast<const T*>(nullptr), y + first * H, n, H, I);
+  };
+#ifdef _OPENMP
+  const bool across = int64_t(g.active.size()) >= omp_get_max_threads() && omp_get_max_threads() > 1;
+#else
+  const bool across = false;
+#endif
+#pragma omp parallel for schedule(dynamic) if (across)
+  for (size_t i = 0; i < g.active.size(); ++i) run(i);
+}
+
 // out [M, H] = the experts' weighted sum for x [M, H]: each expert that some rows chose runs its MLP over those rows
-// together; each row's float32 sum takes its experts in ascending order (as index_add_ over rows sorted by expert).
-// With at least as many experts to run as threads, each runs on one thread; else each product over all of them.
+// together (run_experts); each row's float32 sum takes its experts in ascending order (as index_add_ over rows
+// sorted by expert).
 template <typename T>
 void mixture_of_experts(const Experts<T>& E, const T* x, T* out, int64_t M, int64_t H) {
-  const int64_t K = E.top_k, I = E.inter;
+  const int64_t K = E.top_k;
   std::vector<int64_t> ids(M * K);
   std::vector<float> weights(M * K);
   if (E.grouped.router) {
@@ -79,37 +181,12 @@ void mixture_of_experts(const Experts<T>& E, const T* x, T* out, int64_t M, int6
     gemv(x, E.router, static_cast<const T*>(nullptr), logits.data(), M, E.count, H);
     route(E, logits.data(), M, ids.data(), weights.data());
   }
-  // The (row, choice) pairs by expert, ascending: expert active[i] runs pairs [starts[i], starts[i + 1]).
-  std::vector<int64_t> pairs, active, starts;
-  for (int64_t e = 0; e < E.count; ++e) {
-    const size_t before = pairs.size();
-    for (int64_t i = 0; i < M * K; ++i)
-      if (ids[i] == e) pairs.push_back(i);
-    if (pairs.size() > before) active.push_back(e), starts.push_back(int64_t(before));
-  }
-  starts.push_back(int64_t(pairs.size()));
-  std::vector<T> y(pairs.size() * H);  // each pair's expert output, in pairs' order
-  auto run = [&](size_t i) {
-    const int64_t e = active[i], first = starts[i], n = starts[i + 1] - first;
-    std::vector<T> xs(n * H), h(n * 2 * I), act(n * I);
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t row = pairs[first + r] / K;
-      std::copy(x + row * H, x + (row + 1) * H, xs.data() + r * H);
-    }
-    gemv(xs.data(), E.gate_up + e * 2 * I * H, static_cast<const T*>(nullptr), h.data(), n, 2 * I, H);
-    for (int64_t r = 0; r < n; ++r) silu_and_mul_row(h.data() + r * 2 * I, act.data() + r * I, I);
-    gemv(act.data(), E.down + e * H * I, static_cast<const T*>(nullptr), y.data() + first * H, n, H, I);
-  };
-#ifdef _OPENMP
-  const bool across = int64_t(active.size()) >= omp_get_max_threads() && omp_get_max_threads() > 1;
-#else
-  const bool across = false;
-#endif
-#pragma omp parallel for schedule(dynamic) if (across)
-  for (size_t i = 0; i < active.size(); ++i) run(i);
+  const ExpertGroups g = group_by_expert(ids.data(), E.count, M * K);
+  std::vector<T> y(g.pairs.size() * H);  // each pair's expert output, in pairs' order
+  run_experts(E, g, x, y.data(), H);
   // Each pair's slot in y, then every row's sum over its pairs in expert order.
   std::vector<int64_t> slot(M * K);
-  for (size_t p = 0; p < pairs.size(); ++p) slot[pairs[p]] = int64_t(p);
+  for (size_t p = 0; p < g.pairs.size(); ++p) slot[g.pairs[p]] = int64_t(p);
 #pragma omp parallel for if (M * H * K >= kParallelMinElements)
   for (int64_t m = 0; m < M; ++m) {
     std::vector<int64_t> order(K);

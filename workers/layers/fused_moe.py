@@ -59,6 +59,10 @@ class FusedMoE(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(local_experts, 2 * local_inter, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(local_experts, hidden_size, local_inter), requires_grad=False)
         self.gate_up_proj.weight_loader = self.down_proj.weight_loader = self.weight_loader
+        # Each expert's kernels.cpu_gemv.pair_weight copies, stacked, where workers.prepacking gives them: the C++
+        # layer's products read them.
+        self.gate_up_pairs: torch.Tensor | None = None
+        self.down_pairs: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: Sliceable, shard_id: tuple[int, int]) -> None:
         """One expert's gate (shard 0), up (1) or down (0) projection; experts of other ranks are skipped."""

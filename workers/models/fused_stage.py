@@ -48,6 +48,7 @@ def experts_form(block: nn.Module) -> dict | None:
     if gate is not None and (gate.weight_scale is not None or gate.bias is not None):
         return None
     return {"router": router.weight, "experts_gate_up": moe.gate_up_proj.data, "experts_down": moe.down_proj.data,
+            "experts_gate_up_pairs": moe.gate_up_pairs, "experts_down_pairs": moe.down_pairs,
             "top_k": routing.top_k, "renormalize": routing.renormalize,
             "routed_scaling": routing.routed_scaling_factor, "shared_gate": None if gate is None else gate.weight}
 
