@@ -6,8 +6,10 @@ and it exits when the other closes, which happens when the parent exits or is ki
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -99,8 +101,16 @@ class EngineProcess:
             raise RuntimeError(f"the engine core exited during start-up (exit code {self.process.returncode})")
         return msgspec.json.decode(line, type=EngineStartup)
 
+    def end_group(self) -> None:
+        """Once the engine has exited, kill what is left of its process group (its own session): a private Ray
+        cluster's agents outlive an engine killed with SIGKILL, reparented to init, still in its group."""
+        if not self.is_alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+
     def shutdown(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within `timeout`; then its ipc:// socket files go."""
+        """SIGTERM, then SIGKILL if it has not exited within `timeout`, and what is left of its group; then its
+        ipc:// socket files go."""
         if self.is_alive():
             self.process.terminate()
             try:
@@ -108,6 +118,7 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self.end_group()
         if self._watch_write is not None:
             os.close(self._watch_write)
             self._watch_write = None

@@ -230,6 +230,7 @@ class EngineCoreClient:
 
     def _check_process(self) -> None:
         if self.process is not None and not self.process.is_alive():
+            self.process.end_group()
             self._mark_dead(f"the engine core process exited (exit code {self.process.returncode})")
 
     def health_problem(self, max_stall_s: float = DEFAULT_MAX_STALL_S) -> str | None:

@@ -164,6 +164,7 @@ class Launcher:
         while not self.stop.wait(0.2):
             for rank, engine in enumerate(engines):
                 if not engine.is_alive() and rank not in reported:
+                    engine.end_group()
                     logger.error("engine core %d exited (code %s); the gateways now answer 503", rank,
                                  engine.returncode)
                     reported.add(rank)

@@ -6,16 +6,18 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import time
 
 import httpx
 import msgspec
 import openai
+import psutil
 import pytest
 
 from conftest import assert_all_blocks_free, child_pids, long_context_llama, tiny_model, wait_until
 from frontend import LLM, AsyncLLM, SamplingParams
-from core.engine_spawn import data_parallel_configs
+from core.engine_spawn import EngineProcess, data_parallel_configs
 from frontend.api.metrics import ServerMetrics
 from frontend.core_client import EngineDeadError, RequestFailedError
 from frontend.dp_balance import OVERLOAD_ABSOLUTE, EngineBalancer
@@ -79,6 +81,23 @@ def test_other_front_ends_requests_weigh_as_this_ones():
     balancer.others[first] = OVERLOAD_ABSOLUTE + 5  # another front end's requests make the prefix's engine overloaded
     assert balancer.choose(request("c", shared + [2])) == 1 - first
     assert balancer.load[first] == 2 and balancer.weight(first) == 2 + OVERLOAD_ABSOLUTE + 5
+
+
+def test_a_killed_engines_leftover_processes_end_with_it():
+    """What an engine started in its session (a private Ray cluster's agents, here a shell's sleep) outlives a kill -9
+    of the engine, reparented to init: end_group ends it once the engine has exited, and never while it runs."""
+    engine = object.__new__(EngineProcess)
+    engine.process = subprocess.Popen(["bash", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE, text=True,
+                                      start_new_session=True)
+    leftover = int(engine.process.stdout.readline())
+    engine.end_group()  # alive: nothing is killed
+    assert engine.is_alive()
+    os.kill(engine.pid, signal.SIGKILL)
+    engine.process.wait()
+    os.kill(leftover, 0)  # the sleep outlived its shell
+    engine.end_group()
+    assert wait_until(lambda: not psutil.pid_exists(leftover) or psutil.Process(leftover).status() == "zombie",
+                      timeout=5)
 
 
 def test_each_engine_pins_its_threads_to_its_own_share_of_the_cpus():
