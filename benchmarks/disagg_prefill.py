@@ -94,7 +94,8 @@ def main() -> None:
     parser.add_argument("--long-len", type=int, default=448)
     parser.add_argument("--interval", type=float, default=0.25, help="seconds between long prompts")
     parser.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps per engine call")
-    parser.add_argument("--note", default="A machine shared with other work while it ran: indicative figures only.")
+    parser.add_argument("--note", default="A quiet machine is assumed (nothing else running).",
+                        help="what to print about the machine's load")
     args = parser.parse_args()
     print(machine(args.note, "bfloat16"), flush=True)
     results = {name: asyncio.run(run(name, engine_args, args, 4096)) for name, engine_args in CONFIGS.items()}
