@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_deepseek_weights, cpu_gemv
+from kernels import cpu_deepseek_weights, cpu_gemv, cpu_layer_checks
 
 NORM_KINDS = {"rms": 0, "gemma": 1, "layer": 2}  # layer_ops.h's NormKind
 # One expert's multiply-adds over its mean share of a step's rows past which torch's GEMMs (oneDNN's: AMX where the
@@ -148,7 +148,7 @@ class DecoderLayerWeights:
     def max_rows(self) -> int:
         """The most tokens of a step whose products the kernels run for these projections (max_rows)."""
         weights, pairs = [], []
-        for (weight, _), paired in zip(self._projections(), self._pairs()):
+        for (weight, _), paired in zip(self.projections(), self._pairs()):
             if weight is not None:
                 weights.append(weight)
                 pairs.append(paired)
@@ -172,21 +172,21 @@ class DecoderLayerWeights:
                    *self._pairs(), self.q_norm, self.k_norm, self.input_norm_bias, self.post_norm_bias,
                    self.attn_out_norm, self.mlp_out_norm, self.gate_up_bias, self.down_bias, self.router,
                    self.experts_gate_up, self.experts_down, self.shared_gate,
-                   *(t for slots in self._loras() for t in ((None,) * 3 if slots is None else
+                   *(t for slots in self.loras() for t in ((None,) * 3 if slots is None else
                                                              (slots.a, slots.b, slots.used))),
                    self.mla_q_a, self.mla_kv_a, self.mla_q_a_norm, self.mla_kv_norm, self.mla_w_uk_t, self.mla_w_uv,
                    self.grouped_router, self.correction_bias, self.experts_gate_up_pairs,
                    self.experts_down_pairs)
-        groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self._projections()]
+        groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self.projections()]
         experts = [0, 0, 0, 0] if self.router is None else \
             [self.router.shape[0], self.top_k, self.experts_down.shape[2], int(self.renormalize)]
         dims = [self.input_norm.shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
                 self.sliding_window or 0, *groups, 0 if self.cos is None else self.cos.shape[1],
                 NORM_KINDS[self.norm_kind], ACTIVATIONS[self.activation], int(self.parallel_residual),
                 int(self.qkv_per_head), int(self.scale_q_first), *experts,
-                *(0 if slots is None else slots.a.shape[1] for slots in self._loras()),
-                int(any(slots is not None and slots.a.dtype == torch.bfloat16 for slots in self._loras())),
-                *(int(weight is not None and weight.dtype == torch.float8_e4m3fn) for weight, _ in self._projections()),
+                *(0 if slots is None else slots.a.shape[1] for slots in self.loras()),
+                int(any(slots is not None and slots.a.dtype == torch.bfloat16 for slots in self.loras())),
+                *(int(weight is not None and weight.dtype == torch.float8_e4m3fn) for weight, _ in self.projections()),
                 *self.mla_dims, self.expert_groups, self.topk_groups, int(self.sigmoid_scores)]
         return [pointer(t) for t in tensors], dims, [self.eps, self.scale, self.soft_cap, self.routed_scaling,
                                                      self.mla_eps]
@@ -194,7 +194,7 @@ class DecoderLayerWeights:
     def check(self, dtype: torch.dtype) -> None:
         """Each projection of the hidden states' dtype, or int8 or fp8 with its float32 scales (per row or group);
         norms, biases and rotary tables that fit the shape."""
-        for weight, scale in self._projections():
+        for weight, scale in self.projections():
             if weight is None:
                 continue
             scaled = weight.dtype in cpu_gemv.SCALED_DTYPES and scale is not None and scale.dtype == torch.float32 \
@@ -218,77 +218,25 @@ class DecoderLayerWeights:
                 (self.gate_up is None) != (self.down is None)) or (
                 self.gate_up is not None and self.gate_up.shape[0] != width):
             raise ValueError("the projections do not fit the layer's heads and activation")
-        self._check_experts(dtype, hidden)
-        self._check_loras()
+        cpu_layer_checks.check_experts(self, dtype, hidden)
+        cpu_layer_checks.check_loras(self)
         if self.qkv_per_head and self.num_heads != self.num_kv_heads:
             raise ValueError("q, k and v per head need as many kv heads as heads")
         if self.cos is not None and not (self.cos.dtype == self.sin.dtype == torch.float32 and self.cos.is_contiguous()
                                          and self.sin.is_contiguous() and self.cos.shape == self.sin.shape
                                          and self.cos.shape[1] <= self.head_dim and self.cos.shape[1] % 2 == 0):
             raise ValueError("cos and sin must be contiguous float32 [max_position, rotary_dim <= head_dim] tables")
-        for (weight, _), pairs in zip(self._projections(), self._pairs()):
+        for (weight, _), pairs in zip(self.projections(), self._pairs()):
             if pairs is not None and weight is not None and not (
                     weight.dtype == dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weight)
                     and cpu_gemv.fits_pairs(weight, pairs)):
                 raise ValueError("a projection's pairs must be kernels.cpu_gemv.pair_weight of its bf16 weight, on a "
                                  "CPU with AVX-512 BF16")
 
-    def _check_experts(self, dtype: torch.dtype, hidden: int) -> None:
-        """A mixture of experts of the hidden states' dtype with a SwiGLU per expert; a dense MLP only as its
-        shared expert; or neither (a dense MLP)."""
-        if self.router is None:
-            if self.gate_up is None or self.shared_gate is not None:
-                raise ValueError("a layer without experts needs its dense MLP and no shared expert gate")
-            return
-        experts = self.router.shape[0]
-        tensors = (self.router, self.experts_gate_up, self.experts_down)
-        if not all(t is not None and t.dtype == dtype and t.is_contiguous() for t in tensors) or \
-                self.router.shape != (experts, hidden) or self.experts_gate_up.dim() != 3 or \
-                self.experts_down.shape != (experts, hidden, self.experts_gate_up.shape[1] // 2) or \
-                self.experts_gate_up.shape != (experts, 2 * self.experts_down.shape[2], hidden):
-            raise ValueError("experts need a router [experts, hidden], gate_up [experts, 2 inter, hidden] and down "
-                             "[experts, hidden, inter] of the hidden states' dtype")
-        if not 0 < self.top_k <= experts or self.activation != "silu_glu":
-            raise ValueError("experts take top_k of 1 up to their count, each a SwiGLU MLP")
-        grouped = self.grouped_router is not None
-        if (self.shared_gate is not None and self.gate_up is None) or (grouped and self.shared_gate is not None) or (
-                not grouped and (self.shared_gate is None) != (self.gate_up is None)) or (
-                self.shared_gate is not None and not (self.shared_gate.dtype == dtype and self.shared_gate.shape
-                                                      == (1, hidden) and self.shared_gate.is_contiguous())):
-            raise ValueError("a shared expert needs its MLP and its gate [1, hidden] of the hidden states' dtype "
-                             "(DeepSeek's routing: no gate)")
-        if grouped:
-            cpu_deepseek_weights.check_grouped_routing(self, experts, hidden)
-        for name in ("experts_gate_up", "experts_down"):
-            weights, pairs = getattr(self, name), getattr(self, f"{name}_pairs")
-            if pairs is not None and not (weights.dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weights[0])
-                                          and pairs.shape[:1] == weights.shape[:1]
-                                          and cpu_gemv.fits_pairs(weights[0], pairs[0]) and pairs.is_contiguous()):
-                raise ValueError(f"{name}_pairs must be kernels.cpu_gemv.pair_weight of each bf16 expert's weight, "
-                                 "stacked, on a CPU with AVX-512 BF16")
-
-    def _check_loras(self) -> None:
-        """Adapter slots that fit their projections, all of one compute dtype (float32 or bf16)."""
-        dtypes = set()
-        for (weight, _), slots in zip(self._projections(), self._loras()):
-            if slots is None:
-                continue
-            a, b, used = slots.a, slots.b, slots.used
-            if not (a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] == used.shape[0]
-                    and b.shape[2] == a.shape[1] and b.shape[1] == weight.shape[0] and a.shape[2] == weight.shape[1]
-                    and a.dtype == b.dtype
-                    and a.dtype in (torch.float32, torch.bfloat16) and used.dtype == torch.bool
-                    and a.is_contiguous() and b.is_contiguous() and used.is_contiguous()):
-                raise ValueError("a projection's adapter slots must be a [slots, width, K], b [slots, N, width] of "
-                                 "float32 or bf16 and used [slots] bool")
-            dtypes.add(a.dtype)
-        if len(dtypes) > 1:
-            raise ValueError("a layer's adapter slots share one compute dtype")
-
-    def _loras(self) -> tuple[AdapterSlots | None, ...]:
+    def loras(self) -> tuple[AdapterSlots | None, ...]:
         return self.qkv_lora, self.o_lora, self.gate_up_lora, self.down_lora
 
-    def _projections(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+    def projections(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
         return ((self.qkv, self.qkv_scale), (self.o, self.o_scale), (self.gate_up, self.gate_up_scale),
                 (self.down, self.down_scale))
 
