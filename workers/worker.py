@@ -112,12 +112,14 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
-        num_host_blocks, runner = self.num_host_blocks(), self.model_runner
+        num_host_blocks, transfer = self.num_host_blocks(), self.config.kv_transfer_config
+        if self.encoder or not (num_host_blocks or transfer is not None):
+            return  # an encoder has no KV cache to copy
+        runner = self.model_runner
         layers = runner.attention_layers + (runner.draft_model.attention_layers if runner.draft_model else [])
         if num_host_blocks:
             self.kv_offload = HostKVTier.for_layers(layers, num_host_blocks, self.device)
-        transfer = self.config.kv_transfer_config
-        if transfer is not None and not self.encoder:
+        if transfer is not None:
             self.kv_transfer = TransferRegion.for_layers(transfer.region, layers, transfer.kv_buffer_bytes,
                                                          self.device)
 
