@@ -88,7 +88,9 @@ class MLAAttention(nn.Module):
         return {"mla_q_a": self.q_a_proj.weight if q_lora else None, "mla_kv_a": self.kv_a_proj_with_mqa.weight,
                 "mla_q_a_norm": self.q_a_layernorm.weight if q_lora else None,
                 "mla_kv_norm": self.kv_a_layernorm.weight, "mla_w_uk_t": w_uk.transpose(1, 2).contiguous(),
-                "mla_w_uv": w_uv.contiguous(), "mla_eps": self.kv_a_layernorm.eps}
+                "mla_w_uv": w_uv.contiguous(), "mla_eps": self.kv_a_layernorm.eps,
+                "mla_q_a_pairs": self.q_a_proj.pairs_weight if q_lora else None,
+                "mla_kv_a_pairs": self.kv_a_proj_with_mqa.pairs_weight}
 
     def takes_one_call(self) -> bool:
         """Whether the C++ layer's MLA form computes forward(): q_a and kv_a plain (no bias, quantization or
