@@ -30,15 +30,20 @@ inline void evens_first(const T* x, T* out, int64_t dim) {
 }
 
 // Each head's [M, in] slice of x (rows of x_stride, the head's at x + h * x_at) through w [heads, N, in] into y's
-// [M, N] slice (rows of y_stride, at y + h * y_at).
+// [M, N] slice (rows of y_stride, at y + h * y_at). The heads share out the threads, each head's product on one
+// (gemv's own parallel loop then runs nested, alone): one parallel region for all of them, not one per head.
 template <typename T>
 void per_head_products(const T* x, int64_t x_stride, int64_t x_at, const T* w, T* y, int64_t y_stride, int64_t y_at,
                        int64_t heads, int64_t M, int64_t N, int64_t K) {
-  std::vector<T> in(M * K), out(M * N);
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t m = 0; m < M; ++m) std::copy_n(x + m * x_stride + h * x_at, K, in.data() + m * K);
-    gemv(in.data(), w + h * N * K, static_cast<const T*>(nullptr), out.data(), M, N, K);
-    for (int64_t m = 0; m < M; ++m) std::copy_n(out.data() + m * N, N, y + m * y_stride + h * y_at);
+#pragma omp parallel if (heads > 1)
+  {
+    std::vector<T> in(M * K), out(M * N);
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t m = 0; m < M; ++m) std::copy_n(x + m * x_stride + h * x_at, K, in.data() + m * K);
+      gemv(in.data(), w + h * N * K, static_cast<const T*>(nullptr), out.data(), M, N, K);
+      for (int64_t m = 0; m < M; ++m) std::copy_n(out.data() + m * N, N, y + m * y_stride + h * y_at);
+    }
   }
 }
 
