@@ -58,7 +58,8 @@ class DecoderLayerWeights:
     (V3: q_b_proj [.., q_lora] over mla_q_a's rows [q_lora, hidden] normed by mla_q_a_norm), mla_kv_a [lora + rope,
     hidden] the latent's, normed by mla_kv_norm [lora]; mla_w_uk_t [heads, lora, nope] and mla_w_uv [heads, v, lora]
     (kv_b_proj's halves); o [hidden, heads * v]; head_dim lora + rope over one KV head; RMSNorms of mla_eps;
-    mla_q_a_pairs and mla_kv_a_pairs: their bf16 pair_weight copies, or None.
+    mla_q_a_pairs, mla_kv_a_pairs: their bf16 pair_weight copies, mla_w_uk_t_pairs, mla_w_uv_pairs each head's,
+    stacked [heads, *pairs_shape]; or None.
 
     DeepSeek's routing (grouped_router, the router's float32 copy, given): float32 logits, softmax or sigmoid scores
     (sigmoid_scores), top_k within the topk_groups best of expert_groups groups, chosen by score + correction_bias
@@ -123,6 +124,8 @@ class DecoderLayerWeights:
     mla_w_uv: torch.Tensor | None = None
     mla_q_a_pairs: torch.Tensor | None = None
     mla_kv_a_pairs: torch.Tensor | None = None
+    mla_w_uk_t_pairs: torch.Tensor | None = None
+    mla_w_uv_pairs: torch.Tensor | None = None
     mla_eps: float = 0.0
     grouped_router: torch.Tensor | None = None
     correction_bias: torch.Tensor | None = None
@@ -180,7 +183,8 @@ class DecoderLayerWeights:
                                                              (slots.a, slots.b, slots.used))),
                    self.mla_q_a, self.mla_kv_a, self.mla_q_a_norm, self.mla_kv_norm, self.mla_w_uk_t, self.mla_w_uv,
                    self.grouped_router, self.correction_bias, self.experts_gate_up_pairs,
-                   self.experts_down_pairs, self.mla_q_a_pairs, self.mla_kv_a_pairs)
+                   self.experts_down_pairs, self.mla_q_a_pairs, self.mla_kv_a_pairs, self.mla_w_uk_t_pairs,
+                   self.mla_w_uv_pairs)
         groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self.projections()]
         experts = [0, 0, 0, 0] if self.router is None else \
             [self.router.shape[0], self.top_k, self.experts_down.shape[2], int(self.renormalize)]

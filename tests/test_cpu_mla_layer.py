@@ -83,6 +83,7 @@ def test_mla_form_equals_the_layers_own_forward(case, dtype, seqs, products):
     if products == "pairs":
         weights = layer.fused_weights
         assert weights.mla_kv_a_pairs is not None and (weights.mla_q_a is None) == (weights.mla_q_a_pairs is None)
+        assert weights.mla_w_uk_t_pairs is not None and weights.mla_w_uv_pairs is not None
     got, expected = run_both(layer, config, dtype, SEQS[seqs], "torch" if products == "torch" else "kernel")
     # From the same kv_a rows (torch's products) the bf16 latents the kernel writes (norm, rotary, slots) are the op
     # path's bytes; float32 within a few ulps (the norm sums its squares in another order than torch), as from the
@@ -122,12 +123,12 @@ def skip_unless_paired(products: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="paired copies: bf16 weights on CPUs with AVX-512 BF16")
-@pytest.mark.parametrize("name", ["mla_q_a_pairs", "mla_kv_a_pairs"])
+@pytest.mark.parametrize("name", ["mla_q_a_pairs", "mla_kv_a_pairs", "mla_w_uk_t_pairs", "mla_w_uv_pairs"])
 def test_mla_pairs_of_another_shape_are_refused(name):
     layer_class, config = CASES["v3 q_lora"]
     weights = with_pairs(make_layer(layer_class, config, torch.bfloat16, seed=0), True).fused_weights
-    wrong = getattr(weights, name)[:, 1:].contiguous()
-    with pytest.raises(ValueError, match="pairs must be kernels.cpu_gemv.pair_weight"):
+    wrong = getattr(weights, name)[1:].contiguous()  # a tile of rows, or a head, short
+    with pytest.raises(ValueError, match=f"{name} must be kernels.cpu_gemv.pair_weight|pairs must be kernels"):
         type(weights)(**{**weights.__dict__, name: wrong}).check(torch.bfloat16)
 
 
