@@ -24,8 +24,8 @@ T* out(uintptr_t p) { return reinterpret_cast<T*>(p); }
 // gate (0: a dense MLP; pagedserve::Experts), then the adapter slots' a, b and used of qkv, o, gate_up and down (0:
 // none; pagedserve::LoraSlots), then MLA's q_a and kv_a weights, q_a and kv_a norms, W_UK^T and W_UV (0: none;
 // pagedserve::Mla), then DeepSeek's float32 router and correction bias (0: none; pagedserve::GroupedRouting), then
-// the experts' gate_up and down gemv_pairs.h copies (0: none), then MLA's q_a and kv_a gemv_pairs.h copies and its W_UK^T and W_UV ones, each
-// head's in turn (0: none);
+// the experts' gate_up and down gemv_pairs.h copies (0: none), then MLA's q_a and kv_a gemv_pairs.h copies and its
+// W_UK^T and W_UV ones, each head's in turn (0: none);
 // dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none), then the scale group sizes of
 // qkv, o, gate_up and down (0: a scale per row, or no scale), then rotary_dim, the norm kind, the activation,
 // parallel_residual, qkv_per_head and scale_q_first (layer_ops.h, pagedserve::DecoderLayer), then the experts' count,
