@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels import cpu_gemv
+
 if TYPE_CHECKING:
     from kernels.cpu_layer_weights import DecoderLayerWeights
 
@@ -29,6 +31,13 @@ def check_mla(weights: DecoderLayerWeights, dtype: torch.dtype, hidden: int) -> 
         raise ValueError("MLA needs kv_a [lora + rope, hidden], kv_norm [lora], w_uk_t [heads, lora, nope], w_uv "
                          "[heads, v, lora] (and q_a [q_lora, hidden] with q_a_norm [q_lora]) of the hidden states' "
                          "dtype, one KV head of lora + rope, a rotary table of rope and mla_eps")
+    for name in ("mla_w_uk_t", "mla_w_uv"):
+        stacked, pairs = getattr(weights, name), getattr(weights, f"{name}_pairs")
+        if pairs is not None and not (dtype == torch.bfloat16 and cpu_gemv.pairs_serve(stacked[0])
+                                      and pairs.shape[:1] == stacked.shape[:1] and pairs.is_contiguous()
+                                      and cpu_gemv.fits_pairs(stacked[0], pairs[0])):
+            raise ValueError(f"{name}_pairs must be kernels.cpu_gemv.pair_weight of each head's bf16 {name}, "
+                             "stacked, on a CPU with AVX-512 BF16")
     return heads * (weights.mla_w_uk_t.shape[2] + rope), q_lora or hidden
 
 

@@ -57,7 +57,9 @@ class DecoderLayerWeights:
     Multi-head latent attention (DeepSeek; mla_kv_a given): qkv is the q projection [heads * (nope + rope), hidden]
     (V3: q_b_proj [.., q_lora] over mla_q_a's rows [q_lora, hidden] normed by mla_q_a_norm), mla_kv_a [lora + rope,
     hidden] the latent's, normed by mla_kv_norm [lora]; mla_w_uk_t [heads, lora, nope] and mla_w_uv [heads, v, lora]
-    (kv_b_proj's halves); o [hidden, heads * v]; head_dim lora + rope over one KV head; RMSNorms of mla_eps.
+    (kv_b_proj's halves); o [hidden, heads * v]; head_dim lora + rope over one KV head; RMSNorms of mla_eps;
+    mla_q_a_pairs, mla_kv_a_pairs: their bf16 pair_weight copies, mla_w_uk_t_pairs, mla_w_uv_pairs each head's,
+    stacked [heads, *pairs_shape]; or None.
 
     DeepSeek's routing (grouped_router, the router's float32 copy, given): float32 logits, softmax or sigmoid scores
     (sigmoid_scores), top_k within the topk_groups best of expert_groups groups, chosen by score + correction_bias
@@ -120,6 +122,10 @@ class DecoderLayerWeights:
     mla_kv_norm: torch.Tensor | None = None
     mla_w_uk_t: torch.Tensor | None = None
     mla_w_uv: torch.Tensor | None = None
+    mla_q_a_pairs: torch.Tensor | None = None
+    mla_kv_a_pairs: torch.Tensor | None = None
+    mla_w_uk_t_pairs: torch.Tensor | None = None
+    mla_w_uv_pairs: torch.Tensor | None = None
     mla_eps: float = 0.0
     grouped_router: torch.Tensor | None = None
     correction_bias: torch.Tensor | None = None
@@ -152,8 +158,9 @@ class DecoderLayerWeights:
             if weight is not None:
                 weights.append(weight)
                 pairs.append(paired)
-        weights += [t for t in (self.mla_q_a, self.mla_kv_a) if t is not None]
-        pairs += [None] * (len(weights) - len(pairs))
+        for weight, paired in self._mla_products():
+            weights.append(weight)
+            pairs.append(paired)
         if self.router is None:
             return max_rows(self.input_norm.dtype, weights, pairs)
         weights += [self.experts_gate_up[0], self.experts_down[0]]
@@ -176,7 +183,8 @@ class DecoderLayerWeights:
                                                              (slots.a, slots.b, slots.used))),
                    self.mla_q_a, self.mla_kv_a, self.mla_q_a_norm, self.mla_kv_norm, self.mla_w_uk_t, self.mla_w_uv,
                    self.grouped_router, self.correction_bias, self.experts_gate_up_pairs,
-                   self.experts_down_pairs)
+                   self.experts_down_pairs, self.mla_q_a_pairs, self.mla_kv_a_pairs, self.mla_w_uk_t_pairs,
+                   self.mla_w_uv_pairs)
         groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self.projections()]
         experts = [0, 0, 0, 0] if self.router is None else \
             [self.router.shape[0], self.top_k, self.experts_down.shape[2], int(self.renormalize)]
@@ -226,7 +234,7 @@ class DecoderLayerWeights:
                                          and self.sin.is_contiguous() and self.cos.shape == self.sin.shape
                                          and self.cos.shape[1] <= self.head_dim and self.cos.shape[1] % 2 == 0):
             raise ValueError("cos and sin must be contiguous float32 [max_position, rotary_dim <= head_dim] tables")
-        for (weight, _), pairs in zip(self.projections(), self._pairs()):
+        for weight, pairs in [(w, p) for (w, _), p in zip(self.projections(), self._pairs())] + self._mla_products():
             if pairs is not None and weight is not None and not (
                     weight.dtype == dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weight)
                     and cpu_gemv.fits_pairs(weight, pairs)):
@@ -242,6 +250,11 @@ class DecoderLayerWeights:
 
     def _pairs(self) -> tuple[torch.Tensor | None, ...]:
         return self.qkv_pairs, self.o_pairs, self.gate_up_pairs, self.down_pairs
+
+    def _mla_products(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """MLA's q_a (V3) and kv_a weights that are given, with their pairs copies."""
+        return [(weight, pairs) for weight, pairs in ((self.mla_q_a, self.mla_q_a_pairs),
+                                                      (self.mla_kv_a, self.mla_kv_a_pairs)) if weight is not None]
 
 
 def pointer(tensor: torch.Tensor | None) -> int:

@@ -8,11 +8,11 @@ import torch
 from transformers import DeepseekV2Config, DeepseekV3Config
 
 from frontend import LLM, SamplingParams
-from kernels import cpu_decoder_layer, cpu_extension, cpu_greedy_decode
+from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv, cpu_greedy_decode
 from launch.make_model import make_model
 from tests.conftest import tiny_model
 from tests.hf_reference import hf_greedy
-from tests.test_cpu_decoder_layer import BLOCK_SIZE, make_layer, step_batch
+from tests.test_cpu_decoder_layer import BLOCK_SIZE, make_layer, step_batch, with_pairs
 from tests.test_cpu_decoder_layer import test_engine_outputs_equal_the_op_by_op_path as engine_outputs_equal
 from workers.models.deepseek_v2 import DeepseekV2DecoderLayer
 from workers.models.deepseek_v3 import DeepseekV3DecoderLayer
@@ -71,14 +71,20 @@ SEQS = {"one decode": [(1, 1)], "decodes": [(37, 1), (5, 1), (200, 1)], "short p
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seqs", list(SEQS))
-@pytest.mark.parametrize("products", ["kernel", "torch"])
+@pytest.mark.parametrize("products", ["kernel", "torch", "pairs"])
 def test_mla_form_equals_the_layers_own_forward(case, dtype, seqs, products):
     """float32 within a few ulps of forward(); bf16 as close to the float32 layer as forward() is. Decodes run
-    absorbed on both paths; chunks run absorbed in the kernel, expanded on the op path."""
+    absorbed on both paths; chunks run absorbed in the kernel, expanded on the op path. "pairs": every projection
+    (q_a and kv_a too) from its paired copy, up to PAIRS_MAX_ROWS."""
+    skip_unless_paired(products, dtype)
     layer_class, config = CASES[case]
-    layer = make_layer(layer_class, config, dtype, seed=len(seqs))
+    layer = with_pairs(make_layer(layer_class, config, dtype, seed=len(seqs)), products == "pairs")
     assert layer.takes_one_call and layer.fused_weights.mla_kv_a is not None
-    got, expected = run_both(layer, config, dtype, SEQS[seqs], products)
+    if products == "pairs":
+        weights = layer.fused_weights
+        assert weights.mla_kv_a_pairs is not None and (weights.mla_q_a is None) == (weights.mla_q_a_pairs is None)
+        assert weights.mla_w_uk_t_pairs is not None and weights.mla_w_uv_pairs is not None
+    got, expected = run_both(layer, config, dtype, SEQS[seqs], "torch" if products == "torch" else "kernel")
     # From the same kv_a rows (torch's products) the bf16 latents the kernel writes (norm, rotary, slots) are the op
     # path's bytes; float32 within a few ulps (the norm sums its squares in another order than torch), as from the
     # kernels' products, whose sums run in other orders.
@@ -109,6 +115,21 @@ def assert_as_close_as_the_op_path(layer, layer_class, config, seqs, products: s
         kernel_error, op_error = ((t[~rerouted].float() - exact_value[~rerouted]).abs() for t in (tensor, own))
         assert kernel_error.mean() <= 1.1 * op_error.mean() + 1e-5, (kernel_error.mean(), op_error.mean())
         assert kernel_error.max() <= op_error.max() + 2 * step, (kernel_error.max(), op_error.max(), step)
+
+
+def skip_unless_paired(products: str, dtype: torch.dtype) -> None:
+    if products == "pairs" and not (dtype == torch.bfloat16 and cpu_gemv.pairs_cpu()):
+        pytest.skip("paired copies: bf16 weights on CPUs with AVX-512 BF16")
+
+
+@pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="paired copies: bf16 weights on CPUs with AVX-512 BF16")
+@pytest.mark.parametrize("name", ["mla_q_a_pairs", "mla_kv_a_pairs", "mla_w_uk_t_pairs", "mla_w_uv_pairs"])
+def test_mla_pairs_of_another_shape_are_refused(name):
+    layer_class, config = CASES["v3 q_lora"]
+    weights = with_pairs(make_layer(layer_class, config, torch.bfloat16, seed=0), True).fused_weights
+    wrong = getattr(weights, name)[1:].contiguous()  # a tile of rows, or a head, short
+    with pytest.raises(ValueError, match=f"{name} must be kernels.cpu_gemv.pair_weight|pairs must be kernels"):
+        type(weights)(**{**weights.__dict__, name: wrong}).check(torch.bfloat16)
 
 
 def test_mla_form_rejects_a_misfit_latent():
@@ -146,15 +167,19 @@ MOE = {  # V2: softmax, greedy or group-limited; V3: sigmoid + correction bias w
 @pytest.mark.parametrize("case", list(MOE))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seqs", ["decodes", "mixed"])
-def test_deepseek_experts_equal_the_layers_own_forward(case, dtype, seqs):
+@pytest.mark.parametrize("products", ["kernel", "pairs"])
+def test_deepseek_experts_equal_the_layers_own_forward(case, dtype, seqs, products):
     """DeepSeek's routing (float32 logits; softmax or sigmoid with V3's correction bias; groups) and ungated shared
     experts: float32 within a few ulps of forward(); bf16 as close to the float32 layer (a token whose experts tie
-    within a rounding may take the other)."""
+    within a rounding may take the other). "pairs": the experts', the shared experts' and MLA's products from their
+    paired copies (the layer then takes PAIRS_MAX_ROWS)."""
+    skip_unless_paired(products, dtype)
     layer_class, config = MOE[case]
     layer = make_layer(layer_class, config, dtype, seed=len(seqs))
     bias = getattr(layer.mlp.gate, "e_score_correction_bias", None)
-    if bias is not None:  # spread so that it changes choices
+    if bias is not None:  # spread so that it changes choices (before the layer describes itself)
         bias.data.copy_(0.2 * torch.randn(bias.shape, generator=torch.Generator().manual_seed(1)))
+    layer = with_pairs(layer, products == "pairs")
     assert layer.takes_one_call and layer.fused_weights.grouped_router is not None
     got, expected = run_both(layer, config, dtype, SEQS[seqs], "kernel")
     if dtype == torch.float32:

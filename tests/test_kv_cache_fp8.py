@@ -86,15 +86,18 @@ def test_decode_attention_reads_fp8_as_the_reference(fmt, block_size, gqa, windo
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-@pytest.mark.parametrize("head_dim", [24, 128])
-def test_decode_attention_fp8_other_head_sizes(head_dim):
+@pytest.mark.parametrize("head_dim", [24, 128, 96])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_fp8_other_head_sizes(head_dim, dtype):
+    """bf16 queries of a head dim of 32's multiples but no unrolled loop (96) take the bf16 path too."""
     generator = torch.Generator().manual_seed(head_dim)
     k_cache, v_cache, tables = fp8_caches(LENGTHS, 16, 1, head_dim, torch.float8_e4m3fn, (1.0, 1.0), generator)
-    query = torch.randn(len(LENGTHS), 2, head_dim, generator=generator)
+    query = torch.randn(len(LENGTHS), 2, head_dim, generator=generator).to(dtype)
     n = len(LENGTHS)
-    expected = paged_attention(query, k_cache, v_cache, tables, list(range(n + 1)), LENGTHS, n, 0.1)
+    expected = paged_attention(query.float(), k_cache, v_cache, tables, list(range(n + 1)), LENGTHS, n, 0.1)
     out = cpu_decode_attention.decode_attention(query, k_cache, v_cache, tables, torch.tensor(LENGTHS), 0.1)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_decode_attention_refuses_mixed_caches():

@@ -104,23 +104,32 @@ inline void accumulate_rows(const float* __restrict p, const float* __restrict v
 // and value rows widen in registers; no float32 copy of a block is written and read back.
 constexpr bool kNativeBf16Attention = true;
 
-// out[i] = scale * (q . k_i) for `count` consecutive bf16 rows k_i of D dims (a multiple of 32), 16 at a time with
-// their sums added across lanes together.
+// out[i] = scale * (q . k_i) for `count` consecutive bf16 rows k_i of D dims (a multiple of 32; D == 0: dim, a
+// multiple of 32 known at run time, the query's chunks then read from memory), 16 at a time with their sums added
+// across lanes together.
 template <int D>
 inline void score_rows_bf16(const uint16_t* __restrict q, const uint16_t* __restrict k, int64_t count, float scale,
-                            float* __restrict out) {
-  __m512bh qv[D / 32];
-  for (int c = 0; c < D / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + c * 32);
+                            float* __restrict out, int64_t dim = D) {
+  constexpr int kept = D > 0 ? D / 32 : 1;
+  __m512bh qv[kept];
+  if constexpr (D > 0)
+    for (int c = 0; c < D / 32; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + c * 32);
   for (int64_t i = 0; i < count; i += 16) {
     const int64_t n = std::min<int64_t>(16, count - i);
     __m512 acc[16];
 #pragma GCC unroll 16
     for (int r = 0; r < 16; ++r) {
       acc[r] = _mm512_setzero_ps();
-      if (r < n)
+      if (r >= n) continue;
+      if constexpr (D > 0) {
 #pragma GCC unroll 4
         for (int c = 0; c < D / 32; ++c)
           acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(k + (i + r) * D + c * 32), qv[c]);
+      } else {
+        for (int64_t c = 0; c < dim; c += 32)
+          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(k + (i + r) * dim + c),
+                                    (__m512bh)_mm512_loadu_si512(q + c));
+      }
     }
     _mm512_mask_storeu_ps(out + i, __mmask16((1u << n) - 1), _mm512_mul_ps(sum_lanes_16(acc), _mm512_set1_ps(scale)));
   }
@@ -128,10 +137,11 @@ inline void score_rows_bf16(const uint16_t* __restrict q, const uint16_t* __rest
 
 // acc[g] += sum_i p[g][i] * v_i for NG queries at once over `count` consecutive bf16 rows v_i of D dims (a multiple
 // of 16), the accumulators in registers: each V row widened once for all of them, and their sums independent chains
-// (one query's chain alone waits on each FMA's latency). Each query's sum runs over i in order, as alone.
+// (one query's chain alone waits on each FMA's latency). Each query's sum runs over i in order, as alone. Rows of
+// v are v_stride apart (D: whole rows; more: a slice of D dims of each).
 template <int D, int NG>
 inline void accumulate_heads_bf16(const float* __restrict p, int64_t p_stride, const uint16_t* __restrict v,
-                                  int64_t count, float* __restrict acc, int64_t acc_stride) {
+                                  int64_t count, float* __restrict acc, int64_t acc_stride, int64_t v_stride = D) {
   constexpr int C = D / 16;
   __m512 a[NG][C];
   for (int g = 0; g < NG; ++g)
@@ -140,7 +150,7 @@ inline void accumulate_heads_bf16(const float* __restrict p, int64_t p_stride, c
     __m512 w[C];
 #pragma GCC unroll 8
     for (int c = 0; c < C; ++c) {
-      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i * D + c * 16));
+      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i * v_stride + c * 16));
       w[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
     }
 #pragma GCC unroll 4
@@ -155,14 +165,31 @@ inline void accumulate_heads_bf16(const float* __restrict p, int64_t p_stride, c
 }
 
 // accumulate_heads_bf16 for the G query heads of one KV head (probabilities p_stride apart, accumulators D apart),
-// as many at once as 16 accumulator registers hold.
+// as many at once as 16 accumulator registers hold; D == 0: rows of dim (a multiple of 32 known at run time), taken
+// in slices of 64 dims (the last maybe 32), four heads at once.
 template <int D>
 inline void accumulate_group_bf16(const float* p, int64_t p_stride, const uint16_t* v, int64_t count, float* acc,
-                                  int64_t G) {
+                                  int64_t G, int64_t dim = D) {
   constexpr int most = D <= 64 ? 4 : D <= 128 ? 2 : 1;
   for (int64_t g = 0; g < G; g += most) {
     const float* pg = p + g * p_stride;
-    float* ag = acc + g * D;
+    float* ag = acc + g * dim;
+    if constexpr (D == 0) {
+      for (int64_t s = 0; s < dim; s += 64) {
+        auto slice = [&](auto heads) {
+          constexpr int NG = decltype(heads)::value;
+          if (dim - s >= 64) accumulate_heads_bf16<64, NG>(pg, p_stride, v + s, count, ag + s, dim, dim);
+          else accumulate_heads_bf16<32, NG>(pg, p_stride, v + s, count, ag + s, dim, dim);
+        };
+        switch (std::min<int64_t>(most, G - g)) {
+          case 4: slice(std::integral_constant<int, 4>{}); break;
+          case 3: slice(std::integral_constant<int, 3>{}); break;
+          case 2: slice(std::integral_constant<int, 2>{}); break;
+          default: slice(std::integral_constant<int, 1>{}); break;
+        }
+      }
+      continue;
+    }
     switch (std::min<int64_t>(most, G - g)) {
       case 4: if constexpr (most >= 4) accumulate_heads_bf16<D, 4>(pg, p_stride, v, count, ag, D); break;
       case 3: if constexpr (most >= 3) accumulate_heads_bf16<D, 3>(pg, p_stride, v, count, ag, D); break;
@@ -174,9 +201,9 @@ inline void accumulate_group_bf16(const float* p, int64_t p_stride, const uint16
 #else
 constexpr bool kNativeBf16Attention = false;
 template <int D>
-inline void score_rows_bf16(const uint16_t*, const uint16_t*, int64_t, float, float*) {}
+inline void score_rows_bf16(const uint16_t*, const uint16_t*, int64_t, float, float*, int64_t = D) {}
 template <int D>
-inline void accumulate_group_bf16(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t) {}
+inline void accumulate_group_bf16(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t = D) {}
 #endif
 
 }  // namespace pagedserve

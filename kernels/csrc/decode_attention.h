@@ -66,10 +66,12 @@ void decode(const T* q, const C* kc, const C* vc, const int64_t* tables, const i
             int64_t num_seqs, int64_t num_heads, int64_t kv_heads, int64_t bs, int64_t head_dim,
             int64_t max_blocks, float scale, float out_mul, float soft_cap, int64_t window) {
   const int64_t dim = D ? D : head_dim, G = num_heads / kv_heads;
-  // bf16 with AVX-512 BF16: products straight from the cache's rows (the query scaled after its products).
+  // bf16 with AVX-512 BF16: products straight from the cache's rows (the query scaled after its products), for
+  // head dims of a multiple of 32 (at compile time, or any at run time: MLA's latent rows).
   // An fp8 cache's blocks take that path converted to bf16 (exactly) a block at a time.
-  constexpr bool native = kNativeBf16Attention && std::is_same_v<T, uint16_t> &&
-                          (std::is_same_v<C, T> || kIsFp8<C>) && D > 0 && D % 32 == 0;
+  constexpr bool bf16_cache = kNativeBf16Attention && std::is_same_v<T, uint16_t> &&
+                              (std::is_same_v<C, T> || kIsFp8<C>);
+  const bool native = bf16_cache && dim % 32 == 0;
   std::vector<int64_t> runs{0};  // row ranges sharing a table
   while (runs.back() < num_seqs) runs.push_back(run_end(tables, max_blocks, runs.back(), num_seqs));
   // Runs split into pieces of rows, each reading the run's K/V again (from cache): so many rows that their scores
@@ -123,19 +125,22 @@ void decode(const T* q, const C* kc, const C* vc, const int64_t* tables, const i
         for_each_block(kc, table, h, kv_heads, bs, dim, lo, hi, {kc, vc}, [&](int64_t j0, int64_t j1, const C* block) {
           const float* k = nullptr;
           const uint16_t* k16 = nullptr;
-          if constexpr (native)
-            k16 = bf16_rows(block, row16.data(), (j1 - j0) * dim);
-          else
+          if (native) {
+            if constexpr (bf16_cache) k16 = bf16_rows(block, row16.data(), (j1 - j0) * dim);
+          } else {
             k = widen_rows(block, row.data(), (j1 - j0) * dim);
+          }
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t a = std::max(j0, starts[r]), b = std::min(j1, lens[first + r]);
             for (int64_t g = 0; a < b && g < G; ++g) {
               float* sc = scores.data() + (r * G + g) * n + a - lo;
-              if constexpr (native)
-                score_rows_bf16<D>(q + ((first + r) * num_heads + h * G + g) * dim, k16 + (a - j0) * dim, b - a,
-                                   scale, sc);
-              else
+              if (native) {
+                if constexpr (bf16_cache)
+                  score_rows_bf16<D>(q + ((first + r) * num_heads + h * G + g) * dim, k16 + (a - j0) * dim, b - a,
+                                     scale, sc, dim);
+              } else {
                 dot_rows<D>(qf.data() + (r * G + g) * dim, k + (a - j0) * dim, b - a, dim, sc);
+              }
             }
           }
         });
@@ -151,16 +156,17 @@ void decode(const T* q, const C* kc, const C* vc, const int64_t* tables, const i
         for_each_block(vc, table, h, kv_heads, bs, dim, lo, hi, {vc}, [&](int64_t j0, int64_t j1, const C* block) {
           const float* v = nullptr;
           const uint16_t* v16 = nullptr;
-          if constexpr (native)
-            v16 = bf16_rows(block, row16.data(), (j1 - j0) * dim);
-          else
+          if (native) {
+            if constexpr (bf16_cache) v16 = bf16_rows(block, row16.data(), (j1 - j0) * dim);
+          } else {
             v = widen_rows(block, row.data(), (j1 - j0) * dim);
+          }
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t a = std::max(j0, starts[r]), b = std::min(j1, lens[first + r]);
             if (a >= b) continue;
-            if constexpr (native) {  // the row's G query heads share its range of keys
+            if (native) {  // the row's G query heads share its range of keys
               accumulate_group_bf16<D>(scores.data() + r * G * n + a - lo, n, v16 + (a - j0) * dim, b - a,
-                                       acc.data() + r * G * dim, G);
+                                       acc.data() + r * G * dim, G, dim);
               continue;
             }
             for (int64_t g = 0; g < G; ++g)

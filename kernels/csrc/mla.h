@@ -3,11 +3,13 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
 #include "decode_attention.h"
 #include "gemv.h"
+#include "gemv_pairs.h"
 #include "kv_cache.h"
 #include "layer_ops.h"
 
@@ -15,12 +17,14 @@ namespace pagedserve {
 
 // The MLA form of a layer (lora == 0: none). The cache holds one row of lora + rope values per token, [c | k_pe],
 // read as key and value by every head. w_uk_t: [heads, lora, nope] (each head's W_UK transposed), w_uv: [heads, v,
-// lora]; q_a_norm (V3's q_a_layernorm, with q_lora > 0) and kv_norm are RMSNorms of eps.
+// lora]; q_a_norm (V3's q_a_layernorm, with q_lora > 0) and kv_norm are RMSNorms of eps. w_uk_pairs, w_uv_pairs:
+// each head's gemv_pairs.h copy of its w_uk_t and w_uv in turn (bf16 on AVX-512 BF16), or null.
 template <typename T>
 struct Mla {
   const T *q_a_norm = nullptr, *kv_norm = nullptr, *w_uk_t = nullptr, *w_uv = nullptr;
   int64_t lora = 0, q_lora = 0, nope = 0, rope = 0, v = 0;
   float eps = 0.f;
+  const uint16_t *w_uk_pairs = nullptr, *w_uv_pairs = nullptr;
 };
 
 // Dims d, then d + 1 of each pair: DeepSeek's adjacent-pair rotary as the rotate-half kernel computes it.
@@ -30,15 +34,28 @@ inline void evens_first(const T* x, T* out, int64_t dim) {
 }
 
 // Each head's [M, in] slice of x (rows of x_stride, the head's at x + h * x_at) through w [heads, N, in] into y's
-// [M, N] slice (rows of y_stride, at y + h * y_at).
+// [M, N] slice (rows of y_stride, at y + h * y_at); from each head's pairs copy where given. The heads share out
+// the threads, each head's product on one (the product's own parallel loop then runs nested, alone): one parallel
+// region for all of them, not one per head.
 template <typename T>
-void per_head_products(const T* x, int64_t x_stride, int64_t x_at, const T* w, T* y, int64_t y_stride, int64_t y_at,
-                       int64_t heads, int64_t M, int64_t N, int64_t K) {
-  std::vector<T> in(M * K), out(M * N);
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t m = 0; m < M; ++m) std::copy_n(x + m * x_stride + h * x_at, K, in.data() + m * K);
-    gemv(in.data(), w + h * N * K, static_cast<const T*>(nullptr), out.data(), M, N, K);
-    for (int64_t m = 0; m < M; ++m) std::copy_n(out.data() + m * N, N, y + m * y_stride + h * y_at);
+void per_head_products(const T* x, int64_t x_stride, int64_t x_at, const T* w, const uint16_t* pairs, T* y,
+                       int64_t y_stride, int64_t y_at, int64_t heads, int64_t M, int64_t N, int64_t K) {
+  [[maybe_unused]] const int64_t pairs_elems = (N + 31) / 32 * ((K + 1) / 2) * 64;  // one head's pair_weight copy
+#pragma omp parallel if (heads > 1)
+  {
+    std::vector<T> in(M * K), out(M * N);
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t m = 0; m < M; ++m) std::copy_n(x + m * x_stride + h * x_at, K, in.data() + m * K);
+      bool paired = false;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+      if constexpr (std::is_same_v<T, uint16_t>)
+        if ((paired = pairs != nullptr))
+          gemv_pairs_bf16(in.data(), pairs + h * pairs_elems, nullptr, out.data(), M, N, K);
+#endif
+      if (!paired) gemv(in.data(), w + h * N * K, static_cast<const T*>(nullptr), out.data(), M, N, K);
+      for (int64_t m = 0; m < M; ++m) std::copy_n(out.data() + m * N, N, y + m * y_stride + h * y_at);
+    }
   }
 }
 
@@ -72,12 +89,12 @@ void mla_attend(const Mla<T>& A, int64_t heads, const float* cos_table, const fl
     const int64_t block = slots[m] / block_size, offset = slots[m] % block_size;
     std::copy_n(row, D, static_cast<T*>(cache.k) + (block * block_size + offset) * D);
   }
-  per_head_products(q, q_stride, qk, A.w_uk_t, query.data(), heads * D, D, heads, M, L, A.nope);
+  per_head_products(q, q_stride, qk, A.w_uk_t, A.w_uk_pairs, query.data(), heads * D, D, heads, M, L, A.nope);
   KvCache latent = cache;  // one row per token, key and value: the cache's key half (the op path binds both to it)
   latent.v = cache.k;
   decode_any<T>(query.data(), latent, tables, seq_lens, out.data(), M, heads, 1, block_size, D, max_blocks, scale, 0.f,
                 0);
-  per_head_products(out.data(), heads * D, D, A.w_uv, attn, heads * A.v, A.v, heads, M, A.v, L);
+  per_head_products(out.data(), heads * D, D, A.w_uv, A.w_uv_pairs, attn, heads * A.v, A.v, heads, M, A.v, L);
 }
 
 }  // namespace pagedserve

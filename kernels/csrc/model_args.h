@@ -24,7 +24,8 @@ T* out(uintptr_t p) { return reinterpret_cast<T*>(p); }
 // gate (0: a dense MLP; pagedserve::Experts), then the adapter slots' a, b and used of qkv, o, gate_up and down (0:
 // none; pagedserve::LoraSlots), then MLA's q_a and kv_a weights, q_a and kv_a norms, W_UK^T and W_UV (0: none;
 // pagedserve::Mla), then DeepSeek's float32 router and correction bias (0: none; pagedserve::GroupedRouting), then
-// the experts' gate_up and down gemv_pairs.h copies (0: none);
+// the experts' gate_up and down gemv_pairs.h copies (0: none), then MLA's q_a and kv_a gemv_pairs.h copies and its
+// W_UK^T and W_UV ones, each head's in turn (0: none);
 // dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none), then the scale group sizes of
 // qkv, o, gate_up and down (0: a scale per row, or no scale), then rotary_dim, the norm kind, the activation,
 // parallel_residual, qkv_per_head and scale_q_first (layer_ops.h, pagedserve::DecoderLayer), then the experts' count,
@@ -38,8 +39,8 @@ using LayerArgs = std::tuple<std::vector<uintptr_t>, std::vector<int64_t>, std::
 template <typename T>
 pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
   const auto& [w, dims, floats] = args;
-  if (w.size() != 52 || dims.size() != 37 || floats.size() != 5)
-    throw std::invalid_argument("a layer takes 52 pointers, 37 dims and 5 floats");
+  if (w.size() != 56 || dims.size() != 37 || floats.size() != 5)
+    throw std::invalid_argument("a layer takes 56 pointers, 37 dims and 5 floats");
   auto projection = [&](int weight, int scale) {
     const int i = scale - 10;  // the projection's index: qkv, o, gate_up, down
     const pagedserve::LoraSlots lora{reinterpret_cast<const void*>(w[30 + 3 * i]),
@@ -67,8 +68,9 @@ pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
                float(floats[3])};
   L.mla = {in<T>(w[44]), in<T>(w[45]), in<T>(w[46]), in<T>(w[47]), dims[29], dims[30], dims[31], dims[32], dims[33],
            float(floats[4])};
-  L.mla_q_a = {reinterpret_cast<const void*>(w[42]), nullptr, 0};
-  L.mla_kv_a = {reinterpret_cast<const void*>(w[43]), nullptr, 0};
+  L.mla.w_uk_pairs = in<uint16_t>(w[54]), L.mla.w_uv_pairs = in<uint16_t>(w[55]);
+  L.mla_q_a = {reinterpret_cast<const void*>(w[42]), nullptr, 0, in<uint16_t>(w[52])};
+  L.mla_kv_a = {reinterpret_cast<const void*>(w[43]), nullptr, 0, in<uint16_t>(w[53])};
   L.experts.grouped = {in<float>(w[48]), in<float>(w[49]), dims[34], dims[35], dims[36] != 0};
   L.experts.gate_up_pairs = in<uint16_t>(w[50]), L.experts.down_pairs = in<uint16_t>(w[51]);
   return L;

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from kernels import matmul_dtype
+from kernels import cpu_gemv, matmul_dtype
 from kernels.attention_ref import context_of, prefill_chunk
 from workers.layers.attention import Attention, AttentionMetadata, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, dequantized_weight
@@ -85,10 +85,16 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank).split(
             [self.nope_dim, self.v_dim], dim=1)
         q_lora = self.q_lora_rank is not None
+        w_uk_t, w_uv = w_uk.transpose(1, 2).contiguous(), w_uv.contiguous()
+        # Each head's pairs copies where the model's projections got theirs (workers.prepacking's budget and CPU).
+        paired = self.kv_a_proj_with_mqa.pairs_weight is not None and cpu_gemv.pairs_serve(w_uk_t[0])
         return {"mla_q_a": self.q_a_proj.weight if q_lora else None, "mla_kv_a": self.kv_a_proj_with_mqa.weight,
                 "mla_q_a_norm": self.q_a_layernorm.weight if q_lora else None,
-                "mla_kv_norm": self.kv_a_layernorm.weight, "mla_w_uk_t": w_uk.transpose(1, 2).contiguous(),
-                "mla_w_uv": w_uv.contiguous(), "mla_eps": self.kv_a_layernorm.eps}
+                "mla_kv_norm": self.kv_a_layernorm.weight, "mla_w_uk_t": w_uk_t, "mla_w_uv": w_uv,
+                "mla_eps": self.kv_a_layernorm.eps, "mla_q_a_pairs": self.q_a_proj.pairs_weight if q_lora else None,
+                "mla_kv_a_pairs": self.kv_a_proj_with_mqa.pairs_weight,
+                "mla_w_uk_t_pairs": _per_head_pairs(w_uk_t) if paired else None,
+                "mla_w_uv_pairs": _per_head_pairs(w_uv) if paired else None}
 
     def takes_one_call(self) -> bool:
         """Whether the C++ layer's MLA form computes forward(): q_a and kv_a plain (no bias, quantization or
@@ -162,6 +168,11 @@ def _softmax_scale(config: PretrainedConfig, qk_dim: int) -> float:
     mscale_all_dim = rope.get("mscale_all_dim") if rope_type_of(rope) != "default" else None
     mscale = yarn_mscale(rope["factor"], mscale_all_dim) if mscale_all_dim else 1.0
     return qk_dim**-0.5 * mscale * mscale
+
+
+def _per_head_pairs(stacked: torch.Tensor) -> torch.Tensor:
+    """Each head's matrix of [heads, N, K] as kernels.cpu_gemv.pair_weight lays it out, stacked."""
+    return torch.stack([cpu_gemv.pair_weight(matrix) for matrix in stacked])
 
 
 def _evens_first(x: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,7 @@ def _experts_form(block: nn.Module) -> dict | None:
         return None
     bias = getattr(router, "e_score_correction_bias", None)
     return {"router": router.weight, "experts_gate_up": moe.gate_up_proj.data, "experts_down": moe.down_proj.data,
+            "experts_gate_up_pairs": moe.gate_up_pairs, "experts_down_pairs": moe.down_pairs,
             "top_k": routing.top_k, "renormalize": routing.renormalize, "routed_scaling": routing.routed_scaling_factor,
             "grouped_router": router.weight.float().contiguous(),
             "correction_bias": None if bias is None else bias.float().contiguous(),
