@@ -1,10 +1,13 @@
 """Start `python -m launch` for a test and find its processes."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -77,3 +80,26 @@ def running(pid: int) -> bool:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def throttled(pid: int, share: float = 0.1, period: float = 0.05):
+    """Run process `pid` a `share` of each `period` (SIGSTOP/SIGCONT), so a test can see work in flight that a fast
+    machine would finish between two polls; the process runs freely again on exit."""
+    done = threading.Event()
+
+    def cycle() -> None:
+        while not done.is_set():
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(share * period)
+            os.kill(pid, signal.SIGSTOP)
+            done.wait((1 - share) * period)
+
+    thread = threading.Thread(target=cycle, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        os.kill(pid, signal.SIGCONT)

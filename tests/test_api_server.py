@@ -23,7 +23,7 @@ from frontend.api.sampling import ServerLimits
 from frontend.api.server import build_app
 from frontend.tokenizer import load_tokenizer
 from ipc import EngineInfo
-from launcher import descendants, start_launcher, stop_launcher
+from launcher import descendants, start_launcher, stop_launcher, throttled
 
 SURROGATE = "a\ud800b"  # a lone UTF-16 surrogate: valid JSON ("a\\ud800b"), not valid Unicode
 
@@ -311,16 +311,19 @@ def test_malformed_json_and_oversized_requests(server):
 
 def test_a_disconnected_plain_request_is_aborted(server, llama_model):
     aborted = metric(server[1], "pagedserve:num_aborted_requests_total")
-    # n = 4 with 20 logprobs a token: ~2.4 s of engine work on a fast 2-core machine, where 1000 plain tokens took
-    # 0.7 s and ended before the polling below saw them run. All four samples must be aborted.
+    # The engine runs a tenth of the time while the client hangs up: on a fast machine the request's 4000 tokens
+    # (n = 4, 20 logprobs a token) took a quarter of a second and ended between two polls. All four must be aborted.
     body = json.dumps({"model": llama_model, "prompt": "go on", "max_tokens": 1000, "ignore_eos": True, "n": 4,
                        "logprobs": 20}).encode()
     host, port = server[1].removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port))) as conn:  # hangs up once its request runs in the engine
+    engine = next(pid for pid, command in descendants(server[0].pid) if "core.engine_process" in command)
+    with throttled(engine), socket.create_connection((host, int(port))) as conn:  # hangs up once its request runs
         conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         assert wait_until(lambda: metric(server[1], "pagedserve:num_requests_running") >= 1, timeout=30)
-    assert wait_until(lambda: metric(server[1], "pagedserve:num_aborted_requests_total") == aborted + 4, timeout=30)
+        conn.close()
+        assert wait_until(lambda: metric(server[1], "pagedserve:num_aborted_requests_total") == aborted + 4,
+                          timeout=30)
     assert metric(server[1], "pagedserve:num_requests_running") == 0
     assert metric(server[1], "pagedserve:kv_cache_usage_perc") == 0.0
 
