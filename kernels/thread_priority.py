@@ -19,3 +19,14 @@ def lowest_priority(thread_id: int | None = None) -> None:
             os.setpriority(os.PRIO_PROCESS, thread_id, 19)
         except (AttributeError, OSError):
             pass
+
+
+def runs_in_background(task_id: int) -> bool:
+    """Whether a thread (or a process: its main thread) runs as lowest_priority() leaves it while the calling thread
+    does not: background work of ours, where the caller is an engine thread (an engine started whole at idle
+    priority has no background to tell apart). False for a task that has ended."""
+    idle = getattr(os, "SCHED_IDLE", None)
+    try:
+        return idle is not None and os.sched_getscheduler(task_id) == idle != os.sched_getscheduler(0)
+    except OSError:
+        return False

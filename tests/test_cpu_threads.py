@@ -1,39 +1,48 @@
 """The forward's thread count: follows the usable CPUs, steps down beside a busy neighbour and back up after it."""
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_until
 
 from ipc import EngineConfig
 from ipc.config import cpu_lists
+from kernels.thread_priority import lowest_priority
 from workers import cpu_threads
 from workers.cpu_limits import cgroup_cpu_quota, usable_cpus
 from workers.cpu_threads import ComputeThreads, Reading, read_schedule
 
 
 class Machine:
-    """Scripted readings: each window, how much the threads waited and how many CPUs idled."""
+    """Scripted readings: each window, how much the threads waited, how many CPUs idled and how many the engine's
+    background work (a compile worker) took."""
 
     def __init__(self, cpus: int = 2) -> None:
         self.cpus, self.at, self.running, self.waiting, self.idle = cpus, 0.0, 0, 0, {cpu: 0.0 for cpu in range(cpus)}
+        self.background = 0.0
         self.applied: list[int] = []
 
     def read(self) -> Reading:
-        return Reading(self.at, {1: (self.running, self.waiting)}, dict(self.idle))
+        return Reading(self.at, {1: (self.running, self.waiting)}, dict(self.idle), {2: self.background})
 
-    def window(self, threads: ComputeThreads, waiting_share: float, idle_cpus: float, seconds: float = 0.25) -> int:
+    def window(self, threads: ComputeThreads, waiting_share: float, idle_cpus: float, seconds: float = 0.25,
+               background_cpus: float = 0.0) -> int:
         runnable = int(seconds * 1e9 * threads.count)
         self.at += seconds
         self.waiting += int(runnable * waiting_share)
         self.running += runnable - int(runnable * waiting_share)
         for cpu in self.idle:
             self.idle[cpu] += idle_cpus * seconds / len(self.idle)
+        self.background += background_cpus * seconds
         return threads.adjust()
 
 
@@ -69,6 +78,33 @@ def test_a_neighbour_that_comes_and_goes_is_probed_ever_more_rarely():
     gaps = [b - a for a, b in zip(ups, ups[1:])]
     assert gaps == sorted(gaps) and max(gaps) >= cpu_threads.MAX_HOLD_S  # backs off up to the longest hold
     assert len(ups) < 20
+
+
+def test_a_cpu_only_the_engines_background_work_keeps_busy_is_room_for_a_thread():
+    """A compile worker importing at idle priority on the CPU the forward left: no neighbour's, so the forward takes
+    it back after the hold, at one thread as at any count."""
+    machine = Machine()
+    threads = governed(machine)
+    assert machine.window(threads, waiting_share=0.33, idle_cpus=0.0) == 1  # a real neighbour, then it leaves
+    counts = [machine.window(threads, waiting_share=0.0, idle_cpus=0.05, background_cpus=0.9) for _ in range(4)]
+    assert counts == [1, 2, 2, 2]  # up once the hold (two windows) is over, though no CPU idled
+    machine.idle = {cpu: 0.0 for cpu in machine.idle}  # a foreign idle-priority task stays a neighbour
+    threads = governed(machine)
+    assert machine.window(threads, waiting_share=0.33, idle_cpus=0.0) == 1
+    assert [machine.window(threads, waiting_share=0.0, idle_cpus=0.05) for _ in range(4)] == [1] * 4
+
+
+def test_waiting_beside_the_engines_background_work_still_steps_down_and_backs_off():
+    """Where the forward's threads do wait beside it (it stalls barriers as any idle-priority task can), the count
+    steps down, and the probes back up grow rarer as for a neighbour that comes and goes."""
+    machine = Machine()
+    threads = governed(machine)
+    ups = []
+    for _ in range(200):  # 50 s of a build at idle priority
+        share = 0.3 if threads.count == 2 else 0.0
+        machine.window(threads, waiting_share=share, idle_cpus=0.0, background_cpus=1.0 if threads.count == 1 else 0.2)
+        ups += [machine.at] if threads.count == 2 else []
+    assert 3 <= len(ups) < 15 and max(b - a for a, b in zip(ups, ups[1:])) >= cpu_threads.MAX_HOLD_S
 
 
 def test_windows_shorter_than_the_window_change_nothing():
@@ -121,8 +157,6 @@ def test_a_fixed_count_never_moves():
 
 def test_the_count_is_set_again_on_each_new_forward_thread():
     """OpenMP's thread count belongs to the thread that set it."""
-    import threading
-
     machine = Machine()
     threads = governed(machine)
     worker = threading.Thread(target=threads.adjust)
@@ -146,6 +180,49 @@ def test_cgroup_quotas_v2_and_v1(tmp_path: Path):
     assert cgroup_cpu_quota(tmp_path, "4:cpu,cpuacct:/pod\n3:memory:/pod\n") == 0.5
     (v1 / "cpu.cfs_quota_us").write_text("-1\n")
     assert cgroup_cpu_quota(tmp_path, "4:cpu,cpuacct:/pod\n") is None
+
+
+def _work_then_idle(stop: threading.Event) -> None:
+    while time.thread_time() < 0.1:  # CPU time that is background's once the thread is
+        pass
+    lowest_priority()
+    stop.wait()
+
+
+_WORK_THEN_IDLE = """import os, subprocess, sys, time
+while time.process_time() < 0.3:
+    pass
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # lowest_priority's, without importing torch
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # at idle priority, as a build's
+print(child.pid, flush=True)
+time.sleep(30)
+"""
+
+
+def test_readings_tell_the_engines_background_threads_and_processes_from_its_forward():
+    """Idle-priority threads of this process and idle-priority processes it started (and theirs) are background:
+    their CPU time is counted apart, their waiting not at all; a child at the engine's priority is not background."""
+    stop = threading.Event()
+    thread = threading.Thread(target=_work_then_idle, args=(stop,))
+    thread.start()
+    idle = subprocess.Popen([sys.executable, "-c", _WORK_THEN_IDLE], stdout=subprocess.PIPE, text=True)
+    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        grandchild = int(idle.stdout.readline())
+        assert wait_until(lambda: thread.native_id in read_schedule().background_s, timeout=10)
+        reading = read_schedule()
+        assert reading.background_s[thread.native_id] >= 0.1 and thread.native_id not in reading.threads
+        assert threading.get_native_id() in reading.threads and plain.pid not in reading.background_s
+        assert reading.background_s[idle.pid] >= 0.25  # in clock ticks
+        assert grandchild in reading.background_s and len(reading.background_s) == 3
+    finally:
+        stop.set()
+        thread.join()
+        for child in (idle, plain):
+            child.kill()
+            child.wait()
+        with contextlib.suppress(NameError, ProcessLookupError):
+            os.kill(grandchild, signal.SIGKILL)
 
 
 def test_usable_cpus_follow_the_affinity_mask():

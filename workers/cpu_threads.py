@@ -5,7 +5,9 @@ beside them, the barrier waits, region after region, for whichever thread the ke
 OpenMP's waiters spin meanwhile): a step slows many times over, where one thread fewer leaves that thread a CPU of
 its own and loses only its share of the work. So the count follows what the threads see, between steps: the share
 of their runnable time they spent waiting for a CPU (a neighbour's demand), and the CPU time that stayed idle (room
-for one more). Time taken by idle-priority work is not idle: such a neighbour still stalls the barriers.
+for one more). Time taken by idle-priority work is not idle: such a neighbour still stalls the barriers. The
+engine's own background work (its idle-priority threads and the processes they start: grammar compile workers, the
+kernels' build) is no neighbour: its threads' waiting is not counted, and its CPU time is room for one more.
 docs/neighbours.md has the measurements behind the thresholds.
 """
 from __future__ import annotations
@@ -15,13 +17,14 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ipc import EngineConfig
 from ipc.config import cpu_lists
 from kernels import cpu_extension
+from kernels.thread_priority import runs_in_background
 from workers.cpu_limits import usable_cpus
 
 logger = logging.getLogger(__name__)
@@ -39,12 +42,14 @@ HOLD_S, MAX_HOLD_S, FLAP_S = 0.5, 16.0, 2.0
 
 @dataclass(frozen=True)
 class Reading:
-    """Cumulative counters at one moment: each thread's time running and waiting to run (ns) by thread id, and each
-    CPU's idle time (s) among those this process may use."""
+    """Cumulative counters at one moment: each thread's time running and waiting to run (ns) by thread id, each
+    CPU's idle time (s) among those this process may use, and the CPU time (s) of the engine's background work by
+    thread or process id."""
 
     at: float
     threads: dict[int, tuple[int, int]]
     idle_s: dict[int, float]
+    background_s: dict[int, float] = field(default_factory=dict)
 
     def runnable_since(self, earlier: Reading) -> tuple[int, int]:
         """(ns running or waiting, ns waiting) of the threads both readings saw, since `earlier`."""
@@ -59,22 +64,59 @@ class Reading:
         seconds = sum(self.idle_s[cpu] - earlier.idle_s[cpu] for cpu in self.idle_s.keys() & earlier.idle_s.keys())
         return seconds / (self.at - earlier.at)
 
+    def background_cpus_since(self, earlier: Reading) -> float:
+        """CPUs the engine's background work took on average since `earlier` (the tasks both readings saw)."""
+        tasks = self.background_s.keys() & earlier.background_s.keys()
+        return sum(self.background_s[task] - earlier.background_s[task] for task in tasks) / (self.at - earlier.at)
+
 
 def read_schedule() -> Reading:
     """Linux's per-thread scheduler statistics and per-CPU times (nothing counted where the files are missing)."""
-    threads = {}
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        tasks = []
+    threads, background = {}, {}
+    tasks = _task_ids("/proc/self/task")
     for task in tasks:
         try:
             with open(f"/proc/self/task/{task}/schedstat", "rb") as stats:
                 fields = stats.read().split()
-            threads[int(task)] = (int(fields[0]), int(fields[1]))
+            counters = (int(fields[0]), int(fields[1]))
         except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
             continue
-    return Reading(time.monotonic(), threads, _idle_seconds(os.sched_getaffinity(0)))
+        if runs_in_background(task):
+            background[task] = counters[0] / 1e9
+        else:
+            threads[task] = counters
+    background.update(_background_processes([f"/proc/self/task/{task}" for task in tasks]))
+    return Reading(time.monotonic(), threads, _idle_seconds(os.sched_getaffinity(0)), background)
+
+
+def _task_ids(folder: str) -> list[int]:
+    try:
+        return [int(task) for task in os.listdir(folder)]
+    except (OSError, ValueError):
+        return []
+
+
+def _background_processes(parents: list[str]) -> dict[int, float]:
+    """CPU seconds so far of each background process these tasks started, and of theirs (a build's compilers)."""
+    seconds: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    while parents:
+        try:
+            with open(f"{parents.pop()}/children", "rb") as children:
+                pids = [int(pid) for pid in children.read().split()]
+        except (OSError, ValueError):  # an older kernel without the file, or a task that ended
+            continue
+        for pid in pids:
+            if pid in seconds or not runs_in_background(pid):
+                continue
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as stat:
+                    fields = stat.read().rpartition(b")")[2].split()
+                seconds[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime of all its threads
+            except (OSError, ValueError, IndexError):
+                continue
+            parents += [f"/proc/{pid}/task/{task}" for task in _task_ids(f"/proc/{pid}/task")]
+    return seconds
 
 
 def _idle_seconds(cpus: set[int]) -> dict[int, float]:
@@ -124,27 +166,32 @@ class ComputeThreads:
         # A window the forward spent mostly idle says nothing of its neighbours: a few ms of waiting would be a share.
         busy = runnable >= BUSY_CPUS * seconds * 1e9
         waiting_share = waiting / runnable if busy else 0.0
-        idle_cpus = now.idle_cpus_since(self._last)
+        idle_cpus, background_cpus = now.idle_cpus_since(self._last), now.background_cpus_since(self._last)
         self._last = now
-        count = self._next_count(now.at, waiting_share, idle_cpus)
+        count = self._next_count(now.at, waiting_share, idle_cpus, background_cpus)
         if count != self.count:
-            logger.info("CPU compute threads %d -> %d (threads waited %.0f%% of their runnable time; %.1f CPUs idle)",
-                        self.count, count, 100 * waiting_share, idle_cpus)
+            logger.info("CPU compute threads %d -> %d (threads waited %.0f%% of their runnable time; %.1f CPUs idle, "
+                        "%.1f running the engine's background work)", self.count, count, 100 * waiting_share,
+                        idle_cpus, background_cpus)
             self.count = count
             self._apply(count)
         return self.count
 
-    def _next_count(self, at: float, waiting_share: float, idle_cpus: float) -> int:
+    def _next_count(self, at: float, waiting_share: float, idle_cpus: float, background_cpus: float) -> int:
         limit = self._limit()
         if self.count > limit:
             return limit
         # Waiting while a CPU stayed idle is the scheduler's placement (a thread woken beside another), not a lack of
-        # CPUs: one thread fewer would not help.
+        # CPUs: one thread fewer would not help. Waiting beside the engine's own background work is a lack of CPUs,
+        # though (it stalls the barriers as any idle-priority task does): that step down stands, and the step up
+        # below, which counts that work's CPU time as room, becomes a probe that backs off like any other.
         if self.count > 1 and waiting_share >= WAITING_SHARE_DOWN and idle_cpus < IDLE_CPUS_UP:
             self._hold = min(2 * self._hold, MAX_HOLD_S) if at - self._last_up < FLAP_S else HOLD_S
             self._no_up_before = at + self._hold
             return self.count - 1
-        if self.count < limit and idle_cpus >= IDLE_CPUS_UP and at >= self._no_up_before:
+        # The engine's background work is transient (a compile worker's imports, a build) and ours to outlast: the
+        # forward takes its CPU back, or a CPU that only it kept busy would hold the count down for its whole run.
+        if self.count < limit and idle_cpus + background_cpus >= IDLE_CPUS_UP and at >= self._no_up_before:
             self._last_up = at
             return self.count + 1
         return self.count
