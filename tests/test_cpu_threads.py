@@ -28,10 +28,11 @@ class Machine:
 
     def __init__(self, cpus: int = 2) -> None:
         self.cpus, self.at, self.running, self.waiting, self.idle = cpus, 0.0, 0, 0, {cpu: 0.0 for cpu in range(cpus)}
-        self.background = 0.0
+        self.background, self.reads = 0.0, 0
         self.applied: list[int] = []
 
     def read(self) -> Reading:
+        self.reads += 1
         return Reading(self.at, {1: (self.running, self.waiting)}, dict(self.idle), {2: self.background})
 
     def window(self, threads: ComputeThreads, waiting_share: float, idle_cpus: float, seconds: float = 0.25,
@@ -47,7 +48,8 @@ class Machine:
 
 
 def governed(machine: Machine, fixed: int | None = None) -> ComputeThreads:
-    threads = ComputeThreads(fixed=fixed, read=machine.read, limit=lambda: machine.cpus, apply=machine.applied.append)
+    threads = ComputeThreads(fixed=fixed, read=machine.read, limit=lambda: machine.cpus, apply=machine.applied.append,
+                             clock=lambda: machine.at)
     threads.adjust()
     return threads
 
@@ -111,6 +113,18 @@ def test_windows_shorter_than_the_window_change_nothing():
     machine = Machine()
     threads = governed(machine)
     assert machine.window(threads, waiting_share=0.9, idle_cpus=0.0, seconds=cpu_threads.WINDOW_S / 3) == 2
+
+
+def test_steps_within_a_window_read_no_counters():
+    machine = Machine()
+    threads = governed(machine)
+    reads = machine.reads
+    for _ in range(50):  # steps of a millisecond
+        machine.at += 0.001
+        threads.adjust()
+    assert machine.reads == reads
+    machine.window(threads, waiting_share=0.0, idle_cpus=0.0)
+    assert machine.reads == reads + 1
 
 
 def test_waiting_beside_a_idle_cpu_or_in_an_idle_window_keeps_the_count():

@@ -137,12 +137,15 @@ def _idle_seconds(cpus: set[int]) -> dict[int, float]:
 
 class ComputeThreads:
     """The thread count of this process's forward (torch's and the C++ kernels' OpenMP team), reconsidered by
-    adjust() between steps. `fixed`: always that many; `pin`: run once on the forward's thread (pinning its team)."""
+    adjust() between steps. `fixed`: always that many; `pin`: run once on the forward's thread (pinning its team);
+    `clock`: the one `read` stamps its readings with."""
 
     def __init__(self, fixed: int | None = None, pin: Callable[[], None] | None = None,
                  read: Callable[[], Reading] = read_schedule, limit: Callable[[], int] = usable_cpus,
-                 apply: Callable[[int], None] = torch.set_num_threads) -> None:
+                 apply: Callable[[int], None] = torch.set_num_threads,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.fixed, self._pin, self._read, self._limit, self._apply = fixed, pin, read, limit, apply
+        self._clock = clock
         self.count = fixed or limit()
         self._thread: int | None = None
         self._last: Reading | None = read() if fixed is None else None  # a fixed count reads no counters
@@ -156,12 +159,11 @@ class ComputeThreads:
             self._apply(self.count)
             if self._pin is not None:
                 self._pin()
-        if self.fixed is not None:
+        # A reading costs a few hundred files and system calls: once a window, not once a step.
+        if self.fixed is not None or self._clock() - self._last.at < WINDOW_S:
             return self.count
         now = self._read()
         seconds = now.at - self._last.at
-        if seconds < WINDOW_S:
-            return self.count
         runnable, waiting = now.runnable_since(self._last)
         # A window the forward spent mostly idle says nothing of its neighbours: a few ms of waiting would be a share.
         busy = runnable >= BUSY_CPUS * seconds * 1e9
