@@ -9,8 +9,8 @@ def lowest_priority(thread_id: int | None = None) -> None:
     """The calling thread (or `thread_id`; Linux: the policy is per thread, and threads and processes it starts
     inherit it) runs only when a CPU would otherwise idle: SCHED_IDLE gives way when an engine thread wakes, while
     nice 19 still takes whole time slices. Neither makes it harmless to the forward's barriers: it still takes the
-    CPU each time a forward thread sleeps for a moment (docs/neighbours.md), so the thread count does not count its
-    time as spare."""
+    CPU each time a forward thread sleeps for a moment (docs/neighbours.md), so the thread count counts such time as
+    spare only where it is the engine's own (runs_in_background), transient work."""
     thread_id = threading.get_native_id() if thread_id is None else thread_id
     try:
         os.sched_setscheduler(thread_id, os.SCHED_IDLE, os.sched_param(0))
