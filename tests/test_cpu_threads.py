@@ -300,8 +300,11 @@ def test_binding_outside_the_allowed_cpus_is_refused():
 
 
 _FORWARD_LOOP = """
-import sys, time, torch
+import subprocess, sys, time, torch
 from workers.cpu_threads import ComputeThreads
+if sys.argv[1:] == ["background"]:  # a compile worker of its own, importing at idle priority all along
+    subprocess.Popen([sys.executable, "-c", "import os\\nos.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\\n"
+                      "parent = os.getppid()\\nwhile os.getppid() == parent: pass"])  # ends with the loop
 threads = ComputeThreads()
 a = torch.randn(256, 256)
 while sys.stdin.readline():  # a line from the test: one more window's work; the count afterwards
@@ -313,35 +316,60 @@ while sys.stdin.readline():  # a line from the test: one more window's work; the
 """
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="the scenario is a 2-CPU host beside one busy process")
-def test_a_real_busy_neighbour_on_two_cpus():
-    """A forward of two threads on two CPUs: beside a busy process it drops to one thread within seconds, and takes
-    the second back once the neighbour is gone."""
-    child = subprocess.Popen([sys.executable, "-c", _FORWARD_LOOP], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True, cwd=Path(__file__).resolve().parents[1])
+class ForwardLoop:
+    """A child process running a governed forward, a window's work at a time."""
 
-    def count_within(expected: int, windows: int) -> list[int]:
+    def __init__(self, *args: str) -> None:
+        self.child = subprocess.Popen([sys.executable, "-c", _FORWARD_LOOP, *args], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+
+    def count_within(self, expected: int, windows: int) -> list[int]:
         counts = []
         for _ in range(windows):
-            child.stdin.write("\n")
-            child.stdin.flush()
-            counts.append(int(child.stdout.readline()))
+            self.child.stdin.write("\n")
+            self.child.stdin.flush()
+            counts.append(int(self.child.stdout.readline()))
             if counts[-1] == expected:
                 break
         return counts
 
-    try:
-        assert count_within(2, 10)[-1] == 2
+    def beside_a_busy_process(self) -> list[int]:
+        """The counts until it drops to one thread beside a busy process (killed then)."""
         busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
-            assert (counts := count_within(1, 10))[-1] == 1, counts
+            return self.count_within(1, 10)
         finally:
             busy.kill()
             busy.wait()
-        assert (counts := count_within(2, 10))[-1] == 2, counts
+
+    def close(self) -> None:
+        self.child.kill()
+        self.child.wait()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="the scenario is a 2-CPU host beside one busy process")
+def test_a_real_busy_neighbour_on_two_cpus():
+    """A forward of two threads on two CPUs: beside a busy process it drops to one thread within seconds, and takes
+    the second back once the neighbour is gone."""
+    forward = ForwardLoop()
+    try:
+        assert forward.count_within(2, 10)[-1] == 2
+        assert (counts := forward.beside_a_busy_process())[-1] == 1, counts
+        assert (counts := forward.count_within(2, 10))[-1] == 2, counts
     finally:
-        child.kill()
-        child.wait()
+        forward.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="the scenario is a 2-CPU host beside one busy process")
+def test_a_real_neighbour_leaving_while_the_engines_own_background_work_runs():
+    """The same with the forward's own idle-priority child spinning throughout (a compile worker importing): once
+    the neighbour leaves, the CPU only that child keeps busy is taken back."""
+    forward = ForwardLoop("background")
+    try:
+        assert (counts := forward.beside_a_busy_process())[-1] == 1, counts
+        assert (counts := forward.count_within(2, 10))[-1] == 2, counts
+    finally:
+        forward.close()
 
 
 def test_the_launchers_flags_reach_the_engine_config():
