@@ -159,7 +159,7 @@ class ComputeThreads:
             self._apply(self.count)
             if self._pin is not None:
                 self._pin()
-        # A reading costs a few hundred files and system calls: once a window, not once a step.
+        # A reading opens a few files a thread: once a window, not once a step.
         if self.fixed is not None or self._clock() - self._last.at < WINDOW_S:
             return self.count
         now = self._read()
