@@ -107,13 +107,13 @@ class TransferClient:
 
     def pull(self, nonce: int, slots: list[int]) -> list[int] | None:
         """The transfer's slots copied into this region's first len(slots) slots (those returned, for read() to
-        check and load), or None: the producer gone, silent past the timeout, or refusing."""
+        check and load), or None: the producer unreachable or silent for the whole timeout, or refusing."""
         if len(slots) > self.region.num_slots:
             return None
         pull_id = next(self.pull_ids)
-        if not self._send(KVPull(pull_id=pull_id, nonce=nonce, slots=slots)):
-            return None
         deadline = time.monotonic() + self.timeout_ms / 1000
+        if not self._send(KVPull(pull_id=pull_id, nonce=nonce, slots=slots), self.timeout_ms):
+            return None
         while (left := deadline - time.monotonic()) > 0 and self.socket.poll(int(left * 1000) + 1):
             header, *frames = self.socket.recv_multipart(copy=False)
             try:
@@ -130,13 +130,16 @@ class TransferClient:
 
     def release(self, nonce: int, slots: list[int]) -> None:
         """The transfer not needed (the decode engine's prefix cache held its blocks): its slots go back now."""
-        self._send(KVPull(pull_id=0, nonce=nonce, slots=slots, release=True))
+        self._send(KVPull(pull_id=0, nonce=nonce, slots=slots, release=True), 0)
 
     def close(self) -> None:
         self.socket.close(linger=0)
         self.context.term()
 
-    def _send(self, pull: KVPull) -> bool:
+    def _send(self, pull: KVPull, timeout_ms: int) -> bool:
+        """Sent once the producer is connected (at once if it is), within timeout_ms."""
+        if timeout_ms and not self.socket.poll(timeout_ms, zmq.POLLOUT):
+            return False
         try:
             self.socket.send(self.encoder.encode(pull), zmq.NOBLOCK)
         except zmq.Again:

@@ -1,0 +1,194 @@
+"""ZmqConnector (issue 57, item 3): the prefill engine serves its prompts' KV blocks over ZMQ and the decode engine
+pulls them by nonce. A pull is served once, for its own transfer, before its deadline; a producer that is silent,
+stopped or killed costs the decode engine at most kv_pull_timeout_s and a recompute, never a wrong token."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from conftest import child_pids, tiny_model, wait_until
+from core.kv_cache_manager import KVCacheManager
+from core.kv_transfer import ZmqConnector
+from core.request import Request
+from disagg_cases import GREEDY, long_prompt, run_alone
+from frontend import LLM, SamplingParams
+from ipc import EngineCoreRequest
+from ipc.kv_transfer import KVPulled, KVTransferConfig
+from ipc.sockets import free_tcp_address
+from workers.kv_transfer import TransferRegion
+
+BLOCK = 4
+
+
+def _request(request_id: str, ids: list[int], **fields) -> Request:
+    core = EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=SamplingParams(), **fields)
+    return Request(core, 0, max_tokens=1)
+
+
+class _Pair:
+    """A producer and a consumer connector over loopback in this process, each with its own KV cache and region."""
+
+    def __init__(self, hold_s: float = 60.0, timeout_s: float = 0.5) -> None:
+        self.config = KVTransferConfig(kv_connector="ZmqConnector", kv_role="kv_producer", region="group",
+                                       kv_port=int(free_tcp_address().rsplit(":", 1)[1]), kv_hold_s=hold_s,
+                                       kv_pull_timeout_s=timeout_s)
+        self.caches = [torch.randn(8, BLOCK, 3), torch.zeros(8, BLOCK, 3)]
+        regions = [TransferRegion(None, [cache], 3 * (BLOCK * 3 * 4 + 32), torch.device("cpu"))
+                   for cache in self.caches]
+        self.kvs = [KVCacheManager(8, BLOCK), KVCacheManager(8, BLOCK)]
+        self.sender = ZmqConnector(self.config, regions[0], self.kvs[0])
+        self.receiver = ZmqConnector(msgspec.structs.replace(self.config, kv_role="kv_consumer"), regions[1],
+                                     self.kvs[1])
+
+    def send(self, request_id: str, ids: list[int]):
+        request = _request(request_id, ids, produce_kv=True)
+        self.kvs[0].allocate_slots(request, len(ids))
+        params, blocks = self.sender.send(request), self.kvs[0].block_ids(request)
+        self.kvs[0].free(request)
+        return params, blocks
+
+    def receive(self, request_id: str, ids: list[int], params) -> list[int]:
+        """The blocks the consumer's prefix cache holds for the prompt afterwards."""
+        request = _request(request_id, ids, kv_transfer_params=params)
+        self.receiver.receive(request)
+        return self.kvs[1].computed_blocks(_request(request_id, ids))
+
+    def close(self) -> None:
+        self.sender.close()
+        self.receiver.close()
+
+
+@pytest.fixture
+def pair():
+    made = _Pair()
+    yield made
+    made.close()
+
+
+def _stopped(pid: int) -> bool:
+    """Every thread of the process stopped (SIGSTOP reaches a busy one's threads in their own time)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return all((task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for task in tasks.iterdir())
+
+
+def _prompt(k: int) -> list[int]:
+    return [n + 10 * k for n in range(9)]
+
+
+def test_blocks_are_pulled_byte_for_byte_once_and_only_by_their_nonce_from_the_configured_producer(pair):
+    params, blocks = pair.send("a", _prompt(0))
+    assert params.remote_address == f"tcp://127.0.0.1:{pair.config.kv_port}" and params.num_tokens == 8
+    for forged in [msgspec.structs.replace(params, nonce=params.nonce ^ 1),  # the server knows no such transfer
+                   msgspec.structs.replace(params, remote_address="tcp://127.0.0.1:1"),  # never connected to
+                   msgspec.structs.replace(params, checksum=params.checksum ^ 1)]:
+        assert pair.receive("a", _prompt(0), forged) == []
+    loaded = pair.receive("a", _prompt(0), params)
+    assert len(loaded) == 2 and torch.equal(pair.caches[1][loaded], pair.caches[0][blocks[:2]])
+    assert (pair.receiver.blocks_received, pair.receiver.recomputes, pair.sender.blocks_sent) == (2, 3, 2)
+    pair.kvs[1].reset_prefix_cache()
+    assert pair.receive("a", _prompt(0), params) == [] and pair.receiver.recomputes == 4  # served once
+    pair.send("b", _prompt(1))  # the producer takes back the slots the pull ended
+    assert sorted(pair.sender.free_slots) == [2]
+
+
+def test_a_malformed_pull_is_answered_with_an_error_and_the_server_serves_on(pair):
+    context = zmq.Context()
+    client = context.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(f"tcp://127.0.0.1:{pair.config.kv_port}")
+    try:
+        for frames in ([b"\x93garbage"], [b"a", b"b"]):
+            client.send_multipart(frames)
+            assert client.poll(5000)
+            reply = msgspec.msgpack.decode(client.recv(), type=KVPulled)
+            assert reply.error and not reply.headers
+    finally:
+        client.close()
+        context.term()
+    params, _ = pair.send("a", _prompt(0))
+    assert len(pair.receive("a", _prompt(0), params)) == 2
+
+
+def test_a_transfer_never_pulled_is_released_after_its_deadline():
+    pair = _Pair(hold_s=0.2)
+    try:
+        params, _ = pair.send("a", _prompt(0))
+        time.sleep(0.3)
+        pair.send("b", _prompt(1))  # the producer frees a's slots, past their deadline, before taking b's
+        assert sorted(pair.sender.free_slots) == [2] and params.nonce not in pair.sender.server.offered
+        assert pair.receive("a", _prompt(0), params) == [] and pair.receiver.recomputes == 1
+    finally:
+        pair.close()
+
+
+def test_a_silent_or_gone_producer_costs_at_most_the_pull_timeout():
+    pair = _Pair(timeout_s=0.5)
+    params, _ = pair.send("a", _prompt(0))
+    pair.sender.close()
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)  # takes the producer's place and never answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind(f"tcp://127.0.0.1:{pair.config.kv_port}")
+    try:
+        time.sleep(0.3)  # the consumer's connection comes back
+        started = time.monotonic()
+        assert pair.receive("a", _prompt(0), params) == []
+        assert 0.5 <= time.monotonic() - started < 2.0
+    finally:
+        silent.close()
+        context.term()
+    started = time.monotonic()
+    assert pair.receive("a", _prompt(0), params) == [] and time.monotonic() - started < 2.0  # nobody listens
+    assert pair.receiver.recomputes == 2
+    pair.receiver.close()
+
+
+def test_a_stopped_then_killed_prefill_engine_costs_a_recompute_with_the_same_tokens_and_leaves_nothing():
+    """The prefill engine frozen (SIGSTOP) while the decode engine pulls, then killed: each pull times out and the
+    prompt is computed; new requests go straight to the decode engine; all blocks come back, no process or port is
+    left."""
+    connector = {"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_buffer_bytes": "128KiB",
+                 "kv_pull_timeout_s": 1.0}
+    llm = LLM(tiny_model("llama"), dtype="float32", data_parallel_size=2, kv_transfer_config=connector)
+    try:
+        prefill, decode = llm.client.clients
+        one = SamplingParams(temperature=0.0, max_tokens=1)
+        prompts = [long_prompt(n) for n in range(3)]
+        expected = [run_alone(decode, EngineCoreRequest(request_id=f"plain{n}", prompt_token_ids=ids,
+                                                        sampling_params=GREEDY))[0] for n, ids in enumerate(prompts)]
+        sent = [run_alone(prefill, EngineCoreRequest(request_id=f"p{n}", prompt_token_ids=ids, sampling_params=one,
+                                                     produce_kv=True))[1].kv_transfer_params
+                for n, ids in enumerate(prompts[:2])]
+        port = int(sent[0].remote_address.rsplit(":", 1)[1])
+        os.kill(prefill.process.pid, signal.SIGSTOP)
+        assert wait_until(lambda: _stopped(prefill.process.pid), timeout=10)
+        for n in [0, "killed"]:
+            if n == "killed":
+                os.kill(prefill.process.pid, signal.SIGKILL)
+                assert prefill.process.wait_exit(5)
+                n = 1
+            decode.call_utility("reset_prefix_cache")
+            started = time.monotonic()
+            got, _ = run_alone(decode, EngineCoreRequest(request_id=f"d{n}", prompt_token_ids=prompts[n],
+                                                         sampling_params=GREEDY, kv_transfer_params=sent[n]))
+            took = time.monotonic() - started
+            assert got == expected[n] and took < 3.0 and (n == 1 or took >= 1.0)  # killed: maybe refused at once
+        stats = decode.get_stats()
+        assert stats.kv_transfer_recomputes == 2 and stats.kv_transfer_blocks_received == 0
+        outputs = llm.generate([{"prompt_token_ids": prompts[2]}], GREEDY, use_tqdm=False)
+        assert outputs[0].outputs[0].token_ids == expected[2]
+        stats = decode.get_stats()  # the group's own counts the dead engine's blocks as gone
+        assert stats.num_free_blocks == decode.info.num_kv_blocks and stats.num_running == stats.num_waiting == 0
+    finally:
+        llm.shutdown()
+    assert not child_pids()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", port))  # nothing serves KV any more
