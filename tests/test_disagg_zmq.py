@@ -168,6 +168,8 @@ def test_a_stopped_then_killed_prefill_engine_costs_a_recompute_with_the_same_to
                                                      produce_kv=True))[1].kv_transfer_params
                 for n, ids in enumerate(prompts[:2])]
         port = int(sent[0].remote_address.rsplit(":", 1)[1])
+        for client in llm.client.clients:  # the engines share no memory: the KV goes over TCP alone
+            assert "/dev/shm/pagedserve-kv" not in Path(f"/proc/{client.process.pid}/maps").read_text()
         os.kill(prefill.process.pid, signal.SIGSTOP)
         assert wait_until(lambda: _stopped(prefill.process.pid), timeout=10)
         for n in [0, "killed"]:
