@@ -217,7 +217,8 @@ def test_served_over_http_equal_one_engine(reference, connector):
     assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in engines), timeout=10)
 
 
-def test_a_killed_prefill_engine_hands_over_to_decode_and_a_killed_decode_engine_fails_at_once():
+@pytest.mark.parametrize("connector", CONNECTORS, ids=lambda connector: connector["kv_connector"])
+def test_a_killed_prefill_engine_hands_over_to_decode_and_a_killed_decode_engine_fails_at_once(connector):
     """Prefill engine killed: streams on the decode engine go on, its requests (and new ones) compute their prompts
     there. Decode engine killed: every request ends with an error within a second. (The 64k-context llama: its
     streams run for many seconds on any machine.)"""
@@ -231,7 +232,7 @@ def test_a_killed_prefill_engine_hands_over_to_decode_and_a_killed_decode_engine
         return tokens
 
     async def run() -> None:
-        engine = AsyncLLM(long_context_llama(), dtype="float32", data_parallel_size=2, kv_transfer_config=CONNECTOR)
+        engine = AsyncLLM(long_context_llama(), dtype="float32", data_parallel_size=2, kv_transfer_config=connector)
         pids = [client.process.pid for client in engine.client.clients]
         try:
             long = SamplingParams(temperature=0.0, max_tokens=30_000, ignore_eos=True,
