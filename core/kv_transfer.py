@@ -98,7 +98,6 @@ class KVConnector:
         self.written.update(dict.fromkeys(slots))
         return slots
 
-
     def _collect_released(self) -> None:
         """Shared memory: the decode engine clears a slot's nonce itself."""
 

@@ -220,7 +220,7 @@ def _check_cpu_threads_bind(config: EngineConfig) -> None:
 
 
 def _check_kv_transfer(config: EngineConfig) -> None:
-    """The shared-memory connector joins two single-rank engine processes on one node."""
+    """A connector (shared memory or ZMQ) joins two single-rank engine processes of one data-parallel group."""
     transfer = config.kv_transfer_config
     if transfer.kv_role == "kv_both":
         _require(config.data_parallel_size == 2, "kv_transfer_config",

@@ -65,7 +65,7 @@ class KVPulled(msgspec.Struct, kw_only=True):
     per KV cache holding those slots' bytes in order; or the error alone."""
 
     pull_id: int
-    headers: list[list[int]] = []
+    headers: list[Annotated[list[Annotated[int, Meta(ge=0, le=2**63 - 1)]], Meta(min_length=3, max_length=3)]] = []
     error: str | None = None
 
 

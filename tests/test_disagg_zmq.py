@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -115,6 +116,37 @@ def test_a_malformed_pull_is_answered_with_an_error_and_the_server_serves_on(pai
         context.term()
     params, _ = pair.send("a", _prompt(0))
     assert len(pair.receive("a", _prompt(0), params)) == 2
+
+
+def test_a_malformed_answer_recomputes():
+    """A producer answering with frames of the wrong size, or header words out of range: nothing loaded."""
+    pair = _Pair()
+    params, _ = pair.send("a", _prompt(0))
+    pair.sender.close()
+    context = zmq.Context()
+    fake = context.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    fake.bind(f"tcp://127.0.0.1:{pair.config.kv_port}")
+    answers = [[msgspec.msgpack.encode({"pull_id": 1, "headers": [[params.nonce, i, params.checksum] for i in (0, 1)]}),
+                b"short"],
+               [msgspec.msgpack.encode({"pull_id": 2, "headers": [[-1, 0, 0], [0, 0, 0]]})]]
+
+    def answer() -> None:
+        for frames in answers:
+            identity, _ = fake.recv_multipart()
+            fake.send_multipart([identity, *frames])
+
+    server = threading.Thread(target=answer)
+    server.start()
+    try:
+        for _ in answers:
+            assert pair.receive("a", _prompt(0), params) == []
+        assert pair.receiver.recomputes == 2
+    finally:
+        server.join()
+        fake.close()
+        context.term()
+        pair.receiver.close()
 
 
 def test_a_transfer_never_pulled_is_released_after_its_deadline():

@@ -14,9 +14,9 @@ import os
 import numpy as np
 import torch
 
+from ipc.kv_transfer import KVTransferConfig
 from workers.kv_offload import as_bytes, layer_caches
 from workers.layers.attention import Attention
-from ipc.kv_transfer import KVTransferConfig
 from workers.shm_region import SHM_DIR, header_bytes, shared_memory_supported
 
 _HEADER_WORDS = 4  # nonce, block index, checksum, spare

@@ -34,7 +34,8 @@ class TransferServer:
         try:
             self.socket.bind(address)
         except zmq.ZMQError as error:
-            self.close()
+            self.socket.close(linger=0)
+            self.context.term()
             raise ValueError(f"kv_transfer_config: cannot serve KV at {address} ({error}); pick another kv_ip or "
                              "kv_port") from None
         self.decoder, self.encoder = msgspec.msgpack.Decoder(KVPull), msgspec.msgpack.Encoder()
@@ -55,9 +56,8 @@ class TransferServer:
             self.region.release(*self.released.get())
 
     def close(self) -> None:
-        if hasattr(self, "thread"):
-            self.stop.set()
-            self.thread.join()
+        self.stop.set()
+        self.thread.join()
         self.socket.close(linger=0)
         self.context.term()
 
