@@ -142,6 +142,9 @@ class ZmqConnector(KVConnector):
 
 
 def make_connector(config: KVTransferConfig, region: TransferRegion, kv: KVCacheManager) -> KVConnector:
+    if config.kv_role == "kv_both":
+        raise ValueError("kv_transfer_config: kv_role 'kv_both' names a group of two engines, and this one was started "
+                         "alone: use data_parallel_size=2, or a launcher per machine (--data-parallel-size-local 1)")
     if config.kv_connector == "ZmqConnector":
         return ZmqConnector(config, region, kv)
     return KVConnector(config.kv_role, config.region, region, kv)
@@ -152,18 +155,21 @@ def token_checksum(token_ids: list[int]) -> int:
     return int.from_bytes(digest, "little") >> 1  # 63 bits: msgspec's bounds fit an int64
 
 
-def transfer_group_configs(configs: list[EngineConfig]) -> list[EngineConfig]:
-    """A kv_both group's engines: engine 0 the producer, engine 1 the consumer, sharing a fresh region name."""
+def transfer_group_configs(configs: list[EngineConfig], first_rank: int = 0) -> list[EngineConfig]:
+    """A kv_both group's engines started here, the group's ranks first_rank..: rank 0 the producer, rank 1 the
+    consumer, sharing a fresh region name (ZmqConnector: a free port). A group split over machines (one engine here)
+    needs ZmqConnector and the kv_port both machines' launchers are given, which also names the group."""
     transfer = configs[0].kv_transfer_config if configs else None
     if transfer is None or transfer.kv_role != "kv_both":
         return configs
-    name = f"pagedserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
-    port = transfer.kv_port
-    if transfer.kv_connector == "ZmqConnector" and port == 0:
+    name, port = f"pagedserve-kv-{os.getpid()}-{secrets.token_hex(8)}", transfer.kv_port
+    if len(configs) < 2:  # EngineConfig has checked: ZmqConnector at the kv_port both machines are given
+        name = f"pagedserve-kv-{port}"
+    elif transfer.kv_connector == "ZmqConnector" and port == 0:
         port = int(free_tcp_address(transfer.kv_ip).rsplit(":", 1)[1])
+    roles = ("kv_producer", "kv_consumer")[first_rank:]
     return [msgspec.structs.replace(config, kv_transfer_config=msgspec.structs.replace(
-        transfer, kv_role=role, region=name, kv_port=port))
-        for config, role in zip(configs, ("kv_producer", "kv_consumer"))]
+        transfer, kv_role=role, region=name, kv_port=port)) for config, role in zip(configs, roles)]
 
 
 def remove_region(configs: list[EngineConfig]) -> None:

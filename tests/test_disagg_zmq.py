@@ -4,26 +4,33 @@ stopped or killed costs the decode engine at most kv_pull_timeout_s and a recomp
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import httpx
 import msgspec
+import openai
 import pytest
 import torch
 import zmq
 
 from conftest import child_pids, tiny_model, wait_until
 from core.kv_cache_manager import KVCacheManager
-from core.kv_transfer import ZmqConnector
+from core.engine_spawn import data_parallel_configs
+from core.kv_transfer import ZmqConnector, make_connector
 from core.request import Request
-from disagg_cases import GREEDY, long_prompt, run_alone
+from disagg_cases import GREEDY, PROMPTS, long_prompt, run_alone, token_prompts
 from frontend import LLM, SamplingParams
-from ipc import EngineCoreRequest
+from ipc import EngineConfig, EngineCoreRequest
 from ipc.kv_transfer import KVPulled, KVTransferConfig
 from ipc.sockets import free_tcp_address
+from launcher import REPO, free_port, start_launcher, stop_launcher
 from workers.kv_transfer import TransferRegion
 
 BLOCK = 4
@@ -74,6 +81,23 @@ def pair():
     made.close()
 
 
+def test_each_machine_of_a_split_group_gives_its_engine_the_group_rank_role():
+    """--data-parallel-size-local 1 on each machine: engine 0 (the head's) prefills, engine 1 (the headless one's)
+    decodes, both named after the kv_port they are given; without ZmqConnector and a kv_port there is no split."""
+    connector = {"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_port": 6001}
+    config = EngineConfig(model="unused", data_parallel_size=2, kv_transfer_config=connector)
+    local = msgspec.structs.replace(config, data_parallel_size=1)
+    roles = [(c.kv_transfer_config.kv_role, c.kv_transfer_config.region, c.kv_transfer_config.kv_port)
+             for rank in (0, 1) for c in data_parallel_configs(local, [0], first_rank=rank)]
+    assert roles == [("kv_producer", "pagedserve-kv-6001", 6001), ("kv_consumer", "pagedserve-kv-6001", 6001)]
+    for bad in [{**connector, "kv_port": 0}, {**connector, "kv_connector": "SharedMemoryConnector"}]:
+        with pytest.raises(ValueError, match="explicit kv_port"):
+            msgspec.structs.replace(EngineConfig(model="unused", data_parallel_size=2, kv_transfer_config=bad),
+                                    data_parallel_size=1)
+    with pytest.raises(ValueError, match="started alone"):
+        make_connector(local.kv_transfer_config, None, None)
+
+
 def _stopped(pid: int) -> bool:
     """Every thread of the process stopped (SIGSTOP reaches a busy one's threads in their own time)."""
     tasks = Path(f"/proc/{pid}/task")
@@ -120,7 +144,7 @@ def test_a_malformed_pull_is_answered_with_an_error_and_the_server_serves_on(pai
 
 def test_a_malformed_answer_recomputes():
     """A producer answering with frames of the wrong size, or header words out of range: nothing loaded."""
-    pair = _Pair()
+    pair = _Pair(timeout_s=10.0)
     params, _ = pair.send("a", _prompt(0))
     pair.sender.close()
     context = zmq.Context()
@@ -130,9 +154,13 @@ def test_a_malformed_answer_recomputes():
     answers = [[msgspec.msgpack.encode({"pull_id": 1, "headers": [[params.nonce, i, params.checksum] for i in (0, 1)]}),
                 b"short"],
                [msgspec.msgpack.encode({"pull_id": 2, "headers": [[-1, 0, 0], [0, 0, 0]]})]]
+    done = threading.Event()
 
     def answer() -> None:
         for frames in answers:
+            while not fake.poll(100):
+                if done.is_set():
+                    return
             identity, _ = fake.recv_multipart()
             fake.send_multipart([identity, *frames])
 
@@ -140,9 +168,11 @@ def test_a_malformed_answer_recomputes():
     server.start()
     try:
         for _ in answers:
-            assert pair.receive("a", _prompt(0), params) == []
+            started = time.monotonic()
+            assert pair.receive("a", _prompt(0), params) == [] and time.monotonic() - started < 10.0  # answered
         assert pair.receiver.recomputes == 2
     finally:
+        done.set()
         server.join()
         fake.close()
         context.term()
@@ -226,3 +256,40 @@ def test_a_stopped_then_killed_prefill_engine_costs_a_recompute_with_the_same_to
     assert not child_pids()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", port))  # nothing serves KV any more
+
+
+@pytest.mark.slow  # two launchers; the loopback group above runs the same transfer by default
+def test_a_group_split_over_two_machines_hands_the_kv_over_tcp():
+    """Two launchers on loopback standing in for two machines: the head's engine prefills, the headless one's
+    decodes, their KV over ZMQ at the kv_port both are given; the completions are one engine's, and the decode engine
+    found the prompts' blocks (loaded) in its prefix cache."""
+    single = LLM(tiny_model("llama"), dtype="float32")
+    try:
+        expected = [output.outputs[0].text for output in single.generate(token_prompts(PROMPTS), GREEDY,
+                                                                          use_tqdm=False)]
+    finally:
+        single.shutdown()
+    connector = {"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_buffer_bytes": "128KiB",
+                 "kv_ip": "127.0.0.1", "kv_port": free_port()}
+    common = [tiny_model("llama"), "--dtype", "float32", "--max-model-len", "256", "--dp", "2",
+              "--data-parallel-size-local", "1", "--engine-insecure-loopback",
+              "--kv-transfer-config", msgspec.json.encode(connector).decode()]
+    port = free_port()
+    node = subprocess.Popen([sys.executable, "-m", "launch", *common, "--headless", "--data-parallel-address",
+                             "127.0.0.1", "--data-parallel-rpc-port", str(port)], cwd=REPO)
+    head = None
+    try:
+        head, base_url = start_launcher([*common, "--data-parallel-remote", f"tcp://127.0.0.1:{port}"])
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        served = [client.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0].text for ids in PROMPTS]
+        assert served == expected
+        hits = re.search(r'prefix_cache_hits_total\{[^}]*engine="1"[^}]*\} ([0-9.e+]+)',
+                         httpx.get(f"{base_url}/metrics").text)
+        size = 16
+        assert hits is not None and float(hits.group(1)) == size * sum((len(ids) - 1) // size for ids in PROMPTS)
+    finally:
+        if head is not None:
+            stop_launcher(head)
+        stop_launcher(node)
