@@ -4,11 +4,11 @@ prefill and a decode engine against the same two engines as plain data parallel,
 The workload (issue 57's): --streams requests of a 32-token prompt decode --stream-tokens tokens each (greedy,
 ignore_eos); once all have started, --long prompts of --long-len tokens arrive one every --interval s, each generating
 8 tokens. Each configuration is two engine cores on this machine, each pinned to its own share of the CPUs (one core
-each on two), behind one AsyncLLM: plain DP routed round robin, plain DP routed by prefix, and disaggregated (engine 0
-prefills, engine 1 decodes). Engines run --num-scheduler-steps 1 by default, so each token reaches its stream as its
-step ends and a stall shows whole (a multi-step call would hold tokens back and deliver them together either way). A
-stream's inter-token latency: the gap before each of its outputs, spread over the tokens it brings; its first output
-(time to first token) is left out.
+each on two), behind one AsyncLLM: plain DP routed round robin, plain DP routed by prefix, and disaggregated (engine
+0 prefills, engine 1 decodes) with the KV handed over shared memory and over ZMQ (loopback TCP). Engines run
+--num-scheduler-steps 1 by default, so each token reaches its stream as its step ends and a stall shows whole (a
+multi-step call would hold tokens back and deliver them together either way). A stream's inter-token latency: the gap
+before each of its outputs, spread over the tokens it brings; its first output (time to first token) is left out.
 
     python benchmarks/disagg_prefill.py [--streams 4] [--long 8] [--long-len 448] [--interval 0.25]
         [--num-scheduler-steps 1] [--note ...]
@@ -34,7 +34,8 @@ from multimodal import machine  # noqa: E402
 CONNECTOR = {"kv_connector": "SharedMemoryConnector", "kv_role": "kv_both", "kv_buffer_bytes": "256MiB"}
 CONFIGS = {"plain DP, round robin": {"data_parallel_routing": "round_robin"},
            "plain DP, prefix routing": {"data_parallel_routing": "prefix"},
-           "disaggregated prefill": {"kv_transfer_config": CONNECTOR}}
+           "disaggregated prefill": {"kv_transfer_config": CONNECTOR},
+           "disaggregated prefill, ZMQ": {"kv_transfer_config": {**CONNECTOR, "kv_connector": "ZmqConnector"}}}
 
 
 async def stream(engine: AsyncLLM, request_id: str, ids: list[int], params: SamplingParams,
@@ -99,10 +100,10 @@ def main() -> None:
     args = parser.parse_args()
     print(machine(args.note, "bfloat16"), flush=True)
     results = {name: asyncio.run(run(name, engine_args, args, 4096)) for name, engine_args in CONFIGS.items()}
-    disaggregated = results["disaggregated prefill"]
-    for name in list(CONFIGS)[:2]:
-        print(f"disaggregated / {name}: p50 {percentile(disaggregated, 50) / percentile(results[name], 50):.2f}x, "
-              f"p99 {percentile(disaggregated, 99) / percentile(results[name], 99):.2f}x")
+    for disaggregated in list(CONFIGS)[2:]:
+        for name in list(CONFIGS)[:2]:
+            ratios = [percentile(results[disaggregated], q) / percentile(results[name], q) for q in (50, 99)]
+            print(f"{disaggregated} / {name}: p50 {ratios[0]:.2f}x, p99 {ratios[1]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import msgspec
 from core import engine_checks
 from core.kv_cache_manager import KVCacheManager
 from core.kv_offload import check_offload
-from core.kv_transfer import KVConnector
+from core.kv_transfer import make_connector
 from core.profiler import EngineProfiler
 from core.request import Request
 from core.scheduler import Scheduler
@@ -78,7 +78,7 @@ class EngineCore:
         transfer = self.config.kv_transfer_config
         if transfer is not None and not encoder:
             region = self.executor.kv_transfer_region()
-            self.scheduler.connector = KVConnector(transfer.kv_role, transfer.region, region, self.kv_cache_manager)
+            self.scheduler.connector = make_connector(transfer, region, self.kv_cache_manager)
         self._arrivals = itertools.count()
         self.batches_submitted = 0
         self.profiler = None if config.profiler_dir is None else EngineProfiler(
@@ -253,6 +253,8 @@ class EngineCore:
     def shutdown(self) -> None:
         if self._structured is not None:
             self._structured.shutdown()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.close()
         self.executor.shutdown()
 
 

@@ -144,12 +144,13 @@ def start_engines(configs: list[EngineConfig], addresses: list[str], curve_key_f
     return processes
 
 
-def data_parallel_configs(config: EngineConfig, cpus: list[int]) -> list[EngineConfig]:
+def data_parallel_configs(config: EngineConfig, cpus: list[int], first_rank: int = 0) -> list[EngineConfig]:
     """Each data-parallel engine's config: its rank; with enable_expert_parallel, where the engines' expert-parallel
     group meets (a free loopback port: the engines started here form one group); on a CPU a single-rank engine's
     threads pinned to its own equal share of `cpus` (engines whose threads all roam every CPU slow each other down),
     unless cpu_threads_bind or cpu_threads is given, there are more engines than CPUs, or the ranks are Ray actors
-    (Ray places them). A kv_transfer_config group's engines get their roles (core/kv_transfer.py)."""
+    (Ray places them). A kv_transfer_config group's engines get their roles (core/kv_transfer.py): these are the
+    group's ranks first_rank.. (another machine's launcher starts the others)."""
     size = config.data_parallel_size
     shared = {}
     if config.enable_expert_parallel and size > 1:
@@ -163,4 +164,4 @@ def data_parallel_configs(config: EngineConfig, cpus: list[int]) -> list[EngineC
     return transfer_group_configs([msgspec.structs.replace(
         config, data_parallel_rank=rank, **shared,
         **({"cpu_threads_bind": ",".join(map(str, cpus[rank * share:(rank + 1) * share]))} if pin else {}))
-        for rank in range(size)])
+        for rank in range(size)], first_rank)

@@ -1,9 +1,11 @@
 """Disaggregated prefill, engine-core side: between steps, a finished prefill's whole prompt blocks are written to the
-shared region (slots from a free list, else the least recently written one reused), and a decode request's blocks are
-loaded from it into the prefix cache before it is first scheduled, which then finds them by its own hashes."""
+transfer region (slots from a free list, else the least recently written one reused), and a decode request's blocks
+are loaded from it (shared memory; ZmqConnector: pulled from the prefill engine's) into the prefix cache before it is
+first scheduled, which then finds them by its own hashes."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import secrets
@@ -14,7 +16,8 @@ import msgspec
 import numpy as np
 
 from ipc import EngineConfig
-from ipc.kv_transfer import KVTransferParams
+from ipc.kv_transfer import KVTransferConfig, KVTransferParams, producer_address
+from ipc.sockets import free_tcp_address
 from workers.shm_region import SHM_DIR
 
 if TYPE_CHECKING:  # the front end's start-up imports this module for its last two functions: no torch there
@@ -56,26 +59,36 @@ class KVConnector:
             return
         size = self.kv.block_size
         num_blocks = min(len(params.slots), (request.num_tokens - 1) // size)
-        if params.region != self.name or params.num_tokens != len(params.slots) * size or \
+        if not self._from_here(params) or params.num_tokens != len(params.slots) * size or \
                 params.checksum != token_checksum(request.prompt_token_ids[:params.num_tokens]):
             self.recomputes += 1
             return
-
-        def read(first: int, block_ids: list[int]) -> bool:
-            return self.region.read(params.slots[first:first + len(block_ids)], block_ids, params.nonce,
-                                    params.checksum, first)
-
-        loaded = self.kv.cache_loaded(request, num_blocks, read)
+        loaded = self.kv.cache_loaded(request, num_blocks, functools.partial(self._load, params))
         if loaded is False:
             self.recomputes += 1
         elif loaded:
             self.blocks_received += loaded
         else:  # the prefix cache held them already (or too few blocks were free): the slots are not needed
-            self.region.release(params.slots, params.nonce)
+            self._release(params)
+
+    def close(self) -> None:
+        """Nothing to stop: the region goes with the worker."""
+
+    def _from_here(self, params: KVTransferParams) -> bool:
+        return params.region == self.name and params.remote_address is None
+
+    def _load(self, params: KVTransferParams, first: int, block_ids: list[int]) -> bool:
+        """The transfer's blocks first.. into block_ids, verified by the region's headers."""
+        return self.region.read(params.slots[first:first + len(block_ids)], block_ids, params.nonce, params.checksum,
+                                first)
+
+    def _release(self, params: KVTransferParams) -> None:
+        self.region.release(params.slots, params.nonce)
 
     def _take_slots(self, count: int) -> list[int]:
         """`count` slots: released ones first, then those written longest ago (a decode engine that has not read
         one yet finds it overwritten and recomputes)."""
+        self._collect_released()
         for slot in [slot for slot in self.written if self.region.released(slot)]:
             del self.written[slot]
             self.free_slots.append(slot)
@@ -85,20 +98,78 @@ class KVConnector:
         self.written.update(dict.fromkeys(slots))
         return slots
 
+    def _collect_released(self) -> None:
+        """Shared memory: the decode engine clears a slot's nonce itself."""
+
+
+class ZmqConnector(KVConnector):
+    """The prefill engine serves its (private) region's slots over ZMQ; the decode engine pulls a transfer's slots
+    into its own region, where the same headers are checked as with shared memory (TransferRegion.read)."""
+
+    def __init__(self, config: KVTransferConfig, region: TransferRegion, kv: KVCacheManager) -> None:
+        from workers.kv_transfer_zmq import TransferClient, TransferServer  # torch: the front end imports this module
+
+        super().__init__(config.kv_role, config.region, region, kv)
+        self.address = producer_address(config)
+        self.server = TransferServer(region, self.address, config.kv_hold_s) if self.role == "kv_producer" else None
+        self.client = TransferClient(region, self.address, config.kv_pull_timeout_s) \
+            if self.role == "kv_consumer" else None
+
+    def send(self, request: Request) -> KVTransferParams | None:
+        params = super().send(request)
+        if params is None:
+            return None
+        self.server.offer(params.nonce, params.slots)
+        return msgspec.structs.replace(params, remote_address=self.address)
+
+    def close(self) -> None:
+        for end in (self.server, self.client):
+            if end is not None:
+                end.close()
+
+    def _from_here(self, params: KVTransferParams) -> bool:
+        return params.region == self.name and params.remote_address == self.address  # never pulled from elsewhere
+
+    def _load(self, params: KVTransferParams, first: int, block_ids: list[int]) -> bool:
+        local = self.client.pull(params.nonce, params.slots[first:first + len(block_ids)])
+        return local is not None and self.region.read(local, block_ids, params.nonce, params.checksum, first)
+
+    def _release(self, params: KVTransferParams) -> None:
+        self.client.release(params.nonce, params.slots)
+
+    def _collect_released(self) -> None:
+        self.server.take_released()
+
+
+def make_connector(config: KVTransferConfig, region: TransferRegion, kv: KVCacheManager) -> KVConnector:
+    if config.kv_role == "kv_both":
+        raise ValueError("kv_transfer_config: kv_role 'kv_both' names a group of two engines, and this one was started "
+                         "alone: use data_parallel_size=2, or a launcher per machine (--data-parallel-size-local 1)")
+    if config.kv_connector == "ZmqConnector":
+        return ZmqConnector(config, region, kv)
+    return KVConnector(config.kv_role, config.region, region, kv)
+
 
 def token_checksum(token_ids: list[int]) -> int:
     digest = hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1  # 63 bits: msgspec's bounds fit an int64
 
 
-def transfer_group_configs(configs: list[EngineConfig]) -> list[EngineConfig]:
-    """A kv_both group's engines: engine 0 the producer, engine 1 the consumer, sharing a fresh region name."""
+def transfer_group_configs(configs: list[EngineConfig], first_rank: int = 0) -> list[EngineConfig]:
+    """A kv_both group's engines started here, the group's ranks first_rank..: rank 0 the producer, rank 1 the
+    consumer, sharing a fresh region name (ZmqConnector: a free port). A group split over machines (one engine here)
+    needs ZmqConnector and the kv_port both machines' launchers are given, which also names the group."""
     transfer = configs[0].kv_transfer_config if configs else None
     if transfer is None or transfer.kv_role != "kv_both":
         return configs
-    name = f"pagedserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
+    name, port = f"pagedserve-kv-{os.getpid()}-{secrets.token_hex(8)}", transfer.kv_port
+    if len(configs) < 2:  # EngineConfig has checked: ZmqConnector at the kv_port both machines are given
+        name = f"pagedserve-kv-{port}"
+    elif transfer.kv_connector == "ZmqConnector" and port == 0:
+        port = int(free_tcp_address(transfer.kv_ip).rsplit(":", 1)[1])
+    roles = ("kv_producer", "kv_consumer")[first_rank:]
     return [msgspec.structs.replace(config, kv_transfer_config=msgspec.structs.replace(
-        transfer, kv_role=role, region=name)) for config, role in zip(configs, ("kv_producer", "kv_consumer"))]
+        transfer, kv_role=role, region=name, kv_port=port)) for config, role in zip(configs, roles)]
 
 
 def remove_region(configs: list[EngineConfig]) -> None:

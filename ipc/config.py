@@ -220,12 +220,14 @@ def _check_cpu_threads_bind(config: EngineConfig) -> None:
 
 
 def _check_kv_transfer(config: EngineConfig) -> None:
-    """The shared-memory connector joins two single-rank engine processes on one node."""
+    """A connector (shared memory or ZMQ) joins two single-rank engine processes of one data-parallel group."""
     transfer = config.kv_transfer_config
     if transfer.kv_role == "kv_both":
-        _require(config.data_parallel_size == 2, "kv_transfer_config",
-                 f"with kv_role 'kv_both' needs data_parallel_size=2 (a prefill and a decode engine), got "
-                 f"{config.data_parallel_size}")
+        # One engine of the two: each machine's launcher (--data-parallel-size-local 1) starts its share of the group.
+        split = config.data_parallel_size == 1 and transfer.kv_connector == "ZmqConnector" and transfer.kv_port != 0
+        _require(config.data_parallel_size == 2 or split, "kv_transfer_config",
+                 f"with kv_role 'kv_both' needs data_parallel_size=2 (a prefill and a decode engine; split over two "
+                 f"machines: ZmqConnector and an explicit kv_port), got {config.data_parallel_size}")
     else:
         _require(transfer.region is not None, "kv_transfer_config",
                  f"with kv_role {transfer.kv_role!r} is one engine of a group: start the group with kv_role 'kv_both'")

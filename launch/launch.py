@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
                              '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\'')
     engine.add_argument("--kv-transfer-config", metavar="JSON",
                         help='disaggregated prefill with --dp 2: \'{"kv_connector": "SharedMemoryConnector", '
-                             '"kv_role": "kv_both", "kv_buffer_bytes": "256MiB"}\' (engine 0 prefills, 1 decodes)')
+                             '"kv_role": "kv_both", "kv_buffer_bytes": "256MiB"}\' (engine 0 prefills, 1 decodes; '
+                             '"ZmqConnector" hands the KV over TCP at kv_ip:kv_port instead)')
     engine.add_argument("--structured-outputs-compile-timeout", type=float, default=10.0,
                         help="a request whose schema/regex/grammar takes longer to compile gets a 400 "
                         "(seconds, default: %(default)s)")

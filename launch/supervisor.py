@@ -74,7 +74,8 @@ class Launcher:
             signal.signal(signum, lambda *_: self.stop.set())
         where = placement(self.args, self.config.data_parallel_size)
         local = msgspec.structs.replace(self.config, data_parallel_size=len(where.local_addresses))
-        configs = data_parallel_configs(local, sorted(os.sched_getaffinity(0)))
+        first_rank = self.config.data_parallel_size - len(where.local_addresses) if where.headless else 0
+        configs = data_parallel_configs(local, sorted(os.sched_getaffinity(0)), first_rank)
         addresses = where.local_addresses
         engines = start_engines(configs, addresses, self.args.curve_key_file, self.args.engine_insecure_loopback)
         if where.headless:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from conftest import assert_all_blocks_free, child_pids, long_context_llama, tiny_model, wait_until
+from disagg_cases import GREEDY, PROMPTS, long_prompt, run_alone, token_prompts
 from core.engine_spawn import data_parallel_configs
 from core.kv_cache_manager import KVCacheManager
 from core.kv_transfer import KVConnector, token_checksum
@@ -30,10 +31,7 @@ from launcher import descendants, start_launcher, stop_launcher
 from workers.kv_transfer import TransferRegion
 
 CONNECTOR = {"kv_connector": "SharedMemoryConnector", "kv_role": "kv_both", "kv_buffer_bytes": "128KiB"}
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-# Shorter than a block (straight to the decode engine), exactly one and two whole blocks, and longer ones.
-LENGTHS = [5, 16, 17, 32, 33, 70]
-PROMPTS = [[(7 * n + i) % 500 + 1 for i in range(length)] for n, length in enumerate(LENGTHS)]
+CONNECTORS = [CONNECTOR, {**CONNECTOR, "kv_connector": "ZmqConnector"}]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +39,7 @@ def reference() -> list:
     """One engine's greedy completion of each prompt."""
     single = LLM(tiny_model("llama"), dtype="float32")
     try:
-        return [o.outputs[0] for o in single.generate(_token_prompts(PROMPTS), GREEDY, use_tqdm=False)]
+        return [o.outputs[0] for o in single.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)]
     finally:
         single.shutdown()
 
@@ -51,24 +49,17 @@ def expected(reference) -> list[list[int]]:
     return [completion.token_ids for completion in reference]
 
 
-@pytest.fixture(scope="module")
-def group():
-    llm = LLM(tiny_model("llama"), dtype="float32", data_parallel_size=2, kv_transfer_config=CONNECTOR)
+@pytest.fixture(scope="module", params=CONNECTORS, ids=lambda connector: connector["kv_connector"])
+def group(request):
+    llm = LLM(tiny_model("llama"), dtype="float32", data_parallel_size=2, kv_transfer_config=request.param)
     yield llm
     llm.shutdown()
 
 
-def _token_prompts(prompts: list[list[int]]) -> list[dict]:
-    return [{"prompt_token_ids": ids} for ids in prompts]
-
-
-def _long(seed: int) -> list[int]:
-    return [(11 * seed + 3 * i) % 700 + 2 for i in range(70)]
-
-
 def test_the_config_is_checked_by_name():
     for bad, field in [({**CONNECTOR, "kv_connector": "NixlConnector"}, "kv_connector"),
-                       ({**CONNECTOR, "kv_role": "prefill"}, "kv_role"), ({**CONNECTOR, "kv_ip": "1.2.3.4"}, "kv_ip"),
+                       ({**CONNECTOR, "kv_role": "prefill"}, "kv_role"), ({**CONNECTOR, "kv_rank": 1}, "kv_rank"),
+                       ({**CONNECTOR, "kv_ip": "a b"}, "kv_ip"), ({**CONNECTOR, "kv_port": 70000}, "kv_port"),
                        ({**CONNECTOR, "region": "../etc"}, "region"),
                        ({**CONNECTOR, "kv_buffer_bytes": "lots"}, "kv_buffer_bytes")]:
         with pytest.raises(ValueError, match=field):
@@ -171,7 +162,7 @@ def test_slots_are_checked_reused_least_recently_written_first_and_a_mismatch_lo
 
 def test_greedy_outputs_equal_one_engines_and_the_blocks_go_over(group, expected):
     before = group.get_stats()
-    outputs = group.generate(_token_prompts(PROMPTS), GREEDY, use_tqdm=False)
+    outputs = group.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)
     assert [output.outputs[0].token_ids for output in outputs] == expected
     stats, size = group.get_stats(), group.info.block_size
     blocks = sum((len(ids) - 1) // size for ids in PROMPTS)  # the 5- and 16-token prompts went straight to decode
@@ -181,29 +172,17 @@ def test_greedy_outputs_equal_one_engines_and_the_blocks_go_over(group, expected
     assert_all_blocks_free(group)
 
 
-def _run(client, request: EngineCoreRequest):
-    """The request alone on one engine of the group: (its tokens, its final output)."""
-    client.add_request(request)
-    tokens = []
-    while True:
-        for output in client.get_outputs().outputs:
-            assert output.request_id == request.request_id and output.error is None
-            tokens += output.new_token_ids
-            if output.finish_reason is not None:
-                return tokens, output
-
-
 def test_an_overwritten_or_forged_transfer_recomputes_the_same_tokens(group, expected):
     prefill, decode = group.client.clients
     one = SamplingParams(temperature=0.0, max_tokens=1)
     ids = PROMPTS[-1]
 
     def prefilled(request_id: str, prompt: list[int]) -> KVTransferParams:
-        return _run(prefill, EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=one,
+        return run_alone(prefill, EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=one,
                                                produce_kv=True))[1].kv_transfer_params
 
     overwritten, n = prefilled("first", ids), 0
-    while not set(prefilled(f"later{n}", _long(n)).slots) & set(overwritten.slots):  # a later prefill reuses a slot
+    while not set(prefilled(f"later{n}", long_prompt(n)).slots) & set(overwritten.slots):  # a later one reuses a slot
         n += 1
         assert n < 20
     fresh = prefilled("again", ids)
@@ -211,16 +190,17 @@ def test_an_overwritten_or_forged_transfer_recomputes_the_same_tokens(group, exp
     before = decode.get_stats()
     for request_id, transfer in [("overwritten", overwritten), ("forged", forged), ("intact", fresh)]:
         decode.call_utility("reset_prefix_cache")  # nothing found there: the transfer alone decides
-        got, _ = _run(decode, EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=GREEDY,
-                                                kv_transfer_params=transfer))
+        got, _ = run_alone(decode, EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
+                                                     sampling_params=GREEDY, kv_transfer_params=transfer))
         assert got == expected[len(PROMPTS) - 1], request_id
     stats = decode.get_stats()
     assert stats.kv_transfer_recomputes - before.kv_transfer_recomputes == 2
     assert stats.kv_transfer_blocks_received - before.kv_transfer_blocks_received == len(fresh.slots) == 4
 
 
-def test_served_over_http_equal_one_engine(reference):
-    connector = msgspec.json.encode(CONNECTOR).decode()
+@pytest.mark.parametrize("connector", CONNECTORS, ids=lambda connector: connector["kv_connector"])
+def test_served_over_http_equal_one_engine(reference, connector):
+    connector = msgspec.json.encode(connector).decode()
     process, base_url = start_launcher([tiny_model("llama"), "--dtype", "float32", "--dp", "2",
                                         "--max-model-len", "256", "--kv-transfer-config", connector])
     try:
@@ -237,7 +217,8 @@ def test_served_over_http_equal_one_engine(reference):
     assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in engines), timeout=10)
 
 
-def test_a_killed_prefill_engine_hands_over_to_decode_and_a_killed_decode_engine_fails_at_once():
+@pytest.mark.parametrize("connector", CONNECTORS, ids=lambda connector: connector["kv_connector"])
+def test_a_killed_prefill_engine_hands_over_to_decode_and_a_killed_decode_engine_fails_at_once(connector):
     """Prefill engine killed: streams on the decode engine go on, its requests (and new ones) compute their prompts
     there. Decode engine killed: every request ends with an error within a second. (The 64k-context llama: its
     streams run for many seconds on any machine.)"""
@@ -251,14 +232,15 @@ def test_a_killed_prefill_engine_hands_over_to_decode_and_a_killed_decode_engine
         return tokens
 
     async def run() -> None:
-        engine = AsyncLLM(long_context_llama(), dtype="float32", data_parallel_size=2, kv_transfer_config=CONNECTOR)
+        engine = AsyncLLM(long_context_llama(), dtype="float32", data_parallel_size=2, kv_transfer_config=connector)
         pids = [client.process.pid for client in engine.client.clients]
         try:
             long = SamplingParams(temperature=0.0, max_tokens=30_000, ignore_eos=True,
                                   output_kind=RequestOutputKind.DELTA)
             delta = msgspec.structs.replace(GREEDY, output_kind=RequestOutputKind.DELTA)
             started = [asyncio.Event() for _ in range(4)]
-            streams = [asyncio.ensure_future(final(engine, f"s{i}", _long(i), long, started[i])) for i in range(4)]
+            streams = [asyncio.ensure_future(final(engine, f"s{i}", long_prompt(i), long, started[i]))
+                       for i in range(4)]
             await asyncio.gather(*(event.wait() for event in started))
             os.kill(pids[0], signal.SIGKILL)
             after = await asyncio.gather(*(final(engine, f"a{i}", ids, delta) for i, ids in enumerate(PROMPTS)))

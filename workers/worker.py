@@ -120,8 +120,7 @@ class Worker:
         if num_host_blocks:
             self.kv_offload = HostKVTier.for_layers(layers, num_host_blocks, self.device)
         if transfer is not None:
-            self.kv_transfer = TransferRegion.for_layers(transfer.region, layers, transfer.kv_buffer_bytes,
-                                                         self.device)
+            self.kv_transfer = TransferRegion.for_layers(transfer, layers, self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammars: LentGrammars | None = None) -> ModelRunnerOutput:

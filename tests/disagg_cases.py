@@ -1,0 +1,30 @@
+"""What the disaggregated-prefill tests share: their prompts, greedy parameters, and a request run alone on one
+engine of a group."""
+from __future__ import annotations
+
+from ipc import EngineCoreRequest, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+# Shorter than a block (straight to the decode engine), exactly one and two whole blocks, and longer ones.
+LENGTHS = [5, 16, 17, 32, 33, 70]
+PROMPTS = [[(7 * n + i) % 500 + 1 for i in range(length)] for n, length in enumerate(LENGTHS)]
+
+
+def token_prompts(prompts: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": ids} for ids in prompts]
+
+
+def long_prompt(seed: int) -> list[int]:
+    return [(11 * seed + 3 * i) % 700 + 2 for i in range(70)]
+
+
+def run_alone(client, request: EngineCoreRequest) -> tuple[list[int], object]:
+    """The request alone on one engine of the group: (its tokens, its final output)."""
+    client.add_request(request)
+    tokens = []
+    while True:
+        for output in client.get_outputs().outputs:
+            assert output.request_id == request.request_id and output.error is None
+            tokens += output.new_token_ids
+            if output.finish_reason is not None:
+                return tokens, output
