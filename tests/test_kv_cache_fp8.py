@@ -212,3 +212,23 @@ def test_checkpoint_scales_reach_their_layers():
     tensors["model.layers.1.self_attn.k_scale"] = torch.tensor(-1.0)
     with pytest.raises(ValueError, match="layers.1.self_attn.k_scale: a KV cache scale must be positive"):
         load_kv_scales(model, {name: reader for name in tensors})
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("head_dim", [32, 64, 96])
+def test_every_fp8_byte_reads_exactly_as_its_bf16_value(fmt, head_dim):
+    """An fp8 cache read by the decode attention equals a bf16 cache holding its dequantized values bit for bit (the
+    scales chosen so that the kernels fold in exactly nothing: 2^-8 for e4m3, whose readers count in 2^-8 units):
+    every finite byte, subnormals and signs included, converted exactly on every path (64, 32 and 1 at a time)."""
+    generator = torch.Generator().manual_seed(head_dim)
+    finite = torch.arange(256, dtype=torch.uint8).view(fmt)
+    finite = finite[finite.float().isfinite()]
+    unit = 2.0 ** -8 if fmt == torch.float8_e4m3fn else 1.0
+    lengths = [1, 5, 17, 40, 63]
+    caches = [finite[torch.randint(len(finite), (24, 2, 16, head_dim), generator=generator)] for _ in range(2)]
+    tables = torch.randperm(24, generator=generator)[:20].view(5, 4)
+    query = torch.randn(len(lengths), 4, head_dim, generator=generator).to(torch.bfloat16)
+    lens = torch.tensor(lengths)
+    out = cpu_decode_attention.decode_attention(query, *caches, tables, lens, 0.125, k_scale=unit, v_scale=unit)
+    bf16 = [kv_quant.dequantize(c, unit, torch.bfloat16) for c in caches]
+    assert torch.equal(out, cpu_decode_attention.decode_attention(query, *bf16, tables, lens, 0.125))

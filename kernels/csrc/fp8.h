@@ -90,14 +90,45 @@ inline const uint16_t* fp8_bf16_table() {
   return table.data();
 }
 
-// fp8 rows as bf16 into buf, for the AVX-512 BF16 readers, 32 bytes at a time: a normal byte's exponent and
-// mantissa bits moved into bf16's and its exponent rebased (bias 7 or 15, less log2 kFp8Unit, against 127: 112 for
-// both kinds), a subnormal's (exponent bits 0) looked up in the table's first 32 entries, the sign moved up.
+// fp8_bf16_table's entries split into bytes for vpermt2b: [0, 128) the low bytes, [128, 256) the high ones; then
+// the two byte indices (into low | high as one 128-byte table) that interleave them into words 0-31 and 32-63.
+template <typename C>
+inline const uint8_t* fp8_bf16_byte_tables() {
+  alignas(64) static const std::array<uint8_t, 384> bytes = [] {
+    std::array<uint8_t, 384> t{};
+    const uint16_t* words = fp8_bf16_table<C>();
+    for (int i = 0; i < 128; ++i) t[i] = uint8_t(words[i]), t[128 + i] = uint8_t(words[i] >> 8);
+    for (int w = 0; w < 64; ++w) t[256 + 2 * w] = uint8_t(w), t[256 + 2 * w + 1] = uint8_t(64 + w);
+    return t;
+  }();
+  return bytes.data();
+}
+
+// fp8 rows as bf16 into buf, for the AVX-512 BF16 readers. With VBMI 64 bytes at a time by vpermt2b from
+// fp8_bf16_byte_tables; else 32 at a time: a normal byte's exponent and mantissa bits moved into bf16's and its
+// exponent rebased (bias 7 or 15, less log2 kFp8Unit, against 127: 112 for both kinds), a subnormal's (exponent
+// bits 0) looked up in the table's first 32 entries, the sign moved up. Both give fp8_bf16_table's words exactly.
 template <typename C>
 inline const uint16_t* bf16_fp8_rows(const C* src, uint16_t* buf, int64_t count) {
   const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
   const uint16_t* table = fp8_bf16_table<C>();
   int64_t i = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+  // The word's low and high bytes looked up by the byte's low 7 bits (vpermt2b reads only those), the sign put into
+  // the high byte, the two interleaved into words in order.
+  const uint8_t* bytes = fp8_bf16_byte_tables<C>();
+  const __m512i lo0 = _mm512_load_si512(bytes), lo1 = _mm512_load_si512(bytes + 64);
+  const __m512i hi0 = _mm512_load_si512(bytes + 128), hi1 = _mm512_load_si512(bytes + 192);
+  const __m512i first = _mm512_load_si512(bytes + 256), second = _mm512_load_si512(bytes + 320);
+  const __m512i sign_bits = _mm512_set1_epi8(char(0x80));
+  for (; i + 64 <= count; i += 64) {
+    const __m512i x = _mm512_loadu_si512(b + i);
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, x, lo1);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, x, hi1), x, sign_bits, 0xF8);
+    _mm512_storeu_si512(buf + i, _mm512_permutex2var_epi8(lo, first, hi));
+    _mm512_storeu_si512(buf + i + 32, _mm512_permutex2var_epi8(lo, second, hi));
+  }
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   constexpr bool e4m3 = std::is_same_v<C, Fp8E4m3>;
   const __m512i subnormals = _mm512_load_si512(table), low7 = _mm512_set1_epi16(0x7F);
