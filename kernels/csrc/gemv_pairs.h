@@ -78,7 +78,8 @@ inline void pair_group(const uint16_t* tile, const uint16_t* x, const uint16_t* 
 }
 
 // x [M, K], pairs: W [N, K] as [ceil(N / 32)][ceil(K / 2)][32][2] (kernels/cpu_gemv.py's pair_weight), bias [N] or
-// null, y [M, N]. Threads split (tile, group of 8 input rows) items, consecutive groups of a tile to one thread.
+// null, y [M, N]. Threads split (tile, group of 8 input rows) items, consecutive groups of a tile to one thread; a
+// tile's first group prefetches the next tile.
 inline void gemv_pairs_bf16(const uint16_t* x, const uint16_t* pairs, const uint16_t* bias, uint16_t* y, int64_t M,
                             int64_t N, int64_t K) {
   const int64_t tiles = (N + kPairTileRows - 1) / kPairTileRows, groups = (M + kPairGroupRows - 1) / kPairGroupRows;
@@ -86,7 +87,8 @@ inline void gemv_pairs_bf16(const uint16_t* x, const uint16_t* pairs, const uint
 #pragma omp parallel for schedule(static)
   for (int64_t item = 0; item < tiles * groups; ++item) {
     const int64_t t = item / groups, m0 = item % groups * kPairGroupRows;
-    pair_group(pairs + t * tile_elems, x, bias, y, t * kPairTileRows, m0, std::min(kPairGroupRows, M - m0), N, K);
+    pair_group(pairs + t * tile_elems, x, bias, y, t * kPairTileRows, m0, std::min(kPairGroupRows, M - m0), N, K,
+               m0 == 0 && t + 1 < tiles ? pairs + (t + 1) * tile_elems : nullptr);
   }
 }
 
