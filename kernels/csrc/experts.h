@@ -96,7 +96,9 @@ constexpr int64_t kTileStreamRows = 8;
 // One product of every active expert from its gemv_pairs.h copy (pairs: each expert's copy of W [N, K] in turn):
 // expert i's rows [starts[i], starts[i + 1]) of x [rows, K] into y [rows, N]. The (expert, tile) items in order are
 // split into one contiguous run per thread of about equal cost, so the threads share every expert's weights (one
-// expert or many, each read once) and a tile stays in L1 while its expert's rows pass over it.
+// expert or many, each read once) and a tile stays in L1 while its expert's rows pass over it. The first pass over
+// a tile prefetches the next (the expert's next tile, or the next active expert's first): a step's experts stream
+// from memory (a model's experts outgrow the caches), and at few rows per expert the products no longer hide it.
 inline void expert_products(const ExpertGroups& g, const uint16_t* pairs, const uint16_t* x, uint16_t* y, int64_t N,
                             int64_t K) {
   const int64_t tiles = (N + kPairTileRows - 1) / kPairTileRows, tile_elems = (K + 1) / 2 * 2 * kPairTileRows;
@@ -117,10 +119,14 @@ inline void expert_products(const ExpertGroups& g, const uint16_t* pairs, const 
       const int64_t first = g.starts[i], rows = g.starts[i + 1] - first, cost = kTileStreamRows + rows;
       const int64_t t0 = std::clamp<int64_t>((from - before[i] + cost - 1) / cost, 0, tiles);
       const int64_t t1 = std::clamp<int64_t>((to - before[i] + cost - 1) / cost, 0, tiles);
-      for (int64_t t = t0; t < t1; ++t)
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t after = t + 1 < tiles ? g.active[i] * tiles + t + 1
+                              : i + 1 < count ? g.active[i + 1] * tiles : -1;
         for (int64_t m0 = 0; m0 < rows; m0 += kPairGroupRows)
           pair_group(pairs + (g.active[i] * tiles + t) * tile_elems, x + first * K, nullptr, y + first * N,
-                     t * kPairTileRows, m0, std::min(kPairGroupRows, rows - m0), N, K);
+                     t * kPairTileRows, m0, std::min(kPairGroupRows, rows - m0), N, K,
+                     m0 == 0 && after >= 0 ? pairs + after * tile_elems : nullptr);
+      }
     }
   }
 }

@@ -20,15 +20,20 @@ namespace pagedserve {
 constexpr int64_t kPairTileRows = 32, kPairGroupRows = 8;
 
 // Input rows m0..m0+MB against the tile of output rows n0..n0+32 (tile: [K / 2 pairs][32 rows][2], zero past N
-// and K).
+// and K). next: a tile of the same size that the caller reads after this one, or null: its lines are prefetched
+// into L2 as this tile's stream in, a whole tile ahead of use, which the hardware prefetchers alone do not reach.
 template <int MB>
 inline void pair_tile(const uint16_t* tile, const uint16_t* x, const uint16_t* bias, uint16_t* y, int64_t n0,
-                      int64_t m0, int64_t N, int64_t K) {
+                      int64_t m0, int64_t N, int64_t K, const uint16_t* next = nullptr) {
   __m512 a[MB][2];
   for (int m = 0; m < MB; ++m) a[m][0] = a[m][1] = _mm512_setzero_ps();
   auto step = [&](int64_t p, auto pair_of) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + p * 64);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(tile + p * 64 + 32);
+    if (next) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + p * 64), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + p * 64 + 32), _MM_HINT_T1);
+    }
     for (int m = 0; m < MB; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair_of(x + (m0 + m) * K + 2 * p));
       a[m][0] = _mm512_dpbf16_ps(a[m][0], w0, xv);
@@ -57,23 +62,24 @@ inline void pair_tile(const uint16_t* tile, const uint16_t* x, const uint16_t* b
   }
 }
 
-// Input rows m0..m0+MB (at most 8) against one tile.
+// Input rows m0..m0+MB (at most 8) against one tile (next: as pair_tile's).
 inline void pair_group(const uint16_t* tile, const uint16_t* x, const uint16_t* bias, uint16_t* y, int64_t n0,
-                       int64_t m0, int64_t MB, int64_t N, int64_t K) {
+                       int64_t m0, int64_t MB, int64_t N, int64_t K, const uint16_t* next = nullptr) {
   switch (MB) {
-    case 8: pair_tile<8>(tile, x, bias, y, n0, m0, N, K); break;
-    case 7: pair_tile<7>(tile, x, bias, y, n0, m0, N, K); break;
-    case 6: pair_tile<6>(tile, x, bias, y, n0, m0, N, K); break;
-    case 5: pair_tile<5>(tile, x, bias, y, n0, m0, N, K); break;
-    case 4: pair_tile<4>(tile, x, bias, y, n0, m0, N, K); break;
-    case 3: pair_tile<3>(tile, x, bias, y, n0, m0, N, K); break;
-    case 2: pair_tile<2>(tile, x, bias, y, n0, m0, N, K); break;
-    default: pair_tile<1>(tile, x, bias, y, n0, m0, N, K); break;
+    case 8: pair_tile<8>(tile, x, bias, y, n0, m0, N, K, next); break;
+    case 7: pair_tile<7>(tile, x, bias, y, n0, m0, N, K, next); break;
+    case 6: pair_tile<6>(tile, x, bias, y, n0, m0, N, K, next); break;
+    case 5: pair_tile<5>(tile, x, bias, y, n0, m0, N, K, next); break;
+    case 4: pair_tile<4>(tile, x, bias, y, n0, m0, N, K, next); break;
+    case 3: pair_tile<3>(tile, x, bias, y, n0, m0, N, K, next); break;
+    case 2: pair_tile<2>(tile, x, bias, y, n0, m0, N, K, next); break;
+    default: pair_tile<1>(tile, x, bias, y, n0, m0, N, K, next); break;
   }
 }
 
 // x [M, K], pairs: W [N, K] as [ceil(N / 32)][ceil(K / 2)][32][2] (kernels/cpu_gemv.py's pair_weight), bias [N] or
-// null, y [M, N]. Threads split (tile, group of 8 input rows) items, consecutive groups of a tile to one thread.
+// null, y [M, N]. Threads split (tile, group of 8 input rows) items, consecutive groups of a tile to one thread; a
+// tile's first group prefetches the next tile.
 inline void gemv_pairs_bf16(const uint16_t* x, const uint16_t* pairs, const uint16_t* bias, uint16_t* y, int64_t M,
                             int64_t N, int64_t K) {
   const int64_t tiles = (N + kPairTileRows - 1) / kPairTileRows, groups = (M + kPairGroupRows - 1) / kPairGroupRows;
@@ -81,7 +87,8 @@ inline void gemv_pairs_bf16(const uint16_t* x, const uint16_t* pairs, const uint
 #pragma omp parallel for schedule(static)
   for (int64_t item = 0; item < tiles * groups; ++item) {
     const int64_t t = item / groups, m0 = item % groups * kPairGroupRows;
-    pair_group(pairs + t * tile_elems, x, bias, y, t * kPairTileRows, m0, std::min(kPairGroupRows, M - m0), N, K);
+    pair_group(pairs + t * tile_elems, x, bias, y, t * kPairTileRows, m0, std::min(kPairGroupRows, M - m0), N, K,
+               m0 == 0 && t + 1 < tiles ? pairs + (t + 1) * tile_elems : nullptr);
   }
 }
 
