@@ -34,7 +34,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         return gemv_triton.gemv(x, weight, bias, gemv)
     if weight.dtype in QUANTIZED_DTYPES:
-        return _quantized_linear(x, weight, bias, weight_scale, weight_zero, weight_g_idx)
+        return _quantized_linear(x, weight, bias, weight_scale, weight_zero, weight_g_idx, pairs)
     if cpu_gemv.serves(x, weight, bias, pairs):
         return cpu_gemv.gemv(x, weight, bias, pairs)
     if packed is not None and x.dtype == torch.bfloat16:
@@ -47,13 +47,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
-                      zero: torch.Tensor | None, g_idx: torch.Tensor | None) -> torch.Tensor:
+                      zero: torch.Tensor | None, g_idx: torch.Tensor | None, pairs: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     if scale is None:
         raise ValueError(f"a {weight.dtype} weight needs its weight_scale")
     if weight.dtype in cpu_gemv.SCALED_DTYPES and zero is None and g_idx is None and x.device.type == "cpu" \
             and (scale.dim() == 1 or cpu_gemv.takes_groups(weight, scale)) and cpu_extension.ready() is not None:
         if cpu_gemv.serves(x, weight, bias):
-            return cpu_gemv.gemv_quantized(x, weight, scale, bias)
+            return cpu_gemv.gemv_quantized(x, weight, scale, bias, pairs)
         return quantized_linear(x, weight, scale, None, None, bias, dequantizer=cpu_gemv.dequantize)
     if weight.dtype == torch.float8_e4m3fn and fp8_tensor_cores(x, weight, scale, zero, g_idx):
         return _fp8_scaled_mm(x, weight, scale, bias)
