@@ -90,12 +90,15 @@ def test_int8_pairs_are_checked():
 
 
 def test_linear_layers_get_and_read_int8_pairs(monkeypatch):
-    """workers.prepacking gives an int8 layer with row scales its int8 pairs copy; linear() reads it up to
-    INT8_MAX_ROWS rows, float32 rows read the weight."""
-    layer = Linear(96, 67).bfloat16()
-    torch.nn.init.normal_(layer.weight)
-    quantize_model_rows(layer, quantize_lm_head=False)
-    prepack_linear_weights(layer, available_bytes=1 << 40)
+    """workers.prepacking gives an int8 layer with row scales in a bf16 model its int8 pairs copy (a float32 model's
+    none); linear() reads it up to INT8_MAX_ROWS rows, float32 rows read the weight."""
+    layers = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        layers[dtype] = layer = Linear(96, 67, bias=True).to(dtype)
+        torch.nn.init.normal_(layer.weight)
+        quantize_model_rows(layer, quantize_lm_head=False)
+        prepack_linear_weights(layer, available_bytes=1 << 40)
+    assert layers[torch.float32].pairs_weight is None
     assert layer.pairs_weight.dtype == torch.int8 and cpu_gemv.fits_pairs(layer.weight, layer.pairs_weight)
     calls = []
     kernel = cpu_gemv.gemv_quantized

@@ -31,7 +31,9 @@ def prepack_linear_weights(model: nn.Module, available_bytes: int | None = None)
     layers' pointers to them, stale)."""
     plain = [m for m in model.modules() if getattr(m, "packed_weight", False) is None
              and getattr(m, "weight_scale", None) is None]
-    int8 = [(m, "pairs_weight", m.weight) for m in model.modules() if getattr(m, "quantizable", False)
+    # int8 copies serve bf16 rows only: a bf16 model's (its norms' dtype, say).
+    bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
+    int8 = [(m, "pairs_weight", m.weight) for m in model.modules() if bf16 and getattr(m, "quantizable", False)
             and getattr(m, "weight_zero", True) is None and getattr(m, "weight_g_idx", True) is None
             and m.weight_scale is not None and cpu_gemv.pairs_serve(m.weight, m.weight_scale)]
     stacks = [(m, f"{name}_pairs", getattr(m, f"{name}_proj")) for m in model.modules()
