@@ -25,7 +25,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     of rows at a time into the GEMM's dtype (by the C++ kernels where they take the weight).
 
     `pairs`, the weight's kernels.cpu_gemv.pair_weight copy where the model keeps one, serves bf16 products of up to
-    cpu_gemv.PAIRS_MAX_ROWS rows; `packed`, its kernels.cpu_prepacked copy, the GEMMs the GEMV kernel does not take.
+    cpu_gemv.PAIRS_MAX_ROWS rows (an int8 weight's, with a scale per row: its bf16 rows up to INT8_MAX_ROWS);
+    `packed`, its kernels.cpu_prepacked copy, the GEMMs the GEMV kernel does not take.
 
     `gemv`, the Triton GEMV's launch shape that start-up timing chose for this weight on CUDA (workers.gemv_tuning),
     serves products of one row (batch-1 decode) in place of cuBLAS."""

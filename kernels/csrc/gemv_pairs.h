@@ -42,7 +42,7 @@ struct Int8Pairs {
   const int8_t* tile;
   __m512i low0, low1, high0, high1;
   explicit Int8Pairs(const int8_t* t) : tile(t) {
-    alignas(64) static const auto table = [] {
+    static const auto table = [] {  // built once
       std::array<uint8_t, 256> bytes{};  // low bytes of 0..127, then high bytes
       for (int i = 0; i < 128; ++i) {
         const uint16_t bits = uint16_t(float_bits(float(i ? i : 128)) >> 16);
@@ -50,8 +50,8 @@ struct Int8Pairs {
       }
       return bytes;
     }();
-    low0 = _mm512_load_si512(table.data()), low1 = _mm512_load_si512(table.data() + 64);
-    high0 = _mm512_load_si512(table.data() + 128), high1 = _mm512_load_si512(table.data() + 192);
+    low0 = _mm512_loadu_si512(table.data()), low1 = _mm512_loadu_si512(table.data() + 64);
+    high0 = _mm512_loadu_si512(table.data() + 128), high1 = _mm512_loadu_si512(table.data() + 192);
   }
   void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
     const __m512i q = _mm512_loadu_si512(tile + p * 64);
