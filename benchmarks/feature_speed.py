@@ -11,7 +11,9 @@ The share is a row's figure over plain llama's of the same run. Quantized rows c
 model dtype, so the int8 row's share is its speed over the bf16 model's.
 --compare-llamacpp adds llama.cpp's server on plain llama (a GGUF of the same model, --gguf), quiet, same run.
 --int8-beyond-cache adds int8 against bf16 at batch 1 on a llama whose int8 weights are 1.5x the last-level cache
-(the 30m model's fit in a large L3, where a step is not bound by the bytes it reads): the two engines take turns.
+(the 30m model's fit in a large L3, where a step is not bound by the bytes it reads): the two engines take turns. Both
+keep their paired copies only within workers.prepacking's budget (an eighth of the memory free at load: 13 GB free
+or more on a 480 MiB L3), else they read their plain weights.
 Target (issue 52): every row >= 0.8x plain llama's at batch 1 and batch 32, on a 2-core CPU with native bf16;
 int8 >= 1.5x bf16 at batch 1 and >= 0.9x at batch 32.
 
