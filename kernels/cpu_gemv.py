@@ -9,7 +9,8 @@ outer-product tiles take over and run near the FMA peak, still widening bf16 wei
 converting them per call. Where the CPU has AVX-512 BF16, bf16 products are its dot-product instruction's instead
 (gemv_bf16.h), and from a weight's pair_weight() copy, where the model keeps one, gemv_pairs.h's (any rows up to
 PAIRS_MAX_ROWS). Same arithmetic as the float32 path: float32 products and sums, one rounding to the output dtype.
-int8 and fp8 e4m3 weights with scales per row or per group of columns are read as stored (gemv_quantized).
+int8 and fp8 e4m3 weights with scales per row or per group of columns are read as stored (gemv_quantized); an int8
+weight with a scale per row and its int8 pair_weight() copy by gemv_pairs.h, converted to bf16 in registers.
 """
 from __future__ import annotations
 
@@ -87,9 +88,11 @@ def pairs_cpu() -> bool:
     return {"avx512_bf16", "avx512bw"} <= cpu_flags()
 
 
-def pairs_serve(weight: torch.Tensor) -> bool:
-    """Whether a pair_weight() copy of this weight would serve its products: a bf16 CPU matrix, on a pairs_cpu()."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 and pairs_cpu()
+def pairs_serve(weight: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
+    """Whether a pair_weight() copy of this weight would serve its products: a bf16 CPU matrix, or an int8 one with
+    its `scale` per row, on a pairs_cpu()."""
+    kind = weight.dtype == torch.bfloat16 if scale is None else (weight.dtype == torch.int8 and scale.dim() == 1)
+    return weight.device.type == "cpu" and kind and weight.dim() == 2 and pairs_cpu()
 
 
 def pairs_shape(weight: torch.Tensor) -> tuple[int, int, int, int]:
@@ -99,19 +102,33 @@ def pairs_shape(weight: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def pair_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The bf16 weight [N, K] as gemv_pairs.h reads it (into `out`, if given): [ceil(N / 32), ceil(K / 2), 32, 2],
-    tile t's element [p, r, e] = weight[32 t + r, 2 p + e], zero past N and K (one column pair of 32 output rows per
-    128 bytes)."""
+    """The bf16 (or int8) weight [N, K] as gemv_pairs.h reads it (into `out`, if given): [ceil(N / 32), ceil(K / 2),
+    32, 2], tile t's element [p, r, e] = weight[32 t + r, 2 p + e], zero past N and K (one column pair of 32 output
+    rows per 128 bytes; int8: per 64 bytes, in INT8_PAIR_ORDER)."""
     rows, columns = weight.shape
     tiles, pairs, _, _ = pairs_shape(weight)
     padded = torch.nn.functional.pad(weight, (0, columns % 2, 0, -rows % 32))
     laid_out = padded.view(tiles, 32, pairs, 2).transpose(1, 2)
+    if weight.dtype == torch.int8:
+        laid_out = laid_out.reshape(tiles, pairs, 64)[..., INT8_PAIR_ORDER].view(tiles, pairs, 32, 2)
     return laid_out.contiguous() if out is None else out.copy_(laid_out)
+
+
+def _int8_pair_order() -> torch.Tensor:
+    """Where each of an int8 column pair's 64 bytes comes from: vpunpcklbw and vpunpckhbw (gemv_pairs.h) turn bytes
+    0-7, 16-23, 32-39, 48-55 into rows 0-15's bf16 pairs and the others into rows 16-31's."""
+    order = torch.empty(64, dtype=torch.long)
+    for entry in range(64):
+        order[16 * (entry % 32 // 8) + 8 * (entry // 32) + entry % 8] = entry
+    return order
+
+
+INT8_PAIR_ORDER = _int8_pair_order()
 
 
 def fits_pairs(weight: torch.Tensor, pairs: torch.Tensor) -> bool:
     """Whether `pairs` has pair_weight(weight)'s layout (shape, dtype, contiguous)."""
-    return (pairs.dtype == torch.bfloat16 and pairs.is_contiguous() and pairs.device.type == "cpu"
+    return (pairs.dtype == weight.dtype and pairs.is_contiguous() and pairs.device.type == "cpu"
             and pairs.shape == pairs_shape(weight))
 
 
@@ -140,13 +157,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return _run(x, weight, None, bias)
 
 
-def gemv_quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+def gemv_quantized(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                   pairs: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight * scale, bias) for an int8 or fp8 e4m3 weight [N, K] with a float32 scale per row [N] or
     per group of columns [N, K / group] (group a multiple of 8), the weight read as stored: half of bf16's bytes.
     Each row's (or group's) sum is scaled once, in float32 (from 12 rows on, a grouped weight is dequantized a tile
-    at a time instead)."""
+    at a time instead). bf16 rows with `pairs` (pair_weight(weight) of an int8 weight with a scale per row): from
+    that copy, as gemv() reads a bf16 one."""
     _check_scaled(weight, scale)
+    if pairs is not None and x.dtype == torch.bfloat16:
+        if not (fits_pairs(weight, pairs) and pairs_serve(weight, scale)):
+            raise ValueError("pairs must be pair_weight(weight) of an int8 weight with a scale per row, on a CPU with "
+                             "AVX-512 BF16")
+        return _run(x, weight, scale.contiguous(), bias, pairs)
     return _run(x, weight, scale.contiguous(), bias)
 
 
@@ -199,7 +222,10 @@ def _run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias
     rows = x.reshape(-1, in_features).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
     bf16, bias_ptr = x.dtype == torch.bfloat16, 0 if bias is None else bias.data_ptr()
-    if pairs is not None:
+    if pairs is not None and scale is not None:
+        module.gemv_pairs_int8(rows.data_ptr(), pairs.data_ptr(), scale.data_ptr(), bias_ptr, out.data_ptr(),
+                               rows.shape[0], out_features, in_features)
+    elif pairs is not None:
         module.gemv_pairs(rows.data_ptr(), pairs.data_ptr(), bias_ptr, out.data_ptr(), rows.shape[0], out_features,
                           in_features)
     elif scale is None:

@@ -234,12 +234,13 @@ class DecoderLayerWeights:
                                          and self.sin.is_contiguous() and self.cos.shape == self.sin.shape
                                          and self.cos.shape[1] <= self.head_dim and self.cos.shape[1] % 2 == 0):
             raise ValueError("cos and sin must be contiguous float32 [max_position, rotary_dim <= head_dim] tables")
-        for weight, pairs in [(w, p) for (w, _), p in zip(self.projections(), self._pairs())] + self._mla_products():
+        for (weight, scale), pairs in [*zip(self.projections(), self._pairs()),
+                                       *(((w, None), p) for w, p in self._mla_products())]:
             if pairs is not None and weight is not None and not (
-                    weight.dtype == dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weight)
+                    dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weight, scale)
                     and cpu_gemv.fits_pairs(weight, pairs)):
-                raise ValueError("a projection's pairs must be kernels.cpu_gemv.pair_weight of its bf16 weight, on a "
-                                 "CPU with AVX-512 BF16")
+                raise ValueError("a projection's pairs must be kernels.cpu_gemv.pair_weight of its bf16 weight (or "
+                                 "int8 one with a scale per row) in a bf16 layer, on a CPU with AVX-512 BF16")
 
     def loras(self) -> tuple[AdapterSlots | None, ...]:
         return self.qkv_lora, self.o_lora, self.gate_up_lora, self.down_lora

@@ -25,7 +25,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     of rows at a time into the GEMM's dtype (by the C++ kernels where they take the weight).
 
     `pairs`, the weight's kernels.cpu_gemv.pair_weight copy where the model keeps one, serves bf16 products of up to
-    cpu_gemv.PAIRS_MAX_ROWS rows; `packed`, its kernels.cpu_prepacked copy, the GEMMs the GEMV kernel does not take.
+    cpu_gemv.PAIRS_MAX_ROWS rows (an int8 weight's, with a scale per row: its bf16 rows up to INT8_MAX_ROWS);
+    `packed`, its kernels.cpu_prepacked copy, the GEMMs the GEMV kernel does not take.
 
     `gemv`, the Triton GEMV's launch shape that start-up timing chose for this weight on CUDA (workers.gemv_tuning),
     serves products of one row (batch-1 decode) in place of cuBLAS."""
@@ -34,7 +35,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         return gemv_triton.gemv(x, weight, bias, gemv)
     if weight.dtype in QUANTIZED_DTYPES:
-        return _quantized_linear(x, weight, bias, weight_scale, weight_zero, weight_g_idx)
+        return _quantized_linear(x, weight, bias, weight_scale, weight_zero, weight_g_idx, pairs)
     if cpu_gemv.serves(x, weight, bias, pairs):
         return cpu_gemv.gemv(x, weight, bias, pairs)
     if packed is not None and x.dtype == torch.bfloat16:
@@ -47,13 +48,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
-                      zero: torch.Tensor | None, g_idx: torch.Tensor | None) -> torch.Tensor:
+                      zero: torch.Tensor | None, g_idx: torch.Tensor | None, pairs: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     if scale is None:
         raise ValueError(f"a {weight.dtype} weight needs its weight_scale")
     if weight.dtype in cpu_gemv.SCALED_DTYPES and zero is None and g_idx is None and x.device.type == "cpu" \
             and (scale.dim() == 1 or cpu_gemv.takes_groups(weight, scale)) and cpu_extension.ready() is not None:
         if cpu_gemv.serves(x, weight, bias):
-            return cpu_gemv.gemv_quantized(x, weight, scale, bias)
+            return cpu_gemv.gemv_quantized(x, weight, scale, bias, pairs)
         return quantized_linear(x, weight, scale, None, None, bias, dequantizer=cpu_gemv.dequantize)
     if weight.dtype == torch.float8_e4m3fn and fp8_tensor_cores(x, weight, scale, zero, g_idx):
         return _fp8_scaled_mm(x, weight, scale, bias)

@@ -192,6 +192,18 @@ def test_experts_pairs_of_another_shape_are_refused():
                                              torch.bfloat16)
 
 
+@pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="int8 pairs copies: bf16 rows on CPUs with AVX-512 BF16")
+@pytest.mark.parametrize("seqs", [[(1, 1)], [(3, 1), (9, 5)], [(9, 1), (70, 5), (130, 3)]],
+                         ids=["one decode", "verify", "mixed"])
+def test_int8_pairs_copies_equal_the_layers_own_forward(seqs):
+    layer_class, config = CASES["qwen2 biases, head_dim 128, window"]
+    layer = make_layer(layer_class, config, torch.bfloat16, seed=3)
+    assert_fused_matches(layer, layer_class, config, torch.bfloat16, seqs, first_layer=False, int8="paired rows")
+    got = fused_and_op_by_op(layer, config, torch.bfloat16, seqs, first_layer=False)[0]
+    layer.mlp.down_proj.pairs_weight.zero_()  # the C++ layer reads the copies: its output follows them
+    assert not torch.equal(fused_and_op_by_op(layer, config, torch.bfloat16, seqs, first_layer=False)[0][0], got[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seqs", [[(1, 1)], [(9, 1), (70, 5), (130, 3)]], ids=["one decode", "mixed"])
 @pytest.mark.parametrize("scales", ["rows", "groups"])
@@ -298,8 +310,11 @@ def assert_fused_matches(layer: LlamaDecoderLayer, layer_class, config, dtype: t
         exact = make_layer(layer_class, config, torch.float32, seed=0)
         exact.load_state_dict({name: value.float() for name, value in layer.state_dict().items()})
     for each in (layer, exact):
-        if int8 == "rows" and each is not None:
+        if int8 in ("rows", "paired rows") and each is not None:
             quantize_model_rows(each, quantize_lm_head=False)
+        if int8 == "paired rows" and each is layer:  # int8 pairs copies (gemv_pairs.h), as workers.prepacking gives
+            prepack_linear_weights(layer, available_bytes=1 << 40)
+            assert layer.self_attn.qkv_proj.pairs_weight.dtype == layer.mlp.down_proj.pairs_weight.dtype == torch.int8
         if int8 == "groups" and each is not None:
             quantize_groups(each)
     got, expected = fused_and_op_by_op(layer, config, dtype, seqs, first_layer, products=products,

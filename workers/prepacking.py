@@ -1,6 +1,6 @@
 """Which of a loaded model's linear weights keep copies laid out for the CPU's products: paired for the GEMV
-kernel's bf16 products of up to 64 rows (kernels.cpu_gemv.pair_weight), prepacked for torch's CPU GEMMs past them
-(kernels.cpu_prepacked).
+kernel's bf16 (and int8) products of up to 64 rows (kernels.cpu_gemv.pair_weight), prepacked for torch's CPU GEMMs
+past them (kernels.cpu_prepacked).
 
 A copy sits next to the plain weight, which the other paths read, so each kind costs the weights' bytes again: a
 model gets copies only while all of them take at most PREPACK_MEMORY_FRACTION of the memory available at load,
@@ -23,21 +23,28 @@ PREPACK_MEMORY_FRACTION = 0.125
 
 
 def prepack_linear_weights(model: nn.Module, available_bytes: int | None = None) -> int:
-    """Give each linear layer with a plain bf16 weight its paired copy (`pairs_weight`), and each mixture of experts'
-    stacked bf16 weights theirs (workers.layers.fused_moe.FusedMoE's `gate_up_pairs`, `down_pairs`), where the CPU
-    has the kernel's instruction, then each linear layer its prepacked copy (`packed_weight`), each kind only if all
-    copies fit the budget; the bytes copied (0 when none was). Made once: nothing changes a weight after loading (a
-    weight changed in place would leave its copies, and the C++ layers' pointers to them, stale)."""
+    """Give each linear layer with a plain bf16 weight, or an int8 one with a scale per row, its paired copy
+    (`pairs_weight`), and each mixture of experts' stacked bf16 weights theirs (workers.layers.fused_moe.FusedMoE's
+    `gate_up_pairs`, `down_pairs`), where the CPU has the kernel's instruction, then each linear layer its prepacked
+    copy (`packed_weight`), each kind only if all copies fit the budget; the bytes copied (0 when none was). Made
+    once: nothing changes a weight after loading (a weight changed in place would leave its copies, and the C++
+    layers' pointers to them, stale)."""
     plain = [m for m in model.modules() if getattr(m, "packed_weight", False) is None
              and getattr(m, "weight_scale", None) is None]
+    # int8 copies serve bf16 rows only: a bf16 model's (its norms' dtype, say).
+    bf16 = any(p.dtype == torch.bfloat16 for p in model.parameters())
+    int8 = [(m, "pairs_weight", m.weight) for m in model.modules() if bf16 and getattr(m, "quantizable", False)
+            and getattr(m, "weight_zero", True) is None and getattr(m, "weight_g_idx", True) is None
+            and m.weight_scale is not None and cpu_gemv.pairs_serve(m.weight, m.weight_scale)]
     stacks = [(m, f"{name}_pairs", getattr(m, f"{name}_proj")) for m in model.modules()
               for name in ("gate_up", "down") if getattr(m, f"{name}_pairs", False) is None]
     if available_bytes is None:
         available_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     budget, copied = available_bytes * PREPACK_MEMORY_FRACTION, 0
     for targets, takes, nbytes, copy in (
-            ([(m, "pairs_weight", m.weight) for m in plain] + stacks, lambda w: cpu_gemv.pairs_serve(_matrix(w)),
-             lambda w: math.prod(_pairs_shape(w)) * 2, _paired),
+            ([(m, "pairs_weight", m.weight) for m in plain] + stacks + int8,
+             lambda w: w.dtype == torch.int8 or cpu_gemv.pairs_serve(_matrix(w)),
+             lambda w: math.prod(_pairs_shape(w)) * w.element_size(), _paired),
             ([(m, "packed_weight", m.weight) for m in plain], cpu_prepacked.packable, lambda w: w.nbytes, _prepacked)):
         targets = [(owner, attribute, weight) for owner, attribute, weight in targets if takes(weight)]
         total = sum(nbytes(weight) for _, _, weight in targets)
@@ -62,7 +69,7 @@ def _pairs_shape(weight: torch.Tensor) -> tuple[int, ...]:
 def _paired(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The weights' pairs copies (a stack's matrices each paired in turn) in one arena on huge pages: batch-1 decode
     streams them, as it streams the weights (workers.cpu_allocator)."""
-    homes = huge_page_views([(_pairs_shape(w), torch.bfloat16) for w in weights])
+    homes = huge_page_views([(_pairs_shape(w), w.dtype) for w in weights])
     for weight, home in zip(weights, homes):
         for matrix, out in zip(weight.reshape(-1, *weight.shape[-2:]), home.view(-1, *home.shape[-4:])):
             cpu_gemv.pair_weight(matrix, out=out)

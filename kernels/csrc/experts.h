@@ -124,7 +124,7 @@ inline void expert_products(const ExpertGroups& g, const uint16_t* pairs, const 
                               : i + 1 < count ? g.active[i + 1] * tiles : -1;
         for (int64_t m0 = 0; m0 < rows; m0 += kPairGroupRows)
           pair_group(pairs + (g.active[i] * tiles + t) * tile_elems, x + first * K, nullptr, y + first * N,
-                     t * kPairTileRows, m0, std::min(kPairGroupRows, rows - m0), N, K,
+                     t * kPairTileRows, m0, std::min(kPairGroupRows, rows - m0), N, K, nullptr,
                      m0 == 0 && after >= 0 ? pairs + after * tile_elems : nullptr);
       }
     }

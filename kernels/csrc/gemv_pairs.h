@@ -1,38 +1,106 @@
-// y = x W^T + b for bf16 x and W on CPUs with AVX-512 BF16, from W repacked once into "pairs" tiles: 32 output
-// rows at a time, column pairs outermost, so that one 512-bit load holds one column pair of 16 output rows. Each
-// input row's pair is broadcast and vdpbf16ps adds both products into those 16 rows' float32 sums: no sum is ever
-// added across lanes, each weight tile streams from memory once per call and stays in L1 while groups of 8 input
-// rows pass over it. Every output's sum runs over the column pairs in order in one lane, whatever the row count,
-// tiling or threads, so a row's result does not depend on the rows beside it. One rounding to bf16.
+// y = x W^T + b for bf16 x on CPUs with AVX-512 BF16, from W repacked once into "pairs" tiles: 32 output rows at a
+// time, column pairs outermost, so that one 512-bit load holds one column pair of 16 output rows (bf16 W; an int8 W's
+// tile holds 32 rows' pairs in 64 bytes, converted exactly to bf16 in registers: |q| <= 128 has at most 8 significant
+// bits, and each int8 row's float32 scale multiplies its sum once). Each input row's pair is broadcast and vdpbf16ps
+// adds both products into those 16 rows' float32 sums: no sum is ever added across lanes, each weight tile streams
+// from memory once per call and stays in L1 while groups of 8 input rows pass over it. Every output's sum runs over
+// the column pairs in order in one lane, whatever the row count, tiling or threads, so a row's result does not depend
+// on the rows beside it. One rounding to bf16.
 #pragma once
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "common.h"
+#include "fp8.h"
 
 namespace pagedserve {
 
 // Output rows per tile, and input rows per pass over a tile (2 x 8 sums in registers).
 constexpr int64_t kPairTileRows = 32, kPairGroupRows = 8;
 
+// Column pair p of a tile's 32 rows as bf16 pairs: rows 0..15 in w0, 16..31 in w1.
+struct Bf16Pairs {
+  const uint16_t* tile;
+  void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
+    w0 = (__m512bh)_mm512_loadu_si512(tile + p * 64);
+    w1 = (__m512bh)_mm512_loadu_si512(tile + p * 64 + 32);
+  }
+};
+
+// ... of an int8 tile, each column pair's 64 bytes ordered as vpunpck{l,h}bw interleave them (cpu_gemv.py's
+// pair_weight): each byte's bf16 looked up by |q| (vpermi2b: the low and the high byte of bf16(|q|), q's sign
+// added to the high byte), the bytes then interleaved into words. -128's |q| reads entry 0, whose high byte is
+// 128's (0x43, with the sign 0xC3: bf16 -128), and 0 is zeroed by its mask instead.
+#ifdef __AVX512VBMI__
+struct Int8Pairs {
+  const int8_t* tile;
+  __m512i low0, low1, high0, high1;
+  explicit Int8Pairs(const int8_t* t) : tile(t) {
+    static const auto table = [] {  // built once
+      std::array<uint8_t, 256> bytes{};  // low bytes of 0..127, then high bytes
+      for (int i = 0; i < 128; ++i) {
+        const uint16_t bits = uint16_t(float_bits(float(i ? i : 128)) >> 16);
+        bytes[i] = uint8_t(bits & 0xFF), bytes[128 + i] = uint8_t(bits >> 8);
+      }
+      return bytes;
+    }();
+    low0 = _mm512_loadu_si512(table.data()), low1 = _mm512_loadu_si512(table.data() + 64);
+    high0 = _mm512_loadu_si512(table.data() + 128), high1 = _mm512_loadu_si512(table.data() + 192);
+  }
+  void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
+    const __m512i q = _mm512_loadu_si512(tile + p * 64);
+    const __mmask64 nonzero = _mm512_test_epi8_mask(q, q);
+    const __m512i magnitude = _mm512_abs_epi8(q);
+    const __m512i low = _mm512_maskz_permutex2var_epi8(nonzero, low0, magnitude, low1);
+    const __m512i high = _mm512_ternarylogic_epi32(_mm512_maskz_permutex2var_epi8(nonzero, high0, magnitude, high1),
+                                                   q, _mm512_set1_epi8(char(0x80)), 0xF8);  // high | (q & 0x80)
+    w0 = (__m512bh)_mm512_unpacklo_epi8(low, high);
+    w1 = (__m512bh)_mm512_unpackhi_epi8(low, high);
+  }
+};
+#else
+struct Int8Pairs {  // without AVX-512 VBMI: bytes sign-extended to words in the same order, converted by way of float32
+  const int8_t* tile;
+  explicit Int8Pairs(const int8_t* t) : tile(t) {}
+  static __m512bh bf16_of(__m512i words) {
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(words)));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(words, 1)));
+    return _mm512_cvtne2ps_pbh(high, low);
+  }
+  void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
+    const __m512i q = _mm512_loadu_si512(tile + p * 64);
+    const __m512i sign = _mm512_movm_epi8(_mm512_movepi8_mask(q));
+    w0 = bf16_of(_mm512_unpacklo_epi8(q, sign));
+    w1 = bf16_of(_mm512_unpackhi_epi8(q, sign));
+  }
+};
+#endif
+inline Bf16Pairs pairs_of(const uint16_t* tile) { return {tile}; }
+inline Int8Pairs pairs_of(const int8_t* tile) { return Int8Pairs(tile); }
+
 // Input rows m0..m0+MB against the tile of output rows n0..n0+32 (tile: [K / 2 pairs][32 rows][2], zero past N
-// and K). next: a tile of the same size that the caller reads after this one, or null: its lines are prefetched
-// into L2 as this tile's stream in, a whole tile ahead of use, which the hardware prefetchers alone do not reach.
-template <int MB>
-inline void pair_tile(const uint16_t* tile, const uint16_t* x, const uint16_t* bias, uint16_t* y, int64_t n0,
-                      int64_t m0, int64_t N, int64_t K, const uint16_t* next = nullptr) {
+// and K), each sum times its row's scale (scale: the tile's first row's; null: none). next: a tile of the same size
+// that the caller reads after this one, or null: its lines are prefetched into L2 as this tile's stream in, a whole
+// tile ahead of use, which the hardware prefetchers alone do not reach.
+template <int MB, typename W>
+inline void pair_tile(const W* tile, const uint16_t* x, const float* scale, const uint16_t* bias, uint16_t* y,
+                      int64_t n0, int64_t m0, int64_t N, int64_t K, const W* next = nullptr) {
   __m512 a[MB][2];
   for (int m = 0; m < MB; ++m) a[m][0] = a[m][1] = _mm512_setzero_ps();
+  const auto weights = pairs_of(tile);
   auto step = [&](int64_t p, auto pair_of) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + p * 64);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(tile + p * 64 + 32);
-    if (next) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + p * 64), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(next + p * 64 + 32), _MM_HINT_T1);
+    __m512bh w0, w1;
+    weights(p, w0, w1);
+    if (next) {  // a column pair's 64 weights: two lines of bf16, one of int8
+      const char* line = reinterpret_cast<const char*>(next + p * 64);
+      _mm_prefetch(line, _MM_HINT_T1);
+      if constexpr (sizeof(W) == 2) _mm_prefetch(line + 64, _MM_HINT_T1);
     }
     for (int m = 0; m < MB; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair_of(x + (m0 + m) * K + 2 * p));
@@ -46,15 +114,18 @@ inline void pair_tile(const uint16_t* tile, const uint16_t* x, const uint16_t* b
   if (K % 2)  // the last column alone: its pair's other half is zero (never read past the row)
     step(pairs, [](const uint16_t* at) { return int32_t(*at); });
   const int64_t count = std::min<int64_t>(32, N - n0);
-  alignas(64) float b[32] = {};
+  alignas(64) float b[32] = {}, s[32];
   for (int64_t i = 0; bias && i < count; ++i) b[i] = widen(bias[n0 + i]);
+  for (int64_t i = 0; scale && i < 32; ++i) s[i] = i < count ? scale[i] : 0.f;
   for (int m = 0; m < MB; ++m) {
     // A whole tile's outputs go straight to y; a last, partial one's through a buffer (a memcpy call per row and
     // tile was ~9% of the samples of 8-row demo decode steps).
     alignas(64) uint16_t out[32];
     uint16_t* to = count == 32 ? y + (m0 + m) * N + n0 : out;
     for (int h = 0; h < 2; ++h) {
-      const __m512 sums = _mm512_add_ps(a[m][h], _mm512_load_ps(b + 16 * h));
+      const __m512 bh = _mm512_load_ps(b + 16 * h);
+      const __m512 sums =
+          scale ? _mm512_fmadd_ps(a[m][h], _mm512_load_ps(s + 16 * h), bh) : _mm512_add_ps(a[m][h], bh);
       store8(_mm512_castps512_ps256(sums), to + 16 * h);  // common.h's rounding, 8 lanes at a time
       store8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1)), to + 16 * h + 8);
     }
@@ -63,33 +134,68 @@ inline void pair_tile(const uint16_t* tile, const uint16_t* x, const uint16_t* b
 }
 
 // Input rows m0..m0+MB (at most 8) against one tile (next: as pair_tile's).
-inline void pair_group(const uint16_t* tile, const uint16_t* x, const uint16_t* bias, uint16_t* y, int64_t n0,
-                       int64_t m0, int64_t MB, int64_t N, int64_t K, const uint16_t* next = nullptr) {
+template <typename W>
+inline void pair_group(const W* tile, const uint16_t* x, const uint16_t* bias, uint16_t* y, int64_t n0, int64_t m0,
+                       int64_t MB, int64_t N, int64_t K, const float* scale = nullptr, const W* next = nullptr) {
   switch (MB) {
-    case 8: pair_tile<8>(tile, x, bias, y, n0, m0, N, K, next); break;
-    case 7: pair_tile<7>(tile, x, bias, y, n0, m0, N, K, next); break;
-    case 6: pair_tile<6>(tile, x, bias, y, n0, m0, N, K, next); break;
-    case 5: pair_tile<5>(tile, x, bias, y, n0, m0, N, K, next); break;
-    case 4: pair_tile<4>(tile, x, bias, y, n0, m0, N, K, next); break;
-    case 3: pair_tile<3>(tile, x, bias, y, n0, m0, N, K, next); break;
-    case 2: pair_tile<2>(tile, x, bias, y, n0, m0, N, K, next); break;
-    default: pair_tile<1>(tile, x, bias, y, n0, m0, N, K, next); break;
+    case 8: pair_tile<8>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
+    case 7: pair_tile<7>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
+    case 6: pair_tile<6>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
+    case 5: pair_tile<5>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
+    case 4: pair_tile<4>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
+    case 3: pair_tile<3>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
+    case 2: pair_tile<2>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
+    default: pair_tile<1>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
   }
 }
 
-// x [M, K], pairs: W [N, K] as [ceil(N / 32)][ceil(K / 2)][32][2] (kernels/cpu_gemv.py's pair_weight), bias [N] or
-// null, y [M, N]. Threads split (tile, group of 8 input rows) items, consecutive groups of a tile to one thread; a
-// tile's first group prefetches the next tile.
-inline void gemv_pairs_bf16(const uint16_t* x, const uint16_t* pairs, const uint16_t* bias, uint16_t* y, int64_t M,
-                            int64_t N, int64_t K) {
+// x [M, K], pairs: W [N, K] (bf16, or int8 with scale [N]; bf16: scale null) as [ceil(N / 32)][ceil(K / 2)][32][2]
+// (kernels/cpu_gemv.py's pair_weight), bias [N] or null, y [M, N]. Threads split (tile, group of 8 input rows) items,
+// consecutive groups of a tile to one thread; a tile's first group prefetches the next tile.
+template <typename W>
+void gemv_pairs(const uint16_t* x, const W* pairs, const float* scale, const uint16_t* bias, uint16_t* y, int64_t M,
+                int64_t N, int64_t K) {
   const int64_t tiles = (N + kPairTileRows - 1) / kPairTileRows, groups = (M + kPairGroupRows - 1) / kPairGroupRows;
   const int64_t tile_elems = (K + 1) / 2 * 2 * kPairTileRows;
 #pragma omp parallel for schedule(static)
   for (int64_t item = 0; item < tiles * groups; ++item) {
     const int64_t t = item / groups, m0 = item % groups * kPairGroupRows;
     pair_group(pairs + t * tile_elems, x, bias, y, t * kPairTileRows, m0, std::min(kPairGroupRows, M - m0), N, K,
+               scale ? scale + t * kPairTileRows : nullptr,
                m0 == 0 && t + 1 < tiles ? pairs + (t + 1) * tile_elems : nullptr);
   }
+}
+
+// x [M, K] bf16, pairs: an int8 W [N, K] as pair_weight lays it out, scale [N], bias [N] or null, y [M, N]. One row
+// converts the weights in registers; from two, each tile is converted to bf16 once, into a buffer the groups of input
+// rows then read as a bf16 tile (converting in registers per group ran 0.6x bf16's speed at 8 rows, the buffer
+// 1.2x). Same products in the same order: a row's result does not depend on the row count. Threads split the tiles.
+inline void gemv_pairs_int8(const uint16_t* x, const int8_t* pairs, const float* scale, const uint16_t* bias,
+                            uint16_t* y, int64_t M, int64_t N, int64_t K) {
+  if (M == 1) return gemv_pairs(x, pairs, scale, bias, y, M, N, K);
+  const int64_t tiles = (N + kPairTileRows - 1) / kPairTileRows, steps = (K + 1) / 2;
+#pragma omp parallel
+  {
+    std::vector<uint16_t> converted(steps * 2 * kPairTileRows);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const Int8Pairs weights(pairs + t * steps * 2 * kPairTileRows);
+      for (int64_t p = 0; p < steps; ++p) {
+        __m512bh w0, w1;
+        weights(p, w0, w1);
+        _mm512_storeu_si512(converted.data() + p * 64, (__m512i)w0);
+        _mm512_storeu_si512(converted.data() + p * 64 + 32, (__m512i)w1);
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kPairGroupRows)
+        pair_group(converted.data(), x, bias, y, t * kPairTileRows, m0, std::min(kPairGroupRows, M - m0), N, K,
+                   scale + t * kPairTileRows);
+    }
+  }
+}
+
+inline void gemv_pairs_bf16(const uint16_t* x, const uint16_t* pairs, const uint16_t* bias, uint16_t* y, int64_t M,
+                            int64_t N, int64_t K) {
+  gemv_pairs(x, pairs, nullptr, bias, y, M, N, K);
 }
 
 }  // namespace pagedserve

@@ -180,6 +180,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     throw std::runtime_error("gemv_pairs needs AVX-512 BF16");
 #endif
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  // ... of an int8 weight with a float32 scale per row [n] (pairs: its pair_weight layout, int8), bf16 rows.
+  m.def("gemv_pairs_int8", [](uintptr_t x, uintptr_t pairs, uintptr_t scale, uintptr_t bias, uintptr_t y, int64_t m,
+                              int64_t n, int64_t k) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    pagedserve::gemv_pairs_int8(in<uint16_t>(x), in<int8_t>(pairs), in<float>(scale), in<uint16_t>(bias),
+                                out<uint16_t>(y), m, n, k);
+#else
+    throw std::runtime_error("gemv_pairs_int8 needs AVX-512 BF16");
+#endif
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gemv_scaled", [](bool bf16, bool fp8, uintptr_t x, uintptr_t w, uintptr_t scale, int64_t group,
                           uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k) {
     (bf16 ? gemv_scaled<uint16_t> : gemv_scaled<float>)(fp8, x, w, scale, group, bias, y, m, n, k);
