@@ -48,6 +48,7 @@ from launch.make_model import ARCHS  # noqa: E402
 
 LORA_RANK = 16
 EMBEDDING_NAMES = ("embed_tokens.weight", "embed_in.weight", "wte.weight")
+POSITION_NAMES = ("embed_positions.weight", "wpe.weight")  # learned positions: a row looked up, no product
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def per_token_cost(folder: Path) -> tuple[float, float]:
         for name in names:
             shape = tensors.get_slice(name).get_shape()
             elements = float(math.prod(shape))
-            if name.endswith(EMBEDDING_NAMES) and not tied:
+            if (name.endswith(EMBEDDING_NAMES) and not tied) or name.endswith(POSITION_NAMES):
                 continue
             if ".experts." in name and ".shared_expert" not in name:
                 elements *= routed
