@@ -56,6 +56,7 @@ LORA_RANK = 16
 # BEYOND_CACHE_FACTOR times the last-level cache.
 BEYOND_CACHE_HIDDEN, BEYOND_CACHE_INTERMEDIATE, BEYOND_CACHE_HEADS, BEYOND_CACHE_FACTOR = 2048, 5632, 16, 1.5
 EMBEDDING_NAMES = ("embed_tokens.weight", "embed_in.weight", "wte.weight")
+POSITION_NAMES = ("embed_positions.weight", "wpe.weight")  # learned positions: a row looked up, no product
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def per_token_cost(folder: Path) -> tuple[float, float]:
         for name in names:
             shape = tensors.get_slice(name).get_shape()
             elements = float(math.prod(shape))
-            if name.endswith(EMBEDDING_NAMES) and not tied:
+            if (name.endswith(EMBEDDING_NAMES) and not tied) or name.endswith(POSITION_NAMES):
                 continue
             if ".experts." in name and ".shared_expert" not in name:
                 elements *= routed

@@ -149,8 +149,7 @@ void decode(const T* q, const C* kc, const C* vc, const int64_t* tables, const i
             const int64_t a = starts[r] - lo, b = lens[first + r] - lo;  // this query's scores
             if (b <= a) continue;
             float* sc = scores.data() + (r * G + g) * n;
-            if (soft_cap > 0.f)
-              for (int64_t i = a; i < b; ++i) sc[i] = soft_cap * std::tanh(sc[i] / soft_cap);
+            if (soft_cap > 0.f) soft_cap_scores(sc + a, b - a, soft_cap);
             inv[r * G + g] = 1.f / exp_sum(sc + a, b - a, max_of(sc + a, b - a));
           }
         for_each_block(vc, table, h, kv_heads, bs, dim, lo, hi, {vc}, [&](int64_t j0, int64_t j1, const C* block) {

@@ -45,8 +45,7 @@ void embed(const GreedyModel<T>& model, int64_t token, int64_t position, int64_t
 template <typename T>
 void score_row(const GreedyModel<T>& model, const T* logits, float* scores) {
   for (int64_t v = 0; v < model.vocab; ++v) scores[v] = widen(logits[v]);
-  if (model.logit_cap > 0.f)
-    for (int64_t v = 0; v < model.vocab; ++v) scores[v] = model.logit_cap * std::tanh(scores[v] / model.logit_cap);
+  if (model.logit_cap > 0.f) soft_cap_scores(scores, model.vocab, model.logit_cap);
 }
 
 // The first index of the largest value, NaN above every number: torch.argmax's choice. Without a NaN, the largest
