@@ -226,3 +226,26 @@ def test_engine_tokens_and_logprobs_equal_the_op_path(arch, products, monkeypatc
     """The tiny DeepSeek models through the engine (test_cpu_decoder_layer's check): the same tokens and logprobs
     with the C++ layer, its products the kernels' or torch's, as on the op path."""
     engine_outputs_equal(arch, products, monkeypatch)
+
+
+@pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="paired copies: bf16 weights on CPUs with AVX-512 BF16")
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("seqs", ["one decode", "mixed"])
+def test_mla_products_together_and_heads_split_over_threads_change_no_byte(case, seqs):
+    """bf16 from the pairs copies (q or q_a with kv_a in one region; W_UK, attention and W_UV in pieces of rows, a
+    batch-1 step's heads split over the threads): the same bytes on one thread as on two, and as forward() within
+    the op path's error."""
+    layer_class, config = CASES[case]
+    layer = with_pairs(make_layer(layer_class, config, torch.bfloat16, seed=5), True)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(run_both(layer, config, torch.bfloat16, SEQS[seqs], "kernel"))
+    finally:
+        torch.set_num_threads(threads)
+    (one, expected), (two, _) = results
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+    assert_as_close_as_the_op_path(layer, layer_class, config, SEQS[seqs], "kernel", two, expected)

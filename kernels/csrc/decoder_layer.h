@@ -52,6 +52,8 @@ void int8_products(const T* x, const int8_t* w, const int8_t* pairs, const float
 #endif
   gemv_scaled(x, w, scale, group, bias, y, M, N, K);
 }
+// Whether p's products read its bf16 pairs copy (as project() reads it).
+inline bool paired(const Projection& p) { return p.pairs && !p.scale; }
 
 // A decoder layer as data: what a family's layer computes, llama's by default. Its norms share one kind
 // (layer_ops.h: RMSNorm, Gemma's, LayerNorm) and eps; attn_out_norm and mlp_out_norm (Gemma 2's sandwich norms)
@@ -231,14 +233,29 @@ void mla_layer_attention(const DecoderLayer<T>& L, const T* normed, const int64_
   const Mla<T>& A = L.mla;
   const int64_t H = L.hidden, q_size = L.heads * (A.nope + A.rope), kv_size = A.lora + A.rope;
   std::vector<T> q(M * q_size), kv(M * kv_size), q_a(M * A.q_lora);
-  project(L.mla_kv_a, normed, static_cast<const T*>(nullptr), kv.data(), M, kv_size, H, nullptr);
+  // The products of normed (kv_a and q, or V3's q_a) in one parallel region where both read bf16 pairs copies.
+  bool together = false;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  const Projection& first = A.q_lora ? L.mla_q_a : L.qkv;
+  if constexpr (std::is_same_v<T, uint16_t>)
+    if ((together = paired(first) && paired(L.mla_kv_a))) {
+      gemv_pairs_together(normed, {{first.pairs, A.q_lora ? nullptr : L.qkv_bias, A.q_lora ? q_a.data() : q.data(),
+                                    A.q_lora ? A.q_lora : q_size}, {L.mla_kv_a.pairs, nullptr, kv.data(), kv_size}},
+                          M, H);
+      if (!A.q_lora) add_lora(L.qkv.lora, normed, q.data(), M, q_size, H, lora_slots);
+    }
+#endif
+  if (!together) {
+    project(L.mla_kv_a, normed, static_cast<const T*>(nullptr), kv.data(), M, kv_size, H, nullptr);
+    if (A.q_lora) project(L.mla_q_a, normed, static_cast<const T*>(nullptr), q_a.data(), M, A.q_lora, H, nullptr);
+  }
   if (A.q_lora) {
-    project(L.mla_q_a, normed, static_cast<const T*>(nullptr), q_a.data(), M, A.q_lora, H, nullptr);
     const Norm<T> norm{kRmsNorm, A.q_a_norm, nullptr, A.eps};
     for (int64_t m = 0; m < M; ++m) norm_row(norm, q_a.data() + m * A.q_lora, q_a.data() + m * A.q_lora, A.q_lora);
   }
-  project(L.qkv, A.q_lora ? q_a.data() : normed, L.qkv_bias, q.data(), M, q_size, A.q_lora ? A.q_lora : H,
-          lora_slots);
+  if (A.q_lora || !together)
+    project(L.qkv, A.q_lora ? q_a.data() : normed, L.qkv_bias, q.data(), M, q_size, A.q_lora ? A.q_lora : H,
+            lora_slots);
   mla_attend(A, L.heads, L.cos, L.sin, L.scale, q.data(), q_size, kv.data(), kv_size, positions, slots, cache,
              block_size, tables, max_blocks, seq_lens, attn, M);
 }

@@ -16,6 +16,9 @@
 
 namespace pagedserve {
 
+// Fewer products than this (a router's few rows) run on the calling thread: waking the others costs more.
+constexpr int64_t kGemvParallelMinProducts = 1 << 15;
+
 // R weight rows against MB input rows: R * MB independent accumulators hide the FMA latency.
 template <int R, int MB, typename T>
 inline void dot_tile(const T* w, const float* x, float* acc, int64_t K) {
@@ -88,8 +91,9 @@ void gemv(const T* x, const WT* w, const T* bias, T* y, int64_t M, int64_t N, in
 #endif
   std::vector<float> xf(M * K);
   for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(x[i]);
+  const bool many = M * N * K >= kGemvParallelMinProducts;
   if (M == 1) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (many)
     for (int64_t n = 0; n < N; ++n)
       store(dot(w + n * K, xf.data(), K) * (scale ? scale[n] : 1.f) + (bias ? widen(bias[n]) : 0.f), y + n);
     return;
@@ -97,7 +101,7 @@ void gemv(const T* x, const WT* w, const T* bias, T* y, int64_t M, int64_t N, in
   // Several input rows: register tiles of 4 weight rows x 2 input rows reuse every load.
   constexpr int R = 4;
   const int64_t blocks = N / R;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (many)
   for (int64_t b = 0; b < blocks; ++b) {
     int64_t m0 = 0;
     for (; m0 + 2 <= M; m0 += 2) output_tile<R, 2>(w, xf.data(), bias, scale, y, b * R, m0, N, K);

@@ -14,6 +14,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
 #include "common.h"
@@ -196,6 +197,35 @@ inline void gemv_pairs_int8(const uint16_t* x, const int8_t* pairs, const float*
 inline void gemv_pairs_bf16(const uint16_t* x, const uint16_t* pairs, const uint16_t* bias, uint16_t* y, int64_t M,
                             int64_t N, int64_t K) {
   gemv_pairs(x, pairs, nullptr, bias, y, M, N, K);
+}
+
+// One of gemv_pairs_together's products: y [M, N] = x W^T + b from W's pairs copy, bias [N] or null.
+struct PairsProduct {
+  const uint16_t* pairs;
+  const uint16_t* bias;
+  uint16_t* y;
+  int64_t N;
+};
+
+// gemv_pairs_bf16 of each product of the same x [M, K] (at most 4), all their items in one parallel region: one
+// barrier for all, each output as gemv_pairs_bf16 computes it.
+inline void gemv_pairs_together(const uint16_t* x, std::initializer_list<PairsProduct> products, int64_t M,
+                                int64_t K) {
+  const int64_t groups = (M + kPairGroupRows - 1) / kPairGroupRows, tile_elems = (K + 1) / 2 * 2 * kPairTileRows;
+  const PairsProduct* each = products.begin();
+  const int64_t count = int64_t(products.size());
+  int64_t first[5] = {0};  // each product's first item
+  for (int64_t i = 0; i < count; ++i)
+    first[i + 1] = first[i] + (each[i].N + kPairTileRows - 1) / kPairTileRows * groups;
+#pragma omp parallel for schedule(static)
+  for (int64_t item = 0; item < first[count]; ++item) {
+    int64_t i = 0;
+    while (item >= first[i + 1]) ++i;
+    const PairsProduct& p = each[i];
+    const int64_t t = (item - first[i]) / groups, m0 = (item - first[i]) % groups * kPairGroupRows;
+    pair_group(p.pairs + t * tile_elems, x, p.bias, p.y, t * kPairTileRows, m0, std::min(kPairGroupRows, M - m0), p.N,
+               K);
+  }
 }
 
 }  // namespace pagedserve
