@@ -92,7 +92,12 @@ template <typename T, typename C>
 void add_deltas(T* out, const float* delta, int64_t count) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (count == 16) {
-    store16(round16<C>(_mm512_add_ps(load16(out), round16<C>(_mm512_loadu_ps(delta)))), out);
+    const __m512 sum = round16<C>(_mm512_add_ps(load16(out), round16<C>(_mm512_loadu_ps(delta))));
+    if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<C, uint16_t>)  // bf16 already: its upper halves
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(sum), 16)));
+    else
+      store16(sum, out);
     return;
   }
 #endif
@@ -113,7 +118,7 @@ inline __m512i lanes_of(const uint16_t* p, __mmask16 first) {
 // into a tile once, then every row's products run over it in 16 lanes, kLoraRowBlock rows at a time.
 template <typename T, typename C>
 void add_tile_deltas(const C* bt, int64_t N, int64_t count, int64_t rank, const C* s, int64_t W, const int64_t* rows,
-                     int64_t R, T* out, std::vector<__m512>& tile) {
+                     int64_t R, T* out, std::vector<float>& tile) {
   const __mmask16 first = __mmask16((1u << count) - 1);
   auto add_block = [&](int64_t r0, auto product, int64_t steps) {
     const C* row[kLoraRowBlock];  // rows past R repeat the last one; their sums are dropped
@@ -121,7 +126,7 @@ void add_tile_deltas(const C* bt, int64_t N, int64_t count, int64_t rank, const 
     __m512 acc[kLoraRowBlock];
     for (int64_t r = 0; r < kLoraRowBlock; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t q = 0; q < steps; ++q)
-      for (int64_t r = 0; r < kLoraRowBlock; ++r) acc[r] = product(acc[r], tile[q], row[r], q);
+      for (int64_t r = 0; r < kLoraRowBlock; ++r) acc[r] = product(acc[r], _mm512_loadu_ps(&tile[16 * q]), row[r], q);
     alignas(64) float sums[16];
     for (int64_t r = 0; r < std::min(kLoraRowBlock, R - r0); ++r) {
       _mm512_store_ps(sums, acc[r]);
@@ -131,11 +136,11 @@ void add_tile_deltas(const C* bt, int64_t N, int64_t count, int64_t rank, const 
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<C, uint16_t>) {  // bf16 pairs of columns: (column 2q, 2q + 1) in each lane
     const int64_t pairs = (rank + 1) / 2;
-    tile.resize(pairs);
+    tile.resize(16 * pairs);
     for (int64_t q = 0; q < pairs; ++q) {
       const __m512i low = lanes_of(bt + 2 * q * N, first);
       const __m512i high = 2 * q + 1 < rank ? lanes_of(bt + (2 * q + 1) * N, first) : _mm512_setzero_si512();
-      tile[q] = _mm512_castsi512_ps(_mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+      _mm512_storeu_si512(&tile[16 * q], _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
     }
     auto product = [rank](__m512 acc, __m512 columns, const uint16_t* row, int64_t q) {
       int32_t pair = row[2 * q];  // an odd rank's last column alone
@@ -146,12 +151,12 @@ void add_tile_deltas(const C* bt, int64_t N, int64_t count, int64_t rank, const 
     return;
   }
 #endif
-  tile.resize(rank);
+  tile.resize(16 * rank);
   for (int64_t j = 0; j < rank; ++j) {
     if constexpr (std::is_same_v<C, float>)
-      tile[j] = _mm512_maskz_loadu_ps(first, bt + j * N);
+      _mm512_storeu_ps(&tile[16 * j], _mm512_maskz_loadu_ps(first, bt + j * N));
     else
-      tile[j] = _mm512_castsi512_ps(_mm512_slli_epi32(lanes_of(bt + j * N, first), 16));
+      _mm512_storeu_si512(&tile[16 * j], _mm512_slli_epi32(lanes_of(bt + j * N, first), 16));
   }
   auto product = [](__m512 acc, __m512 column, const C* row, int64_t j) {
     return _mm512_fmadd_ps(_mm512_set1_ps(widen(row[j])), column, acc);
@@ -195,7 +200,7 @@ void add_lora_rows(const LoraSlots& L, const T* x, T* y, int64_t M, int64_t N, i
   const int64_t width_blocks = (W + 15) / 16, tile_count = int64_t(tiles.size()) / 2;
   const int64_t run_count = int64_t(runs.size()) - 1;
   std::vector<C> shrunk(R * W);
-#pragma omp parallel if (R * (N + K) * W >= (int64_t(1) << 14))
+#pragma omp parallel if (R * (W * K + rank * N) >= kParallelMinElements)
   {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < R * width_blocks; ++i) {
@@ -206,7 +211,7 @@ void add_lora_rows(const LoraSlots& L, const T* x, T* y, int64_t M, int64_t N, i
       for (int64_t c = 0; c < count; ++c) shrunk[r * W + j + c] = round_to<C>(out[c]);
     }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    std::vector<__m512> tile;
+    std::vector<float> tile;  // a tile's columns, 16 lanes each
 #endif
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < run_count * tile_count; ++i) {
