@@ -51,14 +51,21 @@ def check_loras(weights: DecoderLayerWeights) -> None:
     for (weight, _), slots in zip(weights.projections(), weights.loras()):
         if slots is None:
             continue
-        a, b, used = slots.a, slots.b, slots.used
+        a, b, used = slots.a, slots.bt, slots.used
         if not (a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0] == used.shape[0]
-                and b.shape[2] == a.shape[1] and b.shape[1] == weight.shape[0] and a.shape[2] == weight.shape[1]
+                and b.shape[1] == a.shape[1] and b.shape[2] == weight.shape[0] and a.shape[2] == weight.shape[1]
                 and a.dtype == b.dtype
                 and a.dtype in (torch.float32, torch.bfloat16) and used.dtype == torch.bool
                 and a.is_contiguous() and b.is_contiguous() and used.is_contiguous()):
-            raise ValueError("a projection's adapter slots must be a [slots, width, K], b [slots, N, width] of "
+            raise ValueError("a projection's adapter slots must be a [slots, width, K], bt [slots, width, N] of "
                              "float32 or bf16 and used [slots] bool")
+        offsets = slots.offsets
+        if offsets is not None and not (
+                offsets.dtype == torch.int64 and offsets.dim() == 1 and offsets.is_contiguous()
+                and 1 < offsets.numel() and a.shape[1] % (offsets.numel() - 1) == 0 and int(offsets[0]) == 0
+                and int(offsets[-1]) == weight.shape[0] and bool((offsets[1:] >= offsets[:-1]).all())):
+            raise ValueError("a projection's adapter part offsets must be contiguous int64 [parts + 1], rising from 0 "
+                             "to its output rows, with the slots' width a multiple of the parts")
         dtypes.add(a.dtype)
     if len(dtypes) > 1:
         raise ValueError("a layer's adapter slots share one compute dtype")

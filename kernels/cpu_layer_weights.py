@@ -22,12 +22,15 @@ ACTIVATIONS = {"silu_glu": 0, "gelu_tanh_glu": 1, "gelu": 2, "gelu_tanh": 3, "re
 
 @dataclass(frozen=True)
 class AdapterSlots:
-    """A projection's LoRA slots as workers/lora/slots.py keeps them: a [slots, width, K] and b [slots, N, width] of
-    the adapters' compute dtype (float32 or bf16), used [slots] bool."""
+    """A projection's LoRA slots as workers/lora/slots.py keeps them: a [slots, width, K] and bt [slots, width, N] (its
+    b transposed) of the adapters' compute dtype (float32 or bf16), used [slots] bool; offsets: a merged projection's
+    parts (int64 [parts + 1] output rows; part p's outputs read only its width / parts rows of bt), None for one
+    part."""
 
     a: torch.Tensor
-    b: torch.Tensor
+    bt: torch.Tensor
     used: torch.Tensor
+    offsets: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,11 +183,11 @@ class DecoderLayerWeights:
                    self.attn_out_norm, self.mlp_out_norm, self.gate_up_bias, self.down_bias, self.router,
                    self.experts_gate_up, self.experts_down, self.shared_gate,
                    *(t for slots in self.loras() for t in ((None,) * 3 if slots is None else
-                                                             (slots.a, slots.b, slots.used))),
+                                                             (slots.a, slots.bt, slots.used))),
                    self.mla_q_a, self.mla_kv_a, self.mla_q_a_norm, self.mla_kv_norm, self.mla_w_uk_t, self.mla_w_uv,
                    self.grouped_router, self.correction_bias, self.experts_gate_up_pairs,
                    self.experts_down_pairs, self.mla_q_a_pairs, self.mla_kv_a_pairs, self.mla_w_uk_t_pairs,
-                   self.mla_w_uv_pairs)
+                   self.mla_w_uv_pairs, *(None if slots is None else slots.offsets for slots in self.loras()))
         groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self.projections()]
         experts = [0, 0, 0, 0] if self.router is None else \
             [self.router.shape[0], self.top_k, self.experts_down.shape[2], int(self.renormalize)]
@@ -195,7 +198,9 @@ class DecoderLayerWeights:
                 *(0 if slots is None else slots.a.shape[1] for slots in self.loras()),
                 int(any(slots is not None and slots.a.dtype == torch.bfloat16 for slots in self.loras())),
                 *(int(weight is not None and weight.dtype == torch.float8_e4m3fn) for weight, _ in self.projections()),
-                *self.mla_dims, self.expert_groups, self.topk_groups, int(self.sigmoid_scores)]
+                *self.mla_dims, self.expert_groups, self.topk_groups, int(self.sigmoid_scores),
+                *(1 if slots is None or slots.offsets is None else slots.offsets.numel() - 1
+                  for slots in self.loras())]
         return [pointer(t) for t in tensors], dims, [self.eps, self.scale, self.soft_cap, self.routed_scaling,
                                                      self.mla_eps]
 

@@ -261,30 +261,56 @@ def quantize_fp8(model: torch.nn.Module, scales: str) -> None:
             module.weight_scale = scale
 
 
+# Adapter cases: (max rank, each slot's adapter: (rank, the (projection, part) pairs it adapts, None: every part) or
+# None for an unused slot, the slot of each row of the step in turn, the step's (length, new tokens) sequences).
+ADAPTER_CASES = {
+    "rank 4, one decode": (4, [(4, None), None], [0], [(1, 1)]),
+    "rank 4, mixed": (4, [(4, None), None], [0, -1, 1], [(9, 1), (70, 5), (130, 3), (17, 2)]),
+    # Runs of one slot past a block of 8 rows and of fewer, no-adapter and unused-slot rows among them, a lower
+    # rank in its slots, an adapter on q and v only (k's rows and the MLP without deltas), q/k/v of uneven size.
+    **{f"rank {rank}, four slots": (rank, [(rank, None), (rank // 2, None), (rank, {(0, 0), (0, 2)}), None],
+                                    [0, -1, 0, 1, 0, 2, 0, 3, 0, 1, -1, 0, 2, 0, 1, 0, 0, 2, 0, -1, 0, 1, 3, 0],
+                                    [(40, 1)] * 17 + [(70, 7)]) for rank in (8, 16, 64)},
+    "rank 5 (an odd column), two slots": (5, [(5, None), (3, {(0, 1), (3, 0)})], [1, 0, 0, -1, 0, 1, 0, 0, 0, 1],
+                                          [(9, 1)] * 7 + [(30, 3)]),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("seqs", [[(1, 1)], [(9, 1), (70, 5), (130, 3), (17, 2)]], ids=["one decode", "mixed"])
-def test_adapter_deltas_equal_the_layers_own_forward(dtype, seqs):
-    """Every projection with adapter slots (workers/lora/slots.py, two slots of rank 4, one unused); rows of
-    slot 0, slot 1 (unused: no delta) and none: the C++ layer adds the deltas the op path's linear layers add."""
-    layer_class, config = CASES["qwen2 biases, head_dim 128, window"]
+@pytest.mark.parametrize("case", ADAPTER_CASES)
+def test_adapter_deltas_equal_the_layers_own_forward(dtype, case):
+    """Every projection with adapter slots (workers/lora/slots.py): the C++ layer adds the deltas the op path's
+    linear layers add, row by row whatever slot its neighbours run with."""
+    max_rank, adapters, pattern, seqs = ADAPTER_CASES[case]
+    layer_class, config = CASES["llama head_dim 64" if len(adapters) > 2 else "qwen2 biases, head_dim 128, window"]
     layer = make_layer(layer_class, config, dtype, seed=5)
     exact = make_layer(layer_class, config, torch.float32, seed=0) if dtype == torch.bfloat16 else None
     if exact is not None:
         exact.load_state_dict({name: value.float() for name, value in layer.state_dict().items()})
-    tokens = sum(new for _, new in seqs)
-    context, generator = LoRAContext(), torch.Generator().manual_seed(9)
+    slots = [pattern[i % len(pattern)] for i in range(sum(new for _, new in seqs))]
+    context = LoRAContext()
     for each in (layer, exact):
-        for linear in () if each is None else each.fused_products:
-            parts = linear.output_sizes if isinstance(linear, ColumnParallelLinear) else [linear.weight.shape[0]]
-            linear.lora = LoRALayerSlots(context, parts, linear.weight.shape[1], 2, 4,
-                                         each.input_layernorm.weight.dtype, torch.device("cpu"))
-            for part, size in enumerate(parts):
-                linear.lora.set(0, part, 0.3 * torch.randn(4, linear.weight.shape[1], generator=generator),
-                                0.3 * torch.randn(size, 4, generator=generator))
-    context.set_tokens([(0, -1, 1)[i % 3] for i in range(tokens)], torch.device("cpu"))
+        if each is not None:
+            add_adapter_slots(each, context, max_rank, adapters)
+    context.set_tokens(slots, torch.device("cpu"))
     assert layer.fused_weights.qkv_lora is not None
     assert_fused_matches(layer, layer_class, config, dtype, seqs, first_layer=False, exact_layer=exact,
-                         lora_slots=torch.tensor([(0, -1, 1)[i % 3] for i in range(tokens)]))
+                         lora_slots=torch.tensor(slots))
+
+
+def add_adapter_slots(layer, context: LoRAContext, max_rank: int, adapters: list) -> None:
+    """Slots of max_rank on each of the layer's projections, one per adapter (ADAPTER_CASES' form), random and the
+    same for every layer given them."""
+    generator = torch.Generator().manual_seed(9)
+    for index, linear in enumerate(layer.fused_products):
+        parts = linear.output_sizes if isinstance(linear, ColumnParallelLinear) else [linear.weight.shape[0]]
+        linear.lora = LoRALayerSlots(context, parts, linear.weight.shape[1], len(adapters), max_rank,
+                                     layer.input_layernorm.weight.dtype, torch.device("cpu"))
+        for slot, (rank, targets) in ((s, a) for s, a in enumerate(adapters) if a is not None):
+            for part, size in enumerate(parts):
+                if targets is None or (index, part) in targets:
+                    linear.lora.set(slot, part, 0.3 * torch.randn(rank, linear.weight.shape[1], generator=generator),
+                                    0.3 * torch.randn(size, rank, generator=generator))
 
 
 def quantize_groups(model: torch.nn.Module) -> None:

@@ -1,6 +1,7 @@
 // How the extension's Python arguments (tuples of pointers, dims and floats) become the kernels' structs: a layer,
 // a stage of layers, a whole model and a draft model.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <tuple>
@@ -21,31 +22,34 @@ T* out(uintptr_t p) { return reinterpret_cast<T*>(p); }
 // gate_up and down (0 for a model-dtype weight; else int8 or fp8 e4m3), then their gemv_pairs.h copies (0: none),
 // then the q and k head norms, input_norm's and post_norm's biases, attn_out_norm, mlp_out_norm, gate_up's and down's
 // biases (0: none, and for every absent bias), then the experts' router, gate_up and down and the shared expert's
-// gate (0: a dense MLP; pagedserve::Experts), then the adapter slots' a, b and used of qkv, o, gate_up and down (0:
+// gate (0: a dense MLP; pagedserve::Experts), then the adapter slots' a, bt and used of qkv, o, gate_up and down (0:
 // none; pagedserve::LoraSlots), then MLA's q_a and kv_a weights, q_a and kv_a norms, W_UK^T and W_UV (0: none;
 // pagedserve::Mla), then DeepSeek's float32 router and correction bias (0: none; pagedserve::GroupedRouting), then
 // the experts' gate_up and down gemv_pairs.h copies (0: none), then MLA's q_a and kv_a gemv_pairs.h copies and its
-// W_UK^T and W_UV ones, each head's in turn (0: none);
+// W_UK^T and W_UV ones, each head's in turn (0: none), then the adapter slots' part offsets of qkv, o, gate_up and
+// down (int64 [parts + 1]; 0: one part);
 // dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none), then the scale group sizes of
 // qkv, o, gate_up and down (0: a scale per row, or no scale), then rotary_dim, the norm kind, the activation,
 // parallel_residual, qkv_per_head and scale_q_first (layer_ops.h, pagedserve::DecoderLayer), then the experts' count,
 // top_k, intermediate size and renormalize, then the adapter slots' widths of qkv, o, gate_up and down and whether
 // they are bf16, then whether the scaled weights of qkv, o, gate_up and down are fp8 e4m3 (else int8), then
 // MLA's kv_lora_rank (0: no MLA), q_lora_rank, nope, rope and v head dims, then the experts'
-// groups, the groups that compete and whether scores are sigmoid;
+// groups, the groups that compete and whether scores are sigmoid, then the adapter slots' part counts of qkv, o,
+// gate_up and down;
 // floats: the norms' eps, the attention's scale and soft cap, the experts' weights' scaling, MLA's norms' eps.
 using LayerArgs = std::tuple<std::vector<uintptr_t>, std::vector<int64_t>, std::vector<double>>;
 
 template <typename T>
 pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
   const auto& [w, dims, floats] = args;
-  if (w.size() != 56 || dims.size() != 37 || floats.size() != 5)
-    throw std::invalid_argument("a layer takes 56 pointers, 37 dims and 5 floats");
+  if (w.size() != 60 || dims.size() != 41 || floats.size() != 5)
+    throw std::invalid_argument("a layer takes 60 pointers, 41 dims and 5 floats");
   auto projection = [&](int weight, int scale) {
     const int i = scale - 10;  // the projection's index: qkv, o, gate_up, down
     const pagedserve::LoraSlots lora{reinterpret_cast<const void*>(w[30 + 3 * i]),
                                      reinterpret_cast<const void*>(w[31 + 3 * i]), in<uint8_t>(w[32 + 3 * i]),
-                                     dims[20 + i], dims[24] != 0};
+                                     dims[20 + i], dims[24] != 0, in<int64_t>(w[56 + i]),
+                                     std::max<int64_t>(1, dims[37 + i])};
     return pagedserve::Projection{reinterpret_cast<const void*>(w[weight]), in<float>(w[scale]), dims[scale - 4],
                                   in<uint16_t>(w[scale + 4]), lora, dims[25 + i] != 0};
   };

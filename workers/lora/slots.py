@@ -58,6 +58,10 @@ class LoRALayerSlots:
         self.a = torch.zeros(max_loras, parts * max_rank, input_size, dtype=compute, device=device)
         self.b = torch.zeros(max_loras, self.offsets[-1], parts * max_rank, dtype=compute, device=device)
         self.used = torch.zeros(max_loras, dtype=torch.bool)  # which slots hold an adapter (the C++ layer reads it)
+        # The C++ layer's (CPU) copy of b, transposed: a tile of outputs reads each column contiguously; the parts'
+        # offsets let it skip b's zero blocks.
+        self.b_t = self.b.transpose(1, 2).contiguous() if device.type == "cpu" else None
+        self.part_offsets = torch.tensor(self.offsets, dtype=torch.int64)
 
     def set(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Part `part` of the adapter in `slot` (its rank may be below max_rank: the rest stays zero)."""
@@ -67,6 +71,8 @@ class LoRALayerSlots:
         rank, first = a.shape[0], part * self.max_rank
         self.a[slot, first:first + rank].copy_(a)
         self.b[slot, self.offsets[part]:self.offsets[part + 1], first:first + rank].copy_(b)
+        if self.b_t is not None:
+            self.b_t[slot].copy_(self.b[slot].t())
         self.used[slot] = True
 
     def clear(self, slot: int) -> None:

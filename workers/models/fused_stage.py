@@ -72,7 +72,8 @@ def describe_layer(*, input_norm: nn.Module, post_norm: nn.Module, qkv: nn.Modul
         lora = linear.lora
         return {name: linear.weight, f"{name}_bias": linear.bias, f"{name}_scale": linear.weight_scale,
                 f"{name}_pairs": linear.pairs_weight,
-                f"{name}_lora": None if lora is None else cpu_layer_weights.AdapterSlots(lora.a, lora.b, lora.used)}
+                f"{name}_lora": None if lora is None else cpu_layer_weights.AdapterSlots(lora.a, lora.b_t, lora.used,
+                                                                                         lora.part_offsets)}
 
     return cpu_layer_weights.DecoderLayerWeights(
         input_norm=input_norm.weight, post_norm=post_norm.weight, input_norm_bias=getattr(input_norm, "bias", None),
