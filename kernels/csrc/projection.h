@@ -1,0 +1,66 @@
+// A projection of the C++ decoder layer (Projection): its weight of the model dtype, int8 or fp8 with scales, its
+// pairs copy and its adapters, and project(), the one place that picks the product for it.
+#pragma once
+#include <cstdint>
+#include <type_traits>
+
+#include "common.h"
+#include "gemv.h"
+#include "gemv_pairs.h"
+#include "lora.h"
+
+namespace pagedserve {
+
+// A projection's weight: T, or int8 or fp8 e4m3 with a float32 scale per output row or per group of input columns
+// (weight-only quantization).
+struct Projection {
+  const void* weight;
+  const float* scale;  // null: the weight is of the model dtype
+  int64_t group;  // 0: one scale per row; else the columns sharing a scale (scale is [N, K / group])
+  // a bf16 weight's gemv_pairs.h copy (an int8 one's with a scale per row: int8 pairs), which its products then
+  // read; or null
+  const uint16_t* pairs = nullptr;
+  LoraSlots lora;  // its adapter slots (lora.h), or none
+  bool fp8 = false;  // a scaled weight's elements: fp8 e4m3, else int8
+};
+
+// y = x W^T + b from W's pairs copy where it has one (bf16 on AVX-512 BF16 CPUs), else from W.
+template <typename T>
+void products(const T* x, const T* w, const uint16_t* pairs, const T* bias, T* y, int64_t M, int64_t N, int64_t K) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, uint16_t>)
+    if (pairs) return gemv_pairs_bf16(x, pairs, bias, y, M, N, K);
+#endif
+  gemv(x, w, bias, y, M, N, K);
+}
+
+// y = x (W * scale)^T + b for an int8 W, from its int8 pairs copy where it has one (a scale per row, bf16 rows, on
+// AVX-512 BF16 CPUs), else from W.
+template <typename T>
+void int8_products(const T* x, const int8_t* w, const int8_t* pairs, const float* scale, int64_t group, const T* bias,
+                   T* y, int64_t M, int64_t N, int64_t K) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, uint16_t>)
+    if (pairs && !group) return gemv_pairs_int8(x, pairs, scale, bias, y, M, N, K);
+#endif
+  gemv_scaled(x, w, scale, group, bias, y, M, N, K);
+}
+
+// Whether p's products read its bf16 pairs copy (as project() reads it).
+inline bool paired(const Projection& p) { return p.pairs && !p.scale; }
+
+// y = x W^T + b, then each adapted row's delta (lora_slots: each row's adapter slot, -1 none; null: no row).
+template <typename T>
+void project(const Projection& p, const T* x, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
+             const int64_t* lora_slots) {
+  if (p.scale && p.fp8)
+    gemv_scaled(x, static_cast<const Fp8E4m3*>(p.weight), p.scale, p.group, bias, y, M, N, K);
+  else if (p.scale)
+    int8_products(x, static_cast<const int8_t*>(p.weight), reinterpret_cast<const int8_t*>(p.pairs), p.scale,
+                  p.group, bias, y, M, N, K);
+  else
+    products(x, static_cast<const T*>(p.weight), p.pairs, bias, y, M, N, K);
+  add_lora(p.lora, x, y, M, N, K, lora_slots);
+}
+
+}  // namespace pagedserve
