@@ -125,8 +125,9 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
-// Cephes' tanhf for float32 lanes (tanh8, tanh16; within 2 ulp of std::tanh): x + x^3 P(x^2) below |x| = 0.625,
-// else 1 - 2 / (e^2|x| + 1) with x's sign; NaN stays NaN. Both in the same operations, so the same values.
+// Cephes' tanhf for 8 float32 lanes (within 2 ulp of std::tanh): x + x^3 P(x^2) below |x| = 0.625, else
+// 1 - 2 / (e^2|x| + 1) with x's sign; NaN stays NaN. No 16-lane twin: the soft caps it serves are a
+// small part of a step.
 constexpr float kTanhPoly[] = {-5.70498872745e-3f, 2.06390887954e-2f, -5.37397155531e-2f, 1.33314422036e-1f,
                                -3.33332819422e-1f};
 constexpr float kTanhSmall = 0.625f;
@@ -144,20 +145,6 @@ inline __m256 tanh8(__m256 x) {
   return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-inline __m512 tanh16(__m512 x) {
-  const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f), ax = _mm512_andnot_ps(sign, x);
-  const __m512 e = exp16(_mm512_add_ps(ax, ax));
-  const __m512 far = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, one)));
-  const __m512 z = _mm512_mul_ps(x, x);
-  __m512 p = _mm512_set1_ps(kTanhPoly[0]);
-  for (int i = 1; i < 5; ++i) p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(kTanhPoly[i]));
-  const __m512 near = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
-  const __m512 y = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(kTanhSmall), _CMP_GE_OQ), near,
-                                        _mm512_or_ps(far, _mm512_and_ps(sign, x)));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), y, x);
-}
-#endif
 
 // s[i] = cap * tanh(s[i] / cap) for n scores (Gemma 2's soft cap on attention scores and logits), in float32 as
 // torch computes it; the last few lanes through a padded vector, so that a score's value does not depend on where it
@@ -166,10 +153,6 @@ inline void soft_cap_scores(float* s, int64_t n, float cap) {
   int64_t i = 0;
 #ifdef __AVX2__
   const __m256 c = _mm256_set1_ps(cap);
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  for (const __m512 c16 = _mm512_set1_ps(cap); i + 16 <= n; i += 16)
-    _mm512_storeu_ps(s + i, _mm512_mul_ps(tanh16(_mm512_div_ps(_mm512_loadu_ps(s + i), c16)), c16));
-#endif
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(tanh8(_mm256_div_ps(_mm256_loadu_ps(s + i), c)), c));
   if (i < n) {
     alignas(32) float tail[8] = {};
