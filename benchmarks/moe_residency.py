@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -37,14 +38,7 @@ WIDTH_STEP = 64  # the dense reference's intermediate size is a multiple of this
 def weight_elements(folder: Path) -> int:
     """Every weight's elements in the checkpoint, embedding included (what must stay cached to stream them)."""
     with safe_open(str(folder / "model.safetensors"), "pt") as tensors:
-        return sum(_elements(tensors.get_slice(name).get_shape()) for name in tensors.keys())
-
-
-def _elements(shape: list[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+        return sum(math.prod(tensors.get_slice(name).get_shape()) for name in tensors.keys())
 
 
 def dense_reference(folder: Path) -> Path:
