@@ -25,7 +25,7 @@ from core.kv_cache_manager import KVCacheManager
 from core.engine_spawn import data_parallel_configs
 from core.kv_transfer import ZmqConnector, make_connector
 from core.request import Request
-from disagg_cases import GREEDY, PROMPTS, long_prompt, run_alone, token_prompts
+from disagg_cases import GREEDY, PROMPTS, long_prompt, run_alone, stopped, token_prompts
 from frontend import LLM, SamplingParams
 from ipc import EngineConfig, EngineCoreRequest
 from ipc.kv_transfer import KVPulled, KVTransferConfig
@@ -66,6 +66,9 @@ class _Pair:
     def receive(self, request_id: str, ids: list[int], params) -> list[int]:
         """The blocks the consumer's prefix cache holds for the prompt afterwards."""
         request = _request(request_id, ids, kv_transfer_params=params)
+        if self.receiver.pull(request):  # as the scheduler does: the pull runs while the loop steps others
+            while not self.receiver.arrived():
+                self.receiver.wait(0.05)
         self.receiver.receive(request)
         return self.kvs[1].computed_blocks(_request(request_id, ids))
 
@@ -96,12 +99,6 @@ def test_each_machine_of_a_split_group_gives_its_engine_the_group_rank_role():
                                     data_parallel_size=1)
     with pytest.raises(ValueError, match="started alone"):
         make_connector(local.kv_transfer_config, None, None)
-
-
-def _stopped(pid: int) -> bool:
-    """Every thread of the process stopped (SIGSTOP reaches a busy one's threads in their own time)."""
-    tasks = Path(f"/proc/{pid}/task")
-    return all((task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for task in tasks.iterdir())
 
 
 def _prompt(k: int) -> list[int]:
@@ -166,6 +163,7 @@ def test_a_malformed_answer_recomputes():
 
     server = threading.Thread(target=answer)
     server.start()
+    time.sleep(0.3)  # the consumer's connection comes back (a pull sent before goes to the closed producer)
     try:
         for _ in answers:
             started = time.monotonic()
@@ -233,7 +231,7 @@ def test_a_stopped_then_killed_prefill_engine_costs_a_recompute_with_the_same_to
         for client in llm.client.clients:  # the engines share no memory: the KV goes over TCP alone
             assert "/dev/shm/pagedserve-kv" not in Path(f"/proc/{client.process.pid}/maps").read_text()
         os.kill(prefill.process.pid, signal.SIGSTOP)
-        assert wait_until(lambda: _stopped(prefill.process.pid), timeout=10)
+        assert wait_until(lambda: stopped(prefill.process.pid), timeout=10)
         for n in [0, "killed"]:
             if n == "killed":
                 os.kill(prefill.process.pid, signal.SIGKILL)
