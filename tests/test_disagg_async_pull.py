@@ -29,6 +29,19 @@ def group():
     llm.shutdown()
 
 
+def _case(group, n: int) -> tuple:
+    """(prefill engine, decode engine, prompt n, its tokens on the decode engine alone, its KV as the prefill engine
+    sent it, the decode engine's stats before it is sent there, its prefix cache emptied: the transfer alone can give
+    it the prompt's blocks)."""
+    prefill, decode = group.client.clients
+    ids = long_prompt(n)
+    expected, _ = run_alone(decode, EngineCoreRequest(request_id=f"alone{n}", prompt_token_ids=ids,
+                                                      sampling_params=GREEDY))
+    sent = _prefilled(prefill, f"p{n}", ids)
+    decode.call_utility("reset_prefix_cache")
+    return prefill, decode, ids, expected, sent, decode.get_stats()
+
+
 def _prefilled(prefill, request_id: str, ids: list[int]):
     one = SamplingParams(temperature=0.0, max_tokens=1)
     return run_alone(prefill, EngineCoreRequest(request_id=request_id, prompt_token_ids=ids, sampling_params=one,
@@ -59,13 +72,7 @@ def _abort_stream(decode, request_id: str) -> None:
 
 
 def test_a_late_producer_holds_back_only_its_own_request_and_its_blocks_are_loaded_when_they_come(group):
-    prefill, decode = group.client.clients
-    ids = long_prompt(0)
-    expected, _ = run_alone(decode, EngineCoreRequest(request_id="alone", prompt_token_ids=ids,
-                                                      sampling_params=GREEDY))
-    sent = _prefilled(prefill, "p0", ids)
-    decode.call_utility("reset_prefix_cache")  # the transfer alone can give the decode engine the prompt's blocks
-    before = decode.get_stats()
+    prefill, decode, ids, expected, sent, before = _case(group, 0)
     _stream_started(decode, "stream")
     timer = _stalled(prefill.process.pid, STALL_S)
     try:
@@ -95,13 +102,7 @@ def test_a_late_producer_holds_back_only_its_own_request_and_its_blocks_are_load
 
 
 def test_a_request_aborted_while_its_kv_arrives_ends_once_and_holds_nothing(group):
-    prefill, decode = group.client.clients
-    ids = long_prompt(1)
-    expected, _ = run_alone(decode, EngineCoreRequest(request_id="alone1", prompt_token_ids=ids,
-                                                      sampling_params=GREEDY))
-    sent = _prefilled(prefill, "p1", ids)
-    decode.call_utility("reset_prefix_cache")
-    before = decode.get_stats()
+    prefill, decode, ids, expected, sent, before = _case(group, 1)
     timer = _stalled(prefill.process.pid, 1.0)
     try:
         decode.add_request(EngineCoreRequest(request_id="gone", prompt_token_ids=ids, sampling_params=GREEDY,

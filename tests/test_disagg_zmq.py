@@ -140,7 +140,8 @@ def test_a_malformed_pull_is_answered_with_an_error_and_the_server_serves_on(pai
 
 
 def test_a_malformed_answer_recomputes():
-    """A producer answering with frames of the wrong size, or header words out of range: nothing loaded."""
+    """A producer answering with frames of the wrong size, header words out of range, or more slots than pulled:
+    nothing loaded."""
     pair = _Pair(timeout_s=10.0)
     params, _ = pair.send("a", _prompt(0))
     pair.sender.close()
@@ -150,7 +151,9 @@ def test_a_malformed_answer_recomputes():
     fake.bind(f"tcp://127.0.0.1:{pair.config.kv_port}")
     answers = [[msgspec.msgpack.encode({"pull_id": 1, "headers": [[params.nonce, i, params.checksum] for i in (0, 1)]}),
                 b"short"],
-               [msgspec.msgpack.encode({"pull_id": 2, "headers": [[-1, 0, 0], [0, 0, 0]]})]]
+               [msgspec.msgpack.encode({"pull_id": 2, "headers": [[-1, 0, 0], [0, 0, 0]]})],
+               [msgspec.msgpack.encode({"pull_id": 3, "headers": [[params.nonce, i, params.checksum]
+                                                                  for i in range(9)]})]]  # more slots than pulled
     done = threading.Event()
 
     def answer() -> None:
@@ -168,7 +171,7 @@ def test_a_malformed_answer_recomputes():
         for _ in answers:
             started = time.monotonic()
             assert pair.receive("a", _prompt(0), params) == [] and time.monotonic() - started < 10.0  # answered
-        assert pair.receiver.recomputes == 2
+        assert pair.receiver.recomputes == 3
     finally:
         done.set()
         server.join()

@@ -130,8 +130,10 @@ class TransferClient:
         while self.socket.poll(0):
             header, *frames = self.socket.recv_multipart(copy=False)
             pull_id, answer = self._answer(header.buffer, frames)
-            if self.pulls.pop(pull_id, None) is not None:  # else the late answer to one that timed out or was dropped
-                ended.append((pull_id, answer))
+            pull = self.pulls.pop(pull_id, None)
+            if pull is not None:  # else the late answer to one that timed out or was dropped
+                ended.append((pull_id, answer if answer is not None and len(answer[0]) == len(pull.message.slots)
+                              else None))
         now = time.monotonic()
         for pull_id in [pull_id for pull_id, pull in self.pulls.items() if pull.deadline <= now]:
             del self.pulls[pull_id]
