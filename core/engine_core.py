@@ -108,7 +108,7 @@ class EngineCore:
     def is_overloaded(self) -> bool:
         """The waiting queue is at max_waiting_requests: new requests are refused until it drains."""
         limit = self.config.max_waiting_requests
-        return limit is not None and len(self.scheduler.waiting) >= limit
+        return limit is not None and self.scheduler.num_waiting >= limit
 
     def request_ids(self) -> list[str]:
         """Every request the engine holds: running, waiting, or waiting for its grammar."""

@@ -1,6 +1,6 @@
 """ZmqConnector's transport: the prefill engine serves its transfer region's slots from a thread of its own (a ROUTER
-at kv_ip:kv_port), and the decode engine pulls a transfer's slots by nonce into its own region (a DEALER), each slot
-once; msgspec headers and raw frames, no pickle."""
+at kv_ip:kv_port), and the decode engine pulls a transfer's slots by nonce (a DEALER, never waited on) into its own
+region, each slot once; msgspec headers and raw frames, no pickle."""
 from __future__ import annotations
 
 import contextlib
