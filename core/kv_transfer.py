@@ -1,7 +1,8 @@
 """Disaggregated prefill, engine-core side: between steps, a finished prefill's whole prompt blocks are written to the
 transfer region (slots from a free list, else the least recently written one reused), and a decode request's blocks
-are loaded from it (shared memory; ZmqConnector: pulled from the prefill engine's while the loop steps the running
-requests) into the prefix cache as it is first scheduled, which then finds them by its own hashes."""
+are loaded from it into the prefix cache (shared memory: as it is first scheduled; ZmqConnector: pulled from the
+prefill engine's while the loop steps the running requests, at the step boundary after its answer came), where its
+admission finds them by its own hashes."""
 from __future__ import annotations
 
 import contextlib
@@ -62,7 +63,7 @@ class KVConnector:
         return []
 
     def forget(self, request: Request) -> None:
-        """The request ended (e.g. aborted while its KV was arriving): its pull, or what it received, is dropped."""
+        """The request ended (e.g. aborted while its KV was arriving): its pull, if any, is dropped."""
 
     def wait(self, timeout_s: float) -> None:
         """Until a pull may end, at most timeout_s (none to wait for here)."""
@@ -77,7 +78,12 @@ class KVConnector:
         if not self._valid(request, params):
             self.recomputes += 1
             return
-        loaded = self.kv.cache_loaded(request, self._num_blocks(request, params), self._loader(request, params))
+        self._cache(request, params, functools.partial(self._load, params))
+
+    def _cache(self, request: Request, params: KVTransferParams, load: Callable[[int, list[int]], bool]) -> None:
+        """The transferred blocks the prefix cache lacks, loaded by load(first block index, fresh block ids) and
+        cached there, where the request's admission finds them."""
+        loaded = self.kv.cache_loaded(request, self._num_blocks(request, params), load)
         if loaded is False:
             self.recomputes += 1
         elif loaded:
@@ -99,9 +105,6 @@ class KVConnector:
 
     def _from_here(self, params: KVTransferParams) -> bool:
         return params.region == self.name and params.remote_address is None
-
-    def _loader(self, request: Request, params: KVTransferParams) -> Callable[[int, list[int]], bool]:
-        return functools.partial(self._load, params)
 
     def _load(self, params: KVTransferParams, first: int, block_ids: list[int]) -> bool:
         """The transfer's blocks first.. into block_ids, verified by the region's headers."""
@@ -131,9 +134,9 @@ class KVConnector:
 class ZmqConnector(KVConnector):
     """The prefill engine serves its (private) region's slots over ZMQ; the decode engine pulls a transfer's slots as
     the request arrives, without waiting: the request waits outside the scheduler's queue until the answer comes (or
-    kv_pull_timeout_s passes), while the loop steps the running requests. The answer is loaded into its own region
-    as the request is first scheduled, where the same headers are checked as with shared memory
-    (TransferRegion.read)."""
+    kv_pull_timeout_s passes), while the loop steps the running requests. At the next step boundary the answer goes
+    through its own region, where the same headers are checked as with shared memory (TransferRegion.read), into
+    the prefix cache, and the request joins the queue."""
 
     def __init__(self, config: KVTransferConfig, region: TransferRegion, kv: KVCacheManager) -> None:
         from workers.kv_transfer_zmq import TransferClient, TransferServer  # torch: the front end imports this module
@@ -145,7 +148,6 @@ class ZmqConnector(KVConnector):
             if self.role == "kv_consumer" else None
         self.pulling: dict[int, tuple[Request, int]] = {}  # pull id → (its request, the transfer's first block pulled)
         self.pull_of: dict[str, int] = {}  # request id → its pull in flight
-        self.answers: dict[str, tuple[int, Answer]] = {}  # request id → (first block pulled, answer), until scheduled
 
     def send(self, request: Request) -> KVTransferParams | None:
         params = super().send(request)
@@ -174,15 +176,17 @@ class ZmqConnector(KVConnector):
         return True
 
     def arrived(self) -> list[Request]:
+        """Each answer is loaded into the prefix cache at once (the step boundary), so what waits for the request's
+        admission is bounded by the KV cache, not held in host memory."""
         requests = []
         for pull_id, answer in self.client.poll() if self.client is not None else ():
             request, first = self.pulling.pop(pull_id)
             del self.pull_of[request.request_id]
+            params, request.kv_transfer_params = request.kv_transfer_params, None
             if answer is None:
                 self.recomputes += 1
-                request.kv_transfer_params = None
             else:
-                self.answers[request.request_id] = (first, answer)
+                self._cache(request, params, functools.partial(self._load_answer, params, first, answer))
             requests.append(request)
         return requests
 
@@ -191,7 +195,6 @@ class ZmqConnector(KVConnector):
         if pull_id is not None:
             del self.pulling[pull_id]
             self.client.cancel(pull_id)
-        self.answers.pop(request.request_id, None)
 
     def wait(self, timeout_s: float) -> None:
         if self.client is not None:
@@ -205,18 +208,15 @@ class ZmqConnector(KVConnector):
     def _from_here(self, params: KVTransferParams) -> bool:
         return params.region == self.name and params.remote_address == self.address  # never pulled from elsewhere
 
-    def _loader(self, request: Request, params: KVTransferParams) -> Callable[[int, list[int]], bool]:
-        return functools.partial(self._load_answer, params, *self.answers.pop(request.request_id, (0, None)))
-
-    def _load_answer(self, params: KVTransferParams, pulled_first: int, answer: Answer | None, first: int,
+    def _load_answer(self, params: KVTransferParams, pulled_first: int, answer: Answer, first: int,
                      block_ids: list[int]) -> bool:
         """The answer's blocks first.. (it holds those from pulled_first on) into block_ids, through this region."""
-        local = None if answer is None or first < pulled_first else self.client.load(answer, first - pulled_first)
+        local = None if first < pulled_first else self.client.load(answer, first - pulled_first)
         return local is not None and self.region.read(local[:len(block_ids)], block_ids, params.nonce,
                                                       params.checksum, first)
 
     def _release(self, params: KVTransferParams) -> None:
-        """Nothing to tell the producer: the pull ended the transfer there."""
+        """Nothing to tell the producer: the pull ended the transfer there (those needed by none: pull())."""
 
     def _collect_released(self) -> None:
         self.server.take_released()
