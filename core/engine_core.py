@@ -27,7 +27,7 @@ from workers.quantization import check_quantization
 if TYPE_CHECKING:
     from core.structured_output.manager import StructuredOutputManager
 
-_IDLE_COMPILE_WAIT_S = 0.05  # with only grammars compiling, the loop checks its inputs this often
+_IDLE_WAIT_S = 0.05  # with only grammars compiling or KV arriving, the loop checks its inputs this often
 UTILITY_METHODS = frozenset({"get_info", "get_stats", "check_health", "check_lora"})
 # Callable only when the engine's config allows them (EngineInfo.privileged_utilities lists those it does).
 PROFILER_METHODS = frozenset({"start_profile", "stop_profile"})
@@ -108,7 +108,7 @@ class EngineCore:
     def is_overloaded(self) -> bool:
         """The waiting queue is at max_waiting_requests: new requests are refused until it drains."""
         limit = self.config.max_waiting_requests
-        return limit is not None and len(self.scheduler.waiting) >= limit
+        return limit is not None and self.scheduler.num_waiting >= limit
 
     def request_ids(self) -> list[str]:
         """Every request the engine holds: running, waiting, or waiting for its grammar."""
@@ -220,7 +220,9 @@ class EngineCore:
             self.profiler.on_step()
         if not self.scheduler.in_flight:
             if self._structured is not None:
-                self._structured.wait(_IDLE_COMPILE_WAIT_S)  # nothing to run until a grammar is ready
+                self._structured.wait(_IDLE_WAIT_S)  # nothing to run until a grammar is ready
+            if self.scheduler.connector is not None:
+                self.scheduler.connector.wait(_IDLE_WAIT_S)  # or until a request's KV arrives
             return outputs
         return outputs + self.scheduler.update_from_output(self.executor.collect_output())
 

@@ -32,7 +32,7 @@ class Heart:
     def progressed(self, scheduler: Scheduler) -> None:
         """The loop advanced (inputs taken in, or a step done): publish the time and the scheduler's counts."""
         self.last_progress = time.monotonic()
-        self.counts = (len(scheduler.waiting), len(scheduler.running))
+        self.counts = (scheduler.num_waiting, len(scheduler.running))
 
     def stop(self) -> None:
         self.stopping.set()

@@ -1,7 +1,8 @@
 """Disaggregated prefill, engine-core side: between steps, a finished prefill's whole prompt blocks are written to the
 transfer region (slots from a free list, else the least recently written one reused), and a decode request's blocks
-are loaded from it (shared memory; ZmqConnector: pulled from the prefill engine's) into the prefix cache before it is
-first scheduled, which then finds them by its own hashes."""
+are loaded from it into the prefix cache (shared memory: as it is first scheduled; ZmqConnector: pulled from the
+prefill engine's while the loop steps the running requests, at the step boundary after its answer came), where its
+admission finds them by its own hashes."""
 from __future__ import annotations
 
 import contextlib
@@ -10,6 +11,7 @@ import hashlib
 import os
 import secrets
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -24,6 +26,7 @@ if TYPE_CHECKING:  # the front end's start-up imports this module for its last t
     from core.kv_cache_manager import KVCacheManager
     from core.request import Request
     from workers.kv_transfer import TransferRegion
+    from workers.kv_transfer_zmq import Answer
 
 
 class KVConnector:
@@ -50,20 +53,37 @@ class KVConnector:
         self.blocks_sent += num_blocks
         return KVTransferParams(region=self.name, slots=slots, num_tokens=num_tokens, nonce=nonce, checksum=checksum)
 
+    def pull(self, request: Request) -> bool:
+        """Whether a decode engine's new request waits for its KV to arrive before it may be scheduled (ZmqConnector);
+        shared memory holds it already, loaded when the request is first scheduled."""
+        return False
+
+    def arrived(self) -> list[Request]:
+        """The requests whose pull ended since (their KV arrived, or they compute it), to be scheduled."""
+        return []
+
+    def forget(self, request: Request) -> None:
+        """The request ended (e.g. aborted while its KV was arriving): its pull, if any, is dropped."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Until a pull may end, at most timeout_s (none to wait for here)."""
+
     def receive(self, request: Request) -> None:
-        """A decode engine's request before its first scheduling: its transferred blocks that the prefix cache lacks,
+        """A decode engine's request as it is first scheduled: its transferred blocks that the prefix cache lacks,
         loaded and cached there; any check failing (another group's params, other tokens, a slot overwritten or
         missing) leaves them to be computed."""
         params, request.kv_transfer_params = request.kv_transfer_params, None
         if self.role != "kv_consumer" or params is None:
             return
-        size = self.kv.block_size
-        num_blocks = min(len(params.slots), (request.num_tokens - 1) // size)
-        if not self._from_here(params) or params.num_tokens != len(params.slots) * size or \
-                params.checksum != token_checksum(request.prompt_token_ids[:params.num_tokens]):
+        if not self._valid(request, params):
             self.recomputes += 1
             return
-        loaded = self.kv.cache_loaded(request, num_blocks, functools.partial(self._load, params))
+        self._cache(request, params, functools.partial(self._load, params))
+
+    def _cache(self, request: Request, params: KVTransferParams, load: Callable[[int, list[int]], bool]) -> None:
+        """The transferred blocks the prefix cache lacks, loaded by load(first block index, fresh block ids) and
+        cached there, where the request's admission finds them."""
+        loaded = self.kv.cache_loaded(request, self._num_blocks(request, params), load)
         if loaded is False:
             self.recomputes += 1
         elif loaded:
@@ -73,6 +93,15 @@ class KVConnector:
 
     def close(self) -> None:
         """Nothing to stop: the region goes with the worker."""
+
+    def _valid(self, request: Request, params: KVTransferParams) -> bool:
+        """From this group's producer, whole blocks, and the request's own tokens."""
+        return self._from_here(params) and params.num_tokens == len(params.slots) * self.kv.block_size and \
+            params.checksum == token_checksum(request.prompt_token_ids[:params.num_tokens])
+
+    def _num_blocks(self, request: Request, params: KVTransferParams) -> int:
+        """The transfer's blocks the request uses: not the one holding its last token (computed to sample)."""
+        return min(len(params.slots), (request.num_tokens - 1) // self.kv.block_size)
 
     def _from_here(self, params: KVTransferParams) -> bool:
         return params.region == self.name and params.remote_address is None
@@ -103,8 +132,11 @@ class KVConnector:
 
 
 class ZmqConnector(KVConnector):
-    """The prefill engine serves its (private) region's slots over ZMQ; the decode engine pulls a transfer's slots
-    into its own region, where the same headers are checked as with shared memory (TransferRegion.read)."""
+    """The prefill engine serves its (private) region's slots over ZMQ; the decode engine pulls a transfer's slots as
+    the request arrives, without waiting: the request waits outside the scheduler's queue until the answer comes (or
+    kv_pull_timeout_s passes), while the loop steps the running requests. At the next step boundary the answer goes
+    through its own region, where the same headers are checked as with shared memory (TransferRegion.read), into
+    the prefix cache, and the request joins the queue."""
 
     def __init__(self, config: KVTransferConfig, region: TransferRegion, kv: KVCacheManager) -> None:
         from workers.kv_transfer_zmq import TransferClient, TransferServer  # torch: the front end imports this module
@@ -114,6 +146,8 @@ class ZmqConnector(KVConnector):
         self.server = TransferServer(region, self.address, config.kv_hold_s) if self.role == "kv_producer" else None
         self.client = TransferClient(region, self.address, config.kv_pull_timeout_s) \
             if self.role == "kv_consumer" else None
+        self.pulling: dict[int, tuple[Request, int]] = {}  # pull id → (its request, the transfer's first block pulled)
+        self.pull_of: dict[str, int] = {}  # request id → its pull in flight
 
     def send(self, request: Request) -> KVTransferParams | None:
         params = super().send(request)
@@ -121,6 +155,50 @@ class ZmqConnector(KVConnector):
             return None
         self.server.offer(params.nonce, params.slots)
         return msgspec.structs.replace(params, remote_address=self.address)
+
+    def pull(self, request: Request) -> bool:
+        params = request.kv_transfer_params
+        if self.role != "kv_consumer" or params is None:
+            return False
+        valid = self._valid(request, params)
+        first, num_blocks = len(self.kv.computed_blocks(request)), self._num_blocks(request, params)
+        if valid and first >= num_blocks:  # the prefix cache holds them: the transfer's slots go back now
+            self.client.release(params.nonce, params.slots)
+            request.kv_transfer_params = None
+            return False
+        pull_id = self.client.start(params.nonce, params.slots[first:num_blocks]) if valid else None
+        if pull_id is None:
+            self.recomputes += 1
+            request.kv_transfer_params = None
+            return False
+        self.pulling[pull_id] = (request, first)
+        self.pull_of[request.request_id] = pull_id
+        return True
+
+    def arrived(self) -> list[Request]:
+        """Each answer is loaded into the prefix cache at once (the step boundary), so what waits for the request's
+        admission is bounded by the KV cache, not held in host memory."""
+        requests = []
+        for pull_id, answer in self.client.poll() if self.client is not None else ():
+            request, first = self.pulling.pop(pull_id)
+            del self.pull_of[request.request_id]
+            params, request.kv_transfer_params = request.kv_transfer_params, None
+            if answer is None:
+                self.recomputes += 1
+            else:
+                self._cache(request, params, functools.partial(self._load_answer, params, first, answer))
+            requests.append(request)
+        return requests
+
+    def forget(self, request: Request) -> None:
+        pull_id = self.pull_of.pop(request.request_id, None)
+        if pull_id is not None:
+            del self.pulling[pull_id]
+            self.client.cancel(pull_id)
+
+    def wait(self, timeout_s: float) -> None:
+        if self.client is not None:
+            self.client.wait(timeout_s)
 
     def close(self) -> None:
         for end in (self.server, self.client):
@@ -130,12 +208,15 @@ class ZmqConnector(KVConnector):
     def _from_here(self, params: KVTransferParams) -> bool:
         return params.region == self.name and params.remote_address == self.address  # never pulled from elsewhere
 
-    def _load(self, params: KVTransferParams, first: int, block_ids: list[int]) -> bool:
-        local = self.client.pull(params.nonce, params.slots[first:first + len(block_ids)])
-        return local is not None and self.region.read(local, block_ids, params.nonce, params.checksum, first)
+    def _load_answer(self, params: KVTransferParams, pulled_first: int, answer: Answer, first: int,
+                     block_ids: list[int]) -> bool:
+        """The answer's blocks first.. (it holds those from pulled_first on) into block_ids, through this region."""
+        local = None if first < pulled_first else self.client.load(answer, first - pulled_first)
+        return local is not None and self.region.read(local[:len(block_ids)], block_ids, params.nonce,
+                                                      params.checksum, first)
 
     def _release(self, params: KVTransferParams) -> None:
-        self.client.release(params.nonce, params.slots)
+        """Nothing to tell the producer: the pull ended the transfer there (those needed by none: pull())."""
 
     def _collect_released(self) -> None:
         self.server.take_released()

@@ -73,13 +73,17 @@ class Scheduler(StepOutputs, SchedulerCounters):
         self.connector: KVConnector | None = None  # disaggregated prefill's (set by the engine core)
 
     def add_request(self, request: Request) -> None:
+        """Queued, or, while its KV arrives from the prefill engine (connector.pull), held by the connector."""
         self.requests[request.request_id] = request
-        heapq.heappush(self.waiting, (request.sort_key, request))
+        if self.connector is None or not self.connector.pull(request):
+            heapq.heappush(self.waiting, (request.sort_key, request))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
+        for request in self.connector.arrived() if self.connector is not None else ():
+            heapq.heappush(self.waiting, (request.sort_key, request))
         budget, self.encoder_budget = self.max_num_batched_tokens, self.max_encoder_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []

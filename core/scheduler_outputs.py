@@ -115,8 +115,10 @@ class StepOutputs:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting = [(key, r) for key, r in self.waiting if r is not request]
             heapq.heapify(self.waiting)
-        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and self.connector is not None:
-            request.kv_sent = self.connector.send(request)  # its blocks still hold the prompt's KV
+        if self.connector is not None:
+            self.connector.forget(request)  # its KV, if still arriving
+            if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+                request.kv_sent = self.connector.send(request)  # its blocks still hold the prompt's KV
         request.set_status(status)
         self.kv.free(request)
         del self.requests[request.request_id]

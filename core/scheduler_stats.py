@@ -7,7 +7,7 @@ from ipc import SchedulerStats
 
 
 class SchedulerCounters:
-    """Mixed into core.scheduler.Scheduler, whose state it reads (running, waiting, kv, num_preemptions,
+    """Mixed into core.scheduler.Scheduler, whose state it reads (requests, running, kv, num_preemptions,
     num_aborted_requests, spec_stats, connector) and whose peak figures it keeps (peak_num_running, peak_kv_usage,
     kv_utilization_at_peak)."""
 
@@ -21,8 +21,13 @@ class SchedulerCounters:
             self.peak_kv_usage = usage
             self.kv_utilization_at_peak = sum(r.num_computed_tokens for r in self.running) / slots
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued, or with their KV still arriving (disaggregated prefill)."""
+        return len(self.requests) - len(self.running)
+
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
+        return SchedulerStats(num_running=len(self.running), num_waiting=self.num_waiting,
                               kv_cache_usage=self.kv.usage, num_free_blocks=self.kv.num_free_blocks,
                               num_preemptions=self.num_preemptions, num_aborted_requests=self.num_aborted_requests,
                               peak_kv_cache_usage=self.peak_kv_usage,

@@ -1,6 +1,8 @@
-"""What the disaggregated-prefill tests share: their prompts, greedy parameters, and a request run alone on one
-engine of a group."""
+"""What the disaggregated-prefill tests share: their prompts, greedy parameters, a request run alone on one engine of
+a group, and whether an engine is stopped."""
 from __future__ import annotations
+
+from pathlib import Path
 
 from ipc import EngineCoreRequest, SamplingParams
 
@@ -28,3 +30,9 @@ def run_alone(client, request: EngineCoreRequest) -> tuple[list[int], object]:
             tokens += output.new_token_ids
             if output.finish_reason is not None:
                 return tokens, output
+
+
+def stopped(pid: int) -> bool:
+    """Every thread of the process stopped (SIGSTOP reaches a busy one's threads in their own time)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return all((task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for task in tasks.iterdir())

@@ -25,7 +25,7 @@ from core.kv_cache_manager import KVCacheManager
 from core.engine_spawn import data_parallel_configs
 from core.kv_transfer import ZmqConnector, make_connector
 from core.request import Request
-from disagg_cases import GREEDY, PROMPTS, long_prompt, run_alone, token_prompts
+from disagg_cases import GREEDY, PROMPTS, long_prompt, run_alone, stopped, token_prompts
 from frontend import LLM, SamplingParams
 from ipc import EngineConfig, EngineCoreRequest
 from ipc.kv_transfer import KVPulled, KVTransferConfig
@@ -66,6 +66,9 @@ class _Pair:
     def receive(self, request_id: str, ids: list[int], params) -> list[int]:
         """The blocks the consumer's prefix cache holds for the prompt afterwards."""
         request = _request(request_id, ids, kv_transfer_params=params)
+        if self.receiver.pull(request):  # as the scheduler does: the pull runs while the loop steps others
+            while not self.receiver.arrived():
+                self.receiver.wait(0.05)
         self.receiver.receive(request)
         return self.kvs[1].computed_blocks(_request(request_id, ids))
 
@@ -96,12 +99,6 @@ def test_each_machine_of_a_split_group_gives_its_engine_the_group_rank_role():
                                     data_parallel_size=1)
     with pytest.raises(ValueError, match="started alone"):
         make_connector(local.kv_transfer_config, None, None)
-
-
-def _stopped(pid: int) -> bool:
-    """Every thread of the process stopped (SIGSTOP reaches a busy one's threads in their own time)."""
-    tasks = Path(f"/proc/{pid}/task")
-    return all((task / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for task in tasks.iterdir())
 
 
 def _prompt(k: int) -> list[int]:
@@ -143,7 +140,8 @@ def test_a_malformed_pull_is_answered_with_an_error_and_the_server_serves_on(pai
 
 
 def test_a_malformed_answer_recomputes():
-    """A producer answering with frames of the wrong size, or header words out of range: nothing loaded."""
+    """A producer answering with frames of the wrong size, header words out of range, or more slots than pulled:
+    nothing loaded."""
     pair = _Pair(timeout_s=10.0)
     params, _ = pair.send("a", _prompt(0))
     pair.sender.close()
@@ -153,7 +151,9 @@ def test_a_malformed_answer_recomputes():
     fake.bind(f"tcp://127.0.0.1:{pair.config.kv_port}")
     answers = [[msgspec.msgpack.encode({"pull_id": 1, "headers": [[params.nonce, i, params.checksum] for i in (0, 1)]}),
                 b"short"],
-               [msgspec.msgpack.encode({"pull_id": 2, "headers": [[-1, 0, 0], [0, 0, 0]]})]]
+               [msgspec.msgpack.encode({"pull_id": 2, "headers": [[-1, 0, 0], [0, 0, 0]]})],
+               [msgspec.msgpack.encode({"pull_id": 3, "headers": [[params.nonce, i, params.checksum]
+                                                                  for i in range(9)]})]]  # more slots than pulled
     done = threading.Event()
 
     def answer() -> None:
@@ -166,11 +166,12 @@ def test_a_malformed_answer_recomputes():
 
     server = threading.Thread(target=answer)
     server.start()
+    time.sleep(0.3)  # the consumer's connection comes back (a pull sent before goes to the closed producer)
     try:
         for _ in answers:
             started = time.monotonic()
             assert pair.receive("a", _prompt(0), params) == [] and time.monotonic() - started < 10.0  # answered
-        assert pair.receiver.recomputes == 2
+        assert pair.receiver.recomputes == 3
     finally:
         done.set()
         server.join()
@@ -233,7 +234,7 @@ def test_a_stopped_then_killed_prefill_engine_costs_a_recompute_with_the_same_to
         for client in llm.client.clients:  # the engines share no memory: the KV goes over TCP alone
             assert "/dev/shm/pagedserve-kv" not in Path(f"/proc/{client.process.pid}/maps").read_text()
         os.kill(prefill.process.pid, signal.SIGSTOP)
-        assert wait_until(lambda: _stopped(prefill.process.pid), timeout=10)
+        assert wait_until(lambda: stopped(prefill.process.pid), timeout=10)
         for n in [0, "killed"]:
             if n == "killed":
                 os.kill(prefill.process.pid, signal.SIGKILL)

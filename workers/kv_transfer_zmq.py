@@ -1,8 +1,10 @@
 """ZmqConnector's transport: the prefill engine serves its transfer region's slots from a thread of its own (a ROUTER
-at kv_ip:kv_port), and the decode engine pulls a transfer's slots by nonce into its own region (a DEALER), each slot
-once; msgspec headers and raw frames, no pickle."""
+at kv_ip:kv_port), and the decode engine pulls a transfer's slots by nonce (a DEALER, never waited on) into its own
+region, each slot once; msgspec headers and raw frames, no pickle."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import logging
 import queue
@@ -93,55 +95,109 @@ class TransferServer:
 
 
 class TransferClient:
-    """The decode engine's side: one connection to its group's prefill engine, used by the engine thread alone."""
+    """The decode engine's side: one connection to its group's prefill engine, used by the engine thread alone and
+    never waited on: a pull is sent (once the producer is connected) and its answer taken by poll() at a step
+    boundary, while ZMQ's own I/O thread moves the bytes."""
 
     def __init__(self, region: TransferRegion, address: str, timeout_s: float) -> None:
-        self.region, self.address, self.timeout_ms = region, address, int(timeout_s * 1000)
+        self.region, self.address, self.timeout_s = region, address, timeout_s
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a producer not (or no longer) connected
         self.socket.connect(address)
         self.pull_ids = itertools.count(1)
+        self.pulls: dict[int, _Pull] = {}  # pull id → a pull not yet answered
         self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(KVPulled)
 
-    def pull(self, nonce: int, slots: list[int]) -> list[int] | None:
-        """The transfer's slots copied into this region's first len(slots) slots (those returned, for read() to
-        check and load), or None: the producer unreachable or silent for the whole timeout, or refusing."""
+    def start(self, nonce: int, slots: list[int]) -> int | None:
+        """A pull of the transfer's slots, sent now if the producer is connected (else by a later poll); its id, or
+        None where the slots could never fit this region."""
         if len(slots) > self.region.num_slots:
             return None
         pull_id = next(self.pull_ids)
-        deadline = time.monotonic() + self.timeout_ms / 1000
-        if not self._send(KVPull(pull_id=pull_id, nonce=nonce, slots=slots), self.timeout_ms):
-            return None
-        while (left := deadline - time.monotonic()) > 0 and self.socket.poll(int(left * 1000) + 1):
+        pull = self.pulls[pull_id] = _Pull(KVPull(pull_id=pull_id, nonce=nonce, slots=slots),
+                                           time.monotonic() + self.timeout_s)
+        pull.sent = self._send(pull.message)
+        return pull_id
+
+    def poll(self) -> list[tuple[int, Answer | None]]:
+        """Without waiting: the pulls that ended since, each with its answer (headers and frames, for load()) or
+        None: refused, malformed, or unanswered past its deadline (kv_pull_timeout_s from its start)."""
+        ended: list[tuple[int, Answer | None]] = []
+        for pull in self.pulls.values():
+            pull.sent = pull.sent or self._send(pull.message)
+        while self.socket.poll(0):
             header, *frames = self.socket.recv_multipart(copy=False)
-            try:
-                reply = self.decoder.decode(header.buffer)
-            except msgspec.DecodeError as error:
-                logger.warning("kv transfer: a malformed reply from %s (%s)", self.address, error)
-                return None
-            if reply.pull_id != pull_id:
-                continue  # the late answer to an earlier pull that timed out
-            local = list(range(len(slots)))
-            ok = reply.error is None and self.region.fill(local, reply.headers, [frame.buffer for frame in frames])
-            return local if ok else None
-        return None
+            pull_id, answer = self._answer(header.buffer, frames)
+            pull = self.pulls.pop(pull_id, None)
+            if pull is not None:  # else the late answer to one that timed out or was dropped
+                ended.append((pull_id, answer if answer is not None and len(answer[0]) == len(pull.message.slots)
+                              else None))
+        now = time.monotonic()
+        for pull_id in [pull_id for pull_id, pull in self.pulls.items() if pull.deadline <= now]:
+            del self.pulls[pull_id]
+            ended.append((pull_id, None))
+        return ended
+
+    def wait(self, timeout_s: float) -> None:
+        """Until an answer may have come, a pull may be sent or one's deadline passes (at most timeout_s)."""
+        if not self.pulls:
+            return
+        now = time.monotonic()
+        timeout_s = min(timeout_s, max(0.0, min(pull.deadline for pull in self.pulls.values()) - now))
+        unsent = any(not pull.sent for pull in self.pulls.values())
+        self.socket.poll(int(timeout_s * 1000) + 1, zmq.POLLIN | (zmq.POLLOUT if unsent else 0))
+
+    def cancel(self, pull_id: int) -> None:
+        """Not wanted any more (its request aborted): an answer that still comes is dropped."""
+        self.pulls.pop(pull_id, None)
+
+    def load(self, answer: Answer, first: int) -> list[int] | None:
+        """An answer's slots from its `first` on, copied into this region's first slots (those returned, for
+        read() to check and load), or None where its frames do not have the sizes of its slots."""
+        headers, frames = answer
+        local = list(range(len(headers)))
+        return local[first:] if self.region.fill(local, headers, frames) else None
 
     def release(self, nonce: int, slots: list[int]) -> None:
         """The transfer not needed (the decode engine's prefix cache held its blocks): its slots go back now."""
-        self._send(KVPull(pull_id=0, nonce=nonce, slots=slots, release=True), 0)
+        self._send(KVPull(pull_id=0, nonce=nonce, slots=slots, release=True))
 
     def close(self) -> None:
         self.socket.close(linger=0)
         self.context.term()
 
-    def _send(self, pull: KVPull, timeout_ms: int) -> bool:
-        """Sent once the producer is connected (at once if it is), within timeout_ms."""
-        if timeout_ms and not self.socket.poll(timeout_ms, zmq.POLLOUT):
-            return False
+    def _answer(self, header: memoryview, frames: list[zmq.Frame]) -> tuple[int, Answer | None]:
+        """(the pull it answers, 0 if none can be read; its headers and frames, None for an error or a malformed
+        answer)."""
+        try:
+            reply = self.decoder.decode(header)
+        except msgspec.DecodeError as error:
+            logger.warning("kv transfer: a malformed reply from %s (%s)", self.address, error)
+            with contextlib.suppress(msgspec.DecodeError):
+                fields = msgspec.msgpack.decode(header)
+                if isinstance(fields, dict) and type(fields.get("pull_id")) is int:
+                    return fields["pull_id"], None
+            return 0, None
+        if reply.error is not None:
+            return reply.pull_id, None
+        return reply.pull_id, (reply.headers, [frame.buffer for frame in frames])
+
+    def _send(self, pull: KVPull) -> bool:
+        """Sent if the producer is connected, never waiting."""
         try:
             self.socket.send(self.encoder.encode(pull), zmq.NOBLOCK)
         except zmq.Again:
             return False
         return True
+
+
+Answer = tuple[list[list[int]], list[memoryview]]  # a pull's answer: each slot's header words, a frame per KV cache
+
+
+@dataclasses.dataclass
+class _Pull:
+    message: KVPull
+    deadline: float
+    sent: bool = False
