@@ -13,6 +13,7 @@ from conftest import random_prompts, tiny_model
 from core import EngineCore
 from ipc import EngineConfig, EngineCoreOutputs, EngineCoreRequest, SamplingParams
 from launch.mtp_layer import load_mtp_layer, random_mtp_layer
+from workers.model_runner import ModelRunner
 from workers.spec_decode.mtp import MtpProposer
 
 ENGINE = {"dtype": "float32", "block_size": 8, "max_model_len": 128}
@@ -62,6 +63,31 @@ def test_greedy_output_equals_no_speculation(mtp_model, engine_args):
     assert engine.get_stats().spec_decoding.num_draft_tokens > 0
     if "num_kv_blocks" in engine_args:
         assert engine.get_stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_later_steps_of_a_call_verify_the_layers_drafts(mtp_model, monkeypatch, temperature):
+    """Multi-step calls with the layer: a worker call's later steps each verify the drafts it proposed from the step
+    before's hidden states (counted in the calls' outputs), and greedy output is still the plain engine's."""
+    outputs = []
+    execute = ModelRunner.execute_model
+
+    def recording(self, *args, **kwargs):
+        outputs.append(execute(self, *args, **kwargs))
+        return outputs[-1]
+
+    monkeypatch.setattr(ModelRunner, "execute_model", recording)
+    prompts = _prompts(AutoConfig.from_pretrained(mtp_model).vocab_size)[:2]
+    params = [SamplingParams(max_tokens=24, temperature=temperature, seed=i, ignore_eos=True) for i in range(2)]
+    expected, _ = _run(mtp_model, prompts, params, multi_step_budget_ms=None)
+    outputs.clear()
+    tokens, engine = _run(mtp_model, prompts, params, MTP, multi_step_budget_ms=None)
+    verifications = [len(checks) for output in outputs for checks in output.verified.values()]
+    assert max(verifications) > 1, verifications
+    assert len(outputs) < sum(verifications)
+    assert engine.get_stats().spec_decoding.num_drafts == sum(verifications)
+    if temperature == 0.0:
+        assert tokens == expected
 
 
 @torch.no_grad()
