@@ -14,7 +14,7 @@ from core import EngineCore
 from ipc import EngineConfig, EngineCoreOutputs, EngineCoreRequest, SamplingParams
 from launch.mtp_layer import load_mtp_layer, random_mtp_layer
 from workers.model_runner import ModelRunner
-from workers.spec_decode.mtp import MtpProposer
+from workers.spec_decode.mtp import MtpLayer, MtpProposer, MtpStage
 
 ENGINE = {"dtype": "float32", "block_size": 8, "max_model_len": 128}
 MTP = {"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": None}
@@ -68,15 +68,24 @@ def test_greedy_output_equals_no_speculation(mtp_model, engine_args):
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
 def test_later_steps_of_a_call_verify_the_layers_drafts(mtp_model, monkeypatch, temperature):
     """Multi-step calls with the layer: a worker call's later steps each verify the drafts it proposed from the step
-    before's hidden states (counted in the calls' outputs), and greedy output is still the plain engine's."""
-    outputs = []
-    execute = ModelRunner.execute_model
+    before's hidden states (counted in the calls' outputs), the layer's decoder layer runs in the C++ layer each
+    time, and greedy output is still the plain engine's."""
+    outputs, layer_runs = [], {"all": 0, "fused": 0}
+    execute, layer_forward, fused_forward = ModelRunner.execute_model, MtpLayer.forward, MtpStage.fused_forward
 
     def recording(self, *args, **kwargs):
         outputs.append(execute(self, *args, **kwargs))
         return outputs[-1]
 
+    def counted(name, method):
+        def run(*args, **kwargs):
+            layer_runs[name] += 1
+            return method(*args, **kwargs)
+        return run
+
     monkeypatch.setattr(ModelRunner, "execute_model", recording)
+    monkeypatch.setattr(MtpLayer, "forward", counted("all", layer_forward))
+    monkeypatch.setattr(MtpStage, "fused_forward", counted("fused", fused_forward))
     prompts = _prompts(AutoConfig.from_pretrained(mtp_model).vocab_size)[:2]
     params = [SamplingParams(max_tokens=24, temperature=temperature, seed=i, ignore_eos=True) for i in range(2)]
     expected, _ = _run(mtp_model, prompts, params, multi_step_budget_ms=None)
@@ -86,6 +95,7 @@ def test_later_steps_of_a_call_verify_the_layers_drafts(mtp_model, monkeypatch, 
     assert max(verifications) > 1, verifications
     assert len(outputs) < sum(verifications)
     assert engine.get_stats().spec_decoding.num_drafts == sum(verifications)
+    assert layer_runs["fused"] == layer_runs["all"] > 0
     if temperature == 0.0:
         assert tokens == expected
 
