@@ -115,9 +115,12 @@ def _reference_drafts(target, layer, context: list[int], count: int) -> list[int
     return drafts
 
 
-def test_drafts_equal_the_reference_layer_over_the_whole_context(mtp_model, monkeypatch):
+@pytest.mark.parametrize("cutoff, max_tokens", [(None, (12, 12, 12, 12)), (1, (4, 6, 8, 30))],
+                         ids=["always", "once alone"])
+def test_drafts_equal_the_reference_layer_over_the_whole_context(mtp_model, monkeypatch, cutoff, max_tokens):
     """Every draft the engine proposed (greedy, prompts in chunks, several requests a step) is what transformers'
-    decoder layer with the same weights proposes over the request's whole context at once."""
+    decoder layer with the same weights proposes over the request's whole context at once; also where drafts start
+    once a request runs alone (disable_by_batch_size 1): the layer read every step's hidden states before."""
     proposed: list[tuple[list[int], list[int]]] = []
     propose = MtpProposer.propose
 
@@ -128,9 +131,9 @@ def test_drafts_equal_the_reference_layer_over_the_whole_context(mtp_model, monk
 
     monkeypatch.setattr(MtpProposer, "propose", recording)
     config = AutoConfig.from_pretrained(mtp_model)
-    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 4
-    _run(mtp_model, _prompts(config.vocab_size), params, MTP, max_num_batched_tokens=24,
-         enable_prefix_caching=False)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    _run(mtp_model, _prompts(config.vocab_size), params, {**MTP, "disable_by_batch_size": cutoff},
+         max_num_batched_tokens=24, enable_prefix_caching=False)
     target = AutoModelForCausalLM.from_pretrained(mtp_model, dtype=torch.float32).eval()
     layer = load_mtp_layer(mtp_model, config).eval()
     assert len(proposed) > 8 and all(len(drafts) == MTP["num_speculative_tokens"] for _, drafts in proposed)
