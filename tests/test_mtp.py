@@ -13,7 +13,8 @@ from conftest import random_prompts, tiny_model
 from core import EngineCore
 from ipc import EngineConfig, EngineCoreOutputs, EngineCoreRequest, SamplingParams
 from launch.mtp_layer import load_mtp_layer, random_mtp_layer
-from workers.spec_decode.mtp import MtpProposer
+from workers.model_runner import ModelRunner
+from workers.spec_decode.mtp import MtpLayer, MtpProposer, MtpStage
 
 ENGINE = {"dtype": "float32", "block_size": 8, "max_model_len": 128}
 MTP = {"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": None}
@@ -64,6 +65,41 @@ def test_greedy_output_equals_no_speculation(mtp_model, engine_args):
         assert engine.get_stats().num_preemptions > 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_later_steps_of_a_call_verify_the_layers_drafts(mtp_model, monkeypatch, temperature):
+    """Multi-step calls with the layer: a worker call's later steps each verify the drafts it proposed from the step
+    before's hidden states (counted in the calls' outputs), the layer's decoder layer runs in the C++ layer each
+    time, and greedy output is still the plain engine's."""
+    outputs, layer_runs = [], {"all": 0, "fused": 0}
+    execute, layer_forward, fused_forward = ModelRunner.execute_model, MtpLayer.forward, MtpStage.fused_forward
+
+    def recording(self, *args, **kwargs):
+        outputs.append(execute(self, *args, **kwargs))
+        return outputs[-1]
+
+    def counted(name, method):
+        def run(*args, **kwargs):
+            layer_runs[name] += 1
+            return method(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(ModelRunner, "execute_model", recording)
+    monkeypatch.setattr(MtpLayer, "forward", counted("all", layer_forward))
+    monkeypatch.setattr(MtpStage, "fused_forward", counted("fused", fused_forward))
+    prompts = _prompts(AutoConfig.from_pretrained(mtp_model).vocab_size)[:2]
+    params = [SamplingParams(max_tokens=24, temperature=temperature, seed=i, ignore_eos=True) for i in range(2)]
+    expected, _ = _run(mtp_model, prompts, params, multi_step_budget_ms=None)
+    outputs.clear()
+    tokens, engine = _run(mtp_model, prompts, params, MTP, multi_step_budget_ms=None)
+    verifications = [len(checks) for output in outputs for checks in output.verified.values()]
+    assert max(verifications) > 1, verifications
+    assert len(outputs) < sum(verifications)
+    assert engine.get_stats().spec_decoding.num_drafts == sum(verifications)
+    assert layer_runs["fused"] == layer_runs["all"] > 0
+    if temperature == 0.0:
+        assert tokens == expected
+
+
 @torch.no_grad()
 def _reference_drafts(target, layer, context: list[int], count: int) -> list[int]:
     """The MTP layer over the whole context: row p takes the target's h_p and token p + 1; each further draft
@@ -79,9 +115,12 @@ def _reference_drafts(target, layer, context: list[int], count: int) -> list[int
     return drafts
 
 
-def test_drafts_equal_the_reference_layer_over_the_whole_context(mtp_model, monkeypatch):
+@pytest.mark.parametrize("cutoff, max_tokens", [(None, (12, 12, 12, 12)), (1, (4, 6, 8, 30))],
+                         ids=["always", "once alone"])
+def test_drafts_equal_the_reference_layer_over_the_whole_context(mtp_model, monkeypatch, cutoff, max_tokens):
     """Every draft the engine proposed (greedy, prompts in chunks, several requests a step) is what transformers'
-    decoder layer with the same weights proposes over the request's whole context at once."""
+    decoder layer with the same weights proposes over the request's whole context at once; also where drafts start
+    once a request runs alone (disable_by_batch_size 1): the layer read every step's hidden states before."""
     proposed: list[tuple[list[int], list[int]]] = []
     propose = MtpProposer.propose
 
@@ -92,9 +131,9 @@ def test_drafts_equal_the_reference_layer_over_the_whole_context(mtp_model, monk
 
     monkeypatch.setattr(MtpProposer, "propose", recording)
     config = AutoConfig.from_pretrained(mtp_model)
-    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)] * 4
-    _run(mtp_model, _prompts(config.vocab_size), params, MTP, max_num_batched_tokens=24,
-         enable_prefix_caching=False)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    _run(mtp_model, _prompts(config.vocab_size), params, {**MTP, "disable_by_batch_size": cutoff},
+         max_num_batched_tokens=24, enable_prefix_caching=False)
     target = AutoModelForCausalLM.from_pretrained(mtp_model, dtype=torch.float32).eval()
     layer = load_mtp_layer(mtp_model, config).eval()
     assert len(proposed) > 8 and all(len(drafts) == MTP["num_speculative_tokens"] for _, drafts in proposed)

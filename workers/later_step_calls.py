@@ -122,6 +122,8 @@ class LaterStepCalls:
                     steps.stop(i)
                 if len(feed) > 1:
                     output.verified.setdefault(states[i].req_id, []).append((len(feed) - 1, len(run) - 1))
+            if runner._observes:
+                self._observe(hidden, states, batch, output)
         output.draft_token_ids = runner.propose(output, [states[i] for i in steps.with_room(range(len(states)),
                                                                                           draft_ahead)])
 
@@ -150,7 +152,7 @@ class LaterStepCalls:
         runner = self.runner
         greedy = getattr(runner.model, "greedy_decode", None)
         rows = steps.active()
-        if greedy is None or not rows:
+        if greedy is None or not rows or runner._observes:  # the C++ steps return no hidden states
             return False
         drafts = None
         states = [steps.states[i] for i in rows]
@@ -187,6 +189,13 @@ class LaterStepCalls:
                 if len(checks):
                     output.verified.setdefault(steps.states[i].req_id, []).extend(map(tuple, checks.tolist()))
         return True
+
+    def _observe(self, hidden: torch.Tensor, states: list[CachedRequestState], batch: StepBatch,
+                 output: ModelRunnerOutput) -> None:
+        """A later step's hidden states to the proposer, each row's with the token now known after it."""
+        rows = [(states[i].req_id, int(first), int(batch.positions[first]), len(feed))
+                for i, feed, first in zip(batch.rows, batch.feeds, batch.query_start_loc)]
+        self.runner.speculator.observe(hidden, rows, self.runner.requests, output.sampled_token_ids)
 
     def _adapter_slots(self, states: list[CachedRequestState]) -> np.ndarray | None:
         """Each request's adapter slot (-1: none), None when none has an adapter."""

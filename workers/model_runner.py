@@ -83,11 +83,11 @@ class ModelRunner(RunnerCaches):
         """The most decode steps one call runs (core/multi_step.py): on the CPU (CUDA graphs and decode ahead take
         that cost off the GPU's path), in one pipeline stage; under tensor parallelism every rank runs them
         (workers.later_step_calls), without drafts. With speculative decoding, each step verifies the drafts
-        proposed after the one before, except for a proposer that reads hidden states (later steps return none).
+        proposed after the one before (a proposer that reads hidden states reads each later step's).
         Experts split over data-parallel engines: one forward pass per call, which every engine matches."""
         if (self.device.type != "cpu" or self.decode_graphs is not None or self.parallel.pp_size > 1
                 or self.parallel.experts is not None
-                or (self.parallel.tp_size > 1 and self.speculator is not None) or self._observes):
+                or (self.parallel.tp_size > 1 and self.speculator is not None)):
             return 1
         return self.config.num_scheduler_steps
 

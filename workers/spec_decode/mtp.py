@@ -18,6 +18,7 @@ from workers.model_config import load_hf_config
 from workers.model_inputs import StepRows
 from workers.model_loader import load_model
 from workers.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM
+from workers.models.fused_stage import FusedStage
 from workers.models.llama import head_dim_of
 from workers.request_state import CachedRequestState
 from workers.spec_decode.feeds import FeedBatch, ProposerCaches, append_drafts
@@ -32,6 +33,17 @@ class SharedHead(nn.Module):
         self.head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
 
+class MtpStage(FusedStage):
+    """The MTP layer's decoder layer as a stage of one layer, so that its steps run in the C++ decoder layer as the
+    target's do (the same results as the op path); no final norm: the head's own comes after."""
+
+    def __init__(self, layer: DeepseekV3DecoderLayer) -> None:
+        self.layers, self.stage_layers = [layer], [0]
+
+    def final_norm_module(self) -> None:
+        return None
+
+
 class MtpLayer(DeepseekV3DecoderLayer):
     """The checkpoint's layer num_hidden_layers: a decoder layer after a projection of [enorm(embedding of token
     p + 1), hnorm(h_p)], with a head of its own (shared_head)."""
@@ -43,12 +55,15 @@ class MtpLayer(DeepseekV3DecoderLayer):
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size)
         self.shared_head = SharedHead(config)
+        self.stage = MtpStage(self)
 
     def forward(self, input_ids: torch.Tensor, previous_hidden: torch.Tensor, positions: torch.Tensor,
                 metadata) -> torch.Tensor:
         """Its hidden states before the head's norm (what the next draft reads in place of the target's)."""
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(previous_hidden)], dim=-1))
-        x, residual = super().forward(positions, x, None, metadata)
+        step = self.stage.fused_step(x, positions, metadata)
+        x, residual = super().forward(positions, x, None, metadata) if step is None \
+            else self.stage.fused_forward(x, None, step)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
