@@ -6,12 +6,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_extension, cpu_gemv, cpu_int4, cpu_layer_weights
+from conftest import assert_all_blocks_free, random_prompts
+from frontend import LLM, SamplingParams
+from hf_reference import hf_greedy
+from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv, cpu_int4, cpu_layer_weights
 from kernels.quantized_matmul import dequantize, pack_int4
+from quantized_checkpoints import checkpoint
 from tests.test_cpu_decoder_layer import CASES, assert_fused_matches, fused_and_op_by_op, make_layer
+from workers.later_step_calls import LaterStepCalls
 from workers.layers.linear import ColumnParallelLinear, Linear
 from workers.prepacking import prepack_linear_weights
 
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 PAIRS = pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="4-bit pairs copies: bf16 rows on CPUs with AVX-512 BF16")
 
 
@@ -107,3 +113,58 @@ def test_int4_projections_equal_the_layers_own_forward(dtype, paired, seqs, zero
         got = fused_and_op_by_op(layer, config, dtype, seqs, first_layer=False)[0][0]
         layer.mlp.down_proj.pairs_weight.zero_()
         assert not torch.equal(fused_and_op_by_op(layer, config, dtype, seqs, first_layer=False)[0][0], got)
+
+
+def generate(model: str, dtype: str, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    llm = LLM(model, dtype=dtype, in_process=True, block_size=8, num_scheduler_steps=steps, multi_step_budget_ms=None)
+    try:
+        runner = llm.client.engine.executor.worker.model_runner
+        qkv = runner.model.model.layers[0].self_attn.qkv_proj
+        assert qkv.weight.dtype == torch.uint8
+        assert (qkv.pairs_weight is not None) == (dtype == "bfloat16" and cpu_gemv.pairs_cpu())
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        assert_all_blocks_free(llm)
+        return [o.outputs[0].token_ids for o in outputs]
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture
+def calls(monkeypatch) -> tuple[list, list]:
+    """(a 1 per C++ layer call, whether each multi-step call's later steps ran in one C++ call)."""
+    layer_calls, one_calls = [], []
+    layers, in_one_call = cpu_decoder_layer.decoder_layers, LaterStepCalls._in_one_call
+    monkeypatch.setattr(cpu_decoder_layer, "decoder_layers", lambda *a, **kw: layer_calls.append(1) or layers(*a, **kw))
+    monkeypatch.setattr(LaterStepCalls, "_in_one_call", lambda *a: one_calls.append(in_one_call(*a)) or one_calls[-1])
+    return layer_calls, one_calls
+
+
+@pytest.mark.parametrize("kind", ["gptq-4bit", "awq", "ct-w4a16", "ct-w4a16-asymmetric"])
+def test_int4_checkpoints_take_the_fused_path_and_equal_the_reference(kind, calls, monkeypatch):
+    """GPTQ (zero points), AWQ, compressed-tensors 4-bit (symmetric, asymmetric): every layer in the C++ layer, the
+    later steps of each multi-step call in one C++ call; greedy tokens (float32) equal the dequantized reference's
+    (HF) and the op path's."""
+    quantized, reference = checkpoint(kind)
+    prompts = random_prompts([3, 40, 17], vocab=1000, seed=5)
+    fused = generate(quantized, "float32", prompts, 8)
+    assert calls[0] and any(calls[1]), f"the {kind} model never took the C++ layer and its one-call steps"
+    assert fused == [hf_greedy(reference, p, GREEDY.max_tokens) for p in prompts]
+    monkeypatch.setattr(cpu_decoder_layer, "decode_step", lambda *args: None)
+    monkeypatch.setattr(LaterStepCalls, "_in_one_call", lambda *args: False)
+    assert generate(quantized, "float32", prompts, 8) == fused
+
+
+def test_int4_act_order_takes_the_op_path(calls):
+    """GPTQ's act-order with a real permutation: the layers decline the C++ layer (its columns are not in groups)."""
+    generate(checkpoint("gptq-4bit-act-order")[0], "float32", random_prompts([5], vocab=1000, seed=1), 4)
+    assert not calls[0]
+
+
+def test_int4_bf16_multi_step_equals_one_step_a_call(calls):
+    """bf16 (the pairs copies where the CPU has AVX-512 BF16): greedy tokens of multi-step calls, their later steps
+    in one C++ call, equal those of one step a call."""
+    quantized = checkpoint("gptq-4bit")[0]
+    prompts = random_prompts([3, 40, 17], vocab=1000, seed=7)
+    multi = generate(quantized, "bfloat16", prompts, 8)
+    assert calls[0] and any(calls[1])
+    assert generate(quantized, "bfloat16", prompts, 1) == multi
