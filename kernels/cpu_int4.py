@@ -31,11 +31,16 @@ def takes(weight: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor |
             and (zero is None or (zero.dtype == torch.float32 and zero.shape == scale.shape and zero.is_contiguous())))
 
 
-def check(weight: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None) -> None:
-    """ValueError unless takes(weight, scale, zero)."""
+def check(weight: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
+          pairs: torch.Tensor | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """ValueError unless takes(weight, scale, zero), and `pairs` (where given) is its pair_int4 copy for rows of
+    `dtype` on a pairs_cpu() (bf16 ones)."""
     if not takes(weight, scale, zero):
         raise ValueError("a 4-bit projection must be a contiguous uint8 [N, K / 2] weight with contiguous float32 "
                          "scales (and zero points) [N] or [N, K / group], the group even")
+    if pairs is not None and not (dtype == torch.bfloat16 and cpu_gemv.pairs_cpu()
+                                  and fits_pairs(weight, scale, pairs)):
+        raise ValueError("pairs must be pair_int4 of the weight, for bf16 rows on a CPU with AVX-512 BF16")
 
 
 def _groups(weight: torch.Tensor, scale: torch.Tensor) -> int:
@@ -84,14 +89,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: tor
            bias: torch.Tensor | None = None, pairs: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, dequantize(weight, scale, zero) in x's dtype, bias) in the kernels, for x [..., K] float32 or bf16
     (bf16 with `pairs`, pair_int4's copy: from it, on a pairs_cpu())."""
-    check(weight, scale, zero)
+    check(weight, scale, zero, pairs, x.dtype)
     out_features, in_features = weight.shape[0], input_size_of(weight)
     if x.shape[-1] != in_features or x.dtype not in (torch.float32, torch.bfloat16) or (
             bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype)):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} and bias do not fit")
-    if pairs is not None and not (x.dtype == torch.bfloat16 and pairs_serve(weight, scale, zero)
-                                  and fits_pairs(weight, scale, pairs)):
-        raise ValueError("pairs must be pair_int4 of the weight, for bf16 rows on a CPU with AVX-512 BF16")
     module = cpu_extension.load()
     if module is None:
         raise RuntimeError("the C++ CPU kernels could not be built")

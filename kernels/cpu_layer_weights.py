@@ -40,9 +40,8 @@ class DecoderLayerWeights:
     (decoder_layer.h's DecoderLayer: llama's by default); tensors, so a reloaded weight is followed.
 
     A projection may be int8 or fp8 e4m3 with a float32 scale per output row or group (weight-only quantization):
-    its *_scale; or 4-bit (kernels.cpu_int4) with its *_scale and *_zero (None: 8).
-    A bf16 projection may come with its kernels.cpu_gemv.pair_weight copy (*_pairs), which its products then read (a
-    4-bit one with kernels.cpu_int4.pair_int4's).
+    its *_scale; or 4-bit with its *_scale and *_zero (None: 8), and *_pairs its kernels.cpu_int4.pair_int4 copy.
+    A bf16 projection may come with its kernels.cpu_gemv.pair_weight copy (*_pairs), which its products then read.
     Every norm is of norm_kind ("rms", Gemma's "gemma" (1 + w), or "layer": LayerNorm with its *_bias) with eps:
     input_norm before attention, post_norm before the MLP, and where given attn_out_norm and mlp_out_norm on the
     attention's and the MLP's outputs (Gemma 2). q_norm and k_norm: the weight [head_dim] of the norm (of norm_kind)
@@ -215,11 +214,11 @@ class DecoderLayerWeights:
     def check(self, dtype: torch.dtype) -> None:
         """Each projection of the hidden states' dtype, or int8 or fp8 with its float32 scales (per row or group);
         norms, biases and rotary tables that fit the shape."""
-        for (weight, scale), zero in zip(self.projections(), self.zeros()):
+        for (weight, scale), zero, pairs in zip(self.projections(), self.zeros(), self._pairs()):
             if weight is None:
                 continue
             if weight.dtype == torch.uint8:
-                cpu_int4.check(weight, scale, zero)
+                cpu_int4.check(weight, scale, zero, pairs, dtype)
                 continue
             if zero is not None:
                 raise ValueError("zero points: only a 4-bit projection takes them")
@@ -254,13 +253,11 @@ class DecoderLayerWeights:
             raise ValueError("cos and sin must be contiguous float32 [max_position, rotary_dim <= head_dim] tables")
         for (weight, scale), pairs in [*zip(self.projections(), self._pairs()),
                                        *(((w, None), p) for w, p in self._mla_products())]:
-            if pairs is not None and weight is not None and not (dtype == torch.bfloat16 and (
-                    cpu_int4.pairs_serve(weight, scale, None) and cpu_int4.fits_pairs(weight, scale, pairs)
-                    if weight.dtype == torch.uint8 else
-                    cpu_gemv.pairs_serve(weight, scale) and cpu_gemv.fits_pairs(weight, pairs))):
+            if pairs is not None and weight is not None and weight.dtype != torch.uint8 and not (
+                    dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weight, scale)
+                    and cpu_gemv.fits_pairs(weight, pairs)):
                 raise ValueError("a projection's pairs must be kernels.cpu_gemv.pair_weight of its bf16 weight (or "
-                                 "int8 one with a scale per row; cpu_int4.pair_int4 of a 4-bit one) in a bf16 layer, "
-                                 "on a CPU with AVX-512 BF16")
+                                 "int8 one with a scale per row) in a bf16 layer, on a CPU with AVX-512 BF16")
 
     def loras(self) -> tuple[AdapterSlots | None, ...]:
         return self.qkv_lora, self.o_lora, self.gate_up_lora, self.down_lora

@@ -10,7 +10,7 @@ from conftest import assert_all_blocks_free, random_prompts
 from frontend import LLM, SamplingParams
 from hf_reference import hf_greedy
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv, cpu_int4, cpu_layer_weights
-from kernels.quantized_matmul import dequantize, pack_int4
+from kernels.quantized_matmul import dequantize, linear_reference, pack_int4
 from quantized_checkpoints import checkpoint
 from tests.test_cpu_decoder_layer import CASES, assert_fused_matches, fused_and_op_by_op, make_layer
 from workers.later_step_calls import LaterStepCalls
@@ -43,7 +43,7 @@ def random_int4(rows: int, columns: int, groups: int, zeros: bool, seed: int = 0
 def test_int4_product_equals_the_dequantized_weights(rows, shape, groups, zeros, dtype, paired):
     """F.linear on dequantize(...) in the rows' dtype (the op path's weight: (q - zero) * scale in float32, rounded
     once), the sums in other orders: within float32 ulps, or one bf16 rounding of the output (N not a multiple of
-    32: a partial last tile)."""
+    32: a partial last tile); and linear_reference within the quantized linear paths' tolerance."""
     weight, scale, zero = random_int4(*shape, groups, zeros)
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, shape[1], generator=generator).to(dtype)
@@ -53,6 +53,9 @@ def test_int4_product_equals_the_dequantized_weights(rows, shape, groups, zeros,
     expected = F.linear(x.float(), dequantize(weight, scale, zero, dtype=dtype).float(), bias.float())
     tolerance = 1e-5 if dtype == torch.float32 else 2.0 ** -7
     torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+    reference = linear_reference(x, weight, scale, zero, None, bias)  # float32 weights: as the quantized linear paths
+    torch.testing.assert_close(got.float(), reference, **({"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32
+                                                          else {"atol": 0.15, "rtol": 2e-2}))
 
 
 def test_int4_weights_the_kernels_decline_and_bad_pairs():
