@@ -142,11 +142,13 @@ def calls(monkeypatch) -> tuple[list, list]:
     return layer_calls, one_calls
 
 
-@pytest.mark.parametrize("kind", ["gptq-4bit", "awq", "ct-w4a16", "ct-w4a16-asymmetric"])
+@pytest.mark.parametrize("kind", ["gptq-4bit", *(pytest.param(kind, marks=pytest.mark.slow)
+                                                 for kind in ("awq", "ct-w4a16", "ct-w4a16-asymmetric"))])
 def test_int4_checkpoints_take_the_fused_path_and_equal_the_reference(kind, calls, monkeypatch):
     """GPTQ (zero points), AWQ, compressed-tensors 4-bit (symmetric, asymmetric): every layer in the C++ layer, the
     later steps of each multi-step call in one C++ call; greedy tokens (float32) equal the dequantized reference's
-    (HF) and the op path's."""
+    (HF) and the op path's. (AWQ and compressed-tensors slow: tests/test_quantized_checkpoints.py's reference
+    checks run them through the C++ layer too.)"""
     quantized, reference = checkpoint(kind)
     prompts = random_prompts([3, 40, 17], vocab=1000, seed=5)
     fused = generate(quantized, "float32", prompts, 8)
