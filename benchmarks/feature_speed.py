@@ -8,7 +8,7 @@ normalised by what a token costs it:
   row); of a mixture of experts the shared experts and the top-k routed ones' share of all experts' bytes;
 - batch 32 as GFLOP/s of the products: 2 x those matrices' elements per token (attention's scores left out).
 The share is a row's figure over plain llama's of the same run. Quantized rows count the bytes and products of the
-model dtype, so the int8 row's share is its speed over the bf16 model's.
+model dtype, so the int8 row's share is its speed over the bf16 model's (the int4 row's: a GPTQ checkpoint's).
 --compare-llamacpp adds llama.cpp's server on plain llama (a GGUF of the same model, --gguf), quiet, same run.
 --int8-beyond-cache adds int8 against bf16 at batch 1 on a llama whose int8 weights are 1.5x the last-level cache
 (the 30m model's fit in a large L3, where a step is not bound by the bytes it reads): the two engines take turns. Both
@@ -68,6 +68,7 @@ class Row:
     sampling: dict = field(default_factory=dict)
     adapter: bool = False
     fp8_blocks: bool = False  # projections stored as DeepSeek-V3's 128 x 128 FP8 blocks (launch/fp8_blocks.py)
+    int4_group: int = 0  # projections stored as GPTQ 4-bit with zero points per group of this many columns
 
 
 FEATURES = {
@@ -76,6 +77,7 @@ FEATURES = {
     "regex constraint": Row(sampling={"structured_outputs": StructuredOutputsParams(regex="[a-z ,.]+")}),
     "int8 weights": Row(engine={"quantization": "int8"}),
     "fp8 block weights": Row(fp8_blocks=True),
+    "int4 weights (group 128)": Row(int4_group=128),
     f"LoRA rank {LORA_RANK}": Row(engine={"enable_lora": True, "max_lora_rank": LORA_RANK}, adapter=True),
     "sampled (t 0.8, top-p 0.9, top-k 50)": Row(sampling={"temperature": 0.8, "top_p": 0.9, "top_k": 50, "seed": 0}),
 }
@@ -107,6 +109,8 @@ def engine_speeds(row: Row, dtype: str, repeats: int, adapter_dir: Path) -> dict
     folder = str(model_dir(row.arch))
     if row.fp8_blocks:
         folder, _ = fp8_block_checkpoint(folder, adapter_dir, (128, 128), with_reference=False)
+    if row.int4_group:
+        folder = int4_checkpoint(folder, adapter_dir, row.int4_group)
     lora = LoRARequest("bench", 1, write_adapter(adapter_dir, folder, LORA_RANK, 0)) if row.adapter else None
     llm = LLM(folder, dtype=dtype, **row.engine)
     try:
@@ -118,6 +122,15 @@ def engine_speeds(row: Row, dtype: str, repeats: int, adapter_dir: Path) -> dict
         return speeds
     finally:
         llm.shutdown()
+
+
+def int4_checkpoint(source: str, folder: Path, group: int) -> str:
+    """A GPTQ 4-bit checkpoint of `source`, zero points per group of `group` columns, by the tests' writer
+    (tests/quantized_checkpoints.py; imported here only: it brings the tests' fixtures)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from quantized_checkpoints import gptq_checkpoint
+
+    return gptq_checkpoint(source, folder, 4, group, act_order=False)[0]
 
 
 def _generate(llm: LLM, requests: list[dict], params: SamplingParams, lora: LoRARequest | None

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_deepseek_weights, cpu_gemv, cpu_layer_checks
+from kernels import cpu_deepseek_weights, cpu_gemv, cpu_int4, cpu_layer_checks
+from kernels.quantized_matmul import input_size_of
 
 NORM_KINDS = {"rms": 0, "gemma": 1, "layer": 2}  # layer_ops.h's NormKind
 # One expert's multiply-adds over its mean share of a step's rows past which torch's GEMMs (oneDNN's: AMX where the
@@ -39,7 +40,7 @@ class DecoderLayerWeights:
     (decoder_layer.h's DecoderLayer: llama's by default); tensors, so a reloaded weight is followed.
 
     A projection may be int8 or fp8 e4m3 with a float32 scale per output row or group (weight-only quantization):
-    its *_scale.
+    its *_scale; or 4-bit with its *_scale and *_zero (None: 8), and *_pairs its kernels.cpu_int4.pair_int4 copy.
     A bf16 projection may come with its kernels.cpu_gemv.pair_weight copy (*_pairs), which its products then read.
     Every norm is of norm_kind ("rms", Gemma's "gemma" (1 + w), or "layer": LayerNorm with its *_bias) with eps:
     input_norm before attention, post_norm before the MLP, and where given attn_out_norm and mlp_out_norm on the
@@ -135,6 +136,10 @@ class DecoderLayerWeights:
     expert_groups: int = 0
     topk_groups: int = 0
     sigmoid_scores: bool = False
+    qkv_zero: torch.Tensor | None = None
+    o_zero: torch.Tensor | None = None
+    gate_up_zero: torch.Tensor | None = None
+    down_zero: torch.Tensor | None = None
 
     @property
     def mla_dims(self) -> list[int]:
@@ -152,7 +157,7 @@ class DecoderLayerWeights:
 
     @property
     def intermediate(self) -> int:
-        return 0 if self.down is None else self.down.shape[1]
+        return 0 if self.down is None else input_size_of(self.down)
 
     def max_rows(self) -> int:
         """The most tokens of a step whose products the kernels run for these projections (max_rows)."""
@@ -187,7 +192,8 @@ class DecoderLayerWeights:
                    self.mla_q_a, self.mla_kv_a, self.mla_q_a_norm, self.mla_kv_norm, self.mla_w_uk_t, self.mla_w_uv,
                    self.grouped_router, self.correction_bias, self.experts_gate_up_pairs,
                    self.experts_down_pairs, self.mla_q_a_pairs, self.mla_kv_a_pairs, self.mla_w_uk_t_pairs,
-                   self.mla_w_uv_pairs, *(None if slots is None else slots.offsets for slots in self.loras()))
+                   self.mla_w_uv_pairs, *(None if slots is None else slots.offsets for slots in self.loras()),
+                   *self.zeros())
         groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self.projections()]
         experts = [0, 0, 0, 0] if self.router is None else \
             [self.router.shape[0], self.top_k, self.experts_down.shape[2], int(self.renormalize)]
@@ -200,16 +206,22 @@ class DecoderLayerWeights:
                 *(int(weight is not None and weight.dtype == torch.float8_e4m3fn) for weight, _ in self.projections()),
                 *self.mla_dims, self.expert_groups, self.topk_groups, int(self.sigmoid_scores),
                 *(1 if slots is None or slots.offsets is None else slots.offsets.numel() - 1
-                  for slots in self.loras())]
+                  for slots in self.loras()),
+                *(int(weight is not None and weight.dtype == torch.uint8) for weight, _ in self.projections())]
         return [pointer(t) for t in tensors], dims, [self.eps, self.scale, self.soft_cap, self.routed_scaling,
                                                      self.mla_eps]
 
     def check(self, dtype: torch.dtype) -> None:
         """Each projection of the hidden states' dtype, or int8 or fp8 with its float32 scales (per row or group);
         norms, biases and rotary tables that fit the shape."""
-        for weight, scale in self.projections():
+        for (weight, scale), zero, pairs in zip(self.projections(), self.zeros(), self._pairs()):
             if weight is None:
                 continue
+            if weight.dtype == torch.uint8:
+                cpu_int4.check(weight, scale, zero, pairs, dtype)
+                continue
+            if zero is not None:
+                raise ValueError("zero points: only a 4-bit projection takes them")
             scaled = weight.dtype in cpu_gemv.SCALED_DTYPES and scale is not None and scale.dtype == torch.float32 \
                 and scale.is_contiguous() and _scale_group(weight, scale) is not None
             if not (scaled or (weight.dtype == dtype and scale is None)):
@@ -227,7 +239,7 @@ class DecoderLayerWeights:
             if tensor is not None and not (tensor.dtype == dtype and tensor.shape == (size,)
                                            and tensor.is_contiguous()):
                 raise ValueError(f"{name} must be a contiguous [{size}] tensor of the hidden states' dtype")
-        if self.qkv.shape != (qkv_rows, qkv_in) or self.o.shape != (hidden, self.attn_width) or (
+        if _features(self.qkv) != (qkv_rows, qkv_in) or _features(self.o) != (hidden, self.attn_width) or (
                 (self.gate_up is None) != (self.down is None)) or (
                 self.gate_up is not None and self.gate_up.shape[0] != width):
             raise ValueError("the projections do not fit the layer's heads and activation")
@@ -241,7 +253,7 @@ class DecoderLayerWeights:
             raise ValueError("cos and sin must be contiguous float32 [max_position, rotary_dim <= head_dim] tables")
         for (weight, scale), pairs in [*zip(self.projections(), self._pairs()),
                                        *(((w, None), p) for w, p in self._mla_products())]:
-            if pairs is not None and weight is not None and not (
+            if pairs is not None and weight is not None and weight.dtype != torch.uint8 and not (
                     dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weight, scale)
                     and cpu_gemv.fits_pairs(weight, pairs)):
                 raise ValueError("a projection's pairs must be kernels.cpu_gemv.pair_weight of its bf16 weight (or "
@@ -253,6 +265,9 @@ class DecoderLayerWeights:
     def projections(self) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
         return ((self.qkv, self.qkv_scale), (self.o, self.o_scale), (self.gate_up, self.gate_up_scale),
                 (self.down, self.down_scale))
+
+    def zeros(self) -> tuple[torch.Tensor | None, ...]:
+        return self.qkv_zero, self.o_zero, self.gate_up_zero, self.down_zero
 
     def _pairs(self) -> tuple[torch.Tensor | None, ...]:
         return self.qkv_pairs, self.o_pairs, self.gate_up_pairs, self.down_pairs
@@ -267,8 +282,15 @@ def pointer(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
+def _features(weight: torch.Tensor) -> tuple[int, int]:
+    """A projection's output and input features (a 4-bit weight holds two inputs a byte)."""
+    return weight.shape[0], input_size_of(weight)
+
+
 def _scale_group(weight: torch.Tensor, scale: torch.Tensor) -> int | None:
     """0 for a scale per row, the group size for scales per group the kernel takes, None for other scales."""
+    if weight.dtype == torch.uint8:
+        return cpu_int4.group_of(weight, scale)
     if scale.shape == weight.shape[:1]:
         return 0
     if scale.dim() == 2 and scale.shape[0] == weight.shape[0] and cpu_gemv.takes_groups(weight, scale):
@@ -278,8 +300,12 @@ def _scale_group(weight: torch.Tensor, scale: torch.Tensor) -> int | None:
 
 def takes_projection(weight: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
                      g_idx: torch.Tensor | None) -> bool:
-    """Whether the one-call layer reads this projection: unquantized, or symmetric int8 or fp8 e4m3 with scales per
-    row or per group (GGUF's Q8_0, fp8 block checkpoints' blocks along K where they divide it)."""
+    """Whether the one-call layer reads this projection: unquantized, symmetric int8 or fp8 e4m3 with scales per
+    row or per group (GGUF's Q8_0, fp8 block checkpoints' blocks along K where they divide it), or 4-bit with scales
+    and optional zero points per row or even group (GPTQ, AWQ, compressed-tensors; not act-order's permuted columns:
+    the loaders drop a g_idx that is the plain k // group)."""
+    if weight.dtype == torch.uint8:
+        return cpu_int4.takes(weight, scale, zero, g_idx)
     return scale is None or (weight.dtype in cpu_gemv.SCALED_DTYPES and zero is None and g_idx is None
                              and _scale_group(weight, scale) is not None)
 
@@ -291,5 +317,5 @@ def max_rows(dtype: torch.dtype, weights: Sequence[torch.Tensor] = (),
     GEMMs are faster, and the layer takes them between its calls (decoder_layers_with_products: in-process decode
     of the benchmark model on a 2-core AVX-512 BF16 EPYC, 10.5 ms per step at 16 requests against 12.3 with the
     kernels' products and 14.0 on the op path; 14.6 against 18.3 on the op path at 32, 25.0 against 29.1 at 64)."""
-    return min((cpu_gemv.max_rows(dtype, weight, paired) for weight, paired in itertools.zip_longest(weights, pairs)),
-               default=cpu_gemv.max_rows(dtype))
+    return min((cpu_gemv.INT8_MAX_ROWS if weight.dtype == torch.uint8 else cpu_gemv.max_rows(dtype, weight, paired)
+                for weight, paired in itertools.zip_longest(weights, pairs)), default=cpu_gemv.max_rows(dtype))

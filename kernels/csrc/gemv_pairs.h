@@ -85,6 +85,14 @@ struct Int8Pairs {  // without AVX-512 VBMI: bytes sign-extended to words in the
 inline Bf16Pairs pairs_of(const uint16_t* tile) { return {tile}; }
 inline Int8Pairs pairs_of(const int8_t* tile) { return Int8Pairs(tile); }
 
+// Column pair p's lines of a tile read next into L2: a column pair's 64 weights, two lines of bf16, one of int8.
+template <typename W>
+inline void prefetch_pair(const W* next, int64_t p) {
+  const char* line = reinterpret_cast<const char*>(next + p * 64);
+  _mm_prefetch(line, _MM_HINT_T1);
+  if constexpr (sizeof(W) == 2) _mm_prefetch(line + 64, _MM_HINT_T1);
+}
+
 // Input rows m0..m0+MB against the tile of output rows n0..n0+32 (tile: [K / 2 pairs][32 rows][2], zero past N
 // and K), each sum times its row's scale (scale: the tile's first row's; null: none). next: a tile of the same size
 // that the caller reads after this one, or null: its lines are prefetched into L2 as this tile's stream in, a whole
@@ -98,11 +106,7 @@ inline void pair_tile(const W* tile, const uint16_t* x, const float* scale, cons
   auto step = [&](int64_t p, auto pair_of) {
     __m512bh w0, w1;
     weights(p, w0, w1);
-    if (next) {  // a column pair's 64 weights: two lines of bf16, one of int8
-      const char* line = reinterpret_cast<const char*>(next + p * 64);
-      _mm_prefetch(line, _MM_HINT_T1);
-      if constexpr (sizeof(W) == 2) _mm_prefetch(line + 64, _MM_HINT_T1);
-    }
+    if (next) prefetch_pair(next, p);
     for (int m = 0; m < MB; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair_of(x + (m0 + m) * K + 2 * p));
       a[m][0] = _mm512_dpbf16_ps(a[m][0], w0, xv);
@@ -167,20 +171,19 @@ void gemv_pairs(const uint16_t* x, const W* pairs, const float* scale, const uin
   }
 }
 
-// x [M, K] bf16, pairs: an int8 W [N, K] as pair_weight lays it out, scale [N], bias [N] or null, y [M, N]. One row
-// converts the weights in registers; from two, each tile is converted to bf16 once, into a buffer the groups of input
-// rows then read as a bf16 tile (converting in registers per group ran 0.6x bf16's speed at 8 rows, the buffer
-// 1.2x). Same products in the same order: a row's result does not depend on the row count. Threads split the tiles.
-inline void gemv_pairs_int8(const uint16_t* x, const int8_t* pairs, const float* scale, const uint16_t* bias,
-                            uint16_t* y, int64_t M, int64_t N, int64_t K) {
-  if (M == 1) return gemv_pairs(x, pairs, scale, bias, y, M, N, K);
+// x [M, K] bf16 against tiles converted to bf16 once each (tile_of(t): tile t's pairs functor, as pairs_of gives
+// it) into a buffer the groups of input rows then read as a bf16 tile; scale [N] (each sum's) or null, bias [N] or
+// null, y [M, N]. Threads split the tiles.
+template <typename TileOf>
+void gemv_pairs_buffered(const uint16_t* x, TileOf tile_of, const float* scale, const uint16_t* bias, uint16_t* y,
+                         int64_t M, int64_t N, int64_t K) {
   const int64_t tiles = (N + kPairTileRows - 1) / kPairTileRows, steps = (K + 1) / 2;
 #pragma omp parallel
   {
     std::vector<uint16_t> converted(steps * 2 * kPairTileRows);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
-      const Int8Pairs weights(pairs + t * steps * 2 * kPairTileRows);
+      const auto weights = tile_of(t);
       for (int64_t p = 0; p < steps; ++p) {
         __m512bh w0, w1;
         weights(p, w0, w1);
@@ -189,9 +192,20 @@ inline void gemv_pairs_int8(const uint16_t* x, const int8_t* pairs, const float*
       }
       for (int64_t m0 = 0; m0 < M; m0 += kPairGroupRows)
         pair_group(converted.data(), x, bias, y, t * kPairTileRows, m0, std::min(kPairGroupRows, M - m0), N, K,
-                   scale + t * kPairTileRows);
+                   scale ? scale + t * kPairTileRows : nullptr);
     }
   }
+}
+
+// x [M, K] bf16, pairs: an int8 W [N, K] as pair_weight lays it out, scale [N], bias [N] or null, y [M, N]. One row
+// converts the weights in registers; from two, gemv_pairs_buffered (converting in registers per group ran 0.6x
+// bf16's speed at 8 rows, the buffer 1.2x). Same products in the same order: a row's result does not depend on the
+// row count.
+inline void gemv_pairs_int8(const uint16_t* x, const int8_t* pairs, const float* scale, const uint16_t* bias,
+                            uint16_t* y, int64_t M, int64_t N, int64_t K) {
+  if (M == 1) return gemv_pairs(x, pairs, scale, bias, y, M, N, K);
+  const int64_t tile_elems = (K + 1) / 2 * 2 * kPairTileRows;
+  gemv_pairs_buffered(x, [&](int64_t t) { return Int8Pairs(pairs + t * tile_elems); }, scale, bias, y, M, N, K);
 }
 
 inline void gemv_pairs_bf16(const uint16_t* x, const uint16_t* pairs, const uint16_t* bias, uint16_t* y, int64_t M,

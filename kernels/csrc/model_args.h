@@ -27,7 +27,7 @@ T* out(uintptr_t p) { return reinterpret_cast<T*>(p); }
 // pagedserve::Mla), then DeepSeek's float32 router and correction bias (0: none; pagedserve::GroupedRouting), then
 // the experts' gate_up and down gemv_pairs.h copies (0: none), then MLA's q_a and kv_a gemv_pairs.h copies and its
 // W_UK^T and W_UV ones, each head's in turn (0: none), then the adapter slots' part offsets of qkv, o, gate_up and
-// down (int64 [parts + 1]; 0: one part);
+// down (int64 [parts + 1]; 0: one part), then the zero points of qkv, o, gate_up and down (4-bit weights; 0: none);
 // dims: hidden, heads, kv_heads, head_dim, intermediate, sliding window (0: none), then the scale group sizes of
 // qkv, o, gate_up and down (0: a scale per row, or no scale), then rotary_dim, the norm kind, the activation,
 // parallel_residual, qkv_per_head and scale_q_first (layer_ops.h, pagedserve::DecoderLayer), then the experts' count,
@@ -35,15 +35,15 @@ T* out(uintptr_t p) { return reinterpret_cast<T*>(p); }
 // they are bf16, then whether the scaled weights of qkv, o, gate_up and down are fp8 e4m3 (else int8), then
 // MLA's kv_lora_rank (0: no MLA), q_lora_rank, nope, rope and v head dims, then the experts'
 // groups, the groups that compete and whether scores are sigmoid, then the adapter slots' part counts of qkv, o,
-// gate_up and down;
+// gate_up and down, then whether the scaled weights of qkv, o, gate_up and down are 4-bit (int4.h);
 // floats: the norms' eps, the attention's scale and soft cap, the experts' weights' scaling, MLA's norms' eps.
 using LayerArgs = std::tuple<std::vector<uintptr_t>, std::vector<int64_t>, std::vector<double>>;
 
 template <typename T>
 pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
   const auto& [w, dims, floats] = args;
-  if (w.size() != 60 || dims.size() != 41 || floats.size() != 5)
-    throw std::invalid_argument("a layer takes 60 pointers, 41 dims and 5 floats");
+  if (w.size() != 64 || dims.size() != 45 || floats.size() != 5)
+    throw std::invalid_argument("a layer takes 64 pointers, 45 dims and 5 floats");
   auto projection = [&](int weight, int scale) {
     const int i = scale - 10;  // the projection's index: qkv, o, gate_up, down
     const pagedserve::LoraSlots lora{reinterpret_cast<const void*>(w[30 + 3 * i]),
@@ -51,7 +51,8 @@ pagedserve::DecoderLayer<T> layer_of(const LayerArgs& args) {
                                      dims[20 + i], dims[24] != 0, in<int64_t>(w[56 + i]),
                                      std::max<int64_t>(1, dims[37 + i])};
     return pagedserve::Projection{reinterpret_cast<const void*>(w[weight]), in<float>(w[scale]), dims[scale - 4],
-                                  in<uint16_t>(w[scale + 4]), lora, dims[25 + i] != 0};
+                                  in<uint16_t>(w[scale + 4]), lora, dims[25 + i] != 0, in<float>(w[60 + i]),
+                                  dims[41 + i] != 0};
   };
   const float eps = float(floats[0]);
   auto norm = [&](int weight, int bias) {

@@ -194,6 +194,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k) {
     (bf16 ? gemv_scaled<uint16_t> : gemv_scaled<float>)(fp8, x, w, scale, group, bias, y, m, n, k);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  // A 4-bit weight (int4.h) with its scales and zero points (0: 8) per row (group 0) or group, and its pairs copy (0:
+  // none).
+  m.def("gemv_int4", [](bool bf16, uintptr_t x, uintptr_t w, uintptr_t pairs, uintptr_t scale, uintptr_t zero,
+                        int64_t group, uintptr_t bias, uintptr_t y, int64_t m, int64_t n, int64_t k) {
+    if (bf16)
+      pagedserve::int4_products(in<uint16_t>(x), in<uint8_t>(w), in<uint8_t>(pairs), in<float>(scale), in<float>(zero),
+                                group, in<uint16_t>(bias), out<uint16_t>(y), m, n, k);
+    else
+      pagedserve::int4_products(in<float>(x), in<uint8_t>(w), in<uint8_t>(pairs), in<float>(scale), in<float>(zero),
+                                group, in<float>(bias), out<float>(y), m, n, k);
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("dequantize_scaled", [](bool bf16, bool fp8, uintptr_t w, uintptr_t scale, int64_t group, uintptr_t o,
                                 int64_t n, int64_t k) {
     (bf16 ? dequantize_scaled<uint16_t> : dequantize_scaled<float>)(fp8, w, scale, group, o, n, k);

@@ -1,5 +1,6 @@
-// A projection of the C++ decoder layer (Projection): its weight of the model dtype, int8 or fp8 with scales, its
-// pairs copy and its adapters, and project(), the one place that picks the product for it.
+// A projection of the C++ decoder layer (Projection): its weight of the model dtype, int8 or fp8 with scales or 4-bit
+// with scales and zero points, its pairs copy and its adapters, and project(), the one place that picks the product
+// for it.
 #pragma once
 #include <cstdint>
 #include <type_traits>
@@ -7,21 +8,24 @@
 #include "common.h"
 #include "gemv.h"
 #include "gemv_pairs.h"
+#include "int4.h"
 #include "lora.h"
 
 namespace pagedserve {
 
-// A projection's weight: T, or int8 or fp8 e4m3 with a float32 scale per output row or per group of input columns
-// (weight-only quantization).
+// A projection's weight: T, or int8, fp8 e4m3 or 4-bit (int4.h) with a float32 scale per output row or per group of
+// input columns (weight-only quantization).
 struct Projection {
   const void* weight;
   const float* scale;  // null: the weight is of the model dtype
   int64_t group;  // 0: one scale per row; else the columns sharing a scale (scale is [N, K / group])
-  // a bf16 weight's gemv_pairs.h copy (an int8 one's with a scale per row: int8 pairs), which its products then
-  // read; or null
+  // a bf16 weight's gemv_pairs.h copy (an int8 one's with a scale per row: int8 pairs; a 4-bit one's: int4.h's),
+  // which its products then read; or null
   const uint16_t* pairs = nullptr;
   LoraSlots lora;  // its adapter slots (lora.h), or none
-  bool fp8 = false;  // a scaled weight's elements: fp8 e4m3, else int8
+  bool fp8 = false;  // a scaled weight's elements: fp8 e4m3, else int8 (or 4-bit)
+  const float* zero = nullptr;  // a 4-bit weight's zero points, like scale (null: 8)
+  bool int4 = false;  // a scaled weight's elements: 4-bit, packed two a byte
 };
 
 // y = x W^T + b from W's pairs copy where it has one (bf16 on AVX-512 BF16 CPUs), else from W.
@@ -53,7 +57,10 @@ inline bool paired(const Projection& p) { return p.pairs && !p.scale; }
 template <typename T>
 void project(const Projection& p, const T* x, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
              const int64_t* lora_slots) {
-  if (p.scale && p.fp8)
+  if (p.int4)
+    int4_products(x, static_cast<const uint8_t*>(p.weight), reinterpret_cast<const uint8_t*>(p.pairs), p.scale,
+                  p.zero, p.group, bias, y, M, N, K);
+  else if (p.scale && p.fp8)
     gemv_scaled(x, static_cast<const Fp8E4m3*>(p.weight), p.scale, p.group, bias, y, M, N, K);
   else if (p.scale)
     int8_products(x, static_cast<const int8_t*>(p.weight), reinterpret_cast<const int8_t*>(p.pairs), p.scale,

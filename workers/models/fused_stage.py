@@ -71,7 +71,7 @@ def describe_layer(*, input_norm: nn.Module, post_norm: nn.Module, qkv: nn.Modul
             return {name: None}
         lora = linear.lora
         return {name: linear.weight, f"{name}_bias": linear.bias, f"{name}_scale": linear.weight_scale,
-                f"{name}_pairs": linear.pairs_weight,
+                f"{name}_zero": linear.weight_zero, f"{name}_pairs": linear.pairs_weight,
                 f"{name}_lora": None if lora is None else cpu_layer_weights.AdapterSlots(lora.a, lora.b_t, lora.used,
                                                                                          lora.part_offsets)}
 
