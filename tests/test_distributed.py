@@ -196,27 +196,41 @@ def test_lora_parallel_equals_single_rank(cluster, tp, pp):
         llm.shutdown()
 
 
-def test_multi_step_calls_under_tp_equal_one_call_per_step(cluster):
-    """At tp = 2 every rank runs a call's later steps, the driver's tokens shared after each: greedy, seeded sampled,
-    penalized and logprob requests get the tokens and logprobs of one call per step, in fewer engine steps."""
-    prompts = random_prompts([5, 20, 9], vocab=1000, seed=7)
-    params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, presence_penalty=0.5, logprobs=0)]
+MULTI_STEP_PROMPTS = random_prompts([5, 20, 9], vocab=1000, seed=7)
+MULTI_STEP_PARAMS = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
+                     SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=2),
+                     SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, presence_penalty=0.5, logprobs=0)]
 
-    def run(steps: int) -> tuple[list, int]:
-        llm = LLM(tiny_model("llama"), in_process=True, tensor_parallel_size=2, dtype="float32", block_size=8,
-                  max_model_len=128, num_scheduler_steps=steps, multi_step_budget_ms=None)
-        calls, step = [], llm.client.engine.step
-        llm.client.engine.step = lambda: calls.append(1) or step()
-        try:
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            return [o.outputs[0] for o in outputs], len(calls)
-        finally:
-            llm.shutdown()
 
-    (multi, multi_calls), (single, single_calls) = run(8), run(1)
-    assert multi_calls < single_calls / 2
+def multi_step_run(steps: int, **layout) -> tuple[list, int]:
+    """The MULTI_STEP requests' completions from an in-process LLM of tiny llama (float32) taking up to `steps` decode
+    steps a call, and how many engine steps (calls) they took."""
+    llm = LLM(tiny_model("llama"), in_process=True, dtype="float32", block_size=8, max_model_len=128,
+              num_scheduler_steps=steps, multi_step_budget_ms=None, **layout)
+    calls, step = [], llm.client.engine.step
+    llm.client.engine.step = lambda: calls.append(1) or step()
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in MULTI_STEP_PROMPTS], MULTI_STEP_PARAMS,
+                               use_tqdm=False)
+        return [o.outputs[0] for o in outputs], len(calls)
+    finally:
+        llm.shutdown()
+
+
+@functools.cache
+def one_call_per_step() -> tuple[list, int]:
+    """multi_step_run at one rank, one step a call: the reference."""
+    return multi_step_run(1)
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), pytest.param(2, 2, marks=SLOW)])
+def test_multi_step_calls_over_ranks_equal_one_rank(cluster, tp, pp):
+    """Every rank runs a call's later steps: each stage hands the next its hidden states, and the driver's tokens of
+    each step reach every rank (a sum over the TP group in one stage, a broadcast over stages). Greedy, seeded sampled,
+    penalized and logprob requests get one rank's tokens and logprobs of one call per step, in fewer engine steps."""
+    (multi, multi_calls), (single, single_calls) = multi_step_run(8, tensor_parallel_size=tp,
+                                                                  pipeline_parallel_size=pp), one_call_per_step()
+    assert multi_calls < single_calls / 2, (multi_calls, single_calls)
     for got, expected in zip(multi, single, strict=True):
         assert got.token_ids == expected.token_ids
         for got_step, expected_step in zip(got.logprobs or [], expected.logprobs or [], strict=True):

@@ -34,6 +34,9 @@ class ParallelState:
     expert_parallel: bool = False  # MoE layers divide whole experts among the TP ranks instead of each expert
     # With data parallel + expert parallel: the group of every engine's rank, which divides the experts instead.
     experts: EngineGroup | None = None
+    # This rank and the same TP rank of the previous / next pipeline stage (pp_recv / pp_send), where there is one.
+    pp_prev: dist.ProcessGroup | None = None
+    pp_next: dist.ProcessGroup | None = None
 
     @property
     def rank(self) -> int:
@@ -90,10 +93,15 @@ def init_distributed(host: str, port: int, tp_rank: int, tp_size: int, pp_rank: 
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
                             world_size=tp_size * pp_size, timeout=_INIT_TIMEOUT)
     groups = [dist.new_group(list(range(stage * tp_size, (stage + 1) * tp_size))) for stage in range(pp_size)]
+    # Every rank takes part in creating every group. gloo's send/recv hands a tensor over several times slower than
+    # its broadcast in a group of the two ranks.
+    links = {(stage, t): dist.new_group([stage * tp_size + t, (stage + 1) * tp_size + t])
+             for stage in range(pp_size - 1) for t in range(tp_size)}
     tp_comm = None
     if backend == "gloo" and tp_size > 1:  # a gloo message costs milliseconds, a shared-memory round microseconds
         tp_comm = connect_shm(groups[pp_rank], tp_rank, tp_size, f"pagedserve-{host}-{port}-stage{pp_rank}")
-    _state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, groups[pp_rank], tp_comm, expert_parallel)
+    _state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, groups[pp_rank], tp_comm, expert_parallel,
+                           pp_prev=links.get((pp_rank - 1, tp_rank)), pp_next=links.get((pp_rank, tp_rank)))
     return _state
 
 
@@ -152,9 +160,8 @@ Intermediate = tuple[torch.Tensor, ...]
 
 def pp_send(intermediate: Intermediate) -> None:
     """Hand this stage's output to the same TP rank of the next stage."""
-    peer = _state.rank + _state.tp_size
     for tensor in intermediate:
-        dist.send(tensor.contiguous(), peer)
+        dist.broadcast(tensor.contiguous(), _state.rank, group=_state.pp_next)
 
 
 def pp_recv(num_tensors: int, num_tokens: int, hidden_size: int, dtype: torch.dtype,
@@ -163,7 +170,7 @@ def pp_recv(num_tensors: int, num_tokens: int, hidden_size: int, dtype: torch.dt
     peer = _state.rank - _state.tp_size
     intermediate = tuple(torch.empty(num_tokens, hidden_size, dtype=dtype, device=device) for _ in range(num_tensors))
     for tensor in intermediate:
-        dist.recv(tensor, peer)
+        dist.broadcast(tensor, peer, group=_state.pp_prev)
     return intermediate
 
 

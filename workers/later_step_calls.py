@@ -1,17 +1,18 @@
 """A multi-step call's steps after its first (core/multi_step.py decides how many): in one C++ call of the model's
 greedy_decode where it takes the requests, else one forward pass and sampler step at a time; both give the tokens
-of one call per step. Under tensor parallelism every rank runs the steps in lockstep, the driver's tokens shared
-with the others after each."""
+of one call per step. Over several ranks (tensor and pipeline parallel) every rank runs the steps in lockstep: each
+stage hands its hidden states to the next as in any step, and the driver's tokens reach every rank after each."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ipc import ModelRunnerOutput, SchedulerOutput
 from kernels.cpu_row_options import SampledRows
-from workers.distributed import tp_all_reduce
+from workers.distributed import pp_send, tp_all_reduce
 from workers.later_steps import LaterSteps, StepBatch, accepted_run
 from workers.model_inputs import ModelInputs
 from workers.request_state import CachedRequestState
@@ -31,14 +32,14 @@ class LaterStepCalls:
     def start(self, output: ModelRunnerOutput, states: list[CachedRequestState], scheduled: SchedulerOutput,
               grammars: LentGrammars | None = None) -> None:
         """The driver's later steps of a call whose first step sampled `output` for `states` (none after a failed
-        sampling: then only the drafts to verify next), the first step's tokens shared with the other TP ranks.
+        sampling: then only the drafts to verify next), the first step's tokens shared with the other ranks.
         grammars: the constrained requests' matchers (lent by the engine core in this process), whose masks (as
         wide as the first step's) each later step of theirs follows."""
         num_steps = scheduled.num_steps
         goes = num_steps > 1 and not output.failed
         self._share_start(goes, num_steps)
         if goes:
-            if self.runner.parallel.tp_size > 1:
+            if self._shares:
                 self._shared([output.sampled_token_ids[state.req_id][-1] for state in states], len(states))
             self.run(output, states, num_steps, CallGrammars(grammars or {}, [state.req_id for state in states],
                                                              [output.sampled_token_ids[s.req_id] for s in states],
@@ -48,25 +49,37 @@ class LaterStepCalls:
             output.draft_token_ids = self.runner.propose(output)
 
     def decline(self, num_steps: int) -> None:
-        """The driver takes no later steps this call (it sampled nothing): the other TP ranks are told."""
+        """The driver takes no later steps this call (it sampled nothing): the other ranks are told."""
         self._share_start(False, num_steps)
 
-    def follow(self, states: list[CachedRequestState], num_steps: int) -> None:
-        """Another TP rank's part in the driver's later steps (start()): the same forward passes and logits, with
-        the driver's tokens; `states`: those the driver samples when none fails."""
-        if self._shared(None, 1)[0]:
+    def follow(self, inputs: ModelInputs, num_steps: int) -> None:
+        """Another rank's part in the driver's later steps (start()) of a call whose first step took `inputs`: the
+        same forward passes (and logits on the last stage), with the driver's tokens for the requests it samples
+        (when none fails)."""
+        if num_steps > 1 and self._shared(None, 1)[0]:
+            states = [group.state for group in inputs.sample_groups]
             first = {state.req_id: [token] for state, token in zip(states, self._shared(None, len(states)))}
             self.run(ModelRunnerOutput(sampled_token_ids=first), states, num_steps, CallGrammars({}, [], [], 0))
 
+    @property
+    def _shares(self) -> bool:
+        """Whether other ranks follow the driver's steps."""
+        parallel = self.runner.parallel
+        return parallel.tp_size * parallel.pp_size > 1
+
     def _share_start(self, goes: bool, num_steps: int) -> None:
-        if self.runner.parallel.tp_size > 1 and num_steps > 1:
+        if self._shares and num_steps > 1:
             self._shared([int(goes)], 1)
 
     def _shared(self, tokens: list[int] | None, count: int) -> list[int]:
-        """The driver's tokens (None on the other TP ranks: `count` of them) on every TP rank: its values summed
-        with the others' zeros."""
+        """The driver's tokens (None on the other ranks: `count` of them) on every rank. In one stage: its values
+        summed with the others' zeros (shared memory); over stages: broadcast from it over every rank (gloo)."""
         values = torch.zeros(count, dtype=torch.int64) if tokens is None else torch.tensor(tokens, dtype=torch.int64)
-        return tp_all_reduce(values).tolist()
+        parallel = self.runner.parallel
+        if parallel.pp_size == 1:
+            return tp_all_reduce(values).tolist()
+        dist.broadcast(values, src=(parallel.pp_size - 1) * parallel.tp_size)
+        return values.tolist()
 
     def run(self, output: ModelRunnerOutput, states: list[CachedRequestState], num_steps: int,
             grammars: CallGrammars) -> None:
@@ -75,11 +88,11 @@ class LaterStepCalls:
         more token (the argmax, or sampled as in any step, over the call's tokens so far) are appended to `output`,
         with the verification; a constrained request's tokens under the mask of its grammar's fork. Ends early once
         no request can go on (workers.later_steps). The drafts proposed after the last step go with the output.
-        Under tensor parallelism (no drafts then) every rank runs it, the driver's tokens of each step shared with
-        the others."""
+        Over several ranks (no drafts then) every rank runs it: a stage before the last hands its hidden states on,
+        and the driver's tokens of each step are shared with the others."""
         runner = self.runner
         tensors = runner.tensors
-        driver, shares = runner.parallel.is_driver, runner.parallel.tp_size > 1
+        driver, shares, last_stage = runner.parallel.is_driver, self._shares, runner.parallel.is_last_stage
         steps = LaterSteps(states, [output.sampled_token_ids[s.req_id] for s in states], *tensors.block_table(states),
                            runner.block_size, runner.config.max_model_len)
         draft_ahead = runner.draft_model.num_drafts if runner.draft_model is not None else 0
@@ -101,7 +114,10 @@ class LaterStepCalls:
             slots = runner.lora_slots([states[i] for i in batch.rows], feeds)  # each token's adapter, if any
             hidden = runner.forward(ModelInputs(tensors.indices(batch.input_ids), tensors.indices(batch.positions),
                                                 metadata, tensors.indices(np.arange(len(batch.input_ids))), [], []))
-            logits = runner.logits(hidden, np.repeat(slots, feeds).tolist())  # on the driver only
+            if last_stage:
+                logits = runner.logits(hidden, np.repeat(slots, feeds).tolist())  # on the driver only
+            else:
+                pp_send(hidden)
             if not driver:
                 runs = [[token] if token >= 0 else None for token in self._shared(None, len(batch.rows))]
             elif argmax_only:  # as the sampler takes a plain greedy row
@@ -110,7 +126,7 @@ class LaterStepCalls:
                         for feed, first in zip(batch.feeds, batch.query_start_loc)]
             else:
                 runs = self._sample_later_step(logits, steps, batch, output, grammars)
-            if driver and shares:  # one token each (no drafts under tensor parallelism), -1: its sampling failed
+            if driver and shares:  # one token each (no drafts over several ranks), -1: its sampling failed
                 self._shared([-1 if run is None else run[0] for run in runs], len(runs))
             for i, feed, run in zip(batch.rows, batch.feeds, runs):
                 if run is None:

@@ -81,13 +81,13 @@ class ModelRunner(RunnerCaches):
     @property
     def multi_steps(self) -> int:
         """The most decode steps one call runs (core/multi_step.py): on the CPU (CUDA graphs and decode ahead take
-        that cost off the GPU's path), in one pipeline stage; under tensor parallelism every rank runs them
+        that cost off the GPU's path); over several ranks (tensor and pipeline parallel) every rank runs them
         (workers.later_step_calls), without drafts. With speculative decoding, each step verifies the drafts
         proposed after the one before (a proposer that reads hidden states reads each later step's).
         Experts split over data-parallel engines: one forward pass per call, which every engine matches."""
-        if (self.device.type != "cpu" or self.decode_graphs is not None or self.parallel.pp_size > 1
-                or self.parallel.experts is not None
-                or (self.parallel.tp_size > 1 and self.speculator is not None)):
+        parallel = self.parallel
+        if (self.device.type != "cpu" or self.decode_graphs is not None or parallel.experts is not None
+                or (parallel.tp_size * parallel.pp_size > 1 and self.speculator is not None)):
             return 1
         return self.config.num_scheduler_steps
 
@@ -120,6 +120,7 @@ class ModelRunner(RunnerCaches):
         hidden = self.forward(inputs)
         if not self.parallel.is_last_stage:
             pp_send(hidden)
+            self.later_steps.follow(inputs, scheduler_output.num_steps)
             return ModelRunnerOutput(sampled_token_ids={})
         # Every TP rank takes part in computing logits; only the driver gets them, and samples.
         prompt_logits = [self.logits(hidden[self.tensors.indices(job.rows)], [job.lora_slot] * len(job.rows))
@@ -127,8 +128,7 @@ class ModelRunner(RunnerCaches):
         logits = self.logits(hidden[inputs.logits_indices], inputs.lora_row_slots) if inputs.sample_groups \
             else None
         if not self.parallel.is_driver:
-            if scheduler_output.num_steps > 1:
-                self.later_steps.follow([group.state for group in inputs.sample_groups], scheduler_output.num_steps)
+            self.later_steps.follow(inputs, scheduler_output.num_steps)
             return ModelRunnerOutput(sampled_token_ids={})
         failed: dict[str, str] = {}
         pooled = self._pool(hidden, inputs.pooling_jobs, failed)
