@@ -152,10 +152,11 @@ struct Fp8RowPairs {  // fp8 rows' pairs straight from the byte tables, no bf16 
 };
 #endif
 
-// Probabilities as the V pass's bf16 (rounded to nearest even).
+// Probabilities as the V pass's bf16 (rounded to nearest even, as store() rounds the tail; none is NaN).
 inline void bf16_probabilities(const float* p, uint16_t* out, int64_t count) {
   int64_t i = 0;
-  for (; i + 16 <= count; i += 16) store16(_mm512_loadu_ps(p + i), out + i);
+  for (; i + 32 <= count; i += 32)
+    _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + i + 16), _mm512_loadu_ps(p + i)));
   for (; i < count; ++i) store(p[i], out + i);
 }
 
@@ -226,7 +227,8 @@ inline void score_rows_bf16(const uint16_t*, const uint16_t*, int64_t, float, fl
 struct Bf16RowPairs {};
 inline void bf16_probabilities(const float*, uint16_t*, int64_t) {}
 template <int D, typename R, typename Pairs>
-inline void accumulate_group_bf16(const uint16_t*, int64_t, const R*, int64_t, float*, int64_t, int64_t, const Pairs&) {}
+inline void accumulate_group_bf16(const uint16_t*, int64_t, const R*, int64_t, float*, int64_t, int64_t,
+                                  const Pairs&) {}
 #endif
 
 // The V pass's pair reader for cache rows of type C, and whether it reads them as stored (else a bf16 copy of each
