@@ -1,14 +1,18 @@
-"""The CPU decode-attention kernel's read bandwidth from memory against a plain copy's, in one run.
+"""The CPU decode-attention kernel's read bandwidth from memory against a plain copy's, bf16 and fp8 caches in one run.
 
 The benchmark model's heads (8 query / 4 KV heads of 64, bf16), a 16,384-block cache on huge pages (a whole engine
-KV cache's size, 128 MiB per K or V), each sequence's blocks drawn at random from all of it as a long-running engine
-hands them out; the K/V bytes over the median call time, the caches flushed before each call (64 MiB written). The
-reference: a 256 MiB float32 tensor summed, its bytes over the time. Target (issue 24's decode attention): the kernel
-near the reference's read rate.
-    python benchmarks/cpu_decode_attention.py
+KV cache's size, 128 MiB per K or V in bf16), each sequence's blocks drawn at random from all of it as a
+long-running engine hands them out; the K/V bytes over the median call time, the caches flushed before each call
+(64 MiB written). The reference: a 256 MiB float32 tensor summed, its bytes over the time. Target (issue 24's decode
+attention): the kernel near the reference's read rate. Each --formats cache (fp8 e4m3 by default; fp8_e5m2) holds
+the bf16 cache's values quantized (scale 1), timed on the same tables and queries; fp8 / bf16 is its time over bf16's
+(issue 57 wants <= 0.5). --cpu-time times one thread's CPU time per call (time.thread_time, OMP_NUM_THREADS=1): on a
+busy machine that is what the call itself costs, where the wall time also counts the other processes' turns.
+    python benchmarks/cpu_decode_attention.py [--formats fp8 fp8_e5m2] [--cpu-time]
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -18,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels import kv_quant  # noqa: E402
 from kernels.cpu_decode_attention import decode_attention  # noqa: E402
 from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
 from workers.cpu_allocator import huge_page_zeros  # noqa: E402
@@ -26,13 +31,13 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 8, 4, 64, 16, 16384
 CASES = [(96, 300), (48, 310), (16, 400)]  # (sequences, context): the throughput workload's decode batches
 
 
-def median_seconds(fn, calls: int = 30, before=lambda: None) -> float:
+def median_seconds(fn, calls: int = 30, before=lambda: None, clock=time.perf_counter) -> float:
     times = []
     for _ in range(calls):
         before()
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)
 
 
@@ -42,25 +47,49 @@ def read_rate() -> float:
     return values.numel() * 4 / min(median_seconds(values.sum, 1) for _ in range(5))
 
 
-def main() -> int:
+def compare_formats(formats: list[str], clock=time.perf_counter, reference: float | None = None) -> None:
+    """Each case's median time per call and K/V read rate for the bf16 cache and each fp8 format's, and the ratio."""
     torch.manual_seed(0)
     shape = (NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-    key_cache = huge_page_zeros(shape, torch.bfloat16).normal_()
-    value_cache = huge_page_zeros(shape, torch.bfloat16).normal_()
-    reference = read_rate()
+    bf16 = [huge_page_zeros(shape, torch.bfloat16).normal_() for _ in range(2)]
+    caches = {"bf16": bf16}
+    for name in formats:
+        fmt = kv_quant.cache_dtype(name, torch.bfloat16)
+        caches[name] = [huge_page_zeros(shape, fmt).copy_(kv_quant.quantize(c, 1.0, fmt)) for c in bf16]
     flush = torch.empty(64 << 20, dtype=torch.uint8)
-    print(f"CPU native bf16: {cpu_has_native_bf16()}; a plain sum reads {reference / 1e9:.1f} GB/s")
+    timed = "one thread's CPU time" if clock is time.thread_time else "wall time"
+    print(f"decode attention (CPU native bf16: {cpu_has_native_bf16()}), {HEADS} heads over {KV_HEADS} KV heads of "
+          f"{HEAD_DIM}, {timed}:")
     for seqs, context in CASES:
-        blocks = -(-context // BLOCK_SIZE)
-        tables = torch.randperm(NUM_BLOCKS)[:seqs * blocks].view(seqs, blocks).contiguous()
+        tables = torch.randperm(NUM_BLOCKS)[:seqs * -(-context // BLOCK_SIZE)].view(seqs, -1).contiguous()
         query = torch.randn(seqs, HEADS, HEAD_DIM, dtype=torch.bfloat16)
         lens = torch.full((seqs,), context, dtype=torch.int64)
-        run = lambda: decode_attention(query, key_cache, value_cache, tables, lens, HEAD_DIM ** -0.5)  # noqa: E731
-        run()
-        seconds = median_seconds(run, before=lambda: flush.fill_(1))
-        rate = 2 * seqs * context * KV_HEADS * HEAD_DIM * 2 / seconds
-        print(f"{seqs} sequences x {context} positions: {seconds * 1e3:.3f} ms, K/V read at {rate / 1e9:.1f} GB/s = "
-              f"{rate / reference:.0%} of the sum's rate")
+        times = {}
+        for name, (k, v) in caches.items():
+            def run(k=k, v=v):
+                return decode_attention(query, k, v, tables, lens, HEAD_DIM ** -0.5)
+            run()
+            times[name] = median_seconds(run, before=lambda: flush.fill_(1), clock=clock)
+        kv_elements = 2 * seqs * context * KV_HEADS * HEAD_DIM
+        rates = {name: kv_elements * caches[name][0].element_size() / t for name, t in times.items()}
+        line = ", ".join(f"{name} {t * 1e3:.3f} ms ({rates[name] / 1e9:.1f} GB/s"
+                         + (f", {rates[name] / reference:.0%} of the sum's" if reference else "") + ")"
+                         for name, t in times.items())
+        ratios = ", ".join(f"{name} / bf16 {t / times['bf16']:.2f}" for name, t in times.items() if name != "bf16")
+        print(f"  {seqs} x {context}: {line}" + (f"; {ratios} of the time" if ratios else ""))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--formats", nargs="*", default=["fp8"], choices=["fp8", "fp8_e5m2"])
+    parser.add_argument("--cpu-time", action="store_true", help="one thread's CPU time per call (busy machines)")
+    args = parser.parse_args()
+    if args.cpu_time:
+        torch.set_num_threads(1)
+    reference = None if args.cpu_time else read_rate()
+    if reference:
+        print(f"a plain sum reads {reference / 1e9:.1f} GB/s")
+    compare_formats(args.formats, time.thread_time if args.cpu_time else time.perf_counter, reference)
     return 0
 
 

@@ -5,8 +5,8 @@
    auto's over every scored position, and perplexity. Targets: agreement >= 99%, perplexity within 1%. Also the
    agreement on the positions auto's top-1 decides (leads its runner-up by >= DECIDED_MARGIN nats; the rest are near
    ties that any change of rounding flips, the bf16 model against the float32 one included) and auto's exact ties.
-2. Decode attention: the C++ kernel over a whole-engine-sized cache (benchmarks/cpu_decode_attention.py's shapes and
-   flushes) with bf16 against fp8 caches: median time per call and K/V bytes read per second.
+2. Decode attention: benchmarks/cpu_decode_attention.py's comparison (a whole-engine-sized cache, flushed before
+   each call) of bf16 against fp8 caches: median time per call, K/V bytes read per second, fp8's time over bf16's.
 3. Throughput: the issue's 96-request workload (benchmarks/throughput.py: inputs 16-400, outputs 8-200 tokens,
    greedy, ignore_eos, the model maker's benchmark llama, bf16) with kv_cache_dtype auto and fp8 alternating for
    --rounds rounds; output tokens/s of each and fp8 / auto (target >= 1.15x on a CPU with native bf16).
@@ -29,12 +29,8 @@ from demo_perplexity import held_out_tokens  # noqa: E402
 from throughput import make_requests, run_engine  # noqa: E402
 
 from frontend import LLM, SamplingParams  # noqa: E402
-from kernels import kv_quant  # noqa: E402
-from kernels.cpu_decode_attention import decode_attention  # noqa: E402
-from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
 from launch.make_model import ensure_benchmark_model  # noqa: E402
 from launch.shipped import WEIGHTS_DIR  # noqa: E402
-from workers.cpu_allocator import huge_page_zeros  # noqa: E402
 
 AGREEMENT_TARGET, PERPLEXITY_TARGET, SPEEDUP_TARGET = 0.99, 0.01, 1.15
 DECIDED_MARGIN = 0.2  # nats between auto's top two logprobs
@@ -78,36 +74,6 @@ def accuracy(windows_wanted: int, formats: list[str]) -> None:
               f"{math.exp(nll / count):.3f} ({change:+.2%}, target within {PERPLEXITY_TARGET:.0%})")
 
 
-def decode_attention_rates(formats: list[str]) -> None:
-    torch.manual_seed(0)
-    heads, kv_heads, dim, bs, blocks = (attention_bench.HEADS, attention_bench.KV_HEADS, attention_bench.HEAD_DIM,
-                                        attention_bench.BLOCK_SIZE, attention_bench.NUM_BLOCKS)
-    shape = (blocks, kv_heads, bs, dim)
-    bf16 = [huge_page_zeros(shape, torch.bfloat16).normal_() for _ in range(2)]
-    caches = {"auto": bf16}
-    for name in formats:
-        fmt = kv_quant.cache_dtype(name, torch.bfloat16)
-        caches[name] = [huge_page_zeros(shape, fmt).copy_(kv_quant.quantize(c, 1.0, fmt)) for c in bf16]
-    flush = torch.empty(64 << 20, dtype=torch.uint8)
-    print(f"decode attention (CPU native bf16: {cpu_has_native_bf16()}), {heads} heads over {kv_heads} KV heads of "
-          f"{dim}:")
-    for seqs, context in attention_bench.CASES:
-        tables = torch.randperm(blocks)[:seqs * -(-context // bs)].view(seqs, -1).contiguous()
-        query = torch.randn(seqs, heads, dim, dtype=torch.bfloat16)
-        lens = torch.full((seqs,), context, dtype=torch.int64)
-        times = {}
-        for name, (k, v) in caches.items():
-            def run(k=k, v=v):
-                return decode_attention(query, k, v, tables, lens, dim ** -0.5)
-            run()
-            times[name] = attention_bench.median_seconds(run, before=lambda: flush.fill_(1))
-        kv_elements = 2 * seqs * context * kv_heads * dim
-        line = ", ".join(f"{name} {t * 1e3:.3f} ms ({kv_elements * caches[name][0].element_size() / t / 1e9:.1f} GB/s)"
-                         for name, t in times.items())
-        speedups = ", ".join(f"{name} {times['auto'] / t:.2f}x" for name, t in times.items() if name != "auto")
-        print(f"  {seqs} x {context}: {line}; {speedups}")
-
-
 def throughput(rounds: int, num_requests: int) -> None:
     model = str(ensure_benchmark_model())
     from transformers import AutoConfig
@@ -139,7 +105,7 @@ def main() -> int:
     if not args.skip_accuracy:
         accuracy(args.windows, args.formats)
     if not args.skip_attention:
-        decode_attention_rates(args.formats)
+        attention_bench.compare_formats(args.formats)
     if not args.skip_throughput:
         throughput(args.rounds, args.num_requests)
     return 0

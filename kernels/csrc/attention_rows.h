@@ -3,6 +3,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "common.h"
@@ -135,66 +136,87 @@ inline void score_rows_bf16(const uint16_t* __restrict q, const uint16_t* __rest
   }
 }
 
-// acc[g] += sum_i p[g][i] * v_i for NG queries at once over `count` consecutive bf16 rows v_i of D dims (a multiple
-// of 16), the accumulators in registers: each V row widened once for all of them, and their sums independent chains
-// (one query's chain alone waits on each FMA's latency). Each query's sum runs over i in order, as alone. Rows of
-// v are v_stride apart (D: whole rows; more: a slice of D dims of each).
-template <int D, int NG>
-inline void accumulate_heads_bf16(const float* __restrict p, int64_t p_stride, const uint16_t* __restrict v,
-                                  int64_t count, float* __restrict acc, int64_t acc_stride, int64_t v_stride = D) {
+// The bf16 pairs (u[d], w[d]) of 32 dims of two rows as unpacklo / unpackhi_epi16 make them: out[m]'s pair j holds
+// dim 8 (j / 4) + 4 m + j % 4 (fp8.h's pair tables give the same order).
+struct Bf16RowPairs {
+  void operator()(const uint16_t* u, const uint16_t* w, __m512i* out) const {
+    const __m512i a = _mm512_loadu_si512(u), b = _mm512_loadu_si512(w);
+    out[0] = _mm512_unpacklo_epi16(a, b), out[1] = _mm512_unpackhi_epi16(a, b);
+  }
+};
+#ifdef __AVX512VBMI__
+template <typename C>
+struct Fp8RowPairs {  // fp8 rows' pairs straight from the byte tables, no bf16 copy of the block
+  Fp8Bf16Lookup<C> lookup{384};
+  void operator()(const C* u, const C* w, __m512i* out) const { fp8_bf16_pairs(u, w, lookup, out); }
+};
+#endif
+
+// Probabilities as the V pass's bf16 (rounded to nearest even, as store() rounds the tail; none is NaN).
+inline void bf16_probabilities(const float* p, uint16_t* out, int64_t count) {
+  int64_t i = 0;
+  for (; i + 32 <= count; i += 32)
+    _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + i + 16), _mm512_loadu_ps(p + i)));
+  for (; i < count; ++i) store(p[i], out + i);
+}
+
+// acc[g] += sum_i p[g][i] * v_i for NG queries at once over `count` consecutive rows v_i of D dims (a multiple of
+// 32), two rows at a time: vdpbf16ps multiplies each (v_i[d], v_i+1[d]) pair by the probabilities (p[g][i],
+// p[g][i+1]) as bf16 (as FlashAttention rounds P for its second product) into float32 sums, each V pair read once
+// for all NG queries. acc holds dims in pair_slot order. Rows of v are v_stride apart (D: whole rows; more: a slice
+// of D dims of each); an odd last row pairs with itself at probability 0.
+template <int D, int NG, typename R, typename Pairs>
+inline void accumulate_heads_bf16(const uint16_t* __restrict p, int64_t p_stride, const R* __restrict v,
+                                  int64_t count, float* __restrict acc, int64_t acc_stride, int64_t v_stride,
+                                  const Pairs& pairs) {
   constexpr int C = D / 16;
   __m512 a[NG][C];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * acc_stride + c * 16);
-  for (int64_t i = 0; i < count; ++i) {
-    __m512 w[C];
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i * v_stride + c * 16));
-      w[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-    }
+  for (int64_t i = 0; i < count; i += 2) {
+    const bool odd = i + 1 == count;
+    __m512i w[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; c += 2) pairs(v + i * v_stride + c * 16, v + (i + !odd) * v_stride + c * 16, w + c);
 #pragma GCC unroll 4
     for (int g = 0; g < NG; ++g) {
-      const __m512 pv = _mm512_set1_ps(p[g * p_stride + i]);
+      uint32_t both = p[g * p_stride + i];
+      if (!odd) std::memcpy(&both, p + g * p_stride + i, 4);
+      const __m512bh pv = (__m512bh)_mm512_set1_epi32(int(both));
 #pragma GCC unroll 8
-      for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pv, w[c], a[g][c]);
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_dpbf16_ps(a[g][c], (__m512bh)w[c], pv);
     }
   }
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * acc_stride + c * 16, a[g][c]);
 }
 
-// accumulate_heads_bf16 for the G query heads of one KV head (probabilities p_stride apart, accumulators D apart),
-// as many at once as 16 accumulator registers hold; D == 0: rows of dim (a multiple of 32 known at run time), taken
-// in slices of 64 dims (the last maybe 32), four heads at once.
-template <int D>
-inline void accumulate_group_bf16(const float* p, int64_t p_stride, const uint16_t* v, int64_t count, float* acc,
-                                  int64_t G, int64_t dim = D) {
+// accumulate_heads_bf16 for the G query heads of one KV head (bf16 probabilities p_stride apart, accumulators D
+// apart), as many at once as 16 accumulator registers hold; D == 0: rows of dim (a multiple of 32 known at run
+// time), taken in slices of 64 dims (the last maybe 32), four heads at once. Rows of type R read by `pairs`.
+template <int D, typename R, typename Pairs>
+inline void accumulate_group_bf16(const uint16_t* p, int64_t p_stride, const R* v, int64_t count, float* acc,
+                                  int64_t G, int64_t dim, const Pairs& pairs) {
   constexpr int most = D <= 64 ? 4 : D <= 128 ? 2 : 1;
   for (int64_t g = 0; g < G; g += most) {
-    const float* pg = p + g * p_stride;
+    const uint16_t* pg = p + g * p_stride;
     float* ag = acc + g * dim;
-    if constexpr (D == 0) {
-      for (int64_t s = 0; s < dim; s += 64) {
-        auto slice = [&](auto heads) {
-          constexpr int NG = decltype(heads)::value;
-          if (dim - s >= 64) accumulate_heads_bf16<64, NG>(pg, p_stride, v + s, count, ag + s, dim, dim);
-          else accumulate_heads_bf16<32, NG>(pg, p_stride, v + s, count, ag + s, dim, dim);
-        };
-        switch (std::min<int64_t>(most, G - g)) {
-          case 4: slice(std::integral_constant<int, 4>{}); break;
-          case 3: slice(std::integral_constant<int, 3>{}); break;
-          case 2: slice(std::integral_constant<int, 2>{}); break;
-          default: slice(std::integral_constant<int, 1>{}); break;
+    auto heads = [&](auto ng) {
+      constexpr int NG = decltype(ng)::value;
+      if constexpr (D > 0) {
+        if constexpr (NG <= most) accumulate_heads_bf16<D, NG>(pg, p_stride, v, count, ag, D, D, pairs);
+      } else {
+        for (int64_t s = 0; s < dim; s += 64) {
+          if (dim - s >= 64) accumulate_heads_bf16<64, NG>(pg, p_stride, v + s, count, ag + s, dim, dim, pairs);
+          else accumulate_heads_bf16<32, NG>(pg, p_stride, v + s, count, ag + s, dim, dim, pairs);
         }
       }
-      continue;
-    }
+    };
     switch (std::min<int64_t>(most, G - g)) {
-      case 4: if constexpr (most >= 4) accumulate_heads_bf16<D, 4>(pg, p_stride, v, count, ag, D); break;
-      case 3: if constexpr (most >= 3) accumulate_heads_bf16<D, 3>(pg, p_stride, v, count, ag, D); break;
-      case 2: if constexpr (most >= 2) accumulate_heads_bf16<D, 2>(pg, p_stride, v, count, ag, D); break;
-      default: accumulate_heads_bf16<D, 1>(pg, p_stride, v, count, ag, D); break;
+      case 4: heads(std::integral_constant<int, 4>{}); break;
+      case 3: heads(std::integral_constant<int, 3>{}); break;
+      case 2: heads(std::integral_constant<int, 2>{}); break;
+      default: heads(std::integral_constant<int, 1>{}); break;
     }
   }
 }
@@ -202,8 +224,37 @@ inline void accumulate_group_bf16(const float* p, int64_t p_stride, const uint16
 constexpr bool kNativeBf16Attention = false;
 template <int D>
 inline void score_rows_bf16(const uint16_t*, const uint16_t*, int64_t, float, float*, int64_t = D) {}
-template <int D>
-inline void accumulate_group_bf16(const float*, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t = D) {}
+struct Bf16RowPairs {};
+inline void bf16_probabilities(const float*, uint16_t*, int64_t) {}
+template <int D, typename R, typename Pairs>
+inline void accumulate_group_bf16(const uint16_t*, int64_t, const R*, int64_t, float*, int64_t, int64_t,
+                                  const Pairs&) {}
 #endif
+
+// The V pass's pair reader for cache rows of type C, and whether it reads them as stored (else a bf16 copy of each
+// block: fp8 without VBMI).
+template <typename C>
+struct PairsOf {
+  using type = Bf16RowPairs;
+  static constexpr bool direct = std::is_same_v<C, uint16_t>;
+};
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+template <>
+struct PairsOf<Fp8E4m3> {
+  using type = Fp8RowPairs<Fp8E4m3>;
+  static constexpr bool direct = true;
+};
+template <>
+struct PairsOf<Fp8E5m2> {
+  using type = Fp8RowPairs<Fp8E5m2>;
+  static constexpr bool direct = true;
+};
+#endif
+
+// The slot of dim d in the accumulators of accumulate_heads_bf16 (pairs as unpacklo / unpackhi_epi16 make them).
+inline int64_t pair_slot(int64_t d) {
+  const int64_t e = d % 32;
+  return d - e + 16 * ((e % 8) / 4) + 4 * (e / 8) + e % 4;
+}
 
 }  // namespace pagedserve

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
@@ -23,7 +24,9 @@ namespace pagedserve {
 // at hand (Zen 4); into L2 alone each block's first loads still wait on L2 (Zen 5). python
 // benchmarks/cpu_decode_attention.py, 2-core EPYC Zen 5, 16-96 sequences: L2 alone 20-27 GB/s of K/V from DRAM,
 // both steps 28-36 GB/s, where a pure gather of random 2 KiB blocks (the block size of one head) peaks at 36 GB/s.
-constexpr int64_t kPrefetchBlocks = 3;
+// The distance is in bytes (three bf16 blocks of one head of 64), so that an fp8 cache's half-size blocks keep as
+// many bytes in flight.
+constexpr int64_t kPrefetchBytes = 6 << 10;
 constexpr int64_t kScoresBytes = 512 << 10;  // a piece of a run's scores at most (about half an L2): decode()
 template <int Locality, typename T>
 inline void prefetch(const T* block, int64_t elems) {
@@ -31,16 +34,33 @@ inline void prefetch(const T* block, int64_t elems) {
   for (int64_t off = 0; off < elems * int64_t(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, Locality);
 }
 
+template <typename T>
+inline int64_t prefetch_blocks(int64_t bs, int64_t dim) {
+  return std::max<int64_t>(1, kPrefetchBytes / (bs * dim * int64_t(sizeof(T))));
+}
+
+// The first blocks [start, start + prefetch_blocks] of KV head h from each cache into L2 (another item's, ahead).
+template <typename T>
+inline void prefetch_first(std::initializer_list<const T*> caches, const int64_t* table, int64_t h, int64_t kv_heads,
+                           int64_t bs, int64_t dim, int64_t start, int64_t len) {
+  const int64_t last = start / bs + prefetch_blocks<T>(bs, dim);
+  for (int64_t a = start / bs; a <= last && a * bs < len; ++a)
+    for (const T* c : caches) prefetch<1>(c + (table[a] * kv_heads + h) * bs * dim, bs * dim);
+}
+
 // fn(j0, j1, rows) for each block's share [j0, j1) of the positions [start, len) of KV head h, in block order; the
-// rows as stored, position j at rows + (j - j0) * dim. The same head's blocks kPrefetchBlocks ahead are prefetched
-// into L2 from each cache in `ahead`, the next block of `cache` into L1.
+// rows as stored, position j at rows + (j - j0) * dim. The same head's blocks prefetch_blocks ahead are prefetched
+// into L2 from each cache in `ahead` (the first ones too unless `warm`), the next block of `cache` into L1.
 template <typename T, typename Fn>
 inline void for_each_block(const T* cache, const int64_t* table, int64_t h, int64_t kv_heads, int64_t bs, int64_t dim,
-                           int64_t start, int64_t len, std::initializer_list<const T*> ahead, Fn fn) {
+                           int64_t start, int64_t len, std::initializer_list<const T*> ahead, Fn fn,
+                           bool warm = false) {
+  const int64_t distance = prefetch_blocks<T>(bs, dim);
+  if (!warm) prefetch_first(ahead, table, h, kv_heads, bs, dim, start, len);
   for (int64_t b = start / bs; b * bs < len; ++b) {
     const int64_t j0 = std::max(start, b * bs), j1 = std::min(len, (b + 1) * bs);
-    for (int64_t a = b == start / bs ? b : b + kPrefetchBlocks; a <= b + kPrefetchBlocks && a * bs < len; ++a)
-      for (const T* other : ahead) prefetch<1>(other + (table[a] * kv_heads + h) * bs * dim, bs * dim);
+    if ((b + distance) * bs < len)
+      for (const T* other : ahead) prefetch<1>(other + (table[b + distance] * kv_heads + h) * bs * dim, bs * dim);
     if ((b + 1) * bs < len) prefetch<3>(cache + (table[b + 1] * kv_heads + h) * bs * dim, bs * dim);
     fn(j0, j1, cache + (table[b] * kv_heads + h) * bs * dim + (j0 - b * bs) * dim);
   }
@@ -93,30 +113,45 @@ void decode(const T* q, const C* kc, const C* vc, const int64_t* tables, const i
     split.push_back(runs[r]);
   }
   runs.swap(split);
-  const int64_t num_runs = int64_t(runs.size()) - 1;
+  const int64_t num_runs = int64_t(runs.size()) - 1, num_items = num_runs * kv_heads;
+  // The positions [lo, hi) that rows [first, first + rows) see together, each row's own window start into `starts`
+  // (a row sees [starts[r], lens[first + r])).
+  auto span = [&](int64_t first, int64_t rows, std::vector<int64_t>* starts) {
+    if (starts) starts->resize(rows);
+    int64_t lo = INT64_MAX, hi = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t len = lens[first + r], start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      if (starts) (*starts)[r] = start;
+      if (start < len) lo = std::min(lo, start), hi = std::max(hi, len);
+    }
+    return std::pair<int64_t, int64_t>{lo, hi};
+  };
+  // Items are dealt in chunks so that a thread knows its next one and prefetches its first blocks during its V pass
+  // (else each item would start waiting on memory); small chunks keep the threads' shares even.
+  int64_t chunk = 1;
+#ifdef _OPENMP
+  chunk = std::clamp<int64_t>(num_items / (8 * omp_get_max_threads()), 1, 8);
+#endif
 #pragma omp parallel
   {
     // Two passes over keys (scores, then V) with the scores kept here: each K and V row is read exactly once.
     std::vector<float> scores, qf, acc, row(native ? 0 : bs * dim), inv;
-    std::vector<uint16_t> row16(native && kIsFp8<C> ? bs * dim : 0);
+    std::vector<uint16_t> row16(native && kIsFp8<C> ? bs * dim : 0), p16;
+    using Pairs = typename PairsOf<C>::type;
+    const Pairs pairs;
     std::vector<int64_t> starts;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_runs * kv_heads; ++item) {
+    int64_t warmed = -1;  // the item whose first blocks the previous one prefetched
+#pragma omp for schedule(dynamic, chunk)
+    for (int64_t item = 0; item < num_items; ++item) {
       const int64_t first = runs[item / kv_heads], rows = runs[item / kv_heads + 1] - first, h = item % kv_heads;
       const int64_t* table = tables + first * max_blocks;
-      // The run's span of positions, and each row's own window start; a row sees [starts[r], lens[first + r]).
-      starts.resize(rows);
-      int64_t lo = INT64_MAX, hi = 0;
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t len = lens[first + r];
-        starts[r] = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-        if (starts[r] < len) lo = std::min(lo, starts[r]), hi = std::max(hi, len);
-      }
+      const auto [lo, hi] = span(first, rows, &starts);
       const int64_t n = hi > lo ? hi - lo : 0, queries = rows * G;
       scores.resize(queries * std::max<int64_t>(n, 1));
       qf.resize(native ? 0 : queries * dim);
       acc.assign(queries * dim, 0.f);
       inv.resize(queries);
+      p16.resize(native ? scores.size() : 0);
       for (int64_t r = 0; !native && r < rows; ++r) {
         const T* qs = q + ((first + r) * num_heads + h * G) * dim;
         for (int64_t i = 0; i < G * dim; ++i) qf[r * G * dim + i] = widen(qs[i]) * scale;
@@ -143,7 +178,7 @@ void decode(const T* q, const C* kc, const C* vc, const int64_t* tables, const i
               }
             }
           }
-        });
+        }, warmed == item);
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t g = 0; g < G; ++g) {
             const int64_t a = starts[r] - lo, b = lens[first + r] - lo;  // this query's scores
@@ -151,12 +186,21 @@ void decode(const T* q, const C* kc, const C* vc, const int64_t* tables, const i
             float* sc = scores.data() + (r * G + g) * n;
             if (soft_cap > 0.f) soft_cap_scores(sc + a, b - a, soft_cap);
             inv[r * G + g] = 1.f / exp_sum(sc + a, b - a, max_of(sc + a, b - a));
+            if (native) bf16_probabilities(sc + a, p16.data() + (r * G + g) * n + a, b - a);
           }
+        if ((item + 1) % chunk != 0 && item + 1 < num_items) {
+          const int64_t next = runs[(item + 1) / kv_heads], next_rows = runs[(item + 1) / kv_heads + 1] - next;
+          const auto [next_lo, next_hi] = span(next, next_rows, nullptr);
+          if (next_hi > next_lo)
+            prefetch_first({kc, vc}, tables + next * max_blocks, (item + 1) % kv_heads, kv_heads, bs, dim, next_lo,
+                           next_hi);
+          warmed = item + 1;
+        }
         for_each_block(vc, table, h, kv_heads, bs, dim, lo, hi, {vc}, [&](int64_t j0, int64_t j1, const C* block) {
           const float* v = nullptr;
           const uint16_t* v16 = nullptr;
           if (native) {
-            if constexpr (bf16_cache) v16 = bf16_rows(block, row16.data(), (j1 - j0) * dim);
+            if constexpr (bf16_cache && !PairsOf<C>::direct) v16 = bf16_rows(block, row16.data(), (j1 - j0) * dim);
           } else {
             v = widen_rows(block, row.data(), (j1 - j0) * dim);
           }
@@ -164,22 +208,27 @@ void decode(const T* q, const C* kc, const C* vc, const int64_t* tables, const i
             const int64_t a = std::max(j0, starts[r]), b = std::min(j1, lens[first + r]);
             if (a >= b) continue;
             if (native) {  // the row's G query heads share its range of keys
-              accumulate_group_bf16<D>(scores.data() + r * G * n + a - lo, n, v16 + (a - j0) * dim, b - a,
-                                       acc.data() + r * G * dim, G, dim);
+              const uint16_t* p = p16.data() + r * G * n + a - lo;
+              float* sums = acc.data() + r * G * dim;
+              if constexpr (bf16_cache && PairsOf<C>::direct)
+                accumulate_group_bf16<D>(p, n, block + (a - j0) * dim, b - a, sums, G, dim, pairs);
+              else if constexpr (bf16_cache)
+                accumulate_group_bf16<D>(p, n, v16 + (a - j0) * dim, b - a, sums, G, dim, Bf16RowPairs{});
               continue;
             }
             for (int64_t g = 0; g < G; ++g)
               accumulate_rows<D>(scores.data() + (r * G + g) * n + a - lo, v + (a - j0) * dim, b - a, dim,
                                  acc.data() + (r * G + g) * dim);
           }
-        });
+        }, true);  // the K pass prefetched V's blocks
       }
       for (int64_t r = 0; r < rows; ++r) {
         T* o = out + ((first + r) * num_heads + h * G) * dim;
         const bool empty = starts[r] >= lens[first + r];
         for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < dim; ++d)
-            store(empty ? 0.f : acc[(r * G + g) * dim + d] * inv[r * G + g] * out_mul, o + g * dim + d);
+            store(empty ? 0.f : acc[(r * G + g) * dim + (native ? pair_slot(d) : d)] * inv[r * G + g] * out_mul,
+                  o + g * dim + d);
       }
     }
   }

@@ -91,42 +91,75 @@ inline const uint16_t* fp8_bf16_table() {
 }
 
 // fp8_bf16_table's entries split into bytes for vpermt2b: [0, 128) the low bytes, [128, 256) the high ones; then
-// the two byte indices (into low | high as one 128-byte table) that interleave them into words 0-31 and 32-63.
+// byte indices (into low | high as one 128-byte table) that interleave them into words: [256, 384) words 0-31 and
+// 32-63 in order; [384, 512) the V pass's pairs of two rows (fp8_bf16_pairs), as unpacklo / unpackhi_epi16 would
+// pair bf16 rows u and w: word 2j + half of the first (second) from position 32 half + 8 (j / 4) + j % 4 (+ 4).
 template <typename C>
 inline const uint8_t* fp8_bf16_byte_tables() {
-  alignas(64) static const std::array<uint8_t, 384> bytes = [] {
-    std::array<uint8_t, 384> t{};
+  alignas(64) static const std::array<uint8_t, 512> bytes = [] {
+    std::array<uint8_t, 512> t{};
     const uint16_t* words = fp8_bf16_table<C>();
     for (int i = 0; i < 128; ++i) t[i] = uint8_t(words[i]), t[128 + i] = uint8_t(words[i] >> 8);
     for (int w = 0; w < 64; ++w) t[256 + 2 * w] = uint8_t(w), t[256 + 2 * w + 1] = uint8_t(64 + w);
+    for (int m = 0; m < 2; ++m)
+      for (int k = 0; k < 32; ++k) {
+        const int j = k / 2, pos = 32 * (k % 2) + 8 * (j / 4) + 4 * m + j % 4;
+        t[384 + 64 * m + 2 * k] = uint8_t(pos), t[384 + 64 * m + 2 * k + 1] = uint8_t(64 + pos);
+      }
     return t;
   }();
   return bytes.data();
 }
 
-// fp8 rows as bf16 into buf, for the AVX-512 BF16 readers. With VBMI 64 bytes at a time by vpermt2b from
-// fp8_bf16_byte_tables; else 32 at a time: a normal byte's exponent and mantissa bits moved into bf16's and its
-// exponent rebased (bias 7 or 15, less log2 kFp8Unit, against 127: 112 for both kinds), a subnormal's (exponent
-// bits 0) looked up in the table's first 32 entries, the sign moved up. Both give fp8_bf16_table's words exactly.
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+constexpr bool kFp8Vbmi = true;
+// 64 fp8 bytes to bf16 words by vpermt2b from fp8_bf16_byte_tables: the word's low and high bytes looked up by the
+// byte's low 7 bits (vpermt2b reads only those), the sign put into the high byte, the two interleaved into words by
+// one of the tables' index pairs (`order`: 256 words in order, 384 the V pass's pairs).
+template <typename C>
+struct Fp8Bf16Lookup {
+  __m512i lo0, lo1, hi0, hi1, first, second, sign = _mm512_set1_epi8(char(0x80));
+  explicit Fp8Bf16Lookup(int order) {
+    const uint8_t* bytes = fp8_bf16_byte_tables<C>();
+    lo0 = _mm512_load_si512(bytes), lo1 = _mm512_load_si512(bytes + 64);
+    hi0 = _mm512_load_si512(bytes + 128), hi1 = _mm512_load_si512(bytes + 192);
+    first = _mm512_load_si512(bytes + order), second = _mm512_load_si512(bytes + order + 64);
+  }
+  void operator()(__m512i x, __m512i* out) const {
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, x, lo1);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, x, hi1), x, sign, 0xF8);
+    out[0] = _mm512_permutex2var_epi8(lo, first, hi);
+    out[1] = _mm512_permutex2var_epi8(lo, second, hi);
+  }
+};
+
+// The bf16 pairs (u[d], w[d]) of 32 dims of two fp8 rows, in fp8_bf16_byte_tables' pair order (lookup of order 384).
+template <typename C>
+inline void fp8_bf16_pairs(const C* u, const C* w, const Fp8Bf16Lookup<C>& lookup, __m512i* out) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u));
+  lookup(_mm512_inserti64x4(_mm512_castsi256_si512(a), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), 1),
+         out);
+}
+#else
+constexpr bool kFp8Vbmi = false;
+#endif
+
+// fp8 rows as bf16 into buf, for the AVX-512 BF16 readers. With VBMI 64 bytes at a time (Fp8Bf16Lookup); else 32 at
+// a time: a normal byte's exponent and mantissa bits moved into bf16's and its exponent rebased (bias 7 or 15, less
+// log2 kFp8Unit, against 127: 112 for both kinds), a subnormal's (exponent bits 0) looked up in the table's first 32
+// entries, the sign moved up. Both give fp8_bf16_table's words exactly.
 template <typename C>
 inline const uint16_t* bf16_fp8_rows(const C* src, uint16_t* buf, int64_t count) {
   const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
   const uint16_t* table = fp8_bf16_table<C>();
   int64_t i = 0;
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-  // The word's low and high bytes looked up by the byte's low 7 bits (vpermt2b reads only those), the sign put into
-  // the high byte, the two interleaved into words in order.
-  const uint8_t* bytes = fp8_bf16_byte_tables<C>();
-  const __m512i lo0 = _mm512_load_si512(bytes), lo1 = _mm512_load_si512(bytes + 64);
-  const __m512i hi0 = _mm512_load_si512(bytes + 128), hi1 = _mm512_load_si512(bytes + 192);
-  const __m512i first = _mm512_load_si512(bytes + 256), second = _mm512_load_si512(bytes + 320);
-  const __m512i sign_bits = _mm512_set1_epi8(char(0x80));
+  const Fp8Bf16Lookup<C> lookup(256);
   for (; i + 64 <= count; i += 64) {
-    const __m512i x = _mm512_loadu_si512(b + i);
-    const __m512i lo = _mm512_permutex2var_epi8(lo0, x, lo1);
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, x, hi1), x, sign_bits, 0xF8);
-    _mm512_storeu_si512(buf + i, _mm512_permutex2var_epi8(lo, first, hi));
-    _mm512_storeu_si512(buf + i + 32, _mm512_permutex2var_epi8(lo, second, hi));
+    __m512i words[2];
+    lookup(_mm512_loadu_si512(b + i), words);
+    _mm512_storeu_si512(buf + i, words[0]);
+    _mm512_storeu_si512(buf + i + 32, words[1]);
   }
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
