@@ -144,7 +144,7 @@ def demo_server() -> str:
 
 @pytest.fixture(scope="module")
 def client(server):
-    """The official openai client of the module's server."""
+    """The official openai client of the session's server."""
     return openai.OpenAI(base_url=f"{server[1]}/v1", api_key=API_KEY, max_retries=0)
 
 

@@ -18,9 +18,16 @@ def test_build_failure_yields_none(monkeypatch, tmp_path):
     assert cpu_extension._build(str(tmp_path)) is None
 
 
-# The build machinery under test is the same for any sources: a one-line module compiles in seconds, the kernels
-# in minutes (the session's cpu_kernels_built fixture compiles those where no build is cached).
-TINY_MODULE = "#include <pybind11/pybind11.h>\nPYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}\n"
+# The build machinery under test is the same for any sources: it builds an empty module, which compiles far sooner
+# than the kernels (the session's cpu_kernels_built fixture compiles those where no build is cached).
+TINY_MODULE = """#include <Python.h>
+#define NAME_(name) #name
+#define NAME(name) NAME_(name)
+#define INIT_(name) PyInit_##name
+#define INIT(name) INIT_(name)
+static PyModuleDef tiny = {PyModuleDef_HEAD_INIT, NAME(TORCH_EXTENSION_NAME), nullptr, -1, nullptr};
+PyMODINIT_FUNC INIT(TORCH_EXTENSION_NAME)() { return PyModule_Create(&tiny); }
+"""
 WITH_TINY_SOURCES = "import sys; from pathlib import Path; from kernels import cpu_extension as k; " \
                     "k.SOURCE_DIR = Path(sys.argv[2]); "
 
