@@ -6,6 +6,7 @@ import functools
 import gc
 import itertools
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -120,13 +121,17 @@ def llama_model() -> str:
     return tiny_model("llama")
 
 
+def serve_tiny_llama(llama_model: str) -> tuple[subprocess.Popen, str]:
+    """(launcher process, base URL): the tiny llama served by two gateway processes, with API_KEY and small limits."""
+    return start_launcher(["--model", llama_model, "--dtype", "float32", "--max-model-len", "1024", "--api-key",
+                           API_KEY, "--api-server-count", "2", "--max-n", "4", "--max-stop", "4"])
+
+
 @pytest.fixture(scope="session")
 def server(llama_model):
-    """(launcher process, base URL): the tiny llama served by two gateway processes, with API_KEY and small limits;
-    one for the session: tests that use it leave it as they found it (their metrics are differences)."""
-    process, base_url = start_launcher(["--model", llama_model, "--dtype", "float32", "--max-model-len", "1024",
-                                        "--api-key", API_KEY, "--api-server-count", "2", "--max-n", "4",
-                                        "--max-stop", "4"])
+    """serve_tiny_llama's server, one for the session: tests that use it leave it as they found it (their metrics
+    are differences) and stop only servers of their own."""
+    process, base_url = serve_tiny_llama(llama_model)
     with shared(process.pid):
         yield process, base_url
         stop_launcher(process)
