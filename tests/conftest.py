@@ -1,11 +1,15 @@
 """Shared fixtures: the model maker's tiny models (built once per session) and engine helpers."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
+import itertools
 import os
+import subprocess
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import httpx
 import numpy as np
@@ -28,6 +32,7 @@ ARCHS = ("llama", "qwen2", "mistral", "opt")
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 _MODEL_ROOT = Path(os.environ.get("PAGEDSERVE_TEST_MODELS", Path.home() / ".cache" / "pagedserve" / "test-models"))
+_SHARED_PIDS: set[int] = set()  # the session's shared servers and engine, which no test leaves behind
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -46,6 +51,25 @@ def no_process_left_behind():
     yield
     gc.collect()  # runs the finalizers of LLMs that tests did not shut down explicitly
     assert wait_until(lambda: not child_pids(), timeout=10), f"processes left behind: {child_pids()}"
+
+
+def pairwise(*axes: list, ids: Callable[[Any], str | None] = lambda value: None) -> list:
+    """The product of `axes` as pytest params: a set that has every pair of values of any two axes runs by default
+    (picked greedily, in the product's order), the rest of the product is marked slow. A case's id joins its values'
+    ids: `ids(value)`, else the value as str (torch's dtypes without "torch.")."""
+    cases = list(itertools.product(*axes))
+
+    def pairs(case: tuple) -> set:
+        return {(i, case[i], j, case[j]) for i, j in itertools.combinations(range(len(case)), 2)}
+
+    wanted, kept = set().union(*map(pairs, cases)), []
+    while wanted:
+        best = max(cases, key=lambda case: len(pairs(case) & wanted))
+        kept.append(best)
+        wanted -= pairs(best)
+    return [pytest.param(*case, marks=() if case in kept else pytest.mark.slow,
+                         id="-".join(ids(value) or str(value).removeprefix("torch.") for value in case))
+            for case in cases]
 
 
 @functools.cache
@@ -97,19 +121,35 @@ def llama_model() -> str:
     return tiny_model("llama")
 
 
-@pytest.fixture(scope="module")
-def server(llama_model):
+def serve_tiny_llama(llama_model: str) -> tuple[subprocess.Popen, str]:
     """(launcher process, base URL): the tiny llama served by two gateway processes, with API_KEY and small limits."""
-    process, base_url = start_launcher(["--model", llama_model, "--dtype", "float32", "--max-model-len", "1024",
-                                        "--api-key", API_KEY, "--api-server-count", "2", "--max-n", "4",
-                                        "--max-stop", "4"])
-    yield process, base_url
-    stop_launcher(process)
+    return start_launcher(["--model", llama_model, "--dtype", "float32", "--max-model-len", "1024", "--api-key",
+                           API_KEY, "--api-server-count", "2", "--max-n", "4", "--max-stop", "4"])
+
+
+@pytest.fixture(scope="session")
+def server(llama_model):
+    """serve_tiny_llama's server, one for the session: tests that use it leave it as they found it (their metrics
+    are differences) and stop only servers of their own."""
+    process, base_url = serve_tiny_llama(llama_model)
+    with shared(process.pid):
+        yield process, base_url
+        stop_launcher(process)
+
+
+@pytest.fixture(scope="session")
+def demo_server() -> str:
+    """The base URL of the demo server (`python -m launch`, no model) with API_KEY, keeping two stored responses;
+    one for the session."""
+    process, base_url = start_launcher(["--api-key", API_KEY, "--max-stored-responses", "2"])
+    with shared(process.pid):
+        yield base_url
+        stop_launcher(process)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    """The official openai client of the module's server."""
+    """The official openai client of the session's server."""
     return openai.OpenAI(base_url=f"{server[1]}/v1", api_key=API_KEY, max_retries=0)
 
 
@@ -119,15 +159,16 @@ def metric(base_url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engine_address(llama_model):
-    """The address of an engine-core process of its own (the tiny llama, float32) for the module's clients."""
+    """The address of an engine-core process of its own (the tiny llama, float32) for the session's clients."""
     address = private_ipc_address()
     engine = EngineProcess(EngineConfig(model=llama_model, dtype="float32"), address)
     engine.wait_ready()
-    yield address
-    assert engine.is_alive(), "the engine core died during the tests"
-    engine.shutdown()
+    with shared(engine.pid):
+        yield address
+        assert engine.is_alive(), "the engine core died during the tests"
+        engine.shutdown()
 
 
 def assert_all_blocks_free(llm) -> None:
@@ -141,8 +182,18 @@ def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[i
     return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
+@contextlib.contextmanager
+def shared(pid: int):
+    """Within: child_pids() leaves out the session's process `pid` (a shared server is no test's leftover)."""
+    _SHARED_PIDS.add(pid)
+    try:
+        yield
+    finally:
+        _SHARED_PIDS.discard(pid)
+
+
 def child_pids() -> list[int]:
-    """Live (not zombie) processes whose parent is this test process."""
+    """Live (not zombie) processes whose parent is this test process, but for the session's shared ones."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -150,7 +201,7 @@ def child_pids() -> list[int]:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except (FileNotFoundError, ProcessLookupError):
                 continue
-            if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            if int(fields[1]) == os.getpid() and fields[0] != "Z" and int(entry.name) not in _SHARED_PIDS:
                 pids.append(int(entry.name))
     return pids
 

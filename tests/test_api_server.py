@@ -16,7 +16,7 @@ import httpx
 import pytest
 import uvicorn
 
-from conftest import API_KEY, AUTH, long_context_llama, metric, wait_until
+from conftest import API_KEY, AUTH, long_context_llama, metric, serve_tiny_llama, wait_until
 from frontend import LLM, RequestFailedError, SamplingParams
 from frontend.api.push import PushHttpToolsProtocol
 from frontend.api.sampling import ServerLimits
@@ -383,8 +383,8 @@ def test_a_disconnected_stream_is_aborted_and_its_blocks_freed(server, llama_mod
         assert f"pagedserve:{name}" in metrics, name
 
 
-def test_sigterm_stops_everything(server):
-    process, _ = server
+def test_sigterm_stops_everything(llama_model):
+    process, _ = serve_tiny_llama(llama_model)  # its own: the session's server serves on
     children = [pid for pid, _ in descendants(process.pid)]
     assert len(children) >= 3  # the engine core and two gateways
     assert stop_launcher(process) == 0

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import pairwise
 from kernels import cpu_decode_attention, cpu_extension
 from kernels.attention_ref import paged_attention
 
@@ -44,10 +45,8 @@ def fused(query, k_cache, v_cache, tables, lengths, scale, window):
                                                  window)
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("gqa", [1, 2, 4])
-@pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size, gqa, window, dtype",
+                         pairwise([8, 16, 32], [1, 2, 4], [None, 20], [torch.float32, torch.bfloat16]))
 def test_matches_reference(block_size, gqa, window, dtype):
     generator = torch.Generator().manual_seed(block_size * 100 + gqa * 10 + (window or 0))
     kv_heads, head_dim = 2, 64
@@ -82,9 +81,8 @@ def test_soft_cap_matches_reference(window):
     assert not torch.allclose(out, reference(query, k_cache, v_cache, tables, LENGTHS, 1.0, window), atol=1e-3)
 
 
-@pytest.mark.parametrize("window", [None, 6])
-@pytest.mark.parametrize("head_dim", [32, 64, 24, 96])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, head_dim, dtype",
+                         pairwise([None, 6], [32, 64, 24, 96], [torch.float32, torch.bfloat16]))
 def test_rows_of_one_sequence_attend_causally(window, head_dim, dtype):
     """Consecutive rows sharing a block table (a verified run of drafts, a prompt chunk) are attended together:
     each still sees only its own first seq_len positions (and window)."""

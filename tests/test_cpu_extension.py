@@ -18,19 +18,36 @@ def test_build_failure_yields_none(monkeypatch, tmp_path):
     assert cpu_extension._build(str(tmp_path)) is None
 
 
+# The build machinery under test is the same for any sources: it builds an empty module, which compiles far sooner
+# than the kernels (the session's cpu_kernels_built fixture compiles those where no build is cached).
+TINY_MODULE = """#include <Python.h>
+#define NAME_(name) #name
+#define NAME(name) NAME_(name)
+#define INIT_(name) PyInit_##name
+#define INIT(name) INIT_(name)
+static PyModuleDef tiny = {PyModuleDef_HEAD_INIT, NAME(TORCH_EXTENSION_NAME), nullptr, -1, nullptr};
+PyMODINIT_FUNC INIT(TORCH_EXTENSION_NAME)() { return PyModule_Create(&tiny); }
+"""
+WITH_TINY_SOURCES = "import sys; from pathlib import Path; from kernels import cpu_extension as k; " \
+                    "k.SOURCE_DIR = Path(sys.argv[2]); "
+
+
 def test_a_build_killed_midway_leaves_nothing_for_the_next_process_to_wait_on(tmp_path):
     """A process that exits while its daemon thread builds: the next one builds (or loads) regardless, and says in
     the log when the compile starts (the engine runs the slower paths meanwhile) and when it ends."""
-    script = ("import sys, time; from kernels import cpu_extension as k; "
-              "k._build_at_low_priority = lambda: k.load(sys.argv[1]); k.start_background_build(); time.sleep(0.3)")
+    sources, builds = tmp_path / "csrc", tmp_path / "builds"
+    sources.mkdir()
+    (sources / "module.cpp").write_text(TINY_MODULE)
+    script = WITH_TINY_SOURCES + ("import time; k._build_at_low_priority = lambda: k.load(sys.argv[1]); "
+                                  "k.start_background_build(); time.sleep(0.3)")
     root = Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=root, check=True, timeout=120)
-    loaded = subprocess.run([sys.executable, "-c", "import logging, sys; from kernels import cpu_extension as k; "
+    subprocess.run([sys.executable, "-c", script, str(builds), str(sources)], cwd=root, check=True, timeout=120)
+    loaded = subprocess.run([sys.executable, "-c", WITH_TINY_SOURCES + "import logging; "
                              "logging.basicConfig(level=logging.INFO); print(k.load(sys.argv[1]) is not None)",
-                             str(tmp_path)],
+                             str(builds), str(sources)],
                             cwd=root, capture_output=True, text=True, timeout=300)
     assert loaded.stdout.strip() == "True", loaded.stderr
     assert "compiling the C++ CPU kernels" in loaded.stderr
     assert "the engine runs the slower torch paths" in loaded.stderr
     assert "C++ CPU kernels compiled in" in loaded.stderr
-    assert [p.suffix for p in tmp_path.iterdir() if not p.name.startswith(".build-")] == [".so"]
+    assert [p.suffix for p in builds.iterdir() if not p.name.startswith(".build-")] == [".so"]

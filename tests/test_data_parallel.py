@@ -4,6 +4,7 @@ kill -9 of one engine fails its own requests at once while the other's finish, a
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import subprocess
@@ -110,10 +111,20 @@ def test_each_engine_pins_its_threads_to_its_own_share_of_the_cpus():
     assert binds(msgspec.structs.replace(config, cpu_threads=1), [0, 1, 2, 3]) == [None, None]
 
 
-def test_two_engines_answer_as_one_offline_and_balance_by_prefix():
+@functools.cache
+def one_engines_outputs() -> tuple[list[list[int]], list[str]]:
+    """PROMPTS' greedy tokens from one engine (the same alone or in any batch) and their decoded texts, for every
+    test of the module."""
     single = LLM(tiny_model("llama"), dtype="float32")
-    expected = [output.outputs[0].token_ids for output in single.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    single.shutdown()
+    try:
+        tokens = [output.outputs[0].token_ids for output in single.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        return tokens, [single.tokenizer.decode(ids) for ids in tokens]
+    finally:
+        single.shutdown()
+
+
+def test_two_engines_answer_as_one_offline_and_balance_by_prefix():
+    expected = one_engines_outputs()[0]
     llm = LLM(tiny_model("llama"), dtype="float32", data_parallel_size=2)
     try:
         assert [output.outputs[0].token_ids for output in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == expected
@@ -131,9 +142,7 @@ def test_async_streams_equal_and_a_killed_engine_fails_only_its_own_requests():
         engine = AsyncLLM(tiny_model("llama"), dtype="float32", data_parallel_size=2, data_parallel_routing="load")
         try:
             texts = await asyncio.gather(*(final(engine, f"s{i}", prompt, GREEDY) for i, prompt in enumerate(PROMPTS)))
-            offline = LLM(tiny_model("llama"), dtype="float32")
-            expected = [o.outputs[0].token_ids for o in offline.generate(PROMPTS, GREEDY, use_tqdm=False)]
-            offline.shutdown()
+            expected = one_engines_outputs()[0]
             assert [output.outputs[0].token_ids for output in texts] == expected
             # Eight long streams, four on each engine; engine 0 is killed once all have started.
             long = SamplingParams(max_tokens=1000, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
@@ -188,18 +197,16 @@ async def final(engine: AsyncLLM, request_id: str, prompt, params: SamplingParam
 
 
 def test_served_with_two_engines_a_killed_one_fails_health_while_the_other_serves():
-    single = LLM(tiny_model("llama"), dtype="float32")
-    expected = [output.outputs[0].token_ids for output in single.generate(PROMPTS[:4], GREEDY, use_tqdm=False)]
-    single.shutdown()
+    texts = one_engines_outputs()[1][:4]
     process, base_url = start_launcher([tiny_model("llama"), "--dtype", "float32", "--dp", "2",
                                         "--max-model-len", "256"])
     try:
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
-        for prompt, tokens in zip(PROMPTS[:4], expected):
+        for prompt, text in zip(PROMPTS[:4], texts):
             completion = client.completions.create(model=model, prompt=prompt["prompt_token_ids"], max_tokens=12,
                                                    temperature=0, extra_body={"ignore_eos": True})
-            assert completion.choices[0].text == single.tokenizer.decode(tokens)
+            assert completion.choices[0].text == text
         engines = [pid for pid, command in descendants(process.pid) if "core.engine_process" in command]
         assert len(engines) == 2 and httpx.get(f"{base_url}/health").status_code == 200
         os.kill(engines[0], signal.SIGKILL)
@@ -207,10 +214,10 @@ def test_served_with_two_engines_a_killed_one_fails_health_while_the_other_serve
         while (health := httpx.get(f"{base_url}/health")).status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert health.status_code == 503 and "engine core(s) 0 of 2 unavailable" in health.text
-        for prompt, tokens in zip(PROMPTS[:4], expected):  # every prefix now goes to the engine that lives
+        for prompt, text in zip(PROMPTS[:4], texts):  # every prefix now goes to the engine that lives
             completion = client.completions.create(model=model, prompt=prompt["prompt_token_ids"], max_tokens=12,
                                                    temperature=0, extra_body={"ignore_eos": True})
-            assert completion.choices[0].text == single.tokenizer.decode(tokens)
+            assert completion.choices[0].text == text
     finally:
         stop_launcher(process)
     assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in engines), timeout=10)

@@ -14,7 +14,6 @@ from pydantic import BaseModel
 
 from conftest import API_KEY
 from launch.shipped import DEMO_MODEL_NAME
-from launcher import start_launcher, stop_launcher
 
 
 class Person(BaseModel):
@@ -54,12 +53,10 @@ TRIES = 3
 
 
 @pytest.fixture(scope="module")
-def demo():
+def demo(demo_server):
     """The demo server as `python -m launch` starts it (auto tool choice on): (openai, anthropic) clients."""
-    process, base_url = start_launcher(["--api-key", API_KEY])
-    yield (openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0),
-           anthropic.Anthropic(base_url=base_url, api_key=API_KEY, max_retries=0))
-    stop_launcher(process)
+    return (openai.OpenAI(base_url=f"{demo_server}/v1", api_key=API_KEY, max_retries=0),
+            anthropic.Anthropic(base_url=demo_server, api_key=API_KEY, max_retries=0))
 
 
 def assert_one_valid_call(calls: list[tuple[str, dict]]) -> None:

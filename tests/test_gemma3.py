@@ -180,8 +180,9 @@ def _image():
     return Image.new("RGB", (28, 28), (200, 10, 10))
 
 
-def test_bidirectional_attention_is_refused(tmp_path):
+def test_bidirectional_attention_is_refused():
     """EmbeddingGemma's config (use_bidirectional_attention) is an encoder's: refused by name, not served causally."""
-    folder = make_model(tmp_path / "bidirectional", arch="gemma3_text", size="tiny", use_bidirectional_attention=True)
+    folder = make_model(Path(tiny_model("gemma3_text")).parent / "gemma3_text-tiny-bidirectional", arch="gemma3_text",
+                        size="tiny", use_bidirectional_attention=True)
     with pytest.raises(ValueError, match="use_bidirectional_attention .* is not supported"):
         LLM(str(folder), dtype="float32", in_process=True)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from conftest import pairwise
 from kernels import paged_attention, write_kv_cache
 from kernels.attention_ref import paged_attention as paged_attention_ref
 
@@ -48,11 +49,12 @@ def build_batch(seqs, block_size, kv_heads, head_dim, heads, generator):
     return k_cache, v_cache, block_tables, contexts, queries
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("gqa", [1, 2, 4])
-@pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("pass_new_kv", [False, True])
-@pytest.mark.parametrize("attention", [paged_attention, paged_attention_ref], ids=["dispatch", "reference"])
+ATTENTION_IDS = {paged_attention: "dispatch", paged_attention_ref: "reference"}
+
+
+@pytest.mark.parametrize("block_size, gqa, window, pass_new_kv, attention",
+                         pairwise([8, 16, 32], [1, 2, 4], [None, 20], [False, True], list(ATTENTION_IDS),
+                                  ids=ATTENTION_IDS.get))
 def test_paged_attention_matches_dense(block_size, gqa, window, pass_new_kv, attention):
     generator = torch.Generator().manual_seed(block_size * 10 + gqa)
     kv_heads, head_dim = 2, 16
@@ -76,7 +78,7 @@ def test_paged_attention_matches_dense(block_size, gqa, window, pass_new_kv, att
         torch.testing.assert_close(out[starts[i]:starts[i + 1]], expected, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("attention", [paged_attention, paged_attention_ref], ids=["dispatch", "reference"])
+@pytest.mark.parametrize("attention", list(ATTENTION_IDS), ids=ATTENTION_IDS.get)
 def test_long_decode_batches_split_into_groups_and_stay_exact(attention):
     """Decode contexts long enough that the batch is split into several gathered groups."""
     generator = torch.Generator().manual_seed(3)

@@ -16,7 +16,6 @@ from pydantic import TypeAdapter
 from chat_like import named_events, templated_length
 from conftest import API_KEY
 from launch.shipped import DEMO_CHAT_PROMPT, DEMO_MODEL_NAME
-from launcher import start_launcher, stop_launcher
 
 WEATHER = {"name": "get_weather", "description": "Weather in a city", "input_schema": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2, 3]}},
@@ -30,11 +29,9 @@ GREEDY = {"temperature": 0}  # an Anthropic field the newest clients no longer n
 
 
 @pytest.fixture(scope="module")
-def demo():
-    """The demo server (`python -m launch`, no model) with an API key: (base URL, anthropic client)."""
-    process, base_url = start_launcher(["--api-key", API_KEY])
-    yield base_url, anthropic.Anthropic(base_url=base_url, api_key=API_KEY, max_retries=0)
-    stop_launcher(process)
+def demo(demo_server):
+    """The demo server with an API key: (base URL, anthropic client)."""
+    return demo_server, anthropic.Anthropic(base_url=demo_server, api_key=API_KEY, max_retries=0)
 
 
 def prompt_length(messages: list[dict], tools: list[dict] | None = None) -> int:

@@ -158,10 +158,11 @@ def test_yarn_frequencies_and_scale_equal_hf(rope):
     torch.testing.assert_close(ours.cos, expected, rtol=0, atol=0)
 
 
-def test_unsupported_rope_scaling_is_an_error_at_load(tmp_path):
+def test_unsupported_rope_scaling_is_an_error_at_load():
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
             "original_max_position_embeddings": 256}
-    model = make_model(tmp_path / "phi3-longrope", arch="phi3", size="tiny", rope_parameters=rope)
+    model = make_model(Path(tiny_model("llama")).parent / "phi3-tiny-longrope", arch="phi3", size="tiny",
+                       rope_parameters=rope)
     with pytest.raises(Exception, match="rope_type 'longrope' is not supported"):
         LLM(str(model), dtype="float32", in_process=True)
 

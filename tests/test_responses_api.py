@@ -17,7 +17,6 @@ from conftest import API_KEY, AUTH
 from frontend.api.errors import APIError
 from frontend.api.responses_output import ResponseStore, StoredResponse
 from launch.shipped import DEMO_CHAT_PROMPT, DEMO_MODEL_NAME
-from launcher import start_launcher, stop_launcher
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2, 3]}},
@@ -32,12 +31,9 @@ RED_PIXEL = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1Pe
 
 
 @pytest.fixture(scope="module")
-def demo():
-    """The demo server (`python -m launch`, no model) with an API key, keeping two responses: (base URL, openai
-    client)."""
-    process, base_url = start_launcher(["--api-key", API_KEY, "--max-stored-responses", "2"])
-    yield base_url, openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0)
-    stop_launcher(process)
+def demo(demo_server):
+    """The demo server with an API key, keeping two responses: (base URL, openai client)."""
+    return demo_server, openai.OpenAI(base_url=f"{demo_server}/v1", api_key=API_KEY, max_retries=0)
 
 
 def prompt_length(messages: list[dict], tools: list[dict] | None = None) -> int:

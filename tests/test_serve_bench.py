@@ -12,9 +12,8 @@ import pytest
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))  # after the repo: benchmarks/kernels.py
 
 import serve  # noqa: E402
-from conftest import AUTH, metric  # noqa: E402
+from conftest import API_KEY, AUTH, metric  # noqa: E402
 from launch.shipped import shipped_model  # noqa: E402
-from launcher import start_launcher, stop_launcher  # noqa: E402
 from serve_client import RequestResult, read_stream  # noqa: E402
 from serve_dataset import RequestSpec, load_tokenizer, sharegpt_requests  # noqa: E402
 from serve_report import compute_metrics  # noqa: E402
@@ -24,21 +23,14 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 
 
-@pytest.fixture(scope="module")
-def demo_server():
-    process, base_url = start_launcher([])  # no model: the shipped demo model, as "pagedserve-demo"
-    yield base_url
-    stop_launcher(process)
-
-
 def test_the_sharegpt_benchmark_runs_at_two_rates_plots_and_moves_the_vllm_metrics(demo_server, tmp_path):
     names = ("vllm:generation_tokens_total", "vllm:request_success_total", "vllm:time_to_first_token_seconds_count",
              "vllm:request_prompt_tokens_count")
-    before = {name: metric(demo_server, name) for name in names}
+    before, successes_before = {name: metric(demo_server, name) for name in names}, successes(demo_server)
     saved, plot = tmp_path / "result.json", tmp_path / "latency.png"
-    code = serve.main(["--base-url", demo_server, "--num-prompts", "6", "--request-rate", "20,inf", "--seed", "1",
-                       "--tokenizer", DEMO, "--max-total-len", "512", "--ignore-eos", "--save-result", str(saved),
-                       "--plot", str(plot), "--no-progress"])
+    code = serve.main(["--base-url", demo_server, "--api-key", API_KEY, "--num-prompts", "6", "--request-rate",
+                       "20,inf", "--seed", "1", "--tokenizer", DEMO, "--max-total-len", "512", "--ignore-eos",
+                       "--save-result", str(saved), "--plot", str(plot), "--no-progress"])
     assert code == 0
     runs = json.loads(saved.read_text())["runs"]
     assert [run["config"]["request_rate"] for run in runs] == [20.0, "inf"]
@@ -60,16 +52,23 @@ def test_the_sharegpt_benchmark_runs_at_two_rates_plots_and_moves_the_vllm_metri
     assert moved == {"vllm:generation_tokens_total": generated, "vllm:request_success_total": sent,
                      "vllm:time_to_first_token_seconds_count": sent, "vllm:request_prompt_tokens_count": sent}
     assert metric(demo_server, "vllm:num_requests_running") == 0
-    success = [line for line in httpx.get(f"{demo_server}/metrics", headers=AUTH).text.splitlines()
-               if line.startswith("vllm:request_success_total{")]
-    assert success and all('finished_reason="length"' in line for line in success)  # ignore_eos: each ran out
+    ended = [series for series, count in successes(demo_server).items() if count != successes_before.get(series, 0)]
+    assert ended and all('finished_reason="length"' in series for series in ended)  # ignore_eos: each ran out
+
+
+def successes(base_url: str) -> dict[str, float]:
+    """The server's vllm:request_success_total count by its labels (the finish reason's among them)."""
+    lines = httpx.get(f"{base_url}/metrics", headers=AUTH).text.splitlines()
+    return {series: float(count) for series, count in (line.rsplit(" ", 1) for line in lines
+                                                       if line.startswith("vllm:request_success_total{"))}
 
 
 def test_random_prompts_on_the_chat_endpoint_plot_each_request(demo_server, tmp_path):
     saved, plot = tmp_path / "result.json", tmp_path / "requests.png"
-    code = serve.main(["--base-url", demo_server, "--endpoint", "chat", "--dataset-name", "random", "--num-prompts",
-                       "3", "--random-input-len", "16", "--random-output-len", "8", "--tokenizer", DEMO,
-                       "--ignore-eos", "--save-result", str(saved), "--plot", str(plot), "--no-progress"])
+    code = serve.main(["--base-url", demo_server, "--api-key", API_KEY, "--endpoint", "chat", "--dataset-name",
+                       "random", "--num-prompts", "3", "--random-input-len", "16", "--random-output-len", "8",
+                       "--tokenizer", DEMO, "--ignore-eos", "--save-result", str(saved), "--plot", str(plot),
+                       "--no-progress"])
     assert code == 0
     (run,) = json.loads(saved.read_text())["runs"]
     assert run["config"]["endpoint"] == "chat"

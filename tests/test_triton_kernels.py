@@ -8,6 +8,7 @@ import torch
 
 import triton  # noqa: E402,F401  (the test extra; on CPU, conftest has set TRITON_INTERPRET=1 before anything imported it)
 
+from conftest import pairwise  # noqa: E402
 from kernels import (  # noqa: E402
     activation_ref,
     activation_triton,
@@ -69,9 +70,7 @@ def run_mixed(block_size, gqa, window, dtype, head_dim=16, soft_cap=None):
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("gqa", [1, 2, 4])
-@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("block_size, gqa, window", pairwise([8, 16, 32], [1, 2, 4], [None, 20]))
 def test_paged_attention_mixed_batch(block_size, gqa, window):
     run_mixed(block_size, gqa, window, torch.float32)
 
