@@ -12,7 +12,7 @@ from transformers import (Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, LlamaCo
 
 from frontend import LLM, SamplingParams
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv, cpu_layer_weights
-from tests.conftest import tiny_model
+from tests.conftest import pairwise, tiny_model
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import ColumnParallelLinear, Linear
 from workers.lora.slots import LoRAContext, LoRALayerSlots
@@ -138,26 +138,31 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("seqs", [
-    [(1, 1)],
-    [(37, 1), (5, 1), (200, 1)],
-    [(9, 1), (64, 1), (65, 1), (130, 1), (2, 1), (17, 1), (300, 1), (48, 1)],
-    [(6, 6)],  # a short prompt from its start
-    [(9, 1), (70, 5), (130, 3), (17, 2)],  # decodes and speculative verifications
-    [(300, 16)],
-    [(9, 1), (70, 5), (300, 40), (130, 18)],  # prompt chunks beside decodes, up to the kernel's 64 rows
-    [(length, 1) for length in range(5, 405, 4)] + [(77, 5)] * 6,  # past 64 rows: decodes and verifications only
-], ids=["one decode", "three decodes", "eight decodes", "short prompt", "mixed", "sixteen tokens", "sixty-four tokens",
-        "a hundred decodes"])
-@pytest.mark.parametrize("first_layer", [True, False])
-@pytest.mark.parametrize("products", ["kernel", "torch", "pairs"])
-def test_equals_the_layers_own_forward(case, dtype, seqs, first_layer, products):
+SEQS = {
+    "one decode": [(1, 1)],
+    "three decodes": [(37, 1), (5, 1), (200, 1)],
+    "eight decodes": [(9, 1), (64, 1), (65, 1), (130, 1), (2, 1), (17, 1), (300, 1), (48, 1)],
+    "short prompt": [(6, 6)],  # from its start
+    "mixed": [(9, 1), (70, 5), (130, 3), (17, 2)],  # decodes and speculative verifications
+    "sixteen tokens": [(300, 16)],
+    "sixty-four tokens": [(9, 1), (70, 5), (300, 40), (130, 18)],  # prompt chunks beside decodes, up to 64 rows
+    "a hundred decodes": [(length, 1) for length in range(5, 405, 4)] + [(77, 5)] * 6,  # past 64 rows
+}
+# Where the products run, with the dtype as one axis: the paired copies are of bf16 weights alone.
+PRODUCTS = [("kernel", torch.float32), ("kernel", torch.bfloat16), ("torch", torch.float32),
+            ("torch", torch.bfloat16), ("pairs", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("case, seqs, first_layer, form", pairwise(
+    list(CASES), list(SEQS), [True, False], PRODUCTS,
+    ids=lambda value: "-".join(str(v).removeprefix("torch.") for v in value) if isinstance(value, tuple) else None))
+def test_equals_the_layers_own_forward(case, seqs, first_layer, form):
     """Products in the kernels (up to max_rows tokens: fewer where the CPU has bf16 GEMMs; from the projections'
     paired copies, which the op path's linear layers then read too, up to PAIRS_MAX_ROWS) or torch's between the
     kernel's calls (any count)."""
-    if products == "pairs" and not (dtype == torch.bfloat16 and cpu_gemv.pairs_cpu()):
+    products, dtype = form
+    seqs = SEQS[seqs]
+    if products == "pairs" and not cpu_gemv.pairs_cpu():
         pytest.skip("paired copies: bf16 weights on CPUs with AVX-512 BF16")
     layer_class, config = CASES[case]
     limit = with_pairs(make_layer(layer_class, config, dtype, seed=0), products == "pairs").fused_weights.max_rows()
