@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -220,6 +221,17 @@ void dense_mlp(const DecoderLayer<T>& L, const T* normed, T* out, int64_t M, con
   project(L.down, act.data(), L.down_bias, out, M, H, I, lora_slots);
 }
 
+// The layer's shared expert as the routed experts' products take it (experts.h), where both read bf16 pairs copies
+// and it has no biases or adapters; else none (dense_mlp runs it).
+template <typename T>
+SharedExpert<T> joined_shared_expert(const DecoderLayer<T>& L, T* out, const int64_t* lora_slots) {
+  const bool joins = kExpertPairs && std::is_same_v<T, uint16_t> && L.experts.gate_up_pairs && L.experts.down_pairs &&
+                     paired(L.gate_up) && paired(L.down) && !L.gate_up_bias && !L.down_bias && gated(L.activation) &&
+                     (!lora_slots || (!L.gate_up.lora.a && !L.down.lora.a));
+  if (!joins) return {};
+  return {L.gate_up.pairs, L.down.pairs, L.intermediate, L.activation, out};
+}
+
 // x [M, hidden] (this layer's input), residual [M, hidden] or null (first layer); writes out [M, hidden] and
 // residual_out [M, hidden] (either may be x or residual: each is read before it is written). The layer's output is
 // out + residual_out, which the next layer's before_attention() adds. lora_slots: each row's adapter slot (-1: none;
@@ -244,10 +256,11 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
   project(L.o, attn.data(), L.o_bias, o.data(), M, H, attn_size, lora_slots);
   after_attention(L, o.data(), residual_out, normed.data(), M);
   if (L.experts.count) {
-    mixture_of_experts(L.experts, normed.data(), out, M, H);
-    if (L.gate_up.weight) {  // a shared expert
-      std::vector<T> shared(M * H);
-      dense_mlp(L, normed.data(), shared.data(), M, lora_slots);
+    std::vector<T> shared(L.gate_up.weight ? M * H : 0);  // a shared expert's output
+    const SharedExpert<T> joined = joined_shared_expert(L, shared.data(), lora_slots);
+    mixture_of_experts(L.experts, normed.data(), out, M, H, joined);
+    if (L.gate_up.weight) {
+      if (!joined.gate_up) dense_mlp(L, normed.data(), shared.data(), M, lora_slots);
       add_shared_expert(L.experts, normed.data(), shared.data(), out, M, H);
     }
   } else {
