@@ -27,6 +27,11 @@ CASES = {  # five heads (odd); V2 without a q LoRA, V3 with one; YaRN's mscale i
     "v3 q_lora": (DeepseekV3DecoderLayer, DeepseekV3Config(**SHAPE, q_lora_rank=24, rope_parameters=YARN)),
 }
 
+# latent rows of whole 32s (64 + 32), eight heads and a ninth: latent_attention's path in mla.h, heads 8 at a time
+WIDE = {"v2 latent of 96, nine heads": (DeepseekV2DecoderLayer, DeepseekV2Config(
+    **{**SHAPE, "hidden_size": 72, "num_attention_heads": 9, "kv_lora_rank": 64, "qk_rope_head_dim": 32}, q_lora_rank=None,
+    rope_parameters=YARN))}
+
 
 @pytest.fixture(scope="module", autouse=True)
 def extension():
@@ -229,16 +234,17 @@ def test_engine_tokens_and_logprobs_equal_the_op_path(arch, products, monkeypatc
 
 
 @pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="paired copies: bf16 weights on CPUs with AVX-512 BF16")
-@pytest.mark.parametrize("case", [*CASES, "v3 sigmoid, bias, groups"])
+@pytest.mark.parametrize("case", [*CASES, "v3 sigmoid, bias, groups", *WIDE])
 @pytest.mark.parametrize("seqs", ["one decode", "mixed"])
 def test_mla_products_together_and_heads_split_over_threads_change_no_byte(case, seqs):
     """bf16 from the pairs copies (q or q_a with kv_a in one region; W_UK, attention and W_UV in pieces of rows, a
     batch-1 step's heads split over the threads; the shared expert's products in the routed experts' regions, their
-    items split by cost): the same bytes on one thread as on two, and as forward() within the op path's error."""
-    layer_class, config = {**CASES, **MOE}[case]
+    items split by cost; latent rows of whole 32s): the same bytes on one thread as on two, and as forward() within
+    the op path's error."""
+    layer_class, config = {**CASES, **MOE, **WIDE}[case]
     layer = with_pairs(make_layer(layer_class, config, torch.bfloat16, seed=5), True)
     weights = layer.fused_weights
-    assert case in CASES or None not in (weights.gate_up_pairs, weights.down_pairs, weights.experts_down_pairs)
+    assert case not in MOE or None not in (weights.gate_up_pairs, weights.down_pairs, weights.experts_down_pairs)
     threads = torch.get_num_threads()
     try:
         results = []
