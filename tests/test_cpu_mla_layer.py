@@ -29,8 +29,8 @@ CASES = {  # five heads (odd); V2 without a q LoRA, V3 with one; YaRN's mscale i
 
 # latent rows of whole 32s (64 + 32), eight heads and a ninth: latent_attention's path in mla.h, heads 8 at a time
 WIDE = {"v2 latent of 96, nine heads": (DeepseekV2DecoderLayer, DeepseekV2Config(
-    **{**SHAPE, "hidden_size": 72, "num_attention_heads": 9, "kv_lora_rank": 64, "qk_rope_head_dim": 32}, q_lora_rank=None,
-    rope_parameters=YARN))}
+    **{**SHAPE, "hidden_size": 72, "num_attention_heads": 9, "kv_lora_rank": 64, "qk_rope_head_dim": 32},
+    q_lora_rank=None, rope_parameters=YARN))}
 
 
 @pytest.fixture(scope="module", autouse=True)
