@@ -27,10 +27,14 @@ CASES = {  # five heads (odd); V2 without a q LoRA, V3 with one; YaRN's mscale i
     "v3 q_lora": (DeepseekV3DecoderLayer, DeepseekV3Config(**SHAPE, q_lora_rank=24, rope_parameters=YARN)),
 }
 
-# latent rows of whole 32s (64 + 32), eight heads and a ninth: latent_attention's path in mla.h, heads 8 at a time
+# latent rows of whole 32s (64 + 32): latent_attention's path in mla.h (nine heads: eight at a time, then one)
 WIDE = {"v2 latent of 96, nine heads": (DeepseekV2DecoderLayer, DeepseekV2Config(
     **{**SHAPE, "hidden_size": 72, "num_attention_heads": 9, "kv_lora_rank": 64, "qk_rope_head_dim": 32},
-    q_lora_rank=None, rope_parameters=YARN))}
+    q_lora_rank=None, rope_parameters=YARN)),
+    # each head's q rows (32 + 32) two whole tiles of q_b's pairs copy: q_b joins the heads' region
+    "v3 q_lora, q rows of whole tiles": (DeepseekV3DecoderLayer, DeepseekV3Config(
+        **{**SHAPE, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32}, q_lora_rank=24,
+        rope_parameters=YARN))}
 
 
 @pytest.fixture(scope="module", autouse=True)

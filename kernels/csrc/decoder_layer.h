@@ -204,11 +204,14 @@ void mla_layer_attention(const DecoderLayer<T>& L, const T* normed, const int64_
     const Norm<T> norm{kRmsNorm, A.q_a_norm, nullptr, A.eps};
     for (int64_t m = 0; m < M; ++m) norm_row(norm, q_a.data() + m * A.q_lora, q_a.data() + m * A.q_lora, A.q_lora);
   }
-  if (A.q_lora || !together)
+  // V3's q_b in the heads' region where it reads its pairs copy alone (no bias, no adapter)
+  const bool q_joined = joins_query(A) && paired(L.qkv) && !L.qkv_bias && !(lora_slots && L.qkv.lora.a);
+  if ((A.q_lora && !q_joined) || !together)
     project(L.qkv, A.q_lora ? q_a.data() : normed, L.qkv_bias, q.data(), M, q_size, A.q_lora ? A.q_lora : H,
             lora_slots);
   mla_attend(A, L.heads, L.cos, L.sin, L.scale, q.data(), q_size, kv.data(), kv_size, positions, slots, cache,
-             block_size, tables, max_blocks, seq_lens, attn, M);
+             block_size, tables, max_blocks, seq_lens, attn, M,
+             q_joined ? QueryProduct<T>{q_a.data(), L.qkv.pairs, q.data()} : QueryProduct<T>{});
 }
 
 // The layer's dense MLP: its up product(s), activation and down product from normed [M, hidden] into out.

@@ -31,6 +31,25 @@ struct Mla {
   const uint16_t *w_uk_pairs = nullptr, *w_uv_pairs = nullptr;
 };
 
+// V3's q_b product joined to the heads' region: each piece's q rows of its heads from q_a [M, q_lora] (normed) by
+// q_b's pairs copy into q, where a head's q rows fill whole tiles of the copy; pairs null: q is given.
+template <typename T>
+struct QueryProduct {
+  const T* q_a = nullptr;
+  const uint16_t* pairs = nullptr;
+  T* q = nullptr;
+};
+
+// Whether the heads' region can compute q as `from` describes (every head's q rows whole tiles of the copy).
+template <typename T>
+bool joins_query(const Mla<T>& A) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return std::is_same_v<T, uint16_t> && A.q_lora && (A.nope + A.rope) % kPairTileRows == 0;
+#else
+  return false;
+#endif
+}
+
 // Dims d, then d + 1 of each pair: DeepSeek's adjacent-pair rotary as the rotate-half kernel computes it.
 template <typename T>
 inline void evens_first(const T* x, T* out, int64_t dim) {
@@ -136,9 +155,19 @@ template <typename T>
 void mla_heads(const Mla<T>& A, int64_t heads, const float* cos_table, const float* sin_table, float scale,
                const T* q, int64_t q_stride, const int64_t* positions, const KvCache& latent, int64_t block_size,
                const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, T* attn, int64_t r0, int64_t rows,
-               int64_t h0, int64_t nh) {
+               int64_t h0, int64_t nh, const QueryProduct<T>& from) {
   const int64_t L = A.lora, R = A.rope, D = L + R, qk = A.nope + R;
   std::vector<T> in(rows * std::max(A.nope, L)), out(rows * std::max(L, A.v)), query(rows * nh * D), got(rows * nh * D);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, uint16_t>)
+    if (from.pairs) {  // this piece's rows and heads of q: as gemv_pairs computes each output, whatever the tiling
+      const int64_t K = A.q_lora, elems = (K + 1) / 2 * 2 * kPairTileRows;
+      for (int64_t t = h0 * qk / kPairTileRows; t < (h0 + nh) * qk / kPairTileRows; ++t)
+        for (int64_t m0 = 0; m0 < rows; m0 += kPairGroupRows)
+          pair_group(from.pairs + t * elems, from.q_a + r0 * K, nullptr, from.q + r0 * q_stride, t * kPairTileRows,
+                     m0, std::min(kPairGroupRows, rows - m0), q_stride, K);
+    }
+#endif
   for (int64_t i = 0; i < nh; ++i) {
     const int64_t h = h0 + i;
     for (int64_t r = 0; r < rows; ++r) std::copy_n(q + (r0 + r) * q_stride + h * qk, A.nope, in.data() + r * A.nope);
@@ -180,7 +209,7 @@ template <typename T>
 void mla_attend(const Mla<T>& A, int64_t heads, const float* cos_table, const float* sin_table, float scale,
                 const T* q, int64_t q_stride, T* kv, int64_t kv_stride, const int64_t* positions, const int64_t* slots,
                 const KvCache& cache, int64_t block_size, const int64_t* tables, int64_t max_blocks,
-                const int64_t* seq_lens, T* attn, int64_t M) {
+                const int64_t* seq_lens, T* attn, int64_t M, const QueryProduct<T>& from = {}) {
   const int64_t L = A.lora, R = A.rope, D = L + R;
   const Norm<T> kv_norm{kRmsNorm, A.kv_norm, nullptr, A.eps};
 #pragma omp parallel for if (M * D >= kParallelMinElements)
@@ -210,7 +239,7 @@ void mla_attend(const Mla<T>& A, int64_t heads, const float* cos_table, const fl
     const int64_t r0 = item / head_parts * piece, part = item % head_parts;
     const int64_t h0 = heads * part / head_parts, h1 = heads * (part + 1) / head_parts;
     mla_heads(A, heads, cos_table, sin_table, scale, q, q_stride, positions, latent, block_size, tables, max_blocks,
-              seq_lens, attn, r0, std::min(piece, M - r0), h0, h1 - h0);
+              seq_lens, attn, r0, std::min(piece, M - r0), h0, h1 - h0, from);
   }
 }
 
