@@ -27,6 +27,15 @@ CASES = {  # five heads (odd); V2 without a q LoRA, V3 with one; YaRN's mscale i
     "v3 q_lora": (DeepseekV3DecoderLayer, DeepseekV3Config(**SHAPE, q_lora_rank=24, rope_parameters=YARN)),
 }
 
+# latent rows of whole 32s (64 + 32): latent_attention's path in mla.h (nine heads: eight at a time, then one)
+WIDE = {"v2 latent of 96, nine heads": (DeepseekV2DecoderLayer, DeepseekV2Config(
+    **{**SHAPE, "hidden_size": 72, "num_attention_heads": 9, "kv_lora_rank": 64, "qk_rope_head_dim": 32},
+    q_lora_rank=None, rope_parameters=YARN)),
+    # each head's q rows (32 + 32) two whole tiles of q_b's pairs copy: q_b joins the heads' region
+    "v3 q_lora, q rows of whole tiles": (DeepseekV3DecoderLayer, DeepseekV3Config(
+        **{**SHAPE, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 32}, q_lora_rank=24,
+        rope_parameters=YARN))}
+
 
 @pytest.fixture(scope="module", autouse=True)
 def extension():
@@ -229,14 +238,17 @@ def test_engine_tokens_and_logprobs_equal_the_op_path(arch, products, monkeypatc
 
 
 @pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="paired copies: bf16 weights on CPUs with AVX-512 BF16")
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, "v3 sigmoid, bias, groups", *WIDE])
 @pytest.mark.parametrize("seqs", ["one decode", "mixed"])
 def test_mla_products_together_and_heads_split_over_threads_change_no_byte(case, seqs):
     """bf16 from the pairs copies (q or q_a with kv_a in one region; W_UK, attention and W_UV in pieces of rows, a
-    batch-1 step's heads split over the threads): the same bytes on one thread as on two, and as forward() within
+    batch-1 step's heads split over the threads; the shared expert's products in the routed experts' regions, their
+    items split by cost; latent rows of whole 32s): the same bytes on one thread as on two, and as forward() within
     the op path's error."""
-    layer_class, config = CASES[case]
+    layer_class, config = {**CASES, **MOE, **WIDE}[case]
     layer = with_pairs(make_layer(layer_class, config, torch.bfloat16, seed=5), True)
+    weights = layer.fused_weights
+    assert case not in MOE or None not in (weights.gate_up_pairs, weights.down_pairs, weights.experts_down_pairs)
     threads = torch.get_num_threads()
     try:
         results = []
@@ -248,4 +260,5 @@ def test_mla_products_together_and_heads_split_over_threads_change_no_byte(case,
     (one, expected), (two, _) = results
     for a, b in zip(one, two):
         assert torch.equal(a, b)
-    assert_as_close_as_the_op_path(layer, layer_class, config, SEQS[seqs], "kernel", two, expected)
+    assert_as_close_as_the_op_path(layer, layer_class, config, SEQS[seqs], "kernel", two, expected,
+                                   rerouted_share=0.1 if case in MOE else 0.0)

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -203,11 +204,14 @@ void mla_layer_attention(const DecoderLayer<T>& L, const T* normed, const int64_
     const Norm<T> norm{kRmsNorm, A.q_a_norm, nullptr, A.eps};
     for (int64_t m = 0; m < M; ++m) norm_row(norm, q_a.data() + m * A.q_lora, q_a.data() + m * A.q_lora, A.q_lora);
   }
-  if (A.q_lora || !together)
+  // V3's q_b in the heads' region where it reads its pairs copy alone (no bias, no adapter)
+  const bool q_joined = joins_query(A) && paired(L.qkv) && !L.qkv_bias && !(lora_slots && L.qkv.lora.a);
+  if ((A.q_lora && !q_joined) || !together)
     project(L.qkv, A.q_lora ? q_a.data() : normed, L.qkv_bias, q.data(), M, q_size, A.q_lora ? A.q_lora : H,
             lora_slots);
   mla_attend(A, L.heads, L.cos, L.sin, L.scale, q.data(), q_size, kv.data(), kv_size, positions, slots, cache,
-             block_size, tables, max_blocks, seq_lens, attn, M);
+             block_size, tables, max_blocks, seq_lens, attn, M,
+             q_joined ? QueryProduct<T>{q_a.data(), L.qkv.pairs, q.data()} : QueryProduct<T>{});
 }
 
 // The layer's dense MLP: its up product(s), activation and down product from normed [M, hidden] into out.
@@ -218,6 +222,17 @@ void dense_mlp(const DecoderLayer<T>& L, const T* normed, T* out, int64_t M, con
   project(L.gate_up, normed, L.gate_up_bias, h.data(), M, width, H, lora_slots);
   activate_rows(L, h.data(), act.data(), M);
   project(L.down, act.data(), L.down_bias, out, M, H, I, lora_slots);
+}
+
+// The layer's shared expert as the routed experts' products take it (experts.h), where both read bf16 pairs copies
+// and it has no biases or adapters; else none (dense_mlp runs it).
+template <typename T>
+SharedExpert<T> joined_shared_expert(const DecoderLayer<T>& L, T* out, const int64_t* lora_slots) {
+  const bool joins = kExpertPairs && std::is_same_v<T, uint16_t> && L.experts.gate_up_pairs && L.experts.down_pairs &&
+                     paired(L.gate_up) && paired(L.down) && !L.gate_up_bias && !L.down_bias && gated(L.activation) &&
+                     (!lora_slots || (!L.gate_up.lora.a && !L.down.lora.a));
+  if (!joins) return {};
+  return {L.gate_up.pairs, L.down.pairs, L.intermediate, L.activation, out};
 }
 
 // x [M, hidden] (this layer's input), residual [M, hidden] or null (first layer); writes out [M, hidden] and
@@ -244,10 +259,11 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
   project(L.o, attn.data(), L.o_bias, o.data(), M, H, attn_size, lora_slots);
   after_attention(L, o.data(), residual_out, normed.data(), M);
   if (L.experts.count) {
-    mixture_of_experts(L.experts, normed.data(), out, M, H);
-    if (L.gate_up.weight) {  // a shared expert
-      std::vector<T> shared(M * H);
-      dense_mlp(L, normed.data(), shared.data(), M, lora_slots);
+    std::vector<T> shared(L.gate_up.weight ? M * H : 0);  // a shared expert's output
+    const SharedExpert<T> joined = joined_shared_expert(L, shared.data(), lora_slots);
+    mixture_of_experts(L.experts, normed.data(), out, M, H, joined);
+    if (L.gate_up.weight) {
+      if (!joined.gate_up) dense_mlp(L, normed.data(), shared.data(), M, lora_slots);
       add_shared_expert(L.experts, normed.data(), shared.data(), out, M, H);
     }
   } else {

@@ -88,25 +88,43 @@ inline ExpertGroups group_by_expert(const int64_t* ids, int64_t count, int64_t p
   return g;
 }
 
+// A shared expert whose products join the routed experts' parallel regions (both read the layer's normed rows):
+// the pairs copies of its gate_up [2 inter, hidden] and down [hidden, inter], its gated activation, and out
+// [M, hidden] for its output. gate_up null: none (the caller runs it on its own).
+template <typename T>
+struct SharedExpert {
+  const uint16_t *gate_up = nullptr, *down = nullptr;
+  int64_t inter = 0, activation = kSiluGlu;
+  T* out = nullptr;
+};
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kExpertPairs = true;
 // A tile's cost in input rows: streaming its weights costs about what this many rows' products do, so a split by
 // cost balances a batch-1 step (all weights) and a batch-32 one (mostly products) alike.
 constexpr int64_t kTileStreamRows = 8;
 
-// One product of every active expert from its gemv_pairs.h copy (pairs: each expert's copy of W [N, K] in turn):
-// expert i's rows [starts[i], starts[i + 1]) of x [rows, K] into y [rows, N]. The (expert, tile) items in order are
-// split into one contiguous run per thread of about equal cost, so the threads share every expert's weights (one
-// expert or many, each read once) and a tile stays in L1 while its expert's rows pass over it. The first pass over
-// a tile prefetches the next (the expert's next tile, or the next active expert's first): a step's experts stream
-// from memory (a model's experts outgrow the caches), and at few rows per expert the products no longer hide it.
-inline void expert_products(const ExpertGroups& g, const uint16_t* pairs, const uint16_t* x, uint16_t* y, int64_t N,
-                            int64_t K) {
-  const int64_t tiles = (N + kPairTileRows - 1) / kPairTileRows, tile_elems = (K + 1) / 2 * 2 * kPairTileRows;
-  const int64_t count = int64_t(g.active.size());
-  std::vector<int64_t> before(count + 1, 0);  // the cost of the items ahead of expert i's first tile
-  for (int64_t i = 0; i < count; ++i)
-    before[i + 1] = before[i] + tiles * (kTileStreamRows + g.starts[i + 1] - g.starts[i]);
-#pragma omp parallel
+// One expert's product in a step: y [rows, N] = x [rows, K] W^T from W's gemv_pairs.h copy.
+struct ExpertProduct {
+  const uint16_t* pairs;
+  const uint16_t* x;
+  uint16_t* y;
+  int64_t rows, N, K;
+};
+
+// Every expert's product, one parallel region for all. The (product, tile) items in order are split into one
+// contiguous run per thread of about equal cost, so the threads share every expert's weights (one expert or many,
+// each read once) and a tile stays in L1 while its expert's rows pass over it. The first pass over a tile prefetches
+// the next (the product's next tile, or the next product's first): a step's experts stream from memory (a model's
+// experts outgrow the caches), and at few rows per expert the products no longer hide it.
+inline void expert_products(const std::vector<ExpertProduct>& each) {
+  const int64_t count = int64_t(each.size());
+  auto tiles = [](const ExpertProduct& p) { return (p.N + kPairTileRows - 1) / kPairTileRows; };
+  auto tile_elems = [](const ExpertProduct& p) { return (p.K + 1) / 2 * 2 * kPairTileRows; };
+  std::vector<int64_t> before(count + 1, 0);  // the cost of the items ahead of product i's first tile
+  for (int64_t i = 0; i < count; ++i)  // a tile's cost: its column pairs times its rows and streaming
+    before[i + 1] = before[i] + tiles(each[i]) * (each[i].K + 1) / 2 * (kTileStreamRows + each[i].rows);
+#pragma omp parallel if (count > 0)
   {
 #ifdef _OPENMP
     const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
@@ -116,38 +134,56 @@ inline void expert_products(const ExpertGroups& g, const uint16_t* pairs, const 
     // This thread's items: those whose cost ahead lies in [from, to).
     const int64_t from = before[count] * me / team, to = before[count] * (me + 1) / team;
     for (int64_t i = 0; i < count; ++i) {
-      const int64_t first = g.starts[i], rows = g.starts[i + 1] - first, cost = kTileStreamRows + rows;
-      const int64_t t0 = std::clamp<int64_t>((from - before[i] + cost - 1) / cost, 0, tiles);
-      const int64_t t1 = std::clamp<int64_t>((to - before[i] + cost - 1) / cost, 0, tiles);
+      const ExpertProduct& p = each[i];
+      const int64_t n = tiles(p), elems = tile_elems(p), cost = (p.K + 1) / 2 * (kTileStreamRows + p.rows);
+      const int64_t t0 = std::clamp<int64_t>((from - before[i] + cost - 1) / cost, 0, n);
+      const int64_t t1 = std::clamp<int64_t>((to - before[i] + cost - 1) / cost, 0, n);
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t after = t + 1 < tiles ? g.active[i] * tiles + t + 1
-                              : i + 1 < count ? g.active[i + 1] * tiles : -1;
-        for (int64_t m0 = 0; m0 < rows; m0 += kPairGroupRows)
-          pair_group(pairs + (g.active[i] * tiles + t) * tile_elems, x + first * K, nullptr, y + first * N,
-                     t * kPairTileRows, m0, std::min(kPairGroupRows, rows - m0), N, K, nullptr,
-                     m0 == 0 && after >= 0 ? pairs + after * tile_elems : nullptr);
+        const uint16_t* after = t + 1 < n ? p.pairs + (t + 1) * elems : i + 1 < count ? each[i + 1].pairs : nullptr;
+        for (int64_t m0 = 0; m0 < p.rows; m0 += kPairGroupRows)
+          pair_group(p.pairs + t * elems, p.x, nullptr, p.y, t * kPairTileRows, m0,
+                     std::min(kPairGroupRows, p.rows - m0), p.N, p.K, nullptr, m0 == 0 ? after : nullptr);
       }
     }
   }
 }
+#else
+constexpr bool kExpertPairs = false;
 #endif
 
 // Each pair's expert MLP output into y [pairs, H] (pairs' order) from x [M, H]: the rows gathered by expert, then
-// from the experts' pairs copies every product split over all threads; else each active expert on one thread
-// (with at least as many of them as threads), or each product over all of them.
+// from the experts' pairs copies each of the two products of every expert (the shared one's too, where given) in one
+// parallel region; else each active expert on one thread (with at least as many of them as threads), or each product
+// over all of them.
 template <typename T>
-void run_experts(const Experts<T>& E, const ExpertGroups& g, const T* x, T* y, int64_t H) {
+void run_experts(const Experts<T>& E, const ExpertGroups& g, const T* x, T* y, int64_t M, int64_t H,
+                 const SharedExpert<T>& shared) {
   const int64_t K = E.top_k, I = E.inter, P = int64_t(g.pairs.size());
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (E.gate_up_pairs && E.down_pairs) {
-      std::vector<T> xs(P * H), h(P * 2 * I), act(P * I);
+      const int64_t S = shared.gate_up ? shared.inter : 0, up_elems = (2 * I + 31) / 32 * ((H + 1) / 2) * 64;
+      const int64_t down_elems = (H + 31) / 32 * ((I + 1) / 2) * 64;  // an expert's pairs copies' sizes
+      std::vector<T> xs(P * H), h(P * 2 * I + M * 2 * S), act(P * I + M * S);
 #pragma omp parallel for if (P * H >= kParallelMinElements)
       for (int64_t p = 0; p < P; ++p) std::copy(x + g.pairs[p] / K * H, x + (g.pairs[p] / K + 1) * H, &xs[p * H]);
-      expert_products(g, E.gate_up_pairs, xs.data(), h.data(), 2 * I, H);
-#pragma omp parallel for if (P * I >= kParallelMinElements)
-      for (int64_t p = 0; p < P; ++p) silu_and_mul_row(h.data() + p * 2 * I, act.data() + p * I, I);
-      expert_products(g, E.down_pairs, act.data(), y, H, I);
+      std::vector<ExpertProduct> up, down;
+      for (size_t i = 0; i < g.active.size(); ++i) {
+        const int64_t first = g.starts[i], rows = g.starts[i + 1] - first;
+        up.push_back({E.gate_up_pairs + g.active[i] * up_elems, &xs[first * H], &h[first * 2 * I], rows, 2 * I, H});
+        down.push_back({E.down_pairs + g.active[i] * down_elems, &act[first * I], y + first * H, rows, H, I});
+      }
+      if (S) {
+        up.push_back({shared.gate_up, x, &h[P * 2 * I], M, 2 * S, H});
+        down.push_back({shared.down, &act[P * I], shared.out, M, H, S});
+      }
+      expert_products(up);
+#pragma omp parallel for if ((P * I + M * S) >= kParallelMinElements)
+      for (int64_t p = 0; p < P + (S ? M : 0); ++p) {
+        if (p < P) silu_and_mul_row(&h[p * 2 * I], &act[p * I], I);
+        else activate_row(shared.activation, &h[P * 2 * I + (p - P) * 2 * S], &act[P * I + (p - P) * S], S);
+      }
+      expert_products(down);
       return;
     }
   }
@@ -176,7 +212,8 @@ void run_experts(const Experts<T>& E, const ExpertGroups& g, const T* x, T* y, i
 // together (run_experts); each row's float32 sum takes its experts in ascending order (as index_add_ over rows
 // sorted by expert).
 template <typename T>
-void mixture_of_experts(const Experts<T>& E, const T* x, T* out, int64_t M, int64_t H) {
+void mixture_of_experts(const Experts<T>& E, const T* x, T* out, int64_t M, int64_t H,
+                        const SharedExpert<T>& shared = {}) {
   const int64_t K = E.top_k;
   std::vector<int64_t> ids(M * K);
   std::vector<float> weights(M * K);
@@ -189,7 +226,7 @@ void mixture_of_experts(const Experts<T>& E, const T* x, T* out, int64_t M, int6
   }
   const ExpertGroups g = group_by_expert(ids.data(), E.count, M * K);
   std::vector<T> y(g.pairs.size() * H);  // each pair's expert output, in pairs' order
-  run_experts(E, g, x, y.data(), H);
+  run_experts(E, g, x, y.data(), M, H, shared);
   // Each pair's slot in y, then every row's sum over its pairs in expert order.
   std::vector<int64_t> slot(M * K);
   for (size_t p = 0; p < g.pairs.size(); ++p) slot[g.pairs[p]] = int64_t(p);
