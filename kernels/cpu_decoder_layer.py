@@ -18,7 +18,8 @@ import torch
 
 from kernels import cpu_extension
 from kernels.cpu_decode_attention import cache_kind
-from kernels.cpu_layer_weights import DecoderLayerWeights, max_rows, pointer
+from kernels.cpu_layer_weights import DecoderLayerWeights, pointer
+from kernels.cpu_projections import max_rows
 
 
 # A step with a prompt chunk of more than LONG_RUN_ROWS tokens that reaches position LONG_RUN_CONTEXT goes to the op

@@ -3,13 +3,11 @@ and its family's form, checked and turned into the pointer, dims and floats list
 rows of a step whose products the kernels run for its weights."""
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_deepseek_weights, cpu_gemv, cpu_int4, cpu_layer_checks
+from kernels import cpu_deepseek_weights, cpu_gemv, cpu_int4, cpu_layer_checks, cpu_projections
 from kernels.quantized_matmul import input_size_of
 
 NORM_KINDS = {"rms": 0, "gemma": 1, "layer": 2}  # layer_ops.h's NormKind
@@ -170,10 +168,10 @@ class DecoderLayerWeights:
             weights.append(weight)
             pairs.append(paired)
         if self.router is None:
-            return max_rows(self.input_norm.dtype, weights, pairs)
+            return cpu_projections.max_rows(self.input_norm.dtype, weights, pairs)
         weights += [self.experts_gate_up[0], self.experts_down[0]]
         pairs += [self.experts_gate_up_pairs, self.experts_down_pairs]
-        limit = max_rows(self.input_norm.dtype, weights, pairs)
+        limit = cpu_projections.max_rows(self.input_norm.dtype, weights, pairs)
         if self.experts_gate_up_pairs is None:
             return limit
         # Each expert takes top_k / experts of a step's rows on average: its products stay within EXPERT_MAX_PRODUCTS.
@@ -194,7 +192,8 @@ class DecoderLayerWeights:
                    self.experts_down_pairs, self.mla_q_a_pairs, self.mla_kv_a_pairs, self.mla_w_uk_t_pairs,
                    self.mla_w_uv_pairs, *(None if slots is None else slots.offsets for slots in self.loras()),
                    *self.zeros())
-        groups = [0 if scale is None else _scale_group(weight, scale) for weight, scale in self.projections()]
+        groups = [0 if scale is None else cpu_projections.scale_group(weight, scale)
+                  for weight, scale in self.projections()]
         experts = [0, 0, 0, 0] if self.router is None else \
             [self.router.shape[0], self.top_k, self.experts_down.shape[2], int(self.renormalize)]
         dims = [self.input_norm.shape[0], self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
@@ -223,7 +222,7 @@ class DecoderLayerWeights:
             if zero is not None:
                 raise ValueError("zero points: only a 4-bit projection takes them")
             scaled = weight.dtype in cpu_gemv.SCALED_DTYPES and scale is not None and scale.dtype == torch.float32 \
-                and scale.is_contiguous() and _scale_group(weight, scale) is not None
+                and scale.is_contiguous() and cpu_projections.scale_group(weight, scale) is not None
             if not (scaled or (weight.dtype == dtype and scale is None)):
                 raise TypeError("a projection's weight must be of the hidden states' dtype, or int8 or fp8 e4m3 with "
                                 "float32 scales per row [N] or per group of a multiple of 8 columns [N, K / group]")
@@ -239,7 +238,8 @@ class DecoderLayerWeights:
             if tensor is not None and not (tensor.dtype == dtype and tensor.shape == (size,)
                                            and tensor.is_contiguous()):
                 raise ValueError(f"{name} must be a contiguous [{size}] tensor of the hidden states' dtype")
-        if _features(self.qkv) != (qkv_rows, qkv_in) or _features(self.o) != (hidden, self.attn_width) or (
+        features = cpu_projections.features
+        if features(self.qkv) != (qkv_rows, qkv_in) or features(self.o) != (hidden, self.attn_width) or (
                 (self.gate_up is None) != (self.down is None)) or (
                 self.gate_up is not None and self.gate_up.shape[0] != width):
             raise ValueError("the projections do not fit the layer's heads and activation")
@@ -280,42 +280,3 @@ class DecoderLayerWeights:
 
 def pointer(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
-
-
-def _features(weight: torch.Tensor) -> tuple[int, int]:
-    """A projection's output and input features (a 4-bit weight holds two inputs a byte)."""
-    return weight.shape[0], input_size_of(weight)
-
-
-def _scale_group(weight: torch.Tensor, scale: torch.Tensor) -> int | None:
-    """0 for a scale per row, the group size for scales per group the kernel takes, None for other scales."""
-    if weight.dtype == torch.uint8:
-        return cpu_int4.group_of(weight, scale)
-    if scale.shape == weight.shape[:1]:
-        return 0
-    if scale.dim() == 2 and scale.shape[0] == weight.shape[0] and cpu_gemv.takes_groups(weight, scale):
-        return weight.shape[1] // scale.shape[1]
-    return None
-
-
-def takes_projection(weight: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
-                     g_idx: torch.Tensor | None) -> bool:
-    """Whether the one-call layer reads this projection: unquantized, symmetric int8 or fp8 e4m3 with scales per
-    row or per group (GGUF's Q8_0, fp8 block checkpoints' blocks along K where they divide it), or 4-bit with scales
-    and optional zero points per row or even group (GPTQ, AWQ, compressed-tensors; not act-order's permuted columns:
-    the loaders drop a g_idx that is the plain k // group)."""
-    if weight.dtype == torch.uint8:
-        return cpu_int4.takes(weight, scale, zero, g_idx)
-    return scale is None or (weight.dtype in cpu_gemv.SCALED_DTYPES and zero is None and g_idx is None
-                             and _scale_group(weight, scale) is not None)
-
-
-def max_rows(dtype: torch.dtype, weights: Sequence[torch.Tensor] = (),
-             pairs: Sequence[torch.Tensor | None] = ()) -> int:
-    """The most tokens of a step whose products the layer runs in the kernels (the least of cpu_gemv's limits for
-    its projection weights, if given, with their pairs copies where given); past them torch's
-    GEMMs are faster, and the layer takes them between its calls (decoder_layers_with_products: in-process decode
-    of the benchmark model on a 2-core AVX-512 BF16 EPYC, 10.5 ms per step at 16 requests against 12.3 with the
-    kernels' products and 14.0 on the op path; 14.6 against 18.3 on the op path at 32, 25.0 against 29.1 at 64)."""
-    return min((cpu_gemv.INT8_MAX_ROWS if weight.dtype == torch.uint8 else cpu_gemv.max_rows(dtype, weight, paired)
-                for weight, paired in itertools.zip_longest(weights, pairs)), default=cpu_gemv.max_rows(dtype))

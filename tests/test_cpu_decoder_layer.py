@@ -11,7 +11,7 @@ from transformers import (Gemma2Config, Gemma3TextConfig, GPTNeoXConfig, LlamaCo
                           Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
 from frontend import LLM, SamplingParams
-from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv, cpu_layer_weights
+from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv, cpu_layer_weights, cpu_projections
 from tests.conftest import pairwise, tiny_model
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import ColumnParallelLinear, Linear
@@ -440,13 +440,13 @@ def test_a_layer_takes_the_fewest_rows_its_weights_allow(monkeypatch):
               "large": cpu_gemv.NATIVE_BF16_MAX_ROWS, "int8": cpu_gemv.INT8_MAX_ROWS}
     for name, weight in (("small", small), ("short rows", short_rows), ("large", large), ("int8", int8)):
         assert cpu_gemv.max_rows(torch.bfloat16, weight) == limits[name]
-    assert cpu_layer_weights.max_rows(torch.bfloat16, [small, int8]) == cpu_gemv.SMALL_BF16_MAX_ROWS
-    assert cpu_layer_weights.max_rows(torch.bfloat16, [small, large]) == cpu_gemv.NATIVE_BF16_MAX_ROWS
-    assert cpu_layer_weights.max_rows(torch.float32, [torch.zeros(64, 64)]) == cpu_gemv.FLOAT32_MAX_ROWS
+    assert cpu_projections.max_rows(torch.bfloat16, [small, int8]) == cpu_gemv.SMALL_BF16_MAX_ROWS
+    assert cpu_projections.max_rows(torch.bfloat16, [small, large]) == cpu_gemv.NATIVE_BF16_MAX_ROWS
+    assert cpu_projections.max_rows(torch.float32, [torch.zeros(64, 64)]) == cpu_gemv.FLOAT32_MAX_ROWS
     pairs = cpu_gemv.pair_weight(large)  # a paired copy: PAIRS_MAX_ROWS for its weight alone
-    assert cpu_layer_weights.max_rows(torch.bfloat16, [large], [pairs]) == cpu_gemv.PAIRS_MAX_ROWS
-    assert cpu_layer_weights.max_rows(torch.bfloat16, [large, int8], [pairs, None]) == cpu_gemv.INT8_MAX_ROWS
-    assert cpu_layer_weights.max_rows(torch.bfloat16, [large, large], [pairs, None]) == cpu_gemv.NATIVE_BF16_MAX_ROWS
+    assert cpu_projections.max_rows(torch.bfloat16, [large], [pairs]) == cpu_gemv.PAIRS_MAX_ROWS
+    assert cpu_projections.max_rows(torch.bfloat16, [large, int8], [pairs, None]) == cpu_gemv.INT8_MAX_ROWS
+    assert cpu_projections.max_rows(torch.bfloat16, [large, large], [pairs, None]) == cpu_gemv.NATIVE_BF16_MAX_ROWS
 
 
 @pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="paired copies: bf16 weights on CPUs with AVX-512 BF16")
@@ -460,7 +460,7 @@ def test_paired_experts_take_the_rows_their_products_allow(monkeypatch):
     monkeypatch.setattr(cpu_layer_weights, "EXPERT_MAX_PRODUCTS", 1)
     assert weights.max_rows() == 1
     unpaired = dataclasses.replace(weights, experts_gate_up_pairs=None, experts_down_pairs=None)
-    assert unpaired.max_rows() == cpu_layer_weights.max_rows(torch.bfloat16, [unpaired.experts_gate_up[0]])
+    assert unpaired.max_rows() == cpu_projections.max_rows(torch.bfloat16, [unpaired.experts_gate_up[0]])
 
 
 def test_declines_steps_it_does_not_compute():
@@ -508,7 +508,7 @@ def test_engine_outputs_equal_the_op_by_op_path(arch, products, monkeypatch):
     calls = []
     name = "decoder_layers" if products == "kernel" else "decoder_layers_with_products"
     if products == "torch":
-        monkeypatch.setattr(cpu_layer_weights, "max_rows", lambda *args: 0)
+        monkeypatch.setattr(cpu_projections, "max_rows", lambda *args: 0)
     layers = getattr(cpu_decoder_layer, name)
     monkeypatch.setattr(cpu_decoder_layer, name, lambda *args: calls.append(1) or layers(*args))
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import assert_all_blocks_free, random_prompts
 from frontend import LLM, SamplingParams
 from hf_reference import hf_greedy
-from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv, cpu_int4, cpu_layer_weights
+from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv, cpu_int4, cpu_projections
 from kernels.quantized_matmul import dequantize, linear_reference, pack_int4
 from quantized_checkpoints import checkpoint
 from tests.test_cpu_decoder_layer import CASES, assert_fused_matches, fused_and_op_by_op, make_layer
@@ -60,11 +60,11 @@ def test_int4_product_equals_the_dequantized_weights(rows, shape, groups, zeros,
 
 def test_int4_weights_the_kernels_decline_and_bad_pairs():
     weight, scale, zero = random_int4(8, 48, 3, True)  # groups of 16
-    assert cpu_int4.takes(weight, scale, zero) and cpu_layer_weights.takes_projection(weight, scale, zero, None)
+    assert cpu_int4.takes(weight, scale, zero) and cpu_projections.takes_projection(weight, scale, zero, None)
     odd_groups = torch.rand(8, 16)  # groups of 3 columns: a column pair would span two
     permuted = torch.randperm(48).to(torch.int32) // 16
-    assert not cpu_layer_weights.takes_projection(weight, odd_groups, None, None)
-    assert not cpu_layer_weights.takes_projection(weight, scale, zero, permuted)  # act-order: the op path
+    assert not cpu_projections.takes_projection(weight, odd_groups, None, None)
+    assert not cpu_projections.takes_projection(weight, scale, zero, permuted)  # act-order: the op path
     assert not cpu_int4.takes(weight, scale.half(), zero)
     with pytest.raises(ValueError, match="pair_int4"):
         cpu_int4.linear(torch.randn(1, 48), weight, scale, zero, pairs=torch.zeros(3, dtype=torch.uint8))

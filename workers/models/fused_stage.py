@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels import cpu_decoder_layer, cpu_gemv, cpu_greedy_decode, cpu_layer_weights, cpu_row_options
+from kernels import cpu_decoder_layer, cpu_gemv, cpu_greedy_decode, cpu_layer_weights, cpu_projections, cpu_row_options
 from workers.distributed import parallel_state
 from workers.layers.attention import Attention, AttentionMetadata, StepMetadata
 from workers.layers.norm import GemmaRMSNorm, RMSNorm
@@ -30,8 +30,8 @@ def norm_kind(norm: nn.Module) -> str | None:
 
 
 def takes_projections(*linears: nn.Module) -> bool:
-    """Whether the C++ layer reads each of these linear layers' weights (kernels.cpu_layer_weights.takes_projection)."""
-    return all(cpu_layer_weights.takes_projection(p.weight, p.weight_scale, p.weight_zero, p.weight_g_idx)
+    """Whether the C++ layer reads each of these linear layers' weights (kernels.cpu_projections.takes_projection)."""
+    return all(cpu_projections.takes_projection(p.weight, p.weight_scale, p.weight_zero, p.weight_g_idx)
                for p in linears)
 
 
@@ -173,7 +173,7 @@ class FusedStage:
     @functools.cached_property
     def product_rows(self) -> int:
         """The most tokens of a step whose products the C++ layer runs: the least this stage's projection weights
-        allow (kernels.cpu_layer_weights.max_rows: int8 and small bf16 weights take more)."""
+        allow (kernels.cpu_projections.max_rows: int8 and small bf16 weights take more)."""
         return min(self.layers[i].fused_weights.max_rows() for i in self.stage_layers)
 
 
