@@ -160,25 +160,42 @@ def beyond_cache_model(cache: int) -> Path:
     return make_model(benchmark_cache_dir() / f"beyond-cache-llama-{layers}", "llama", "100m", **shape)
 
 
+def batch1_turns(engines: dict[str, dict], repeats: int) -> dict[str, float]:
+    """Batch-1 decode tok/s of each engine (its LLM arguments), the engines taking turns (best of `repeats`)."""
+    llms = {name: LLM(**arguments) for name, arguments in engines.items()}
+    try:
+        requests = [{"prompt_token_ids": p} for p in prompts(1)]
+        params = SamplingParams(temperature=0.0, max_tokens=OUTPUTS[1], ignore_eos=True)
+        return alternating_best({name: _generate(llm, requests, params, None) for name, llm in llms.items()}, repeats)
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+
+
 def int8_beyond_cache(dtype: str, repeats: int) -> None:
     """Batch-1 decode of int8 against the model dtype on beyond_cache_model, the two engines taking turns."""
     cache = last_level_cache_bytes()
     folder = beyond_cache_model(cache)
     read, _ = per_token_cost(folder)
-    engines = {"bf16": LLM(str(folder), dtype=dtype), "int8": LLM(str(folder), dtype=dtype, quantization="int8")}
-    try:
-        requests = [{"prompt_token_ids": p} for p in prompts(1)]
-        params = SamplingParams(temperature=0.0, max_tokens=OUTPUTS[1], ignore_eos=True)
-        speeds = alternating_best({name: _generate(llm, requests, params, None) for name, llm in engines.items()},
-                                  repeats)
-    finally:
-        for llm in engines.values():
-            llm.shutdown()
+    speeds = batch1_turns({"bf16": {"model": str(folder), "dtype": dtype},
+                           "int8": {"model": str(folder), "dtype": dtype, "quantization": "int8"}}, repeats)
     print(f"int8 beyond the last-level cache ({cache / 2**20:.0f} MiB; llama {BEYOND_CACHE_HIDDEN} wide, "
           f"{folder.name.rsplit('-', 1)[1]} layers: {read / 1e9:.2f} GB of {dtype}, {read / 2e9:.2f} GB of int8 a "
           f"token): batch 1 {dtype} {speeds['bf16']:6.2f} tok/s {speeds['bf16'] * read / 1e9:6.2f} GB/s | int8 "
           f"{speeds['int8']:6.2f} tok/s {speeds['int8'] * read / 2e9:6.2f} GB/s of int8 | int8 / {dtype} "
           f"{speeds['int8'] / speeds['bf16']:.2f}x", flush=True)
+
+
+def arguments_with_kernels(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The command line (with engine_arguments'), once the C++ kernels are built."""
+    engine_arguments(parser)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")  # transformers 5.x's deprecation chatter
+    # Built (or found built) before any engine starts: an engine serves on the torch paths while its kernels build in
+    # the background, and the first rows of a fresh machine's run measured those.
+    if cpu_extension.load() is None:
+        raise SystemExit("the C++ CPU kernels did not build: every row would measure the torch paths")
+    return args
 
 
 def main() -> None:
@@ -187,13 +204,7 @@ def main() -> None:
                         help="rows to measure (plain llama always runs: the others are shares of it)")
     parser.add_argument("--int8-beyond-cache", action="store_true",
                         help="also int8 against bf16 at batch 1 on a llama 1.5x the last-level cache (int8 bytes)")
-    engine_arguments(parser)
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")  # transformers 5.x's deprecation chatter
-    # Built (or found built) before any engine starts: an engine serves on the torch paths while its kernels build in
-    # the background, and the first rows of a fresh machine's run measured those.
-    if cpu_extension.load() is None:
-        raise SystemExit("the C++ CPU kernels did not build: every row would measure the torch paths")
+    args = arguments_with_kernels(parser)
     print(f"{os.cpu_count()} CPUs, native bf16: {cpu_has_native_bf16()}, dtype {args.dtype}; batch 1 = "
           f"{PROMPT_TOKENS}-token prompt, {OUTPUTS[1]} tokens; batch 32 = {OUTPUTS[32]} tokens each; best of "
           f"{args.repeats}; a quiet machine is assumed", flush=True)

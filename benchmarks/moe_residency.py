@@ -15,7 +15,6 @@ import argparse
 import json
 import math
 import sys
-import warnings
 from pathlib import Path
 
 from safetensors import safe_open
@@ -23,11 +22,9 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from feature_speed import _generate, per_token_cost  # noqa: E402
-from neighbour import OUTPUTS, alternating_best, engine_arguments, model_dir, prompts  # noqa: E402
+from feature_speed import arguments_with_kernels, batch1_turns, per_token_cost  # noqa: E402
+from neighbour import model_dir  # noqa: E402
 
-from frontend import LLM, SamplingParams  # noqa: E402
-from kernels import cpu_extension  # noqa: E402
 from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
 from launch.make_model import benchmark_cache_dir, make_model  # noqa: E402
 
@@ -54,26 +51,14 @@ def dense_reference(folder: Path) -> Path:
 
 def batch1_gbps(folders: dict[str, Path], dtype: str, repeats: int) -> dict[str, float]:
     """Each model's batch-1 GB/s of the weights a token reads, the engines taking turns (best of `repeats`)."""
-    engines = {name: LLM(str(folder), dtype=dtype) for name, folder in folders.items()}
-    try:
-        requests = [{"prompt_token_ids": p} for p in prompts(1)]
-        params = SamplingParams(temperature=0.0, max_tokens=OUTPUTS[1], ignore_eos=True)
-        speeds = alternating_best({name: _generate(llm, requests, params, None) for name, llm in engines.items()},
-                                  repeats)
-    finally:
-        for llm in engines.values():
-            llm.shutdown()
+    speeds = batch1_turns({name: {"model": str(folder), "dtype": dtype} for name, folder in folders.items()}, repeats)
     return {name: speeds[name] * per_token_cost(folder)[0] / 1e9 for name, folder in folders.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", choices=MOE_FAMILIES, default=list(MOE_FAMILIES))
-    engine_arguments(parser)
-    args = parser.parse_args()
-    warnings.filterwarnings("ignore")  # transformers 5.x's deprecation chatter
-    if cpu_extension.load() is None:
-        raise SystemExit("the C++ CPU kernels did not build: every row would measure the torch paths")
+    args = arguments_with_kernels(parser)
     print(f"native bf16: {cpu_has_native_bf16()}, dtype {args.dtype}; batch 1 = 128 tokens; best of {args.repeats}; "
           "a quiet machine is assumed", flush=True)
     for family in args.rows:
