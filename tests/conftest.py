@@ -127,20 +127,21 @@ def serve_tiny_llama(llama_model: str) -> tuple[subprocess.Popen, str]:
                            API_KEY, "--api-server-count", "2", "--max-n", "4", "--max-stop", "4"])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(llama_model):
-    """serve_tiny_llama's server, one for the session: tests that use it leave it as they found it (their metrics
-    are differences) and stop only servers of their own."""
+    """serve_tiny_llama's server, one for the module (not the session: an idle server's engine and gateways still
+    poll, a neighbour to every later test that times itself): tests that use it leave it as they found it (their
+    metrics are differences) and stop only servers of their own."""
     process, base_url = serve_tiny_llama(llama_model)
     with shared(process.pid):
         yield process, base_url
         stop_launcher(process)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def demo_server() -> str:
     """The base URL of the demo server (`python -m launch`, no model) with API_KEY, keeping two stored responses;
-    one for the session."""
+    one for the module (as server's)."""
     process, base_url = start_launcher(["--api-key", API_KEY, "--max-stored-responses", "2"])
     with shared(process.pid):
         yield base_url
@@ -149,7 +150,7 @@ def demo_server() -> str:
 
 @pytest.fixture(scope="module")
 def client(server):
-    """The official openai client of the session's server."""
+    """The official openai client of the module's server."""
     return openai.OpenAI(base_url=f"{server[1]}/v1", api_key=API_KEY, max_retries=0)
 
 
@@ -159,9 +160,9 @@ def metric(base_url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine_address(llama_model):
-    """The address of an engine-core process of its own (the tiny llama, float32) for the session's clients."""
+    """The address of an engine-core process of its own (the tiny llama, float32) for the module's clients."""
     address = private_ipc_address()
     engine = EngineProcess(EngineConfig(model=llama_model, dtype="float32"), address)
     engine.wait_ready()
