@@ -10,7 +10,11 @@
 3. Throughput: the issue's 96-request workload (benchmarks/throughput.py: inputs 16-400, outputs 8-200 tokens,
    greedy, ignore_eos, the model maker's benchmark llama, bf16) with kv_cache_dtype auto and fp8 alternating for
    --rounds rounds; output tokens/s of each and fp8 / auto (target >= 1.15x on a CPU with native bf16).
+   --kv-cache-memory gives both the same KV budget (bytes or "24MiB"): below the workload's peak, where bf16's pool
+   cannot hold every running request and fp8's holds twice the tokens (what fp8 KV is for on a server whose memory
+   is full); each kind's peak KV use and preemptions are printed.
     python benchmarks/kv_cache_fp8.py [--windows 64] [--rounds 2] [--skip-accuracy] [--skip-throughput]
+                                      [--kv-cache-memory SIZE]
 """
 from __future__ import annotations
 
@@ -74,7 +78,7 @@ def accuracy(windows_wanted: int, formats: list[str]) -> None:
               f"{math.exp(nll / count):.3f} ({change:+.2%}, target within {PERPLEXITY_TARGET:.0%})")
 
 
-def throughput(rounds: int, num_requests: int) -> None:
+def throughput(rounds: int, num_requests: int, kv_cache_memory: str | None) -> None:
     model = str(ensure_benchmark_model())
     from transformers import AutoConfig
     requests = make_requests(num_requests, AutoConfig.from_pretrained(model).vocab_size, 0, (16, 400), (8, 200))
@@ -82,13 +86,17 @@ def throughput(rounds: int, num_requests: int) -> None:
     runs: dict[str, list[dict]] = {"auto": [], "fp8": []}
     for _ in range(rounds):
         for kv_cache_dtype in runs:
-            runs[kv_cache_dtype].append(run_engine(model, requests, args, kv_cache_dtype=kv_cache_dtype))
+            budget = {} if kv_cache_memory is None else {"kv_cache_memory": kv_cache_memory}
+            runs[kv_cache_dtype].append(run_engine(model, requests, args, kv_cache_dtype=kv_cache_dtype, **budget))
     rates = {kind: sum(r["output_tokens"] for r in each) / sum(r["seconds"] for r in each)
              for kind, each in runs.items()}
-    print(f"throughput: {num_requests} requests (inputs 16-400, outputs 8-200), {model}, {rounds} alternating rounds")
+    print(f"throughput: {num_requests} requests (inputs 16-400, outputs 8-200), {model}, {rounds} alternating rounds"
+          f", KV budget {kv_cache_memory or 'the default'}")
     for kind, each in runs.items():
         each_rate = ", ".join(f"{r['output_tokens_per_s']:.1f}" for r in each)
-        print(f"  {kind}: {rates[kind]:.1f} output tok/s (runs: {each_rate})")
+        peak, preempted = max(r["peak_kv_cache_usage"] for r in each), sum(r["num_preemptions"] for r in each)
+        print(f"  {kind}: {rates[kind]:.1f} output tok/s (runs: {each_rate}); peak KV use {peak:.0%}, "
+              f"preemptions {preempted}")
     print(f"  fp8 / auto: {rates['fp8'] / rates['auto']:.2f}x (target >= {SPEEDUP_TARGET}x)")
 
 
@@ -98,6 +106,7 @@ def main() -> int:
     parser.add_argument("--formats", nargs="+", default=["fp8"], choices=["fp8", "fp8_e5m2"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=96, help="the issue's workload: 96")
+    parser.add_argument("--kv-cache-memory", help="one KV budget for both kinds (bytes or a size like 24MiB)")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
@@ -107,7 +116,7 @@ def main() -> int:
     if not args.skip_attention:
         attention_bench.compare_formats(args.formats)
     if not args.skip_throughput:
-        throughput(args.rounds, args.num_requests)
+        throughput(args.rounds, args.num_requests, args.kv_cache_memory)
     return 0
 
 
