@@ -11,6 +11,7 @@ from frontend import LLM
 from test_cuda import SMALL_CACHE, model_runner
 from test_hf_exactness import GREEDY
 from test_lora import ADAPTERS, lora, peft_greedy
+from test_lora import GREEDY as LORA_GREEDY
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -58,19 +59,20 @@ def test_lora_adapters_decode_in_graphs_and_equal_peft(monkeypatch):
     try:
         replayed = count_replays(monkeypatch, llm)
         graphs = dict(model_runner(llm).decode_graphs.graphs)
-        outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], GREEDY, use_tqdm=False,
+        outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], LORA_GREEDY, use_tqdm=False,
                                lora_request=[None if n is None else lora(n, ids[n]) for _, n in requests])
         for (prompt, name), output in zip(requests, outputs):
-            assert output.outputs[0].token_ids == peft_greedy(name, prompt, GREEDY.max_tokens), name
+            assert output.outputs[0].token_ids == peft_greedy(name, prompt, LORA_GREEDY.max_tokens), name
         assert replayed, "no decode step replayed a graph"
         assert model_runner(llm).decode_graphs.graphs == graphs, "graphs captured once serve every mix of slots"
         # Adapted requests alone (no base-model row in the batch): still in the graphs.
         adapted = [(p, n) for p, n in requests if n == "everything-r8-rslora"]
         before = len(replayed)
-        outputs = llm.generate([{"prompt_token_ids": p} for p, _ in adapted], GREEDY, use_tqdm=False,
+        outputs = llm.generate([{"prompt_token_ids": p} for p, _ in adapted], LORA_GREEDY, use_tqdm=False,
                                lora_request=[lora(n, ids[n]) for _, n in adapted])
-        assert [o.outputs[0].token_ids for o in outputs] == [peft_greedy(n, p, GREEDY.max_tokens) for p, n in adapted]
-        assert len(replayed) - before >= GREEDY.max_tokens - 1
+        for (prompt, name), output in zip(adapted, outputs):
+            assert output.outputs[0].token_ids == peft_greedy(name, prompt, LORA_GREEDY.max_tokens)
+        assert len(replayed) - before >= LORA_GREEDY.max_tokens - 1
         assert_all_blocks_free(llm)
     finally:
         llm.shutdown()
