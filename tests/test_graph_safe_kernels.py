@@ -179,3 +179,18 @@ def test_lora_layer_triton_path_equals_the_torch_path_and_a_cleared_slot_adds_no
     got, expected = both_paths()
     assert torch.equal(got[[0, 1, 4, 5]], base[[0, 1, 4, 5]])
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_graphs_are_captured_for_mixtures_of_experts_unless_their_experts_span_ranks():
+    from types import SimpleNamespace
+
+    from workers.layers.fused_moe import FusedMoE, Routing
+    from workers.runner_caches import RunnerCaches
+
+    with torch.device("meta"):
+        moe = FusedMoE(8, 16, 32, Routing(top_k=2, renormalize=True))
+    runner = SimpleNamespace(device=torch.device("cuda"), config=SimpleNamespace(enforce_eager=False),
+                             parallel=SimpleNamespace(tp_size=1, pp_size=1), model=torch.nn.Sequential(moe))
+    assert RunnerCaches._captures_cuda_graphs(runner)
+    moe.group = SimpleNamespace(size=2)  # experts spread over data-parallel engines: their exchange stays eager
+    assert not RunnerCaches._captures_cuda_graphs(runner)
