@@ -55,8 +55,11 @@ def _expand_kernel(s_ptr, b_ptr, out_ptr, row_ptr, block_slot_ptr, num_rows, num
         b = tl.load(b_ptr + slot * stride_bs + cols[None, :] * stride_bn + (r + rs)[:, None],
                     mask=(cols[None, :] < N) & ((r + rs)[:, None] < R), other=0.0)
         acc += tl.dot(s, b.to(tl.float32), input_precision="ieee")
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=valid[:, None] & (cols[None, :] < N))
+    # Added to the layer's output in place: each row lies in one block, so no other program touches it.
+    out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    out_mask = valid[:, None] & (cols[None, :] < N)
+    total = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32) + acc
+    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, runs: Runs) -> torch.Tensor:
@@ -69,21 +72,34 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, runs: Runs) ->
 
 def lora_delta_rows(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slot_of_row: torch.Tensor) -> torch.Tensor:
     """x [T, K], a [slots, R, K], b [slots, N, R], slot_of_row [T] (on x's device; -1: the base model) → delta [T, N]
-    of x's dtype, zero in the rows of no slot. Reads no value on the host."""
+    of x's dtype, zero in the rows of no slot."""
     if slot_of_row.shape != (x.shape[0],):
         raise ValueError(f"slot_of_row has shape {tuple(slot_of_row.shape)}; x has {x.shape[0]} rows")
     delta = x.new_zeros(x.shape[0], b.shape[1])
+    add_lora(x, a, b, row_blocks(slot_of_row, a.shape[0]), delta)
+    return delta
+
+
+def row_blocks(slot_of_row: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows grouped by slot into the kernels' blocks (kernels.row_blocks.group_blocks): the same for every
+    layer of a forward pass, so computed once per pass."""
+    return group_blocks(slot_of_row, num_slots, BLOCK_M)
+
+
+def add_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, blocks: tuple[torch.Tensor, torch.Tensor],
+             out: torch.Tensor) -> None:
+    """out [T, N] (rows contiguous) += each row's (x A_s^T) B_s^T for the slots of `blocks` (row_blocks of x's rows),
+    in place; rows of no slot are left alone. Reads no value on the host."""
     if x.shape[0] == 0:
-        return delta
+        return
     x, a, b = x.contiguous(), a.contiguous(), b.contiguous()
+    rows, block_slot = blocks
     num_slots, ranks, n = a.shape[0], a.shape[1], b.shape[1]
-    rows, block_slot = group_blocks(slot_of_row, num_slots, BLOCK_M)
-    shrunk = torch.zeros(x.shape[0], ranks, dtype=torch.float32, device=x.device)
+    shrunk = torch.empty(x.shape[0], ranks, dtype=torch.float32, device=x.device)  # read only where written
     block_r = max(16, triton.next_power_of_2(ranks))  # tl.dot's minimum on older Triton versions' NVIDIA backend
     _shrink_kernel[(block_slot.numel(),)](x, a, shrunk, rows, block_slot, x.shape[0], num_slots, x.shape[1], ranks,
                                           x.stride(0), a.stride(0), a.stride(1), shrunk.stride(0), BLOCK_M=BLOCK_M,
                                           BLOCK_R=block_r, BLOCK_K=BLOCK_K)
     _expand_kernel[(block_slot.numel(), triton.cdiv(n, BLOCK_N))](
-        shrunk, b, delta, rows, block_slot, x.shape[0], num_slots, n, ranks, shrunk.stride(0), b.stride(0),
-        b.stride(1), delta.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=16)
-    return delta
+        shrunk, b, out, rows, block_slot, x.shape[0], num_slots, n, ranks, shrunk.stride(0), b.stride(0),
+        b.stride(1), out.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=16)

@@ -135,6 +135,16 @@ def test_lora_layer_delta_is_prepared_without_reading_the_slots(monkeypatch):
     blocks = max_blocks(3, 4, lora_triton.BLOCK_M)
     assert shrink.grids == [(blocks,)] * 3
     assert expand.grids == [(blocks, triton.cdiv(80, lora_triton.BLOCK_N))] * 3
+    # The rows are grouped once per forward pass, whatever the number of adapted layers.
+    groupings = []
+    row_blocks = lora_triton.row_blocks
+    monkeypatch.setattr(lora_triton, "row_blocks", lambda *args: groupings.append(args) or row_blocks(*args))
+    other = LoRALayerSlots(context, [32], 80, max_loras=4, max_rank=8, dtype=torch.float32, device=meta)
+    for _ in range(2):
+        context.new_forward()
+        out = layer.add_delta(torch.empty(3, 32, device=meta), torch.empty(3, 80, device=meta))
+        other.add_delta(out, torch.empty(3, 32, device=meta))
+    assert len(groupings) == 2
 
 
 def test_token_slot_buffer_holds_the_step_and_minus_one_past_it():

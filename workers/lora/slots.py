@@ -29,6 +29,8 @@ class LoRAContext:
     token_slots: torch.Tensor | None = None  # [capacity] int32 on the device, or None on the CPU
     oversized_slots: torch.Tensor | None = None  # a step's slots when they outnumber the buffer (eager steps only)
     written: int = 0  # entries of token_slots the last step set (the rest hold -1)
+    # The Triton path's rows grouped by slot, per row count: one grouping per forward pass (new_forward empties it)
+    row_blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def set_tokens(self, slots: list[int], device: torch.device) -> None:
         self.token_groups = self.groups_of(slots, device)
@@ -39,6 +41,12 @@ class LoRAContext:
                            zip(self.token_groups, starts, sizes)]
         if self.token_slots is not None:
             self._write_slots(slots, device)
+            self.new_forward()
+
+    def new_forward(self) -> None:
+        """Called as each forward pass starts (a CUDA graph's capture included, so the graph regroups its rows on
+        every replay)."""
+        self.row_blocks.clear()
 
     def _write_slots(self, slots: list[int], device: torch.device) -> None:
         """The step's slots into the buffer, the previous step's surplus reset to -1 (so padding rows of a graph
@@ -115,10 +123,13 @@ class LoRALayerSlots:
 
             # Every row through the kernels, whichever slots the step holds (capture-safe): rows of no adapter, and
             # slots whose adapter leaves this layer alone (zeroed weights), add zero.
-            out = out.to(compute)
+            out = out.to(compute).contiguous()
             x2 = x.reshape(-1, x.shape[-1])
-            out.view(-1, out.shape[-1]).add_(lora_triton.lora_delta_rows(
-                x2.to(compute), self.a, self.b, context.slots_of_rows(x2.shape[0])))
+            blocks = context.row_blocks.get(x2.shape[0])
+            if blocks is None:
+                blocks = lora_triton.row_blocks(context.slots_of_rows(x2.shape[0]), self.a.shape[0])
+                context.row_blocks[x2.shape[0]] = blocks
+            lora_triton.add_lora(x2.to(compute), self.a, self.b, blocks, out.view(-1, out.shape[-1]))
             return out.to(x.dtype)
         runs = [run for run in context.token_runs if bool(self.used[run[0]])]
         if not runs:
