@@ -2,8 +2,8 @@
 # Issue 26's checks on one CUDA GPU, each step bounded in time so that one hang leaves the rest their turn:
 # the CUDA and Triton tests, then the stages of benchmarks/cuda_e2e.py on an 8B-shaped model; then the tests and
 # benchmarks of speculative decoding, LoRA, quantization and MoE on the GPU.
-#   bash benchmarks/cuda_e2e.sh OUT_DIR [STEP ...]    steps: tests batch1 batch1-noahead batch1-cublas eager
-#                                                      kernels gemv-tests overhead overhead-noahead overhead1
+#   bash benchmarks/cuda_e2e.sh OUT_DIR [STEP ...]    steps: tests graph-tests batch1 batch1-noahead batch1-cublas
+#                                                      eager kernels gemv-tests overhead overhead-noahead overhead1
 #                                                      throughput hf later-tests
 #                                                      later-bench (= moe-bench spec-bench lora-bench quant-bench)
 #                                                      (default: all)
@@ -13,8 +13,8 @@
 set -u
 out=${1:?usage: cuda_e2e.sh OUT_DIR [STEP ...]}
 shift
-steps=${*:-tests batch1 batch1-noahead batch1-cublas eager kernels overhead overhead-noahead overhead1 throughput hf
-later-tests later-bench}
+steps=${*:-tests graph-tests batch1 batch1-noahead batch1-cublas eager kernels overhead overhead-noahead overhead1
+throughput hf later-tests later-bench}
 deadline=${CUDA_E2E_DEADLINE:-0}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -68,6 +68,11 @@ for s in $steps; do
            step 120 tests-kv-budget python3 -m pytest -q -p no:cacheprovider --timeout 110 -k kv_budget \
              tests/test_cuda.py
            wait; tail -3 "$out/pytest_kernels.txt" | tee -a "$out/log.txt" ;;
+    graph-tests) wait  # the CPU kernels built
+           # Features inside the graphs (issue 58): MoE and LoRA decode by counted replays and stay exact; the
+           # kernels' twins and capture-safety checks natively.
+           step 300 graph-tests python3 -m pytest -q -p no:cacheprovider --timeout 150 -rs \
+             tests/test_cuda_graph_features.py tests/test_graph_safe_kernels.py ;;
     batch1) model_made; step 140 batch1-graphs "${bench[@]}" batch1 ;;  # the GEMV's timing and compiles: 140 s
     batch1-noahead) model_made; step 100 batch1-graphs-noahead "${bench[@]}" batch1 --no-decode-ahead ;;
     batch1-cublas) model_made; step 100 batch1-graphs-cublas "${bench[@]}" batch1 --triton-gemv off ;;

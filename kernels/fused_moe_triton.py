@@ -12,20 +12,24 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.row_blocks import group_blocks
+
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
 
 
 @triton.jit
-def _expert_matmul_kernel(a_ptr, w_ptr, c_ptr, pair_ptr, expert_ptr, weight_ptr, num_pairs, N, K, top_k,
+def _expert_matmul_kernel(a_ptr, w_ptr, c_ptr, pair_ptr, expert_ptr, weight_ptr, num_pairs, num_experts, N, K, top_k,
                           stride_a, stride_we, stride_wn, stride_c,
                           GATHER_TOKENS: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C[pair] = A[row of pair] @ W[expert]^T for one block of BLOCK_M pairs (padding pairs are >= num_pairs)."""
     block_m, block_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(expert_ptr + block_m).to(tl.int64)
+    if expert >= num_experts:  # a block past the step's last one: the grid is sized for the worst routing
+        return
     pairs = tl.load(pair_ptr + block_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs
     rows = (pairs // top_k if GATHER_TOKENS else pairs).to(tl.int64)
-    expert = tl.load(expert_ptr + block_m).to(tl.int64)
     cols = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -43,46 +47,30 @@ def _expert_matmul_kernel(a_ptr, w_ptr, c_ptr, pair_ptr, expert_ptr, weight_ptr,
              mask=valid[:, None] & (cols[None, :] < N))
 
 
-def align_pairs(topk_ids: torch.Tensor, first_expert: int, num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(pair ids sorted by local expert, each expert's run padded to BLOCK_M with the id num_pairs; the local
-    expert of each block). Pairs routed to other ranks' experts are left out."""
-    num_pairs = topk_ids.numel()
-    local = topk_ids.flatten() - first_expert
-    mine = (local >= 0) & (local < num_local)
-    order = torch.argsort(torch.where(mine, local, num_local), stable=True)[:int(mine.sum())]
-    counts = torch.bincount(local[mine], minlength=num_local)
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    starts = torch.cumsum(blocks * BLOCK_M, 0) - blocks * BLOCK_M  # each expert's first padded slot
-    rank_in_expert = torch.arange(order.numel(), device=order.device) - (torch.cumsum(counts, 0) - counts)[local[order]]
-    pairs = torch.full((int(blocks.sum()) * BLOCK_M,), num_pairs, dtype=torch.int32, device=topk_ids.device)
-    pairs[starts[local[order]] + rank_in_expert] = order.to(torch.int32)
-    experts = torch.repeat_interleave(torch.arange(num_local, device=topk_ids.device, dtype=torch.int32), blocks)
-    return pairs, experts
-
-
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
-    """Same contract as fused_moe_ref.fused_experts."""
+    """Same contract as fused_moe_ref.fused_experts. Capture-safe: the pairs are sorted on the device and both
+    launches' grids follow from the shapes (kernels.row_blocks), so one CUDA graph serves every routing."""
     num_tokens, top_k = topk_ids.shape
     num_local, two_inter, hidden = gate_up.shape
-    pairs, experts = align_pairs(topk_ids, first_expert, num_local)
     num_pairs = num_tokens * top_k
     h = torch.zeros(num_pairs, two_inter, dtype=x.dtype, device=x.device)
     out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    if experts.numel():
+    if num_pairs:
+        pairs, experts = group_blocks(topk_ids.flatten() - first_expert, num_local, BLOCK_M)
         x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
         weights = topk_weights.flatten().float().contiguous()
-        _launch(x, gate_up, h, pairs, experts, weights, num_pairs, top_k, gather_tokens=True)
+        _launch(x, gate_up, h, pairs, experts, weights, top_k, gather_tokens=True)
         gate, up = h.chunk(2, dim=-1)
         activated = (F.silu(gate) * up).contiguous()
-        _launch(activated, down, out, pairs, experts, weights, num_pairs, top_k, gather_tokens=False)
+        _launch(activated, down, out, pairs, experts, weights, top_k, gather_tokens=False)
     return out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
 
 
 def _launch(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, pairs: torch.Tensor, experts: torch.Tensor,
-            weights: torch.Tensor, num_pairs: int, top_k: int, gather_tokens: bool) -> None:
+            weights: torch.Tensor, top_k: int, gather_tokens: bool) -> None:
     n, k = w.shape[1], w.shape[2]
     grid = (experts.numel(), triton.cdiv(n, BLOCK_N))
-    _expert_matmul_kernel[grid](a, w, c, pairs, experts, weights, num_pairs, n, k, top_k, a.stride(0), w.stride(0),
-                                w.stride(1), c.stride(0), GATHER_TOKENS=gather_tokens, MUL_WEIGHT=not gather_tokens,
-                                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    _expert_matmul_kernel[grid](a, w, c, pairs, experts, weights, weights.numel(), w.shape[0], n, k, top_k,
+                                a.stride(0), w.stride(0), w.stride(1), c.stride(0), GATHER_TOKENS=gather_tokens,
+                                MUL_WEIGHT=not gather_tokens, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)

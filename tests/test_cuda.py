@@ -180,20 +180,6 @@ def test_in_process_shutdown_frees_the_gpu_for_the_next_engine():
     assert blocks[1] == pytest.approx(blocks[0], rel=0.05)
 
 
-def test_mixture_of_experts_runs_eagerly_and_equals_the_cpu():
-    """The fused MoE kernel sizes its grid from each step's routing on the host, which no CUDA graph can hold: an
-    MoE model starts without graphs and decodes what the CPU does (float32)."""
-    model_dir = tiny_model("mixtral")
-    prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 30, 12], vocab=1000, seed=5)]
-    tokens = {}
-    for device in ("cpu", "cuda"):
-        llm = LLM(model_dir, device=device, dtype="float32", in_process=True, max_model_len=256, **SMALL_CACHE)
-        assert model_runner(llm).decode_graphs is None
-        tokens[device] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        llm.shutdown()
-    assert tokens["cuda"] == tokens["cpu"]
-
-
 def test_too_small_a_gpu_share_is_a_clear_error():
     with pytest.raises(ValueError, match="gpu_memory_utilization=1e-05 .* holds no KV block"):
         LLM(tiny_model("llama"), device="cuda", gpu_memory_utilization=1e-5)

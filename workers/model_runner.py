@@ -66,6 +66,8 @@ class ModelRunner(RunnerCaches):
         self.ahead_hits = 0  # decode steps whose forward pass ran ahead
         self.gemv_choices: list[GemvChoice] = []  # what start-up timing chose for one-row products (CUDA)
         self.lora = LoRAManager(self.model, config, dtype, device) if config.enable_lora else None
+        if self.lora is not None and self._captures_cuda_graphs():
+            self.lora.prepare_graphs()  # before the memory profile: the slots count against the KV budget
         self.pooling = pooling
         self.chunked_pooling = ChunkedPooling(pooling.pooling_type)
         self.later_steps = LaterStepCalls(self)
@@ -241,10 +243,11 @@ class ModelRunner(RunnerCaches):
         jobs = [job for i, state in enumerate(states)
                 if (job := prompt_logprob_job(state, int(starts[i]), int(seq_lens[i]), int(query_start_loc[i]),
                                                lora_slots[i]))]
-        adapted = any(slot >= 0 for slot in lora_slots)  # captured graphs hold no adapter deltas, nor given embeddings
+        # Graphs hold the adapters' deltas (slots read from a device buffer), not an adapter's own embeddings.
+        lora_eager = self.lora is not None and not self.lora.graph_safe(lora_slots)
         embeds = step_embeds(states, starts, seq_lens, query_start_loc, self.dtype, self.device, self.encoder_cache)
         graph_size = self._graph_size(len(req_ids)) \
-            if num_decodes == len(req_ids) and not jobs and not adapted and embeds is None else None
+            if num_decodes == len(req_ids) and not jobs and not lora_eager and embeds is None else None
         hidden = None
         if graph_size is not None:
             rows = DecodeRows(req_ids, positions, slot_mapping, seq_lens, table, num_blocks)

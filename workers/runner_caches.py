@@ -26,11 +26,12 @@ class RunnerCaches:
             self.decode_graphs.capture()
 
     def _captures_cuda_graphs(self) -> bool:
-        """On CUDA unless enforce_eager; single rank only, as the TP/PP collectives are not known to be
-        capture-safe; no mixture of experts, whose fused kernel sizes its grid from the step's routing on the host."""
+        """On CUDA unless enforce_eager; single rank only, as the TP/PP collectives (and the token exchange of
+        experts spread over data-parallel engines) are not known to be capture-safe. Mixtures of experts and LoRA
+        adapters are: their kernels sort rows on the device over grids sized from the shapes (kernels.row_blocks)."""
         return (self.device.type == "cuda" and not self.config.enforce_eager
                 and self.parallel.tp_size * self.parallel.pp_size == 1
-                and not any(isinstance(m, FusedMoE) for m in self.model.modules()))
+                and not any(isinstance(m, FusedMoE) and m.spans_ranks for m in self.model.modules()))
 
     def bind_kv_cache(self, num_blocks: int) -> None:
         """One cache tensor per attention layer (Attention.bind_kv_cache), of kv_cache_dtype's storage."""

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from ipc import EngineConfig, LoRARequest
+from kernels.backend import triton_serves
 from kernels.quantized_matmul import input_size_of
 from workers.distributed import parallel_state
-from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from workers.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from workers.lora.adapter import LoRAAdapter, LoRAModule, load_adapter
 from workers.lora.slots import LoRAContext, LoRALayerSlots, SavedModuleSlots
@@ -24,12 +25,17 @@ class LoRAManager:
         self.max_loras, self.max_rank = config.max_loras, config.max_lora_rank
         self.max_cpu_loras = config.max_cpu_loras or config.max_loras
         self.context = LoRAContext()
+        if triton_serves(device):
+            capacity = max(config.max_num_batched_tokens, config.max_num_seqs)
+            self.context.token_slots = torch.full((capacity,), -1, dtype=torch.int32, device=device)
+            model.register_forward_pre_hook(lambda module, args: self.context.new_forward())
         # The stages whose C++ layer adds adapter deltas itself (workers/models/fused_stage.py): told when a layer
         # gets its first adapter slots.
         self.fused_stages = [module for module in model.modules() if hasattr(module, "lora_context")]
         for module in self.fused_stages:
             module.lora_context = self.context
         self.params = dict(model.named_parameters())
+        self.embeddings = next((m for m in model.modules() if type(m) is VocabParallelEmbedding), None)
         self.loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id → slot, least recently used first
         self.layers: list[LoRALayerSlots | SavedModuleSlots] = []
@@ -45,6 +51,19 @@ class LoRAManager:
             else:
                 self._place(self._adapter(request), needed)
         return [-1 if r is None else self.slot_of[r.lora_int_id] for r in requests]
+
+    def prepare_graphs(self) -> None:
+        """Slots in every projection an adapter could target, before CUDA graphs are captured: a graph holds the
+        delta of each layer that had slots when it was captured, and of no other."""
+        for layer in self.model.modules():
+            if isinstance(layer, (Linear, ColumnParallelLinear)):
+                self._layer_slots(layer)
+
+    def graph_safe(self, slots: list[int]) -> bool:
+        """Whether a step with these slots may replay a graph: not if an adapter brings its own embeddings, whose
+        rows are looked up per slot on the host."""
+        saved = None if self.embeddings is None else self.embeddings.lora
+        return saved is None or all(slot < 0 or saved.tables[slot] is None for slot in slots)
 
     def set_token_slots(self, slots: list[int]) -> None:
         self.context.set_tokens(slots, self.device)

@@ -18,12 +18,19 @@ class LoRAContext:
     """Which rows of this step's tokens (and of the logits being computed) run with which slot: shared by every
     adapted layer of the model and set by the runner before each forward / logits computation. Token groups are
     also kept as one order of the adapted tokens, sorted by slot, with each slot's run in it: a layer gathers its
-    adapted rows once and scatters their deltas once."""
+    adapted rows once and scatters their deltas once. Off the CPU each token's slot is also written into
+    `token_slots`, a persistent device buffer (-1 past the step's tokens) that the Triton path and the CUDA graphs
+    captured over it read: a graph replays with whatever slots were written before it."""
 
     token_groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     row_groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     token_order: torch.Tensor | None = None  # adapted token rows, grouped by slot
     token_runs: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, start, end) in token_order
+    token_slots: torch.Tensor | None = None  # [capacity] int32 on the device, or None on the CPU
+    oversized_slots: torch.Tensor | None = None  # a step's slots when they outnumber the buffer (eager steps only)
+    written: int = 0  # entries of token_slots the last step set (the rest hold -1)
+    # The Triton path's rows grouped by slot, per row count: one grouping per forward pass (new_forward empties it)
+    row_blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def set_tokens(self, slots: list[int], device: torch.device) -> None:
         self.token_groups = self.groups_of(slots, device)
@@ -32,6 +39,34 @@ class LoRAContext:
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         self.token_runs = [(slot, start, start + size) for (slot, _), start, size in
                            zip(self.token_groups, starts, sizes)]
+        if self.token_slots is not None:
+            self._write_slots(slots, device)
+            self.new_forward()
+
+    def new_forward(self) -> None:
+        """Called as each forward pass starts (a CUDA graph's capture included, so the graph regroups its rows on
+        every replay)."""
+        self.row_blocks.clear()
+
+    def _write_slots(self, slots: list[int], device: torch.device) -> None:
+        """The step's slots into the buffer, the previous step's surplus reset to -1 (so padding rows of a graph
+        run the base model); a step larger than the buffer gets a tensor of its own."""
+        self.oversized_slots = None
+        if len(slots) > self.token_slots.numel():
+            self.oversized_slots = torch.tensor(slots, dtype=torch.int32, device=device)
+            return
+        values = slots + [-1] * (self.written - len(slots))
+        if values:
+            self.token_slots[:len(values)].copy_(torch.tensor(values, dtype=torch.int32), non_blocking=True)
+        self.written = len(slots)
+
+    def slots_of_rows(self, num_rows: int) -> torch.Tensor:
+        """The slot of each of the first `num_rows` tokens, on the device (-1: none)."""
+        if self.oversized_slots is not None and self.oversized_slots.numel() == num_rows:
+            return self.oversized_slots
+        if num_rows > self.token_slots.numel():  # a pass over rows of no step (a profiling run): no adapter
+            return torch.full((num_rows,), -1, dtype=torch.int32, device=self.token_slots.device)
+        return self.token_slots[:num_rows]
 
     @staticmethod
     def groups_of(slots: list[int], device: torch.device) -> list[tuple[int, torch.Tensor]]:
@@ -65,9 +100,6 @@ class LoRALayerSlots:
 
     def set(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Part `part` of the adapter in `slot` (its rank may be below max_rank: the rest stays zero)."""
-        if not bool(self.used[slot]):
-            self.a[slot].zero_()
-            self.b[slot].zero_()
         rank, first = a.shape[0], part * self.max_rank
         self.a[slot, first:first + rank].copy_(a)
         self.b[slot, self.offsets[part]:self.offsets[part + 1], first:first + rank].copy_(b)
@@ -76,24 +108,36 @@ class LoRALayerSlots:
         self.used[slot] = True
 
     def clear(self, slot: int) -> None:
+        """The slot's weights zeroed (a slot without an adapter holds zeros): the Triton path multiplies every
+        adapted row by its slot's weights whether or not the slot's adapter touches this layer."""
         self.used[slot] = False
+        self.a[slot].zero_()
+        self.b[slot].zero_()
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out + each token's adapter delta (out unchanged when no adapted token runs through this layer)."""
         context = self.context
+        compute = self.a.dtype
+        if use_triton(x):
+            from kernels import lora_triton  # triton is optional: imported only on CUDA
+
+            # Every row through the kernels, whichever slots the step holds (capture-safe): rows of no adapter, and
+            # slots whose adapter leaves this layer alone (zeroed weights), add zero.
+            out = out.to(compute).contiguous()
+            x2 = x.reshape(-1, x.shape[-1])
+            blocks = context.row_blocks.get(x2.shape[0])
+            if blocks is None:
+                blocks = lora_triton.row_blocks(context.slots_of_rows(x2.shape[0]), self.a.shape[0])
+                context.row_blocks[x2.shape[0]] = blocks
+            lora_triton.add_lora(x2.to(compute), self.a, self.b, blocks, out.view(-1, out.shape[-1]))
+            return out.to(x.dtype)
         runs = [run for run in context.token_runs if bool(self.used[run[0]])]
         if not runs:
             return out
-        compute = self.a.dtype
         out = out.to(compute)  # the layer's fresh output (or a float32 copy of it): added to in place
         x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
         adapted = x2.index_select(0, context.token_order).to(compute)
-        if use_triton(adapted):
-            from kernels import lora_triton  # triton is optional: imported only on CUDA
-
-            delta = lora_triton.lora_delta(adapted, self.a, self.b, runs)
-        else:
-            delta = lora_ref.lora_delta(adapted, self.a, self.b, runs)
+        delta = lora_ref.lora_delta(adapted, self.a, self.b, runs)
         out2.index_add_(0, context.token_order, delta)
         return out.to(x.dtype)
 
