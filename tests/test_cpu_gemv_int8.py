@@ -79,6 +79,25 @@ def test_int8_pairs_row_results_do_not_depend_on_the_rows_beside_them():
         assert torch.equal(cpu_gemv.gemv_quantized(x[start:stop], weight, scale, None, pairs), whole[start:stop])
 
 
+def test_int8_pairs_at_one_row_read_tiles_with_and_without_minus_128_alike():
+    """One row reads tiles without -128 by the lookup without the zero mask, and a tile that holds -128 (and the
+    thread's later tiles) again with it: every tile's outputs as the buffered path's from 2 rows, zero weights
+    included (exact sums of small integers equal torch's bit for bit)."""
+    generator = torch.Generator().manual_seed(7)
+    weight = torch.randint(-127, 128, (32 * 9 + 5, 133), dtype=torch.int8, generator=generator)
+    weight[::3, ::2] = 0
+    x = torch.randint(-8, 9, (2, 133), generator=generator).bfloat16()
+    scale = torch.full((weight.shape[0],), 0.25)
+    for minus_128_rows in ((), (70,), (3, 200, 290)):
+        held = weight.clone()
+        for row in minus_128_rows:
+            held[row, row % 133] = -128
+        pairs = cpu_gemv.pair_weight(held)
+        expected = F.linear(x.float(), held.float() * 0.25).bfloat16()
+        assert torch.equal(cpu_gemv.gemv_quantized(x[:1], held, scale, None, pairs), expected[:1])
+        assert torch.equal(cpu_gemv.gemv_quantized(x, held, scale, None, pairs), expected)
+
+
 def test_int8_pairs_are_checked():
     weight, scale = int8_weight(64, 32, seed=2)
     x = torch.randn(1, 32).bfloat16()

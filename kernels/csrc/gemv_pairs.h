@@ -39,31 +39,62 @@ struct Bf16Pairs {
 // added to the high byte), the bytes then interleaved into words. -128's |q| reads entry 0, whose high byte is
 // 128's (0x43, with the sign 0xC3: bf16 -128), and 0 is zeroed by its mask instead.
 #ifdef __AVX512VBMI__
-struct Int8Pairs {
+// The low bytes of bf16(i) for i = 0..127, then the high bytes; entry 0 holds bf16(zero)'s.
+inline std::array<uint8_t, 256> bf16_byte_table(float zero) {
+  std::array<uint8_t, 256> bytes{};
+  for (int i = 0; i < 128; ++i) {
+    const uint16_t bits = uint16_t(float_bits(i ? float(i) : zero) >> 16);
+    bytes[i] = uint8_t(bits & 0xFF), bytes[128 + i] = uint8_t(bits >> 8);
+  }
+  return bytes;
+}
+
+// The conversion of Int8Pairs and of Int8PairsBarMin: Masked zeroes the bytes of q = 0 (entry 0 being 128's).
+template <bool Masked>
+struct Int8Lookup {
   const int8_t* tile;
   __m512i low0, low1, high0, high1;
-  explicit Int8Pairs(const int8_t* t) : tile(t) {
-    static const auto table = [] {  // built once
-      std::array<uint8_t, 256> bytes{};  // low bytes of 0..127, then high bytes
-      for (int i = 0; i < 128; ++i) {
-        const uint16_t bits = uint16_t(float_bits(float(i ? i : 128)) >> 16);
-        bytes[i] = uint8_t(bits & 0xFF), bytes[128 + i] = uint8_t(bits >> 8);
-      }
-      return bytes;
-    }();
+  Int8Lookup(const int8_t* t, const std::array<uint8_t, 256>& table) : tile(t) {
     low0 = _mm512_loadu_si512(table.data()), low1 = _mm512_loadu_si512(table.data() + 64);
     high0 = _mm512_loadu_si512(table.data() + 128), high1 = _mm512_loadu_si512(table.data() + 192);
   }
-  void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
-    const __m512i q = _mm512_loadu_si512(tile + p * 64);
-    const __mmask64 nonzero = _mm512_test_epi8_mask(q, q);
+  void convert(__m512i q, __m512bh& w0, __m512bh& w1) const {
+    const __mmask64 lanes = Masked ? _mm512_test_epi8_mask(q, q) : ~__mmask64(0);
     const __m512i magnitude = _mm512_abs_epi8(q);
-    const __m512i low = _mm512_maskz_permutex2var_epi8(nonzero, low0, magnitude, low1);
-    const __m512i high = _mm512_ternarylogic_epi32(_mm512_maskz_permutex2var_epi8(nonzero, high0, magnitude, high1),
+    const __m512i low = _mm512_maskz_permutex2var_epi8(lanes, low0, magnitude, low1);
+    const __m512i high = _mm512_ternarylogic_epi32(_mm512_maskz_permutex2var_epi8(lanes, high0, magnitude, high1),
                                                    q, _mm512_set1_epi8(char(0x80)), 0xF8);  // high | (q & 0x80)
     w0 = (__m512bh)_mm512_unpacklo_epi8(low, high);
     w1 = (__m512bh)_mm512_unpackhi_epi8(low, high);
   }
+};
+
+struct Int8Pairs : Int8Lookup<true> {
+  explicit Int8Pairs(const int8_t* t) : Int8Lookup(t, table()) {}
+  static const std::array<uint8_t, 256>& table() {
+    static const auto bytes = bf16_byte_table(128.f);  // built once
+    return bytes;
+  }
+  void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const { convert(_mm512_loadu_si512(tile + p * 64), w0, w1); }
+};
+
+// Int8Pairs without the zero mask (entry 0 is 0's): a vector op fewer per 64 weights, which at one row bound the
+// products rather than the bytes (python benchmarks/cpu_gemv_int8.py --rows 1), exact for every q but -128, read as
+// -0. It keeps the least q it read, so that the caller can tell a tile holding -128 and read it again with Int8Pairs
+// (online quantization's int8 weights lie in [-127, 127]; a checkpoint's may hold -128).
+struct Int8PairsBarMin : Int8Lookup<false> {
+  mutable __m512i least = _mm512_setzero_si512();
+  explicit Int8PairsBarMin(const int8_t* t) : Int8Lookup(t, table()) {}
+  static const std::array<uint8_t, 256>& table() {
+    static const auto bytes = bf16_byte_table(0.f);
+    return bytes;
+  }
+  void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
+    const __m512i q = _mm512_loadu_si512(tile + p * 64);
+    least = _mm512_min_epi8(least, q);
+    convert(q, w0, w1);
+  }
+  bool read_min() const { return _mm512_cmpeq_epi8_mask(least, _mm512_set1_epi8(char(-128))) != 0; }
 };
 #else
 struct Int8Pairs {  // without AVX-512 VBMI: bytes sign-extended to words in the same order, converted by way of float32
@@ -96,13 +127,12 @@ inline void prefetch_pair(const W* next, int64_t p) {
 // Input rows m0..m0+MB against the tile of output rows n0..n0+32 (tile: [K / 2 pairs][32 rows][2], zero past N
 // and K), each sum times its row's scale (scale: the tile's first row's; null: none). next: a tile of the same size
 // that the caller reads after this one, or null: its lines are prefetched into L2 as this tile's stream in, a whole
-// tile ahead of use, which the hardware prefetchers alone do not reach.
-template <int MB, typename W>
-inline void pair_tile(const W* tile, const uint16_t* x, const float* scale, const uint16_t* bias, uint16_t* y,
-                      int64_t n0, int64_t m0, int64_t N, int64_t K, const W* next = nullptr) {
+// tile ahead of use, which the hardware prefetchers alone do not reach. weights: the tile's pairs functor.
+template <int MB, typename W, typename Pairs>
+inline void pair_tile_of(const Pairs& weights, const uint16_t* x, const float* scale, const uint16_t* bias,
+                         uint16_t* y, int64_t n0, int64_t m0, int64_t N, int64_t K, const W* next) {
   __m512 a[MB][2];
   for (int m = 0; m < MB; ++m) a[m][0] = a[m][1] = _mm512_setzero_ps();
-  const auto weights = pairs_of(tile);
   auto step = [&](int64_t p, auto pair_of) {
     __m512bh w0, w1;
     weights(p, w0, w1);
@@ -136,6 +166,13 @@ inline void pair_tile(const W* tile, const uint16_t* x, const float* scale, cons
     }
     if (count < 32) std::memcpy(y + (m0 + m) * N + n0, out, count * sizeof(uint16_t));
   }
+}
+
+// pair_tile_of the tile's pairs_of.
+template <int MB, typename W>
+inline void pair_tile(const W* tile, const uint16_t* x, const float* scale, const uint16_t* bias, uint16_t* y,
+                      int64_t n0, int64_t m0, int64_t N, int64_t K, const W* next = nullptr) {
+  pair_tile_of<MB>(pairs_of(tile), x, scale, bias, y, n0, m0, N, K, next);
 }
 
 // Input rows m0..m0+MB (at most 8) against one tile (next: as pair_tile's).
@@ -197,13 +234,42 @@ void gemv_pairs_buffered(const uint16_t* x, TileOf tile_of, const float* scale, 
   }
 }
 
+#ifdef __AVX512VBMI__
+// One input row x [K] against the int8 pairs' tiles (gemv_pairs' items at one row) by Int8PairsBarMin: a tile that
+// holds -128 is read again by Int8Pairs, and so are the thread's later tiles of the call (a weight with -128 holds
+// it in most tiles: one tile read twice per thread and call).
+inline void gemv_pairs_int8_row(const uint16_t* x, const int8_t* pairs, const float* scale, const uint16_t* bias,
+                                uint16_t* y, int64_t N, int64_t K) {
+  const int64_t tiles = (N + kPairTileRows - 1) / kPairTileRows, tile_elems = (K + 1) / 2 * 2 * kPairTileRows;
+#pragma omp parallel
+  {
+    bool min_seen = false;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int8_t* tile = pairs + t * tile_elems;
+      const int8_t* next = t + 1 < tiles ? tile + tile_elems : nullptr;
+      if (!min_seen) {
+        const Int8PairsBarMin weights(tile);
+        pair_tile_of<1>(weights, x, scale + t * kPairTileRows, bias, y, t * kPairTileRows, 0, N, K, next);
+        if (!(min_seen = weights.read_min())) continue;
+      }
+      pair_tile<1>(tile, x, scale + t * kPairTileRows, bias, y, t * kPairTileRows, 0, N, K, next);
+    }
+  }
+}
+#endif
+
 // x [M, K] bf16, pairs: an int8 W [N, K] as pair_weight lays it out, scale [N], bias [N] or null, y [M, N]. One row
 // converts the weights in registers; from two, gemv_pairs_buffered (converting in registers per group ran 0.6x
 // bf16's speed at 8 rows, the buffer 1.2x). Same products in the same order: a row's result does not depend on the
 // row count.
 inline void gemv_pairs_int8(const uint16_t* x, const int8_t* pairs, const float* scale, const uint16_t* bias,
                             uint16_t* y, int64_t M, int64_t N, int64_t K) {
+#ifdef __AVX512VBMI__
+  if (M == 1) return gemv_pairs_int8_row(x, pairs, scale, bias, y, N, K);
+#else
   if (M == 1) return gemv_pairs(x, pairs, scale, bias, y, M, N, K);
+#endif
   const int64_t tile_elems = (K + 1) / 2 * 2 * kPairTileRows;
   gemv_pairs_buffered(x, [&](int64_t t) { return Int8Pairs(pairs + t * tile_elems); }, scale, bias, y, M, N, K);
 }
