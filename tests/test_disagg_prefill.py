@@ -26,9 +26,10 @@ from frontend.core_client import EngineDeadError, RequestFailedError
 from frontend.disagg_proxy import DisaggProxy
 from frontend.dp_balance import EngineBalancer
 from ipc import EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, RequestOutputKind
-from ipc.kv_transfer import KVTransferParams
+from ipc.kv_transfer import KVTransferConfig, KVTransferParams
 from launcher import descendants, start_launcher, stop_launcher
 from workers.kv_transfer import TransferRegion
+from workers.kv_transfer_endpoint import TransferEndpoint
 
 CONNECTOR = {"kv_connector": "SharedMemoryConnector", "kv_role": "kv_both", "kv_buffer_bytes": "128KiB"}
 CONNECTORS = [CONNECTOR, {**CONNECTOR, "kv_connector": "ZmqConnector"}]
@@ -130,8 +131,9 @@ def test_slots_are_checked_reused_least_recently_written_first_and_a_mismatch_lo
     finally:
         os.unlink(f"/dev/shm/{name}")
     producer_kv, consumer_kv = KVCacheManager(8, block), KVCacheManager(8, block)
-    sender = KVConnector("kv_producer", name, regions[0], producer_kv)
-    receiver = KVConnector("kv_consumer", name, regions[1], consumer_kv)
+    sender, receiver = (KVConnector(role, name, TransferEndpoint(KVTransferConfig(
+        kv_connector="SharedMemoryConnector", kv_role=role, region=name), region), kv)
+        for role, region, kv in [("kv_producer", regions[0], producer_kv), ("kv_consumer", regions[1], consumer_kv)])
     prompts = {rid: [n + 10 * k for n in range(9)] for k, rid in enumerate("abc")}
     sent, blocks = {}, {}
     for rid, ids in prompts.items():
