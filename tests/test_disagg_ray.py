@@ -1,0 +1,101 @@
+"""Disaggregated prefill where each rank copies its own KV shard (issue 57, item 3): ZmqConnector between engines whose
+ranks are Ray actors (data_parallel_backend "ray"; tensor parallel 2 on the mp backend): the producer's server and the
+consumer's pulls live in the ranks; greedy outputs equal one engine's, the blocks go over, a failed transfer
+recomputes the same tokens."""
+from __future__ import annotations
+
+import os
+
+import msgspec
+import psutil
+import pytest
+
+# As tests/test_distributed.py: Ray keeps a 127.0.0.1 cluster on loopback only when told the machine's IP is loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+import ray  # noqa: E402  (a base dependency: missing, the tests must fail, not skip)
+
+from conftest import assert_all_blocks_free, tiny_model  # noqa: E402
+from disagg_cases import GREEDY, PROMPTS, run_alone, token_prompts  # noqa: E402
+from frontend import LLM, SamplingParams  # noqa: E402
+from ipc import EngineConfig, EngineCoreRequest  # noqa: E402
+
+# Ray runs the ranks (the producer's server among them) at nice 15: on a busy machine a pull waits longer than 5 s.
+CONNECTOR = {"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_buffer_bytes": "128KiB", "kv_pull_timeout_s": 30.0}
+# (data_parallel_backend, tensor_parallel_size): a Ray actor per engine, then two ranks per engine on the mp backend
+# (four rank actors: slow on two cores).
+GROUPS = [("ray", 1), pytest.param(("mp", 2), marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    """A loopback Ray of 4 CPUs the engines join (two engines of up to two ranks)."""
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[list[int]]:
+    single = LLM(tiny_model("llama"), dtype="float32")
+    try:
+        return [o.outputs[0].token_ids for o in single.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)]
+    finally:
+        single.shutdown()
+
+
+@pytest.fixture(scope="module", params=GROUPS, ids=["ray-tp1", "mp-tp2"])
+def group(request, ray_address):
+    backend, tp = request.param
+    llm = LLM(tiny_model("llama"), dtype="float32", data_parallel_size=2, data_parallel_backend=backend,
+              tensor_parallel_size=tp, ray_address=ray_address, kv_transfer_config=CONNECTOR)
+    yield llm, tp
+    llm.shutdown()
+
+
+def test_greedy_outputs_equal_one_engines_and_each_rank_sends_its_shard(group, expected):
+    group, _ = group
+    before = group.get_stats()
+    outputs = group.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+    stats, size = group.get_stats(), group.info.block_size
+    blocks = sum((len(ids) - 1) // size for ids in PROMPTS)
+    assert stats.kv_transfer_blocks_sent - before.kv_transfer_blocks_sent == blocks
+    assert stats.engines[1].kv_transfer_blocks_received - before.kv_transfer_blocks_received == blocks
+    assert stats.kv_transfer_recomputes == before.kv_transfer_recomputes
+    assert_all_blocks_free(group)
+
+
+def test_a_forged_or_repeated_pull_recomputes_the_same_tokens(group, expected):
+    """Every producer rank serves its own shard from its Ray actor (kv_port + rank). A forged nonce is refused by
+    every producer rank; a transfer pulled once is not served again: both times the
+    decode engine computes the prompt itself."""
+    group, tp = group
+    prefill, decode = group.client.clients
+    ids = PROMPTS[-1]
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    sent = run_alone(prefill, EngineCoreRequest(request_id="p", prompt_token_ids=ids, sampling_params=one,
+                                                produce_kv=True))[1].kv_transfer_params
+    port = int(sent.remote_address.rsplit(":", 1)[1])
+    servers = {c.laddr.port: psutil.Process(c.pid) for c in psutil.net_connections("tcp")
+               if c.status == psutil.CONN_LISTEN and c.pid is not None and port <= c.laddr.port < port + 2}
+    assert sorted(servers) == list(range(port, port + tp))  # each producer rank serves its shard, from its actor
+    assert all(server.cmdline()[0].startswith("ray::RankWorker") for server in servers.values())
+    forged = msgspec.structs.replace(sent, nonce=sent.nonce ^ 1)
+    before = decode.get_stats()
+    for request_id, transfer in [("forged", forged), ("intact", sent), ("again", sent)]:
+        decode.call_utility("reset_prefix_cache")  # nothing found there: the transfer alone decides
+        got, _ = run_alone(decode, EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
+                                                     sampling_params=GREEDY, kv_transfer_params=transfer))
+        assert got == expected[-1], request_id
+    stats = decode.get_stats()
+    assert stats.kv_transfer_recomputes - before.kv_transfer_recomputes == 2
+    assert stats.kv_transfer_blocks_received - before.kv_transfer_blocks_received == len(sent.slots)
+
+
+def test_shared_memory_still_needs_single_rank_mp_engines():
+    for fields in [{"data_parallel_backend": "ray"}, {"tensor_parallel_size": 2}]:
+        with pytest.raises(ValueError, match="SharedMemoryConnector"):
+            EngineConfig(model="unused", data_parallel_size=2, kv_transfer_config={
+                **CONNECTOR, "kv_connector": "SharedMemoryConnector"}, **fields)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=1"):
+        EngineConfig(model="unused", data_parallel_size=2, pipeline_parallel_size=2, kv_transfer_config=CONNECTOR)
