@@ -20,7 +20,8 @@ from frontend import LLM, SamplingParams  # noqa: E402
 from ipc import EngineConfig, EngineCoreRequest  # noqa: E402
 
 # Ray runs the ranks (the producer's server among them) at nice 15: on a busy machine a pull waits longer than 5 s.
-CONNECTOR = {"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_buffer_bytes": "128KiB", "kv_pull_timeout_s": 30.0}
+CONNECTOR = {"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_buffer_bytes": "128KiB",
+             "kv_pull_timeout_s": 30.0}
 # (data_parallel_backend, tensor_parallel_size): a Ray actor per engine, then two ranks per engine on the mp backend
 # (four rank actors: slow on two cores).
 GROUPS = [("ray", 1), pytest.param(("mp", 2), marks=pytest.mark.slow)]
