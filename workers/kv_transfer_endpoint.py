@@ -6,11 +6,12 @@ succeeds, a slot is free and a pull has ended only where they are so on every ra
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from ipc.kv_transfer import KVTransferConfig, producer_address
+from ipc import ModelRunnerOutput, SchedulerOutput
+from ipc.kv_transfer import KVTransferCall, KVTransferConfig, producer_address
 from workers.distributed import parallel_state, tp_all_reduce_max
 from workers.kv_transfer import TransferRegion
 from workers.kv_transfer_zmq import Answer, TransferClient, TransferServer
@@ -127,17 +128,30 @@ class TransferEndpoint:
                 end.close()
 
 
-class RemoteEndpoint:
-    """The engine core's handle on Ray ranks' endpoints: each method call is one step message to every rank
-    (`send(method, args)`, answered by the driver rank); the ranks' sockets close with their actors."""
+class StepExecutor(Protocol):
+    def submit_batch(self, scheduler_output: SchedulerOutput) -> None: ...
 
-    def __init__(self, send: Callable[[str, list], Any]) -> None:
-        self.send = send
+    def collect_output(self) -> ModelRunnerOutput: ...
+
+
+class RemoteEndpoint:
+    """The engine core's handle on Ray ranks' endpoints: each method call is one step of no tokens to every rank,
+    answered by the driver rank (the engine core calls between steps, with no batch in flight); the ranks' sockets
+    close with their actors."""
+
+    def __init__(self, executor: StepExecutor) -> None:
+        self.executor = executor
 
     def __getattr__(self, method: str) -> Callable[..., Any]:
         if method not in ENDPOINT_METHODS:
             raise AttributeError(method)
-        return lambda *args: self.send(method, list(args))
+        return lambda *args: self._call(KVTransferCall(method=method, args=list(args)))
+
+    def _call(self, call: KVTransferCall) -> Any:
+        self.executor.submit_batch(SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[],
+                                                   num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                                                   finished_req_ids=[], kv_transfer_call=call))
+        return self.executor.collect_output().kv_transfer_result
 
     def close(self) -> None:
         """Nothing here: the actors' sockets close with them."""

@@ -27,7 +27,6 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ipc import Decoder, EngineConfig, Encoder, ModelRunnerOutput, SchedulerOutput
-from ipc.kv_transfer import KVTransferCall
 from workers import shm_region
 from workers.kv_transfer_endpoint import RemoteEndpoint
 from workers.rank_worker import RankWorker
@@ -198,15 +197,8 @@ class RayExecutor:
             self.broadcast.send_multipart(frames, copy=False)
 
     def kv_transfer_endpoint(self) -> RemoteEndpoint | None:
-        """The ranks' connector halves, each call one step of no tokens (between steps: the engine core calls it
-        only with no batch in flight, which kv_transfer_config's pipeline_parallel_size 1 gives)."""
-        return RemoteEndpoint(self._transfer_call) if self.config.kv_transfer_config is not None else None
-
-    def _transfer_call(self, method: str, args: list) -> object:
-        self.submit_batch(SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[], num_scheduled_tokens={},
-                                          total_num_scheduled_tokens=0, finished_req_ids=[],
-                                          kv_transfer_call=KVTransferCall(method=method, args=args)))
-        return self.collect_output().kv_transfer_result
+        """The ranks' connector halves (each call a step of no tokens, with none in flight: pipeline parallel 1)."""
+        return RemoteEndpoint(self) if self.config.kv_transfer_config is not None else None
 
     def _while_steps_ring_full(self) -> None:
         """The ranks free the steps ring only as they reach each step. The driver may be waiting for room in the
