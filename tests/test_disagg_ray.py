@@ -1,7 +1,7 @@
 """Disaggregated prefill where each rank copies its own KV shard (issue 57, item 3): ZmqConnector between engines whose
-ranks are Ray actors (data_parallel_backend "ray"; tensor parallel 2 on the mp backend): the producer's server and the
-consumer's pulls live in the ranks; greedy outputs equal one engine's, the blocks go over, a failed transfer
-recomputes the same tokens."""
+ranks are Ray actors (data_parallel_backend "ray"; tensor parallel 2 on the mp backend, an engine on each of two Ray
+nodes): the producer's server and the consumer's pulls live in the ranks; greedy outputs equal one engine's, the
+blocks go over, a failed transfer recomputes the same tokens."""
 from __future__ import annotations
 
 import os
@@ -13,9 +13,10 @@ import pytest
 # As tests/test_distributed.py: Ray keeps a 127.0.0.1 cluster on loopback only when told the machine's IP is loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray  # noqa: E402  (a base dependency: missing, the tests must fail, not skip)
+from ray.cluster_utils import Cluster  # noqa: E402
 
 from conftest import assert_all_blocks_free, tiny_model  # noqa: E402
-from disagg_cases import GREEDY, PROMPTS, run_alone, token_prompts  # noqa: E402
+from disagg_cases import GREEDY, PROMPTS, decode_from_each, run_alone, token_prompts  # noqa: E402
 from frontend import LLM, SamplingParams  # noqa: E402
 from ipc import EngineConfig, EngineCoreRequest  # noqa: E402
 
@@ -23,16 +24,20 @@ from ipc import EngineConfig, EngineCoreRequest  # noqa: E402
 CONNECTOR = {"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_buffer_bytes": "128KiB",
              "kv_pull_timeout_s": 30.0}
 # (data_parallel_backend, tensor_parallel_size): a Ray actor per engine, then two ranks per engine on the mp backend
-# (four rank actors: slow on two cores).
+# (four rank actors: slow on two cores), which fill a node each.
 GROUPS = [("ray", 1), pytest.param(("mp", 2), marks=pytest.mark.slow)]
 
 
 @pytest.fixture(scope="module")
 def ray_address():
-    """A loopback Ray of 4 CPUs the engines join (two engines of up to two ranks)."""
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
-    yield ray.get_runtime_context().gcs_address
+    """Two Ray "nodes" of 2 CPUs each on loopback, which the engines join; this process is a driver of it."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
+                                                            "node_ip_address": "127.0.0.1"})
+    cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+    ray.init(address=cluster.address)
+    yield cluster.address
     ray.shutdown()
+    cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +59,10 @@ def group(request, ray_address):
 
 
 def test_greedy_outputs_equal_one_engines_and_each_rank_sends_its_shard(group, expected):
-    group, _ = group
+    group, tp = group
+    nodes = [set(g["bundles_to_node_id"].values()) for g in ray.util.placement_group_table().values()
+             if g["state"] == "CREATED"]
+    assert len(nodes) == 2 and (tp == 1 or nodes[0] != nodes[1])  # tp 2: the engines on two nodes
     before = group.get_stats()
     outputs = group.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)
     assert [output.outputs[0].token_ids for output in outputs] == expected
@@ -83,11 +91,7 @@ def test_a_forged_or_repeated_pull_recomputes_the_same_tokens(group, expected):
     assert all(server.cmdline()[0].startswith("ray::RankWorker") for server in servers.values())
     forged = msgspec.structs.replace(sent, nonce=sent.nonce ^ 1)
     before = decode.get_stats()
-    for request_id, transfer in [("forged", forged), ("intact", sent), ("again", sent)]:
-        decode.call_utility("reset_prefix_cache")  # nothing found there: the transfer alone decides
-        got, _ = run_alone(decode, EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
-                                                     sampling_params=GREEDY, kv_transfer_params=transfer))
-        assert got == expected[-1], request_id
+    assert decode_from_each(decode, ids, [("forged", forged), ("intact", sent), ("again", sent)]) == [expected[-1]] * 3
     stats = decode.get_stats()
     assert stats.kv_transfer_recomputes - before.kv_transfer_recomputes == 2
     assert stats.kv_transfer_blocks_received - before.kv_transfer_blocks_received == len(sent.slots)
