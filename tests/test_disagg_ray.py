@@ -5,10 +5,12 @@ blocks go over, a failed transfer recomputes the same tokens."""
 from __future__ import annotations
 
 import os
+import re
 
 import msgspec
 import psutil
 import pytest
+import torch
 
 # As tests/test_distributed.py: Ray keeps a 127.0.0.1 cluster on loopback only when told the machine's IP is loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -19,6 +21,9 @@ from conftest import assert_all_blocks_free, tiny_model  # noqa: E402
 from disagg_cases import GREEDY, PROMPTS, decode_from_each, run_alone, token_prompts  # noqa: E402
 from frontend import LLM, SamplingParams  # noqa: E402
 from ipc import EngineConfig, EngineCoreRequest  # noqa: E402
+from ipc.kv_transfer import KVTransferConfig  # noqa: E402
+from workers.kv_transfer import TransferRegion  # noqa: E402
+from workers.kv_transfer_endpoint import RemoteEndpoint, TransferEndpoint  # noqa: E402
 
 # Ray runs the ranks (the producer's server among them) at nice 15: on a busy machine a pull waits longer than 5 s.
 CONNECTOR = {"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_buffer_bytes": "128KiB",
@@ -104,3 +109,17 @@ def test_shared_memory_still_needs_single_rank_mp_engines():
                 **CONNECTOR, "kv_connector": "SharedMemoryConnector"}, **fields)
     with pytest.raises(ValueError, match="pipeline_parallel_size=1"):
         EngineConfig(model="unused", data_parallel_size=2, pipeline_parallel_size=2, kv_transfer_config=CONNECTOR)
+
+
+def test_a_step_calls_only_the_endpoints_own_methods():
+    """A rank's endpoint answers the methods the connector uses, by name, and refuses any other attribute."""
+    cache = torch.zeros(4, 4, 3)
+    region = TransferRegion(None, [cache], 2 * (cache[0].numel() * 4 + 32), torch.device("cpu"))
+    endpoint = TransferEndpoint(KVTransferConfig(kv_connector="SharedMemoryConnector", kv_role="kv_producer",
+                                                 region="group"), region)
+    assert endpoint.call("num_slots", []) == 2 and endpoint.call("released", [[0, 1]]) == [0, 1]
+    for name in ["close", "region", "__init__"]:
+        with pytest.raises(ValueError, match=f"unknown method '{re.escape(name)}'"):
+            endpoint.call(name, [])
+    with pytest.raises(AttributeError):
+        RemoteEndpoint(None).region  # noqa: B018  (the engine core's handle forwards the same names alone)
