@@ -231,13 +231,12 @@ def _check_kv_transfer(config: EngineConfig) -> None:
     else:
         _require(transfer.region is not None, "kv_transfer_config",
                  f"with kv_role {transfer.kv_role!r} is one engine of a group: start the group with kv_role 'kv_both'")
-    # Each rank copies its own KV shard (workers/kv_transfer_endpoint.py), between steps: with no batch in flight.
-    _require(config.pipeline_parallel_size == 1, "kv_transfer_config",
-             f"needs pipeline_parallel_size=1 (its copies run between steps), got {config.pipeline_parallel_size}")
-    _require(transfer.kv_connector == "ZmqConnector" or (
-        config.tensor_parallel_size == 1 and config.data_parallel_backend == "mp"), "kv_transfer_config",
-             "with SharedMemoryConnector needs single-rank engine processes (tensor_parallel_size=1, "
-             "data_parallel_backend 'mp': the region is one file per engine); ZmqConnector takes Ray ranks")
+    # Each rank copies its own KV shard (workers/kv_transfer_endpoint.py): the shared region is one file per engine.
+    _require(transfer.kv_connector == "ZmqConnector" or (config.tensor_parallel_size * config.pipeline_parallel_size
+                                                         == 1 and config.data_parallel_backend == "mp"),
+             "kv_transfer_config", "with SharedMemoryConnector needs single-rank engine processes "
+             "(tensor_parallel_size = pipeline_parallel_size = 1, data_parallel_backend 'mp'); ZmqConnector takes "
+             "Ray-actor ranks")
     _require(config.enable_prefix_caching and config.kv_offload_bytes is None, "kv_transfer_config",
              "needs enable_prefix_caching=True and no kv_offload_bytes: the decode engine finds the transferred blocks "
              "by their hashes in its device cache")

@@ -28,9 +28,9 @@ from workers.kv_transfer_endpoint import RemoteEndpoint, TransferEndpoint  # noq
 # Ray runs the ranks (the producer's server among them) at nice 15: on a busy machine a pull waits longer than 5 s.
 CONNECTOR = {"kv_connector": "ZmqConnector", "kv_role": "kv_both", "kv_buffer_bytes": "128KiB",
              "kv_pull_timeout_s": 30.0}
-# (data_parallel_backend, tensor_parallel_size): a Ray actor per engine, then two ranks per engine on the mp backend
-# (four rank actors: slow on two cores), which fill a node each.
-GROUPS = [("ray", 1), pytest.param(("mp", 2), marks=pytest.mark.slow)]
+# (data_parallel_backend, tensor_parallel_size, pipeline_parallel_size): a Ray actor per engine, then two ranks per
+# engine on the mp backend (four rank actors: slow on two cores), as TP ranks filling a node each, or pipeline stages.
+GROUPS = [("ray", 1, 1), *(pytest.param(("mp", *sizes), marks=pytest.mark.slow) for sizes in [(2, 1), (1, 2)])]
 
 
 @pytest.fixture(scope="module")
@@ -54,20 +54,20 @@ def expected() -> list[list[int]]:
         single.shutdown()
 
 
-@pytest.fixture(scope="module", params=GROUPS, ids=["ray-tp1", "mp-tp2"])
+@pytest.fixture(scope="module", params=GROUPS, ids=["ray-tp1", "mp-tp2", "mp-pp2"])
 def group(request, ray_address):
-    backend, tp = request.param
+    backend, tp, pp = request.param
     llm = LLM(tiny_model("llama"), dtype="float32", data_parallel_size=2, data_parallel_backend=backend,
-              tensor_parallel_size=tp, ray_address=ray_address, kv_transfer_config=CONNECTOR)
-    yield llm, tp
+              tensor_parallel_size=tp, pipeline_parallel_size=pp, ray_address=ray_address, kv_transfer_config=CONNECTOR)
+    yield llm, tp, pp
     llm.shutdown()
 
 
 def test_greedy_outputs_equal_one_engines_and_each_rank_sends_its_shard(group, expected):
-    group, tp = group
+    group, tp, pp = group
     nodes = [set(g["bundles_to_node_id"].values()) for g in ray.util.placement_group_table().values()
-             if g["state"] == "CREATED"]
-    assert len(nodes) == 2 and (tp == 1 or nodes[0] != nodes[1])  # tp 2: the engines on two nodes
+             if g["state"] == "CREATED"]  # a placement group per engine and stage
+    assert len(nodes) == 2 * pp and (tp == 1 or nodes[0] != nodes[1])  # tp 2: the engines on a node each
     before = group.get_stats()
     outputs = group.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)
     assert [output.outputs[0].token_ids for output in outputs] == expected
@@ -83,7 +83,7 @@ def test_a_forged_or_repeated_pull_recomputes_the_same_tokens(group, expected):
     """Every producer rank serves its own shard from its Ray actor (kv_port + rank). A forged nonce is refused by
     every producer rank; a transfer pulled once is not served again: both times the
     decode engine computes the prompt itself."""
-    group, tp = group
+    group, tp, pp = group
     prefill, decode = group.client.clients
     ids = PROMPTS[-1]
     one = SamplingParams(temperature=0.0, max_tokens=1)
@@ -92,7 +92,7 @@ def test_a_forged_or_repeated_pull_recomputes_the_same_tokens(group, expected):
     port = int(sent.remote_address.rsplit(":", 1)[1])
     servers = {c.laddr.port: psutil.Process(c.pid) for c in psutil.net_connections("tcp")
                if c.status == psutil.CONN_LISTEN and c.pid is not None and port <= c.laddr.port < port + 2}
-    assert sorted(servers) == list(range(port, port + tp))  # each producer rank serves its shard, from its actor
+    assert sorted(servers) == list(range(port, port + tp * pp))  # each producer rank serves its shard, from its actor
     assert all(server.cmdline()[0].startswith("ray::RankWorker") for server in servers.values())
     forged = msgspec.structs.replace(sent, nonce=sent.nonce ^ 1)
     before = decode.get_stats()
@@ -103,12 +103,10 @@ def test_a_forged_or_repeated_pull_recomputes_the_same_tokens(group, expected):
 
 
 def test_shared_memory_still_needs_single_rank_mp_engines():
-    for fields in [{"data_parallel_backend": "ray"}, {"tensor_parallel_size": 2}]:
+    for fields in [{"data_parallel_backend": "ray"}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}]:
         with pytest.raises(ValueError, match="SharedMemoryConnector"):
             EngineConfig(model="unused", data_parallel_size=2, kv_transfer_config={
                 **CONNECTOR, "kv_connector": "SharedMemoryConnector"}, **fields)
-    with pytest.raises(ValueError, match="pipeline_parallel_size=1"):
-        EngineConfig(model="unused", data_parallel_size=2, pipeline_parallel_size=2, kv_transfer_config=CONNECTOR)
 
 
 def test_a_step_calls_only_the_endpoints_own_methods():

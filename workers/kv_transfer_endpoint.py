@@ -1,18 +1,19 @@
 """Disaggregated prefill, worker half: this rank's transfer region over its own KV shard, and (ZmqConnector) its
 server or pull client. The engine core's connector (core/kv_transfer.py) decides which blocks go to which slots under
 which nonce; every rank applies each decision to its own shard, called directly in-process or with a step message
-(SchedulerOutput.kv_transfer_call) on Ray ranks. Under tensor parallelism the ranks agree before answering: a load
-succeeds, a slot is free and a pull has ended only where they are so on every rank."""
+(SchedulerOutput.kv_transfer_call) on Ray ranks. Several ranks (tp and pp) agree before answering: a load succeeds,
+a slot is free and a pull has ended only where they are so on every rank."""
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from ipc import ModelRunnerOutput, SchedulerOutput
 from ipc.kv_transfer import KVTransferCall, KVTransferConfig, producer_address
-from workers.distributed import parallel_state, tp_all_reduce_max
+from workers.distributed import parallel_state
 from workers.kv_transfer import TransferRegion
 from workers.kv_transfer_zmq import Answer, TransferClient, TransferServer
 from workers.layers.attention import Attention
@@ -129,15 +130,12 @@ class TransferEndpoint:
 
 
 class StepExecutor(Protocol):
-    def submit_batch(self, scheduler_output: SchedulerOutput) -> None: ...
-
-    def collect_output(self) -> ModelRunnerOutput: ...
+    def call_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
 class RemoteEndpoint:
     """The engine core's handle on Ray ranks' endpoints: each method call is one step of no tokens to every rank,
-    answered by the driver rank (the engine core calls between steps, with no batch in flight); the ranks' sockets
-    close with their actors."""
+    behind the batches in flight, answered by the driver rank; the ranks' sockets close with their actors."""
 
     def __init__(self, executor: StepExecutor) -> None:
         self.executor = executor
@@ -148,19 +146,19 @@ class RemoteEndpoint:
         return lambda *args: self._call(KVTransferCall(method=method, args=list(args)))
 
     def _call(self, call: KVTransferCall) -> Any:
-        self.executor.submit_batch(SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[],
-                                                   num_scheduled_tokens={}, total_num_scheduled_tokens=0,
-                                                   finished_req_ids=[], kv_transfer_call=call))
-        return self.executor.collect_output().kv_transfer_result
+        return self.executor.call_step(SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[],
+                                                       num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                                                       finished_req_ids=[], kv_transfer_call=call)).kv_transfer_result
 
     def close(self) -> None:
         """Nothing here: the actors' sockets close with them."""
 
 
 def _any_rank(flags: list[bool]) -> list[bool]:
-    """Each flag or'ed over this stage's TP ranks (every rank calls with the same number of flags)."""
-    if parallel_state().tp_size == 1 or not flags:
+    """Each flag or'ed over the engine's ranks, every stage's (each rank calls with the same number of flags)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not flags:
         return flags
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
     values = torch.tensor(flags, dtype=torch.int32, device=device)
-    return [bool(value) for value in tp_all_reduce_max(values).tolist()]
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(value) for value in values.tolist()]
