@@ -49,7 +49,8 @@ class TransferEndpoint:
         return getattr(self, method)(*args)
 
     def num_slots(self) -> int:
-        return self.region.num_slots
+        """The slots every rank's region has (pipeline stages of unequal layers hold unequal blocks)."""
+        return -_max_over_ranks([-self.region.num_slots])[0]
 
     def released(self, slots: list[int]) -> list[int]:
         """Those of the slots no transfer holds any more on any rank (ZmqConnector: after taking the releases of the
@@ -155,10 +156,15 @@ class RemoteEndpoint:
 
 
 def _any_rank(flags: list[bool]) -> list[bool]:
-    """Each flag or'ed over the engine's ranks, every stage's (each rank calls with the same number of flags)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or not flags:
-        return flags
+    """Each flag or'ed over the engine's ranks."""
+    return [bool(value) for value in _max_over_ranks([int(flag) for flag in flags])]
+
+
+def _max_over_ranks(values: list[int]) -> list[int]:
+    """Each value's maximum over the engine's ranks, every stage's (each rank calls with as many values)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not values:
+        return values
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_initialized() else None
-    values = torch.tensor(flags, dtype=torch.int32, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return [bool(value) for value in values.tolist()]
+    reduced = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX)
+    return reduced.tolist()
