@@ -67,15 +67,15 @@ def test_greedy_outputs_equal_one_engines_and_each_rank_sends_its_shard(group, e
     group, tp, pp = group
     nodes = [set(g["bundles_to_node_id"].values()) for g in ray.util.placement_group_table().values()
              if g["state"] == "CREATED"]  # a placement group per engine and stage
-    assert len(nodes) == 2 * pp and (tp == 1 or nodes[0] != nodes[1])  # tp 2: the engines on a node each
+    assert len(nodes) == 2 * pp and (tp == 1 or nodes[0] != nodes[1]), nodes  # tp 2: the engines on a node each
     before = group.get_stats()
     outputs = group.generate(token_prompts(PROMPTS), GREEDY, use_tqdm=False)
     assert [output.outputs[0].token_ids for output in outputs] == expected
     stats, size = group.get_stats(), group.info.block_size
     blocks = sum((len(ids) - 1) // size for ids in PROMPTS)
-    assert stats.kv_transfer_blocks_sent - before.kv_transfer_blocks_sent == blocks
-    assert stats.engines[1].kv_transfer_blocks_received - before.kv_transfer_blocks_received == blocks
-    assert stats.kv_transfer_recomputes == before.kv_transfer_recomputes
+    assert stats.kv_transfer_blocks_sent - before.kv_transfer_blocks_sent == blocks, (before, stats)
+    assert stats.engines[1].kv_transfer_blocks_received - before.kv_transfer_blocks_received == blocks, (before, stats)
+    assert stats.kv_transfer_recomputes == before.kv_transfer_recomputes, (before, stats)
     assert_all_blocks_free(group)
 
 
