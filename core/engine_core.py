@@ -77,8 +77,8 @@ class EngineCore:
                                    multi_step_grammars=self.executor.steps_grammars())
         transfer = self.config.kv_transfer_config
         if transfer is not None and not encoder:
-            region = self.executor.kv_transfer_region()
-            self.scheduler.connector = make_connector(transfer, region, self.kv_cache_manager)
+            self.scheduler.connector = make_connector(transfer, self.executor.kv_transfer_endpoint(),
+                                                      self.kv_cache_manager)
         self._arrivals = itertools.count()
         self.batches_submitted = 0
         self.profiler = None if config.profiler_dir is None else EngineProfiler(

@@ -1,8 +1,9 @@
-"""Disaggregated prefill, engine-core side: between steps, a finished prefill's whole prompt blocks are written to the
-transfer region (slots from a free list, else the least recently written one reused), and a decode request's blocks
-are loaded from it into the prefix cache (shared memory: as it is first scheduled; ZmqConnector: pulled from the
-prefill engine's while the loop steps the running requests, at the step boundary after its answer came), where its
-admission finds them by its own hashes."""
+"""Disaggregated prefill, engine-core (scheduler) half: between steps, a finished prefill's whole prompt blocks are
+given slots of the transfer region (from a free list, else the least recently written one reused) and a nonce, and a
+decode request's blocks are loaded from it into fresh blocks of the prefix cache (shared memory: as it is first
+scheduled; ZmqConnector: pulled from the prefill engine's while the loop steps the running requests, at the step
+boundary after its answer came), where its admission finds them by its own hashes. The copies and sockets are the
+workers' (workers/kv_transfer_endpoint.py: each rank its own KV shard); this half decides, by metadata alone."""
 from __future__ import annotations
 
 import contextlib
@@ -25,14 +26,16 @@ from workers.shm_region import SHM_DIR
 if TYPE_CHECKING:  # the front end's start-up imports this module for its last two functions: no torch there
     from core.kv_cache_manager import KVCacheManager
     from core.request import Request
-    from workers.kv_transfer import TransferRegion
-    from workers.kv_transfer_zmq import Answer
+    from workers.kv_transfer_endpoint import RemoteEndpoint, TransferEndpoint
+
+    Endpoint = TransferEndpoint | RemoteEndpoint
 
 
 class KVConnector:
-    def __init__(self, role: str, name: str, region: TransferRegion, kv: KVCacheManager) -> None:
-        self.role, self.name, self.region, self.kv = role, name, region, kv
-        self.free_slots = list(range(region.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+    def __init__(self, role: str, name: str, endpoint: Endpoint, kv: KVCacheManager) -> None:
+        self.role, self.name, self.endpoint, self.kv = role, name, endpoint, kv
+        self.num_slots = endpoint.num_slots()
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.written: OrderedDict[int, None] = OrderedDict()  # slots holding a transfer, least recently written first
         self.blocks_sent = self.blocks_received = self.recomputes = 0
 
@@ -43,13 +46,13 @@ class KVConnector:
             return None
         block_ids = self.kv.block_ids(request)
         num_blocks = min((len(request.prompt_token_ids) - 1) // self.kv.block_size, len(block_ids),
-                         self.region.num_slots)
+                         self.num_slots)
         if num_blocks <= 0:
             return None
         num_tokens = num_blocks * self.kv.block_size
         slots, nonce = self._take_slots(num_blocks), 1 + secrets.randbelow(2**63 - 1)
         checksum = token_checksum(request.prompt_token_ids[:num_tokens])
-        self.region.write(block_ids[:num_blocks], slots, nonce, checksum)
+        self.endpoint.save(block_ids[:num_blocks], slots, nonce, checksum)
         self.blocks_sent += num_blocks
         return KVTransferParams(region=self.name, slots=slots, num_tokens=num_tokens, nonce=nonce, checksum=checksum)
 
@@ -92,7 +95,7 @@ class KVConnector:
             self._release(params)
 
     def close(self) -> None:
-        """Nothing to stop: the region goes with the worker."""
+        self.endpoint.close()
 
     def _valid(self, request: Request, params: KVTransferParams) -> bool:
         """From this group's producer, whole blocks, and the request's own tokens."""
@@ -108,17 +111,16 @@ class KVConnector:
 
     def _load(self, params: KVTransferParams, first: int, block_ids: list[int]) -> bool:
         """The transfer's blocks first.. into block_ids, verified by the region's headers."""
-        return self.region.read(params.slots[first:first + len(block_ids)], block_ids, params.nonce, params.checksum,
-                                first)
+        return self.endpoint.load(params.slots[first:first + len(block_ids)], block_ids, params.nonce,
+                                  params.checksum, first)
 
     def _release(self, params: KVTransferParams) -> None:
-        self.region.release(params.slots, params.nonce)
+        self.endpoint.release(params.slots, params.nonce)
 
     def _take_slots(self, count: int) -> list[int]:
         """`count` slots: released ones first, then those written longest ago (a decode engine that has not read
         one yet finds it overwritten and recomputes)."""
-        self._collect_released()
-        for slot in [slot for slot in self.written if self.region.released(slot)]:
+        for slot in self.endpoint.released(list(self.written)):
             del self.written[slot]
             self.free_slots.append(slot)
         while len(self.free_slots) < count:
@@ -126,9 +128,6 @@ class KVConnector:
         slots = [self.free_slots.pop() for _ in range(count)]
         self.written.update(dict.fromkeys(slots))
         return slots
-
-    def _collect_released(self) -> None:
-        """Shared memory: the decode engine clears a slot's nonce itself."""
 
 
 class ZmqConnector(KVConnector):
@@ -138,23 +137,15 @@ class ZmqConnector(KVConnector):
     through its own region, where the same headers are checked as with shared memory (TransferRegion.read), into
     the prefix cache, and the request joins the queue."""
 
-    def __init__(self, config: KVTransferConfig, region: TransferRegion, kv: KVCacheManager) -> None:
-        from workers.kv_transfer_zmq import TransferClient, TransferServer  # torch: the front end imports this module
-
-        super().__init__(config.kv_role, config.region, region, kv)
+    def __init__(self, config: KVTransferConfig, endpoint: Endpoint, kv: KVCacheManager) -> None:
+        super().__init__(config.kv_role, config.region, endpoint, kv)
         self.address = producer_address(config)
-        self.server = TransferServer(region, self.address, config.kv_hold_s) if self.role == "kv_producer" else None
-        self.client = TransferClient(region, self.address, config.kv_pull_timeout_s) \
-            if self.role == "kv_consumer" else None
         self.pulling: dict[int, tuple[Request, int]] = {}  # pull id → (its request, the transfer's first block pulled)
         self.pull_of: dict[str, int] = {}  # request id → its pull in flight
 
     def send(self, request: Request) -> KVTransferParams | None:
         params = super().send(request)
-        if params is None:
-            return None
-        self.server.offer(params.nonce, params.slots)
-        return msgspec.structs.replace(params, remote_address=self.address)
+        return None if params is None else msgspec.structs.replace(params, remote_address=self.address)
 
     def pull(self, request: Request) -> bool:
         params = request.kv_transfer_params
@@ -163,10 +154,10 @@ class ZmqConnector(KVConnector):
         valid = self._valid(request, params)
         first, num_blocks = len(self.kv.computed_blocks(request)), self._num_blocks(request, params)
         if valid and first >= num_blocks:  # the prefix cache holds them: the transfer's slots go back now
-            self.client.release(params.nonce, params.slots)
+            self.endpoint.release_remote(params.nonce, params.slots)
             request.kv_transfer_params = None
             return False
-        pull_id = self.client.start(params.nonce, params.slots[first:num_blocks]) if valid else None
+        pull_id = self.endpoint.start_pull(params.nonce, params.slots[first:num_blocks]) if valid else None
         if pull_id is None:
             self.recomputes += 1
             request.kv_transfer_params = None
@@ -179,14 +170,14 @@ class ZmqConnector(KVConnector):
         """Each answer is loaded into the prefix cache at once (the step boundary), so what waits for the request's
         admission is bounded by the KV cache, not held in host memory."""
         requests = []
-        for pull_id, answer in self.client.poll() if self.client is not None else ():
+        for pull_id, answered in self.endpoint.poll() if self.pulling else ():
             request, first = self.pulling.pop(pull_id)
             del self.pull_of[request.request_id]
             params, request.kv_transfer_params = request.kv_transfer_params, None
-            if answer is None:
+            if not answered:
                 self.recomputes += 1
             else:
-                self._cache(request, params, functools.partial(self._load_answer, params, first, answer))
+                self._cache(request, params, functools.partial(self._load_answer, params, pull_id, first))
             requests.append(request)
         return requests
 
@@ -194,41 +185,32 @@ class ZmqConnector(KVConnector):
         pull_id = self.pull_of.pop(request.request_id, None)
         if pull_id is not None:
             del self.pulling[pull_id]
-            self.client.cancel(pull_id)
+            self.endpoint.cancel(pull_id)
 
     def wait(self, timeout_s: float) -> None:
-        if self.client is not None:
-            self.client.wait(timeout_s)
-
-    def close(self) -> None:
-        for end in (self.server, self.client):
-            if end is not None:
-                end.close()
+        if self.pulling:
+            self.endpoint.wait(timeout_s)
 
     def _from_here(self, params: KVTransferParams) -> bool:
         return params.region == self.name and params.remote_address == self.address  # never pulled from elsewhere
 
-    def _load_answer(self, params: KVTransferParams, pulled_first: int, answer: Answer, first: int,
+    def _load_answer(self, params: KVTransferParams, pull_id: int, pulled_first: int, first: int,
                      block_ids: list[int]) -> bool:
-        """The answer's blocks first.. (it holds those from pulled_first on) into block_ids, through this region."""
-        local = None if first < pulled_first else self.client.load(answer, first - pulled_first)
-        return local is not None and self.region.read(local[:len(block_ids)], block_ids, params.nonce,
-                                                      params.checksum, first)
+        """The pull's answered blocks first.. (it holds those from pulled_first on) into block_ids."""
+        return first >= pulled_first and self.endpoint.load_answer(pull_id, first - pulled_first, block_ids,
+                                                                   params.nonce, params.checksum, first)
 
     def _release(self, params: KVTransferParams) -> None:
         """Nothing to tell the producer: the pull ended the transfer there (those needed by none: pull())."""
 
-    def _collect_released(self) -> None:
-        self.server.take_released()
 
-
-def make_connector(config: KVTransferConfig, region: TransferRegion, kv: KVCacheManager) -> KVConnector:
+def make_connector(config: KVTransferConfig, endpoint: Endpoint, kv: KVCacheManager) -> KVConnector:
     if config.kv_role == "kv_both":
         raise ValueError("kv_transfer_config: kv_role 'kv_both' names a group of two engines, and this one was started "
                          "alone: use data_parallel_size=2, or a launcher per machine (--data-parallel-size-local 1)")
     if config.kv_connector == "ZmqConnector":
-        return ZmqConnector(config, region, kv)
-    return KVConnector(config.kv_role, config.region, region, kv)
+        return ZmqConnector(config, endpoint, kv)
+    return KVConnector(config.kv_role, config.region, endpoint, kv)
 
 
 def token_checksum(token_ids: list[int]) -> int:

@@ -220,7 +220,7 @@ def _check_cpu_threads_bind(config: EngineConfig) -> None:
 
 
 def _check_kv_transfer(config: EngineConfig) -> None:
-    """A connector (shared memory or ZMQ) joins two single-rank engine processes of one data-parallel group."""
+    """A connector (shared memory or ZMQ) joins two engines of one data-parallel group."""
     transfer = config.kv_transfer_config
     if transfer.kv_role == "kv_both":
         # One engine of the two: each machine's launcher (--data-parallel-size-local 1) starts its share of the group.
@@ -231,9 +231,12 @@ def _check_kv_transfer(config: EngineConfig) -> None:
     else:
         _require(transfer.region is not None, "kv_transfer_config",
                  f"with kv_role {transfer.kv_role!r} is one engine of a group: start the group with kv_role 'kv_both'")
-    _require(config.tensor_parallel_size * config.pipeline_parallel_size == 1 and config.data_parallel_backend == "mp",
-             "kv_transfer_config", "needs single-rank engine processes (tensor_parallel_size = "
-             "pipeline_parallel_size = 1, data_parallel_backend 'mp'): the connector copies between their KV caches")
+    # Each rank copies its own KV shard (workers/kv_transfer_endpoint.py): the shared region is one file per engine.
+    _require(transfer.kv_connector == "ZmqConnector" or (config.tensor_parallel_size * config.pipeline_parallel_size
+                                                         == 1 and config.data_parallel_backend == "mp"),
+             "kv_transfer_config", "with SharedMemoryConnector needs single-rank engine processes "
+             "(tensor_parallel_size = pipeline_parallel_size = 1, data_parallel_backend 'mp'); ZmqConnector takes "
+             "Ray-actor ranks")
     _require(config.enable_prefix_caching and config.kv_offload_bytes is None, "kv_transfer_config",
              "needs enable_prefix_caching=True and no kv_offload_bytes: the decode engine finds the transferred blocks "
              "by their hashes in its device cache")

@@ -69,9 +69,19 @@ class KVPulled(msgspec.Struct, kw_only=True):
     error: str | None = None
 
 
-def producer_address(config: KVTransferConfig) -> str:
+class KVTransferCall(msgspec.Struct, kw_only=True):
+    """Engine core → every rank of an engine whose ranks are Ray actors, as a step that computes nothing: one call of
+    the ranks' transfer endpoints (workers/kv_transfer_endpoint.py names those allowed), answered in
+    ModelRunnerOutput.kv_transfer_result."""
+
+    method: str
+    args: list[Any] = []
+
+
+def producer_address(config: KVTransferConfig, rank: int = 0) -> str:
+    """Where the prefill engine's rank `rank` serves its shard of the KV (its rank 0: the group's address)."""
     host = f"[{config.kv_ip}]" if ":" in config.kv_ip else config.kv_ip
-    return f"tcp://{host}:{config.kv_port}"
+    return f"tcp://{host}:{config.kv_port + rank}"
 
 
 def parse_kv_transfer_config(value: KVTransferConfig | dict | str | None) -> KVTransferConfig | None:

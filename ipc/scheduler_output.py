@@ -1,9 +1,12 @@
 """SchedulerOutput (the per-step diff the scheduler sends every worker) and ModelRunnerOutput (the reply)."""
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from ipc.bounds import Count, TokenId
+from ipc.kv_transfer import KVTransferCall
 from ipc.lora import LoRARequest
 from ipc.multimodal import ImageInput
 from ipc.pooling import PoolingParams
@@ -66,6 +69,8 @@ class SchedulerOutput(msgspec.Struct, kw_only=True):
     # for the fresh blocks its prefix hits in the tier fill.
     kv_stores: list[tuple[Count, Count]] = []
     kv_loads: list[tuple[Count, Count]] = []
+    # Disaggregated prefill on Ray ranks: a step of no tokens that carries one call of the ranks' connector half.
+    kv_transfer_call: KVTransferCall | None = None
 
 
 class PromptLogprobs(msgspec.Struct):
@@ -102,3 +107,4 @@ class ModelRunnerOutput(msgspec.Struct, kw_only=True):
     failed: dict[str, str] = {}
     # Pooling requests whose prompt this step completed: their pooled vector (float32 little-endian).
     pooled: dict[str, bytes] = {}
+    kv_transfer_result: Any = None  # the answer to SchedulerOutput.kv_transfer_call

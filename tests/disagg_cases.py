@@ -32,6 +32,17 @@ def run_alone(client, request: EngineCoreRequest) -> tuple[list[int], object]:
                 return tokens, output
 
 
+def decode_from_each(decode, ids: list[int], transfers: list[tuple[str, object]]) -> list[list[int]]:
+    """The prompt's greedy tokens on the decode engine given each (request id, kv_transfer_params), its prefix cache
+    emptied before each: the transfer alone can give it the prompt's blocks."""
+    tokens = []
+    for request_id, transfer in transfers:
+        decode.call_utility("reset_prefix_cache")
+        tokens.append(run_alone(decode, EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
+                                                          sampling_params=GREEDY, kv_transfer_params=transfer))[0])
+    return tokens
+
+
 def stopped(pid: int) -> bool:
     """Every thread of the process stopped (SIGSTOP reaches a busy one's threads in their own time)."""
     tasks = Path(f"/proc/{pid}/task")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import assert_all_blocks_free, child_pids, long_context_llama, tiny_model, wait_until
-from disagg_cases import GREEDY, PROMPTS, long_prompt, run_alone, token_prompts
+from disagg_cases import GREEDY, PROMPTS, decode_from_each, long_prompt, run_alone, token_prompts
 from core.engine_spawn import data_parallel_configs
 from core.kv_cache_manager import KVCacheManager
 from core.kv_transfer import KVConnector, token_checksum
@@ -26,9 +26,10 @@ from frontend.core_client import EngineDeadError, RequestFailedError
 from frontend.disagg_proxy import DisaggProxy
 from frontend.dp_balance import EngineBalancer
 from ipc import EngineConfig, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, RequestOutputKind
-from ipc.kv_transfer import KVTransferParams
+from ipc.kv_transfer import KVTransferConfig, KVTransferParams
 from launcher import descendants, start_launcher, stop_launcher
 from workers.kv_transfer import TransferRegion
+from workers.kv_transfer_endpoint import TransferEndpoint
 
 CONNECTOR = {"kv_connector": "SharedMemoryConnector", "kv_role": "kv_both", "kv_buffer_bytes": "128KiB"}
 CONNECTORS = [CONNECTOR, {**CONNECTOR, "kv_connector": "ZmqConnector"}]
@@ -130,8 +131,9 @@ def test_slots_are_checked_reused_least_recently_written_first_and_a_mismatch_lo
     finally:
         os.unlink(f"/dev/shm/{name}")
     producer_kv, consumer_kv = KVCacheManager(8, block), KVCacheManager(8, block)
-    sender = KVConnector("kv_producer", name, regions[0], producer_kv)
-    receiver = KVConnector("kv_consumer", name, regions[1], consumer_kv)
+    sender, receiver = (KVConnector(role, name, TransferEndpoint(KVTransferConfig(
+        kv_connector="SharedMemoryConnector", kv_role=role, region=name), region), kv)
+        for role, region, kv in [("kv_producer", regions[0], producer_kv), ("kv_consumer", regions[1], consumer_kv)])
     prompts = {rid: [n + 10 * k for n in range(9)] for k, rid in enumerate("abc")}
     sent, blocks = {}, {}
     for rid, ids in prompts.items():
@@ -188,11 +190,8 @@ def test_an_overwritten_or_forged_transfer_recomputes_the_same_tokens(group, exp
     fresh = prefilled("again", ids)
     forged = msgspec.structs.replace(fresh, nonce=fresh.nonce ^ 1)
     before = decode.get_stats()
-    for request_id, transfer in [("overwritten", overwritten), ("forged", forged), ("intact", fresh)]:
-        decode.call_utility("reset_prefix_cache")  # nothing found there: the transfer alone decides
-        got, _ = run_alone(decode, EngineCoreRequest(request_id=request_id, prompt_token_ids=ids,
-                                                     sampling_params=GREEDY, kv_transfer_params=transfer))
-        assert got == expected[len(PROMPTS) - 1], request_id
+    transfers = [("overwritten", overwritten), ("forged", forged), ("intact", fresh)]
+    assert decode_from_each(decode, ids, transfers) == [expected[len(PROMPTS) - 1]] * 3
     stats = decode.get_stats()
     assert stats.kv_transfer_recomputes - before.kv_transfer_recomputes == 2
     assert stats.kv_transfer_blocks_received - before.kv_transfer_blocks_received == len(fresh.slots) == 4

@@ -32,6 +32,7 @@ from ipc.kv_transfer import KVPulled, KVTransferConfig
 from ipc.sockets import free_tcp_address
 from launcher import REPO, free_port, start_launcher, stop_launcher
 from workers.kv_transfer import TransferRegion
+from workers.kv_transfer_endpoint import TransferEndpoint
 
 BLOCK = 4
 
@@ -52,9 +53,9 @@ class _Pair:
         regions = [TransferRegion(None, [cache], 3 * (BLOCK * 3 * 4 + 32), torch.device("cpu"))
                    for cache in self.caches]
         self.kvs = [KVCacheManager(8, BLOCK), KVCacheManager(8, BLOCK)]
-        self.sender = ZmqConnector(self.config, regions[0], self.kvs[0])
-        self.receiver = ZmqConnector(msgspec.structs.replace(self.config, kv_role="kv_consumer"), regions[1],
-                                     self.kvs[1])
+        consumer = msgspec.structs.replace(self.config, kv_role="kv_consumer")
+        self.sender = ZmqConnector(self.config, TransferEndpoint(self.config, regions[0]), self.kvs[0])
+        self.receiver = ZmqConnector(consumer, TransferEndpoint(consumer, regions[1]), self.kvs[1])
 
     def send(self, request_id: str, ids: list[int]):
         request = _request(request_id, ids, produce_kv=True)
@@ -186,7 +187,7 @@ def test_a_transfer_never_pulled_is_released_after_its_deadline():
         params, _ = pair.send("a", _prompt(0))
         time.sleep(0.3)
         pair.send("b", _prompt(1))  # the producer frees a's slots, past their deadline, before taking b's
-        assert sorted(pair.sender.free_slots) == [2] and params.nonce not in pair.sender.server.offered
+        assert sorted(pair.sender.free_slots) == [2] and params.nonce not in pair.sender.endpoint.server.offered
         assert pair.receive("a", _prompt(0), params) == [] and pair.receiver.recomputes == 1
     finally:
         pair.close()

@@ -9,7 +9,7 @@ from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from workers.distributed import set_expert_group
 from workers.expert_group import join_group
 from workers.gpu_memory import release_device_memory
-from workers.kv_transfer import TransferRegion
+from workers.kv_transfer_endpoint import TransferEndpoint
 from workers.step_grammars import LentGrammars
 from workers.worker import Worker
 
@@ -88,9 +88,8 @@ class InProcessExecutor:
     def collect_output(self) -> ModelRunnerOutput:
         return self.outputs.popleft()
 
-    def kv_transfer_region(self) -> TransferRegion | None:
-        """Disaggregated prefill's shared region, which the engine core copies blocks through between steps (only an
-        in-process worker's: kv_transfer_config needs a single-rank engine)."""
+    def kv_transfer_endpoint(self) -> TransferEndpoint | None:
+        """Disaggregated prefill's worker half, which the engine core's connector calls between steps."""
         return self.worker.kv_transfer
 
     def check_health(self) -> None:

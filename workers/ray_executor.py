@@ -13,6 +13,7 @@ import os
 import secrets
 import socket
 import time
+from collections import deque
 from pathlib import Path
 
 import msgspec
@@ -28,6 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ipc import Decoder, EngineConfig, Encoder, ModelRunnerOutput, SchedulerOutput
 from workers import shm_region
+from workers.kv_transfer_endpoint import RemoteEndpoint
 from workers.rank_worker import RankWorker
 from workers.shm_channel import ShmChannel, attach_channel, create_channel, executor_channel_paths
 
@@ -60,6 +62,8 @@ class RayExecutor:
         self.reply_channel: ShmChannel | None = None
         self.num_remote_ranks = 0
         self.context = zmq.Context()
+        self.unanswered = 0  # batches submitted whose output has not been received
+        self.early: deque[ModelRunnerOutput] = deque()  # received ahead of collect_output (call_step)
         try:
             self._start_actors()
         except BaseException:
@@ -194,6 +198,19 @@ class RayExecutor:
             self.step_channel.send(frames, self._while_steps_ring_full)
         if self.num_remote_ranks:
             self.broadcast.send_multipart(frames, copy=False)
+        self.unanswered += 1
+
+    def kv_transfer_endpoint(self) -> RemoteEndpoint | None:
+        """The ranks' connector halves (each call a step of no tokens: call_step)."""
+        return RemoteEndpoint(self) if self.config.kv_transfer_config is not None else None
+
+    def call_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """A step sent behind the batches in flight, its output taken now (theirs kept, in order, for
+        collect_output)."""
+        self.submit_batch(scheduler_output)
+        while self.unanswered > 1:
+            self.early.append(self._receive())
+        return self._receive()
 
     def _while_steps_ring_full(self) -> None:
         """The ranks free the steps ring only as they reach each step. The driver may be waiting for room in the
@@ -205,6 +222,10 @@ class RayExecutor:
 
     def collect_output(self) -> ModelRunnerOutput:
         """The oldest submitted batch's output (the driver rank replies in broadcast order)."""
+        return self.early.popleft() if self.early else self._receive()
+
+    def _receive(self) -> ModelRunnerOutput:
+        self.unanswered -= 1
         if self.reply_channel is not None:
             return self.decoder.decode(self.reply_channel.recv(self.check_health))
         while not self.replies.poll(_HEALTH_POLL_MS):

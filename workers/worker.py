@@ -13,7 +13,7 @@ from workers.device import select_device
 from workers.distributed import parallel_state
 from workers.gpu_memory import kv_cache_budget, profile_memory
 from workers.kv_offload import HostKVTier
-from workers.kv_transfer import TransferRegion
+from workers.kv_transfer_endpoint import TransferEndpoint
 from workers.layers.attention import Attention
 from workers.model_config import load_hf_config, resolve_dtype
 from workers.model_runner import ModelRunner
@@ -46,7 +46,7 @@ class Worker:
         runner = EncoderRunner if self.encoder else ModelRunner
         self.model_runner = runner(config, self.hf_config, self.dtype, self.device, pooling)
         self.kv_offload: HostKVTier | None = None
-        self.kv_transfer: TransferRegion | None = None  # disaggregated prefill's shared region
+        self.kv_transfer: TransferEndpoint | None = None  # disaggregated prefill's worker half
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's model parameters and buffers as held (int8 weights count one byte each)."""
@@ -120,10 +120,14 @@ class Worker:
         if num_host_blocks:
             self.kv_offload = HostKVTier.for_layers(layers, num_host_blocks, self.device)
         if transfer is not None:
-            self.kv_transfer = TransferRegion.for_layers(transfer, layers, self.device)
+            self.kv_transfer = TransferEndpoint.for_layers(transfer, layers, self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput,
                       grammars: LentGrammars | None = None) -> ModelRunnerOutput:
+        if scheduler_output.kv_transfer_call is not None:  # a Ray rank's connector call: no tokens to compute
+            call = scheduler_output.kv_transfer_call
+            return ModelRunnerOutput(sampled_token_ids={}, kv_transfer_result=self.kv_transfer.call(call.method,
+                                                                                                     call.args))
         if self.threads is not None:
             self.threads.adjust()
         if self.kv_offload is not None:
