@@ -8,7 +8,7 @@ attention): the kernel near the reference's read rate. Each --formats cache (fp8
 the bf16 cache's values quantized (scale 1), timed on the same tables and queries; fp8 / bf16 is its time over bf16's
 (issue 57 wants <= 0.5). --cpu-time times one thread's CPU time per call (time.thread_time, OMP_NUM_THREADS=1): on a
 busy machine that is what the call itself costs, where the wall time also counts the other processes' turns.
---heads H KV and --head-dim D time other models' heads (groups of 4+ query heads per KV head take the AMX scores).
+--heads H KV and --head-dim D time other models' heads (groups of 8+ query heads per KV head take the AMX scores).
     python benchmarks/cpu_decode_attention.py [--formats fp8 fp8_e5m2] [--cpu-time] [--heads 32 8] [--head-dim 128]
 """
 from __future__ import annotations

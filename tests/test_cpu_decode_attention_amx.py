@@ -1,4 +1,4 @@
-"""The decode attention's scores as AMX tile products (groups of 4+ query heads per KV head): blocks of any size,
+"""The decode attention's scores as AMX tile products (groups of 8+ query heads per KV head): blocks of any size,
 query groups past one tile's 16, windows, and fp8 caches giving the bf16 kernel's output exactly."""
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ def tables_for(lengths, block_size, blocks, generator):
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 128])
-@pytest.mark.parametrize("group, head_dim", [(4, 64), (6, 128), (16, 64)])
+@pytest.mark.parametrize("group, head_dim", [(8, 64), (12, 128), (16, 64)])
 @pytest.mark.parametrize("window", [None, 21])
 def test_groups_blocks_and_windows_match_the_reference_and_fp8_the_bf16_kernel(block_size, group, head_dim, window):
     """Sequences of lengths that end mid-piece (a piece: 16 rows of a block), in blocks shorter and longer than a
-    piece; 4 and 6 query heads (one tile product per piece) and 16: the reference's output within bf16's rounding,
-    and an e4m3 cache the bf16 kernel's output over the same values bit for bit (the same tile products)."""
+    piece; 8 and 12 query heads (a tile product of fewer than 16 per piece) and 16: the reference's output within
+    bf16's rounding, and an e4m3 cache the bf16 kernel's output over the same values bit for bit."""
     generator = torch.Generator().manual_seed(block_size * group + head_dim)
     lengths = [1, 5, 16, 17, 40, 129, 300]
     kv_heads, blocks = 2, sum(-(-n // block_size) for n in lengths) + 2
@@ -50,7 +50,7 @@ def test_groups_blocks_and_windows_match_the_reference_and_fp8_the_bf16_kernel(b
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_rows_of_one_sequence_past_one_tile_of_queries_each_as_alone(cache_dtype):
-    """11 rows of one sequence with 6 query heads each: 66 queries, in tile groups of 16 (the last of 2); every row
+    """11 rows of one sequence with 8 query heads each: 88 queries, in tile groups of 16 (the last of 8); every row
     equals itself attended alone bit for bit (a query's sums do not depend on the queries beside it)."""
     generator = torch.Generator().manual_seed(11)
     kv_heads, block_size, head_dim = 2, 16, 64
@@ -59,7 +59,7 @@ def test_rows_of_one_sequence_past_one_tile_of_queries_each_as_alone(cache_dtype
             for x in values)
     lengths = list(range(60, 71))
     tables = torch.randperm(6, generator=generator)[:5].repeat(len(lengths), 1)
-    query = torch.randn(len(lengths), kv_heads * 6, head_dim, generator=generator).bfloat16()
+    query = torch.randn(len(lengths), kv_heads * 8, head_dim, generator=generator).bfloat16()
     together = cpu_decode_attention.decode_attention(query, k, v, tables, torch.tensor(lengths), 0.125)
     for row, length in enumerate(lengths):
         alone = cpu_decode_attention.decode_attention(query[row:row + 1], k, v, tables[row:row + 1],

@@ -94,10 +94,10 @@ void decode(const T* q, const C* kc, const C* vc, const int64_t* tables, const i
                               (std::is_same_v<C, T> || kIsFp8<C>);
   const bool native = bf16_cache && dim % 32 == 0;
   // With AMX the scores of all the item's query heads against a block's K rows are tile products (attention_amx.h),
-  // from groups of 4 query heads per KV head on: a tile product costs as much for 2 queries as for 16, and with 2
-  // the vdpbf16ps rows are the faster (benchmarks/cpu_decode_attention.py --heads). Decided per call, so that a
-  // row's output does not depend on the rows beside it.
-  const bool amx = native && G >= 4 && amx_usable();
+  // from groups of 8 query heads per KV head on: a tile product costs as much for 2 queries as for 16, and up to 4
+  // the vdpbf16ps rows are as fast or faster (benchmarks/cpu_decode_attention.py --heads, caches from memory).
+  // Decided per call, so that a row's output does not depend on the rows beside it.
+  const bool amx = native && G >= 8 && amx_usable();
   std::vector<int64_t> runs{0};  // row ranges sharing a table
   while (runs.back() < num_seqs) runs.push_back(run_end(tables, max_blocks, runs.back(), num_seqs));
   // Runs split into pieces of rows, each reading the run's K/V again (from cache): so many rows that their scores
