@@ -8,7 +8,8 @@ attention): the kernel near the reference's read rate. Each --formats cache (fp8
 the bf16 cache's values quantized (scale 1), timed on the same tables and queries; fp8 / bf16 is its time over bf16's
 (issue 57 wants <= 0.5). --cpu-time times one thread's CPU time per call (time.thread_time, OMP_NUM_THREADS=1): on a
 busy machine that is what the call itself costs, where the wall time also counts the other processes' turns.
-    python benchmarks/cpu_decode_attention.py [--formats fp8 fp8_e5m2] [--cpu-time]
+--heads H KV and --head-dim D time other models' heads (groups of 8+ query heads per KV head take the AMX scores).
+    python benchmarks/cpu_decode_attention.py [--formats fp8 fp8_e5m2] [--cpu-time] [--heads 32 8] [--head-dim 128]
 """
 from __future__ import annotations
 
@@ -47,10 +48,13 @@ def read_rate() -> float:
     return values.numel() * 4 / min(median_seconds(values.sum, 1) for _ in range(5))
 
 
-def compare_formats(formats: list[str], clock=time.perf_counter, reference: float | None = None) -> None:
-    """Each case's median time per call and K/V read rate for the bf16 cache and each fp8 format's, and the ratio."""
+def compare_formats(formats: list[str], clock=time.perf_counter, reference: float | None = None,
+                    heads: tuple[int, int] = (HEADS, KV_HEADS), head_dim: int = HEAD_DIM) -> None:
+    """Each case's median time per call and K/V read rate for the bf16 cache and each fp8 format's, and the ratio
+    (heads: query and KV heads)."""
     torch.manual_seed(0)
-    shape = (NUM_BLOCKS, KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    (num_heads, kv_heads), blocks = heads, NUM_BLOCKS * KV_HEADS * HEAD_DIM // (heads[1] * head_dim)
+    shape = (blocks, kv_heads, BLOCK_SIZE, head_dim)
     bf16 = [huge_page_zeros(shape, torch.bfloat16).normal_() for _ in range(2)]
     caches = {"bf16": bf16}
     for name in formats:
@@ -58,19 +62,19 @@ def compare_formats(formats: list[str], clock=time.perf_counter, reference: floa
         caches[name] = [huge_page_zeros(shape, fmt).copy_(kv_quant.quantize(c, 1.0, fmt)) for c in bf16]
     flush = torch.empty(64 << 20, dtype=torch.uint8)
     timed = "one thread's CPU time" if clock is time.thread_time else "wall time"
-    print(f"decode attention (CPU native bf16: {cpu_has_native_bf16()}), {HEADS} heads over {KV_HEADS} KV heads of "
-          f"{HEAD_DIM}, {timed}:")
+    print(f"decode attention (CPU native bf16: {cpu_has_native_bf16()}), {num_heads} heads over {kv_heads} KV heads "
+          f"of {head_dim}, {timed}:")
     for seqs, context in CASES:
-        tables = torch.randperm(NUM_BLOCKS)[:seqs * -(-context // BLOCK_SIZE)].view(seqs, -1).contiguous()
-        query = torch.randn(seqs, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        tables = torch.randperm(blocks)[:seqs * -(-context // BLOCK_SIZE)].view(seqs, -1).contiguous()
+        query = torch.randn(seqs, num_heads, head_dim, dtype=torch.bfloat16)
         lens = torch.full((seqs,), context, dtype=torch.int64)
         times = {}
         for name, (k, v) in caches.items():
             def run(k=k, v=v):
-                return decode_attention(query, k, v, tables, lens, HEAD_DIM ** -0.5)
+                return decode_attention(query, k, v, tables, lens, head_dim ** -0.5)
             run()
             times[name] = median_seconds(run, before=lambda: flush.fill_(1), clock=clock)
-        kv_elements = 2 * seqs * context * KV_HEADS * HEAD_DIM
+        kv_elements = 2 * seqs * context * kv_heads * head_dim
         rates = {name: kv_elements * caches[name][0].element_size() / t for name, t in times.items()}
         line = ", ".join(f"{name} {t * 1e3:.3f} ms ({rates[name] / 1e9:.1f} GB/s"
                          + (f", {rates[name] / reference:.0%} of the sum's" if reference else "") + ")"
@@ -83,13 +87,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", nargs="*", default=["fp8"], choices=["fp8", "fp8_e5m2"])
     parser.add_argument("--cpu-time", action="store_true", help="one thread's CPU time per call (busy machines)")
+    parser.add_argument("--heads", nargs=2, type=int, default=[HEADS, KV_HEADS], metavar=("QUERY", "KV"))
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     args = parser.parse_args()
+    if args.heads[0] % args.heads[1]:
+        raise ValueError(f"--heads: {args.heads[0]} query heads are not a multiple of {args.heads[1]} KV heads")
     if args.cpu_time:
         torch.set_num_threads(1)
     reference = None if args.cpu_time else read_rate()
     if reference:
         print(f"a plain sum reads {reference / 1e9:.1f} GB/s")
-    compare_formats(args.formats, time.thread_time if args.cpu_time else time.perf_counter, reference)
+    compare_formats(args.formats, time.thread_time if args.cpu_time else time.perf_counter, reference,
+                    tuple(args.heads), args.head_dim)
     return 0
 
 

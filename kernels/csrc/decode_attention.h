@@ -12,6 +12,7 @@
 #include <omp.h>
 #endif
 
+#include "attention_amx.h"
 #include "attention_rows.h"
 #include "common.h"
 #include "kv_cache.h"
@@ -92,6 +93,11 @@ void decode(const T* q, const C* kc, const C* vc, const int64_t* tables, const i
   constexpr bool bf16_cache = kNativeBf16Attention && std::is_same_v<T, uint16_t> &&
                               (std::is_same_v<C, T> || kIsFp8<C>);
   const bool native = bf16_cache && dim % 32 == 0;
+  // With AMX the scores of all the item's query heads against a block's K rows are tile products (attention_amx.h),
+  // from groups of 8 query heads per KV head on: a tile product costs as much for 2 queries as for 16, and up to 4
+  // the vdpbf16ps rows are as fast or faster (benchmarks/cpu_decode_attention.py --heads, caches from memory).
+  // Decided per call, so that a row's output does not depend on the rows beside it.
+  const bool amx = native && G >= 8 && amx_usable();
   std::vector<int64_t> runs{0};  // row ranges sharing a table
   while (runs.back() < num_seqs) runs.push_back(run_end(tables, max_blocks, runs.back(), num_seqs));
   // Runs split into pieces of rows, each reading the run's K/V again (from cache): so many rows that their scores
@@ -140,6 +146,7 @@ void decode(const T* q, const C* kc, const C* vc, const int64_t* tables, const i
     using Pairs = typename PairsOf<C>::type;
     const Pairs pairs;
     std::vector<int64_t> starts;
+    AmxScores tiles(amx ? dim : 0);
     int64_t warmed = -1;  // the item whose first blocks the previous one prefetched
 #pragma omp for schedule(dynamic, chunk)
     for (int64_t item = 0; item < num_items; ++item) {
@@ -156,12 +163,20 @@ void decode(const T* q, const C* kc, const C* vc, const int64_t* tables, const i
         const T* qs = q + ((first + r) * num_heads + h * G) * dim;
         for (int64_t i = 0; i < G * dim; ++i) qf[r * G * dim + i] = widen(qs[i]) * scale;
       }
+      if (amx)
+        tiles.set_queries(queries, [&](int64_t j) { return q + ((first + j / G) * num_heads + h * G + j % G) * dim; },
+                          scores.data(), std::max<int64_t>(n, 1), scale);
       if (n > 0) {
         for_each_block(kc, table, h, kv_heads, bs, dim, lo, hi, {kc, vc}, [&](int64_t j0, int64_t j1, const C* block) {
           const float* k = nullptr;
           const uint16_t* k16 = nullptr;
           if (native) {
-            if constexpr (bf16_cache) k16 = bf16_rows(block, row16.data(), (j1 - j0) * dim);
+            if constexpr (bf16_cache)
+              k16 = bf16_rows(block, amx && kIsFp8<C> ? tiles.stage(j1 - j0) : row16.data(), (j1 - j0) * dim);
+            if (amx) {  // every query's scores over the whole block (those outside a row's own range go unread)
+              tiles.add(k16, j1 - j0, j0 - lo);
+              return;
+            }
           } else {
             k = widen_rows(block, row.data(), (j1 - j0) * dim);
           }
@@ -179,6 +194,7 @@ void decode(const T* q, const C* kc, const C* vc, const int64_t* tables, const i
             }
           }
         }, warmed == item);
+        tiles.flush();
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t g = 0; g < G; ++g) {
             const int64_t a = starts[r] - lo, b = lens[first + r] - lo;  // this query's scores
