@@ -122,6 +122,24 @@ def test_blocks_are_pulled_byte_for_byte_once_and_only_by_their_nonce_from_the_c
     assert sorted(pair.sender.free_slots) == [2]
 
 
+def test_a_pulled_transfers_slots_go_back_only_after_the_server_copied_them(pair):
+    """The engine thread sends another prompt while the server answers a pull (here: just before its copy): the
+    new transfer takes a free slot, never one of the transfer being copied."""
+    params, blocks = pair.send("a", _prompt(0))
+    server = pair.sender.endpoint.server
+    copy, sent = server.region.snapshot, []
+
+    def engine_thread_sends_first(slots):
+        sent.append(pair.send("b", [n + 100 for n in range(5)])[0])  # one block: a free slot exists
+        return copy(slots)
+
+    server.region.snapshot = engine_thread_sends_first
+    loaded = pair.receive("a", _prompt(0), params)
+    assert len(sent) == 1 and not set(sent[0].slots) & set(params.slots)
+    assert len(loaded) == 2 and torch.equal(pair.caches[1][loaded], pair.caches[0][blocks[:2]])
+    assert pair.receiver.recomputes == 0
+
+
 def test_a_malformed_pull_is_answered_with_an_error_and_the_server_serves_on(pair):
     context = zmq.Context()
     client = context.socket(zmq.DEALER)

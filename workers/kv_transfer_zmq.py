@@ -85,10 +85,13 @@ class TransferServer:
         if deadline < time.monotonic() or not set(pull.slots) <= set(slots):
             error = "no such transfer (never offered, pulled already, or past its deadline)"
             return None if pull.release else [self.encoder.encode(KVPulled(pull_id=pull.pull_id, error=error))]
-        self.released.put((slots, pull.nonce))  # the transfer ends with this pull: every slot of it goes back
         if pull.release:
+            self.released.put((slots, pull.nonce))
             return None
         headers, frames = self.region.snapshot(pull.slots)
+        # The transfer ends with this pull: its slots go back only once copied, or the engine thread could rewrite
+        # one before the copy (a recompute for a pull served in time).
+        self.released.put((slots, pull.nonce))
         if any(int(nonce) != pull.nonce for nonce in headers[:, 0]):  # a slot reused since: not this transfer's
             return [self.encoder.encode(KVPulled(pull_id=pull.pull_id, error="overwritten"))]
         return [self.encoder.encode(KVPulled(pull_id=pull.pull_id, headers=headers.tolist())), *frames]
