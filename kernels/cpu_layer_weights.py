@@ -7,7 +7,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_deepseek_weights, cpu_gemv, cpu_int4, cpu_layer_checks, cpu_projections
+from kernels import (
+    cpu_deepseek_weights,
+    cpu_fp8_pairs,
+    cpu_gemv,
+    cpu_int4,
+    cpu_layer_checks,
+    cpu_projections,
+)
 from kernels.quantized_matmul import input_size_of
 
 NORM_KINDS = {"rms": 0, "gemma": 1, "layer": 2}  # layer_ops.h's NormKind
@@ -253,6 +260,12 @@ class DecoderLayerWeights:
             raise ValueError("cos and sin must be contiguous float32 [max_position, rotary_dim <= head_dim] tables")
         for (weight, scale), pairs in [*zip(self.projections(), self._pairs()),
                                        *(((w, None), p) for w, p in self._mla_products())]:
+            if pairs is not None and weight is not None and weight.dtype == torch.float8_e4m3fn:
+                if not (dtype == torch.bfloat16 and cpu_fp8_pairs.pairs_serve(weight, scale)
+                        and cpu_fp8_pairs.fits_pairs(weight, scale, pairs)):
+                    raise ValueError("an fp8 projection's pairs must be kernels.cpu_fp8_pairs.pair_fp8 of its weight "
+                                     "and scales in a bf16 layer, on a CPU with AVX-512 BF16 and VBMI")
+                continue
             if pairs is not None and weight is not None and weight.dtype != torch.uint8 and not (
                     dtype == torch.bfloat16 and cpu_gemv.pairs_serve(weight, scale)
                     and cpu_gemv.fits_pairs(weight, pairs)):

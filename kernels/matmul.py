@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_extension, cpu_gemv, cpu_prepacked
+from kernels import cpu_extension, cpu_fp8_pairs, cpu_gemv, cpu_prepacked
 from kernels.backend import use_triton
 from kernels.cpu_features import matmul_dtype
 from kernels.gemv_choice import GemvConfig
@@ -25,7 +25,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     of rows at a time into the GEMM's dtype (by the C++ kernels where they take the weight).
 
     `pairs`, the weight's kernels.cpu_gemv.pair_weight copy where the model keeps one, serves bf16 products of up to
-    cpu_gemv.PAIRS_MAX_ROWS rows (an int8 weight's, with a scale per row: its bf16 rows up to INT8_MAX_ROWS);
+    cpu_gemv.PAIRS_MAX_ROWS rows (an int8 weight's, with a scale per row, and an fp8 one's, kernels.cpu_fp8_pairs'
+    pair_fp8 copy: its bf16 rows up to INT8_MAX_ROWS);
     `packed`, its kernels.cpu_prepacked copy, the GEMMs the GEMV kernel does not take.
 
     `gemv`, the Triton GEMV's launch shape that start-up timing chose for this weight on CUDA (workers.gemv_tuning),
@@ -55,6 +56,8 @@ def _quantized_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if weight.dtype in cpu_gemv.SCALED_DTYPES and zero is None and g_idx is None and x.device.type == "cpu" \
             and (scale.dim() == 1 or cpu_gemv.takes_groups(weight, scale)) and cpu_extension.ready() is not None:
         if cpu_gemv.serves(x, weight, bias):
+            if weight.dtype == torch.float8_e4m3fn and pairs is not None and x.dtype == torch.bfloat16:
+                return cpu_fp8_pairs.linear(x, weight, scale, bias, pairs)
             return cpu_gemv.gemv_quantized(x, weight, scale, bias, pairs)
         return quantized_linear(x, weight, scale, None, None, bias, dequantizer=cpu_gemv.dequantize)
     if weight.dtype == torch.float8_e4m3fn and fp8_tensor_cores(x, weight, scale, zero, g_idx):

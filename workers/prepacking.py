@@ -1,6 +1,6 @@
 """Which of a loaded model's linear weights keep copies laid out for the CPU's products: paired for the GEMV
 kernel's bf16 (and int8) products of up to 64 rows (kernels.cpu_gemv.pair_weight; 4-bit weights' for the C++ layer:
-kernels.cpu_int4.pair_int4), prepacked for torch's CPU GEMMs past them (kernels.cpu_prepacked).
+kernels.cpu_int4.pair_int4; fp8 ones': kernels.cpu_fp8_pairs.pair_fp8), prepacked for torch's CPU GEMMs past them (kernels.cpu_prepacked).
 
 A copy sits next to the plain weight, which the other paths read, so each kind costs the weights' bytes again: a
 model gets copies only while all of them take at most PREPACK_MEMORY_FRACTION of the memory available at load,
@@ -16,10 +16,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kernels import cpu_gemv, cpu_int4, cpu_prepacked
+from kernels import cpu_fp8_pairs, cpu_gemv, cpu_int4, cpu_prepacked
 from workers.cpu_allocator import huge_page_views
 
 PREPACK_MEMORY_FRACTION = 0.125
+BYTE_COPIES = (torch.uint8, torch.float8_e4m3fn)  # weights whose pairs copy is bytes and scales together (uint8)
 
 
 def prepack_linear_weights(model: nn.Module, available_bytes: int | None = None) -> int:
@@ -39,14 +40,18 @@ def prepack_linear_weights(model: nn.Module, available_bytes: int | None = None)
     int4 = [(m, "pairs_weight", m.weight) for m in model.modules() if bf16 and getattr(m, "quantizable", False)
             and getattr(m, "weight_g_idx", True) is None and m.weight.dtype == torch.uint8
             and cpu_int4.pairs_serve(m.weight, m.weight_scale, m.weight_zero)]
+    fp8 = [(m, "pairs_weight", m.weight) for m in model.modules() if bf16 and getattr(m, "quantizable", False)
+           and getattr(m, "weight_zero", True) is None and getattr(m, "weight_g_idx", True) is None
+           and m.weight.dtype == torch.float8_e4m3fn and cpu_fp8_pairs.pairs_serve(m.weight, m.weight_scale)]
     stacks = [(m, f"{name}_pairs", getattr(m, f"{name}_proj")) for m in model.modules()
               for name in ("gate_up", "down") if getattr(m, f"{name}_pairs", False) is None]
     if available_bytes is None:
         available_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     budget, copied = available_bytes * PREPACK_MEMORY_FRACTION, 0
     for targets, takes, nbytes, copy in (
-            ([(m, "pairs_weight", m.weight) for m in plain] + stacks + int8 + int4,
-             lambda w: w.dtype in (torch.int8, torch.uint8) or cpu_gemv.pairs_serve(_matrix(w)), _pairs_bytes,
+            ([(m, "pairs_weight", m.weight) for m in plain] + stacks + int8 + int4 + fp8,
+             lambda w: w.dtype in BYTE_COPIES or w.dtype == torch.int8 or cpu_gemv.pairs_serve(_matrix(w)),
+             _pairs_bytes,
              _paired),
             ([(m, "packed_weight", m.weight) for m in plain], cpu_prepacked.packable, lambda m, w: w.nbytes,
              _prepacked)):
@@ -73,17 +78,22 @@ def _pairs_shape(weight: torch.Tensor) -> tuple[int, ...]:
 def _pairs_bytes(owner: nn.Module, weight: torch.Tensor) -> int:
     if weight.dtype == torch.uint8:
         return cpu_int4.pairs_bytes(weight, owner.weight_scale)
+    if weight.dtype == torch.float8_e4m3fn:
+        return cpu_fp8_pairs.pairs_bytes(weight, owner.weight_scale)
     return math.prod(_pairs_shape(weight)) * weight.element_size()
 
 
 def _paired(targets: Sequence[tuple[nn.Module, str, torch.Tensor]]) -> list[torch.Tensor]:
     """The weights' pairs copies (a stack's matrices each paired in turn) in one arena on huge pages: batch-1 decode
     streams them, as it streams the weights (workers.cpu_allocator)."""
-    homes = huge_page_views([((_pairs_bytes(m, w),) if w.dtype == torch.uint8 else _pairs_shape(w), w.dtype)
-                             for m, _, w in targets])
+    homes = huge_page_views([((_pairs_bytes(m, w),), torch.uint8) if w.dtype in BYTE_COPIES
+                             else (_pairs_shape(w), w.dtype) for m, _, w in targets])
     for (owner, _, weight), home in zip(targets, homes):
         if weight.dtype == torch.uint8:
             cpu_int4.pair_int4(weight, owner.weight_scale, owner.weight_zero, out=home)
+            continue
+        if weight.dtype == torch.float8_e4m3fn:
+            cpu_fp8_pairs.pair_fp8(weight, owner.weight_scale, out=home)
             continue
         for matrix, out in zip(weight.reshape(-1, *weight.shape[-2:]), home.view(-1, *home.shape[-4:])):
             cpu_gemv.pair_weight(matrix, out=out)

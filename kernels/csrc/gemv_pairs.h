@@ -49,18 +49,19 @@ inline std::array<uint8_t, 256> bf16_byte_table(float zero) {
   return bytes;
 }
 
-// The conversion of Int8Pairs and of Int8PairsBarMin: Masked zeroes the bytes of q = 0 (entry 0 being 128's).
-template <bool Masked>
+// The conversion of Int8Pairs and of Int8PairsBarMin (and fp8_pairs.h's Fp8Pairs, whose table is fp8.h's): each
+// byte's bf16 by its magnitude's entry (vpermt2b reads a byte's low 7 bits), its sign put in. Masked zeroes the
+// bytes of q = 0 (entry 0 being 128's).
+template <bool Masked, typename Q = int8_t>
 struct Int8Lookup {
-  const int8_t* tile;
+  const Q* tile;
   __m512i low0, low1, high0, high1;
-  Int8Lookup(const int8_t* t, const std::array<uint8_t, 256>& table) : tile(t) {
-    low0 = _mm512_loadu_si512(table.data()), low1 = _mm512_loadu_si512(table.data() + 64);
-    high0 = _mm512_loadu_si512(table.data() + 128), high1 = _mm512_loadu_si512(table.data() + 192);
+  Int8Lookup(const Q* t, const uint8_t* table) : tile(t) {
+    low0 = _mm512_loadu_si512(table), low1 = _mm512_loadu_si512(table + 64);
+    high0 = _mm512_loadu_si512(table + 128), high1 = _mm512_loadu_si512(table + 192);
   }
-  void convert(__m512i q, __m512bh& w0, __m512bh& w1) const {
+  void convert(__m512i q, __m512i magnitude, __m512bh& w0, __m512bh& w1) const {
     const __mmask64 lanes = Masked ? _mm512_test_epi8_mask(q, q) : ~__mmask64(0);
-    const __m512i magnitude = _mm512_abs_epi8(q);
     const __m512i low = _mm512_maskz_permutex2var_epi8(lanes, low0, magnitude, low1);
     const __m512i high = _mm512_ternarylogic_epi32(_mm512_maskz_permutex2var_epi8(lanes, high0, magnitude, high1),
                                                    q, _mm512_set1_epi8(char(0x80)), 0xF8);  // high | (q & 0x80)
@@ -70,12 +71,15 @@ struct Int8Lookup {
 };
 
 struct Int8Pairs : Int8Lookup<true> {
-  explicit Int8Pairs(const int8_t* t) : Int8Lookup(t, table()) {}
+  explicit Int8Pairs(const int8_t* t) : Int8Lookup(t, table().data()) {}
   static const std::array<uint8_t, 256>& table() {
     static const auto bytes = bf16_byte_table(128.f);  // built once
     return bytes;
   }
-  void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const { convert(_mm512_loadu_si512(tile + p * 64), w0, w1); }
+  void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
+    const __m512i q = _mm512_loadu_si512(tile + p * 64);
+    convert(q, _mm512_abs_epi8(q), w0, w1);
+  }
 };
 
 // Int8Pairs without the zero mask (entry 0 is 0's): a vector op fewer per 64 weights, which at one row bound the
@@ -84,7 +88,7 @@ struct Int8Pairs : Int8Lookup<true> {
 // (online quantization's int8 weights lie in [-127, 127]; a checkpoint's may hold -128).
 struct Int8PairsBarMin : Int8Lookup<false> {
   mutable __m512i least = _mm512_setzero_si512();
-  explicit Int8PairsBarMin(const int8_t* t) : Int8Lookup(t, table()) {}
+  explicit Int8PairsBarMin(const int8_t* t) : Int8Lookup(t, table().data()) {}
   static const std::array<uint8_t, 256>& table() {
     static const auto bytes = bf16_byte_table(0.f);
     return bytes;
@@ -92,7 +96,7 @@ struct Int8PairsBarMin : Int8Lookup<false> {
   void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
     const __m512i q = _mm512_loadu_si512(tile + p * 64);
     least = _mm512_min_epi8(least, q);
-    convert(q, w0, w1);
+    convert(q, _mm512_abs_epi8(q), w0, w1);
   }
   bool read_min() const { return _mm512_cmpeq_epi8_mask(least, _mm512_set1_epi8(char(-128))) != 0; }
 };
@@ -124,6 +128,31 @@ inline void prefetch_pair(const W* next, int64_t p) {
   if constexpr (sizeof(W) == 2) _mm_prefetch(line + 64, _MM_HINT_T1);
 }
 
+// Input rows m0..m0+MB's sums over a tile of output rows n0..n0+32 (a[m][h]: rows 16 h..16 h+16), each times its
+// row's scale (scale: the tile's first row's; null: none) plus its bias, rounded into y.
+template <int MB>
+inline void store_tile_sums(const __m512 (&a)[MB][2], const float* scale, const uint16_t* bias, uint16_t* y, int64_t n0,
+                            int64_t m0, int64_t N) {
+  const int64_t count = std::min<int64_t>(32, N - n0);
+  alignas(64) float b[32] = {}, s[32];
+  for (int64_t i = 0; bias && i < count; ++i) b[i] = widen(bias[n0 + i]);
+  for (int64_t i = 0; scale && i < 32; ++i) s[i] = i < count ? scale[i] : 0.f;
+  for (int m = 0; m < MB; ++m) {
+    // A whole tile's outputs go straight to y; a last, partial one's through a buffer (a memcpy call per row and
+    // tile was ~9% of the samples of 8-row demo decode steps).
+    alignas(64) uint16_t out[32];
+    uint16_t* to = count == 32 ? y + (m0 + m) * N + n0 : out;
+    for (int h = 0; h < 2; ++h) {
+      const __m512 bh = _mm512_load_ps(b + 16 * h);
+      const __m512 sums =
+          scale ? _mm512_fmadd_ps(a[m][h], _mm512_load_ps(s + 16 * h), bh) : _mm512_add_ps(a[m][h], bh);
+      store8(_mm512_castps512_ps256(sums), to + 16 * h);  // common.h's rounding, 8 lanes at a time
+      store8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1)), to + 16 * h + 8);
+    }
+    if (count < 32) std::memcpy(y + (m0 + m) * N + n0, out, count * sizeof(uint16_t));
+  }
+}
+
 // Input rows m0..m0+MB against the tile of output rows n0..n0+32 (tile: [K / 2 pairs][32 rows][2], zero past N
 // and K), each sum times its row's scale (scale: the tile's first row's; null: none). next: a tile of the same size
 // that the caller reads after this one, or null: its lines are prefetched into L2 as this tile's stream in, a whole
@@ -148,24 +177,7 @@ inline void pair_tile_of(const Pairs& weights, const uint16_t* x, const float* s
     step(p, [](const uint16_t* at) { int32_t v; std::memcpy(&v, at, 4); return v; });
   if (K % 2)  // the last column alone: its pair's other half is zero (never read past the row)
     step(pairs, [](const uint16_t* at) { return int32_t(*at); });
-  const int64_t count = std::min<int64_t>(32, N - n0);
-  alignas(64) float b[32] = {}, s[32];
-  for (int64_t i = 0; bias && i < count; ++i) b[i] = widen(bias[n0 + i]);
-  for (int64_t i = 0; scale && i < 32; ++i) s[i] = i < count ? scale[i] : 0.f;
-  for (int m = 0; m < MB; ++m) {
-    // A whole tile's outputs go straight to y; a last, partial one's through a buffer (a memcpy call per row and
-    // tile was ~9% of the samples of 8-row demo decode steps).
-    alignas(64) uint16_t out[32];
-    uint16_t* to = count == 32 ? y + (m0 + m) * N + n0 : out;
-    for (int h = 0; h < 2; ++h) {
-      const __m512 bh = _mm512_load_ps(b + 16 * h);
-      const __m512 sums =
-          scale ? _mm512_fmadd_ps(a[m][h], _mm512_load_ps(s + 16 * h), bh) : _mm512_add_ps(a[m][h], bh);
-      store8(_mm512_castps512_ps256(sums), to + 16 * h);  // common.h's rounding, 8 lanes at a time
-      store8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1)), to + 16 * h + 8);
-    }
-    if (count < 32) std::memcpy(y + (m0 + m) * N + n0, out, count * sizeof(uint16_t));
-  }
+  store_tile_sums<MB>(a, scale, bias, y, n0, m0, N);
 }
 
 // pair_tile_of the tile's pairs_of.
@@ -208,12 +220,10 @@ void gemv_pairs(const uint16_t* x, const W* pairs, const float* scale, const uin
   }
 }
 
-// x [M, K] bf16 against tiles converted to bf16 once each (tile_of(t): tile t's pairs functor, as pairs_of gives
-// it) into a buffer the groups of input rows then read as a bf16 tile; scale [N] (each sum's) or null, bias [N] or
-// null, y [M, N]. Threads split the tiles.
-template <typename TileOf>
-void gemv_pairs_buffered(const uint16_t* x, TileOf tile_of, const float* scale, const uint16_t* bias, uint16_t* y,
-                         int64_t M, int64_t N, int64_t K) {
+// Each tile converted to bf16 once (tile_of(t): tile t's pairs functor, as pairs_of gives it) into a buffer, which
+// rows(t, buffer) then reads as a bf16 tile; threads split the tiles.
+template <typename TileOf, typename Rows>
+void each_tile_converted(TileOf tile_of, int64_t N, int64_t K, Rows rows) {
   const int64_t tiles = (N + kPairTileRows - 1) / kPairTileRows, steps = (K + 1) / 2;
 #pragma omp parallel
   {
@@ -227,11 +237,21 @@ void gemv_pairs_buffered(const uint16_t* x, TileOf tile_of, const float* scale, 
         _mm512_storeu_si512(converted.data() + p * 64, (__m512i)w0);
         _mm512_storeu_si512(converted.data() + p * 64 + 32, (__m512i)w1);
       }
-      for (int64_t m0 = 0; m0 < M; m0 += kPairGroupRows)
-        pair_group(converted.data(), x, bias, y, t * kPairTileRows, m0, std::min(kPairGroupRows, M - m0), N, K,
-                   scale ? scale + t * kPairTileRows : nullptr);
+      rows(t, converted.data());
     }
   }
+}
+
+// x [M, K] bf16 against tiles converted to bf16 once each (each_tile_converted) that the groups of input rows then
+// read; scale [N] (each sum's) or null, bias [N] or null, y [M, N].
+template <typename TileOf>
+void gemv_pairs_buffered(const uint16_t* x, TileOf tile_of, const float* scale, const uint16_t* bias, uint16_t* y,
+                         int64_t M, int64_t N, int64_t K) {
+  each_tile_converted(tile_of, N, K, [&](int64_t t, const uint16_t* converted) {
+    for (int64_t m0 = 0; m0 < M; m0 += kPairGroupRows)
+      pair_group(converted, x, bias, y, t * kPairTileRows, m0, std::min(kPairGroupRows, M - m0), N, K,
+                 scale ? scale + t * kPairTileRows : nullptr);
+  });
 }
 
 #ifdef __AVX512VBMI__

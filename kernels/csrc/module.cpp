@@ -16,6 +16,7 @@
 #include "decode_attention.h"
 #include "decoder_layer.h"
 #include "gemv.h"
+#include "fp8_pairs.h"
 #include "gemv_pairs.h"
 #include "greedy_decode.h"
 #include "model_args.h"
@@ -188,6 +189,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                 out<uint16_t>(y), m, n, k);
 #else
     throw std::runtime_error("gemv_pairs_int8 needs AVX-512 BF16");
+#endif
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  // ... of an fp8 e4m3 weight with its scales per group of `group` columns (pairs: its pair_fp8 layout), bf16 rows.
+  m.def("gemv_pairs_fp8", [](uintptr_t x, uintptr_t pairs, int64_t group, uintptr_t bias, uintptr_t y, int64_t m,
+                             int64_t n, int64_t k) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+    pagedserve::gemv_pairs_fp8(in<uint16_t>(x), in<uint8_t>(pairs), group, in<uint16_t>(bias), out<uint16_t>(y), m,
+                               n, k);
+#else
+    throw std::runtime_error("gemv_pairs_fp8 needs AVX-512 BF16 and VBMI");
 #endif
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gemv_scaled", [](bool bf16, bool fp8, uintptr_t x, uintptr_t w, uintptr_t scale, int64_t group,

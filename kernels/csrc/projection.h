@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "common.h"
+#include "fp8_pairs.h"
 #include "gemv.h"
 #include "gemv_pairs.h"
 #include "int4.h"
@@ -19,8 +20,8 @@ struct Projection {
   const void* weight;
   const float* scale;  // null: the weight is of the model dtype
   int64_t group;  // 0: one scale per row; else the columns sharing a scale (scale is [N, K / group])
-  // a bf16 weight's gemv_pairs.h copy (an int8 one's with a scale per row: int8 pairs; a 4-bit one's: int4.h's),
-  // which its products then read; or null
+  // a bf16 weight's gemv_pairs.h copy (an int8 one's with a scale per row: int8 pairs; an fp8 one's: fp8_pairs.h's;
+  // a 4-bit one's: int4.h's), which its products then read; or null
   const uint16_t* pairs = nullptr;
   LoraSlots lora;  // its adapter slots (lora.h), or none
   bool fp8 = false;  // a scaled weight's elements: fp8 e4m3, else int8 (or 4-bit)
@@ -50,6 +51,18 @@ void int8_products(const T* x, const int8_t* w, const int8_t* pairs, const float
   gemv_scaled(x, w, scale, group, bias, y, M, N, K);
 }
 
+// y = x (W * scale)^T + b for an fp8 e4m3 W, from its pairs copy where it has one (bf16 rows on AVX-512 BF16 and VBMI
+// CPUs), else from W.
+template <typename T>
+void fp8_products(const T* x, const Fp8E4m3* w, const uint8_t* pairs, const float* scale, int64_t group, const T* bias,
+                  T* y, int64_t M, int64_t N, int64_t K) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+  if constexpr (std::is_same_v<T, uint16_t>)
+    if (pairs) return gemv_pairs_fp8(x, pairs, group ? group : K, bias, y, M, N, K);
+#endif
+  gemv_scaled(x, w, scale, group, bias, y, M, N, K);
+}
+
 // Whether p's products read its bf16 pairs copy (as project() reads it).
 inline bool paired(const Projection& p) { return p.pairs && !p.scale; }
 
@@ -61,7 +74,8 @@ void project(const Projection& p, const T* x, const T* bias, T* y, int64_t M, in
     int4_products(x, static_cast<const uint8_t*>(p.weight), reinterpret_cast<const uint8_t*>(p.pairs), p.scale,
                   p.zero, p.group, bias, y, M, N, K);
   else if (p.scale && p.fp8)
-    gemv_scaled(x, static_cast<const Fp8E4m3*>(p.weight), p.scale, p.group, bias, y, M, N, K);
+    fp8_products(x, static_cast<const Fp8E4m3*>(p.weight), reinterpret_cast<const uint8_t*>(p.pairs), p.scale,
+                 p.group, bias, y, M, N, K);
   else if (p.scale)
     int8_products(x, static_cast<const int8_t*>(p.weight), reinterpret_cast<const int8_t*>(p.pairs), p.scale,
                   p.group, bias, y, M, N, K);
