@@ -4,15 +4,19 @@ speed normalised by the bytes a token reads (1 token: the routed experts' share)
 (32 tokens), as benchmarks/feature_speed.py normalises whole models.
 
     python benchmarks/moe_fused_layer.py [--rows 1 32] [--rounds 100] [--layers 8] [--cpu-time] [--no-expert-pairs]
+                                         [--vary-routing]
 
 --layers: that many layers of distinct weights per call, so the weights a step reads outgrow the caches as a
 model's do. --cpu-time: one thread, timed by its CPU time (time.thread_time), which other processes' load moves
 less than wall time: the work a layer does, for comparing kernels on a busy machine (not how threads share it).
 --no-expert-pairs: the experts without their paired copies (torch's products past their weights' rows).
+--vary-routing: each call's input one of VARIED_INPUTS, so that its experts change from call to call as a model's
+do from token to token (by default every call routes the same input to the same experts, which then stay cached).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +39,7 @@ from workers.prepacking import prepack_linear_weights  # noqa: E402
 FAMILIES = {"llama": LlamaDecoderLayer, "mixtral": MixtralDecoderLayer, "qwen2_moe": Qwen2MoeDecoderLayer,
             "qwen3_moe": Qwen3MoeDecoderLayer}
 CONTEXT = 96  # each row's sequence length
+VARIED_INPUTS = 64  # --vary-routing: inputs taken in turn
 
 
 def config_of(arch: str) -> PretrainedConfig:
@@ -73,27 +78,30 @@ def per_token_cost(layer: LlamaDecoderLayer) -> tuple[float, float]:
 
 @torch.inference_mode()
 def time_layers(layers: list[LlamaDecoderLayer], config: PretrainedConfig, rows: int, rounds: int,
-                clock: Callable[[], float] = time.perf_counter) -> tuple[float, bool]:
+                clock: Callable[[], float] = time.perf_counter, inputs: int = 1) -> tuple[float, bool]:
     """Microseconds per layer of a call of the C++ layers over `rows` decodes (torch's products past their
-    max_rows)."""
+    max_rows), the calls taking `inputs` inputs in turn (each copied in first, as the layers write their input)."""
     head_dim, kv_heads = head_dim_of(config), config.num_key_value_heads
     blocks_per_seq = -(-CONTEXT // 16)
     cache = [torch.randn(rows * blocks_per_seq + 1, kv_heads, 16, head_dim).bfloat16() for _ in range(2)]
     tables = torch.arange(rows * blocks_per_seq).view(rows, blocks_per_seq)
     positions = torch.full((rows,), CONTEXT - 1)
     slots = tables[:, -1] * 16 + (CONTEXT - 1) % 16
-    x = torch.randn(rows, config.hidden_size).bfloat16()
+    xs = itertools.cycle([torch.randn(rows, config.hidden_size).bfloat16() for _ in range(inputs)])
+    x, residual = torch.empty(rows, config.hidden_size).bfloat16(), torch.empty(rows, config.hidden_size).bfloat16()
     step = cpu_decoder_layer.decode_step(x, positions, slots, tables, list(range(rows + 1)),
                                          min(layer.fused_weights.max_rows() for layer in layers))
     prepared = cpu_decoder_layer.PreparedLayers([layer.fused_weights for layer in layers], [tuple(cache)] * len(layers),
                                                 torch.bfloat16)
     if step.kernel_products:
         def run():
-            cpu_decoder_layer.decoder_layers(prepared, x, x, step)
+            x.copy_(residual.copy_(next(xs)))
+            cpu_decoder_layer.decoder_layers(prepared, x, residual, step)
     else:
         def run():
-            cpu_decoder_layer.decoder_layers_with_products(prepared, [layer.fused_products for layer in layers], x, x,
-                                                           step)
+            x.copy_(residual.copy_(next(xs)))
+            cpu_decoder_layer.decoder_layers_with_products(prepared, [layer.fused_products for layer in layers], x,
+                                                           residual, step)
     for _ in range(10):
         run()
     best = float("inf")
@@ -113,6 +121,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1, help="layers per call (distinct weights, as a model's)")
     parser.add_argument("--cpu-time", action="store_true", help="one thread, timed by its CPU time")
     parser.add_argument("--no-expert-pairs", action="store_true", help="the experts' products from their weights")
+    parser.add_argument("--vary-routing", action="store_true", help="inputs that change the experts call to call")
     args = parser.parse_args()
     if args.cpu_time:
         torch.set_num_threads(1)
@@ -128,7 +137,8 @@ def main() -> None:
         parts = []
         for rows in args.rows:
             micros, in_kernel = time_layers(layers, config, rows, args.rounds,
-                                           time.thread_time if args.cpu_time else time.perf_counter)
+                                           time.thread_time if args.cpu_time else time.perf_counter,
+                                           VARIED_INPUTS if args.vary_routing else 1)
             speed = (read if rows == 1 else flops) * rows / micros
             base.setdefault(rows, speed)
             parts.append(f"{rows:3d} rows {micros:8.1f} us {'kernel' if in_kernel else 'torch '} "
