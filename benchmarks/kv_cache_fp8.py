@@ -12,9 +12,11 @@
    --rounds rounds; output tokens/s of each and fp8 / auto (target >= 1.15x on a CPU with native bf16).
    --kv-cache-memory gives both the same KV budget (bytes or "24MiB"): below the workload's peak, where bf16's pool
    cannot hold every running request and fp8's holds twice the tokens (what fp8 KV is for on a server whose memory
-   is full); each kind's peak KV use and preemptions are printed.
+   is full); each kind's peak KV use and preemptions are printed. --long-context runs a workload whose decode
+   attention is most of a step instead: LONG_REQUESTS requests of LONG_INPUTS prompt tokens and LONG_OUTPUTS
+   output tokens, all running at once (every step reads each request's whole context of K/V).
     python benchmarks/kv_cache_fp8.py [--windows 64] [--rounds 2] [--skip-accuracy] [--skip-throughput]
-                                      [--kv-cache-memory SIZE]
+                                      [--kv-cache-memory SIZE] [--long-context]
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ from launch.shipped import WEIGHTS_DIR  # noqa: E402
 
 AGREEMENT_TARGET, PERPLEXITY_TARGET, SPEEDUP_TARGET = 0.99, 0.01, 1.15
 DECIDED_MARGIN = 0.2  # nats between auto's top two logprobs
+# --long-context: the benchmark model holds 2048 positions.
+LONG_REQUESTS, LONG_INPUTS, LONG_OUTPUTS = 32, (1408, 1664), (256, 384)
 
 
 def scored(model: Path, windows: torch.Tensor, kv_cache_dtype: str) -> tuple[float, list[int], list[float]]:
@@ -78,10 +82,12 @@ def accuracy(windows_wanted: int, formats: list[str]) -> None:
               f"{math.exp(nll / count):.3f} ({change:+.2%}, target within {PERPLEXITY_TARGET:.0%})")
 
 
-def throughput(rounds: int, num_requests: int, kv_cache_memory: str | None) -> None:
+def throughput(rounds: int, num_requests: int, kv_cache_memory: str | None, long_context: bool) -> None:
     model = str(ensure_benchmark_model())
     from transformers import AutoConfig
-    requests = make_requests(num_requests, AutoConfig.from_pretrained(model).vocab_size, 0, (16, 400), (8, 200))
+    inputs, outputs = (LONG_INPUTS, LONG_OUTPUTS) if long_context else ((16, 400), (8, 200))
+    num_requests = LONG_REQUESTS if long_context else num_requests
+    requests = make_requests(num_requests, AutoConfig.from_pretrained(model).vocab_size, 0, inputs, outputs)
     args = argparse.Namespace(dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=2048)
     runs: dict[str, list[dict]] = {"auto": [], "fp8": []}
     for _ in range(rounds):
@@ -90,7 +96,8 @@ def throughput(rounds: int, num_requests: int, kv_cache_memory: str | None) -> N
             runs[kv_cache_dtype].append(run_engine(model, requests, args, kv_cache_dtype=kv_cache_dtype, **budget))
     rates = {kind: sum(r["output_tokens"] for r in each) / sum(r["seconds"] for r in each)
              for kind, each in runs.items()}
-    print(f"throughput: {num_requests} requests (inputs 16-400, outputs 8-200), {model}, {rounds} alternating rounds"
+    print(f"throughput: {num_requests} requests (inputs {inputs[0]}-{inputs[1]}, outputs {outputs[0]}-{outputs[1]}), "
+          f"{model}, {rounds} alternating rounds"
           f", KV budget {kv_cache_memory or 'the default'}")
     for kind, each in runs.items():
         each_rate = ", ".join(f"{r['output_tokens_per_s']:.1f}" for r in each)
@@ -107,6 +114,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=96, help="the issue's workload: 96")
     parser.add_argument("--kv-cache-memory", help="one KV budget for both kinds (bytes or a size like 24MiB)")
+    parser.add_argument("--long-context", action="store_true", help="the long-context workload (see above)")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--skip-attention", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
@@ -116,7 +124,7 @@ def main() -> int:
     if not args.skip_attention:
         attention_bench.compare_formats(args.formats)
     if not args.skip_throughput:
-        throughput(args.rounds, args.num_requests, args.kv_cache_memory)
+        throughput(args.rounds, args.num_requests, args.kv_cache_memory, args.long_context)
     return 0
 
 

@@ -18,6 +18,7 @@
 #include "gemv.h"
 #include "fp8_pairs.h"
 #include "gemv_pairs.h"
+#include "int8_pairs.h"
 #include "greedy_decode.h"
 #include "model_args.h"
 #include "sample.h"

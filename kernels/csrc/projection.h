@@ -9,6 +9,7 @@
 #include "fp8_pairs.h"
 #include "gemv.h"
 #include "gemv_pairs.h"
+#include "int8_pairs.h"
 #include "int4.h"
 #include "lora.h"
 
