@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels import kv_quant
+from kernels import cpu_extension, cpu_gemv, kv_quant
 from kernels.cpu_features import matmul_dtype
 
 # Decode rows are attended in groups whose shortest context is at least this fraction of the longest, so
@@ -123,7 +123,13 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) 
 
 
 def read(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Cache contents as values of `dtype`: an fp8 cache's dequantized (kernels.kv_quant), any other's converted."""
+    """Cache contents as values of `dtype`: an fp8 cache's dequantized (kernels.kv_quant), any other's converted.
+    An e4m3 context on the CPU goes through the C++ kernels where they are built: the same values in one pass over
+    the bytes, where torch's float32 round trip took a prefill chunk's share of a long context's run."""
+    if stored.dtype == torch.float8_e4m3fn and stored.device.type == "cpu" and stored.numel() \
+            and dtype in (torch.float32, torch.bfloat16) and cpu_extension.ready() is not None:
+        rows = stored.reshape(-1, stored.shape[-1])
+        return cpu_gemv.dequantize(rows, torch.full((rows.shape[0],), scale), dtype=dtype).view(stored.shape)
     return kv_quant.dequantize(stored, scale, dtype) if kv_quant.is_fp8(stored.dtype) else stored.to(dtype)
 
 

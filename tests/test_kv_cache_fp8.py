@@ -10,7 +10,13 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kernels import cpu_decode_attention, cpu_decoder_layer, cpu_extension, kv_quant
+from kernels import (
+    attention_ref,
+    cpu_decode_attention,
+    cpu_decoder_layer,
+    cpu_extension,
+    kv_quant,
+)
 from kernels.attention_ref import paged_attention
 from kernels.kv_cache_ref import write_kv_cache
 from workers.layers.attention import Attention, AttentionMetadata
@@ -232,3 +238,17 @@ def test_every_fp8_byte_reads_exactly_as_its_bf16_value(fmt, head_dim):
     out = cpu_decode_attention.decode_attention(query, *caches, tables, lens, 0.125, k_scale=unit, v_scale=unit)
     bf16 = [kv_quant.dequantize(c, unit, torch.bfloat16) for c in caches]
     assert torch.equal(out, cpu_decode_attention.decode_attention(query, *bf16, tables, lens, 0.125))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefill_reads_its_fp8_context_as_the_reference_does(fmt, dtype):
+    """The prefill's reader of a cached context (attention_ref.read: e4m3 in the C++ kernels) gives kv_quant's
+    values bit for bit: every finite byte, at scales that round and one that does not."""
+    finite = torch.arange(256, dtype=torch.uint8).view(fmt)
+    finite = finite[finite.float().isfinite()]
+    context = finite[torch.randperm(len(finite), generator=torch.Generator().manual_seed(1))][:240].view(1, 2, 30, 4)
+    for scale in (0.037, 1.0, 3.7, 2.0 ** -8):
+        got = attention_ref.read(context, scale, dtype)
+        assert got.dtype == dtype and got.shape == context.shape
+        assert torch.equal(got, kv_quant.dequantize(context, scale, dtype))
