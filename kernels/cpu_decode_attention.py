@@ -26,9 +26,7 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     new token; sliding_window <= 0 or None means none; soft_cap: scores capped by soft_cap * tanh(s / soft_cap).
     Returns [num_seqs, num_heads, head_dim] in query's dtype.
     """
-    module = cpu_extension.load()
-    if module is None:
-        raise RuntimeError("the C++ CPU kernels could not be built")
+    module = cpu_extension.required()
     dtype = query.dtype
     kind = cache_kind(key_cache, value_cache, dtype)
     if query.dim() != 3 or key_cache.dim() != 4 or value_cache.shape != key_cache.shape:

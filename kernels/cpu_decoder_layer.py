@@ -182,9 +182,7 @@ def _checked(layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple[torch
              ) -> ModuleType:
     """The kernels' module, once the layers (of one norm kind), caches and final norm are found fit for hidden
     states of `dtype`."""
-    module = cpu_extension.load()
-    if module is None:
-        raise RuntimeError("the C++ CPU kernels could not be built")
+    module = cpu_extension.required()
     if not layers:
         raise ValueError("no layers to run")
     for weights, (key_cache, value_cache) in zip(layers, caches, strict=True):

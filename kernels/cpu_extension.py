@@ -59,6 +59,14 @@ def start_background_build() -> None:
         _builder.start()
 
 
+def required() -> ModuleType:
+    """The extension (load()), for a caller with no other path: RuntimeError where it could not be built."""
+    module = load()
+    if module is None:
+        raise RuntimeError("the C++ CPU kernels could not be built")
+    return module
+
+
 def ready() -> ModuleType | None:
     """The extension if its build or load has finished, without waiting for one under way; else None."""
     return _module if _done.is_set() else None

@@ -69,9 +69,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: tor
     out_features, in_features = weight.shape
     if x.shape[-1] != in_features or (bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype)):
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias do not fit")
-    module = cpu_extension.load()
-    if module is None:
-        raise RuntimeError("the C++ CPU kernels could not be built")
+    module = cpu_extension.required()
     rows = x.reshape(-1, in_features).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
     group = in_features // _groups(weight, scale)

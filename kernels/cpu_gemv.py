@@ -181,9 +181,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | N
         raise ValueError(f"zero, g_idx, dtype: the kernel dequantizes symmetric scales into float32 or bf16, not "
                          f"zero points, g_idx or {dtype}")
     _check_scaled(weight, scale)
-    module = cpu_extension.load()
-    if module is None:
-        raise RuntimeError("the C++ CPU kernels could not be built")
+    module = cpu_extension.required()
     weight, scale = weight.contiguous(), scale.contiguous()
     out = torch.empty(weight.shape, dtype=dtype)
     module.dequantize_scaled(dtype == torch.bfloat16, weight.dtype == torch.float8_e4m3fn, weight.data_ptr(),
@@ -213,9 +211,7 @@ def takes_groups(weight: torch.Tensor, scale: torch.Tensor) -> bool:
 
 def _run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
          pairs: torch.Tensor | None = None) -> torch.Tensor:
-    module = cpu_extension.load()
-    if module is None:
-        raise RuntimeError("the C++ CPU kernels could not be built")
+    module = cpu_extension.required()
     out_features, in_features = weight.shape
     if x.shape[-1] != in_features or (bias is not None and bias.shape != (out_features,)):
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)} and bias do not fit")

@@ -94,9 +94,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, zero: tor
     if x.shape[-1] != in_features or x.dtype not in (torch.float32, torch.bfloat16) or (
             bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype)):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} and bias do not fit")
-    module = cpu_extension.load()
-    if module is None:
-        raise RuntimeError("the C++ CPU kernels could not be built")
+    module = cpu_extension.required()
     rows = x.reshape(-1, in_features).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=x.dtype)
     module.gemv_int4(x.dtype == torch.bfloat16, rows.data_ptr(), weight.data_ptr(), _pointer(pairs),

@@ -25,9 +25,7 @@ def serves(logits: torch.Tensor) -> bool:
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """log_softmax of each row of logits [rows, vocab] (float32, as serves() takes them) by the kernel the C++
     multi-step calls report logprobs with (kernels/csrc/logprobs.h): both paths give the same bits."""
-    module = cpu_extension.load()
-    if module is None:
-        raise RuntimeError("the C++ CPU kernels could not be built")
+    module = cpu_extension.required()
     logits = logits.contiguous()
     logprobs = torch.empty_like(logits)
     module.log_softmax(logits.data_ptr(), logprobs.data_ptr(), *logits.shape)
@@ -39,9 +37,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tenso
     """A token per row of logits [rows, vocab] (float32) at uniform[row] in [0, 1) (float64): drawn from
     softmax(logits / temperature) after top-k (<= 0: none), top-p (1: none) and min-p (0: none), per row (None: none
     for any row). Raises ValueError for a row where no token has weight (every logit -inf, or a NaN)."""
-    module = cpu_extension.load()
-    if module is None:
-        raise RuntimeError("the C++ CPU kernels could not be built")
+    module = cpu_extension.required()
     rows, vocab = logits.shape
 
     def per_row(values: torch.Tensor | None, neutral: float, dtype: torch.dtype) -> torch.Tensor:
