@@ -1,6 +1,7 @@
 """Which of a loaded model's linear weights keep copies laid out for the CPU's products: paired for the GEMV
 kernel's bf16 (and int8) products of up to 64 rows (kernels.cpu_gemv.pair_weight; 4-bit weights' for the C++ layer:
-kernels.cpu_int4.pair_int4; fp8 ones': kernels.cpu_fp8_pairs.pair_fp8), prepacked for torch's CPU GEMMs past them (kernels.cpu_prepacked).
+kernels.cpu_int4.pair_int4; fp8 ones': kernels.cpu_fp8_pairs.pair_fp8), prepacked for torch's CPU GEMMs past them
+(kernels.cpu_prepacked).
 
 A copy sits next to the plain weight, which the other paths read, so each kind costs the weights' bytes again: a
 model gets copies only while all of them take at most PREPACK_MEMORY_FRACTION of the memory available at load,
