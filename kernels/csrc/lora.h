@@ -120,18 +120,27 @@ template <typename T, typename C>
 void add_tile_deltas(const C* bt, int64_t N, int64_t count, int64_t rank, const C* s, int64_t W, const int64_t* rows,
                      int64_t R, T* out, std::vector<float>& tile) {
   const __mmask16 first = __mmask16((1u << count) - 1);
-  auto add_block = [&](int64_t r0, auto product, int64_t steps) {
-    const C* row[kLoraRowBlock];  // rows past R repeat the last one; their sums are dropped
-    for (int64_t r = 0; r < kLoraRowBlock; ++r) row[r] = s + std::min(r0 + r, R - 1) * W;
-    __m512 acc[kLoraRowBlock];
-    for (int64_t r = 0; r < kLoraRowBlock; ++r) acc[r] = _mm512_setzero_ps();
+  // kLoraRowBlock rows from r0 on while that many remain, then one at a time (a step of few rows, batch 1's above
+  // all, would otherwise compute a whole block for each of them).
+  auto add_block = [&](int64_t r0, auto product, int64_t steps, auto block) {
+    constexpr int64_t B = decltype(block)::value;
+    const C* row[B];
+    for (int64_t r = 0; r < B; ++r) row[r] = s + (r0 + r) * W;
+    __m512 acc[B];
+    for (int64_t r = 0; r < B; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t q = 0; q < steps; ++q)
-      for (int64_t r = 0; r < kLoraRowBlock; ++r) acc[r] = product(acc[r], _mm512_loadu_ps(&tile[16 * q]), row[r], q);
+      for (int64_t r = 0; r < B; ++r) acc[r] = product(acc[r], _mm512_loadu_ps(&tile[16 * q]), row[r], q);
     alignas(64) float sums[16];
-    for (int64_t r = 0; r < std::min(kLoraRowBlock, R - r0); ++r) {
+    for (int64_t r = 0; r < B; ++r) {
       _mm512_store_ps(sums, acc[r]);
       add_deltas<T, C>(out + rows[r0 + r] * N, sums, count);
     }
+  };
+  auto add_rows = [&](auto product, int64_t steps) {
+    int64_t r0 = 0;
+    for (; r0 + kLoraRowBlock <= R; r0 += kLoraRowBlock)
+      add_block(r0, product, steps, std::integral_constant<int64_t, kLoraRowBlock>{});
+    for (; r0 < R; ++r0) add_block(r0, product, steps, std::integral_constant<int64_t, 1>{});
   };
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<C, uint16_t>) {  // bf16 pairs of columns: (column 2q, 2q + 1) in each lane
@@ -147,7 +156,7 @@ void add_tile_deltas(const C* bt, int64_t N, int64_t count, int64_t rank, const 
       if (2 * q + 1 < rank) std::memcpy(&pair, row + 2 * q, 4);
       return _mm512_dpbf16_ps(acc, (__m512bh)columns, (__m512bh)_mm512_set1_epi32(pair));
     };
-    for (int64_t r0 = 0; r0 < R; r0 += kLoraRowBlock) add_block(r0, product, pairs);
+    add_rows(product, pairs);
     return;
   }
 #endif
@@ -161,7 +170,7 @@ void add_tile_deltas(const C* bt, int64_t N, int64_t count, int64_t rank, const 
   auto product = [](__m512 acc, __m512 column, const C* row, int64_t j) {
     return _mm512_fmadd_ps(_mm512_set1_ps(widen(row[j])), column, acc);
   };
-  for (int64_t r0 = 0; r0 < R; r0 += kLoraRowBlock) add_block(r0, product, rank);
+  add_rows(product, rank);
 }
 #endif
 
@@ -213,7 +222,7 @@ void add_lora_rows(const LoraSlots& L, const T* x, T* y, int64_t M, int64_t N, i
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     std::vector<float> tile;  // a tile's columns, 16 lanes each
 #endif
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t i = 0; i < run_count * tile_count; ++i) {
       const int64_t run = i / tile_count, part = tiles[2 * (i % tile_count)], n0 = tiles[2 * (i % tile_count) + 1];
       const int64_t first = runs[run], count = std::min<int64_t>(16, part_end(part) - n0);
