@@ -38,8 +38,12 @@ def test_a_build_killed_midway_leaves_nothing_for_the_next_process_to_wait_on(tm
     sources, builds = tmp_path / "csrc", tmp_path / "builds"
     sources.mkdir()
     (sources / "module.cpp").write_text(TINY_MODULE)
+    # It exits as soon as its build's private folder appears: a fixed wait outlasted the tiny module's whole build
+    # on a fast machine, which then left a finished build.
     script = WITH_TINY_SOURCES + ("import time; k._build_at_low_priority = lambda: k.load(sys.argv[1]); "
-                                  "k.start_background_build(); time.sleep(0.3)")
+                                  "k.start_background_build(); "
+                                  "[time.sleep(0.005) for _ in iter(lambda: any(Path(sys.argv[1]).glob('.build-*')), "
+                                  "True)]")
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", script, str(builds), str(sources)], cwd=root, check=True, timeout=120)
     loaded = subprocess.run([sys.executable, "-c", WITH_TINY_SOURCES + "import logging; "
