@@ -124,6 +124,15 @@ def test_expert_parallel_on_a_dense_model_is_refused():
         LLM(tiny_model("llama"), dtype="float32", in_process=True, enable_expert_parallel=True)
 
 
+def test_a_deepseek_config_whose_head_dim_is_not_its_rope_width_is_an_error_at_load():
+    """HF's DeepSeek configs set head_dim to qk_rope_head_dim, the rotary table's width; an edited one that does not
+    is refused at load (it once passed the load and killed the engine at its first step)."""
+    model = make_model(Path(tiny_model("llama")).parent / "deepseek_v3-tiny-head-dim", arch="deepseek_v3",
+                       size="tiny", weights=False, head_dim=32)
+    with pytest.raises(ValueError, match=r"head_dim \(32\) must equal qk_rope_head_dim \(8\)"):
+        LLM(str(model), dtype="float32", in_process=True, load_format="dummy")
+
+
 def test_mla_caches_one_latent_per_token_not_keys_and_values_per_head():
     """DeepSeek-V2's cache entry per token and layer: kv_lora_rank + qk_rope_head_dim values, instead of the
     2 * heads * head_dim of multi-head attention; a fixed budget holds that many more blocks."""

@@ -17,7 +17,7 @@ from workers.layers.fused_moe import FusedMoE, Routing
 from workers.layers.linear import Linear
 from workers.layers.mla import MLAAttention
 from workers.models.fused_stage import describe_layer, takes_projections
-from workers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from workers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, head_dim_of
 
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
 
@@ -107,3 +107,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     layer_class = DeepseekV2DecoderLayer
     expert_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        if head_dim_of(config) != config.qk_rope_head_dim:  # HF's config sets them equal; an edited one may not
+            raise ValueError(f"DeepSeek's head_dim ({head_dim_of(config)}) must equal qk_rope_head_dim "
+                             f"({config.qk_rope_head_dim}): it is the width of the rotary table")
+        super().__init__(config)
