@@ -30,7 +30,7 @@ import os
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,22 +87,25 @@ ROWS = {"llama": Row(), **{arch: Row(arch) for arch in ARCHS if arch != "llama"}
 
 def per_token_cost(folder: Path) -> tuple[float, float]:
     """(bytes of the weights a decoded token reads, FLOPs of its products) from the checkpoint's tensors."""
-    config = json.loads((folder / "config.json").read_text())
+    with safe_open(str(folder / "model.safetensors"), "pt") as tensors:
+        shapes = {name: tensors.get_slice(name).get_shape() for name in tensors.keys()}
+    return weights_cost(json.loads((folder / "config.json").read_text()), shapes)
+
+
+def weights_cost(config: dict, shapes: dict[str, Sequence[int]]) -> tuple[float, float]:
+    """per_token_cost of a model with this config and these weights' shapes (by name)."""
     experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
     routed = config.get("num_experts_per_tok", 1) / experts if experts else 1.0
     read = products = 0.0
-    with safe_open(str(folder / "model.safetensors"), "pt") as tensors:
-        names = list(tensors.keys())
-        tied = not any(name.endswith(("lm_head.weight", "embed_out.weight")) for name in names)
-        for name in names:
-            shape = tensors.get_slice(name).get_shape()
-            elements = float(math.prod(shape))
-            if (name.endswith(EMBEDDING_NAMES) and not tied) or name.endswith(POSITION_NAMES):
-                continue
-            if ".experts." in name and ".shared_expert" not in name:
-                elements *= routed
-            read += elements * 2  # bytes of bf16
-            products += 2 * elements if len(shape) == 2 else 0
+    tied = not any(name.endswith(("lm_head.weight", "embed_out.weight")) for name in shapes)
+    for name, shape in shapes.items():
+        elements = float(math.prod(shape))
+        if (name.endswith(EMBEDDING_NAMES) and not tied) or name.endswith(POSITION_NAMES):
+            continue
+        if ".experts." in name and ".shared_expert" not in name:
+            elements *= routed
+        read += elements * 2  # bytes of bf16
+        products += 2 * elements if len(shape) == 2 else 0
     return read, products
 
 

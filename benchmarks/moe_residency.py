@@ -7,10 +7,10 @@ them more slowly, dense or not. This measures, in one run, each family's batch-1
 dense llama (the same hidden size and layers) whose MLP is widened until its weights total the family's: the last
 is what plain llama's own fast path reaches on a working set of that size.
 
---beyond-cache instead: a qwen3_moe-shaped model at feature_speed's beyond-cache width (its experts a quarter of
-that MLP wide, 2 of 8 a token) with layers until the bytes a token reads are BEYOND_CACHE_FACTOR x the last-level
-cache, against feature_speed's beyond-cache llama: both stream from memory, as real models do, where a mixture of
-experts' switching experts no longer meet weights that stay cached.
+--beyond-cache instead: each family (--rows) at feature_speed's beyond-cache llama's width, heads and MLP width (its
+experts as the model maker shapes them: a quarter of that MLP wide, Mixtral's as wide), with layers until the bytes
+a token reads are BEYOND_CACHE_FACTOR x the last-level cache, against that beyond-cache llama: both stream from
+memory, as real models do, where a mixture of experts' switching experts no longer meet weights that stay cached.
 
     python benchmarks/moe_residency.py [--rows mixtral deepseek_v2 ...] [--repeats 5] [--beyond-cache]
 """
@@ -22,21 +22,25 @@ import math
 import sys
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from feature_speed import (BEYOND_CACHE_FACTOR, BEYOND_CACHE_HEADS, BEYOND_CACHE_HIDDEN,  # noqa: E402
                            BEYOND_CACHE_INTERMEDIATE, arguments_with_kernels, batch1_turns, beyond_cache_model,
-                           last_level_cache_bytes, per_token_cost)
+                           last_level_cache_bytes, per_token_cost, weights_cost)
 from neighbour import model_dir  # noqa: E402
 
 from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
-from launch.make_model import benchmark_cache_dir, make_model  # noqa: E402
+from launch.make_model import benchmark_cache_dir, make_model, quiet_transformers  # noqa: E402
+from launch.model_shapes import SIZES, SizeSpec, config_kwargs, family_kwargs  # noqa: E402
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 WIDTH_STEP = 64  # the dense reference's intermediate size is a multiple of this
+BEYOND_CACHE_KV_BYTES = 1 << 28
 
 
 def weight_elements(folder: Path) -> int:
@@ -56,32 +60,51 @@ def dense_reference(folder: Path) -> Path:
     return make_model(benchmark_cache_dir() / f"dense-llama-mlp-{width}", "llama", "30m", intermediate_size=width)
 
 
-def batch1_gbps(folders: dict[str, Path], dtype: str, repeats: int) -> dict[str, float]:
-    """Each model's batch-1 GB/s of the weights a token reads, the engines taking turns (best of `repeats`)."""
-    speeds = batch1_turns({name: {"model": str(folder), "dtype": dtype} for name, folder in folders.items()}, repeats)
+def batch1_gbps(folders: dict[str, Path], dtype: str, repeats: int, **engine) -> dict[str, float]:
+    """Each model's batch-1 GB/s of the weights a token reads, the engines taking turns (best of `repeats`); `engine`:
+    more engine arguments."""
+    speeds = batch1_turns({name: {"model": str(folder), "dtype": dtype, **engine} for name, folder in folders.items()},
+                          repeats)
     return {name: speeds[name] * per_token_cost(folder)[0] / 1e9 for name, folder in folders.items()}
 
 
-def beyond_cache_moe(cache: int) -> Path:
-    """qwen3_moe at the beyond-cache llama's width, experts a quarter of its MLP wide (2 of 8 a token), with layers
-    until the bf16 bytes a token reads are BEYOND_CACHE_FACTOR x `cache`, made once."""
-    hidden, inter = BEYOND_CACHE_HIDDEN, BEYOND_CACHE_INTERMEDIATE // 4
-    per_layer = 2 * (4 * hidden * hidden + 2 * 3 * inter * hidden)  # attention and two experts, bf16
-    layers = max(1, math.ceil(BEYOND_CACHE_FACTOR * cache / per_layer))
-    shape = {"hidden_size": hidden, "intermediate_size": BEYOND_CACHE_INTERMEDIATE, "moe_intermediate_size": inter,
-             "num_hidden_layers": layers, "num_attention_heads": BEYOND_CACHE_HEADS,
-             "num_key_value_heads": BEYOND_CACHE_HEADS, "head_dim": hidden // BEYOND_CACHE_HEADS}
-    return make_model(benchmark_cache_dir() / f"beyond-cache-qwen3_moe-{layers}", "qwen3_moe", "100m", **shape)
+def beyond_cache_moe(family: str, cache: int) -> Path:
+    """`family` at the beyond-cache llama's width, heads and MLP width, its experts as the model maker shapes them
+    for that MLP (a quarter as wide but Mixtral's), with layers until the bf16 bytes a token reads are
+    BEYOND_CACHE_FACTOR x `cache`, made once."""
+    width = SizeSpec(BEYOND_CACHE_HIDDEN, 1, BEYOND_CACHE_HEADS, BEYOND_CACHE_HEADS, BEYOND_CACHE_INTERMEDIATE,
+                     max_positions=2048, vocab=8192, sliding_window=512)
+    shape = family_kwargs(family, width) | {
+        "hidden_size": width.hidden, "intermediate_size": width.intermediate, "num_attention_heads": width.heads,
+        "num_key_value_heads": width.kv_heads}
+    first = shape.get("first_k_dense_replace", 0) + 1  # layers up to the first mixture of experts
+    per_layer = token_bytes(family, shape, first + 1) - token_bytes(family, shape, first)
+    layers = first + max(0, math.ceil((BEYOND_CACHE_FACTOR * cache - token_bytes(family, shape, first)) / per_layer))
+    return make_model(benchmark_cache_dir() / f"beyond-cache-{family}-{layers}", family, "100m", **shape,
+                      num_hidden_layers=layers)
 
 
-def beyond_cache(dtype: str, repeats: int) -> None:
+def token_bytes(family: str, shape: dict, layers: int) -> float:
+    """The bf16 bytes a token reads in `family` of this shape and layers (its weights' shapes on the meta device)."""
+    config = AutoConfig.for_model(family, **config_kwargs(family, SIZES["100m"], 8192) | shape
+                                  | {"num_hidden_layers": layers})
+    with quiet_transformers(), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return weights_cost(config.to_dict(), {name: tuple(w.shape) for name, w in model.state_dict().items()})[0]
+
+
+def beyond_cache(families: list[str], dtype: str, repeats: int) -> None:
     cache = last_level_cache_bytes()
-    moe, dense = beyond_cache_moe(cache), beyond_cache_model(cache)
-    gbps = batch1_gbps({"moe": moe, "dense": dense}, dtype, repeats)
-    print(f"beyond the last-level cache ({cache / 2**20:.0f} MiB): qwen3_moe ({moe.name}, "
-          f"{per_token_cost(moe)[0] / 1e9:.2f} GB a token of {weight_elements(moe) * 2 / 1e9:.2f} GB) "
-          f"{gbps['moe']:6.2f} GB/s | dense llama ({dense.name}, {per_token_cost(dense)[0] / 1e9:.2f} GB a token) "
-          f"{gbps['dense']:6.2f} GB/s: {gbps['moe'] / gbps['dense']:.2f}x", flush=True)
+    dense = beyond_cache_model(cache)
+    for family in families:
+        moe = beyond_cache_moe(family, cache)
+        # A KV budget of its own: beside another engine's GBs of weights, the default (a share of the memory free
+        # at load) fell below one context for DeepSeek's.
+        gbps = batch1_gbps({"moe": moe, "dense": dense}, dtype, repeats, kv_cache_memory=BEYOND_CACHE_KV_BYTES)
+        print(f"beyond the last-level cache ({cache / 2**20:.0f} MiB): {family:>11} ({moe.name}, "
+              f"{per_token_cost(moe)[0] / 1e9:.2f} GB a token of {weight_elements(moe) * 2 / 1e9:.2f} GB) "
+              f"{gbps['moe']:6.2f} GB/s | dense llama ({dense.name}, {per_token_cost(dense)[0] / 1e9:.2f} GB a "
+              f"token) {gbps['dense']:6.2f} GB/s: {gbps['moe'] / gbps['dense']:.2f}x", flush=True)
 
 
 def main() -> None:
@@ -92,7 +115,7 @@ def main() -> None:
     print(f"native bf16: {cpu_has_native_bf16()}, dtype {args.dtype}; batch 1 = 128 tokens; best of {args.repeats}; "
           "a quiet machine is assumed", flush=True)
     if args.beyond_cache:
-        beyond_cache(args.dtype, args.repeats)
+        beyond_cache(args.rows, args.dtype, args.repeats)
         return
     for family in args.rows:
         folder = model_dir(family)

@@ -63,10 +63,10 @@ def config_kwargs(arch: str, size: SizeSpec, tokenizer_vocab: int) -> dict[str, 
         "rope_parameters": dict(ROPE_PARAMETERS),
         "tie_word_embeddings": arch == "qwen2",
     }
-    return decoder | _family_kwargs(arch, size)
+    return decoder | family_kwargs(arch, size)
 
 
-def _family_kwargs(arch: str, size: SizeSpec) -> dict[str, Any]:
+def family_kwargs(arch: str, size: SizeSpec) -> dict[str, Any]:
     """What each family adds to (or changes in) the llama-shaped config; experts are a quarter MLP wide."""
     head_dim = size.hidden // size.heads
     moe = {"num_experts_per_tok": 2, "moe_intermediate_size": size.intermediate // 4}
