@@ -78,8 +78,9 @@ def beyond_cache_moe(family: str, cache: int) -> Path:
         "hidden_size": width.hidden, "intermediate_size": width.intermediate, "num_attention_heads": width.heads,
         "num_key_value_heads": width.kv_heads}
     first = shape.get("first_k_dense_replace", 0) + 1  # layers up to the first mixture of experts
-    per_layer = token_bytes(family, shape, first + 1) - token_bytes(family, shape, first)
-    layers = first + max(0, math.ceil((BEYOND_CACHE_FACTOR * cache - token_bytes(family, shape, first)) / per_layer))
+    up_to_first = token_bytes(family, shape, first)
+    per_layer = token_bytes(family, shape, first + 1) - up_to_first
+    layers = first + max(0, math.ceil((BEYOND_CACHE_FACTOR * cache - up_to_first) / per_layer))
     return make_model(benchmark_cache_dir() / f"beyond-cache-{family}-{layers}", family, "100m", **shape,
                       num_hidden_layers=layers)
 
