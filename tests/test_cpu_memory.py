@@ -1,5 +1,5 @@
 """CPU memory placement (workers.cpu_allocator): the KV cache and the weights on 2 MiB-aligned memory advised for
-transparent huge pages, with the same values and sharing as before."""
+transparent huge pages, with the same values and sharing as before; the memory a load plans on."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,7 +8,7 @@ import torch
 
 from conftest import tiny_model
 from frontend import LLM
-from workers.cpu_allocator import gather_parameters_in_huge_pages, huge_page_zeros
+from workers.cpu_allocator import available_memory, gather_parameters_in_huge_pages, huge_page_zeros
 from workers.model_config import load_hf_config
 from workers.model_loader import load_model
 
@@ -91,3 +91,12 @@ def test_engine_cache_is_on_huge_pages():
             assert _huge_bytes_at(caches[0].data_ptr()) > 0
     finally:
         llm.shutdown()
+
+
+def test_available_memory_counts_the_page_cache_a_load_may_drop():
+    """The KV and weight-copy budgets plan on MemAvailable (free memory and reclaimable page cache), not on free
+    memory alone, which reading checkpoints shrinks by GBs."""
+    meminfo = {line.split(":")[0]: int(line.split()[1]) * 1024
+               for line in Path("/proc/meminfo").read_text().splitlines()}
+    assert abs(available_memory() - meminfo["MemAvailable"]) <= 0.05 * meminfo["MemAvailable"]
+    assert available_memory() >= meminfo["MemFree"]

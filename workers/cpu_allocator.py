@@ -1,5 +1,5 @@
-"""CPU memory placement: glibc malloc kept from returning large tensors' memory to the OS between engine steps, and
-the KV cache and weights on transparent huge pages."""
+"""CPU memory placement: glibc malloc kept from returning large tensors' memory to the OS between engine steps, the
+KV cache and weights on transparent huge pages, and the memory a load may plan on."""
 from __future__ import annotations
 
 import ctypes
@@ -10,12 +10,20 @@ import math
 import mmap
 from collections.abc import Sequence
 
+import psutil
 import torch
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
 _TRIM_THRESHOLD = 2**30
+
+
+def available_memory() -> int:
+    """Bytes the machine can give without swapping: free memory and the page cache it may drop (MemAvailable).
+    Free memory alone is what is left after reading a checkpoint fills the page cache, which varied a load's
+    budgets (the KV cache's, the weights' copies) by GBs with what files were read before it."""
+    return psutil.virtual_memory().available
 
 
 @functools.cache

@@ -11,14 +11,13 @@ machine) keeps its memory for the KV cache instead.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from kernels import cpu_fp8_pairs, cpu_gemv, cpu_int4, cpu_prepacked
-from workers.cpu_allocator import huge_page_views
+from workers.cpu_allocator import available_memory, huge_page_views
 
 PREPACK_MEMORY_FRACTION = 0.125
 BYTE_COPIES = (torch.uint8, torch.float8_e4m3fn)  # weights whose pairs copy is bytes and scales together (uint8)
@@ -47,7 +46,7 @@ def prepack_linear_weights(model: nn.Module, available_bytes: int | None = None)
     stacks = [(m, f"{name}_pairs", getattr(m, f"{name}_proj")) for m in model.modules()
               for name in ("gate_up", "down") if getattr(m, f"{name}_pairs", False) is None]
     if available_bytes is None:
-        available_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        available_bytes = available_memory()
     budget, copied = available_bytes * PREPACK_MEMORY_FRACTION, 0
     for targets, takes, nbytes, copy in (
             ([(m, "pairs_weight", m.weight) for m in plain] + stacks + int8 + int4 + fp8,

@@ -1,13 +1,12 @@
 """Worker: one rank's device, model runner and KV cache shard; sizes the cache from its memory budget."""
 from __future__ import annotations
 
-import os
 
 import torch
 
 from ipc import EngineConfig, ModelRunnerOutput, SchedulerOutput
 from kernels import kv_quant, start_cpu_kernels_build
-from workers.cpu_allocator import keep_freed_memory_in_heap
+from workers.cpu_allocator import available_memory, keep_freed_memory_in_heap
 from workers.cpu_threads import ComputeThreads, compute_threads
 from workers.device import select_device
 from workers.distributed import parallel_state
@@ -86,7 +85,7 @@ class Worker:
 
     def _cpu_budget(self) -> int:
         config = self.config
-        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        available = available_memory()
         most_useful = config.max_num_seqs * -(-config.max_model_len // config.block_size) * self.block_bytes()
         return min(_DEFAULT_CPU_KV_BYTES, int(available * _DEFAULT_CPU_KV_FRACTION), most_useful)
 
