@@ -39,8 +39,8 @@ def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ma
                      stride_cb, stride_ch, stride_cs,
                      HEADS_PADDED: tl.constexpr, DIM_PADDED: tl.constexpr,
                      FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr):
-    """One program per token: all its heads, at cache slot slot_mapping[token]. FP8_MAX 0: a cache of another
-    dtype, which stores the values as they are."""
+    """One program per token: all its heads, at cache slot slot_mapping[token]. MANTISSA_BITS 0: a cache of
+    another dtype, which stores the values as they are."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # a padded token
@@ -51,7 +51,8 @@ def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ma
     cache_offsets = (slot // block_size) * stride_cb + heads * stride_ch + (slot % block_size) * stride_cs + dims
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-    if FP8_MAX:  # x / scale divided as IEEE does (Triton's `/` need not round to nearest on a GPU)
+    # The switch is the int constexpr: Triton before 3.9 takes no float in an `if`.
+    if MANTISSA_BITS:  # x / scale divided as IEEE does (Triton's `/` need not round to nearest on a GPU)
         key = _fp8_grid(tl.math.div_rn(key.to(tl.float32), k_scale), FP8_MAX, MANTISSA_BITS, MIN_NORMAL)
         value = _fp8_grid(tl.math.div_rn(value.to(tl.float32), v_scale), FP8_MAX, MANTISSA_BITS, MIN_NORMAL)
     tl.store(key_cache_ptr + cache_offsets, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
@@ -70,7 +71,7 @@ def cache_scales(cache: torch.Tensor, k_scale: float, v_scale: float) -> tuple[f
 
 
 def _fp8_format(dtype: torch.dtype) -> dict[str, float | int]:
-    """The write kernel's constexprs for a cache dtype (FP8_MAX 0 for a cache that is not fp8)."""
+    """The write kernel's constexprs for a cache dtype (all 0 for a cache that is not fp8)."""
     if not kv_quant.is_fp8(dtype):
         return {"FP8_MAX": 0.0, "MANTISSA_BITS": 0, "MIN_NORMAL": 0.0}
     info = torch.finfo(dtype)
