@@ -2,21 +2,27 @@
 each in its own process so that every stage starts with the whole GPU. Results go to --results as JSON lines.
 
 Stages (issue 26's figures):
-    make        the model folder (config and tokenizer; weights are load_format="dummy")
+    make        the model folder (config and tokenizer; weights are load_format="dummy"); --arch, --overrides: another
+                family or shape (a mixture of experts: Qwen3-30B-A3B's shapes, below)
     batch1      batch-1 decode tok/s, CUDA graphs or --enforce-eager, against the bandwidth floor (the bytes of the
-                weights a token reads, every linear layer and the LM head, over a measured device-to-device copy,
-                read + write bytes per second): (T(out) - T(1)) / (out - 1), best of 3 each
+                weights a token reads, every linear layer (a mixture's router and top-k experts) and the LM head,
+                over a measured device-to-device copy, read + write bytes per second): (T(out) - T(1)) / (out - 1),
+                best of 3 each
     throughput  offline: N requests of random tokens, input/output lengths fixed, ignore_eos, output tok/s
+    roofline    the throughput workload against its roofline (benchmarks/roofline.py): the prefill's MFU (of the
+                measured bf16 matrix rate) from a prefill-only pass, the run's time over its floor
     hf          the same requests (the first --num-requests) through HF transformers `generate` in padded
                 batches, on a model of the same shapes and random weights, output tok/s
     overhead    engine overhead per decode step with N requests running: GPU idle time between kernels over the
                 steps' span, from the torch profiler's kernel timeline
 
     python benchmarks/cuda_e2e.py make --model /tmp/llama3-8b
-    python benchmarks/cuda_e2e.py batch1 --model /tmp/llama3-8b [--enforce-eager]
+    python benchmarks/cuda_e2e.py batch1 --model /tmp/llama3-8b [--enforce-eager] [--quantization int8]
     python benchmarks/cuda_e2e.py throughput --model /tmp/llama3-8b --num-requests 1000
+    python benchmarks/cuda_e2e.py roofline --model /tmp/llama3-8b --num-requests 1000
     python benchmarks/cuda_e2e.py hf --model /tmp/llama3-8b --num-requests 256
     python benchmarks/cuda_e2e.py overhead --model /tmp/llama3-8b --num-requests 256
+    python benchmarks/cuda_e2e.py make --model /tmp/qwen3-30b-a3b --arch qwen3_moe --overrides "$QWEN3_30B_A3B"
 """
 from __future__ import annotations
 
@@ -38,10 +44,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The repository ahead of this folder, whose kernels.py would shadow the kernels package; this folder after it.
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 from cuda_trace import gpu_busy, print_kernel_table  # noqa: E402
+from roofline import Shape, WorkloadFloors, copy_bandwidth, matmul_rate, synchronize  # noqa: E402
 
 from ipc import EngineConfig, EngineCoreRequest, SamplingParams  # noqa: E402
 from ipc.config import KV_CACHE_DTYPES  # noqa: E402
@@ -49,40 +56,6 @@ from launch.make_model import make_model, quiet_transformers  # noqa: E402
 
 if TYPE_CHECKING:
     from workers.model_runner import ModelRunner
-
-COPY_BYTES = 1 << 30
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes per second of a device-to-device copy of 1 GiB, read + write, median of 20 after warm-up."""
-    src = torch.randint(0, 255, (COPY_BYTES,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(25):
-        _synchronize(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _synchronize(device)
-        if i >= 5:
-            times.append(time.perf_counter() - start)
-    return 2 * COPY_BYTES / sorted(times)[len(times) // 2]
-
-
-def _synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def weight_bytes_per_token(model_dir: str, dtype_bytes: int = 2) -> int:
-    """Bytes of every linear layer and the LM head (not the embedding table): what one decode step reads."""
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(model_dir)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    attention = c.hidden_size * head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
-    mlp = 3 * c.hidden_size * c.intermediate_size
-    return dtype_bytes * (c.num_hidden_layers * (attention + mlp) + c.hidden_size * c.vocab_size)
-
 
 def random_prompts(args: argparse.Namespace, count: int) -> list[list[int]]:
     """Random ids the tokenizer knows (the 8b config's vocabulary is larger); id 0 is eos: never drawn."""
@@ -96,7 +69,7 @@ def random_prompts(args: argparse.Namespace, count: int) -> list[list[int]]:
 def engine_args(args: argparse.Namespace, **extra) -> dict:
     return dict(dtype="bfloat16", load_format="dummy", device=args.device, enforce_eager=args.enforce_eager,
                 decode_ahead=not args.no_decode_ahead, kv_cache_dtype=args.kv_cache_dtype,
-                max_model_len=args.max_model_len, **extra)
+                max_model_len=args.max_model_len, quantization=args.quantization, **extra)
 
 
 def freeze_startup_objects() -> None:
@@ -116,10 +89,11 @@ def record(args: argparse.Namespace, result: dict) -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     result = {"stage": args.stage, "device": device, "torch": torch.__version__,
               "triton": _triton_version(), "date": time.strftime("%Y-%m-%d"), **result}
-    if args.stage in ("batch1", "throughput", "overhead"):
+    if args.stage in ("batch1", "throughput", "roofline", "overhead"):
         result["decode_ahead"] = not args.no_decode_ahead
         result["triton_gemv"] = args.triton_gemv
         result["kv_cache_dtype"] = args.kv_cache_dtype
+        result["quantization"] = args.quantization
     print(json.dumps(result), flush=True)
     if args.results:
         with open(args.results, "a") as f:
@@ -133,13 +107,13 @@ def _triton_version() -> str:
 
 
 def stage_make(args: argparse.Namespace) -> None:
-    print(make_model(args.model, "llama", args.size, weights=False))
+    print(make_model(args.model, args.arch, args.size, weights=False, **json.loads(args.overrides)))
 
 
 def stage_batch1(args: argparse.Namespace) -> None:
     from frontend import LLM
 
-    floor_s = weight_bytes_per_token(args.model) / copy_bandwidth(args.device)
+    floor_s = Shape.of(args.model).weight_bytes(1 if args.quantization else 2) / copy_bandwidth(args.device)
     llm = LLM(args.model, in_process=True, max_num_seqs=8, cuda_graph_sizes=[1, 2, 4, 8], **engine_args(args))
     freeze_startup_objects()
     prompt = [{"prompt_token_ids": random_prompts(args, 1)[0]}]
@@ -186,6 +160,42 @@ def stage_throughput(args: argparse.Namespace) -> None:
                   "preemptions": stats.num_preemptions})
 
 
+def stage_roofline(args: argparse.Namespace) -> None:
+    """The throughput workload against its roofline: a prefill-only pass of N requests (max_tokens 1) for the
+    prefill's share of the measured bf16 matrix rate (MFU), then the whole workload on N other prompts; the
+    decode's time is the run's less the prefill pass's."""
+    from frontend import LLM
+
+    flops_s, bytes_s = matmul_rate(args.device), copy_bandwidth(args.device)
+    floors = WorkloadFloors.of(Shape.of(args.model), args.num_requests, args.input_len, args.output_len,
+                               args.max_num_seqs)
+    llm = LLM(args.model, in_process=True, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=args.max_num_seqs, **engine_args(args))
+    freeze_startup_objects()
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(args, 2 * args.num_requests)]
+    llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+
+    def timed(batch: list[dict], max_tokens: int) -> float:
+        start = time.perf_counter()
+        outputs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                               use_tqdm=False)
+        seconds = time.perf_counter() - start
+        assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(batch) * max_tokens
+        return seconds
+
+    prefill_s = timed(prompts[:args.num_requests], 1)
+    run_s = timed(prompts[args.num_requests:], args.output_len)
+    llm.shutdown()
+    roofline_s = floors.prefill_s(flops_s) + floors.decode_s(flops_s, bytes_s)
+    record(args, {"requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
+                  "max_num_seqs": args.max_num_seqs, "matmul_tflop_s": flops_s / 1e12, "copy_tb_s": bytes_s / 1e12,
+                  "prefill_s": prefill_s, "prefill_mfu": floors.prefill_s(flops_s) / prefill_s,
+                  "run_s": run_s, "roofline_s": roofline_s, "run_over_roofline": run_s / roofline_s,
+                  "decode_floor_s": floors.decode_s(flops_s, bytes_s),
+                  "decode_share_of_floor": floors.decode_s(flops_s, bytes_s) / max(run_s - prefill_s, 1e-9),
+                  **dataclasses.asdict(floors)})
+
+
 def stage_hf(args: argparse.Namespace) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -204,10 +214,10 @@ def stage_hf(args: argparse.Namespace) -> None:
 
     with torch.inference_mode():
         run(prompts[:2])  # warm-up
-        _synchronize(args.device)
+        synchronize(args.device)
         start = time.perf_counter()
         generated = sum(run(prompts[i:i + args.hf_batch_size]) for i in range(0, len(prompts), args.hf_batch_size))
-        _synchronize(args.device)
+        synchronize(args.device)
         seconds = time.perf_counter() - start
     record(args, {"requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
                   "batch_size": args.hf_batch_size, "seconds": seconds, "output_tok_s": generated / seconds})
@@ -229,17 +239,17 @@ def stage_overhead(args: argparse.Namespace) -> None:
         engine.step()
     assert len(engine.scheduler.running) == args.num_requests
     steps = args.profile_steps
-    _synchronize(args.device)
+    synchronize(args.device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    _synchronize(args.device)
+    synchronize(args.device)
     step_ms = (time.perf_counter() - start) / steps * 1e3
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profile:
         for _ in range(steps):
             engine.step()
-        _synchronize(args.device)
+        synchronize(args.device)
     trace = Path(tempfile.mkdtemp()) / "trace.json"
     profile.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())
@@ -260,8 +270,8 @@ def stage_overhead(args: argparse.Namespace) -> None:
                   "gemv_choices": choices})
 
 
-STAGES = {"make": stage_make, "batch1": stage_batch1, "throughput": stage_throughput, "hf": stage_hf,
-          "overhead": stage_overhead}
+STAGES = {"make": stage_make, "batch1": stage_batch1, "throughput": stage_throughput, "roofline": stage_roofline,
+          "hf": stage_hf, "overhead": stage_overhead}
 
 
 def main() -> None:
@@ -276,8 +286,12 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="the engine's --kv-cache-dtype (the decode attention kernels alone with fp8 caches: "
                              "benchmarks/kernels.py --kv-cache-dtype)")
+    parser.add_argument("--quantization", choices=["int8", "fp8"], default=None,
+                        help="online weight quantization at load (the floor counts a byte a layer weight)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke test of the stages")
     parser.add_argument("--size", default="8b", help="stage make: the model maker's size")
+    parser.add_argument("--arch", default="llama", help="stage make: the model maker's family")
+    parser.add_argument("--overrides", default="{}", help="stage make: config values as a JSON object")
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--input-len", type=int, default=None, help="default: 64 (batch1), 1024 (throughput, hf), "
                                                                     "512 (overhead)")

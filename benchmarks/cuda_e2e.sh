@@ -3,8 +3,8 @@
 # the CUDA and Triton tests, then the stages of benchmarks/cuda_e2e.py on an 8B-shaped model; then the tests and
 # benchmarks of speculative decoding, LoRA, quantization and MoE on the GPU.
 #   bash benchmarks/cuda_e2e.sh OUT_DIR [STEP ...]    steps: tests graph-tests batch1 batch1-noahead batch1-cublas
-#                                                      eager kernels gemv-tests overhead overhead-noahead overhead1
-#                                                      throughput hf later-tests
+#                                                      batch1-int8 batch1-moe eager kernels gemv-tests overhead
+#                                                      overhead-noahead overhead1 throughput roofline hf later-tests
 #                                                      later-bench (= moe-bench spec-bench lora-bench quant-bench)
 #                                                      (default: all)
 # CUDA_E2E_DEADLINE=SECONDS: a step gets at most what is left of them (a lease's end), and none starts with
@@ -13,13 +13,18 @@
 set -u
 out=${1:?usage: cuda_e2e.sh OUT_DIR [STEP ...]}
 shift
-steps=${*:-tests graph-tests batch1 batch1-noahead batch1-cublas eager kernels overhead overhead-noahead overhead1
-throughput hf later-tests later-bench}
+steps=${*:-tests graph-tests batch1 batch1-noahead batch1-cublas batch1-int8 batch1-moe eager kernels overhead
+overhead-noahead overhead1 throughput roofline hf later-tests later-bench}
 deadline=${CUDA_E2E_DEADLINE:-0}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 model=${PAGEDSERVE_8B_MODEL:-/tmp/llama3-8b}
 bench=(python3 benchmarks/cuda_e2e.py --model "$model" --results "$out/results.jsonl")
+# A mixture of experts at batch 1: Qwen3-30B-A3B's shapes (48 layers, 128 experts of 768, 8 a token), random weights.
+moe_e2e=(python3 benchmarks/cuda_e2e.py --model /tmp/qwen3-30b-a3b --results "$out/results.jsonl")
+qwen3_30b_a3b='{"hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+ "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+ "num_experts_per_tok": 8, "vocab_size": 151936, "max_position_embeddings": 8192}'
 # Those four benchmarks at sizes that take about 150 s together on an H100 (later-bench: all four, the cheapest first).
 moe_bench=(python3 benchmarks/moe.py --device cuda --num-requests 16 --input-len 32 128 --output-len 16 64
   --hf-batch-size 16 --layer-rounds 10)
@@ -76,6 +81,9 @@ for s in $steps; do
     batch1) model_made; step 140 batch1-graphs "${bench[@]}" batch1 ;;  # the GEMV's timing and compiles: 140 s
     batch1-noahead) model_made; step 100 batch1-graphs-noahead "${bench[@]}" batch1 --no-decode-ahead ;;
     batch1-cublas) model_made; step 100 batch1-graphs-cublas "${bench[@]}" batch1 --triton-gemv off ;;
+    batch1-int8) model_made; step 120 batch1-int8 "${bench[@]}" batch1 --quantization int8 ;;
+    batch1-moe) step 60 make-moe "${moe_e2e[@]}" make --arch qwen3_moe --overrides "$qwen3_30b_a3b"
+           step 150 batch1-moe "${moe_e2e[@]}" batch1 ;;
     gemv-tests) wait  # the CPU kernels built (the tests' session fixture loads them)
            step 150 gemv-tests python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs -k gemv \
              tests/test_triton_kernels.py tests/test_cuda.py ;;
@@ -85,6 +93,7 @@ for s in $steps; do
     overhead-noahead) model_made; step 120 overhead-noahead "${bench[@]}" overhead --num-requests 256 --no-decode-ahead ;;
     overhead1) model_made; step 60 overhead-batch1 "${bench[@]}" overhead --num-requests 1 --host-profile ;;
     throughput) model_made; step 150 throughput "${bench[@]}" throughput --num-requests 1000 ;;
+    roofline) model_made; step 240 roofline "${bench[@]}" roofline --num-requests 1000 ;;
     hf) model_made; step 120 hf "${bench[@]}" hf --num-requests 256 ;;
     later-tests) wait  # the CPU kernels built
            # One worker: engines that size their KV cache by gpu_memory_utilization count each other's as used.
