@@ -30,11 +30,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `packed`, its kernels.cpu_prepacked copy, the GEMMs the GEMV kernel does not take.
 
     `gemv`, the Triton GEMV's launch shape that start-up timing chose for this weight on CUDA (workers.gemv_tuning),
-    serves products of one row (batch-1 decode) in place of cuBLAS."""
-    if gemv is not None and x.numel() == x.shape[-1] and weight_scale is None:
+    serves products of one row (batch-1 decode) in place of cuBLAS (or, for an int8 or fp8 weight with a scale per
+    row, of the quantized kernels)."""
+    if gemv is not None and x.numel() == x.shape[-1] and weight_zero is None and weight_g_idx is None:
         from kernels import gemv_triton  # lazily: see kernels.backend
 
-        return gemv_triton.gemv(x, weight, bias, gemv)
+        return gemv_triton.gemv(x, weight, bias, gemv, weight_scale)
     if weight.dtype in QUANTIZED_DTYPES:
         return _quantized_linear(x, weight, bias, weight_scale, weight_zero, weight_g_idx, pairs)
     if cpu_gemv.serves(x, weight, bias, pairs):

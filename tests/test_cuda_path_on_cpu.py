@@ -17,6 +17,7 @@ from workers.gpu_memory import MemoryProfile, kv_cache_budget
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.model_config import load_hf_config
 from workers.model_loader import load_model
+from workers.quantization.online import quantize_rows
 
 GiB = 2**30
 
@@ -155,30 +156,35 @@ def test_padded_decode_batch_run_eagerly_equals_the_unpadded_batch():
 
 def test_gemv_choice_times_each_group_of_plain_weights_once_and_sets_its_layers(monkeypatch):
     """The one-row products' choice, its GPU timing stubbed: one timing per (shape, dtype, bias) group of plain
-    weights, its result on each layer of the group; quantized weights left out; modes off and always; a bad mode."""
+    weights and int8 weights scaled per row (their scales timed with them), its result on each layer of the group;
+    other quantized weights left out; modes off and always; a bad mode."""
     model_dir = tiny_model("llama")
     model = load_model(model_dir, load_hf_config(model_dir), torch.float32, torch.device("cpu"))
     layers = [m for m in model.modules() if hasattr(m, "gemv_config") and m.weight.dim() == 2]
     biased = model.model.layers[0].self_attn.o_proj  # the other layer's o_proj: same shape, no bias, another group
     biased.bias = torch.nn.Parameter(torch.zeros(biased.weight.shape[0]), requires_grad=False)
-    quantized = model.model.layers[0].mlp.down_proj
+    quantized = model.model.layers[0].mlp.down_proj  # a scale, but not an int8 weight: never streamed
     quantized.weight_scale = torch.ones(quantized.weight.shape[0])
+    int8 = model.model.layers[1].mlp.down_proj
+    int8.weight.data, int8.weight_scale = quantize_rows(int8.weight.data)
     plain = [m for m in layers if m is not quantized]
 
     def group_of(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-        return tuple(weight.shape), bias is not None
+        return tuple(weight.shape), weight.dtype, bias is not None
 
     timed = []
 
-    def choose(products):
-        timed.append({group_of(w, b) for w, b in products})
+    def choose(products, dtype):
+        assert dtype == torch.float32
+        assert all((s is int8.weight_scale) == (w is int8.weight) for w, b, s in products)
+        timed.append({group_of(w, b) for w, b, s in products})
         return gemv_choice.GemvChoice(tuple(products[0][0].shape), "float32", len(products), 2.0, 1.0,
                                       gemv_choice.CONFIGS[len(timed)])
 
     monkeypatch.setattr(gemv_tuning, "triton_serves", lambda device: True)
     monkeypatch.setattr(gemv_choice, "choose", choose)
     monkeypatch.setenv(gemv_choice.MODE_ENV, "auto")
-    choices = gemv_tuning.choose_gemvs(model)
+    choices = gemv_tuning.choose_gemvs(model, torch.float32)
     groups = [group_of(m.weight, getattr(m, "bias", None)) for m in plain]
     assert all(len(products) == 1 for products in timed)  # each timing's products of one group
     timed_groups = [products.pop() for products in timed]
@@ -190,10 +196,11 @@ def test_gemv_choice_times_each_group_of_plain_weights_once_and_sets_its_layers(
     for layer in plain:
         layer.gemv_config = None
     monkeypatch.setenv(gemv_choice.MODE_ENV, "off")
-    assert gemv_tuning.choose_gemvs(model) == [] and all(m.gemv_config is None for m in plain)
+    assert gemv_tuning.choose_gemvs(model, torch.float32) == [] and all(m.gemv_config is None for m in plain)
     monkeypatch.setenv(gemv_choice.MODE_ENV, "always")
-    assert gemv_tuning.choose_gemvs(model) == [] and all(m.gemv_config == gemv_choice.CONFIGS[0] for m in plain)
+    assert gemv_tuning.choose_gemvs(model, torch.float32) == []
+    assert all(m.gemv_config == gemv_choice.CONFIGS[0] for m in plain)
     assert quantized.gemv_config is None
     monkeypatch.setenv(gemv_choice.MODE_ENV, "fast")
     with pytest.raises(ValueError, match="PAGEDSERVE_TRITON_GEMV='fast'"):
-        gemv_tuning.choose_gemvs(model)
+        gemv_tuning.choose_gemvs(model, torch.float32)

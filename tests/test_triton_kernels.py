@@ -20,6 +20,7 @@ from kernels import (  # noqa: E402
     kv_cache_triton,
     norm_ref,
     norm_triton,
+    quantized_matmul_triton,
     rotary_ref,
     rotary_triton,
 )
@@ -27,6 +28,7 @@ from kernels import gemv_choice, matmul  # noqa: E402
 from kernels.attention import triton_paged_attention  # noqa: E402
 from test_kernels import build_batch  # noqa: E402
 from workers.layers.rotary import RotaryEmbedding  # noqa: E402
+from workers.quantization.online import quantize_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # float32: both sides compute in float32 and differ only in summation order (and fused multiply-adds on a GPU).
@@ -167,14 +169,39 @@ def test_gemv_equals_linear_in_every_launch_shape(config, dtype, n, k, bias, row
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("config", [gemv_choice.CONFIGS[0], *gemv_choice.CONFIGS[-2:]],
+                         ids=lambda c: f"{c.block_n}x{c.block_k}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k, bias", [(37, 300, True), (64, 1024, False)], ids=["ragged-bias", "even"])
+def test_gemv_streams_int8_weights_scaled_per_row_as_the_quantized_kernel_computes(config, dtype, n, k, bias):
+    """int8 weights as online quantization stores them (a float32 scale per row): the real weight's product, as
+    the quantized kernel that serves them otherwise computes it."""
+    generator = torch.Generator().manual_seed(n + k)
+    q, scale = quantize_rows(torch.randn(n, k, generator=generator) / k ** 0.5)
+    q, scale = q.to(DEVICE), scale.to(DEVICE)
+    x = torch.randn(1, k, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
+    out = gemv_triton.gemv(x, q, b, config, scale)
+    assert out.shape == (1, n) and out.dtype == dtype
+    real = q.float() * scale[:, None]
+    expected = torch.nn.functional.linear(x.float(), real, None if b is None else b.float()).to(dtype)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(out, quantized_matmul_triton.quantized_linear(x, q, scale, bias=b), **TOLERANCE[dtype])
+
+
 def test_gemv_refuses_what_f_linear_would_not_compute_alike():
-    """Another dtype for x than the weight's (F.linear raises), a bias of another dtype or strided, more rows."""
+    """Another dtype for x than the weight's (F.linear raises), a bias of another dtype or strided, more rows; an
+    int8 weight without its scale per row, or with groups of scales."""
     weight, config = torch.randn(8, 32).to(DEVICE), gemv_choice.CONFIGS[0]
     for x, bias in [(torch.randn(1, 32).to(DEVICE, torch.bfloat16), None), (torch.randn(1, 32).to(DEVICE),
                     torch.randn(8).to(DEVICE, torch.bfloat16)), (torch.randn(1, 32).to(DEVICE),
                     torch.randn(16).to(DEVICE)[::2]), (torch.randn(2, 32).to(DEVICE), None)]:
         with pytest.raises(ValueError, match="gemv takes one row"):
             gemv_triton.gemv(x, weight, bias, config)
+    q, x = torch.ones(8, 32, dtype=torch.int8).to(DEVICE), torch.randn(1, 32).to(DEVICE)
+    for scale in (None, torch.ones(8, 2).to(DEVICE), torch.ones(8, dtype=torch.float64).to(DEVICE)):
+        with pytest.raises(ValueError, match="gemv takes one row"):
+            gemv_triton.gemv(x, q, None, config, scale)
 
 
 def test_gemv_choice_keeps_cublas_unless_a_launch_shape_beats_it_clearly():
@@ -197,6 +224,13 @@ def test_linear_takes_the_gemv_for_one_row_only(monkeypatch):
         out = matmul.linear(x, weight, gemv=gemv_choice.CONFIGS[1])
         torch.testing.assert_close(out, torch.nn.functional.linear(x, weight), **TOLERANCE[torch.float32])
     assert served == [(1, 40)]
+    q, scale = quantize_rows(weight)
+    for rows in (1, 3):  # an int8 weight's scale travels with it
+        x = torch.randn(rows, 40, generator=generator).to(DEVICE)
+        out = matmul.linear(x, q, weight_scale=scale, gemv=gemv_choice.CONFIGS[1])
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, q.float() * scale[:, None]),
+                                   **TOLERANCE[torch.float32])
+    assert served == [(1, 40), (1, 40)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -20,7 +20,7 @@ class RunnerCaches:
         sizes = capture_sizes(self.config)
         if sizes and self._captures_cuda_graphs():
             if sizes[0] == 1:
-                self.gemv_choices = choose_gemvs(self.model)
+                self.gemv_choices = choose_gemvs(self.model, self.dtype)
             self.decode_graphs = DecodeGraphs(self.model, sizes, self.config.max_model_len, self.block_size,
                                               self.attention_layers[0].num_kv_heads, self.device)
             self.decode_graphs.capture()
