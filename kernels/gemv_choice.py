@@ -1,5 +1,5 @@
 """Which product serves a one-row x W^T on CUDA, per weight shape: the general one (cuBLAS for plain weights, the
-quantized kernels for int8 / fp8 ones), or the Triton GEMV in one of its launch shapes, whichever streamed the
+quantized kernel for int8 ones scaled per row), or the Triton GEMV in one of its launch shapes, whichever streamed the
 model's own weights of that shape fastest when timed at start-up."""
 from __future__ import annotations
 

@@ -40,8 +40,6 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, n, k, stride_wn,
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < n)
 
 
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
          scale: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for an x of one row (any leading shape whose product is 1); the weight's rows

@@ -30,8 +30,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `packed`, its kernels.cpu_prepacked copy, the GEMMs the GEMV kernel does not take.
 
     `gemv`, the Triton GEMV's launch shape that start-up timing chose for this weight on CUDA (workers.gemv_tuning),
-    serves products of one row (batch-1 decode) in place of cuBLAS (or, for an int8 or fp8 weight with a scale per
-    row, of the quantized kernels)."""
+    serves products of one row (batch-1 decode) in place of cuBLAS (or, for an int8 weight with a scale per row, of
+    the quantized kernel)."""
     if gemv is not None and x.numel() == x.shape[-1] and weight_zero is None and weight_g_idx is None:
         from kernels import gemv_triton  # lazily: see kernels.backend
 
