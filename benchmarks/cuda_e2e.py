@@ -9,8 +9,8 @@ Stages (issue 26's figures):
                 over a measured device-to-device copy, read + write bytes per second): (T(out) - T(1)) / (out - 1),
                 best of 3 each
     throughput  offline: N requests of random tokens, input/output lengths fixed, ignore_eos, output tok/s
-    roofline    the throughput workload against its roofline (benchmarks/roofline.py): the prefill's MFU (of the
-                measured bf16 matrix rate) from a prefill-only pass, the run's time over its floor
+    roofline    the throughput workload against its roofline (benchmarks/roofline.py): a prefill-only pass first,
+                its MFU (of the measured bf16 matrix rate), then the run's time over its floor
     hf          the same requests (the first --num-requests) through HF transformers `generate` in padded
                 batches, on a model of the same shapes and random weights, output tok/s
     overhead    engine overhead per decode step with N requests running: GPU idle time between kernels over the
@@ -138,41 +138,18 @@ def stage_batch1(args: argparse.Namespace) -> None:
 
 
 def stage_throughput(args: argparse.Namespace) -> None:
+    """throughput: the workload's output tok/s. roofline: first a prefill-only pass of N requests (max_tokens 1),
+    for the prefill's share of the measured bf16 matrix rate (MFU), then the workload on N other prompts against
+    its roofline; the decode's time is the run's less the prefill pass's."""
     from frontend import LLM
 
+    roofline = args.stage == "roofline"
+    ceilings = (matmul_rate(args.device), copy_bandwidth(args.device)) if roofline else None
     llm = LLM(args.model, in_process=True, max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, **engine_args(args))
     freeze_startup_objects()
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(args, args.num_requests)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert generated == args.num_requests * args.output_len
-    stats = llm.get_stats()
-    llm.shutdown()
-    record(args, {"requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
-                  "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
-                  "cuda_graphs": not args.enforce_eager, "seconds": seconds, "output_tok_s": generated / seconds,
-                  "total_tok_s": (generated + args.num_requests * args.input_len) / seconds,
-                  "preemptions": stats.num_preemptions})
-
-
-def stage_roofline(args: argparse.Namespace) -> None:
-    """The throughput workload against its roofline: a prefill-only pass of N requests (max_tokens 1) for the
-    prefill's share of the measured bf16 matrix rate (MFU), then the whole workload on N other prompts; the
-    decode's time is the run's less the prefill pass's."""
-    from frontend import LLM
-
-    flops_s, bytes_s = matmul_rate(args.device), copy_bandwidth(args.device)
-    floors = WorkloadFloors.of(Shape.of(args.model), args.num_requests, args.input_len, args.output_len,
-                               args.max_num_seqs)
-    llm = LLM(args.model, in_process=True, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=args.max_num_seqs, **engine_args(args))
-    freeze_startup_objects()
-    prompts = [{"prompt_token_ids": p} for p in random_prompts(args, 2 * args.num_requests)]
+    count = args.num_requests
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(args, 2 * count if roofline else count)]
     llm.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
 
     def timed(batch: list[dict], max_tokens: int) -> float:
@@ -183,17 +160,24 @@ def stage_roofline(args: argparse.Namespace) -> None:
         assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(batch) * max_tokens
         return seconds
 
-    prefill_s = timed(prompts[:args.num_requests], 1)
-    run_s = timed(prompts[args.num_requests:], args.output_len)
+    prefill_s = timed(prompts[:count], 1) if roofline else None
+    run_s = timed(prompts[-count:], args.output_len)
+    stats = llm.get_stats()
     llm.shutdown()
-    roofline_s = floors.prefill_s(flops_s) + floors.decode_s(flops_s, bytes_s)
-    record(args, {"requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
-                  "max_num_seqs": args.max_num_seqs, "matmul_tflop_s": flops_s / 1e12, "copy_tb_s": bytes_s / 1e12,
-                  "prefill_s": prefill_s, "prefill_mfu": floors.prefill_s(flops_s) / prefill_s,
-                  "run_s": run_s, "roofline_s": roofline_s, "run_over_roofline": run_s / roofline_s,
-                  "decode_floor_s": floors.decode_s(flops_s, bytes_s),
-                  "decode_share_of_floor": floors.decode_s(flops_s, bytes_s) / max(run_s - prefill_s, 1e-9),
-                  **dataclasses.asdict(floors)})
+    result = {"requests": count, "input_len": args.input_len, "output_len": args.output_len,
+              "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
+              "cuda_graphs": not args.enforce_eager, "seconds": run_s, "output_tok_s": count * args.output_len / run_s,
+              "total_tok_s": count * (args.output_len + args.input_len) / run_s, "preemptions": stats.num_preemptions}
+    if roofline:
+        flops_s, bytes_s = ceilings
+        floors = WorkloadFloors.of(Shape.of(args.model), count, args.input_len, args.output_len, args.max_num_seqs)
+        roofline_s = floors.prefill_s(flops_s) + floors.decode_s(flops_s, bytes_s)
+        result |= {"matmul_tflop_s": flops_s / 1e12, "copy_tb_s": bytes_s / 1e12, "prefill_s": prefill_s,
+                   "prefill_mfu": floors.prefill_s(flops_s) / prefill_s, "roofline_s": roofline_s,
+                   "run_over_roofline": run_s / roofline_s, "decode_floor_s": floors.decode_s(flops_s, bytes_s),
+                   "decode_share_of_floor": floors.decode_s(flops_s, bytes_s) / max(run_s - prefill_s, 1e-9),
+                   **dataclasses.asdict(floors)}
+    record(args, result)
 
 
 def stage_hf(args: argparse.Namespace) -> None:
@@ -270,7 +254,7 @@ def stage_overhead(args: argparse.Namespace) -> None:
                   "gemv_choices": choices})
 
 
-STAGES = {"make": stage_make, "batch1": stage_batch1, "throughput": stage_throughput, "roofline": stage_roofline,
+STAGES = {"make": stage_make, "batch1": stage_batch1, "throughput": stage_throughput, "roofline": stage_throughput,
           "hf": stage_hf, "overhead": stage_overhead}
 
 
