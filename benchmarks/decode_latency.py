@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve  # noqa: E402
 import serve_compare  # noqa: E402
 from llamacpp import complete, llamacpp_server  # noqa: E402
+from roofline import Shape  # noqa: E402
 
 from frontend import LLM, SamplingParams  # noqa: E402
 from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
@@ -142,17 +143,6 @@ def copy_bandwidth() -> float:
     return 2 * source.numel() * source.element_size() / seconds
 
 
-def weight_bytes_per_token(model: str) -> int:
-    """bf16 bytes of every matrix a decode step reads once: the layers' projections and the LM head."""
-    config = load_hf_config(model)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    hidden, inter = config.hidden_size, config.intermediate_size
-    attention = hidden * (config.num_attention_heads + 2 * kv_heads) * head_dim + config.num_attention_heads * head_dim * hidden
-    layer = attention + 3 * hidden * inter
-    return 2 * (config.num_hidden_layers * layer + config.vocab_size * hidden)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model folder (default: the model maker's ~30M llama)")
@@ -169,7 +159,7 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     model = args.model or str(ensure_benchmark_model())
     vocab = load_hf_config(model).vocab_size
-    floor_ms = weight_bytes_per_token(model) / copy_bandwidth() * 1e3
+    floor_ms = Shape.of(model).weight_bytes() / copy_bandwidth() * 1e3
     ours, theirs = {}, {}
     llm = LLM(model, dtype="bfloat16")
     try:

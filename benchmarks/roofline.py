@@ -70,8 +70,8 @@ class Shape:
             width = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
             experts = getattr(c, "num_experts", None) or c.num_local_experts
             mlp = c.num_experts_per_tok * 3 * c.hidden_size * width + c.hidden_size * experts
-        return cls(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, head_dim, mlp,
-                   c.vocab_size)
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        return cls(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, kv_heads, head_dim, mlp, c.vocab_size)
 
     @property
     def layer_weights(self) -> int:
