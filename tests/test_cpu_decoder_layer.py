@@ -281,11 +281,14 @@ ADAPTER_CASES = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, paired", [(torch.float32, False), (torch.bfloat16, False),
+                                           pytest.param(torch.bfloat16, True, marks=pytest.mark.skipif(
+                                               not cpu_gemv.pairs_cpu(), reason="paired copies: AVX-512 BF16"))])
 @pytest.mark.parametrize("case", ADAPTER_CASES)
-def test_adapter_deltas_equal_the_layers_own_forward(dtype, case):
+def test_adapter_deltas_equal_the_layers_own_forward(dtype, paired, case):
     """Every projection with adapter slots (workers/lora/slots.py): the C++ layer adds the deltas the op path's
-    linear layers add, row by row whatever slot its neighbours run with."""
+    linear layers add, row by row whatever slot its neighbours run with; paired, a step of few adapted rows has the
+    pairs product's threads add them."""
     max_rank, adapters, pattern, seqs = ADAPTER_CASES[case]
     layer_class, config = CASES["llama head_dim 64" if len(adapters) > 2 else "qwen2 biases, head_dim 128, window"]
     layer = make_layer(layer_class, config, dtype, seed=5)
@@ -297,10 +300,32 @@ def test_adapter_deltas_equal_the_layers_own_forward(dtype, case):
     for each in (layer, exact):
         if each is not None:
             add_adapter_slots(each, context, max_rank, adapters)
+    with_pairs(layer, paired)
     context.set_tokens(slots, torch.device("cpu"))
     assert layer.fused_weights.qkv_lora is not None
     assert_fused_matches(layer, layer_class, config, dtype, seqs, first_layer=False, exact_layer=exact,
                          lora_slots=torch.tensor(slots))
+
+
+@pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="paired copies: bf16 weights on CPUs with AVX-512 BF16")
+def test_an_adapted_rows_delta_does_not_depend_on_the_rows_adapted_beside_it():
+    """Paired bf16 products: two adapted rows among unadapted ones (shrunk on the calling thread, their deltas added
+    by the product's threads: 2 x 48 x 256 products, under projection.h's kCallerShrinkProducts) get, bit for bit,
+    what they get in a step where every row is adapted (24 x 48 x 256: the adapters' own parallel region)."""
+    layer_class, config = CASES["llama head_dim 64"]
+    layer = make_layer(layer_class, config, torch.bfloat16, seed=5)
+    context = LoRAContext()
+    add_adapter_slots(layer, context, 16, [(16, None), (8, None)])
+    with_pairs(layer, True)
+    seqs = [(40, 1)] * 24
+    outputs = []
+    for slots in ([0, 1] * 12, [0, 1] + [-1] * 22):
+        context.set_tokens(slots, torch.device("cpu"))
+        outputs.append(fused_and_op_by_op(layer, config, torch.bfloat16, seqs, False,
+                                          lora_slots=torch.tensor(slots))[0])
+    for every_row, two_rows in zip(outputs[0][:2], outputs[1][:2]):  # the layer's output and residual
+        assert torch.equal(every_row[:2], two_rows[:2])
+        assert not torch.equal(every_row[2:], two_rows[2:])  # the other rows' adapters did act in the first step
 
 
 def add_adapter_slots(layer, context: LoRAContext, max_rank: int, adapters: list) -> None:

@@ -186,16 +186,30 @@ void add_tile_deltas_scalar(const C* bt, int64_t N, int64_t count, int64_t rank,
   }
 }
 
+// The rows of a step with an adapter in their slot (slots[m] >= 0 and used).
+inline std::vector<int64_t> adapted_rows(const LoraSlots& L, int64_t M, const int64_t* slots) {
+  std::vector<int64_t> rows;
+  for (int64_t m = 0; m < M; ++m)
+    if (slots[m] >= 0 && L.used[slots[m]]) rows.push_back(m);
+  return rows;
+}
+
+// Row m's shrunk activations j..j + 16 (fewer at the end) of x[m] A_s^T for its slot s, rounded to C, into out[j..].
+template <typename T, typename C>
+void shrink_block(const LoraSlots& L, const T* x, int64_t m, int64_t j, int64_t K, const int64_t* slots, C* out) {
+  const int64_t count = std::min<int64_t>(16, L.width - j);
+  float sums[16];
+  dots(static_cast<const C*>(L.a) + (slots[m] * L.width + j) * K, K, count, x + m * K, K, sums);
+  for (int64_t c = 0; c < count; ++c) out[j + c] = round_to<C>(sums[c]);
+}
+
 // The adapted rows, grouped into runs of one slot (runs[i]..runs[i + 1] of rows); their shrunk activations, then
 // each run's deltas for each tile of 16 outputs of a part (bt's tile read once per run), spread over the threads.
 template <typename T, typename C>
 void add_lora_rows(const LoraSlots& L, const T* x, T* y, int64_t M, int64_t N, int64_t K, const int64_t* slots) {
-  const C* A = static_cast<const C*>(L.a);
   const C* Bt = static_cast<const C*>(L.bt);
   const int64_t W = L.width, rank = W / L.parts;
-  std::vector<int64_t> rows, runs;
-  for (int64_t m = 0; m < M; ++m)
-    if (slots[m] >= 0 && L.used[slots[m]]) rows.push_back(m);
+  std::vector<int64_t> rows = adapted_rows(L, M, slots), runs;
   const int64_t R = int64_t(rows.size());
   if (R == 0) return;
   std::stable_sort(rows.begin(), rows.end(), [&](int64_t i, int64_t j) { return slots[i] < slots[j]; });
@@ -206,19 +220,14 @@ void add_lora_rows(const LoraSlots& L, const T* x, T* y, int64_t M, int64_t N, i
   auto part_end = [&](int64_t p) { return L.offsets ? L.offsets[p + 1] : N; };
   for (int64_t p = 0; p < L.parts; ++p)
     for (int64_t n0 = L.offsets ? L.offsets[p] : 0; n0 < part_end(p); n0 += 16) tiles.insert(tiles.end(), {p, n0});
-  const int64_t width_blocks = (W + 15) / 16, tile_count = int64_t(tiles.size()) / 2;
-  const int64_t run_count = int64_t(runs.size()) - 1;
+  const int64_t tile_count = int64_t(tiles.size()) / 2, run_count = int64_t(runs.size()) - 1;
+  const int64_t width_blocks = (W + 15) / 16;
   std::vector<C> shrunk(R * W);
 #pragma omp parallel if (R * (W * K + rank * N) >= kParallelMinElements)
   {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < R * width_blocks; ++i) {
-      const int64_t r = i / width_blocks, j = (i % width_blocks) * 16, m = rows[r];
-      const int64_t count = std::min<int64_t>(16, W - j);
-      float out[16];
-      dots(A + (slots[m] * W + j) * K, K, count, x + m * K, K, out);
-      for (int64_t c = 0; c < count; ++c) shrunk[r * W + j + c] = round_to<C>(out[c]);
-    }
+    for (int64_t i = 0; i < R * width_blocks; ++i)
+      shrink_block(L, x, rows[i / width_blocks], i % width_blocks * 16, K, slots, shrunk.data() + i / width_blocks * W);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     std::vector<float> tile;  // a tile's columns, 16 lanes each
 #endif
@@ -236,6 +245,50 @@ void add_lora_rows(const LoraSlots& L, const T* x, T* y, int64_t M, int64_t N, i
     }
   }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// A step's few adapted rows shrunk on the calling thread, their deltas then added by a product's own threads, each
+// to the outputs it has just computed (add): no parallel region of the adapters' own, whose fork and barriers cost
+// more than the adapters' products at a step of few rows. Each output's delta and sum as add_lora_rows makes them.
+template <typename T, typename C>
+class RowDeltas {
+ public:
+  RowDeltas(const LoraSlots& L, const T* x, int64_t M, int64_t N, int64_t K, const int64_t* slots,
+            const std::vector<int64_t>& rows)
+      : L_(L), N_(N), slots_(slots), shrunk_at_(M, -1), shrunk_(rows.size() * L.width) {
+    for (size_t r = 0; r < rows.size(); ++r) {
+      shrunk_at_[rows[r]] = int64_t(r) * L.width;
+      for (int64_t j = 0; j < L.width; j += 16) shrink_block(L, x, rows[r], j, K, slots, shrunk_.data() + r * L.width);
+    }
+  }
+
+  // The deltas of rows m0..m0 + count_rows for outputs n0..n0 + count, added to y [M, N].
+  void add(T* y, int64_t n0, int64_t count, int64_t m0, int64_t count_rows) const {
+    thread_local std::vector<float> tile;
+    const int64_t rank = L_.width / L_.parts;
+    for (int64_t m = m0; m < m0 + count_rows; ++m) {
+      if (shrunk_at_[m] < 0) continue;
+      int64_t part = 0;
+      for (int64_t c0 = n0; c0 < n0 + count;) {
+        while (L_.offsets && c0 >= L_.offsets[part + 1]) ++part;
+        const int64_t end = std::min(n0 + count, L_.offsets ? L_.offsets[part + 1] : N_);
+        const int64_t width = std::min<int64_t>(16, end - c0);
+        const C* bt = static_cast<const C*>(L_.bt) + (slots_[m] * L_.width + part * rank) * N_ + c0;
+        add_tile_deltas<T, C>(bt, N_, width, rank, shrunk_.data() + shrunk_at_[m] + part * rank, L_.width, &m, 1,
+                              y + c0, tile);
+        c0 += width;
+      }
+    }
+  }
+
+ private:
+  const LoraSlots& L_;
+  int64_t N_;
+  const int64_t* slots_;
+  std::vector<int64_t> shrunk_at_;  // each row's first shrunk activation, -1: not adapted
+  std::vector<C> shrunk_;
+};
+#endif
 
 // y [M, N] of x [M, K]: each row with an adapter in its slot (slots[m] >= 0; null slots: no row) gets its delta.
 template <typename T>

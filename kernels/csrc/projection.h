@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "common.h"
 #include "fp8_pairs.h"
@@ -67,10 +68,40 @@ void fp8_products(const T* x, const Fp8E4m3* w, const uint8_t* pairs, const floa
 // Whether p's products read its bf16 pairs copy (as project() reads it).
 inline bool paired(const Projection& p) { return p.pairs && !p.scale; }
 
+// A step's adapted rows whose shrink (rows x adapter width x K) is at most this many products shrink on the calling
+// thread, and the threads of a bf16 pairs product add their deltas (lora.h's RowDeltas); more take add_lora's region.
+constexpr int64_t kCallerShrinkProducts = 1 << 17;
+
+// Whether p's bf16 pairs product added the adapted rows' deltas to y, each thread to the outputs it computed: where
+// the rows are few (see kCallerShrinkProducts).
+template <typename T>
+bool pairs_with_deltas(const Projection& p, const T* x, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
+                       const int64_t* lora_slots) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (!paired(p) || !p.lora.a || !lora_slots) return false;
+    const std::vector<int64_t> rows = adapted_rows(p.lora, M, lora_slots);
+    if (int64_t(rows.size()) * p.lora.width * K > kCallerShrinkProducts) return false;
+    auto run = [&](const auto& deltas) {
+      gemv_pairs(x, p.pairs, nullptr, bias, y, M, N, K, [&](int64_t n0, int64_t count, int64_t m0, int64_t group) {
+        deltas.add(y, n0, count, m0, group);
+      });
+    };
+    if (p.lora.bf16)
+      run(RowDeltas<T, uint16_t>(p.lora, x, M, N, K, lora_slots, rows));
+    else
+      run(RowDeltas<T, float>(p.lora, x, M, N, K, lora_slots, rows));
+    return true;
+  }
+#endif
+  return false;
+}
+
 // y = x W^T + b, then each adapted row's delta (lora_slots: each row's adapter slot, -1 none; null: no row).
 template <typename T>
 void project(const Projection& p, const T* x, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
              const int64_t* lora_slots) {
+  if (pairs_with_deltas(p, x, bias, y, M, N, K, lora_slots)) return;
   if (p.int4)
     int4_products(x, static_cast<const uint8_t*>(p.weight), reinterpret_cast<const uint8_t*>(p.pairs), p.scale,
                   p.zero, p.group, bias, y, M, N, K);
