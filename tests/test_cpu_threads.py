@@ -152,9 +152,28 @@ def test_idle_time_is_summed_over_the_cpus_both_readings_counted():
 
 def test_threads_that_end_or_start_between_readings_are_not_counted():
     """A thread gone since the last reading took its counters with it: only threads both readings saw count."""
-    earlier = Reading(0.0, {1: (100, 50), 2: (10**9, 10**9)}, {})
-    later = Reading(1.0, {1: (300, 150), 3: (10**9, 10**9)}, {})
-    assert later.runnable_since(earlier) == (300, 100)
+    earlier = Reading(0.0, {1: (10**8, 5 * 10**7), 2: (10**9, 10**9)}, {})
+    later = Reading(1.0, {1: (3 * 10**8, 1.5 * 10**8), 3: (10**9, 10**9)}, {})
+    assert later.runnable_since(earlier) == (3 * 10**8, 10**8)
+
+
+def test_only_the_forwards_threads_waiting_counts():
+    """The forward's two threads runnable all of a window (8% of it waiting: our front end's moments) beside helper
+    threads that ran for moments and waited behind them: the helpers' waiting is the team's doing, not a neighbour's,
+    and counted with the forward's it would pass WAITING_SHARE_DOWN."""
+    earlier = Reading(0.0, {1: (0, 0), 2: (0, 0), 3: (0, 0), 4: (0, 0)}, {0: 0.0, 1: 0.0})
+    window = cpu_threads.WINDOW_S
+    forward, helper = (int(0.92 * window * 1e9), int(0.08 * window * 1e9)), (int(0.01 * window * 1e9),
+                                                                             int(0.2 * window * 1e9))
+    later = Reading(window, {1: forward, 2: forward, 3: helper, 4: helper}, {0: 0.0, 1: 0.0})
+    runnable, waiting = later.runnable_since(earlier)
+    assert runnable == 2 * sum(forward) and waiting == 2 * forward[1]
+    machine = Machine()
+    threads = ComputeThreads(read=iter([earlier, later]).__next__, limit=lambda: 2, apply=machine.applied.append,
+                             clock=lambda: window)
+    assert threads.adjust() == 2 and machine.applied == [2]
+    everything = sum(map(sum, later.threads.values()))
+    assert (forward[1] * 2 + helper[1] * 2) / everything >= cpu_threads.WAITING_SHARE_DOWN  # what it counted before
 
 
 def test_a_fixed_count_never_moves():

@@ -30,11 +30,17 @@ from workers.cpu_limits import usable_cpus
 logger = logging.getLogger(__name__)
 
 WINDOW_S = 0.2  # how often the count is reconsidered (between steps)
-# One thread fewer when the threads waited this share of their runnable time; one more when this many CPUs (of the
-# ones this process may use) stayed idle. Between the two, the count stays.
-WAITING_SHARE_DOWN = 0.12
+# One thread fewer when the forward's threads waited this share of their runnable time; one more when this many CPUs
+# (of the ones this process may use) stayed idle. Between the two, the count stays. The share down is where one
+# thread fewer starts to win (docs/neighbours.md): below it, the waiting of a small neighbour (our own front end, a
+# shell) costs less than the thread would.
+WAITING_SHARE_DOWN = 0.2
 IDLE_CPUS_UP = 0.6
 BUSY_CPUS = 0.5  # the waiting share counts only in a window where the threads were runnable this many CPUs' worth
+# The forward's threads: those runnable (running or waiting) this share of a window or more. The process's helper
+# threads (ZeroMQ's I/O, the output sender) run for moments and often wait behind the forward's spinning team: their
+# waiting is the team's doing, not a neighbour's.
+FORWARD_THREAD_SHARE = 0.25
 # After a step down, no step up for HOLD_S; doubled (up to MAX_HOLD_S) each time a step up is undone within
 # FLAP_S, so a neighbour that comes and goes costs a few probes, not one every window.
 HOLD_S, MAX_HOLD_S, FLAP_S = 0.5, 16.0, 2.0
@@ -52,12 +58,16 @@ class Reading:
     background_s: dict[int, float] = field(default_factory=dict)
 
     def runnable_since(self, earlier: Reading) -> tuple[int, int]:
-        """(ns running or waiting, ns waiting) of the threads both readings saw, since `earlier`."""
-        running = waiting = 0
+        """(ns running or waiting, ns waiting) since `earlier` of the forward's threads: those both readings saw that
+        were runnable FORWARD_THREAD_SHARE of the time between or more."""
+        runnable = waiting = 0
+        least = FORWARD_THREAD_SHARE * (self.at - earlier.at) * 1e9
         for thread in self.threads.keys() & earlier.threads.keys():
-            running += self.threads[thread][0] - earlier.threads[thread][0]
-            waiting += self.threads[thread][1] - earlier.threads[thread][1]
-        return running + waiting, waiting
+            ran = self.threads[thread][0] - earlier.threads[thread][0]
+            waited = self.threads[thread][1] - earlier.threads[thread][1]
+            if ran + waited >= least:
+                runnable, waiting = runnable + ran + waited, waiting + waited
+        return runnable, waiting
 
     def idle_cpus_since(self, earlier: Reading) -> float:
         """CPUs idle on average since `earlier`, over the CPUs both readings counted (the mask may change)."""
@@ -70,13 +80,14 @@ class Reading:
         return sum(self.background_s[task] - earlier.background_s[task] for task in tasks) / (self.at - earlier.at)
 
 
-def read_schedule() -> Reading:
-    """Linux's per-thread scheduler statistics and per-CPU times (nothing counted where the files are missing)."""
+def read_schedule(process: str = "self") -> Reading:
+    """Linux's per-thread scheduler statistics of a process (this one, or a pid's) and per-CPU times (nothing counted
+    where the files are missing)."""
     threads, background = {}, {}
-    tasks = _task_ids("/proc/self/task")
+    tasks = _task_ids(f"/proc/{process}/task")
     for task in tasks:
         try:
-            with open(f"/proc/self/task/{task}/schedstat", "rb") as stats:
+            with open(f"/proc/{process}/task/{task}/schedstat", "rb") as stats:
                 fields = stats.read().split()
             counters = (int(fields[0]), int(fields[1]))
         except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
@@ -85,8 +96,9 @@ def read_schedule() -> Reading:
             background[task] = counters[0] / 1e9
         else:
             threads[task] = counters
-    background.update(_background_processes([f"/proc/self/task/{task}" for task in tasks]))
-    return Reading(time.monotonic(), threads, _idle_seconds(os.sched_getaffinity(0)), background)
+    background.update(_background_processes([f"/proc/{process}/task/{task}" for task in tasks]))
+    cpus = os.sched_getaffinity(0 if process == "self" else int(process))
+    return Reading(time.monotonic(), threads, _idle_seconds(cpus), background)
 
 
 def _task_ids(folder: str) -> list[int]:
