@@ -32,7 +32,7 @@ inline bool amx_usable() {
 class AmxScores {
  public:
   static constexpr int kPieces = 4;
-  explicit AmxScores(int64_t dim) : dim_(dim), stage_(kPieces * 16 * dim) {}
+  explicit AmxScores(int64_t dim) : dim_(dim) {}
   ~AmxScores() {
     if (configured_) _tile_release();
   }
@@ -57,7 +57,8 @@ class AmxScores {
   uint16_t* stage(int64_t count) {
     const int64_t rows = (count + 15) / 16 * 16;
     if (used_ + rows > int64_t(stage_.size()) / dim_) flush(), used_ = 0;
-    if (rows * dim_ > int64_t(stage_.size())) stage_.resize(rows * dim_);
+    // Made on first use (a partial block's rows, an fp8 block's bf16 copy), after a flush: no pending piece reads it.
+    if (rows * dim_ > int64_t(stage_.size())) stage_.resize(std::max<int64_t>(rows, kPieces * 16) * dim_);
     used_ += rows;
     return stage_.data() + (used_ - rows) * dim_;
   }

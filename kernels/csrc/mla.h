@@ -10,6 +10,7 @@
 #include <omp.h>
 #endif
 
+#include "attention_amx.h"
 #include "common.h"
 #include "decode_attention.h"
 #include "gemv.h"
@@ -104,18 +105,25 @@ inline void latent_values(const float* p, int64_t p_stride, const uint16_t* v, i
 // L and D multiples of 32) into got [rows, nh, D] (its first L dims of each head): decode_attention.h's decode()
 // with the same scores, softmax and sums, but only the value dims W_UV reads, 32 of them of a row widened once for
 // eight heads. Each row attends to its own sequence (a short chunk's rows read their shared rows from cache).
+// amx: the scores as tile products of a block's rows and the row's nh queries (attention_amx.h; the model's heads
+// decide it, not nh, so that a head's scores do not depend on how the heads were split over threads).
 inline void latent_attention(const uint16_t* query, const uint16_t* cache, const int64_t* tables, int64_t max_blocks,
                              const int64_t* seq_lens, uint16_t* got, int64_t rows, int64_t nh, int64_t bs, int64_t L,
-                             int64_t D, float scale) {
+                             int64_t D, float scale, bool amx) {
   std::vector<float> scores, acc(nh * L), inv(nh);
+  AmxScores tiles(amx ? D : 0);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = seq_lens[r], *table = tables + r * max_blocks;
     scores.resize(nh * std::max<int64_t>(n, 1));
     std::fill(acc.begin(), acc.end(), 0.f);
+    if (amx)
+      tiles.set_queries(nh, [&](int64_t g) { return query + (r * nh + g) * D; }, scores.data(), n, scale);
     for_each_block(cache, table, 0, 1, bs, D, 0, n, {cache}, [&](int64_t j0, int64_t j1, const uint16_t* k) {
+      if (amx) return tiles.add(k, j1 - j0, j0);
       for (int64_t g = 0; g < nh; ++g)
         score_rows_bf16<0>(query + (r * nh + g) * D, k, j1 - j0, scale, scores.data() + g * n + j0, D);
     });
+    tiles.flush();
     for (int64_t g = 0; g < nh; ++g) inv[g] = n ? 1.f / exp_sum(&scores[g * n], n, max_of(&scores[g * n], n)) : 0.f;
     for_each_block(cache, table, 0, 1, bs, D, 0, n, {}, [&](int64_t j0, int64_t j1, const uint16_t* v) {
       for (int64_t g = 0; g < nh; g += 8)
@@ -185,7 +193,7 @@ void mla_heads(const Mla<T>& A, int64_t heads, const float* cos_table, const flo
   if constexpr (std::is_same_v<T, uint16_t>)
     if ((native = latent.kind == kCacheModelDtype && L % 32 == 0 && D % 32 == 0))
       latent_attention(query.data(), static_cast<const T*>(latent.k), tables + r0 * max_blocks, max_blocks,
-                       seq_lens + r0, got.data(), rows, nh, block_size, L, D, scale);
+                       seq_lens + r0, got.data(), rows, nh, block_size, L, D, scale, heads >= 8 && amx_usable());
 #endif
   if (!native)
     decode_any<T>(query.data(), latent, tables + r0 * max_blocks, seq_lens + r0, got.data(), rows, nh, 1,
