@@ -7,10 +7,11 @@ normalised by what a token costs it:
 - batch 1 as GB/s of the weights a token reads: every layer's, the final norm and the LM head (the embedding gives one
   row); of a mixture of experts the shared experts and the top-k routed ones' share of all experts' bytes;
 - batch 32 as GFLOP/s of the products: 2 x those matrices' elements per token (attention's scores left out).
-The share is a row's figure over plain llama's of the same run (llama runs first and again last: the faster of the
-two). Quantized rows count the bytes and products of the
-model dtype, so the int8 row's share is its speed over the bf16 model's (the int4 row's: a GPTQ checkpoint's).
---compare-llamacpp adds llama.cpp's server on plain llama (a GGUF of the same model, --gguf), quiet, same run.
+The share is a row's figure over plain llama's measured in turns with it (one llama engine stays up all run; each
+row's engine and it take turns round by round, so the host's drift hits both alike). Quantized rows count the bytes
+and products of the model dtype, so the int8 row's share is its speed over the bf16 model's (the int4 row's: a GPTQ
+checkpoint's).
+--compare-llamacpp adds llama.cpp's server on plain llama (a GGUF of the same model, --gguf), in turns with ours.
 --int8-beyond-cache adds int8 against bf16 at batch 1 on a llama whose int8 weights are 1.5x the last-level cache
 (the 30m model's fit in a large L3, where a step is not bound by the bytes it reads): the two engines take turns. Both
 keep their paired copies only within workers.prepacking's budget (an eighth of the memory free at load: 13 GB free
@@ -29,6 +30,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -109,23 +111,55 @@ def weights_cost(config: dict, shapes: dict[str, Sequence[int]]) -> tuple[float,
     return read, products
 
 
-def engine_speeds(row: Row, dtype: str, repeats: int, adapter_dir: Path) -> dict[int, float]:
+def row_engine(row: Row, dtype: str, adapter_dir: Path) -> tuple[LLM, LoRARequest | None]:
+    """The row's engine (its checkpoint written first where the row stores its weights its own way) and adapter."""
     folder = str(model_dir(row.arch))
     if row.fp8_blocks:
         folder, _ = fp8_block_checkpoint(folder, adapter_dir, (128, 128), with_reference=False)
     if row.int4_group:
         folder = int4_checkpoint(folder, adapter_dir, row.int4_group)
     lora = LoRARequest("bench", 1, write_adapter(adapter_dir, folder, LORA_RANK, 0)) if row.adapter else None
-    llm = LLM(folder, dtype=dtype, **row.engine)
+    return LLM(folder, dtype=dtype, **row.engine), lora
+
+
+def batch_run(llm: LLM, row: Row, batch: int, lora: LoRARequest | None) -> Callable[[], int]:
+    """One timed unit of the workload at `batch`: its requests generated to their full length."""
+    requests = [{"prompt_token_ids": p} for p in prompts(batch)]
+    params = SamplingParams(**{"temperature": 0.0, **row.sampling}, max_tokens=OUTPUTS[batch], ignore_eos=True)
+    return _generate(llm, requests, params, lora)
+
+
+def speeds_beside_llama(name: str, llama: LLM, dtype: str, repeats: int, tmp: Path) -> dict[int, dict[str, float]]:
+    """batch -> {"row": the row's tok/s, "llama": plain llama's}, the two engines taking turns round by round: these
+    hosts' speed swings by a third within minutes, and a share is only as good as its two figures' nearness in time."""
+    row = ROWS[name]
+    llm, lora = row_engine(row, dtype, tmp / name.replace(" ", "_"))
     try:
         speeds = {}
-        for batch, output in OUTPUTS.items():
-            requests = [{"prompt_token_ids": p} for p in prompts(batch)]
-            params = SamplingParams(**{"temperature": 0.0, **row.sampling}, max_tokens=output, ignore_eos=True)
-            speeds[batch] = tokens_per_second(_generate(llm, requests, params, lora), repeats)
+        for batch in OUTPUTS:
+            runs = {"row": batch_run(llm, row, batch, lora), "llama": batch_run(llama, ROWS["llama"], batch, None)}
+            for run in runs.values():
+                run()
+            settle()
+            speeds[batch] = alternating_best(runs, repeats, warm_up=False)
         return speeds
     finally:
         llm.shutdown()
+
+
+def settle(most_s: float = 30.0) -> None:
+    """Wait (most_s at most) until all but half a CPU of the machine stays idle for half a second: a row's engine starts
+    background work with its first requests (the grammar compile workers load for seconds on a CPU each), and
+    llama's turns beside it would pay for it."""
+    def idle_seconds() -> float:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")  # idle + iowait
+    deadline, idle_cpus = time.monotonic() + most_s, (os.cpu_count() or 1) - 0.5
+    while time.monotonic() < deadline:
+        before = idle_seconds()
+        time.sleep(0.5)
+        if (idle_seconds() - before) / 0.5 >= idle_cpus:
+            return
 
 
 def int4_checkpoint(source: str, folder: Path, group: int) -> str:
@@ -190,18 +224,29 @@ def int8_beyond_cache(dtype: str, repeats: int) -> None:
           f"{speeds['int8'] / speeds['bf16']:.2f}x", flush=True)
 
 
-def row_figures(name: str, dtype: str, repeats: int, tmp: Path) -> tuple[float, float]:
-    """A row's batch-1 GB/s and batch-32 GFLOP/s (its tokens per second times what a token costs it)."""
-    speeds = engine_speeds(ROWS[name], dtype, repeats, tmp / name.replace(" ", "_"))
-    read, products = per_token_cost(model_dir(ROWS[name].arch))
+def figures(arch: str, speeds: dict[int, float]) -> tuple[float, float]:
+    """(batch-1 GB/s, batch-32 GFLOP/s) of `arch`'s model at these tok/s (batch -> tok/s)."""
+    read, products = per_token_cost(model_dir(arch))
     return speeds[1] * read / 1e9, speeds[32] * products / 1e9
 
 
-def print_row(name: str, figures: tuple[float, float], base: tuple[float, float]) -> None:
-    read, products = per_token_cost(model_dir(ROWS[name].arch))
-    print(f"{name:>38}: batch 1 {figures[0] * 1e9 / read:7.1f} tok/s {figures[0]:6.2f} GB/s "
-          f"({figures[0] / base[0]:.2f}x) | batch 32 {figures[1] * 1e9 / products:7.1f} tok/s {figures[1]:6.1f} "
-          f"GFLOP/s ({figures[1] / base[1]:.2f}x)", flush=True)
+def print_row(name: str, speeds: dict[int, float], llama_speeds: dict[int, float]) -> None:
+    """A row's tok/s and normalised figures, and their shares of plain llama's measured beside them."""
+    row, base = figures(ROWS[name].arch, speeds), figures("llama", llama_speeds)
+    print(f"{name:>38}: batch 1 {speeds[1]:7.1f} tok/s {row[0]:6.2f} GB/s ({row[0] / base[0]:.2f}x) | batch 32 "
+          f"{speeds[32]:7.1f} tok/s {row[1]:6.1f} GFLOP/s ({row[1] / base[1]:.2f}x); llama beside it "
+          f"{base[0]:6.2f} GB/s | {base[1]:6.1f} GFLOP/s", flush=True)
+
+
+def llamacpp_beside(llama: LLM, server: str, gguf: str, repeats: int) -> None:
+    """llama.cpp's server on plain llama's GGUF against our llama engine, the two taking turns at each batch."""
+    for batch, output in OUTPUTS.items():
+        with llamacpp_server(server, gguf, batch, PROMPT_TOKENS + output + 16) as url:
+            best = alternating_best({"pagedserve": batch_run(llama, ROWS["llama"], batch, None),
+                                     "llama.cpp": llamacpp_run(url, batch)}, repeats)
+        print(f"llama.cpp's server, plain llama, batch {batch:>2}: {best['llama.cpp']:7.1f} tok/s, pagedserve "
+              f"{best['pagedserve']:7.1f} tok/s in turns with it; pagedserve / llama.cpp "
+              f"{best['pagedserve'] / best['llama.cpp']:.2f}x", flush=True)
 
 
 def arguments_with_kernels(parser: argparse.ArgumentParser) -> argparse.Namespace:
@@ -226,30 +271,20 @@ def main() -> None:
     print(f"{os.cpu_count()} CPUs, native bf16: {cpu_has_native_bf16()}, dtype {args.dtype}; batch 1 = "
           f"{PROMPT_TOKENS}-token prompt, {OUTPUTS[1]} tokens; batch 32 = {OUTPUTS[32]} tokens each; best of "
           f"{args.repeats}; a quiet machine is assumed", flush=True)
-    rows = ["llama", *(name for name in args.rows if name != "llama")]
-    figures: dict[str, tuple[float, float]] = {}
-    latest_llama = None  # the llama run next to llama.cpp's in time
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in rows:
-            figures[name] = row_figures(name, args.dtype, args.repeats, Path(tmp))
-            print_row(name, figures[name], figures["llama"])
-        if len(rows) > 1:
-            # These hosts' speed drifts over minutes: plain llama again at the end, and the shares against the
-            # faster of its two runs (the conservative direction for every other row).
-            again = latest_llama = row_figures("llama", args.dtype, args.repeats, Path(tmp))
-            figures["llama"] = max(figures["llama"][0], again[0]), max(figures["llama"][1], again[1])
-            print(f"plain llama again: batch 1 {again[0]:6.2f} GB/s | batch 32 {again[1]:6.1f} GFLOP/s; the shares "
-                  f"against the faster of its two runs:", flush=True)
-            for name in rows:
-                print_row(name, figures[name], figures["llama"])
-    if args.compare_llamacpp:
-        read, products = per_token_cost(model_dir("llama"))
-        for batch, output in OUTPUTS.items():
-            with llamacpp_server(args.compare_llamacpp, args.gguf, batch, PROMPT_TOKENS + output + 16) as url:
-                speed = tokens_per_second(llamacpp_run(url, batch), args.repeats)
-            ours = (latest_llama or figures["llama"])[0 if batch == 1 else 1] / (read if batch == 1 else products) * 1e9
-            print(f"llama.cpp's server, plain llama, batch {batch:>2}: {speed:7.1f} tok/s; pagedserve / llama.cpp "
-                  f"{ours / speed:.2f}x", flush=True)
+    llama = LLM(str(model_dir("llama")), dtype=args.dtype)
+    try:
+        alone = {batch: tokens_per_second(batch_run(llama, ROWS["llama"], batch, None), args.repeats)
+                 for batch in OUTPUTS}
+        print_row("llama", alone, alone)
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in (name for name in args.rows if name != "llama"):
+                turns = speeds_beside_llama(name, llama, args.dtype, args.repeats, Path(tmp))
+                print_row(name, {batch: t["row"] for batch, t in turns.items()},
+                          {batch: t["llama"] for batch, t in turns.items()})
+        if args.compare_llamacpp:
+            llamacpp_beside(llama, args.compare_llamacpp, args.gguf, args.repeats)
+    finally:
+        llama.shutdown()
     if args.int8_beyond_cache:
         int8_beyond_cache(args.dtype, args.repeats)
 
