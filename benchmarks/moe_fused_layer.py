@@ -1,7 +1,8 @@
 """Decoder layers of each mixture-of-experts family at the model maker's 30m size against llama's, in the C++
 layer (kernels.cpu_decoder_layer), bf16: microseconds per call at 1 and 32 tokens and the layer's share of llama's
 speed normalised by the bytes a token reads (1 token: the routed experts' share) and the FLOPs of its products
-(32 tokens), as benchmarks/feature_speed.py normalises whole models.
+(32 tokens), as benchmarks/feature_speed.py normalises whole models. The families' calls take turns (best of 5
+turns each), so that the host's drift hits them alike.
 
     python benchmarks/moe_fused_layer.py [--rows 1 32] [--rounds 100] [--layers 8] [--cpu-time] [--no-expert-pairs]
                                          [--vary-routing]
@@ -77,10 +78,10 @@ def per_token_cost(layer: LlamaDecoderLayer) -> tuple[float, float]:
 
 
 @torch.inference_mode()
-def time_layers(layers: list[LlamaDecoderLayer], config: PretrainedConfig, rows: int, rounds: int,
-                clock: Callable[[], float] = time.perf_counter, inputs: int = 1) -> tuple[float, bool]:
-    """Microseconds per layer of a call of the C++ layers over `rows` decodes (torch's products past their
-    max_rows), the calls taking `inputs` inputs in turn (each copied in first, as the layers write their input)."""
+def layers_call(layers: list[LlamaDecoderLayer], config: PretrainedConfig, rows: int, inputs: int = 1
+                ) -> tuple[Callable[[], None], bool]:
+    """A call of the C++ layers over `rows` decodes (torch's products past their max_rows), the calls taking `inputs`
+    inputs in turn (each copied in first, as the layers write their input); and whether the kernels' products run."""
     head_dim, kv_heads = head_dim_of(config), config.num_key_value_heads
     blocks_per_seq = -(-CONTEXT // 16)
     cache = [torch.randn(rows * blocks_per_seq + 1, kv_heads, 16, head_dim).bfloat16() for _ in range(2)]
@@ -93,24 +94,32 @@ def time_layers(layers: list[LlamaDecoderLayer], config: PretrainedConfig, rows:
                                          min(layer.fused_weights.max_rows() for layer in layers))
     prepared = cpu_decoder_layer.PreparedLayers([layer.fused_weights for layer in layers], [tuple(cache)] * len(layers),
                                                 torch.bfloat16)
-    if step.kernel_products:
-        def run():
-            x.copy_(residual.copy_(next(xs)))
+
+    @torch.inference_mode()
+    def run() -> None:
+        x.copy_(residual.copy_(next(xs)))
+        if step.kernel_products:
             cpu_decoder_layer.decoder_layers(prepared, x, residual, step)
-    else:
-        def run():
-            x.copy_(residual.copy_(next(xs)))
+        else:
             cpu_decoder_layer.decoder_layers_with_products(prepared, [layer.fused_products for layer in layers], x,
                                                            residual, step)
-    for _ in range(10):
-        run()
-    best = float("inf")
+    return run, step.kernel_products
+
+
+def best_in_turns(calls: dict[str, Callable[[], None]], rounds: int, clock: Callable[[], float]) -> dict[str, float]:
+    """Seconds per call of each, best of 5 turns of `rounds` calls, the calls taking turns turn by turn (after 10
+    untimed calls each), so that the machine's drift hits them alike."""
+    for call in calls.values():
+        for _ in range(10):
+            call()
+    best = dict.fromkeys(calls, float("inf"))
     for _ in range(5):
-        start = clock()
-        for _ in range(rounds):
-            run()
-        best = min(best, (clock() - start) / rounds)
-    return best * 1e6 / len(layers), step.kernel_products
+        for name, call in calls.items():
+            start = clock()
+            for _ in range(rounds):
+                call()
+            best[name] = min(best[name], (clock() - start) / rounds)
+    return best
 
 
 def main() -> None:
@@ -127,23 +136,27 @@ def main() -> None:
         torch.set_num_threads(1)
     if cpu_extension.load() is None:
         raise SystemExit("the C++ CPU kernels did not build")
-    print(f"native bf16 pairs: {cpu_gemv.pairs_cpu()}; {torch.get_num_threads()} threads")
+    print(f"native bf16 pairs: {cpu_gemv.pairs_cpu()}; {torch.get_num_threads()} threads; families in turns")
     families = ["llama", *(f for f in args.families if f != "llama")]
-    base: dict[int, float] = {}
+    models = {}
     for arch in families:
         config = config_of(arch)
-        layers = [make_layer(arch, config, not args.no_expert_pairs, seed) for seed in range(args.layers)]
-        read, flops = per_token_cost(layers[0])
-        parts = []
-        for rows in args.rows:
-            micros, in_kernel = time_layers(layers, config, rows, args.rounds,
-                                           time.thread_time if args.cpu_time else time.perf_counter,
-                                           VARIED_INPUTS if args.vary_routing else 1)
-            speed = (read if rows == 1 else flops) * rows / micros
-            base.setdefault(rows, speed)
-            parts.append(f"{rows:3d} rows {micros:8.1f} us {'kernel' if in_kernel else 'torch '} "
-                         f"({speed / base[rows]:.2f}x)")
-        print(f"{arch:>10}: " + " | ".join(parts), flush=True)
+        models[arch] = config, [make_layer(arch, config, not args.no_expert_pairs, seed) for seed in range(args.layers)]
+    parts: dict[str, list[str]] = {arch: [] for arch in families}
+    for rows in args.rows:
+        calls = {arch: layers_call(layers, config, rows, VARIED_INPUTS if args.vary_routing else 1)
+                 for arch, (config, layers) in models.items()}
+        best = best_in_turns({arch: call for arch, (call, _) in calls.items()}, args.rounds,
+                             time.thread_time if args.cpu_time else time.perf_counter)
+        speeds = {}
+        for arch, (config, layers) in models.items():
+            read, flops = per_token_cost(layers[0])
+            micros = best[arch] * 1e6 / len(layers)
+            speeds[arch] = (read if rows == 1 else flops) * rows / micros
+            parts[arch].append(f"{rows:3d} rows {micros:8.1f} us {'kernel' if calls[arch][1] else 'torch '} "
+                               f"({speeds[arch] / speeds['llama']:.2f}x)")
+    for arch in families:
+        print(f"{arch:>10}: " + " | ".join(parts[arch]), flush=True)
 
 
 if __name__ == "__main__":
