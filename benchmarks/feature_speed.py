@@ -131,7 +131,7 @@ def batch_run(llm: LLM, row: Row, batch: int, lora: LoRARequest | None) -> Calla
 
 def speeds_beside_llama(name: str, llama: LLM, dtype: str, repeats: int, tmp: Path) -> dict[int, dict[str, float]]:
     """batch -> {"row": the row's tok/s, "llama": plain llama's}, the two engines taking turns round by round: these
-    hosts' speed swings by a third within minutes, and a share is only as good as its two figures' nearness in time."""
+    hosts' speed swings within minutes, and a share is only as good as its two figures' nearness in time."""
     row = ROWS[name]
     llm, lora = row_engine(row, dtype, tmp / name.replace(" ", "_"))
     try:
