@@ -1,8 +1,8 @@
 """Decoder layers of each mixture-of-experts family at the model maker's 30m size against llama's, in the C++
 layer (kernels.cpu_decoder_layer), bf16: microseconds per call at 1 and 32 tokens and the layer's share of llama's
 speed normalised by the bytes a token reads (1 token: the routed experts' share) and the FLOPs of its products
-(32 tokens), as benchmarks/feature_speed.py normalises whole models. The families' calls take turns (best of 5
-turns each), so that the host's drift hits them alike.
+(32 tokens), as benchmarks/feature_speed.py normalises whole models. The families' calls take turns (best of TURNS
+turns of --rounds calls each), so that the host's drift hits them alike.
 
     python benchmarks/moe_fused_layer.py [--rows 1 32] [--rounds 100] [--layers 8] [--cpu-time] [--no-expert-pairs]
                                          [--vary-routing]
@@ -27,6 +27,9 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from neighbour import alternating_best  # noqa: E402
 
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv  # noqa: E402
 from launch.model_shapes import SIZES, config_kwargs  # noqa: E402
@@ -41,6 +44,7 @@ FAMILIES = {"llama": LlamaDecoderLayer, "mixtral": MixtralDecoderLayer, "qwen2_m
             "qwen3_moe": Qwen3MoeDecoderLayer}
 CONTEXT = 96  # each row's sequence length
 VARIED_INPUTS = 64  # --vary-routing: inputs taken in turn
+TURNS = 5  # timed turns of --rounds calls each family takes (after one untimed)
 
 
 def config_of(arch: str) -> PretrainedConfig:
@@ -106,20 +110,13 @@ def layers_call(layers: list[LlamaDecoderLayer], config: PretrainedConfig, rows:
     return run, step.kernel_products
 
 
-def best_in_turns(calls: dict[str, Callable[[], None]], rounds: int, clock: Callable[[], float]) -> dict[str, float]:
-    """Seconds per call of each, best of 5 turns of `rounds` calls, the calls taking turns turn by turn (after 10
-    untimed calls each), so that the machine's drift hits them alike."""
-    for call in calls.values():
-        for _ in range(10):
+def calls_of(call: Callable[[], None], rounds: int) -> Callable[[], int]:
+    """`rounds` calls in a row, as one timed run of neighbour.alternating_best (which counts what it returns)."""
+    def run() -> int:
+        for _ in range(rounds):
             call()
-    best = dict.fromkeys(calls, float("inf"))
-    for _ in range(5):
-        for name, call in calls.items():
-            start = clock()
-            for _ in range(rounds):
-                call()
-            best[name] = min(best[name], (clock() - start) / rounds)
-    return best
+        return rounds
+    return run
 
 
 def main() -> None:
@@ -146,12 +143,12 @@ def main() -> None:
     for rows in args.rows:
         calls = {arch: layers_call(layers, config, rows, VARIED_INPUTS if args.vary_routing else 1)
                  for arch, (config, layers) in models.items()}
-        best = best_in_turns({arch: call for arch, (call, _) in calls.items()}, args.rounds,
-                             time.thread_time if args.cpu_time else time.perf_counter)
+        per_second = alternating_best({arch: calls_of(call, args.rounds) for arch, (call, _) in calls.items()},
+                                      TURNS, clock=time.thread_time if args.cpu_time else time.perf_counter)
         speeds = {}
         for arch, (config, layers) in models.items():
             read, flops = per_token_cost(layers[0])
-            micros = best[arch] * 1e6 / len(layers)
+            micros = 1e6 / per_second[arch] / len(layers)
             speeds[arch] = (read if rows == 1 else flops) * rows / micros
             parts[arch].append(f"{rows:3d} rows {micros:8.1f} us {'kernel' if calls[arch][1] else 'torch '} "
                                f"({speeds[arch] / speeds['llama']:.2f}x)")
