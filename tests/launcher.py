@@ -68,6 +68,12 @@ def descendants(pid: int) -> list[tuple[int, str]]:
     return found
 
 
+def engine_pid(launcher_pid: int) -> int:
+    """The pid of the one engine-core process below a launcher."""
+    [pid] = [pid for pid, command in descendants(launcher_pid) if "core.engine_process" in command]
+    return pid
+
+
 def stop_launcher(process: subprocess.Popen, timeout: float = 60.0) -> int:
     if process.poll() is None:
         process.terminate()

@@ -23,7 +23,7 @@ from frontend.api.sampling import ServerLimits
 from frontend.api.server import build_app
 from frontend.tokenizer import load_tokenizer
 from ipc import EngineInfo
-from launcher import descendants, start_launcher, stop_launcher, throttled
+from launcher import descendants, engine_pid, start_launcher, stop_launcher, throttled
 
 SURROGATE = "a\ud800b"  # a lone UTF-16 surrogate: valid JSON ("a\\ud800b"), not valid Unicode
 
@@ -320,7 +320,7 @@ def test_a_disconnected_plain_request_is_aborted(server, llama_model):
     assert warm.status_code == 200
     body = json.dumps(request).encode()
     host, port = server[1].removeprefix("http://").split(":")
-    engine = next(pid for pid, command in descendants(server[0].pid) if "core.engine_process" in command)
+    engine = engine_pid(server[0].pid)
     with throttled(engine), socket.create_connection((host, int(port))) as conn:  # hangs up once its request runs
         conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -371,13 +371,18 @@ def test_two_gateway_processes_serve(server):
 
 def test_a_disconnected_stream_is_aborted_and_its_blocks_freed(server, llama_model):
     aborted = metric(server[1], "pagedserve:num_aborted_requests_total")
-    # 20 logprobs a token: ~0.8 s of engine work, where 1000 plain tokens took 0.15 s, a short window to hang up in.
     body = {"model": llama_model, "prompt": "go on", "max_tokens": 1000, "stream": True, "ignore_eos": True,
             "logprobs": 20}
-    with httpx.stream("POST", f"{server[1]}/v1/completions", json=body, headers=AUTH) as response:
-        lines = response.iter_lines()
-        assert next(line for line in lines if line.startswith("data: "))
-    assert wait_until(lambda: metric(server[1], "pagedserve:num_aborted_requests_total") == aborted + 1, timeout=30)
+    # The engine at a tenth of the CPU while the client hangs up, after its first-time costs: unthrottled, a fast
+    # machine finished the 1000 tokens before the hang-up reached it.
+    assert httpx.post(f"{server[1]}/v1/completions", json={**body, "stream": False, "max_tokens": 4}, headers=AUTH,
+                      timeout=60).status_code == 200
+    with throttled(engine_pid(server[0].pid)):
+        with httpx.stream("POST", f"{server[1]}/v1/completions", json=body, headers=AUTH) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+        assert wait_until(lambda: metric(server[1], "pagedserve:num_aborted_requests_total") == aborted + 1,
+                          timeout=30)
     assert metric(server[1], "pagedserve:num_requests_running") == 0
     assert metric(server[1], "pagedserve:kv_cache_usage_perc") == 0.0
     metrics = httpx.get(f"{server[1]}/metrics", headers=AUTH).text
@@ -414,8 +419,7 @@ def test_back_pressure_and_engine_death():
                     assert time.monotonic() < deadline, "the second request never waited"
                     await asyncio.sleep(0.01)
                 refused = await http.post("/v1/completions", json=body)
-                engine_pid = next(pid for pid, command in descendants(process.pid) if "core.engine_process" in command)
-                os.kill(engine_pid, signal.SIGKILL)
+                os.kill(engine_pid(process.pid), signal.SIGKILL)
                 killed_at = time.monotonic()
                 events = [line async for line in running.aiter_lines() if line.startswith("data: ")]
                 while (await http.get("/health")).status_code != 503:

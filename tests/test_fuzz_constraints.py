@@ -14,7 +14,7 @@ import httpx
 import psutil
 
 from conftest import AUTH
-from launcher import descendants
+from launcher import descendants, engine_pid
 
 CASES = int(os.environ.get("PAGEDSERVE_FUZZ_CONSTRAINTS", "1700"))
 KEYWORDS = ["type", "properties", "required", "items", "enum", "const", "anyOf", "oneOf", "allOf", "not", "$ref",
@@ -104,8 +104,7 @@ def _constraint(rng: random.Random) -> dict[str, Any]:
 
 def test_garbage_constraints_get_400s_and_the_engine_serves_on(server, llama_model):
     base_url, rng, statuses, bad = server[1], random.Random(0), Counter(), []
-    [engine_pid] = [pid for pid, command in descendants(server[0].pid) if "core.engine_process" in command]
-    engine = psutil.Process(engine_pid)
+    engine = psutil.Process(engine_pid(server[0].pid))
     rss_before = engine.memory_info().rss
     with httpx.Client(base_url=base_url, headers=AUTH, timeout=60) as http:
         for _ in range(CASES):
@@ -122,7 +121,7 @@ def test_garbage_constraints_get_400s_and_the_engine_serves_on(server, llama_mod
     assert statuses[400] >= CASES // 4 and statuses[200] >= CASES // 20  # both kinds were exercised
     # Nothing keeps compiling or growing once the requests are answered: the engine and its compile workers idle.
     engine.cpu_percent(None)
-    workers = [psutil.Process(pid) for pid, command in descendants(engine_pid) if "compile_worker" in command]
+    workers = [psutil.Process(pid) for pid, command in descendants(engine.pid) if "compile_worker" in command]
     for worker in workers:
         worker.cpu_percent(None)
     time.sleep(2.0)

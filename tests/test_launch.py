@@ -16,7 +16,7 @@ import pytest
 from conftest import API_KEY, AUTH, wait_until
 from frontend.tokenizer import load_tokenizer
 from launch.launch import DEMO_MODEL_NAME, build_parser, engine_config, main
-from launcher import REPO, descendants, free_port, running, start_launcher, stop_launcher
+from launcher import REPO, descendants, engine_pid, free_port, running, start_launcher, stop_launcher
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\\n{% endfor %}ASSISTANT:"
 
@@ -153,8 +153,7 @@ def test_operator_stop_after_an_engine_crash_exits_0(llama_model, stop_signal):
     process, base_url = start_launcher(["--model", llama_model])
     try:
         children = descendants(process.pid)
-        [engine_pid] = [pid for pid, command in children if "core.engine_process" in command]
-        os.kill(engine_pid, signal.SIGKILL)
+        os.kill(engine_pid(process.pid), signal.SIGKILL)
         assert wait_until(lambda: httpx.get(f"{base_url}/health").status_code == 503, timeout=10)
         process.send_signal(stop_signal)
         assert process.wait(timeout=60) == 0
