@@ -5,24 +5,12 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "common.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define PAGEDSERVE_AMX 1
-#endif
 
 namespace pagedserve {
 
 #ifdef PAGEDSERVE_AMX
-// Linux gives a process the tiles' state only once it asks (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a kernel
-// that refuses leaves the vdpbf16ps path.
-inline bool amx_usable() {
-  static const bool usable = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return usable;
-}
-
 // Scores of one (run, KV head) item's queries against K rows in pieces of 16 rows, each query group's tile products of
 // kPieces pieces at a time: a product's latency is several times its issue interval, so one piece's chain alone
 // leaves the tile unit idle. Tiles 0-3: the float32 sums [16 K rows x Q queries] of each piece; 4 and 6: 16 K rows'
@@ -157,7 +145,6 @@ class AmxScores {
   alignas(64) float sums_[kPieces][16 * 16];
 };
 #else
-inline bool amx_usable() { return false; }
 class AmxScores {
  public:
   explicit AmxScores(int64_t) {}

@@ -15,6 +15,7 @@
 #include "grouped_routing.h"
 #include "gemv_pairs.h"
 #include "layer_ops.h"
+#include "pairs_amx.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -116,7 +117,9 @@ struct ExpertProduct {
 // contiguous run per thread of about equal cost, so the threads share every expert's weights (one expert or many,
 // each read once) and a tile stays in L1 while its expert's rows pass over it. The first pass over a tile prefetches
 // the next (the product's next tile, or the next product's first): a step's experts stream from memory (a model's
-// experts outgrow the caches), and at few rows per expert the products no longer hide it.
+// experts outgrow the caches), and at few rows per expert the products no longer hide it. With AMX the products are
+// tile products (pairs_amx.h) at every row count, so a row's output is the same in any step: at the few rows an
+// expert gets, vdpbf16ps's products bound the step, tile products leave it to the weights' stream.
 inline void expert_products(const std::vector<ExpertProduct>& each) {
   const int64_t count = int64_t(each.size());
   auto tiles = [](const ExpertProduct& p) { return (p.N + kPairTileRows - 1) / kPairTileRows; };
@@ -133,6 +136,10 @@ inline void expert_products(const std::vector<ExpertProduct>& each) {
 #endif
     // This thread's items: those whose cost ahead lies in [from, to).
     const int64_t from = before[count] * me / team, to = before[count] * (me + 1) / team;
+#ifdef PAGEDSERVE_AMX
+    const bool amx = amx_usable();
+    AmxPairs amx_tiles;
+#endif
     for (int64_t i = 0; i < count; ++i) {
       const ExpertProduct& p = each[i];
       const int64_t n = tiles(p), elems = tile_elems(p), cost = (p.K + 1) / 2 * (kTileStreamRows + p.rows);
@@ -140,6 +147,14 @@ inline void expert_products(const std::vector<ExpertProduct>& each) {
       const int64_t t1 = std::clamp<int64_t>((to - before[i] + cost - 1) / cost, 0, n);
       for (int64_t t = t0; t < t1; ++t) {
         const uint16_t* after = t + 1 < n ? p.pairs + (t + 1) * elems : i + 1 < count ? each[i + 1].pairs : nullptr;
+#ifdef PAGEDSERVE_AMX
+        if (amx) {
+          for (int64_t m0 = 0; m0 < p.rows; m0 += 16)
+            amx_tiles.tile(p.pairs + t * elems, p.x, p.y, t * kPairTileRows, m0, std::min<int64_t>(16, p.rows - m0), p.N,
+                       p.K, m0 == 0 ? after : nullptr);
+          continue;
+        }
+#endif
         for (int64_t m0 = 0; m0 < p.rows; m0 += kPairGroupRows)
           pair_group(p.pairs + t * elems, p.x, nullptr, p.y, t * kPairTileRows, m0,
                      std::min(kPairGroupRows, p.rows - m0), p.N, p.K, nullptr, m0 == 0 ? after : nullptr);

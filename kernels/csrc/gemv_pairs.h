@@ -128,6 +128,22 @@ inline void prefetch_pair(const W* next, int64_t p) {
   if constexpr (sizeof(W) == 2) _mm_prefetch(line + 64, _MM_HINT_T1);
 }
 
+// One input row's sums over a tile's 32 output rows (a[h]: rows 16 h..16 h+16), each times s[i] (s: null for none)
+// plus b[i], rounded into `to`'s first `count` outputs.
+inline void store_row_sums(const __m512 (&a)[2], const float* s, const float* b, uint16_t* to, int64_t count) {
+  // A whole tile's outputs go straight to y; a last, partial one's through a buffer (a memcpy call per row and tile
+  // was ~9% of the samples of 8-row demo decode steps).
+  alignas(64) uint16_t out[32];
+  uint16_t* at = count == 32 ? to : out;
+  for (int h = 0; h < 2; ++h) {
+    const __m512 bh = _mm512_load_ps(b + 16 * h);
+    const __m512 sums = s ? _mm512_fmadd_ps(a[h], _mm512_load_ps(s + 16 * h), bh) : _mm512_add_ps(a[h], bh);
+    store8(_mm512_castps512_ps256(sums), at + 16 * h);  // common.h's rounding, 8 lanes at a time
+    store8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1)), at + 16 * h + 8);
+  }
+  if (count < 32) std::memcpy(to, out, count * sizeof(uint16_t));
+}
+
 // Input rows m0..m0+MB's sums over a tile of output rows n0..n0+32 (a[m][h]: rows 16 h..16 h+16), each times its
 // row's scale (scale: the tile's first row's; null: none) plus its bias, rounded into y.
 template <int MB>
@@ -137,20 +153,7 @@ inline void store_tile_sums(const __m512 (&a)[MB][2], const float* scale, const 
   alignas(64) float b[32] = {}, s[32];
   for (int64_t i = 0; bias && i < count; ++i) b[i] = widen(bias[n0 + i]);
   for (int64_t i = 0; scale && i < 32; ++i) s[i] = i < count ? scale[i] : 0.f;
-  for (int m = 0; m < MB; ++m) {
-    // A whole tile's outputs go straight to y; a last, partial one's through a buffer (a memcpy call per row and
-    // tile was ~9% of the samples of 8-row demo decode steps).
-    alignas(64) uint16_t out[32];
-    uint16_t* to = count == 32 ? y + (m0 + m) * N + n0 : out;
-    for (int h = 0; h < 2; ++h) {
-      const __m512 bh = _mm512_load_ps(b + 16 * h);
-      const __m512 sums =
-          scale ? _mm512_fmadd_ps(a[m][h], _mm512_load_ps(s + 16 * h), bh) : _mm512_add_ps(a[m][h], bh);
-      store8(_mm512_castps512_ps256(sums), to + 16 * h);  // common.h's rounding, 8 lanes at a time
-      store8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1)), to + 16 * h + 8);
-    }
-    if (count < 32) std::memcpy(y + (m0 + m) * N + n0, out, count * sizeof(uint16_t));
-  }
+  for (int m = 0; m < MB; ++m) store_row_sums(a[m], scale ? s : nullptr, b, y + (m0 + m) * N + n0, count);
 }
 
 // Input rows m0..m0+MB against the tile of output rows n0..n0+32 (tile: [K / 2 pairs][32 rows][2], zero past N

@@ -182,6 +182,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     throw std::runtime_error("gemv_pairs needs AVX-512 BF16");
 #endif
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  // One expert's product as a mixture's experts take theirs (on AMX where the process may use it), bf16 only.
+  m.def("expert_product", [](uintptr_t x, uintptr_t pairs, uintptr_t y, int64_t m, int64_t n, int64_t k) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    pagedserve::expert_products({{in<uint16_t>(pairs), in<uint16_t>(x), out<uint16_t>(y), m, n, k}});
+#else
+    throw std::runtime_error("expert_product needs AVX-512 BF16");
+#endif
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("amx_usable", &pagedserve::amx_usable);
   // ... of an int8 weight with a float32 scale per row [n] (pairs: its pair_weight layout, int8), bf16 rows.
   m.def("gemv_pairs_int8", [](uintptr_t x, uintptr_t pairs, uintptr_t scale, uintptr_t bias, uintptr_t y, int64_t m,
                               int64_t n, int64_t k) {
