@@ -150,8 +150,8 @@ inline void expert_products(const std::vector<ExpertProduct>& each) {
 #ifdef PAGEDSERVE_AMX
         if (amx) {
           for (int64_t m0 = 0; m0 < p.rows; m0 += 16)
-            amx_tiles.tile(p.pairs + t * elems, p.x, p.y, t * kPairTileRows, m0, std::min<int64_t>(16, p.rows - m0), p.N,
-                       p.K, m0 == 0 ? after : nullptr);
+            amx_tiles.tile(p.pairs + t * elems, p.x, p.y, t * kPairTileRows, m0, std::min<int64_t>(16, p.rows - m0),
+                           p.N, p.K, m0 == 0 ? after : nullptr);
           continue;
         }
 #endif

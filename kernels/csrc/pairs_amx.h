@@ -73,7 +73,6 @@ class AmxPairs {
   }
 
   void configure(int64_t rows) {
-    if (rows_) _tile_release();
     alignas(64) uint8_t config[64] = {};
     config[0] = 1;  // palette 1; then 16 two-byte row widths in bytes, then 16 row counts (unused tiles: 0, 0)
     const uint16_t widths[5] = {64, 64, 64, 64, 64};
