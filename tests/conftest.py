@@ -26,7 +26,7 @@ from core.engine_spawn import EngineProcess  # noqa: E402
 from ipc import EngineConfig  # noqa: E402
 from ipc.sockets import private_ipc_address  # noqa: E402
 from launch.make_model import make_model  # noqa: E402
-from launcher import start_launcher, stop_launcher  # noqa: E402
+from launcher import engine_pid, start_launcher, stop_launcher, throttled  # noqa: E402
 
 ARCHS = ("llama", "qwen2", "mistral", "opt")
 API_KEY = "test-key"
@@ -158,6 +158,19 @@ def metric(base_url: str, name: str) -> float:
     """A Prometheus metric of the gateway at base_url, summed over its labels."""
     text = httpx.get(f"{base_url}/metrics", headers=AUTH).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@contextlib.contextmanager
+def engine_slowed(server: tuple[subprocess.Popen, str], request: dict):
+    """The server's engine at a tenth of the CPU (launcher.throttled), so that a test sees `request`'s work in flight
+    where a fast machine would finish it between two polls; the same request's first-time costs (a fresh engine's lazy
+    set-up) paid unthrottled first (4 tokens, not streamed): at a tenth of the CPU they kept the engine from answering
+    a /metrics read within its 5 s when such a test ran first."""
+    warm = httpx.post(f"{server[1]}/v1/completions", json={**request, "max_tokens": 4, "stream": False},
+                      headers=AUTH, timeout=60)
+    assert warm.status_code == 200
+    with throttled(engine_pid(server[0].pid)):
+        yield
 
 
 @pytest.fixture(scope="module")

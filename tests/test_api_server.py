@@ -16,14 +16,14 @@ import httpx
 import pytest
 import uvicorn
 
-from conftest import API_KEY, AUTH, long_context_llama, metric, serve_tiny_llama, wait_until
+from conftest import API_KEY, AUTH, engine_slowed, long_context_llama, metric, serve_tiny_llama, wait_until
 from frontend import LLM, RequestFailedError, SamplingParams
 from frontend.api.push import PushHttpToolsProtocol
 from frontend.api.sampling import ServerLimits
 from frontend.api.server import build_app
 from frontend.tokenizer import load_tokenizer
 from ipc import EngineInfo
-from launcher import descendants, engine_pid, start_launcher, stop_launcher, throttled
+from launcher import descendants, engine_pid, start_launcher, stop_launcher
 
 SURROGATE = "a\ud800b"  # a lone UTF-16 surrogate: valid JSON ("a\\ud800b"), not valid Unicode
 
@@ -311,17 +311,12 @@ def test_malformed_json_and_oversized_requests(server):
 
 def test_a_disconnected_plain_request_is_aborted(server, llama_model):
     aborted = metric(server[1], "pagedserve:num_aborted_requests_total")
-    # The engine runs a tenth of the time while the client hangs up: on a fast machine the request's 4000 tokens
-    # (n = 4, 20 logprobs a token) took a quarter of a second and ended between two polls. All four must be aborted.
+    # The engine slowed while the client hangs up: on a fast machine the request's 4000 tokens (n = 4, 20 logprobs a
+    # token) took a quarter of a second and ended between two polls. All four must be aborted.
     request = {"model": llama_model, "prompt": "go on", "max_tokens": 1000, "ignore_eos": True, "n": 4, "logprobs": 20}
-    # The same request's first-time costs (a fresh engine's lazy set-up) paid unthrottled: at a tenth of the CPU they
-    # kept the engine from answering a /metrics read within its 5 s when this test ran first.
-    warm = httpx.post(f"{server[1]}/v1/completions", json={**request, "max_tokens": 4}, headers=AUTH, timeout=60)
-    assert warm.status_code == 200
     body = json.dumps(request).encode()
     host, port = server[1].removeprefix("http://").split(":")
-    engine = engine_pid(server[0].pid)
-    with throttled(engine), socket.create_connection((host, int(port))) as conn:  # hangs up once its request runs
+    with engine_slowed(server, request), socket.create_connection((host, int(port))) as conn:  # hangs up once it runs
         conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {API_KEY}\r\n"
                      f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
         assert wait_until(lambda: metric(server[1], "pagedserve:num_requests_running") >= 1, timeout=30)
@@ -373,11 +368,7 @@ def test_a_disconnected_stream_is_aborted_and_its_blocks_freed(server, llama_mod
     aborted = metric(server[1], "pagedserve:num_aborted_requests_total")
     body = {"model": llama_model, "prompt": "go on", "max_tokens": 1000, "stream": True, "ignore_eos": True,
             "logprobs": 20}
-    # The engine at a tenth of the CPU while the client hangs up, after its first-time costs: unthrottled, a fast
-    # machine finished the 1000 tokens before the hang-up reached it.
-    assert httpx.post(f"{server[1]}/v1/completions", json={**body, "stream": False, "max_tokens": 4}, headers=AUTH,
-                      timeout=60).status_code == 200
-    with throttled(engine_pid(server[0].pid)):
+    with engine_slowed(server, body):  # unslowed, a fast machine finished the 1000 tokens before the hang-up reached it
         with httpx.stream("POST", f"{server[1]}/v1/completions", json=body, headers=AUTH) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
