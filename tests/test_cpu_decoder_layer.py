@@ -278,6 +278,9 @@ ADAPTER_CASES = {
                                     [(40, 1)] * 17 + [(70, 7)]) for rank in (8, 16, 64)},
     "rank 5 (an odd column), two slots": (5, [(5, None), (3, {(0, 1), (3, 0)})], [1, 0, 0, -1, 0, 1, 0, 0, 0, 1],
                                           [(9, 1)] * 7 + [(30, 3)]),
+    # Every row of a batch-32 decode with one adapter: whole blocks of 8 rows of one slot, the shrink split over the
+    # product's threads.
+    "rank 16, one adapter, 32 rows": (16, [(16, None)], [0], [(40, 1)] * 32),
 }
 
 
@@ -287,8 +290,8 @@ ADAPTER_CASES = {
 @pytest.mark.parametrize("case", ADAPTER_CASES)
 def test_adapter_deltas_equal_the_layers_own_forward(dtype, paired, case):
     """Every projection with adapter slots (workers/lora/slots.py): the C++ layer adds the deltas the op path's
-    linear layers add, row by row whatever slot its neighbours run with; paired, a step of few adapted rows has the
-    pairs product's threads add them."""
+    linear layers add, row by row whatever slot its neighbours run with; paired, the pairs product's threads add
+    them."""
     max_rank, adapters, pattern, seqs = ADAPTER_CASES[case]
     layer_class, config = CASES["llama head_dim 64" if len(adapters) > 2 else "qwen2 biases, head_dim 128, window"]
     layer = make_layer(layer_class, config, dtype, seed=5)
@@ -309,9 +312,9 @@ def test_adapter_deltas_equal_the_layers_own_forward(dtype, paired, case):
 
 @pytest.mark.skipif(not cpu_gemv.pairs_cpu(), reason="paired copies: bf16 weights on CPUs with AVX-512 BF16")
 def test_an_adapted_rows_delta_does_not_depend_on_the_rows_adapted_beside_it():
-    """Paired bf16 products: two adapted rows among unadapted ones (shrunk on the calling thread, their deltas added
-    by the product's threads: 2 x 48 x 256 products, under projection.h's kCallerShrinkProducts) get, bit for bit,
-    what they get in a step where every row is adapted (24 x 48 x 256: the adapters' own parallel region)."""
+    """Paired bf16 products, the deltas added by the product's threads: two adapted rows among unadapted ones (shrunk
+    on the calling thread: 2 x 48 x 256 products, under lora_row_deltas.h's kCallerShrinkProducts) get, bit for bit,
+    what they get in a step where every row is adapted (24 x 48 x 256: shrunk across the product's threads)."""
     layer_class, config = CASES["llama head_dim 64"]
     layer = make_layer(layer_class, config, torch.bfloat16, seed=5)
     context = LoRAContext()

@@ -206,27 +206,33 @@ inline void pair_group(const W* tile, const uint16_t* x, const uint16_t* bias, u
   }
 }
 
-// What gemv_pairs does with each item's outputs once they are written: nothing.
-struct NoAfterItem {
-  void operator()(int64_t, int64_t, int64_t, int64_t) const {}
+// What gemv_pairs does besides its products: prepare() on every thread as its parallel region starts (a worksharing
+// loop there ends in a barrier before any product), after_item(n0, count, m0, rows) on the thread that has just written
+// outputs n0..n0 + count of rows m0..m0 + rows. By default nothing.
+struct NoItemHooks {
+  void prepare() const {}
+  void after_item(int64_t, int64_t, int64_t, int64_t) const {}
 };
 
 // x [M, K], pairs: W [N, K] (bf16, or int8 with scale [N]; bf16: scale null) as [ceil(N / 32)][ceil(K / 2)][32][2]
 // (kernels/cpu_gemv.py's pair_weight), bias [N] or null, y [M, N]. Threads split (tile, group of 8 input rows) items,
-// consecutive groups of a tile to one thread; a tile's first group prefetches the next tile. after_item(n0, count,
-// m0, rows) then runs on the thread that wrote outputs n0..n0 + count of rows m0..m0 + rows.
-template <typename W, typename AfterItem = NoAfterItem>
+// consecutive groups of a tile to one thread; a tile's first group prefetches the next tile; hooks as NoItemHooks.
+template <typename W, typename Hooks = NoItemHooks>
 void gemv_pairs(const uint16_t* x, const W* pairs, const float* scale, const uint16_t* bias, uint16_t* y, int64_t M,
-                int64_t N, int64_t K, AfterItem after_item = {}) {
+                int64_t N, int64_t K, const Hooks& hooks = {}) {
   const int64_t tiles = (N + kPairTileRows - 1) / kPairTileRows, groups = (M + kPairGroupRows - 1) / kPairGroupRows;
   const int64_t tile_elems = (K + 1) / 2 * 2 * kPairTileRows;
-#pragma omp parallel for schedule(static)
-  for (int64_t item = 0; item < tiles * groups; ++item) {
-    const int64_t t = item / groups, m0 = item % groups * kPairGroupRows;
-    const int64_t rows = std::min(kPairGroupRows, M - m0), n0 = t * kPairTileRows;
-    pair_group(pairs + t * tile_elems, x, bias, y, n0, m0, rows, N, K, scale ? scale + n0 : nullptr,
-               m0 == 0 && t + 1 < tiles ? pairs + (t + 1) * tile_elems : nullptr);
-    after_item(n0, std::min(kPairTileRows, N - n0), m0, rows);
+#pragma omp parallel
+  {
+    hooks.prepare();
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < tiles * groups; ++item) {
+      const int64_t t = item / groups, m0 = item % groups * kPairGroupRows;
+      const int64_t rows = std::min(kPairGroupRows, M - m0), n0 = t * kPairTileRows;
+      pair_group(pairs + t * tile_elems, x, bias, y, n0, m0, rows, N, K, scale ? scale + n0 : nullptr,
+                 m0 == 0 && t + 1 < tiles ? pairs + (t + 1) * tile_elems : nullptr);
+      hooks.after_item(n0, std::min(kPairTileRows, N - n0), m0, rows);
+    }
   }
 }
 

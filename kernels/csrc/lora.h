@@ -203,6 +203,15 @@ void shrink_block(const LoraSlots& L, const T* x, int64_t m, int64_t j, int64_t 
   for (int64_t c = 0; c < count; ++c) out[j + c] = round_to<C>(sums[c]);
 }
 
+// Item i of the adapted rows' shrink (rows[i / b]'s activations 16 (i % b).. for b = ceil(width / 16)): into that
+// row's width of shrunk [rows, width].
+template <typename T, typename C>
+void shrink_item(const LoraSlots& L, const T* x, const int64_t* rows, int64_t i, int64_t K, const int64_t* slots,
+                 C* shrunk) {
+  const int64_t blocks = (L.width + 15) / 16;
+  shrink_block(L, x, rows[i / blocks], i % blocks * 16, K, slots, shrunk + i / blocks * L.width);
+}
+
 // The adapted rows, grouped into runs of one slot (runs[i]..runs[i + 1] of rows); their shrunk activations, then
 // each run's deltas for each tile of 16 outputs of a part (bt's tile read once per run), spread over the threads.
 template <typename T, typename C>
@@ -226,8 +235,7 @@ void add_lora_rows(const LoraSlots& L, const T* x, T* y, int64_t M, int64_t N, i
 #pragma omp parallel if (R * (W * K + rank * N) >= kParallelMinElements)
   {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < R * width_blocks; ++i)
-      shrink_block(L, x, rows[i / width_blocks], i % width_blocks * 16, K, slots, shrunk.data() + i / width_blocks * W);
+    for (int64_t i = 0; i < R * width_blocks; ++i) shrink_item(L, x, rows.data(), i, K, slots, shrunk.data());
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     std::vector<float> tile;  // a tile's columns, 16 lanes each
 #endif
@@ -245,50 +253,6 @@ void add_lora_rows(const LoraSlots& L, const T* x, T* y, int64_t M, int64_t N, i
     }
   }
 }
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// A step's few adapted rows shrunk on the calling thread, their deltas then added by a product's own threads, each
-// to the outputs it has just computed (add): no parallel region of the adapters' own, whose fork and barriers cost
-// more than the adapters' products at a step of few rows. Each output's delta and sum as add_lora_rows makes them.
-template <typename T, typename C>
-class RowDeltas {
- public:
-  RowDeltas(const LoraSlots& L, const T* x, int64_t M, int64_t N, int64_t K, const int64_t* slots,
-            const std::vector<int64_t>& rows)
-      : L_(L), N_(N), slots_(slots), shrunk_at_(M, -1), shrunk_(rows.size() * L.width) {
-    for (size_t r = 0; r < rows.size(); ++r) {
-      shrunk_at_[rows[r]] = int64_t(r) * L.width;
-      for (int64_t j = 0; j < L.width; j += 16) shrink_block(L, x, rows[r], j, K, slots, shrunk_.data() + r * L.width);
-    }
-  }
-
-  // The deltas of rows m0..m0 + count_rows for outputs n0..n0 + count, added to y [M, N].
-  void add(T* y, int64_t n0, int64_t count, int64_t m0, int64_t count_rows) const {
-    thread_local std::vector<float> tile;
-    const int64_t rank = L_.width / L_.parts;
-    for (int64_t m = m0; m < m0 + count_rows; ++m) {
-      if (shrunk_at_[m] < 0) continue;
-      int64_t part = 0;
-      for (int64_t c0 = n0; c0 < n0 + count;) {
-        while (L_.offsets && c0 >= L_.offsets[part + 1]) ++part;
-        const int64_t end = std::min(n0 + count, L_.offsets ? L_.offsets[part + 1] : N_);
-        const int64_t width = std::min<int64_t>(16, end - c0);
-        const C* bt = static_cast<const C*>(L_.bt) + (slots_[m] * L_.width + part * rank) * N_ + c0;
-        add_tile_deltas<T, C>(bt, N_, width, rank, shrunk_.data() + shrunk_at_[m] + part * rank, L_.width, &m, 1,
-                              y + c0, tile);
-        c0 += width;
-      }
-    }
-  }
-
- private:
-  const LoraSlots& L_;
-  int64_t N_;
-  const int64_t* slots_;
-  std::vector<int64_t> shrunk_at_;  // each row's first shrunk activation, -1: not adapted
-  std::vector<C> shrunk_;
-};
-#endif
 
 // y [M, N] of x [M, K]: each row with an adapter in its slot (slots[m] >= 0; null slots: no row) gets its delta.
 template <typename T>

@@ -13,6 +13,7 @@
 #include "int8_pairs.h"
 #include "int4.h"
 #include "lora.h"
+#include "lora_row_deltas.h"
 
 namespace pagedserve {
 
@@ -68,29 +69,20 @@ void fp8_products(const T* x, const Fp8E4m3* w, const uint8_t* pairs, const floa
 // Whether p's products read its bf16 pairs copy (as project() reads it).
 inline bool paired(const Projection& p) { return p.pairs && !p.scale; }
 
-// A step's adapted rows whose shrink (rows x adapter width x K) is at most this many products shrink on the calling
-// thread, and the threads of a bf16 pairs product add their deltas (lora.h's RowDeltas); more take add_lora's region.
-constexpr int64_t kCallerShrinkProducts = 1 << 17;
-
-// Whether p's bf16 pairs product added the adapted rows' deltas to y, each thread to the outputs it computed: where
-// the rows are few (see kCallerShrinkProducts).
+// Whether p's bf16 pairs product added the adapted rows' deltas to y, each thread to the outputs it computed.
 template <typename T>
 bool pairs_with_deltas(const Projection& p, const T* x, const T* bias, T* y, int64_t M, int64_t N, int64_t K,
                        const int64_t* lora_slots) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (!paired(p) || !p.lora.a || !lora_slots) return false;
-    const std::vector<int64_t> rows = adapted_rows(p.lora, M, lora_slots);
-    if (int64_t(rows.size()) * p.lora.width * K > kCallerShrinkProducts) return false;
-    auto run = [&](const auto& deltas) {
-      gemv_pairs(x, p.pairs, nullptr, bias, y, M, N, K, [&](int64_t n0, int64_t count, int64_t m0, int64_t group) {
-        deltas.add(y, n0, count, m0, group);
-      });
-    };
+    std::vector<int64_t> rows = adapted_rows(p.lora, M, lora_slots);
     if (p.lora.bf16)
-      run(RowDeltas<T, uint16_t>(p.lora, x, M, N, K, lora_slots, rows));
+      gemv_pairs(x, p.pairs, nullptr, bias, y, M, N, K,
+                 RowDeltas<T, uint16_t>(p.lora, x, y, M, N, K, lora_slots, std::move(rows)));
     else
-      run(RowDeltas<T, float>(p.lora, x, M, N, K, lora_slots, rows));
+      gemv_pairs(x, p.pairs, nullptr, bias, y, M, N, K,
+                 RowDeltas<T, float>(p.lora, x, y, M, N, K, lora_slots, std::move(rows)));
     return true;
   }
 #endif
