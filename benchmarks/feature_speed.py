@@ -7,6 +7,8 @@ normalised by what a token costs it:
 - batch 1 as GB/s of the weights a token reads: every layer's, the final norm and the LM head (the embedding gives one
   row); of a mixture of experts the shared experts and the top-k routed ones' share of all experts' bytes;
 - batch 32 as GFLOP/s of the products: 2 x those matrices' elements per token (attention's scores left out).
+A mixture's row also prints both figures with every expert counted, as the issue's table counted them (it flatters
+those families: a token reads only its top-k).
 The share is a row's figure over plain llama's measured in turns with it (one llama engine stays up all run; each
 row's engine and it take turns round by round, so the host's drift hits both alike). Quantized rows count the bytes
 and products of the model dtype, so the int8 row's share is its speed over the bf16 model's (the int4 row's: a GPTQ
@@ -87,17 +89,18 @@ FEATURES = {
 ROWS = {"llama": Row(), **{arch: Row(arch) for arch in ARCHS if arch != "llama"}, **FEATURES}
 
 
-def per_token_cost(folder: Path) -> tuple[float, float]:
-    """(bytes of the weights a decoded token reads, FLOPs of its products) from the checkpoint's tensors."""
+def per_token_cost(folder: Path, every_expert: bool = False) -> tuple[float, float]:
+    """(bytes of the weights a decoded token reads, FLOPs of its products) from the checkpoint's tensors; with
+    `every_expert`, a mixture's every expert counted (the issue's table's normalisation)."""
     with safe_open(str(folder / "model.safetensors"), "pt") as tensors:
         shapes = {name: tensors.get_slice(name).get_shape() for name in tensors.keys()}
-    return weights_cost(json.loads((folder / "config.json").read_text()), shapes)
+    return weights_cost(json.loads((folder / "config.json").read_text()), shapes, every_expert)
 
 
-def weights_cost(config: dict, shapes: dict[str, Sequence[int]]) -> tuple[float, float]:
+def weights_cost(config: dict, shapes: dict[str, Sequence[int]], every_expert: bool = False) -> tuple[float, float]:
     """per_token_cost of a model with this config and these weights' shapes (by name)."""
     experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
-    routed = config.get("num_experts_per_tok", 1) / experts if experts else 1.0
+    routed = config.get("num_experts_per_tok", 1) / experts if experts and not every_expert else 1.0
     read = products = 0.0
     tied = not any(name.endswith(("lm_head.weight", "embed_out.weight")) for name in shapes)
     for name, shape in shapes.items():
@@ -236,6 +239,11 @@ def print_row(name: str, speeds: dict[int, float], llama_speeds: dict[int, float
     print(f"{name:>38}: batch 1 {speeds[1]:7.1f} tok/s {row[0]:6.2f} GB/s ({row[0] / base[0]:.2f}x) | batch 32 "
           f"{speeds[32]:7.1f} tok/s {row[1]:6.1f} GFLOP/s ({row[1] / base[1]:.2f}x); llama beside it "
           f"{base[0]:6.2f} GB/s | {base[1]:6.1f} GFLOP/s", flush=True)
+    every = [speed * cost / 1e9 for speed, cost in zip((speeds[1], speeds[32]),
+                                                        per_token_cost(model_dir(ROWS[name].arch), every_expert=True))]
+    if every[0] != row[0]:  # a mixture of experts
+        print(f"{'':>38}  every expert counted (the issue's table): {every[0]:6.2f} GB/s ({every[0] / base[0]:.2f}x)"
+              f" | {every[1]:6.1f} GFLOP/s ({every[1] / base[1]:.2f}x)", flush=True)
 
 
 def llamacpp_beside(llama: LLM, server: str, gguf: str, repeats: int) -> None:
