@@ -64,34 +64,36 @@ inline void fp8_pair_tile(const Pairs& weights, const uint16_t* x, const float* 
 template <typename Pairs>
 inline void fp8_pair_group(const Pairs& weights, const uint16_t* x, const float* scales, int64_t group_pairs,
                            const uint16_t* bias, uint16_t* y, int64_t n0, int64_t m0, int64_t MB, int64_t N,
-                           int64_t K) {
+                           int64_t K, const uint8_t* next) {
   switch (MB) {
-    case 4: fp8_pair_tile<4>(weights, x, scales, group_pairs, bias, y, n0, m0, N, K, nullptr); break;
-    case 3: fp8_pair_tile<3>(weights, x, scales, group_pairs, bias, y, n0, m0, N, K, nullptr); break;
-    case 2: fp8_pair_tile<2>(weights, x, scales, group_pairs, bias, y, n0, m0, N, K, nullptr); break;
-    default: fp8_pair_tile<1>(weights, x, scales, group_pairs, bias, y, n0, m0, N, K, nullptr); break;
+    case 4: fp8_pair_tile<4>(weights, x, scales, group_pairs, bias, y, n0, m0, N, K, next); break;
+    case 3: fp8_pair_tile<3>(weights, x, scales, group_pairs, bias, y, n0, m0, N, K, next); break;
+    case 2: fp8_pair_tile<2>(weights, x, scales, group_pairs, bias, y, n0, m0, N, K, next); break;
+    default: fp8_pair_tile<1>(weights, x, scales, group_pairs, bias, y, n0, m0, N, K, next); break;
   }
 }
 
 // x [M, K] bf16, pairs: an fp8 e4m3 W [N, K] with groups of `group` columns (K: a scale per row) as pair_fp8 lays it
 // out (bytes [ceil(N / 32)][K / 2][64], then float32 scales [ceil(N / 32)][K / group][32]), bias [N] or null,
-// y [M, N]. K and group even.
+// y [M, N]. K and group even. Up to a group of rows convert in registers, more through a buffer (gemv_pairs_int8's
+// rule); a tile's first group prefetches the next tile's bytes.
 inline void gemv_pairs_fp8(const uint16_t* x, const uint8_t* pairs, int64_t group, const uint16_t* bias, uint16_t* y,
                            int64_t M, int64_t N, int64_t K) {
   const int64_t tiles = (N + kPairTileRows - 1) / kPairTileRows, tile_bytes = K / 2 * 64, groups = K / group;
   const float* scales = reinterpret_cast<const float*>(pairs + tiles * tile_bytes);
-  if (M == 1) {
+  auto next = [&](int64_t t) { return t + 1 < tiles ? pairs + (t + 1) * tile_bytes : nullptr; };
+  if (M <= kFp8GroupRows) {
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; ++t)
-      fp8_pair_tile<1>(Fp8Pairs(pairs + t * tile_bytes), x, scales + t * groups * 32, group / 2, bias, y,
-                       t * kPairTileRows, 0, N, K, t + 1 < tiles ? pairs + (t + 1) * tile_bytes : nullptr);
+      fp8_pair_group(Fp8Pairs(pairs + t * tile_bytes), x, scales + t * groups * 32, group / 2, bias, y,
+                     t * kPairTileRows, 0, M, N, K, next(t));
     return;
   }
   each_tile_converted([&](int64_t t) { return Fp8Pairs(pairs + t * tile_bytes); }, N, K,
                       [&](int64_t t, const uint16_t* converted) {
     for (int64_t m0 = 0; m0 < M; m0 += kFp8GroupRows)
       fp8_pair_group(Bf16Pairs{converted}, x, scales + t * groups * 32, group / 2, bias, y, t * kPairTileRows, m0,
-                     std::min(kFp8GroupRows, M - m0), N, K);
+                     std::min(kFp8GroupRows, M - m0), N, K, m0 == 0 ? next(t) : nullptr);
   });
 }
 

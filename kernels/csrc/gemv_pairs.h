@@ -190,20 +190,28 @@ inline void pair_tile(const W* tile, const uint16_t* x, const float* scale, cons
   pair_tile_of<MB>(pairs_of(tile), x, scale, bias, y, n0, m0, N, K, next);
 }
 
+// Input rows m0..m0+MB (at most 8) against one tile's pairs functor (next: as pair_tile's).
+template <typename Pairs, typename W = uint16_t>
+inline void pair_group_of(const Pairs& weights, const uint16_t* x, const uint16_t* bias, uint16_t* y, int64_t n0,
+                          int64_t m0, int64_t MB, int64_t N, int64_t K, const float* scale = nullptr,
+                          const W* next = nullptr) {
+  switch (MB) {
+    case 8: pair_tile_of<8>(weights, x, scale, bias, y, n0, m0, N, K, next); break;
+    case 7: pair_tile_of<7>(weights, x, scale, bias, y, n0, m0, N, K, next); break;
+    case 6: pair_tile_of<6>(weights, x, scale, bias, y, n0, m0, N, K, next); break;
+    case 5: pair_tile_of<5>(weights, x, scale, bias, y, n0, m0, N, K, next); break;
+    case 4: pair_tile_of<4>(weights, x, scale, bias, y, n0, m0, N, K, next); break;
+    case 3: pair_tile_of<3>(weights, x, scale, bias, y, n0, m0, N, K, next); break;
+    case 2: pair_tile_of<2>(weights, x, scale, bias, y, n0, m0, N, K, next); break;
+    default: pair_tile_of<1>(weights, x, scale, bias, y, n0, m0, N, K, next); break;
+  }
+}
+
 // Input rows m0..m0+MB (at most 8) against one tile (next: as pair_tile's).
 template <typename W>
 inline void pair_group(const W* tile, const uint16_t* x, const uint16_t* bias, uint16_t* y, int64_t n0, int64_t m0,
                        int64_t MB, int64_t N, int64_t K, const float* scale = nullptr, const W* next = nullptr) {
-  switch (MB) {
-    case 8: pair_tile<8>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
-    case 7: pair_tile<7>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
-    case 6: pair_tile<6>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
-    case 5: pair_tile<5>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
-    case 4: pair_tile<4>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
-    case 3: pair_tile<3>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
-    case 2: pair_tile<2>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
-    default: pair_tile<1>(tile, x, scale, bias, y, n0, m0, N, K, next); break;
-  }
+  pair_group_of(pairs_of(tile), x, bias, y, n0, m0, MB, N, K, scale, next);
 }
 
 // What gemv_pairs does besides its products: prepare() on every thread as its parallel region starts (a worksharing
@@ -258,15 +266,25 @@ void each_tile_converted(TileOf tile_of, int64_t N, int64_t K, Rows rows) {
   }
 }
 
-// x [M, K] bf16 against tiles converted to bf16 once each (each_tile_converted) that the groups of input rows then
-// read; scale [N] (each sum's) or null, bias [N] or null, y [M, N].
-template <typename TileOf>
-void gemv_pairs_buffered(const uint16_t* x, TileOf tile_of, const float* scale, const uint16_t* bias, uint16_t* y,
-                         int64_t M, int64_t N, int64_t K) {
+// x [M, K] bf16 against tiles converted to bf16 (tile_of(t): tile t's pairs functor): up to a group of input rows
+// convert each tile in registers; more convert it once into a buffer that their groups then read as a bf16 tile, the
+// first group prefetching the next tile's stored bytes (next_of(t): tile t's, one 64-byte line a column pair; or null).
+// scale [N] (each sum's) or null, bias [N] or null, y [M, N]. Threads split the tiles.
+template <typename TileOf, typename NextOf>
+void gemv_pairs_buffered(const uint16_t* x, TileOf tile_of, NextOf next_of, const float* scale, const uint16_t* bias,
+                         uint16_t* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t tiles = (N + kPairTileRows - 1) / kPairTileRows;
+  if (M <= kPairGroupRows) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t)
+      pair_group_of(tile_of(t), x, bias, y, t * kPairTileRows, 0, M, N, K, scale ? scale + t * kPairTileRows : nullptr,
+                    t + 1 < tiles ? next_of(t + 1) : nullptr);
+    return;
+  }
   each_tile_converted(tile_of, N, K, [&](int64_t t, const uint16_t* converted) {
     for (int64_t m0 = 0; m0 < M; m0 += kPairGroupRows)
-      pair_group(converted, x, bias, y, t * kPairTileRows, m0, std::min(kPairGroupRows, M - m0), N, K,
-                 scale ? scale + t * kPairTileRows : nullptr);
+      pair_group_of(Bf16Pairs{converted}, x, bias, y, t * kPairTileRows, m0, std::min(kPairGroupRows, M - m0), N, K,
+                    scale ? scale + t * kPairTileRows : nullptr, m0 == 0 && t + 1 < tiles ? next_of(t + 1) : nullptr);
   });
 }
 

@@ -109,7 +109,9 @@ inline void gemv_pairs_int4(const uint16_t* x, const uint8_t* pairs, int64_t gro
     return Int4Tile{pairs + t * steps * kPairTileRows, scales + t * groups * kPairTileRows,
                     zeros + t * groups * kPairTileRows, group / 2};
   };
-  if (M > 1) return gemv_pairs_buffered(x, [&](int64_t t) { return Int4Pairs{tile(t)}; }, nullptr, bias, y, M, N, K);
+  auto no_prefetch = [](int64_t) { return static_cast<const int8_t*>(nullptr); };  // a pair's nibbles: half a line
+  if (M > 1) return gemv_pairs_buffered(x, [&](int64_t t) { return Int4Pairs{tile(t)}; }, no_prefetch, nullptr, bias, y,
+                                        M, N, K);
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < tiles; ++t) {
     const Int4Tile here = tile(t), next = tile(t + 1);

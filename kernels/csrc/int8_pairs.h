@@ -34,9 +34,8 @@ inline void gemv_pairs_int8_row(const uint16_t* x, const int8_t* pairs, const fl
 #endif
 
 // x [M, K] bf16, pairs: an int8 W [N, K] as pair_weight lays it out, scale [N], bias [N] or null, y [M, N]. One row
-// converts the weights in registers; from two, gemv_pairs_buffered (converting in registers per group ran 0.6x
-// bf16's speed at 8 rows, the buffer 1.2x). Same products in the same order: a row's result does not depend on the
-// row count.
+// by gemv_pairs_int8_row, more by gemv_pairs_buffered (in registers up to a group of rows, else through a buffer).
+// Same products in the same order: a row's result does not depend on the row count.
 inline void gemv_pairs_int8(const uint16_t* x, const int8_t* pairs, const float* scale, const uint16_t* bias,
                             uint16_t* y, int64_t M, int64_t N, int64_t K) {
 #ifdef __AVX512VBMI__
@@ -45,7 +44,8 @@ inline void gemv_pairs_int8(const uint16_t* x, const int8_t* pairs, const float*
   if (M == 1) return gemv_pairs(x, pairs, scale, bias, y, M, N, K);
 #endif
   const int64_t tile_elems = (K + 1) / 2 * 2 * kPairTileRows;
-  gemv_pairs_buffered(x, [&](int64_t t) { return Int8Pairs(pairs + t * tile_elems); }, scale, bias, y, M, N, K);
+  gemv_pairs_buffered(x, [&](int64_t t) { return Int8Pairs(pairs + t * tile_elems); },
+                      [&](int64_t t) { return pairs + t * tile_elems; }, scale, bias, y, M, N, K);
 }
 
 }  // namespace pagedserve
