@@ -13,7 +13,7 @@
 #include <cstdint>
 
 #include "fp8.h"
-#include "gemv_pairs.h"
+#include "pairs_converted.h"
 
 namespace pagedserve {
 

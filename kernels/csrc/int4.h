@@ -12,7 +12,7 @@
 
 #include "common.h"
 #include "gemv.h"
-#include "gemv_pairs.h"
+#include "pairs_converted.h"
 
 namespace pagedserve {
 

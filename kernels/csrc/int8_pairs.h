@@ -4,7 +4,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <cstdint>
 
-#include "gemv_pairs.h"
+#include "pairs_converted.h"
 
 namespace pagedserve {
 
