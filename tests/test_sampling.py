@@ -7,7 +7,7 @@ import torch
 from conftest import assert_all_blocks_free, random_prompts
 from frontend import LLM, SamplingParams
 from hf_reference import hf_greedy
-from workers.layers.logprobs import gather_logprobs
+from workers.layers.logprobs import gather_logprobs, rows_logprobs
 from workers.layers.sampler import Penalties, Sampler, SamplingMetadata, _apply_penalties
 
 PROMPTS = [{"prompt_token_ids": p} for p in random_prompts([5, 40, 90], vocab=1000, seed=1)]
@@ -116,6 +116,21 @@ def test_top_logprobs_take_ties_in_id_order():
         assert values[row] == [logprobs[row, v].item() for v in ids[row]]
         assert ranks[row] == 1 + int((logprobs[row] > logprobs[row, tokens[row]]).sum())
 
+
+
+def test_a_steps_rows_logprobs_are_each_rows_alone():
+    """The sampler gathers the rows asking for the same number of top logprobs together; each row's result is what
+    it would be alone (ties included), whatever the rows beside it ask for."""
+    generator = torch.Generator().manual_seed(1)
+    logprobs = torch.randint(0, 5, (7, 40), generator=generator).float()
+    tokens = torch.randint(0, 40, (7,), generator=generator)
+    asks = {0: 3, 2: 0, 3: 3, 5: 7, 6: 3}
+    out = rows_logprobs(logprobs, tokens, asks)
+    assert sorted(out) == sorted(asks)
+    for row, n in asks.items():
+        ids, values, ranks = gather_logprobs(logprobs[row:row + 1], tokens[row:row + 1], n)
+        assert out[row] == (ids[0], values[0], ranks[0])
+        assert len(out[row][0]) == 1 + n
 
 def test_min_tokens_holds_back_eos(llama_model):
     from core import EngineCore

@@ -39,7 +39,16 @@ def _top_k(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, ids
 
 
-def top_logprobs(logprobs: torch.Tensor, token: torch.Tensor, n: int) -> tuple[list[int], list[float], int]:
-    """token: [1], on the logits' device."""
-    ids, values, ranks = gather_logprobs(logprobs.unsqueeze(0), token, n)
-    return ids[0], values[0], ranks[0]
+def rows_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num_logprobs: dict[int, int]
+                  ) -> dict[int, tuple[list[int], list[float], int]]:
+    """logprobs [rows, vocab], tokens [rows]; row -> its ([token, top-n ...] ids, their logprobs, the token's rank) for
+    each row that asks for n: one gather over the rows asking for the same n (each row's result as alone)."""
+    by_n: dict[int, list[int]] = {}
+    for row, n in num_logprobs.items():
+        by_n.setdefault(n, []).append(row)
+    out = {}
+    for n, rows in by_n.items():
+        index = torch.tensor(rows, device=logprobs.device)
+        for row, ids, values, rank in zip(rows, *gather_logprobs(logprobs[index], tokens[index], n)):
+            out[row] = (ids, values, rank)
+    return out

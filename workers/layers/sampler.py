@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import cpu_sampling
-from workers.layers.logprobs import raw_logprobs, top_logprobs
+from workers.layers.logprobs import raw_logprobs, rows_logprobs
 
 
 @dataclass
@@ -99,8 +99,7 @@ class Sampler:
             tokens, accepted = self._random_sample(logits, meta, greedy_tokens)
         if accepted is not None:
             tokens = torch.where(accepted, meta.draft_token_ids, tokens)
-        logprobs = {row: top_logprobs(logprobs_of_rows[row], tokens[row:row + 1], n)
-                    for row, n in meta.num_logprobs.items()} if logprobs_of_rows is not None else {}
+        logprobs = rows_logprobs(logprobs_of_rows, tokens, meta.num_logprobs) if logprobs_of_rows is not None else {}
         if accepted is None and before_sync is not None:
             tokens = before_sync(tokens)
         return SamplerOutput(tokens.tolist(), logprobs, None if accepted is None else accepted.tolist())
