@@ -7,6 +7,10 @@
 #include <immintrin.h>
 #endif
 
+// For the per-column-pair conversions of a product's innermost loop: past some number of instantiations calling one
+// (a functor for each row count) GCC calls it out of line, once per column pair.
+#define PAGEDSERVE_ALWAYS_INLINE __attribute__((always_inline))
+
 namespace pagedserve {
 
 inline float widen(float x) { return x; }

@@ -22,7 +22,7 @@ constexpr int64_t kFp8GroupRows = 4;  // input rows per pass: a sum and a total 
 // Column pair p of an fp8 pairs tile's 32 rows as bf16 pairs (rows 0..15 in w0, 16..31 in w1).
 struct Fp8Pairs : Int8Lookup<false, uint8_t> {
   explicit Fp8Pairs(const uint8_t* t) : Int8Lookup(t, fp8_bf16_byte_tables<Fp8E4m3>()) {}
-  void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
+  PAGEDSERVE_ALWAYS_INLINE void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
     const __m512i q = _mm512_loadu_si512(tile + p * 64);
     convert(q, q, w0, w1);
   }

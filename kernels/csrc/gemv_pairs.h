@@ -27,7 +27,7 @@ constexpr int64_t kPairTileRows = 32, kPairGroupRows = 8;
 // Column pair p of a tile's 32 rows as bf16 pairs: rows 0..15 in w0, 16..31 in w1.
 struct Bf16Pairs {
   const uint16_t* tile;
-  void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
+  PAGEDSERVE_ALWAYS_INLINE void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
     w0 = (__m512bh)_mm512_loadu_si512(tile + p * 64);
     w1 = (__m512bh)_mm512_loadu_si512(tile + p * 64 + 32);
   }
@@ -75,7 +75,7 @@ struct Int8Pairs : Int8Lookup<true> {
     static const auto bytes = bf16_byte_table(128.f);  // built once
     return bytes;
   }
-  void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
+  PAGEDSERVE_ALWAYS_INLINE void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
     const __m512i q = _mm512_loadu_si512(tile + p * 64);
     convert(q, _mm512_abs_epi8(q), w0, w1);
   }
@@ -92,7 +92,7 @@ struct Int8PairsBarMin : Int8Lookup<false> {
     static const auto bytes = bf16_byte_table(0.f);
     return bytes;
   }
-  void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
+  PAGEDSERVE_ALWAYS_INLINE void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
     const __m512i q = _mm512_loadu_si512(tile + p * 64);
     least = _mm512_min_epi8(least, q);
     convert(q, _mm512_abs_epi8(q), w0, w1);
@@ -108,7 +108,7 @@ struct Int8Pairs {  // without AVX-512 VBMI: bytes sign-extended to words in the
     const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(words, 1)));
     return _mm512_cvtne2ps_pbh(high, low);
   }
-  void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
+  PAGEDSERVE_ALWAYS_INLINE void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
     const __m512i q = _mm512_loadu_si512(tile + p * 64);
     const __m512i sign = _mm512_movm_epi8(_mm512_movepi8_mask(q));
     w0 = bf16_of(_mm512_unpacklo_epi8(q, sign));

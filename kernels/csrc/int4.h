@@ -66,7 +66,7 @@ struct Int4Pairs {
   Int4Tile tile;
   mutable int64_t current = -1;
   mutable __m512 s[4], z[4];
-  void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
+  PAGEDSERVE_ALWAYS_INLINE void operator()(int64_t p, __m512bh& w0, __m512bh& w1) const {
     if (p / tile.group_pairs != current) load_group(p / tile.group_pairs);
     __m512 f[4];
     for (int h = 0; h < 2; ++h) {
