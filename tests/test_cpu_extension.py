@@ -55,3 +55,14 @@ def test_a_build_killed_midway_leaves_nothing_for_the_next_process_to_wait_on(tm
     assert "the engine runs the slower torch paths" in loaded.stderr
     assert "C++ CPU kernels compiled in" in loaded.stderr
     assert [p.suffix for p in builds.iterdir() if not p.name.startswith(".build-")] == [".so"]
+
+
+def test_no_pairs_conversion_is_left_out_of_line(cpu_kernels_built):
+    """The pairs functors' per-column-pair conversions run inside the products' loops: the built module has no
+    function of their own (GCC once called Int4Pairs' out of line, a call a column pair, once enough row counts
+    instantiated it)."""
+    library = cpu_extension._library(None)
+    assert library.exists()
+    symbols = subprocess.run(["nm", "--demangle", str(library)], capture_output=True, text=True, check=True).stdout
+    assert "pagedserve::" in symbols  # the kernels' own functions are listed
+    assert [line for line in symbols.splitlines() if "Pairs::operator()" in line] == []
