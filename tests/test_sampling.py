@@ -117,7 +117,6 @@ def test_top_logprobs_take_ties_in_id_order():
         assert ranks[row] == 1 + int((logprobs[row] > logprobs[row, tokens[row]]).sum())
 
 
-
 def test_a_steps_rows_logprobs_are_each_rows_alone():
     """The sampler gathers the rows asking for the same number of top logprobs together; each row's result is what
     it would be alone (ties included), whatever the rows beside it ask for."""
@@ -131,6 +130,7 @@ def test_a_steps_rows_logprobs_are_each_rows_alone():
         ids, values, ranks = gather_logprobs(logprobs[row:row + 1], tokens[row:row + 1], n)
         assert out[row] == (ids[0], values[0], ranks[0])
         assert len(out[row][0]) == 1 + n
+
 
 def test_min_tokens_holds_back_eos(llama_model):
     from core import EngineCore
