@@ -5,7 +5,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from kernels import cpu_extension, cpu_gemv, kv_quant
 from kernels.cpu_features import matmul_dtype
@@ -173,11 +172,20 @@ def prefill_chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     num_new, seq_len = query.shape[0], key.shape[2]
     q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, new, dim]
     key, value = key.to(q.dtype), value.to(q.dtype)
-    if soft_cap is None and sliding_window is None:
-        # The causal mask as SDPA's own bias (the chunk's rows end at the context's end): its kernels skip the
-        # blocks above the diagonal that a materialized mask makes them compute, half the work of a whole prompt.
-        return F.scaled_dot_product_attention(q, key, value, attn_mask=causal_lower_right(num_new, seq_len),
-                                              scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    if soft_cap is None and sliding_window is None and (num_new == seq_len or query.is_cuda):
+        # The causal mask as SDPA's own (the chunk's rows end at the context's end): its kernels skip the blocks
+        # above the diagonal that a materialized mask makes them compute, half the work of a whole prompt. A chunk
+        # after earlier context needs the mask aligned to the lower right, which only CUDA's kernels take as a bias
+        # (on the CPU torch materializes it): its module imports torch._dynamo, a large share of an engine's
+        # start, so only a CUDA engine imports it, when it first needs it.
+        if num_new == seq_len:
+            out = F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            from torch.nn.attention.bias import causal_lower_right
+
+            out = F.scaled_dot_product_attention(q, key, value, attn_mask=causal_lower_right(num_new, seq_len),
+                                                 scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
     q_pos = torch.arange(seq_len - num_new, seq_len, device=query.device).unsqueeze(1)
     k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
     mask = k_pos <= q_pos

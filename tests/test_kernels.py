@@ -3,13 +3,18 @@ the KV write, against a dense, unpaged float64 attention."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
 
 from conftest import pairwise
+from core.engine_spawn import child_env
 from kernels import paged_attention, write_kv_cache
 from kernels.attention_ref import paged_attention as paged_attention_ref
+from kernels.attention_ref import prefill_chunk
 
 
 def dense_attention(q, k, v, scale, window):
@@ -114,3 +119,33 @@ def test_paged_attention_bfloat16_close_to_float32():
     reference = paged_attention(query, k_cache, v_cache, *args)
     low = paged_attention(query.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), *args)
     torch.testing.assert_close(low.float(), reference, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("num_new, context", [(7, 7), (5, 23)])
+def test_prefill_chunk_equals_sdpa_with_the_lower_right_causal_bias(num_new, context):
+    from torch.nn.attention.bias import causal_lower_right
+
+    generator = torch.Generator().manual_seed(num_new)
+    query = torch.randn(num_new, 4, 16, generator=generator)
+    key, value = (torch.randn(1, 2, context, 16, generator=generator) for _ in range(2))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0), key, value, attn_mask=causal_lower_right(num_new, context), scale=0.25,
+        enable_gqa=True)[0].transpose(0, 1)
+    assert torch.equal(prefill_chunk(query, key, value, 0.25), expected)
+
+
+def test_an_engine_on_the_cpu_never_imports_torch_dynamo():
+    """torch.nn.attention.bias imports torch._dynamo, a large share of an engine process's start: the CPU's prefill
+    takes the causal mask without it."""
+    code = """
+        import sys, torch
+        import core.engine_process
+        from kernels.attention_ref import prefill_chunk
+        for num_new, context in ((3, 3), (3, 9)):
+            prefill_chunk(torch.randn(num_new, 2, 8), torch.randn(1, 1, context, 8), torch.randn(1, 1, context, 8), 0.5)
+        print("torch._dynamo" in sys.modules)
+    """
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, env=child_env(),
+                          timeout=300)
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.decode().split() == ["False"]
