@@ -9,6 +9,9 @@ import torch.nn.functional as F
 from kernels import cpu_extension, cpu_gemv, kv_quant
 from kernels.cpu_features import matmul_dtype
 
+if torch.cuda.is_available():  # its module imports torch._dynamo, a large share of an engine's start: see prefill_chunk
+    from torch.nn.attention.bias import causal_lower_right
+
 # Decode rows are attended in groups whose shortest context is at least this fraction of the longest, so
 # padding to the group's longest context wastes little memory traffic (decode attention is memory-bound),
 # and of at most this many padded context tokens, so a group's gathered K/V stays cache-sized.
@@ -176,13 +179,11 @@ def prefill_chunk(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
         # The causal mask as SDPA's own (the chunk's rows end at the context's end): its kernels skip the blocks
         # above the diagonal that a materialized mask makes them compute, half the work of a whole prompt. A chunk
         # after earlier context needs the mask aligned to the lower right, which only CUDA's kernels take as a bias
-        # (on the CPU torch materializes it): its module imports torch._dynamo, a large share of an engine's
-        # start, so only a CUDA engine imports it, when it first needs it.
+        # (on the CPU torch materializes it), so only where CUDA is is its module imported (at start, not at a
+        # request's first such chunk).
         if num_new == seq_len:
             out = F.scaled_dot_product_attention(q, key, value, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            from torch.nn.attention.bias import causal_lower_right
-
             out = F.scaled_dot_product_attention(q, key, value, attn_mask=causal_lower_right(num_new, seq_len),
                                                  scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1)

@@ -136,7 +136,7 @@ def test_prefill_chunk_equals_sdpa_with_the_lower_right_causal_bias(num_new, con
 
 def test_an_engine_on_the_cpu_never_imports_torch_dynamo():
     """torch.nn.attention.bias imports torch._dynamo, a large share of an engine process's start: the CPU's prefill
-    takes the causal mask without it."""
+    takes the causal mask without it (no GPU visible to the child, as on a CPU-only machine)."""
     code = """
         import sys, torch
         import core.engine_process
@@ -145,7 +145,7 @@ def test_an_engine_on_the_cpu_never_imports_torch_dynamo():
             prefill_chunk(torch.randn(num_new, 2, 8), torch.randn(1, 1, context, 8), torch.randn(1, 1, context, 8), 0.5)
         print("torch._dynamo" in sys.modules)
     """
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, env=child_env(),
-                          timeout=300)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          env={**child_env(), "CUDA_VISIBLE_DEVICES": ""}, timeout=300)
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode().split() == ["False"]
