@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from feature_speed import BEYOND_CACHE_FACTOR, last_level_cache_bytes  # noqa: E402
+from residency import BEYOND_CACHE_FACTOR, last_level_cache_bytes  # noqa: E402
 
 from kernels import cpu_extension, cpu_gemv  # noqa: E402
 

@@ -8,7 +8,11 @@ normalised by what a token costs it:
   row); of a mixture of experts the shared experts and the top-k routed ones' share of all experts' bytes;
 - batch 32 as GFLOP/s of the products: 2 x those matrices' elements per token (attention's scores left out).
 A mixture's row also prints both figures with every expert counted, as the issue's table counted them (it flatters
-those families: a token reads only its top-k).
+those families: a token reads only its top-k), and its batch-1 GB/s beside its dense twin's: a llama as wide and as
+deep whose MLP is widened until its weights total the mixture's (residency.dense_reference), taking the same turns. A
+token's experts change from token to token, so all of a mixture's weights must stay cached for its bytes to come
+from the cache; where plain llama's fit in the last-level cache and a mixture's do not, the share of plain llama's
+measures the cache, the share of the twin's (the same working set on the dense fast path) measures the mixture's path.
 The share is a row's figure over plain llama's measured in turns with it (one llama engine stays up all run; each
 row's engine and it take turns round by round, so the host's drift hits both alike). Quantized rows count the bytes
 and products of the model dtype, so the int8 row's share is its speed over the bf16 model's (the int4 row's: a GPTQ
@@ -27,18 +31,14 @@ int8 >= 1.5x bf16 at batch 1 and >= 0.9x at batch 32.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,6 +47,8 @@ from llamacpp import llamacpp_server  # noqa: E402
 from lora import write_adapter  # noqa: E402
 from neighbour import (OUTPUTS, PROMPT_TOKENS, alternating_best, engine_arguments, llamacpp_run,  # noqa: E402
                        model_dir, prompts, tokens_per_second)
+from residency import (BEYOND_CACHE_HIDDEN, beyond_cache_model, dense_reference,  # noqa: E402
+                       is_mixture_of_experts, last_level_cache_bytes, per_token_cost, weight_elements)
 
 from frontend import LLM, SamplingParams  # noqa: E402
 from ipc.lora import LoRARequest  # noqa: E402
@@ -54,14 +56,9 @@ from ipc.structured_outputs import StructuredOutputsParams  # noqa: E402
 from kernels import cpu_extension  # noqa: E402
 from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
 from launch.fp8_blocks import fp8_block_checkpoint  # noqa: E402
-from launch.make_model import ARCHS, benchmark_cache_dir, make_model  # noqa: E402
+from launch.make_model import ARCHS  # noqa: E402
 
 LORA_RANK = 16
-# --int8-beyond-cache's llama: layers of this width (multi-head attention) until its int8 weights are
-# BEYOND_CACHE_FACTOR times the last-level cache.
-BEYOND_CACHE_HIDDEN, BEYOND_CACHE_INTERMEDIATE, BEYOND_CACHE_HEADS, BEYOND_CACHE_FACTOR = 2048, 5632, 16, 1.5
-EMBEDDING_NAMES = ("embed_tokens.weight", "embed_in.weight", "wte.weight")
-POSITION_NAMES = ("embed_positions.weight", "wpe.weight")  # learned positions: a row looked up, no product
 
 
 @dataclass(frozen=True)
@@ -89,31 +86,6 @@ FEATURES = {
 ROWS = {"llama": Row(), **{arch: Row(arch) for arch in ARCHS if arch != "llama"}, **FEATURES}
 
 
-def per_token_cost(folder: Path, every_expert: bool = False) -> tuple[float, float]:
-    """(bytes of the weights a decoded token reads, FLOPs of its products) from the checkpoint's tensors; with
-    `every_expert`, a mixture's every expert counted (the issue's table's normalisation)."""
-    with safe_open(str(folder / "model.safetensors"), "pt") as tensors:
-        shapes = {name: tensors.get_slice(name).get_shape() for name in tensors.keys()}
-    return weights_cost(json.loads((folder / "config.json").read_text()), shapes, every_expert)
-
-
-def weights_cost(config: dict, shapes: dict[str, Sequence[int]], every_expert: bool = False) -> tuple[float, float]:
-    """per_token_cost of a model with this config and these weights' shapes (by name)."""
-    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
-    routed = config.get("num_experts_per_tok", 1) / experts if experts and not every_expert else 1.0
-    read = products = 0.0
-    tied = not any(name.endswith(("lm_head.weight", "embed_out.weight")) for name in shapes)
-    for name, shape in shapes.items():
-        elements = float(math.prod(shape))
-        if (name.endswith(EMBEDDING_NAMES) and not tied) or name.endswith(POSITION_NAMES):
-            continue
-        if ".experts." in name and ".shared_expert" not in name:
-            elements *= routed
-        read += elements * 2  # bytes of bf16
-        products += 2 * elements if len(shape) == 2 else 0
-    return read, products
-
-
 def row_engine(row: Row, dtype: str, adapter_dir: Path) -> tuple[LLM, LoRARequest | None]:
     """The row's engine (its checkpoint written first where the row stores its weights its own way) and adapter."""
     folder = str(model_dir(row.arch))
@@ -133,14 +105,19 @@ def batch_run(llm: LLM, row: Row, batch: int, lora: LoRARequest | None) -> Calla
 
 
 def speeds_beside_llama(name: str, llama: LLM, dtype: str, repeats: int, tmp: Path) -> dict[int, dict[str, float]]:
-    """batch -> {"row": the row's tok/s, "llama": plain llama's}, the two engines taking turns round by round: these
-    hosts' speed swings within minutes, and a share is only as good as its two figures' nearness in time."""
+    """batch -> {"row": the row's tok/s, "llama": plain llama's, and at batch 1 of a mixture of experts "dense": its
+    dense twin's (residency.dense_reference)}, the engines taking turns round by round: these hosts' speed swings
+    within minutes, and a share is only as good as its figures' nearness in time."""
     row = ROWS[name]
     llm, lora = row_engine(row, dtype, tmp / name.replace(" ", "_"))
+    folder = model_dir(row.arch)
+    twin = LLM(str(dense_reference(folder)), dtype=dtype) if is_mixture_of_experts(folder) else None
     try:
         speeds = {}
         for batch in OUTPUTS:
             runs = {"row": batch_run(llm, row, batch, lora), "llama": batch_run(llama, ROWS["llama"], batch, None)}
+            if twin and batch == 1:
+                runs["dense"] = batch_run(twin, ROWS["llama"], batch, None)
             for run in runs.values():
                 run()
             settle()
@@ -148,6 +125,8 @@ def speeds_beside_llama(name: str, llama: LLM, dtype: str, repeats: int, tmp: Pa
         return speeds
     finally:
         llm.shutdown()
+        if twin:
+            twin.shutdown()
 
 
 def settle(most_s: float = 30.0) -> None:
@@ -182,25 +161,6 @@ def _generate(llm: LLM, requests: list[dict], params: SamplingParams, lora: LoRA
     return run
 
 
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache sysfs lists (cpu0's), in bytes; 0 where it lists none."""
-    sizes = []
-    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = entry.read_text().strip()
-        sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[text[-1]] if text[-1].isalpha()
-                     else int(text))
-    return max(sizes, default=0)
-
-
-def beyond_cache_model(cache: int) -> Path:
-    """A llama whose int8 weights (one byte each) are BEYOND_CACHE_FACTOR x `cache` bytes, made once."""
-    hidden, inter = BEYOND_CACHE_HIDDEN, BEYOND_CACHE_INTERMEDIATE
-    layers = max(1, math.ceil(BEYOND_CACHE_FACTOR * cache / (4 * hidden * hidden + 3 * inter * hidden)))
-    shape = {"hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
-             "num_attention_heads": BEYOND_CACHE_HEADS, "num_key_value_heads": BEYOND_CACHE_HEADS}
-    return make_model(benchmark_cache_dir() / f"beyond-cache-llama-{layers}", "llama", "100m", **shape)
-
-
 def batch1_turns(engines: dict[str, dict], repeats: int) -> dict[str, float]:
     """Batch-1 decode tok/s of each engine (its LLM arguments), the engines taking turns (best of `repeats`)."""
     llms = {name: LLM(**arguments) for name, arguments in engines.items()}
@@ -233,17 +193,25 @@ def figures(arch: str, speeds: dict[int, float]) -> tuple[float, float]:
     return speeds[1] * read / 1e9, speeds[32] * products / 1e9
 
 
-def print_row(name: str, speeds: dict[int, float], llama_speeds: dict[int, float]) -> None:
-    """A row's tok/s and normalised figures, and their shares of plain llama's measured beside them."""
+def print_row(name: str, speeds: dict[int, float], llama_speeds: dict[int, float], dense: float = 0.0) -> None:
+    """A row's tok/s and normalised figures, and their shares of plain llama's measured beside them (and of a mixture's
+    dense twin's at batch 1: `dense` tok/s)."""
+    folder = model_dir(ROWS[name].arch)
     row, base = figures(ROWS[name].arch, speeds), figures("llama", llama_speeds)
     print(f"{name:>38}: batch 1 {speeds[1]:7.1f} tok/s {row[0]:6.2f} GB/s ({row[0] / base[0]:.2f}x) | batch 32 "
           f"{speeds[32]:7.1f} tok/s {row[1]:6.1f} GFLOP/s ({row[1] / base[1]:.2f}x); llama beside it "
           f"{base[0]:6.2f} GB/s | {base[1]:6.1f} GFLOP/s", flush=True)
+    if not is_mixture_of_experts(folder):
+        return
     every = [speed * cost / 1e9 for speed, cost in zip((speeds[1], speeds[32]),
-                                                        per_token_cost(model_dir(ROWS[name].arch), every_expert=True))]
-    if every[0] != row[0]:  # a mixture of experts
-        print(f"{'':>38}  every expert counted (the issue's table): {every[0]:6.2f} GB/s ({every[0] / base[0]:.2f}x)"
-              f" | {every[1]:6.1f} GFLOP/s ({every[1] / base[1]:.2f}x)", flush=True)
+                                                        per_token_cost(folder, every_expert=True))]
+    print(f"{'':>38}  every expert counted (the issue's table): {every[0]:6.2f} GB/s ({every[0] / base[0]:.2f}x)"
+          f" | {every[1]:6.1f} GFLOP/s ({every[1] / base[1]:.2f}x)", flush=True)
+    twin = dense_reference(folder)
+    twin_gbps = dense * per_token_cost(twin)[0] / 1e9
+    print(f"{'':>38}  batch 1 beside its dense twin ({twin.name}: {weight_elements(twin) * 2 / 2**20:.1f} MiB of "
+          f"weights, the mixture {weight_elements(folder) * 2 / 2**20:.1f}): {twin_gbps:6.2f} GB/s "
+          f"({row[0] / twin_gbps:.2f}x)", flush=True)
 
 
 def llamacpp_beside(llama: LLM, server: str, gguf: str, repeats: int) -> None:
@@ -288,7 +256,7 @@ def main() -> None:
             for name in (name for name in args.rows if name != "llama"):
                 turns = speeds_beside_llama(name, llama, args.dtype, args.repeats, Path(tmp))
                 print_row(name, {batch: t["row"] for batch, t in turns.items()},
-                          {batch: t["llama"] for batch, t in turns.items()})
+                          {batch: t["llama"] for batch, t in turns.items()}, turns[1].get("dense", 0.0))
         if args.compare_llamacpp:
             llamacpp_beside(llama, args.compare_llamacpp, args.gguf, args.repeats)
     finally:

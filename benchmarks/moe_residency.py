@@ -17,47 +17,28 @@ memory, as real models do, where a mixture of experts' switching experts no long
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from feature_speed import (BEYOND_CACHE_FACTOR, BEYOND_CACHE_HEADS, BEYOND_CACHE_HIDDEN,  # noqa: E402
-                           BEYOND_CACHE_INTERMEDIATE, arguments_with_kernels, batch1_turns, beyond_cache_model,
-                           last_level_cache_bytes, per_token_cost, weights_cost)
+from feature_speed import arguments_with_kernels, batch1_turns  # noqa: E402
 from neighbour import model_dir  # noqa: E402
+from residency import (BEYOND_CACHE_FACTOR, BEYOND_CACHE_HEADS, BEYOND_CACHE_HIDDEN,  # noqa: E402
+                       BEYOND_CACHE_INTERMEDIATE, beyond_cache_model, dense_reference, last_level_cache_bytes,
+                       per_token_cost, weight_elements, weights_cost)
 
 from kernels.cpu_features import cpu_has_native_bf16  # noqa: E402
 from launch.make_model import benchmark_cache_dir, make_model, quiet_transformers  # noqa: E402
 from launch.model_shapes import SIZES, SizeSpec, config_kwargs, family_kwargs  # noqa: E402
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
-WIDTH_STEP = 64  # the dense reference's intermediate size is a multiple of this
 BEYOND_CACHE_KV_BYTES = 1 << 28
-
-
-def weight_elements(folder: Path) -> int:
-    """Every weight's elements in the checkpoint, embedding included (what must stay cached to stream them)."""
-    with safe_open(str(folder / "model.safetensors"), "pt") as tensors:
-        return sum(math.prod(tensors.get_slice(name).get_shape()) for name in tensors.keys())
-
-
-def dense_reference(folder: Path) -> Path:
-    """Plain llama (the llama 30m's hidden size, heads and layers) whose MLP width makes its weights as many as
-    `folder`'s, made once."""
-    llama = model_dir("llama")
-    config = json.loads((llama / "config.json").read_text())
-    per_width = 3 * config["hidden_size"] * config["num_hidden_layers"]  # gate, up and down: one column each
-    extra = weight_elements(folder) - weight_elements(llama)
-    width = max(WIDTH_STEP, round((config["intermediate_size"] + extra / per_width) / WIDTH_STEP) * WIDTH_STEP)
-    return make_model(benchmark_cache_dir() / f"dense-llama-mlp-{width}", "llama", "30m", intermediate_size=width)
 
 
 def batch1_gbps(folders: dict[str, Path], dtype: str, repeats: int, **engine) -> dict[str, float]:
