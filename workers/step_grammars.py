@@ -94,16 +94,29 @@ class CallGrammars:
         bits = np.zeros((len(rows), self.words_per_row), dtype=np.int32)
         constrained = np.array([i in self.forks for i in rows], dtype=np.uint8)
         halted = np.zeros(len(rows), dtype=np.uint8)
+        # Plain lists and ints, no array operations: the callback runs between steps, after each step's weights
+        # have passed through the caches, where every array operation's dispatch is a round of cache misses.
+        going = [m for m, i in enumerate(rows) if i in self.forks]
         fed = [0] * len(rows)
+        stepped = False
 
         def before_step(tokens: np.ndarray) -> None:
-            for m in np.flatnonzero(constrained & (halted == 0)).tolist():
-                i, row = rows[m], tokens[m, fed[m]:]
-                new = row[:int(np.argmax(row < 0)) if (row < 0).any() else len(row)].tolist()
-                fed[m] += len(new)
+            nonlocal stepped
+            columns = tokens.shape[1]
+            for m in tuple(going):
+                i, new = rows[m], []
+                while fed[m] < columns and (token := tokens.item(m, fed[m])) >= 0:
+                    new.append(token)
+                    fed[m] += 1
+                if stepped and not new:  # the call stopped the row (a stop token, its limit): it takes no more steps
+                    going.remove(m)
+                    continue
                 self.take(i, new)
                 if i not in self.ended:
                     self._follow(i, lambda fork: fork.fill(bits, m) or fork)
-                halted[m] = i in self.ended
+                if i in self.ended:
+                    halted[m] = 1
+                    going.remove(m)
+            stepped = True
 
         return GrammarMasks(bits, constrained, halted, before_step)
