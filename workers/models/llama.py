@@ -99,9 +99,6 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     attention_class = LlamaAttention
-    # Whether the C++ one-call layer (kernels.cpu_decoder_layer) computes what forward() does; a subclass that
-    # changes the attention or the MLP says False.
-    one_call_capable = True
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -126,8 +123,7 @@ class LlamaDecoderLayer(nn.Module):
     @property
     def takes_one_call(self) -> bool:
         attn = self.self_attn
-        if not self.one_call_capable or any(
-                norm is not None and norm.eps != self.input_layernorm.eps for norm in (attn.q_norm, attn.k_norm)):
+        if any(norm is not None and norm.eps != self.input_layernorm.eps for norm in (attn.q_norm, attn.k_norm)):
             return False
         if self._experts is None:
             return takes_projections(*self.fused_products)
