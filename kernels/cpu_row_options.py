@@ -27,7 +27,8 @@ class PenalizedRows:
     """Each row's logits processed as the sampler processes them (workers/layers/sampler.py) before its argmax or
     draw, in greedy_decode()'s steps: its logit bias ({token: bias}), then presence and frequency penalties over its
     generated tokens (those before the call in `output`, then the call's) and the repetition penalty over every token
-    it has seen (its `prompt` and generated ones); 0, 0, 1 and no bias: none."""
+    it has seen (its `prompt` and generated ones); 0, 0, 1 and no bias: none. Then its `bad_words` (token lists)
+    banned: the last token of each whose other tokens end the row's prompt and generated tokens."""
 
     presence: Sequence[float]
     frequency: Sequence[float]
@@ -35,17 +36,23 @@ class PenalizedRows:
     bias: Sequence[dict[int, float]]
     output: Sequence[Sequence[int]]
     prompt: Sequence[Sequence[int]]
+    bad_words: Sequence[Sequence[Sequence[int]]]
 
     def arrays(self, rows: int) -> tuple[np.ndarray, ...]:
         """As the kernel takes them (module.cpp's greedy_decode: penalized)."""
-        fields = (self.presence, self.frequency, self.repetition, self.bias, self.output, self.prompt)
+        fields = (self.presence, self.frequency, self.repetition, self.bias, self.output, self.prompt, self.bad_words)
         if any(len(field) != rows for field in fields):
             raise ValueError("penalized rows need a presence, frequency and repetition penalty, a bias, generated "
-                             "tokens and a prompt per row")
+                             "tokens, a prompt and bad words per row")
+        if any(not word for words in self.bad_words for word in words):
+            raise ValueError("a bad word needs a token at least")
         bias_ids, bias_starts = flat_lists([list(bias) for bias in self.bias])
         bias_values = np.array([value for bias in self.bias for value in bias.values()], dtype=np.float32)
+        words, word_starts = flat_lists([word for words in self.bad_words for word in words])
+        word_rows = np.concatenate(([0], np.cumsum([len(words) for words in self.bad_words], dtype=np.int64)))
         return (*(np.ascontiguousarray(a, dtype=np.float32) for a in (self.presence, self.frequency, self.repetition)),
-                bias_ids, bias_starts, bias_values, *flat_lists(self.output), *flat_lists(self.prompt))
+                bias_ids, bias_starts, bias_values, *flat_lists(self.output), *flat_lists(self.prompt), words,
+                word_starts, word_rows)
 
 
 @dataclass(frozen=True)

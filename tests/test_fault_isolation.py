@@ -8,6 +8,7 @@ from core import EngineCore
 from ipc import EngineConfig, EngineCoreOutputs, EngineCoreRequest, FinishReason, SamplingParams
 from ipc.bounds import INT32_MAX
 from workers.layers.sampler import Sampler
+from workers.later_step_calls import LaterStepCalls
 from workers.request_state import CachedRequestState
 
 MARKER = 3  # the faulty request's prompt starts with this token; the others never do
@@ -94,7 +95,8 @@ def test_top_k_beyond_the_vocabulary_samples_from_all_of_it(engine):
 
 def test_a_fault_in_a_later_step_of_a_call_fails_that_request_alone(engine, monkeypatch):
     """Without logprobs in the batch its decode steps run several per worker call: the fault comes in a step after
-    a call's first (a ban over the call's tokens so far); the others run on with the tokens they had without it."""
+    a call's first (a ban over the call's tokens so far, in the Python steps: the C++ call's steps do no host work
+    per request); the others run on with the tokens they had without it."""
     def requests(with_faulty: bool) -> list[EngineCoreRequest]:
         return [r for r in _requests(engine.vocab_size, with_faulty) if r.sampling_params.logprobs is None]
     expected, errors = _run(engine, requests(with_faulty=False))
@@ -106,6 +108,7 @@ def test_a_fault_in_a_later_step_of_a_call_fails_that_request_alone(engine, monk
             raise IndexError("injected fault")
         return banned(state, after)
     monkeypatch.setattr(CachedRequestState, "banned_token_ids", faulty_bans)
+    monkeypatch.setattr(LaterStepCalls, "_in_one_call", lambda self, steps, count, output, grammars: False)
     steps = []
     step = engine.step
     monkeypatch.setattr(engine, "step", lambda: steps.append(1) or step())

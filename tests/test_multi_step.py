@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -180,7 +181,8 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
     steps do (the K/V of rejected drafts included, so the same drafts; the same counts but where a draft model finds
     fewer than k slots left: the kernel drafts into them). Sampled: seeded
     requests with temperature, top-k, top-p and min-p among greedy ones draw the sampler's tokens; penalized:
-    greedy and sampled requests with presence, frequency and repetition penalties and logit bias; logprobs: greedy,
+    greedy and sampled requests with presence, frequency and repetition penalties, logit bias and bad words (one
+    token, and two); logprobs: greedy,
     sampled and penalized requests reporting top-N logprobs (the same ids, ranks and values) beside one that does
     not; constrained: greedy, sampled, penalized and logprob-reporting requests under regex, choice and JSON
     constraints (one that ends its grammar under ignore_eos) beside free ones, each step's mask filled by the forks
@@ -248,10 +250,15 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
             llm.shutdown()
 
     params = free
-    [first, *_], *_ = run(cpp=False)
+    [first, *others], *_ = run(cpp=False)
     params = [SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True, stop_token_ids=[first[9]]), *free[1:]]
+    if mode == "penalized":  # bad words that bite: a token the last request took, and a pair it took later
+        words = [[others[3][2]], others[3][6:8]]
+        params[4] = msgspec.structs.replace(params[4], bad_words_token_ids=words)
     python, cpp = run(cpp=False), run(cpp=True)
     assert cpp[:2] == python[:2]
+    if mode == "penalized":
+        assert words[0][0] not in cpp[0][4] and cpp[0][4] != others[3]
     assert {"stop", "length"} <= set(cpp[1])
     if mode != "constrained":  # constrained requests join when their grammar compiles: the blocks they get vary
         assert all(torch.equal(a, b) for a, b in zip(cpp[2], python[2], strict=True))

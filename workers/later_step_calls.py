@@ -100,8 +100,7 @@ class LaterStepCalls:
             steps.stop(i)
         argmax_only = not grammars and all(state.sampling_params.logits_as_they_are and state.sampling_params.is_greedy
                                            and state.sampling_params.logprobs is None for state in states)
-        in_one_call = not shares and not any(state.sampling_params.bad_words_token_ids for state in states) and \
-            self._in_one_call(steps, num_steps - 1, output, grammars)
+        in_one_call = not shares and self._in_one_call(steps, num_steps - 1, output, grammars)
         for _ in range(1, 1 if in_one_call else num_steps):
             rows = steps.active()
             if not rows:
@@ -158,13 +157,12 @@ class LaterStepCalls:
         return [sampled.sampled_token_ids.get(group.state.req_id) for group in groups]
 
     def _in_one_call(self, steps: LaterSteps, count: int, output: ModelRunnerOutput, grammars: CallGrammars) -> bool:
-        """Up to `count` steps of the active requests (no bad words) in one call of the model's greedy_decode (where
-        it has one that takes them), drawing sampled requests' tokens as the sampler would (from logits masked by
-        their grammar's fork, biased and penalized as it processes them), reporting the logprobs it would, and
-        verifying the drafts the speculator
-        would propose, which the kernel writes itself (prompt lookup's, or a draft model's; sampled or penalized
-        requests verify theirs in Python), the tokens taken into `steps`, failures, logprobs and verifications into
-        `output`; whether it ran."""
+        """Up to `count` steps of the active requests in one call of the model's greedy_decode (where it has one
+        that takes them), drawing sampled requests' tokens as the sampler would (from logits masked by their
+        grammar's fork, biased, penalized and banned as it processes them), reporting the logprobs it would, and
+        verifying the drafts the speculator would propose, which the kernel writes itself (prompt lookup's, or a
+        draft model's; sampled or penalized requests verify theirs in Python), the tokens taken into `steps`,
+        failures, logprobs and verifications into `output`; whether it ran."""
         runner = self.runner
         greedy = getattr(runner.model, "greedy_decode", None)
         rows = steps.active()

@@ -142,14 +142,16 @@ def _grammar_rows(bitmask: GrammarBitmask, req_ids: list[str], device: torch.dev
 
 
 def penalized_rows(states: list[CachedRequestState], earlier: list[list[int]]) -> PenalizedRows:
-    """The requests' logit bias and penalties as a multi-step call's C++ steps apply them, over the same tokens as
-    _penalties(): each one's tokens and the call's `earlier` ones (the kernel counts those it takes after)."""
+    """The requests' logit bias, penalties and bad words as a multi-step call's C++ steps apply them, over the same
+    tokens as _penalties() and banned_token_ids(): each one's tokens and the call's `earlier` ones (the kernel counts
+    those it takes after)."""
     params = [state.sampling_params for state in states]
     contexts = [(state, [*state.token_ids, *before]) for state, before in zip(states, earlier)]
     return PenalizedRows([p.presence_penalty for p in params], [p.frequency_penalty for p in params],
                          [p.repetition_penalty for p in params], [p.logit_bias or {} for p in params],
                          [tokens[state.num_prompt_tokens:] for state, tokens in contexts],
-                         [tokens[state.first_seen_token:state.num_prompt_tokens] for state, tokens in contexts])
+                         [tokens[state.first_seen_token:state.num_prompt_tokens] for state, tokens in contexts],
+                         [p.bad_words_token_ids or [] for p in params])
 
 
 def _penalties(rows: list[tuple[CachedRequestState, list[int]]], device: torch.device) -> Penalties | None:

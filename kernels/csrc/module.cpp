@@ -97,12 +97,13 @@ void greedy_decode(const ModelArgs& model_args, uintptr_t tokens, uintptr_t posi
       in<float>(sampled.at(0)), in<int64_t>(sampled.at(1)), in<float>(sampled.at(2)), in<float>(sampled.at(3)),
       in<double>(sampled.at(4))};
   // penalized: presence, frequency, repetition, bias ids, starts and values, generated tokens and starts, prompt
-  // tokens and starts (empty: no row processed)
+  // tokens and starts, bad words' tokens, word starts and each row's first word (empty: no row processed)
   const pagedserve::RowPenalties penalties = penalized.empty() ? pagedserve::RowPenalties{} :
       pagedserve::RowPenalties{in<float>(penalized.at(0)), in<float>(penalized.at(1)), in<float>(penalized.at(2)),
                                in<int64_t>(penalized.at(3)), in<int64_t>(penalized.at(4)), in<float>(penalized.at(5)),
                                in<int64_t>(penalized.at(6)), in<int64_t>(penalized.at(7)), in<int64_t>(penalized.at(8)),
-                               in<int64_t>(penalized.at(9))};
+                               in<int64_t>(penalized.at(9)), in<int64_t>(penalized.at(10)),
+                               in<int64_t>(penalized.at(11)), in<int64_t>(penalized.at(12))};
   // masks: bits, constrained, halted (empty: no row constrained); before_step fills them (grammar_masks.h)
   const pagedserve::RowMasks grammar = masks.empty() ? pagedserve::RowMasks{} : pagedserve::RowMasks{
       in<int32_t>(masks.at(0)), mask_words, in<uint8_t>(masks.at(1)), in<uint8_t>(masks.at(2)), before_step};
