@@ -70,8 +70,10 @@ inline void ban_bad_words(const RowPenalties& p, int64_t m, const PenaltyCounts&
   const std::vector<int64_t>& tokens = counts.tokens;
   for (int64_t w = p.word_rows[m]; w < p.word_rows[m + 1]; ++w) {
     const int64_t* word = p.words + p.word_starts[w];
-    const int64_t prefix = p.word_starts[w + 1] - p.word_starts[w] - 1, last = word[prefix];
-    if (prefix < 0 || last < 0 || last >= vocab || prefix > int64_t(tokens.size())) continue;
+    const int64_t prefix = p.word_starts[w + 1] - p.word_starts[w] - 1;
+    if (prefix < 0 || prefix > int64_t(tokens.size())) continue;
+    const int64_t last = word[prefix];
+    if (last < 0 || last >= vocab) continue;
     if (std::equal(word, word + prefix, tokens.end() - prefix)) scores[last] = -std::numeric_limits<float>::infinity();
   }
 }
