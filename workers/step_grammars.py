@@ -92,11 +92,11 @@ class CallGrammars:
         """The masks of a C++ call (kernels.cpu_greedy_decode.greedy_decode) of `rows`: before each step the forks
         take the tokens the call gave since the last, then fill their rows' masks or halt them."""
         bits = np.zeros((len(rows), self.words_per_row), dtype=np.int32)
-        constrained = np.array([i in self.forks for i in rows], dtype=np.uint8)
-        halted = np.zeros(len(rows), dtype=np.uint8)
         # Plain lists and ints, no array operations: the callback runs between steps, after each step's weights
         # have passed through the caches, where every array operation's dispatch is a round of cache misses.
         going = [m for m, i in enumerate(rows) if i in self.forks]
+        constrained, halted = np.zeros(len(rows), dtype=np.uint8), np.zeros(len(rows), dtype=np.uint8)
+        constrained[going] = 1
         fed = [0] * len(rows)
         stepped = False
 
