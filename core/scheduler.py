@@ -198,12 +198,12 @@ class Scheduler(StepOutputs, SchedulerCounters):
         return max(num_new, min(num_new + ahead, self.max_model_len - num_computed))
 
     def _drafts_to_verify(self, request: Request) -> list[int]:
-        """Its proposed drafts that could still become output: none past max_model_len, and at most max_tokens
-        minus one more (the step adds a token of its own after the accepted ones)."""
+        """Its proposed drafts that could still become output: one fewer than the tokens it may still take (the
+        step adds a token of its own after the accepted ones)."""
         if not request.spec_token_ids:
             return []
-        room = min(self.max_model_len - request.num_tokens, request.max_tokens - len(request.output_token_ids) - 1)
-        return request.spec_token_ids[:max(0, room)]
+        room = tokens_left(request.max_tokens, len(request.output_token_ids), self.max_model_len, request.num_tokens)
+        return request.spec_token_ids[:max(0, room - 1)]
 
     def _schedule_waiting(self, num_scheduled: dict[str, int], new_reqs: list[NewRequestData],
                           cached_reqs: list[CachedRequestData], budget: int) -> None:
