@@ -13,7 +13,7 @@ from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv, cpu_int4, cpu_pr
 from kernels.quantized_matmul import dequantize, linear_reference, pack_int4
 from quantized_checkpoints import checkpoint
 from tests.test_cpu_decoder_layer import CASES, assert_fused_matches, fused_and_op_by_op, make_layer
-from workers.later_step_calls import LaterStepCalls
+from workers.fast_path.later_step_calls import LaterStepCalls
 from workers.layers.linear import ColumnParallelLinear, Linear
 from workers.prepacking import prepack_linear_weights
 

@@ -8,7 +8,7 @@ from core import EngineCore
 from ipc import EngineConfig, EngineCoreOutputs, EngineCoreRequest, FinishReason, SamplingParams
 from ipc.bounds import INT32_MAX
 from workers.layers.sampler import Sampler
-from workers.later_step_calls import LaterStepCalls
+from workers.fast_path.later_step_calls import LaterStepCalls
 from workers.request_state import CachedRequestState
 
 MARKER = 3  # the faulty request's prompt starts with this token; the others never do

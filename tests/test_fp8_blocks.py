@@ -15,7 +15,7 @@ from frontend import LLM, SamplingParams
 from hf_reference import hf_greedy
 from kernels import cpu_decoder_layer, cpu_gemv
 from quantized_checkpoints import fp8_block_checkpoint
-from workers.later_step_calls import LaterStepCalls
+from workers.fast_path.later_step_calls import LaterStepCalls
 
 # Neither divides the tiny models' widths (64, 176, ...): every weight has narrower last blocks.
 BLOCK = (24, 40)

@@ -16,7 +16,7 @@ from conftest import assert_all_blocks_free, random_prompts, tiny_model
 from frontend import LLM, SamplingParams
 from hf_reference import hf_greedy
 from launch.make_model import MARKER_FILE, make_model
-from workers.later_step_calls import LaterStepCalls
+from workers.fast_path.later_step_calls import LaterStepCalls
 
 # Six heads of 20 dims (three per rank at tp 2) sharing one KV head; layers sliding, sliding, global, sliding,
 # sliding; a 32-token window that the longer prompts pass; the global layers' rope base and linear scaling as

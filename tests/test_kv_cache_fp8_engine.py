@@ -16,7 +16,7 @@ from launch.demo_corpus import split, stdlib_files
 from launch.demo_tokens import token_stream
 from launch.shipped import WEIGHTS_DIR, shipped_model
 from launch.train_demo import HELD_OUT_FRACTION
-from workers.later_step_calls import LaterStepCalls
+from workers.fast_path.later_step_calls import LaterStepCalls
 
 
 def test_an_fp8_cache_holds_twice_the_blocks_in_the_same_memory():

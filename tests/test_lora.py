@@ -135,7 +135,7 @@ def test_adapter_steps_run_on_the_cpp_layer_and_equal_the_op_path(monkeypatch):
 def test_adapted_multi_step_calls_take_one_cpp_call_and_equal_peft(monkeypatch):
     """Multi-step calls of adapted requests beside a base-model one take their later steps in the model's one C++
     call (greedy_decode adds each row's deltas in the layers): PEFT's tokens."""
-    from workers.later_step_calls import LaterStepCalls
+    from workers.fast_path.later_step_calls import LaterStepCalls
 
     prompts = random_prompts([5, 30, 17], vocab=1000, seed=5)
     names = [None, "attention-r2", "everything-r8-rslora"]

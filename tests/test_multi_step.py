@@ -18,7 +18,7 @@ from ipc import EngineCoreRequest, StructuredOutputsParams
 from ipc.lora import LoRARequest
 from kernels.cpu_row_options import SampledRows
 from launch.make_model import make_model
-from workers.later_step_calls import LaterStepCalls
+from workers.fast_path.later_step_calls import LaterStepCalls
 
 ENGINE = {"dtype": "float32", "in_process": True, "block_size": 8, "max_model_len": 96}
 

@@ -1,10 +1,10 @@
-"""A multi-step call's grammars (workers/step_grammars.py): the forks take each row's tokens in order and fill its
+"""A multi-step call's grammars (workers/fast_path/step_grammars.py): the forks take each row's tokens in order and fill its
 mask before each step; a rejected token halts its row; a row the call stopped takes no more of its grammar's work."""
 from __future__ import annotations
 
 import numpy as np
 
-from workers.step_grammars import CallGrammars
+from workers.fast_path.step_grammars import CallGrammars
 
 
 class _Grammar:

@@ -10,7 +10,7 @@ from workers.distributed import set_expert_group
 from workers.expert_group import join_group
 from workers.gpu_memory import release_device_memory
 from workers.kv_transfer_endpoint import TransferEndpoint
-from workers.step_grammars import LentGrammars
+from workers.fast_path.step_grammars import LentGrammars
 from workers.worker import Worker
 
 

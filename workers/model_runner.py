@@ -15,7 +15,7 @@ from workers.cuda_graphs import DecodeBatch, DecodeGraphs
 from workers.decode_ahead import AheadForward, DecodeRows, launch_ahead, next_rows
 from workers.distributed import Intermediate, parallel_state, pp_recv, pp_send
 from workers.encoder_cache import ENCODER_CACHE_BYTES, EncoderCache
-from workers.later_step_calls import LaterStepCalls
+from workers.fast_path.later_step_calls import LaterStepCalls
 from workers.layers.attention import Attention, DecodeMetadata
 from workers.layers.fused_moe import FusedMoE
 from workers.layers.sampler import Sampler
@@ -31,7 +31,7 @@ from workers.request_state import CachedRequestState, update_states
 from workers.runner_caches import RunnerCaches
 from workers.spec_decode import make_speculator
 from workers.spec_decode.feeds import ProposerCaches
-from workers.step_grammars import LentGrammars
+from workers.fast_path.step_grammars import LentGrammars
 from workers.step_tensors import StepTensors
 from workers.step_sampling import SampleGroup, StepSampler, fails_alone
 
@@ -84,7 +84,7 @@ class ModelRunner(RunnerCaches):
     def multi_steps(self) -> int:
         """The most decode steps one call runs (core/multi_step.py): on the CPU (CUDA graphs and decode ahead take
         that cost off the GPU's path); over several ranks (tensor and pipeline parallel) every rank runs them
-        (workers.later_step_calls), without drafts. With speculative decoding, each step verifies the drafts
+        (workers.fast_path.later_step_calls), without drafts. With speculative decoding, each step verifies the drafts
         proposed after the one before (a proposer that reads hidden states reads each later step's).
         Experts split over data-parallel engines: one forward pass per call, which every engine matches."""
         parallel = self.parallel

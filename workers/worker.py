@@ -18,7 +18,7 @@ from workers.model_config import load_hf_config, resolve_dtype
 from workers.model_runner import ModelRunner
 from workers.pooling.config import is_encoder, pooling_info
 from workers.pooling.encoder_runner import EncoderRunner
-from workers.step_grammars import LentGrammars
+from workers.fast_path.step_grammars import LentGrammars
 
 _DEFAULT_CPU_KV_BYTES = 2 * 2**30
 _DEFAULT_CPU_KV_FRACTION = 0.25

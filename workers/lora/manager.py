@@ -29,7 +29,7 @@ class LoRAManager:
             capacity = max(config.max_num_batched_tokens, config.max_num_seqs)
             self.context.token_slots = torch.full((capacity,), -1, dtype=torch.int32, device=device)
             model.register_forward_pre_hook(lambda module, args: self.context.new_forward())
-        # The stages whose C++ layer adds adapter deltas itself (workers/models/fused_stage.py): told when a layer
+        # The stages whose C++ layer adds adapter deltas itself (workers/fast_path/fused_stage.py): told when a layer
         # gets its first adapter slots.
         self.fused_stages = [module for module in model.modules() if hasattr(module, "lora_context")]
         for module in self.fused_stages:

@@ -16,7 +16,7 @@ from workers.distributed import parallel_state
 from workers.layers.fused_moe import FusedMoE, Routing
 from workers.layers.linear import Linear
 from workers.layers.mla import MLAAttention
-from workers.models.fused_stage import describe_layer, takes_projections
+from workers.fast_path.fused_stage import describe_layer, takes_projections
 from workers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, head_dim_of
 
 _TOPK_METHODS = ("greedy", "group_limited_greedy")

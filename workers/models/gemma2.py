@@ -18,7 +18,7 @@ from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.norm import GemmaRMSNorm
 from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.layers.vocab_parallel import VocabParallelEmbedding
-from workers.models.fused_stage import FusedStage, describe_layer, takes_projections
+from workers.fast_path.fused_stage import FusedStage, describe_layer, takes_projections
 from workers.models.llama import LlamaAttention, LlamaForCausalLM, build_stage_layers, head_dim_of, sliding_window_of
 
 

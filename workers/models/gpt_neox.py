@@ -16,7 +16,7 @@ from workers.layers.attention import Attention, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, tie_lm_head
-from workers.models.fused_stage import (PLAIN_ACTIVATIONS, FusedGreedyDecoding, FusedStage, describe_layer,
+from workers.fast_path.fused_stage import (PLAIN_ACTIVATIONS, FusedGreedyDecoding, FusedStage, describe_layer,
                                         norm_kind, takes_projections)
 from workers.models.llama import build_stage_layers
 

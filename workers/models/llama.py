@@ -15,7 +15,7 @@ from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding, rope_parameters_of
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, tie_lm_head
-from workers.models.fused_stage import (FusedGreedyDecoding, FusedStage, describe_layer, experts_form,
+from workers.fast_path.fused_stage import (FusedGreedyDecoding, FusedStage, describe_layer, experts_form,
                                         takes_projections)
 from workers.prompt_embeds import StepEmbeds
 

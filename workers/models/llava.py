@@ -12,7 +12,7 @@ from transformers.activations import ACT2FN
 
 from workers.distributed import Intermediate, parallel_state
 from workers.layers.attention import StepMetadata
-from workers.models.fused_stage import FusedGreedyDecoding, FusedStage
+from workers.fast_path.fused_stage import FusedGreedyDecoding, FusedStage
 from workers.models.llama import LlamaForCausalLM
 from workers.models.mistral import MistralForCausalLM
 from workers.models.qwen2 import Qwen2ForCausalLM

@@ -14,7 +14,7 @@ from workers.distributed import Intermediate, parallel_state
 from workers.layers.attention import Attention, StepMetadata
 from workers.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, tie_lm_head
-from workers.models.fused_stage import (PLAIN_ACTIVATIONS, FusedGreedyDecoding, FusedStage, describe_layer,
+from workers.fast_path.fused_stage import (PLAIN_ACTIVATIONS, FusedGreedyDecoding, FusedStage, describe_layer,
                                         norm_kind, takes_projections)
 from workers.models.llama import build_stage_layers
 

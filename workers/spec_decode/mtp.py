@@ -18,7 +18,7 @@ from workers.model_config import load_hf_config
 from workers.model_inputs import StepRows
 from workers.model_loader import load_model
 from workers.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM
-from workers.models.fused_stage import FusedStage
+from workers.fast_path.fused_stage import FusedStage
 from workers.models.llama import head_dim_of
 from workers.request_state import CachedRequestState
 from workers.spec_decode.feeds import FeedBatch, ProposerCaches, append_drafts

@@ -13,10 +13,10 @@ import torch.distributed as dist
 from ipc import ModelRunnerOutput, SchedulerOutput
 from kernels.cpu_row_options import SampledRows
 from workers.distributed import pp_send, tp_all_reduce
-from workers.later_steps import LaterSteps, StepBatch, accepted_run
+from workers.fast_path.later_steps import LaterSteps, StepBatch, accepted_run
 from workers.model_inputs import ModelInputs
 from workers.request_state import CachedRequestState
-from workers.step_grammars import CallGrammars, LentGrammars
+from workers.fast_path.step_grammars import CallGrammars, LentGrammars
 from workers.step_sampling import penalized_rows
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class LaterStepCalls:
         request its last token and the drafts proposed after it (speculative decoding); the accepted drafts and one
         more token (the argmax, or sampled as in any step, over the call's tokens so far) are appended to `output`,
         with the verification; a constrained request's tokens under the mask of its grammar's fork. Ends early once
-        no request can go on (workers.later_steps). The drafts proposed after the last step go with the output.
+        no request can go on (workers.fast_path.later_steps). The drafts proposed after the last step go with the output.
         Over several ranks (no drafts then) every rank runs it: a stage before the last hands its hidden states on,
         and the driver's tokens of each step are shared with the others."""
         runner = self.runner
