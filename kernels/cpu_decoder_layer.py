@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -78,6 +79,21 @@ def decode_step(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Te
 Product = Callable[[torch.Tensor], torch.Tensor]
 
 
+class ShmGroup(NamedTuple):
+    """A tensor-parallel group's shared memory as the C++ layer reduces over it (kernels/csrc/tp_reduce.h; made by
+    workers.shm_communicator, whose rounds it shares): the addresses of its slots, its round counters and this rank's
+    round count, a slot's bytes, the FIFOs, this rank, the group's size and how long a waiter polls (ns)."""
+
+    slots: int
+    slot_bytes: int
+    counters: int
+    round: int
+    fifos: list[int]
+    rank: int
+    size: int
+    spin_ns: int
+
+
 class PreparedLayers:
     """A stage's layers, their (key, value) caches and the final norm (of the layers' norm kind, its bias where a
     LayerNorm has one) as the kernel takes them, checked and turned into pointer lists once rather than every step
@@ -116,11 +132,14 @@ class PreparedLayers:
 
 
 def decoder_layers(prepared: PreparedLayers, x: torch.Tensor, residual: torch.Tensor | None, step: DecodeStep,
-                   lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   lora_slots: torch.Tensor | None = None, group: ShmGroup | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prepared layers in order in one call: (out, residual), whose sum is the last layer's output (llama's
     layers return them so); with a final norm, (its norm of that sum, the sum). Saves the per-layer Python and
     dispatch of a step (~0.3 ms per token of batch-1 decode on the benchmark model). lora_slots: int64 [tokens],
-    each token's adapter slot (-1: none), whose deltas its rows of the layers' projections get."""
+    each token's adapter slot (-1: none), whose deltas its rows of the layers' projections get. group: the
+    tensor-parallel group whose shard of each (dense, non-MLA) layer these are; their row-parallel products (o and
+    down) are summed over it inside the call, the biases added after the sum."""
     prepared.check(x)
     if lora_slots is not None and not (lora_slots.dtype == torch.int64 and lora_slots.shape == x.shape[:1]
                                        and lora_slots.is_contiguous()):
@@ -132,7 +151,7 @@ def decoder_layers(prepared: PreparedLayers, x: torch.Tensor, residual: torch.Te
         x.dtype == torch.bfloat16, prepared.stage_args, x.data_ptr(), pointer(residual), out.data_ptr(),
         residual_out.data_ptr(), step.positions.data_ptr(), step.slot_mapping.data_ptr(), prepared.block_size,
         step.block_tables.data_ptr(), step.block_tables.shape[1], step.seq_lens.data_ptr(), x.shape[0],
-        pointer(lora_slots))
+        pointer(lora_slots), group)
     return out, residual_out
 
 

@@ -4,22 +4,19 @@ equals torch.cat, nothing left in /dev/shm; through gloo when a rank cannot map 
 beside a CPU hog, every rank exiting cleanly."""
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import os
-import signal
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from forked_ranks import HOST, drive, run_driver
 from workers import shm_region
-from workers.distributed import (free_port, init_distributed, parallel_state, shutdown_distributed, tp_all_reduce,
+from workers.distributed import (init_distributed, parallel_state, shutdown_distributed, tp_all_reduce,
                                  tp_gather_last_dim)
 from workers.shm_communicator import SHM_DIR, SLOT_BYTES, connect_shm
 
@@ -27,9 +24,7 @@ from workers.shm_communicator import SHM_DIR, SLOT_BYTES, connect_shm
 CASES = [((1, 64), 300), ((64, 256), 20), ((2 * SLOT_BYTES // 4 // 1000 + 1, 1000), 2)]
 DTYPES = [torch.float32, torch.bfloat16]
 GLOO_ROUNDS = 20  # at most, per case: slot reuse, which the many tiny rounds probe, is the shared memory's alone
-HOST = "127.0.0.1"
 _REPEATS_UNDER_LOAD = 20
-_REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
@@ -55,55 +50,11 @@ def test_collectives_repeatedly_beside_a_cpu_hog(tmp_path: Path) -> None:
 
 
 def _run_driver(tp_size: int, repeats: int, transport: str, scratch: Path, timeout: float) -> None:
-    """This file as a driver process that forks the ranks `repeats` times; its exit code counts the failed runs."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    driver = subprocess.Popen([sys.executable, __file__, str(tp_size), str(repeats), transport, str(scratch)],
-                              env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
-    try:
-        _, errors = driver.communicate(timeout=timeout)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # ranks left blocked on a FIFO by a failed peer go too
-            os.killpg(driver.pid, signal.SIGKILL)
-        driver.wait()
-    assert driver.returncode == 0, f"{driver.returncode} of {repeats} runs failed:\n{errors[-4000:]}"
+    run_driver(__file__, [str(tp_size), str(repeats), transport, str(scratch)], timeout)
     assert not [path for path in scratch.rglob("*") if path.is_file() or path.is_fifo()]
 
 
-def _drive(tp_size: int, repeats: int, transport: str, scratch: str) -> int:
-    """Fork tp_size ranks `repeats` times, one run after another (forks skip importing torch again); the number of
-    runs in which a rank failed, died of a signal or left files in /dev/shm."""
-    gc.freeze()  # the ranks' exit, a third as long: their final collection skips what they inherit from here
-    failed = 0
-    for run in range(repeats):
-        port = free_port(HOST)
-        ranks = [_fork_rank(rank, tp_size, port, transport, os.path.join(scratch, f"run{run}")) for rank in
-                 range(tp_size)]
-        exit_codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in ranks]
-        left = [path for path in os.listdir(SHM_DIR) if path.startswith(f"pagedserve-{HOST}-{port}-")]
-        if exit_codes != [0] * tp_size or left:
-            print(f"run {run}: rank exit codes {exit_codes}, left in {SHM_DIR}: {left}", file=sys.stderr, flush=True)
-            failed += 1
-    return failed
-
-
-def _fork_rank(rank: int, tp_size: int, port: int, transport: str, scratch: str) -> int:
-    pid = os.fork()
-    if pid == 0:
-        # Leave by SystemExit, not os._exit: the interpreter finalizes as it does in a real rank's exit.
-        sys.exit(_rank_process(rank, tp_size, port, transport, scratch))
-    return pid
-
-
-def _rank_process(rank: int, tp_size: int, port: int, transport: str, scratch: str) -> int:
-    try:
-        _rank_main(rank, tp_size, port, transport, Path(scratch) / f"rank{rank}")
-    except BaseException:
-        traceback.print_exc()
-        return 1
-    return 0
-
-
-def _rank_main(rank: int, tp_size: int, port: int, transport: str, scratch: Path) -> None:
+def _rank_main(transport: str, scratch: str, rank: int, tp_size: int, port: int, run: int) -> None:
     """One rank: the checks run through the same calls the model's layers make."""
     torch.set_num_threads(1)
     threads_before = _num_threads()
@@ -116,7 +67,7 @@ def _rank_main(rank: int, tp_size: int, port: int, transport: str, scratch: Path
         else:
             assert parallel_state().tp_comm is None, "a rank that could not map the memory should keep all on gloo"
         _check_collectives(rank, tp_size, max_rounds=GLOO_ROUNDS if transport == "gloo" else None)
-        _check_fallback_when_memory_is_not_shared(rank, tp_size, scratch)
+        _check_fallback_when_memory_is_not_shared(rank, tp_size, Path(scratch) / f"run{run}" / f"rank{rank}")
     finally:
         shutdown_distributed()
     assert _num_threads() == threads_before, "gloo's threads should be joined before the process exits"
@@ -193,4 +144,4 @@ def _num_threads() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_drive(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]))
+    sys.exit(drive(int(sys.argv[1]), int(sys.argv[2]), functools.partial(_rank_main, sys.argv[3], sys.argv[4])))

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from workers.shm_communicator import ShmCommunicator, connect_shm
 
 if TYPE_CHECKING:
+    from kernels.cpu_decoder_layer import ShmGroup
     from workers.expert_group import EngineGroup
 
 _INIT_TIMEOUT = timedelta(minutes=5)
@@ -131,6 +132,11 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _state.tp_size > 1:
         dist.all_reduce(x, group=_state.tp_group)
     return x
+
+
+def tp_kernel_group() -> ShmGroup | None:
+    """This stage's TP group as the C++ layer reduces over it (its shared memory), None at one rank or over gloo."""
+    return None if _state.tp_comm is None else _state.tp_comm.kernel_group
 
 
 def tp_all_reduce_max(x: torch.Tensor) -> torch.Tensor:

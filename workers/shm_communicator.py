@@ -5,9 +5,11 @@ import logging
 import mmap
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from kernels.cpu_decoder_layer import ShmGroup
 from workers import shm_region
 from workers.polling import poll, poll_budget_ns
 from workers.shm_region import SHM_DIR, TOKEN_BYTES, ShmPaths
@@ -39,7 +41,10 @@ class ShmCommunicator:
         self.peers = [rank for rank in range(tp_size) if rank != tp_rank]
         self.views: dict[tuple[int, int, torch.dtype], list[torch.Tensor]] = {}
         self.spin_ns = poll_budget_ns(SPIN_US, tp_size)
-        self.round = 0
+        self.rounds = np.zeros(1, dtype=np.int64)  # this rank's count of rounds, which the C++ layer counts in too
+        base = data.data_ptr()
+        self.kernel_group = ShmGroup(base + _slot_offset(0, 0, tp_size, slot_bytes), slot_bytes, base + TOKEN_BYTES,
+                                     self.rounds.ctypes.data, list(fifos), tp_rank, tp_size, self.spin_ns)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the group in place, added in rank order, so every rank gets bit-identical results."""
@@ -72,10 +77,11 @@ class ShmCommunicator:
 
     def _exchange(self, chunk: torch.Tensor) -> list[torch.Tensor]:
         """Publish my chunk for this round; every rank's chunk, as views into the slots, once all have theirs."""
-        slots = self._slot_views(self.round % 2, chunk.numel(), chunk.dtype)
+        round_ = int(self.rounds[0])
+        slots = self._slot_views(round_ % 2, chunk.numel(), chunk.dtype)
         slots[self.tp_rank].copy_(chunk)
-        self.round += 1
-        self.counters[self.tp_rank] = self.round  # after the copy: x86 makes stores visible in program order
+        self.rounds[0] = round_ = round_ + 1
+        self.counters[self.tp_rank] = round_  # after the copy: x86 makes stores visible in program order
         for peer in self.peers:
             shm_region.wake(self.fifos[peer])
         self._wait_for_peers()
@@ -99,7 +105,8 @@ class ShmCommunicator:
             os.read(self.fifos[self.tp_rank], 4096)  # blocks until a peer publishes (or drains stale wake-ups)
 
     def _peers_published(self) -> bool:
-        return all(self.counters[peer] >= self.round for peer in self.peers)
+        round_ = int(self.rounds[0])
+        return all(self.counters[peer] >= round_ for peer in self.peers)
 
 
 def connect_shm(group: dist.ProcessGroup, tp_rank: int, tp_size: int, name: str, directory: str = SHM_DIR,

@@ -17,6 +17,7 @@
 #include "lora.h"
 #include "mla.h"
 #include "projection.h"
+#include "tp_reduce.h"
 
 namespace pagedserve {
 
@@ -214,14 +215,17 @@ void mla_layer_attention(const DecoderLayer<T>& L, const T* normed, const int64_
              q_joined ? QueryProduct<T>{q_a.data(), L.qkv.pairs, q.data()} : QueryProduct<T>{});
 }
 
-// The layer's dense MLP: its up product(s), activation and down product from normed [M, hidden] into out.
+// The layer's dense MLP: its up product(s), activation and down product from normed [M, hidden] into out; with a
+// tensor-parallel group `tp`, this rank's shard of it, whose down product is reduced over the group.
 template <typename T>
-void dense_mlp(const DecoderLayer<T>& L, const T* normed, T* out, int64_t M, const int64_t* lora_slots) {
+void dense_mlp(const DecoderLayer<T>& L, const T* normed, T* out, int64_t M, const int64_t* lora_slots,
+               const ShmGroup* tp = nullptr) {
   const int64_t H = L.hidden, I = L.intermediate, width = gated(L.activation) ? 2 * I : I;
   std::vector<T> h(M * width), act(M * I);
   project(L.gate_up, normed, L.gate_up_bias, h.data(), M, width, H, lora_slots);
   activate_rows(L, h.data(), act.data(), M);
-  project(L.down, act.data(), L.down_bias, out, M, H, I, lora_slots);
+  project(L.down, act.data(), tp ? nullptr : L.down_bias, out, M, H, I, lora_slots);
+  if (tp) reduce_rows(*tp, out, L.down_bias, M, H);
 }
 
 // The layer's shared expert as the routed experts' products take it (experts.h), where both read bf16 pairs copies
@@ -238,12 +242,15 @@ SharedExpert<T> joined_shared_expert(const DecoderLayer<T>& L, T* out, const int
 // x [M, hidden] (this layer's input), residual [M, hidden] or null (first layer); writes out [M, hidden] and
 // residual_out [M, hidden] (either may be x or residual: each is read before it is written). The layer's output is
 // out + residual_out, which the next layer's before_attention() adds. lora_slots: each row's adapter slot (-1: none;
-// null: no row has one).
+// null: no row has one). tp: the tensor-parallel group whose shard of a dense, non-MLA layer this rank computes
+// (null: the whole layer); its o and down products are reduced over it.
 template <typename T>
 void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* out, T* residual_out,
                    const int64_t* positions, const int64_t* slots, const KvCache& cache, int64_t block_size,
                    const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M,
-                   const int64_t* lora_slots) {
+                   const int64_t* lora_slots, const ShmGroup* tp = nullptr) {
+  if (tp && (L.mla.lora || L.experts.count))
+    throw std::invalid_argument("the C++ layer reduces over tensor-parallel ranks only for dense, non-MLA layers");
   const int64_t H = L.hidden, attn_size = attn_width(L);
   std::vector<T> normed(M * H), attn(M * attn_size);
   before_attention(L, x, residual, residual_out, normed.data(), M);
@@ -256,7 +263,8 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
     attend(L, qkv.data(), positions, slots, cache, block_size, tables, max_blocks, seq_lens, attn.data(), M);
   }
   std::vector<T> o(M * H);
-  project(L.o, attn.data(), L.o_bias, o.data(), M, H, attn_size, lora_slots);
+  project(L.o, attn.data(), tp ? nullptr : L.o_bias, o.data(), M, H, attn_size, lora_slots);
+  if (tp) reduce_rows(*tp, o.data(), L.o_bias, M, H);
   after_attention(L, o.data(), residual_out, normed.data(), M);
   if (L.experts.count) {
     std::vector<T> shared(L.gate_up.weight ? M * H : 0);  // a shared expert's output
@@ -267,7 +275,7 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
       add_shared_expert(L.experts, normed.data(), shared.data(), out, M, H);
     }
   } else {
-    dense_mlp(L, normed.data(), out, M, lora_slots);
+    dense_mlp(L, normed.data(), out, M, lora_slots, tp);
   }
   after_mlp(L, out, o.data(), M);
 }
@@ -280,10 +288,10 @@ void stage_layers(const std::vector<DecoderLayer<T>>& layers, const std::vector<
                   const Norm<T>& final_norm, const T* x, const T* residual,
                   T* out, T* residual_out, const int64_t* positions, const int64_t* slots, int64_t block_size,
                   const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M,
-                  const int64_t* lora_slots = nullptr) {
+                  const int64_t* lora_slots = nullptr, const ShmGroup* tp = nullptr) {
   for (size_t i = 0; i < layers.size(); ++i)
     decoder_layer(layers[i], i ? out : x, i ? residual_out : residual, out, residual_out, positions, slots,
-                  caches[i], block_size, tables, max_blocks, seq_lens, M, lora_slots);
+                  caches[i], block_size, tables, max_blocks, seq_lens, M, lora_slots, tp);
   if (final_norm.weight) add_and_norm_rows(out, residual_out, final_norm, residual_out, out, M, layers.front().hidden);
 }
 

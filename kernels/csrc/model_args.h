@@ -117,6 +117,19 @@ Stage<T> stage_of(const StageArgs& args) {
   return stage;
 }
 
+// A tensor-parallel group's shared memory (pagedserve::ShmGroup): its slots, a slot's bytes, the round counters,
+// this rank's round count, the FIFOs, this rank, the group's size and how long a waiter polls (ns).
+using GroupArgs = std::tuple<uintptr_t, int64_t, uintptr_t, uintptr_t, std::vector<int64_t>, int64_t, int64_t, int64_t>;
+
+inline pagedserve::ShmGroup group_of(const GroupArgs& args) {
+  const auto& [slots, slot_bytes, counters, round, fifos, rank, size, spin_ns] = args;
+  if (size < 2 || rank < 0 || rank >= size || int64_t(fifos.size()) != size || slot_bytes <= 0 || !slots ||
+      !counters || !round)
+    throw std::invalid_argument("a tensor-parallel group: 2 or more ranks, a FIFO each, its slots and counters");
+  return {reinterpret_cast<uint8_t*>(slots), slot_bytes, reinterpret_cast<int64_t*>(counters),
+          reinterpret_cast<int64_t*>(round), fifos, rank, size, spin_ns};
+}
+
 // A whole model for greedy_decode(): its stage (with the final norm), then its embedding table and LM head
 // [head_rows, hidden] of the model dtype, the vocabulary size, the head's gemv_pairs.h copy (0: none), the
 // embedding scale and the logits' soft cap (0: none), the learned position table (0: none) and its row offset

@@ -64,11 +64,13 @@ void dequantize_scaled(bool fp8, uintptr_t w, uintptr_t scale, int64_t group, ui
 template <typename T>
 void decoder_layers(const StageArgs& args, uintptr_t x, uintptr_t residual, uintptr_t o, uintptr_t residual_out,
                     uintptr_t positions, uintptr_t slots, int64_t block_size, uintptr_t tables, int64_t max_blocks,
-                    uintptr_t seq_lens, int64_t m, uintptr_t lora_slots) {
+                    uintptr_t seq_lens, int64_t m, uintptr_t lora_slots, const std::optional<GroupArgs>& group) {
   const Stage<T> stage = stage_of<T>(args);
+  const std::optional<pagedserve::ShmGroup> tp = group ? std::optional(group_of(*group)) : std::nullopt;
   pagedserve::stage_layers(stage.layers, stage.caches, stage.final_norm, in<T>(x), in<T>(residual),
                            out<T>(o), out<T>(residual_out), in<int64_t>(positions), in<int64_t>(slots), block_size,
-                           in<int64_t>(tables), max_blocks, in<int64_t>(seq_lens), m, in<int64_t>(lora_slots));
+                           in<int64_t>(tables), max_blocks, in<int64_t>(seq_lens), m, in<int64_t>(lora_slots),
+                           tp ? &*tp : nullptr);
 }
 
 // Greedy steps of the whole model (greedy_decode.h); drafts from `draft` if given (its K/V known per row at
@@ -261,10 +263,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", [](bool bf16, const StageArgs& stage, uintptr_t x, uintptr_t residual, uintptr_t o,
                              uintptr_t residual_out, uintptr_t positions, uintptr_t slots, int64_t block_size,
                              uintptr_t tables, int64_t max_blocks, uintptr_t seq_lens, int64_t m,
-                             uintptr_t lora_slots) {
+                             uintptr_t lora_slots, const std::optional<GroupArgs>& group) {
     (bf16 ? decoder_layers<uint16_t> : decoder_layers<float>)(stage, x, residual, o, residual_out, positions, slots,
                                                               block_size, tables, max_blocks, seq_lens, m,
-                                                              lora_slots);
+                                                              lora_slots, group);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("sample", [](uintptr_t logits, int64_t rows, int64_t vocab, uintptr_t temperature, uintptr_t top_k,
                      uintptr_t top_p, uintptr_t min_p, uintptr_t uniform, uintptr_t tokens) {

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kernels import cpu_decoder_layer, cpu_gemv, cpu_greedy_decode, cpu_layer_weights, cpu_projections, cpu_row_options
-from workers.distributed import parallel_state
+from workers.distributed import parallel_state, tp_kernel_group
 from workers.layers.attention import Attention, AttentionMetadata, StepMetadata
 from workers.layers.norm import GemmaRMSNorm, RMSNorm
 from workers.layers.rotary import RotaryEmbedding
@@ -110,9 +110,10 @@ class FusedStage:
         """The step's inputs for the C++ layer when it takes this step (kernels.cpu_decoder_layer.decode_step)."""
         if not (self.one_call_layers and isinstance(metadata, AttentionMetadata)):
             return None
-        # Under tensor parallelism the products are the model's own linear layers, whose row-parallel ones
-        # all-reduce their partial sums; the C++ layer computes everything between them on this rank's heads.
-        rows = self.product_rows if parallel_state().tp_size == 1 else 0
+        # Under tensor parallelism the C++ layer sums the row-parallel products over the group's shared memory
+        # itself; where it cannot (over gloo, or a mixture's or MLA's layers) the products are the model's own linear
+        # layers, which all-reduce their partial sums, and the C++ layer computes everything between them.
+        rows = self.product_rows if parallel_state().tp_size == 1 or self._kernel_group() is not None else 0
         return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
                                              metadata.query_start_loc, rows)
 
@@ -123,7 +124,8 @@ class FusedStage:
         C++ calls past the kernels' rows; the same results as the op path."""
         prepared = self.prepared_layers(x.dtype, prepare=True)
         if step.kernel_products:
-            x, residual = cpu_decoder_layer.decoder_layers(prepared, x, residual, step, self._adapter_slots(len(x)))
+            x, residual = cpu_decoder_layer.decoder_layers(prepared, x, residual, step, self._adapter_slots(len(x)),
+                                                           self._kernel_group())
         else:
             products = [self.layers[i].fused_products for i in self.stage_layers]
             x, residual = cpu_decoder_layer.decoder_layers_with_products(prepared, products, x, residual, step)
@@ -136,6 +138,19 @@ class FusedStage:
         for i in self.stage_layers:
             self.layers[i].__dict__.pop("fused_weights", None)
         self.__dict__.pop("product_rows", None)
+
+    def _kernel_group(self) -> cpu_decoder_layer.ShmGroup | None:
+        """The TP group the C++ layer reduces over (None at one rank), where it can: through shared memory, and
+        every layer of the stage dense and without MLA."""
+        group = tp_kernel_group()
+        if group is None or not self._dense_layers:
+            return None
+        return group
+
+    @functools.cached_property
+    def _dense_layers(self) -> bool:
+        weights = [self.layers[i].fused_weights for i in self.stage_layers]
+        return all(w.experts_gate_up is None and w.mla_kv_a is None for w in weights)
 
     def _adapter_slots(self, tokens: int) -> torch.Tensor | None:
         """Each token's adapter slot this step (-1: none), None when no token has one."""

@@ -1,0 +1,107 @@
+"""The C++ decoder layer at tensor parallel 2 (no Ray: two gloo ranks forked from one driver): it sums the
+row-parallel products over the group's shared memory itself (kernels/csrc/tp_reduce.h), the biases added after the
+sum, and equals bit for bit the layers whose products are the model's own linear layers, which all-reduce in Python
+(the two take turns on one group's rounds); a llama stage takes that path for its decodes."""
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+
+from forked_ranks import HOST, drive, run_driver
+from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv
+from test_cpu_decoder_layer import BLOCK_SIZE, CASES, SEQS, make_layer, step_batch, with_pairs
+from workers.distributed import init_distributed, shutdown_distributed, tp_kernel_group
+from workers.models.llama import LlamaDecoderLayer, LlamaModel, head_dim_of
+
+# Dense families' forms with what a shard changes: GQA heads split, q/k/v biases (column-parallel), o and down
+# biases added after the sum (OPT, GPT-NeoX), a parallel residual (two sums joined), sandwich norms.
+FAMILIES = ["llama head_dim 64", "qwen2 biases, head_dim 128, window", "gemma2 sandwich norms, soft cap, window",
+            "gpt_neox LayerNorm, parallel residual, partial rotary, q/k/v per head, gelu",
+            "opt learned positions, q scaled first, relu"]
+STEPS = ["three decodes", "mixed"]
+
+
+def test_layers_reduce_in_cpp_as_the_linear_layers_do() -> None:
+    if cpu_extension.load() is None:
+        pytest.fail("the extension did not build")
+    run_driver(__file__, [], timeout=240)
+
+
+def _rank_main(rank: int, tp_size: int, port: int, run: int) -> None:
+    torch.set_num_threads(1)
+    init_distributed(HOST, port, rank, tp_size, 0, 1, torch.device("cpu"))
+    try:
+        group = tp_kernel_group()
+        assert group is not None and group.rank == rank and group.size == tp_size
+        forms = [(torch.float32, False), (torch.bfloat16, False)] + [(torch.bfloat16, True)] * cpu_gemv.pairs_cpu()
+        with torch.inference_mode():
+            for case in FAMILIES:
+                for dtype, paired in forms:
+                    for seqs in STEPS:
+                        _check_layers(case, dtype, paired, SEQS[seqs], group)
+            _check_llama_stage_takes_it()
+    finally:
+        shutdown_distributed()
+
+
+def _check_layers(case: str, dtype: torch.dtype, paired: bool, seqs: list[tuple[int, int]],
+                  group: cpu_decoder_layer.ShmGroup) -> None:
+    """Two layers of this rank's shards, each path on the same inputs and caches: the same bits out."""
+    layer_class, config = CASES[case]
+    layers = [with_pairs(make_layer(layer_class, config, dtype, seed=seed), paired) for seed in (1, 2)]
+    generator = torch.Generator().manual_seed(len(seqs))  # the same inputs on every rank, as a TP layer's are
+    tokens = sum(new for _, new in seqs)
+    num_blocks = sum(-(-length // BLOCK_SIZE) for length, _ in seqs) + 3
+    kv_heads = layers[0].fused_weights.num_kv_heads
+    caches = [[torch.randn(num_blocks, kv_heads, BLOCK_SIZE, head_dim_of(config), generator=generator).to(dtype)
+               for _ in range(2)] for _ in layers]
+    metadata, positions = step_batch(seqs, num_blocks, generator)
+    x, residual = (torch.randn(tokens, config.hidden_size, generator=generator).to(dtype) for _ in range(2))
+    step = cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
+                                         metadata.query_start_loc)
+    outputs = []
+    for in_cpp in (True, False):
+        bound = [tuple(c.clone() for c in pair) for pair in caches]
+        prepared = cpu_decoder_layer.PreparedLayers([layer.fused_weights for layer in layers], bound, dtype)
+        if in_cpp:
+            out = cpu_decoder_layer.decoder_layers(prepared, x, residual, step, group=group)
+        else:
+            out = cpu_decoder_layer.decoder_layers_with_products(
+                prepared, [layer.fused_products for layer in layers], x, residual, step)
+        outputs.append([*out, *(c for pair in bound for c in pair)])
+    for got, expected in zip(*outputs, strict=True):
+        assert torch.equal(got, expected), f"{case} {dtype} pairs={paired} {seqs}: {(got - expected).abs().max()}"
+
+
+def _check_llama_stage_takes_it() -> None:
+    """A llama stage's step of decodes runs its layers in one C++ call that reduces over the group."""
+    config = copy.deepcopy(CASES["llama head_dim 64"][1])
+    config.num_hidden_layers, config.vocab_size = 2, 64
+    stage = LlamaModel(config, LlamaDecoderLayer)
+    for layer in stage.layers:
+        for name, param in layer.named_parameters():
+            param.data.copy_((1.0 if "norm" in name else 0.0) + 0.1 * torch.randn(param.shape))
+    generator = torch.Generator().manual_seed(0)
+    metadata, positions = step_batch(SEQS["three decodes"], 40, generator)
+    for layer in stage.layers:
+        layer.fused_attention.kv_cache = tuple(torch.zeros(40, layer.fused_weights.num_kv_heads, BLOCK_SIZE,
+                                                           head_dim_of(config)) for _ in range(2))
+    x = torch.randn(3, config.hidden_size, generator=generator)
+    step = stage.fused_step(x, positions, metadata)
+    assert step is not None and step.kernel_products, "a TP stage's decodes should take the kernels' products"
+    calls = []
+    run = cpu_decoder_layer.decoder_layers
+    cpu_decoder_layer.decoder_layers = lambda *args: calls.append(args[-1]) or run(*args)
+    try:
+        stage.fused_forward(x, None, step)
+    finally:
+        cpu_decoder_layer.decoder_layers = run
+    assert calls == [tp_kernel_group()], "the stage's C++ call should reduce over the group"
+
+
+if __name__ == "__main__":
+    cpu_extension.load()  # loaded once, before the ranks fork
+    sys.exit(drive(2, 1, _rank_main))
