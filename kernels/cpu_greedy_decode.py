@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kernels import cpu_gemv
-from kernels.cpu_decoder_layer import PreparedLayers
+from kernels.cpu_decoder_layer import PreparedLayers, ShmGroup
 from kernels.cpu_layer_weights import pointer
 from kernels.cpu_row_options import GrammarMasks, PenalizedRows, SampledRows, flat_lists
 
@@ -34,6 +34,11 @@ class GreedyModel:
     logit_cap: float = 0.0
     position_table: torch.Tensor | None = None  # learned positions (OPT): row position + offset is added
     position_offset: int = 0
+    # Under tensor parallelism: the group whose ranks each hold the embedding's and head's rows [vocab_start,
+    # vocab_start + rows) of the vocabulary (the layers' shards too); the embeddings are summed and the logits
+    # gathered over it, so every rank takes the same tokens.
+    group: ShmGroup | None = None
+    vocab_start: int = 0
 
     def check(self) -> None:
         """Layers prepared with the final norm, embedding and head, all of one dtype; the head's pairs copy, if
@@ -49,6 +54,8 @@ class GreedyModel:
         for name, tensor in tensors:
             if tensor.dtype != dtype or tensor.device.type != "cpu" or tensor.dim() != 2 or not tensor.is_contiguous():
                 raise ValueError(f"the {name} must be a contiguous CPU matrix of the layers' dtype {dtype}")
+        if self.group is not None and self.embedding.shape[0] != self.head.shape[0]:
+            raise ValueError("under tensor parallelism the embedding and the head hold the same vocabulary rows")
         if self.head_pairs is not None and not (dtype == torch.bfloat16 and cpu_gemv.pairs_serve(self.head)
                                                 and cpu_gemv.fits_pairs(self.head, self.head_pairs)):
             raise ValueError("head_pairs must be kernels.cpu_gemv.pair_weight of the bf16 head, on a CPU with AVX-512 "
@@ -58,7 +65,8 @@ class GreedyModel:
         """module.cpp's ModelArgs."""
         return (self.prepared.stage_args, self.embedding.data_ptr(), self.head.data_ptr(), self.head.shape[0],
                 self.vocab_size, pointer(self.head_pairs), self.embed_scale, self.logit_cap,
-                pointer(self.position_table), self.position_offset)
+                pointer(self.position_table), self.position_offset, self.embedding.shape[0], self.vocab_start,
+                self.group)
 
 
 @dataclass(frozen=True)

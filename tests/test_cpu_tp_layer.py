@@ -1,20 +1,24 @@
-"""The C++ decoder layer at tensor parallel 2 (no Ray: two gloo ranks forked from one driver): it sums the
-row-parallel products over the group's shared memory itself (kernels/csrc/tp_reduce.h), the biases added after the
-sum, and equals bit for bit the layers whose products are the model's own linear layers, which all-reduce in Python
-(the two take turns on one group's rounds); a llama stage takes that path for its decodes."""
+"""The C++ fast path at tensor parallel 2 (no Ray: two gloo ranks forked from one driver). The decoder layer sums
+the row-parallel products over the group's shared memory itself (kernels/csrc/tp_reduce.h), the biases added after
+the sum, and equals bit for bit the layers whose products are the model's own linear layers, which all-reduce in
+Python (the two take turns on one group's rounds); a llama stage takes that path for its decodes; and a whole
+model's greedy steps in one C++ call (its embeddings summed, its logits gathered over the group) take on every rank
+the tokens that the model's steps in Python take."""
 from __future__ import annotations
 
 import copy
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from forked_ranks import HOST, drive, run_driver
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv
 from test_cpu_decoder_layer import BLOCK_SIZE, CASES, SEQS, make_layer, step_batch, with_pairs
-from workers.distributed import init_distributed, shutdown_distributed, tp_kernel_group
-from workers.models.llama import LlamaDecoderLayer, LlamaModel, head_dim_of
+from workers.distributed import init_distributed, shutdown_distributed, tp_all_reduce, tp_kernel_group
+from workers.layers.attention import AttentionMetadata
+from workers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, head_dim_of
 
 # Dense families' forms with what a shard changes: GQA heads split, q/k/v biases (column-parallel), o and down
 # biases added after the sum (OPT, GPT-NeoX), a parallel residual (two sums joined), sandwich norms.
@@ -43,6 +47,8 @@ def _rank_main(rank: int, tp_size: int, port: int, run: int) -> None:
                     for seqs in STEPS:
                         _check_layers(case, dtype, paired, SEQS[seqs], group)
             _check_llama_stage_takes_it()
+            for dtype in (torch.float32, torch.bfloat16):
+                _check_greedy_steps_in_one_call(dtype)
     finally:
         shutdown_distributed()
 
@@ -100,6 +106,51 @@ def _check_llama_stage_takes_it() -> None:
     finally:
         cpu_decoder_layer.decoder_layers = run
     assert calls == [tp_kernel_group()], "the stage's C++ call should reduce over the group"
+
+
+def _check_greedy_steps_in_one_call(dtype: torch.dtype, rows: int = 3, steps: int = 6) -> None:
+    """A tp=2 llama's greedy steps from a token at position 0 per row, each row in its own blocks: in Python (the
+    driver's argmax shared as the engine shares it) and in one greedy_decode call, the same tokens on every rank."""
+    config = copy.deepcopy(CASES["llama head_dim 64"][1])
+    config.num_hidden_layers, config.vocab_size, config.tie_word_embeddings = 2, 61, False  # rows padded at rank 1
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    generator = torch.Generator().manual_seed(5)
+    for name, param in model.named_parameters():
+        param.data.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn(param.shape, generator=generator))
+    blocks = -(-steps // BLOCK_SIZE)
+    table = torch.arange(rows * blocks).view(rows, blocks)
+    first = torch.tensor([3, 40, 60])  # on each rank's rows of the vocabulary, and the last real one
+
+    def bind_caches() -> None:
+        for layer in model.model.layers:
+            layer.fused_attention.kv_cache = tuple(
+                torch.zeros(rows * blocks, layer.fused_weights.num_kv_heads, BLOCK_SIZE, head_dim_of(config),
+                            dtype=dtype) for _ in range(2))
+
+    bind_caches()
+    tokens, python_steps = first, []
+    for position in range(steps):
+        positions = torch.full((rows,), position)
+        metadata = AttentionMetadata(slot_mapping=table[:, position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE,
+                                     block_tables=table, query_start_loc=list(range(rows + 1)),
+                                     seq_lens=[position + 1] * rows, num_decodes=rows)
+        logits = model.compute_logits(model(tokens, positions, metadata))
+        argmax = logits.argmax(dim=-1) if logits is not None else torch.zeros(rows, dtype=torch.int64)
+        tokens = tp_all_reduce(argmax)  # the driver's tokens, its peer's zeros
+        python_steps.append(tokens.tolist())
+    assert model.greedy_model() is not None, "a tp=2 llama's later steps should take the C++ call"
+    bind_caches()
+    model.model.forget_fused_layers()  # prepared again for the new caches, as the engine's first step does
+    model.model.prepared_layers(dtype, prepare=True)
+    run = model.greedy_decode(first.numpy(), np.zeros(rows, dtype=np.int64), table.numpy(),
+                              np.full(rows, steps, dtype=np.int64), [set()] * rows, steps)
+    assert run is not None
+    assert run.tokens[:, :steps].tolist() == [list(row) for row in zip(*python_steps)], dtype
 
 
 if __name__ == "__main__":

@@ -38,21 +38,19 @@ void model_drafts(const DraftModel<T>& draft, const std::vector<std::vector<int6
                   const int64_t* tables, int64_t max_blocks, int64_t block_size, int64_t* drafts) {
   const GreedyModel<T>& d = *draft.model;
   const int64_t H = d.layers.front().hidden, A = int64_t(seqs.size());
-  std::vector<int64_t> pos, slots, lens, table, owners;
+  std::vector<int64_t> pos, slots, lens, table, owners, fed;
   std::vector<T> x, hidden, residual, last, logits;
   std::vector<float> scores(d.logit_cap > 0.f ? d.vocab : 0);
   for (int64_t a = 0; a < A; ++a)  // at least the last token is fed: its logits give the first draft
     draft.known[seqs[a]] = std::min(draft.known[seqs[a]], int64_t(history[seqs[a]].size()) - 1);
   for (int64_t j = 0;; ++j) {
-    pos.clear(), slots.clear(), lens.clear(), table.clear(), owners.clear(), x.clear(), last.clear();
+    pos.clear(), slots.clear(), lens.clear(), table.clear(), owners.clear(), fed.clear(), last.clear();
     for (int64_t a = 0; a < A; ++a) {
       if (want[a] <= j) continue;
       const int64_t m = seqs[a], L = int64_t(history[m].size());
       const int64_t* row_table = tables + m * max_blocks;
       for (int64_t p = j ? L - 1 + j : draft.known[m]; p <= L - 1 + j; ++p) {
-        const int64_t token = p < L ? history[m][p] : drafts[a * k + p - L];
-        x.resize(x.size() + H);
-        embed(d, token, p, H, x.data() + x.size() - H);
+        fed.push_back(p < L ? history[m][p] : drafts[a * k + p - L]);
         table.insert(table.end(), row_table, row_table + max_blocks);
         pos.push_back(p), lens.push_back(p + 1);
         slots.push_back(row_table[p / block_size] * block_size + p % block_size);
@@ -61,6 +59,8 @@ void model_drafts(const DraftModel<T>& draft, const std::vector<std::vector<int6
     }
     const int64_t R = int64_t(pos.size()), n = int64_t(owners.size());
     if (n == 0) break;
+    x.resize(R * H);
+    embed(d, fed.data(), pos.data(), R, H, x.data());
     hidden.resize(R * H), residual.resize(R * H), last.resize(n * H), logits.resize(n * d.head_rows);
 #ifdef _OPENMP
     const int threads = omp_get_max_threads();

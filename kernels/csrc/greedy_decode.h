@@ -58,9 +58,9 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
   std::vector<std::vector<int64_t>> history(k > 0 ? M : 0);
   for (int64_t m = 0; m < int64_t(history.size()); ++m)
     history[m].assign(lookup.history + lookup.history_starts[m], lookup.history + lookup.history_starts[m + 1]);
-  std::vector<int64_t> last(tokens, tokens + M), taken(M, 0), seqs, feeds, drafts, pos, slots, table, lens, lora;
+  std::vector<int64_t> last(tokens, tokens + M), taken(M, 0), seqs, feeds, drafts, pos, slots, table, lens, lora, fed;
   std::vector<char> stopped(M, 0);
-  std::vector<T> x, hidden, residual, logits;
+  std::vector<T> x, hidden, residual, logits, local_logits;
   std::vector<PenaltyCounts> counts = penalty_counts(penalties, M, model.vocab);
 #ifdef _OPENMP
   const int threads = omp_get_max_threads();
@@ -115,24 +115,24 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
                                                     drafts.data() + a * k);
     }
     if (draft.model) model_drafts(draft, history, seqs, feeds, k, tables, max_blocks, block_size, drafts.data());
-    pos.resize(R), slots.resize(R), lens.resize(R), lora.resize(R), table.resize(R * max_blocks);
+    pos.resize(R), slots.resize(R), lens.resize(R), lora.resize(R), fed.resize(R), table.resize(R * max_blocks);
     x.resize(R * H), hidden.resize(R * H), residual.resize(R * H), logits.resize(R * model.head_rows);
     for (int64_t a = 0, r = 0; a < A; ++a) {
       const int64_t m = seqs[a];
       const int64_t* row_table = tables + m * max_blocks;
       for (int64_t j = 0; j <= feeds[a]; ++j, ++r) {
-        const int64_t p = positions[m] + taken[m] + j, token = j ? drafts[a * k + j - 1] : last[m];
-        embed(model, token, p, H, x.data() + r * H);
+        const int64_t p = positions[m] + taken[m] + j;
+        fed[r] = j ? drafts[a * k + j - 1] : last[m];
         std::copy(row_table, row_table + max_blocks, table.data() + r * max_blocks);
         pos[r] = p, lens[r] = p + 1, slots[r] = row_table[p / block_size] * block_size + p % block_size;
         lora[r] = adapters ? adapters[m] : -1;
       }
     }
+    embed(model, fed.data(), pos.data(), R, H, x.data());
     stage_layers(model.layers, model.caches, model.final_norm, x.data(),
                  static_cast<const T*>(nullptr), hidden.data(), residual.data(), pos.data(), slots.data(), block_size,
-                 table.data(), max_blocks, lens.data(), R, adapters ? lora.data() : nullptr);
-    products(hidden.data(), model.head, model.head_pairs, static_cast<const T*>(nullptr), logits.data(), R,
-             model.head_rows, H);
+                 table.data(), max_blocks, lens.data(), R, adapters ? lora.data() : nullptr, model.tp());
+    head_logits(model, hidden.data(), R, H, logits.data(), local_logits);
     // Without drafts each row has one row of logits: every row's token is chosen over the threads (processing and
     // sampling a vocabulary is serial work per row), then taken in order below.
     if (k == 0) {

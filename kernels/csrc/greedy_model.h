@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "decoder_layer.h"
@@ -23,21 +24,50 @@ struct GreedyModel {
   float logit_cap = 0.f;  // > 0: logits become cap * tanh(logit / cap), in float32 (Gemma 2)
   const T* position_table = nullptr;  // learned positions (OPT): row position + position_offset is added; or null
   int64_t position_offset = 0;
+  // The embedding's rows: under tensor parallelism (a group) the embedding and head hold rows [vocab_start,
+  // vocab_start + table_rows) of the vocabulary, and head_rows = size * table_rows logits are gathered from the ranks.
+  int64_t table_rows = 0, vocab_start = 0;
+  std::optional<ShmGroup> group;
+
+  const ShmGroup* tp() const { return group ? &*group : nullptr; }
 };
 
-// Row `token` of the model's embedding into x for a token at `position`: scaled, or its position's row added, as
-// the model does.
+// The embeddings of R tokens into x [R, H], each at its position: the table's rows (under tensor parallelism this
+// rank's, zeros for the others' tokens, summed over the ranks), then scaled or their positions' rows added, as the
+// model does.
 template <typename T>
-void embed(const GreedyModel<T>& model, int64_t token, int64_t position, int64_t H, T* x) {
-  const T* row = model.embedding + token * H;
-  if (model.position_table) {
-    const T* learned = model.position_table + (position + model.position_offset) * H;
-    for (int64_t d = 0; d < H; ++d) store(widen(row[d]) + widen(learned[d]), x + d);
-  } else if (model.embed_scale > 0.f) {
-    for (int64_t d = 0; d < H; ++d) store(widen(row[d]) * model.embed_scale, x + d);
-  } else {
-    std::memcpy(x, row, H * sizeof(T));
+void embed(const GreedyModel<T>& model, const int64_t* tokens, const int64_t* positions, int64_t R, int64_t H, T* x) {
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t row = tokens[r] - model.vocab_start;
+    if (row >= 0 && row < model.table_rows)
+      std::memcpy(x + r * H, model.embedding + row * H, H * sizeof(T));
+    else
+      std::fill(x + r * H, x + (r + 1) * H, T(0));
   }
+  if (model.group) all_reduce(*model.group, x, R * H);
+  for (int64_t r = 0; r < R; ++r) {
+    T* row = x + r * H;
+    if (model.position_table) {
+      const T* learned = model.position_table + (positions[r] + model.position_offset) * H;
+      for (int64_t d = 0; d < H; ++d) store(widen(row[d]) + widen(learned[d]), row + d);
+    } else if (model.embed_scale > 0.f) {
+      for (int64_t d = 0; d < H; ++d) store(widen(row[d]) * model.embed_scale, row + d);
+    }
+  }
+}
+
+// The LM head's logits [R, head_rows] of hidden [R, H]: under tensor parallelism this rank's rows into `local`,
+// gathered from every rank.
+template <typename T>
+void head_logits(const GreedyModel<T>& model, const T* hidden, int64_t R, int64_t H, T* logits,
+                 std::vector<T>& local) {
+  if (!model.group) {
+    products(hidden, model.head, model.head_pairs, static_cast<const T*>(nullptr), logits, R, model.head_rows, H);
+    return;
+  }
+  local.resize(R * model.table_rows);
+  products(hidden, model.head, model.head_pairs, static_cast<const T*>(nullptr), local.data(), R, model.table_rows, H);
+  all_gather_columns(*model.group, local.data(), R, model.table_rows, logits);
 }
 
 // One row of logits as the sampler and the argmax read them: widened to float32 into scores, soft-capped where the

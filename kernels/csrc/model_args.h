@@ -3,6 +3,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <tuple>
 #include <vector>
@@ -135,16 +136,20 @@ inline pagedserve::ShmGroup group_of(const GroupArgs& args) {
 // embedding scale and the logits' soft cap (0: none), the learned position table (0: none) and its row offset
 // (pagedserve::GreedyModel).
 using ModelArgs = std::tuple<StageArgs, uintptr_t, uintptr_t, int64_t, int64_t, uintptr_t, double, double, uintptr_t,
-                             int64_t>;
+                             int64_t, int64_t, int64_t, std::optional<GroupArgs>>;
 
 template <typename T>
 pagedserve::GreedyModel<T> model_of(const ModelArgs& args) {
   const auto& [stage_args, embedding, head, head_rows, vocab, head_pairs, embed_scale, logit_cap, positions,
-               position_offset] = args;
+               position_offset, table_rows, vocab_start, group] = args;
+  if (group && head_rows != table_rows)
+    throw std::invalid_argument("under tensor parallelism the embedding and the head hold the same vocabulary rows");
   Stage<T> stage = stage_of<T>(stage_args);
+  const int64_t ranks = group ? std::get<6>(*group) : 1;
   return {std::move(stage.layers), std::move(stage.caches), stage.final_norm,
-          in<T>(embedding), in<T>(head), head_rows, vocab, in<uint16_t>(head_pairs), float(embed_scale),
-          float(logit_cap), in<T>(positions), position_offset};
+          in<T>(embedding), in<T>(head), head_rows * ranks, vocab, in<uint16_t>(head_pairs), float(embed_scale),
+          float(logit_cap), in<T>(positions), position_offset, table_rows, vocab_start,
+          group ? std::optional(group_of(*group)) : std::nullopt};
 }
 
 // A draft model for greedy_decode(): the model, then where its drafts after the last step go with the rows'

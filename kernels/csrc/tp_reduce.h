@@ -96,6 +96,24 @@ void all_reduce(const ShmGroup& g, T* x, int64_t n) {
   }
 }
 
+// x [rows, width], this rank's columns, beside every other rank's in out [rows, size * width] (rank r's at columns
+// r * width): the vocabulary-parallel LM head's logits, whole on every rank. In pieces of whole rows that fit a slot.
+template <typename T>
+void all_gather_columns(const ShmGroup& g, const T* x, int64_t rows, int64_t width, T* out) {
+  const int64_t row_bytes = width * int64_t(sizeof(T)), piece = g.slot_bytes / row_bytes;
+  if (piece < 1) throw std::invalid_argument("tensor-parallel all-gather: a row is wider than a slot");
+  for (int64_t start = 0; start < rows; start += piece) {
+    const int64_t count = std::min(piece, rows - start);
+    tp_detail::exchange(g, x + start * width, count * width);
+    const int64_t buffer = (*g.round - 1) % 2;
+    for (int64_t r = 0; r < g.size; ++r) {
+      const uint8_t* part = g.slots + (buffer * g.size + r) * g.slot_bytes;
+      for (int64_t m = 0; m < count; ++m)
+        std::memcpy(out + ((start + m) * g.size + r) * width, part + m * row_bytes, row_bytes);
+    }
+  }
+}
+
 // A row-parallel product's partial sums y [M, N] reduced over the group, then its bias (held whole by every rank)
 // added once, rounded to T: RowParallelLinear's order.
 template <typename T>

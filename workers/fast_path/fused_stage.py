@@ -113,7 +113,7 @@ class FusedStage:
         # Under tensor parallelism the C++ layer sums the row-parallel products over the group's shared memory
         # itself; where it cannot (over gloo, or a mixture's or MLA's layers) the products are the model's own linear
         # layers, which all-reduce their partial sums, and the C++ layer computes everything between them.
-        rows = self.product_rows if parallel_state().tp_size == 1 or self._kernel_group() is not None else 0
+        rows = self.product_rows if parallel_state().tp_size == 1 or self.kernel_group() is not None else 0
         return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
                                              metadata.query_start_loc, rows)
 
@@ -125,7 +125,7 @@ class FusedStage:
         prepared = self.prepared_layers(x.dtype, prepare=True)
         if step.kernel_products:
             x, residual = cpu_decoder_layer.decoder_layers(prepared, x, residual, step, self._adapter_slots(len(x)),
-                                                           self._kernel_group())
+                                                           self.kernel_group())
         else:
             products = [self.layers[i].fused_products for i in self.stage_layers]
             x, residual = cpu_decoder_layer.decoder_layers_with_products(prepared, products, x, residual, step)
@@ -139,11 +139,11 @@ class FusedStage:
             self.layers[i].__dict__.pop("fused_weights", None)
         self.__dict__.pop("product_rows", None)
 
-    def _kernel_group(self) -> cpu_decoder_layer.ShmGroup | None:
+    def kernel_group(self) -> cpu_decoder_layer.ShmGroup | None:
         """The TP group the C++ layer reduces over (None at one rank), where it can: through shared memory, and
         every layer of the stage dense and without MLA."""
         group = tp_kernel_group()
-        if group is None or not self._dense_layers:
+        if group is None or not (self.one_call_layers and self._dense_layers):
             return None
         return group
 
@@ -228,12 +228,14 @@ class FusedGreedyDecoding:
                                                penalized, logprobs, adapters, masks)
 
     def greedy_model(self) -> cpu_greedy_decode.GreedyModel | None:
-        """The model as greedy_decode() takes it; None for changed logits, tensor parallelism or pipeline
-        stages, an adapter's own LM head or embeddings (modules_to_save), a quantized table or head, or layers not
-        in C++ or not prepared for the bound caches (a one-call step prepares them)."""
+        """The model as greedy_decode() takes it; None for changed logits, pipeline stages, tensor parallelism
+        where the C++ layers do not reduce over the group themselves, an adapter's own LM head or embeddings
+        (modules_to_save), a quantized table or head, or layers not in C++ or not prepared for the bound caches (a
+        one-call step prepares them)."""
         stage, embedding, head = self.fused_parts()
+        group = stage.kernel_group() if isinstance(stage, FusedStage) else None
         if not (type(self).compute_logits is type(self).fused_compute_logits and isinstance(stage, FusedStage)
-                and parallel_state().tp_size == 1
+                and (parallel_state().tp_size == 1 or group is not None)
                 and embedding is not None
                 and head is not None and stage.one_call_layers
                 and embedding.lora is None and head.lora is None and embedding.weight_scale is None
@@ -247,4 +249,4 @@ class FusedGreedyDecoding:
             prepared, embedding.weight, head.weight, head.vocab_size,
             min(stage.product_rows, cpu_gemv.max_rows(dtype, head.weight, head.pairs_weight)), head.pairs_weight,
             float(torch.tensor(self.embed_scale).to(dtype)) if self.embed_scale else 0.0,
-            float(self.logit_cap or 0.0), *(positions or (None, 0)))
+            float(self.logit_cap or 0.0), *(positions or (None, 0)), group, embedding.start)

@@ -100,7 +100,7 @@ class LaterStepCalls:
             steps.stop(i)
         argmax_only = not grammars and all(state.sampling_params.logits_as_they_are and state.sampling_params.is_greedy
                                            and state.sampling_params.logprobs is None for state in states)
-        in_one_call = not shares and self._in_one_call(steps, num_steps - 1, output, grammars)
+        in_one_call = self._in_one_call(steps, num_steps - 1, output, grammars)
         for _ in range(1, 1 if in_one_call else num_steps):
             rows = steps.active()
             if not rows:
@@ -172,6 +172,10 @@ class LaterStepCalls:
         states = [steps.states[i] for i in rows]
         sampled = not all(state.sampling_params.is_greedy for state in states)
         processed = not all(state.sampling_params.logits_as_they_are for state in states)
+        # Over several ranks every rank makes the same call, which must take the same tokens at each: one stage
+        # (the TP ranks gather each step's logits), and no draws from the driver's generators or drafts.
+        if self._shares and (runner.parallel.pp_size > 1 or sampled or runner.speculator is not None):
+            return False
         if runner.speculator is not None and runner.speculator.speculates(len(output.sampled_token_ids)):
             if sampled or processed or grammars or (drafts := runner.speculator.kernel_drafts(
                     states, [state.token_ids + steps.tokens[i] for state, i in zip(states, rows)],
