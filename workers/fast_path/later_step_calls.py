@@ -1,7 +1,8 @@
 """A multi-step call's steps after its first (core/multi_step.py decides how many): in one C++ call of the model's
 greedy_decode where it takes the requests, else one forward pass and sampler step at a time; both give the tokens
-of one call per step. Over several ranks (tensor and pipeline parallel) every rank runs the steps in lockstep: each
-stage hands its hidden states to the next as in any step, and the driver's tokens reach every rank after each."""
+of one call per step. Over several ranks (tensor and pipeline parallel) every rank runs the steps in lockstep: the
+ranks of one stage each in the same C++ call (the group's sums and gathers inside it), else each stage hands its
+hidden states to the next as in any step, and the driver's tokens reach every rank after each."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -87,9 +88,10 @@ class LaterStepCalls:
         request its last token and the drafts proposed after it (speculative decoding); the accepted drafts and one
         more token (the argmax, or sampled as in any step, over the call's tokens so far) are appended to `output`,
         with the verification; a constrained request's tokens under the mask of its grammar's fork. Ends early once
-        no request can go on (workers.fast_path.later_steps). The drafts proposed after the last step go with the output.
-        Over several ranks (no drafts then) every rank runs it: a stage before the last hands its hidden states on,
-        and the driver's tokens of each step are shared with the others."""
+        no request can go on (workers.fast_path.later_steps). The drafts proposed after the last step go with the
+        output. Over several ranks (no drafts then) every rank runs it: one stage's ranks all in the same C++ call
+        where it takes the requests, else a stage before the last hands its hidden states on, and the driver's
+        tokens of each step are shared with the others."""
         runner = self.runner
         tensors = runner.tensors
         driver, shares, last_stage = runner.parallel.is_driver, self._shares, runner.parallel.is_last_stage
