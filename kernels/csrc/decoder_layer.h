@@ -242,15 +242,14 @@ SharedExpert<T> joined_shared_expert(const DecoderLayer<T>& L, T* out, const int
 // x [M, hidden] (this layer's input), residual [M, hidden] or null (first layer); writes out [M, hidden] and
 // residual_out [M, hidden] (either may be x or residual: each is read before it is written). The layer's output is
 // out + residual_out, which the next layer's before_attention() adds. lora_slots: each row's adapter slot (-1: none;
-// null: no row has one). tp: the tensor-parallel group whose shard of a dense, non-MLA layer this rank computes
-// (null: the whole layer); its o and down products are reduced over it.
+// null: no row has one). tp: the tensor-parallel group whose shard of a non-MLA layer this rank computes (null: the
+// whole layer): its o and down products, and a mixture's routed and shared experts, are reduced over it.
 template <typename T>
 void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* out, T* residual_out,
                    const int64_t* positions, const int64_t* slots, const KvCache& cache, int64_t block_size,
                    const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M,
                    const int64_t* lora_slots, const ShmGroup* tp = nullptr) {
-  if (tp && (L.mla.lora || L.experts.count))
-    throw std::invalid_argument("the C++ layer reduces over tensor-parallel ranks only for dense, non-MLA layers");
+  if (tp && L.mla.lora) throw std::invalid_argument("the C++ layer does not reduce MLA over tensor-parallel ranks");
   const int64_t H = L.hidden, attn_size = attn_width(L);
   std::vector<T> normed(M * H), attn(M * attn_size);
   before_attention(L, x, residual, residual_out, normed.data(), M);
@@ -270,8 +269,10 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
     std::vector<T> shared(L.gate_up.weight ? M * H : 0);  // a shared expert's output
     const SharedExpert<T> joined = joined_shared_expert(L, shared.data(), lora_slots);
     mixture_of_experts(L.experts, normed.data(), out, M, H, joined);
+    if (tp) all_reduce(*tp, out, M * H);  // each rank's experts hold a slice of every expert's MLP
     if (L.gate_up.weight) {
-      if (!joined.gate_up) dense_mlp(L, normed.data(), shared.data(), M, lora_slots);
+      if (!joined.gate_up) dense_mlp(L, normed.data(), shared.data(), M, lora_slots, tp);
+      else if (tp) all_reduce(*tp, shared.data(), M * H);
       add_shared_expert(L.experts, normed.data(), shared.data(), out, M, H);
     }
   } else {

@@ -39,9 +39,11 @@ def experts_form(block: nn.Module) -> dict | None:
     """A mixture-of-experts block (its router `gate`, routed `experts` (workers.layers.fused_moe.FusedMoE) and, where
     it has one, a `shared_expert` MLP weighted by sigmoid(`shared_expert_gate`)) as DecoderLayerWeights' expert
     fields; None where the C++ layer does not compute it: sigmoid scores or group-limited routing (DeepSeek's),
-    experts split over ranks, a quantized or biased router."""
+    whole experts split over ranks (expert parallel), a quantized or biased router. Under tensor parallelism each
+    rank's experts hold a slice of every expert's MLP, whose sums the C++ layer reduces over the group."""
     moe, router, routing = block.experts, block.gate, block.experts.routing
-    if routing.scoring != "softmax" or (routing.num_expert_group or 1) > 1 or moe.spans_ranks or \
+    whole_experts_split = moe.group is not None or tuple(moe.expert_range) != (0, moe.num_experts)
+    if routing.scoring != "softmax" or (routing.num_expert_group or 1) > 1 or whole_experts_split or \
             router.weight_scale is not None or router.bias is not None or moe.gate_up_proj.dtype != router.weight.dtype:
         return None
     gate = getattr(block, "shared_expert_gate", None)
@@ -111,8 +113,8 @@ class FusedStage:
         if not (self.one_call_layers and isinstance(metadata, AttentionMetadata)):
             return None
         # Under tensor parallelism the C++ layer sums the row-parallel products over the group's shared memory
-        # itself; where it cannot (over gloo, or a mixture's or MLA's layers) the products are the model's own linear
-        # layers, which all-reduce their partial sums, and the C++ layer computes everything between them.
+        # itself; where it cannot (over gloo, or MLA's layers) the products are the model's own linear layers, which
+        # all-reduce their partial sums, and the C++ layer computes everything between them.
         rows = self.product_rows if parallel_state().tp_size == 1 or self.kernel_group() is not None else 0
         return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
                                              metadata.query_start_loc, rows)
@@ -140,17 +142,16 @@ class FusedStage:
         self.__dict__.pop("product_rows", None)
 
     def kernel_group(self) -> cpu_decoder_layer.ShmGroup | None:
-        """The TP group the C++ layer reduces over (None at one rank), where it can: through shared memory, and
-        every layer of the stage dense and without MLA."""
+        """The TP group the C++ layer reduces over (None at one rank), where it can: through shared memory, and no
+        layer of the stage with MLA."""
         group = tp_kernel_group()
-        if group is None or not (self.one_call_layers and self._dense_layers):
+        if group is None or not (self.one_call_layers and self._without_mla):
             return None
         return group
 
     @functools.cached_property
-    def _dense_layers(self) -> bool:
-        weights = [self.layers[i].fused_weights for i in self.stage_layers]
-        return all(w.experts_gate_up is None and w.mla_kv_a is None for w in weights)
+    def _without_mla(self) -> bool:
+        return all(self.layers[i].fused_weights.mla_kv_a is None for i in self.stage_layers)
 
     def _adapter_slots(self, tokens: int) -> torch.Tensor | None:
         """Each token's adapter slot this step (-1: none), None when no token has one."""
