@@ -40,6 +40,7 @@ def output_tokens_per_s(engine: EngineCore, batch: int, prompt_len: int, output_
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--arch", default="llama", help="the model maker's family (llama, qwen3, mixtral, ...)")
     parser.add_argument("--size", default="30m", help="the model maker's size (tiny, 30m, 100m)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -47,8 +48,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # HF transformers 5.x's notices
-    model = str(make_model(Path.home() / ".cache" / "pagedserve" / "bench-models" / f"llama-{args.size}",
-                           size=args.size))
+    model = str(make_model(Path.home() / ".cache" / "pagedserve" / "bench-models" / f"{args.arch}-{args.size}",
+                           arch=args.arch, size=args.size))
     base = EngineConfig(model=model, dtype="bfloat16", max_model_len=512, num_kv_blocks=1024)
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
     engines = {"tp=1": EngineCore(base), "tp=2": EngineCore(msgspec.structs.replace(base, tensor_parallel_size=2))}
