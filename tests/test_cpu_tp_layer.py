@@ -14,12 +14,16 @@ import sys
 import numpy as np
 import pytest
 import torch
+from transformers import DeepseekV2Config, DeepseekV3Config
 
 from forked_ranks import HOST, drive, run_driver
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv
 from test_cpu_decoder_layer import BLOCK_SIZE, CASES, SEQS, make_layer, step_batch, with_pairs
+from test_cpu_mla_layer import YARN
 from workers.distributed import init_distributed, shutdown_distributed, tp_all_reduce, tp_kernel_group
 from workers.layers.attention import AttentionMetadata
+from workers.models.deepseek_v2 import DeepseekV2DecoderLayer
+from workers.models.deepseek_v3 import DeepseekV3DecoderLayer
 from workers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, head_dim_of
 
 # Families' forms with what a shard changes: GQA heads split, q/k/v biases (column-parallel), o and down biases
@@ -29,6 +33,17 @@ FAMILIES = ["llama head_dim 64", "qwen2 biases, head_dim 128, window", "gemma2 s
             "gpt_neox LayerNorm, parallel residual, partial rotary, q/k/v per head, gelu",
             "opt learned positions, q scaled first, relu", "mixtral experts, top 2 of 5",
             "qwen2_moe experts, top 3 of 6, shared expert"]
+# DeepSeek's latent attention (the latent whole on every rank, the heads split) and its experts' routing.
+MLA_SHAPE = dict(hidden_size=80, num_attention_heads=4, kv_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=12,
+                 v_head_dim=10, intermediate_size=72, max_position_embeddings=512, num_hidden_layers=1,
+                 rope_parameters=YARN, first_k_dense_replace=0, n_routed_experts=6, moe_intermediate_size=16,
+                 n_shared_experts=1, num_experts_per_tok=3, n_group=3, topk_group=2)
+CASES = {**CASES,
+         "deepseek_v2 MLA, groups": (DeepseekV2DecoderLayer, DeepseekV2Config(
+             **MLA_SHAPE, q_lora_rank=None, topk_method="group_limited_greedy", norm_topk_prob=True)),
+         "deepseek_v3 q_lora, sigmoid, bias": (DeepseekV3DecoderLayer, DeepseekV3Config(
+             **MLA_SHAPE, q_lora_rank=24, routed_scaling_factor=2.5))}
+FAMILIES += list(CASES)[-2:]
 STEPS = ["three decodes", "mixed"]
 
 
@@ -65,8 +80,8 @@ def _check_layers(case: str, dtype: torch.dtype, paired: bool, seqs: list[tuple[
     generator = torch.Generator().manual_seed(len(seqs))  # the same inputs on every rank, as a TP layer's are
     tokens = sum(new for _, new in seqs)
     num_blocks = sum(-(-length // BLOCK_SIZE) for length, _ in seqs) + 3
-    kv_heads = layers[0].fused_weights.num_kv_heads
-    caches = [[torch.randn(num_blocks, kv_heads, BLOCK_SIZE, head_dim_of(config), generator=generator).to(dtype)
+    form = layers[0].fused_weights
+    caches = [[torch.randn(num_blocks, form.num_kv_heads, BLOCK_SIZE, form.head_dim, generator=generator).to(dtype)
                for _ in range(2)] for _ in layers]
     metadata, positions = step_batch(seqs, num_blocks, generator)
     x, residual = (torch.randn(tokens, config.hidden_size, generator=generator).to(dtype) for _ in range(2))

@@ -117,11 +117,12 @@ def test_parallel_equals_single_rank(cluster, name, tp, pp):
     ("mixtral", 2, 1, False), pytest.param("mixtral", 2, 1, True, marks=SLOW),
     pytest.param("mixtral", 1, 2, False, marks=SLOW),
     ("qwen3", 2, 1, False), pytest.param("qwen3", 1, 2, False, marks=SLOW),
-    pytest.param("deepseek_v2", 2, 1, True, marks=SLOW), ("deepseek_v3", 2, 1, True)])
+    pytest.param("deepseek_v2", 2, 1, True, marks=SLOW), ("deepseek_v3", 2, 1, True), ("deepseek_v2", 2, 1, False)])
 def test_families_parallel_equal_single_rank(cluster, name, tp, pp, expert_parallel):
     """Mixtral's experts split by their intermediate dimension (TP) or handed out whole (expert parallel),
     Qwen3's per-head q/k norms under TP and PP, DeepSeek-V2/V3's latent cache (whole on every rank, its heads split)
-    and V3's biased expert choice with experts handed out whole: outputs equal one rank's."""
+    with experts split by TP (the C++ layers' sums over the group) or V3's biased expert choice with experts handed
+    out whole: outputs equal one rank's."""
     prompts, expected = single_rank_outputs(name)
     llm = LLM(model_dir(name), in_process=True, tensor_parallel_size=tp, pipeline_parallel_size=pp,
               enable_expert_parallel=expert_parallel, **SMALL_ENGINE)

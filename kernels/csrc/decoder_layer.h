@@ -242,14 +242,14 @@ SharedExpert<T> joined_shared_expert(const DecoderLayer<T>& L, T* out, const int
 // x [M, hidden] (this layer's input), residual [M, hidden] or null (first layer); writes out [M, hidden] and
 // residual_out [M, hidden] (either may be x or residual: each is read before it is written). The layer's output is
 // out + residual_out, which the next layer's before_attention() adds. lora_slots: each row's adapter slot (-1: none;
-// null: no row has one). tp: the tensor-parallel group whose shard of a non-MLA layer this rank computes (null: the
-// whole layer): its o and down products, and a mixture's routed and shared experts, are reduced over it.
+// null: no row has one). tp: the tensor-parallel group whose shard of the layer this rank computes (its heads, its
+// slice of each MLP; null: the whole layer): its o and down products, and a mixture's routed and shared experts,
+// are reduced over it.
 template <typename T>
 void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* out, T* residual_out,
                    const int64_t* positions, const int64_t* slots, const KvCache& cache, int64_t block_size,
                    const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M,
                    const int64_t* lora_slots, const ShmGroup* tp = nullptr) {
-  if (tp && L.mla.lora) throw std::invalid_argument("the C++ layer does not reduce MLA over tensor-parallel ranks");
   const int64_t H = L.hidden, attn_size = attn_width(L);
   std::vector<T> normed(M * H), attn(M * attn_size);
   before_attention(L, x, residual, residual_out, normed.data(), M);

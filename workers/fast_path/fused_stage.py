@@ -42,8 +42,7 @@ def experts_form(block: nn.Module) -> dict | None:
     whole experts split over ranks (expert parallel), a quantized or biased router. Under tensor parallelism each
     rank's experts hold a slice of every expert's MLP, whose sums the C++ layer reduces over the group."""
     moe, router, routing = block.experts, block.gate, block.experts.routing
-    whole_experts_split = moe.group is not None or tuple(moe.expert_range) != (0, moe.num_experts)
-    if routing.scoring != "softmax" or (routing.num_expert_group or 1) > 1 or whole_experts_split or \
+    if routing.scoring != "softmax" or (routing.num_expert_group or 1) > 1 or moe.splits_whole_experts or \
             router.weight_scale is not None or router.bias is not None or moe.gate_up_proj.dtype != router.weight.dtype:
         return None
     gate = getattr(block, "shared_expert_gate", None)
@@ -113,8 +112,8 @@ class FusedStage:
         if not (self.one_call_layers and isinstance(metadata, AttentionMetadata)):
             return None
         # Under tensor parallelism the C++ layer sums the row-parallel products over the group's shared memory
-        # itself; where it cannot (over gloo, or MLA's layers) the products are the model's own linear layers, which
-        # all-reduce their partial sums, and the C++ layer computes everything between them.
+        # itself; over gloo the products are the model's own linear layers, which all-reduce their partial sums, and
+        # the C++ layer computes everything between them.
         rows = self.product_rows if parallel_state().tp_size == 1 or self.kernel_group() is not None else 0
         return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
                                              metadata.query_start_loc, rows)
@@ -142,16 +141,8 @@ class FusedStage:
         self.__dict__.pop("product_rows", None)
 
     def kernel_group(self) -> cpu_decoder_layer.ShmGroup | None:
-        """The TP group the C++ layer reduces over (None at one rank), where it can: through shared memory, and no
-        layer of the stage with MLA."""
-        group = tp_kernel_group()
-        if group is None or not (self.one_call_layers and self._without_mla):
-            return None
-        return group
-
-    @functools.cached_property
-    def _without_mla(self) -> bool:
-        return all(self.layers[i].fused_weights.mla_kv_a is None for i in self.stage_layers)
+        """The TP group the C++ layers reduce over (None at one rank, or over gloo: no shared memory)."""
+        return tp_kernel_group() if self.one_call_layers else None
 
     def _adapter_slots(self, tokens: int) -> torch.Tensor | None:
         """Each token's adapter slot this step (-1: none), None when no token has one."""

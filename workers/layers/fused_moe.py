@@ -86,6 +86,11 @@ class FusedMoE(nn.Module):
         return self.run_experts(x, weights, ids)
 
     @property
+    def splits_whole_experts(self) -> bool:
+        """Whether ranks hold whole experts of their own (expert parallel), not a slice of every expert's MLP."""
+        return self.group is not None or tuple(self.expert_range) != (0, self.num_experts)
+
+    @property
     def spans_ranks(self) -> bool:
         """Whether its experts are split over ranks (its output then takes a collective)."""
         return self.tp_size > 1 or self.group is not None

@@ -12,7 +12,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from kernels import cpu_layer_weights
-from workers.distributed import parallel_state
 from workers.layers.fused_moe import FusedMoE, Routing
 from workers.layers.linear import Linear
 from workers.layers.mla import MLAAttention
@@ -58,7 +57,7 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
     @property
     def takes_one_call(self) -> bool:
         attn, dense = self.self_attn, self._dense_mlp
-        return parallel_state().tp_size == 1 and attn.takes_one_call() and \
+        return attn.takes_one_call() and \
             takes_projections(attn.q_projection, attn.o_proj) and (
                 dense is None or takes_projections(dense.gate_up_proj, dense.down_proj)) and (
                 self._experts is None or _experts_form(self.mlp) is not None)
@@ -86,9 +85,10 @@ class DeepseekV2DecoderLayer(LlamaDecoderLayer):
 
 def _experts_form(block: nn.Module) -> dict | None:
     """DeepSeek's mixture of experts as DecoderLayerWeights' expert fields (its router also as the float32 copy
-    it routes by); None where the C++ layer does not compute it: experts split over ranks, a quantized router."""
+    it routes by); None where the C++ layer does not compute it: whole experts split over ranks (expert parallel), a
+    quantized router."""
     moe, router, routing = block.experts, block.gate, block.experts.routing
-    if moe.tp_size > 1 or router.weight_scale is not None or router.bias is not None or \
+    if moe.splits_whole_experts or router.weight_scale is not None or router.bias is not None or \
             moe.gate_up_proj.dtype != router.weight.dtype:
         return None
     bias = getattr(router, "e_score_correction_bias", None)
