@@ -175,8 +175,8 @@ class LaterStepCalls:
         sampled = not all(state.sampling_params.is_greedy for state in states)
         processed = not all(state.sampling_params.logits_as_they_are for state in states)
         # Over several ranks every rank makes the same call, which must take the same tokens at each: one stage
-        # (the TP ranks gather each step's logits), and no draws from the driver's generators or drafts.
-        if self._shares and (runner.parallel.pp_size > 1 or sampled or runner.speculator is not None):
+        # (the TP ranks gather each step's logits), the driver's draws for sampled rows, and no drafts.
+        if self._shares and (runner.parallel.pp_size > 1 or runner.speculator is not None):
             return False
         if runner.speculator is not None and runner.speculator.speculates(len(output.sampled_token_ids)):
             if sampled or processed or grammars or (drafts := runner.speculator.kernel_drafts(
@@ -226,12 +226,18 @@ class LaterStepCalls:
     def _sampled_rows(self, states: list[CachedRequestState], limits: np.ndarray, count: int) -> SampledRows:
         """The requests' sampling options and uniform draws for up to `count` steps, drawn as the sampler draws them
         step by step: a seeded request's one per step it may take from its own generator, the others' from the
-        shared one (float32, as the sampler's)."""
+        shared one (float32, as the sampler's). The driver draws them; one stage's other ranks get its draws (a sum
+        with their zeros), so every rank's call takes the same tokens."""
         params = [state.sampling_params for state in states]
-        uniform = torch.empty(len(states), count).uniform_(generator=self.runner.sampler.generator).double()
-        for row, (state, limit) in enumerate(zip(states, limits.tolist())):
-            if state.generator is not None and not state.sampling_params.is_greedy:
-                uniform[row, :min(count, limit)] = torch.empty(min(count, limit)).uniform_(generator=state.generator)
+        uniform = torch.zeros(len(states), count, dtype=torch.float64)
+        if self.runner.parallel.is_driver:
+            uniform = torch.empty(len(states), count).uniform_(generator=self.runner.sampler.generator).double()
+            for row, (state, limit) in enumerate(zip(states, limits.tolist())):
+                if state.generator is not None and not state.sampling_params.is_greedy:
+                    uniform[row, :min(count, limit)] = torch.empty(min(count, limit)).uniform_(
+                        generator=state.generator)
+        if self._shares:
+            tp_all_reduce(uniform)
         return SampledRows(np.array([0.0 if p.is_greedy else p.temperature for p in params], dtype=np.float32),
                            np.array([p.top_k for p in params], dtype=np.int64),
                            np.array([p.top_p for p in params], dtype=np.float32),
