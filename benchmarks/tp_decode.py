@@ -1,10 +1,11 @@
-"""Decode at tensor parallel 2 against one rank, through the engine: output tokens/s of the Ray engine at tp=2 (a
-rank a CPU, the C++ layers summing over shared memory) and of the in-process engine at tp=1 (both CPUs its
-threads), at batch 1 and a batch of `--batch` requests; the same model, bf16, greedy, multi-step calls on.
+"""Decode at tensor parallel 2 (or, with --pp, two pipeline stages) against one rank, through the engine: output
+tokens/s of the Ray engine at tp=2 (a rank a CPU, the C++ layers summing over shared memory) and of the in-process
+engine at tp=1 (both CPUs its threads), at batch 1 and a larger batch; the same model, bf16, greedy, multi-step
+calls on.
 
 Both engines stay up side by side and take turns each round, so machine drift hits both alike; the figure is the
-median over rounds of each engine's rate, and of their ratio (tp=2 / tp=1: 1.0 is the same speed from the same
-CPUs, which is what the fast path at tp > 1 aims at).
+median over rounds of each engine's rate, and of their ratio (two ranks / one: 1.0 is the same speed from the same
+CPUs, which is what the fast path over several ranks aims at).
 """
 from __future__ import annotations
 
@@ -46,13 +47,15 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pp", action="store_true", help="two pipeline stages instead of two tensor-parallel ranks")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # HF transformers 5.x's notices
     model = str(make_model(Path.home() / ".cache" / "pagedserve" / "bench-models" / f"{args.arch}-{args.size}",
                            arch=args.arch, size=args.size))
     base = EngineConfig(model=model, dtype="bfloat16", max_model_len=512, num_kv_blocks=1024)
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
-    engines = {"tp=1": EngineCore(base), "tp=2": EngineCore(msgspec.structs.replace(base, tensor_parallel_size=2))}
+    label, layout = ("pp=2", {"pipeline_parallel_size": 2}) if args.pp else ("tp=2", {"tensor_parallel_size": 2})
+    engines = {"tp=1": EngineCore(base), label: EngineCore(msgspec.structs.replace(base, **layout))}
     try:
         for batch in args.batches:
             rates: dict[str, list[float]] = {name: [] for name in engines}
@@ -62,8 +65,9 @@ def main() -> None:
                                                            f"{batch}-{round_}"))
             one, two = rates.values()
             medians = "; ".join(f"{name} {statistics.median(r):.1f} tok/s" for name, r in rates.items())
-            print(f"batch {batch}: {medians}; tp=2 / tp=1 {statistics.median(t / o for t, o in zip(two, one)):.2f}x "
-                  f"(median of {args.rounds} rounds)", flush=True)
+            ratio = statistics.median(t / o for t, o in zip(two, one))
+            print(f"batch {batch}: {medians}; {' / '.join(reversed(rates))} {ratio:.2f}x (median of {args.rounds} "
+                  "rounds)", flush=True)
     finally:
         for engine in engines.values():
             engine.shutdown()
