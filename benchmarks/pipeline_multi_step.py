@@ -8,9 +8,7 @@ median over rounds of each engine's rate, and of their ratio.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -20,22 +18,9 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from core.engine_core import EngineCore  # noqa: E402
-from ipc import EngineConfig, EngineCoreRequest, SamplingParams  # noqa: E402
+from ipc import EngineConfig  # noqa: E402
 from launch.make_model import make_model  # noqa: E402
-
-
-def output_tokens_per_s(engine: EngineCore, batch: int, output_len: int, tag: str) -> float:
-    """`batch` requests of an 8-token prompt decoded to `output_len` tokens; tokens/s from the first token on."""
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(EngineCoreRequest(request_id=f"{tag}-{i}", prompt_token_ids=[(7 * i + j) % 900 + 3
-                                                                                        for j in range(8)],
-                                             sampling_params=params))
-    num_tokens = sum(len(output.new_token_ids) for output in engine.step())  # the prefill and first tokens
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        num_tokens += sum(len(output.new_token_ids) for output in engine.step())
-    return (num_tokens - batch) / (time.perf_counter() - start)
+from tp_decode import compare_in_turns  # noqa: E402
 
 
 def main() -> None:
@@ -54,21 +39,7 @@ def main() -> None:
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
     engines = {"one step a call": EngineCore(msgspec.structs.replace(base, num_scheduler_steps=1)),
                f"up to {args.steps} a call": EngineCore(msgspec.structs.replace(base, num_scheduler_steps=args.steps))}
-    try:
-        for batch in args.batches:
-            rates: dict[str, list[float]] = {name: [] for name in engines}
-            for round_ in range(args.rounds):
-                for name, engine in engines.items():
-                    rates[name].append(output_tokens_per_s(engine, batch, args.output_len, f"{batch}-{round_}"))
-            single, multi = rates.values()
-            medians = "; ".join(f"{name} {statistics.median(r):.1f} tok/s" for name, r in rates.items())
-            print(f"batch {batch}: {medians}"
-                  + f"; ratio {statistics.median(m / s for m, s in zip(multi, single)):.2f}x (median of "
-                  f"{args.rounds} rounds)")
-    finally:
-        for engine in engines.values():
-            engine.shutdown()
-        ray.shutdown()
+    compare_in_turns(engines, args.batches, args.rounds, 8, args.output_len)
 
 
 if __name__ == "__main__":

@@ -56,18 +56,24 @@ def main() -> None:
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
     label, layout = ("pp=2", {"pipeline_parallel_size": 2}) if args.pp else ("tp=2", {"tensor_parallel_size": 2})
     engines = {"tp=1": EngineCore(base), label: EngineCore(msgspec.structs.replace(base, **layout))}
+    compare_in_turns(engines, args.batches, args.rounds, args.prompt_len, args.output_len)
+
+
+def compare_in_turns(engines: dict[str, EngineCore], batches: list[int], rounds: int, prompt_len: int,
+                     output_len: int) -> None:
+    """Two engines' output tokens/s at each batch, taking turns each round, and the second's over the first's (the
+    medians over rounds); shuts the engines and Ray down after."""
     try:
-        for batch in args.batches:
+        for batch in batches:
             rates: dict[str, list[float]] = {name: [] for name in engines}
-            for round_ in range(args.rounds):
+            for round_ in range(rounds):
                 for name, engine in engines.items():
-                    rates[name].append(output_tokens_per_s(engine, batch, args.prompt_len, args.output_len,
-                                                           f"{batch}-{round_}"))
-            one, two = rates.values()
+                    rates[name].append(output_tokens_per_s(engine, batch, prompt_len, output_len, f"{batch}-{round_}"))
+            first, second = rates.values()
             medians = "; ".join(f"{name} {statistics.median(r):.1f} tok/s" for name, r in rates.items())
-            ratio = statistics.median(t / o for t, o in zip(two, one))
-            print(f"batch {batch}: {medians}; {' / '.join(reversed(rates))} {ratio:.2f}x (median of {args.rounds} "
-                  "rounds)", flush=True)
+            ratio = statistics.median(b / a for a, b in zip(first, second))
+            print(f"batch {batch}: {medians}; {' / '.join(reversed(rates))} {ratio:.2f}x (median of {rounds} rounds)",
+                  flush=True)
     finally:
         for engine in engines.values():
             engine.shutdown()
