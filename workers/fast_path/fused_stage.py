@@ -114,7 +114,7 @@ class FusedStage:
         # Under tensor parallelism the C++ layer sums the row-parallel products over the group's shared memory
         # itself; over gloo the products are the model's own linear layers, which all-reduce their partial sums, and
         # the C++ layer computes everything between them.
-        rows = self.product_rows if parallel_state().tp_size == 1 or self.kernel_group() is not None else 0
+        rows = self.product_rows if self.reduces_in_kernels else 0
         return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
                                              metadata.query_start_loc, rows)
 
@@ -139,6 +139,12 @@ class FusedStage:
         for i in self.stage_layers:
             self.layers[i].__dict__.pop("fused_weights", None)
         self.__dict__.pop("product_rows", None)
+
+    @property
+    def reduces_in_kernels(self) -> bool:
+        """Whether the C++ calls compute this rank's share of the stage whole: one rank, or a TP group whose sums they
+        take themselves."""
+        return parallel_state().tp_size == 1 or self.kernel_group() is not None
 
     def kernel_group(self) -> cpu_decoder_layer.ShmGroup | None:
         """The TP group the C++ layers reduce over (None at one rank, or over gloo: no shared memory)."""
@@ -225,9 +231,8 @@ class FusedGreedyDecoding:
         (modules_to_save), a quantized table or head, or layers not in C++ or not prepared for the bound caches (a
         one-call step prepares them)."""
         stage, embedding, head = self.fused_parts()
-        group = stage.kernel_group() if isinstance(stage, FusedStage) else None
         if not (type(self).compute_logits is type(self).fused_compute_logits and isinstance(stage, FusedStage)
-                and (parallel_state().tp_size == 1 or group is not None)
+                and stage.reduces_in_kernels
                 and embedding is not None
                 and head is not None and stage.one_call_layers
                 and embedding.lora is None and head.lora is None and embedding.weight_scale is None
@@ -241,4 +246,4 @@ class FusedGreedyDecoding:
             prepared, embedding.weight, head.weight, head.vocab_size,
             min(stage.product_rows, cpu_gemv.max_rows(dtype, head.weight, head.pairs_weight)), head.pairs_weight,
             float(torch.tensor(self.embed_scale).to(dtype)) if self.embed_scale else 0.0,
-            float(self.logit_cap or 0.0), *(positions or (None, 0)), group, embedding.start)
+            float(self.logit_cap or 0.0), *(positions or (None, 0)), stage.kernel_group(), embedding.start)
