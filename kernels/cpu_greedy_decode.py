@@ -122,12 +122,14 @@ class GreedyRun:
     """greedy_decode()'s result. tokens [rows, columns]: each row's tokens in order, then -1. verified [rows, steps,
     2]: each step's drafted and accepted counts (-1 where the row verified no draft); None without drafts.
     failed [rows]: a sampled row that had no token to draw (a NaN, or no finite logit) and stopped there. logprobs:
-    those of the rows that report them (None: no row does)."""
+    those of the rows that report them (None: no row does). drawn [rows]: how many of its uniform draws each row
+    read (None: no row was sampled)."""
 
     tokens: np.ndarray
     verified: np.ndarray | None
     failed: np.ndarray
     logprobs: TokenLogprobs | None = None
+    drawn: np.ndarray | None = None
 
 
 def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray,
@@ -140,14 +142,15 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
     embedding lookup, the layers with the final norm, the LM head by the GEMV kernel and the first argmax among its
     first vocab_size logits, as the model computes them, all in C++. Row m takes up to limits[m] tokens (its K/V
     slots come from its row of `table`, [rows, max_blocks] block ids) and none after a step that gave it a token of
-    stops[m]. With `drafts` a step also feeds each row its drafts (prompt lookup's, or a draft model's: as many as
-    its limit leaves room for, at most the model's max_rows token rows in all) and keeps those the argmax agrees
-    with, and the argmax after them: the same tokens. With `sampled` (no drafts then) its rows with a temperature
-    draw their tokens as the sampler does; with `penalized` (no drafts then either) from logits processed as it
-    processes them. With `logprobs` (int64 [rows]: how many best tokens a row reports beside its own, -1: none) the
+    stops[m]. With `drafts` a step also feeds each row but a constrained one its drafts (prompt lookup's, or a draft
+    model's: as many as its limit leaves room for, at most the model's max_rows token rows in all) and keeps those
+    the argmax agrees with, and the argmax after them: the same tokens. With `sampled` its rows with a temperature
+    draw their tokens as the sampler does, verifying prompt lookup's drafts as it does (a draft model's: greedy rows
+    only); with `penalized` from logits processed as it processes them (each verifying row counting the drafts
+    before it). With `logprobs` (int64 [rows]: how many best tokens a row reports beside its own, -1: none) the
     run's logprobs are those of each token a reporting row takes. With `adapters` (int64 [rows]: each row's adapter
     slot, -1: none) the layers add each row's adapter deltas (the prepared layers' slots; a draft model's none).
-    With `masks` (no drafts then) its constrained rows take only tokens their grammar's mask allows."""
+    With `masks` its constrained rows take only tokens their grammar's mask allows."""
     model.check()
     rows = len(tokens)
     tokens, positions, limits = (np.ascontiguousarray(a, dtype=np.int64) for a in (tokens, positions, limits))
@@ -166,30 +169,32 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
     draft_model, known = None, np.zeros(1, dtype=np.int64)
     if isinstance(drafts, DraftModelDrafts):
         draft_model, known = _draft_model_args(drafts, model, np.diff(history_starts)), drafts.known
+    columns = max(1, min(int(limits.max(initial=0)), steps * (1 + k)))
     pointers: list[int] = []
+    drawn = None
     if sampled is not None:
-        if drafts is not None:
-            raise ValueError("sampled rows verify no drafts here (their verification is the rejection sampler's)")
+        if draft_model is not None:
+            raise ValueError("a draft model drafts for greedy rows only (a sampled row's drafts are drawn from q)")
         arrays = (np.ascontiguousarray(sampled.temperature, dtype=np.float32),
                   np.ascontiguousarray(sampled.top_k, dtype=np.int64),
                   np.ascontiguousarray(sampled.top_p, dtype=np.float32),
                   np.ascontiguousarray(sampled.min_p, dtype=np.float32),
-                  np.ascontiguousarray(sampled.uniform, dtype=np.float64))
-        if any(len(a) != rows for a in arrays) or arrays[4].shape != (rows, steps):
-            raise ValueError("sampled rows need one temperature, top_k, top_p and min_p per row, and [rows, steps] "
-                             "uniform draws")
-        pointers = [a.ctypes.data for a in arrays]
+                  np.ascontiguousarray(sampled.draws, dtype=np.float64))
+        if any(len(a) != rows for a in arrays) or arrays[4].shape != (rows, draw_columns(limits, steps, k)):
+            raise ValueError(f"sampled rows need one temperature, top_k, top_p and min_p per row, and [rows, "
+                             f"{draw_columns(limits, steps, k)}] uniform draws")
+        drawn = np.empty(rows, dtype=np.int64)
+        pointers = [*(a.ctypes.data for a in arrays), arrays[4].shape[1], drawn.ctypes.data]
     processed: tuple[np.ndarray, ...] = ()
     if penalized is not None:
-        if drafts is not None:
-            raise ValueError("penalized rows verify no drafts here")
+        if draft_model is not None:
+            raise ValueError("a draft model drafts for unprocessed rows only")
         processed = penalized.arrays(rows)
-    columns = max(1, min(int(limits.max(initial=0)), steps * (1 + k)))
     out = np.empty((rows, columns), dtype=np.int64)
     grammar: tuple[np.ndarray, ...] = ()
     if masks is not None:
-        if drafts is not None:
-            raise ValueError("constrained rows verify no drafts here")
+        if draft_model is not None:
+            raise ValueError("a draft model drafts for unconstrained rows only")
         grammar = masks.arrays(rows)
     reported, width = None, 0
     if logprobs is not None:
@@ -215,7 +220,14 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
         [] if reported is None else [a.ctypes.data for a in (logprobs, reported.ids, reported.values, reported.ranks)],
         width, 0 if adapters is None else adapters.ctypes.data, draft_model, known.ctypes.data,
         max(rows, model.max_rows), out.ctypes.data, columns, rows, steps)
-    return GreedyRun(out, verified if drafts else None, (out == -2).any(axis=1), reported)
+    return GreedyRun(out, verified if drafts else None, (out == -2).any(axis=1), reported, drawn)
+
+
+def draw_columns(limits: np.ndarray, steps: int, k: int) -> int:
+    """The most uniform draws a sampled row reads in greedy_decode() for `steps` steps of up to k drafts each: one a
+    step without drafts, else an accept and a uniform draw for each of up to 1 + k token rows (a row takes a token a
+    step at least, so no more steps than its limit)."""
+    return max(1, min(int(np.max(limits, initial=0)), steps)) * (1 if k == 0 else 2 * (1 + k))
 
 
 def _draft_model_args(drafts: DraftModelDrafts, target: GreedyModel, lengths: np.ndarray) -> tuple:

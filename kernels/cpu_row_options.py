@@ -12,14 +12,15 @@ import numpy as np
 @dataclass(frozen=True)
 class SampledRows:
     """Rows greedy_decode() samples instead of taking the argmax: those with temperature > 0 (float32 [rows]; 0: the
-    argmax), by kernels/csrc/sample.h's rule (Sampler's: top_k <= 0, top_p 1 and min_p 0 are none) at uniform[m, i]
-    (float64 [rows, steps]) for row m's i-th token."""
+    argmax), by kernels/csrc/sample.h's rules (Sampler's: top_k <= 0, top_p 1 and min_p 0 are none), reading each
+    row's uniform draws (float64 [rows, kernels.cpu_greedy_decode.draw_columns]) in the order the sampler's steps
+    would draw them (kernels/csrc/greedy_decode.h's RowSampling)."""
 
     temperature: np.ndarray
     top_k: np.ndarray
     top_p: np.ndarray
     min_p: np.ndarray
-    uniform: np.ndarray
+    draws: np.ndarray
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,14 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, top_k: torch.Tensor | None = None,
-           top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+           top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None, drafts: torch.Tensor | None = None,
+           accept: torch.Tensor | None = None) -> torch.Tensor:
     """A token per row of logits [rows, vocab] (float32) at uniform[row] in [0, 1) (float64): drawn from
     softmax(logits / temperature) after top-k (<= 0: none), top-p (1: none) and min-p (0: none), per row (None: none
-    for any row). Raises ValueError for a row where no token has weight (every logit -inf, or a NaN)."""
+    for any row). With drafts (int64 [rows], -1: none) a row verifies its one-hot draft as speculative sampling does:
+    kept where accept[row] < its probability, else drawn from the distribution without it (Sampler._verify_drafts'
+    rule; the tokens follow the distribution). Raises ValueError for a row where no token has weight (every logit
+    -inf, or a NaN)."""
     module = cpu_extension.required()
     rows, vocab = logits.shape
 
@@ -52,9 +56,14 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tenso
         per_row(min_p, 0.0, torch.float32)
     if not bool((temperature > 0).all()):
         raise ValueError("sample() needs temperatures > 0")
+    if (drafts is None) != (accept is None):
+        raise ValueError("drafts need their accept draws")
+    if drafts is not None:
+        drafts, accept = per_row(drafts, -1, torch.int64), per_row(accept, 0.0, torch.float64)
     tokens = torch.empty(rows, dtype=torch.int64)
     module.sample(logits.data_ptr(), rows, vocab, temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
-                  min_p.data_ptr(), uniform.data_ptr(), tokens.data_ptr())
+                  min_p.data_ptr(), uniform.data_ptr(), 0 if drafts is None else drafts.data_ptr(),
+                  0 if accept is None else accept.data_ptr(), tokens.data_ptr())
     if bool((tokens < 0).any()):
         bad = (tokens < 0).nonzero().flatten().tolist()
         raise ValueError(f"rows {bad} have no token to sample: every logit is -inf, or one is NaN")

@@ -163,7 +163,8 @@ def _near_draft() -> str:
 
 CPP_CASES = [("llama", "plain"), ("llama", "prompt lookup"), ("llama", "draft model"), ("llama", "sampled"),
              ("llama", "penalized"), ("llama", "logprobs"), ("llama", "logprobs, prompt lookup"),
-             ("llama", "constrained"), ("gemma2", "plain"), ("gemma2", "sampled"), ("gemma2", "logprobs"),
+             ("llama", "constrained"), ("llama", "sampled, prompt lookup"), ("llama", "penalized, prompt lookup"),
+             ("llama", "constrained, prompt lookup"), ("gemma2", "plain"), ("gemma2", "sampled"), ("gemma2", "logprobs"),
              ("gpt_neox", "plain"), ("qwen2_moe", "plain"), ("opt", "plain")]
 # In bfloat16 by default: each family's layers, a draft model's and one sampled mode; the other modes read the
 # logits widened to float32 as in float32 (score_row), so their bfloat16 runs are slow.
@@ -186,22 +187,25 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
     sampled and penalized requests reporting top-N logprobs (the same ids, ranks and values) beside one that does
     not; constrained: greedy, sampled, penalized and logprob-reporting requests under regex, choice and JSON
     constraints (one that ends its grammar under ignore_eos) beside free ones, each step's mask filled by the forks
-    of their matchers. Gemma 2: its embedding scale and soft-capped logits in C++ too."""
-    lookup = mode in ("prompt lookup", "draft model", "logprobs, prompt lookup")
+    of their matchers. ", prompt lookup": the same requests verifying drafts (sampled ones by the speculative rule at
+    the uniform draws the sampler's steps would read, penalized ones counting the drafts before each, constrained
+    ones with none). Gemma 2: its embedding scale and soft-capped logits in C++ too."""
+    lookup = mode in ("prompt lookup", "draft model") or mode.endswith(", prompt lookup")
+    feature = mode.removesuffix(", prompt lookup")
     prompts = [p + p[:12] for p in random_prompts([5, 40, 17, 70, 9], vocab=1000, seed=6)]  # something to look up
     free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (37, 11, 64, 50, 20)]
-    if mode == "sampled":
+    if feature == "sampled":
         free[1:] = [SamplingParams(temperature=0.9, seed=4, max_tokens=11, ignore_eos=True, top_p=0.8),
                     SamplingParams(temperature=1.3, seed=5, max_tokens=64, ignore_eos=True, top_k=30, min_p=0.02),
                     free[3], SamplingParams(temperature=0.7, seed=6, max_tokens=20, ignore_eos=True)]
-    if mode == "penalized":
+    if feature == "penalized":
         free[1:] = [SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True, repetition_penalty=1.3,
                                    logit_bias={5: 3.0, 900: -2.0}),
                     SamplingParams(temperature=1.0, seed=5, max_tokens=64, ignore_eos=True, top_k=30,
                                    presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=0.9),
                     free[3], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, presence_penalty=-0.5,
                                             frequency_penalty=1.7)]
-    if mode == "constrained":
+    if feature == "constrained":
         free[1:] = [SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True, logprobs=2,
                                    structured_outputs=StructuredOutputsParams(regex=r"[a-z]{2,5}( [a-z]{2,5})+")),
                     SamplingParams(temperature=1.0, seed=5, max_tokens=64, ignore_eos=True, presence_penalty=0.5,
@@ -211,28 +215,33 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
                                             structured_outputs=StructuredOutputsParams(choice=["one two", "three"]))]
     engine_args = {"dtype": dtype, "num_kv_blocks": 40 + 8 * lookup, "enable_prefix_caching": False,
                    "max_model_len": 120}
-    if mode.startswith("logprobs"):
+    if feature == "logprobs":
         free[1:] = [SamplingParams(temperature=0.0, max_tokens=11, ignore_eos=True, logprobs=3),
                     SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=0), free[3],
                     SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=5)]
-        if mode == "logprobs":  # sampled and penalized rows verify no drafts in C++
-            free[2] = SamplingParams(temperature=1.0, seed=5, max_tokens=64, ignore_eos=True, top_k=30, logprobs=2)
-            free[4] = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, presence_penalty=0.5,
-                                     logprobs=4)
-    if mode in ("prompt lookup", "logprobs, prompt lookup"):
+        free[2] = SamplingParams(temperature=1.0, seed=5, max_tokens=64, ignore_eos=True, top_k=30, logprobs=2)
+        free[4] = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, presence_penalty=0.5,
+                                 logprobs=4)
+    if lookup and mode != "draft model":
         engine_args["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                              "prompt_lookup_max": 3, "disable_by_batch_size": None}
     elif mode == "draft model":
         engine_args["speculative_config"] = {"method": "draft_model", "model": _near_draft(),
                                              "num_speculative_tokens": 3, "disable_by_batch_size": None}
-    if mode == "constrained":  # each request joins at the step it came in (not when its grammar compiled), in both runs
+    if feature == "constrained":  # each request joins at the step it came in (not when its grammar compiled), in both runs
         monkeypatch.setattr(StructuredOutputManager, "add", _add_compiled)
-    calls = []
+    calls, verifying = [], set()  # verifying: the kinds of request whose drafts a C++ call verified
     in_one_call = LaterStepCalls._in_one_call
 
     def counted(self, steps, count, output, grammars):
+        before = {req_id: len(checks) for req_id, checks in output.verified.items()}
         ran = in_one_call(self, steps, count, output, grammars)
-        calls.append(ran and (mode != "constrained" or bool(grammars)))
+        calls.append(ran and (feature != "constrained" or bool(grammars)))
+        for state in steps.states if ran else ():
+            if len(output.verified.get(state.req_id, ())) > before.get(state.req_id, 0):
+                params = state.sampling_params
+                verifying.update(kind for kind, has in (("sampled", not params.is_greedy),
+                                                        ("penalized", not params.logits_as_they_are)) if has)
         return ran
 
     def run(cpp: bool) -> tuple[list[list[int]], list[str], list[torch.Tensor], object, list]:
@@ -252,15 +261,15 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
     params = free
     [first, *others], *_ = run(cpp=False)
     params = [SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True, stop_token_ids=[first[9]]), *free[1:]]
-    if mode == "penalized":  # bad words that bite: a token the last request took, and a pair it took later
+    if feature == "penalized":  # bad words that bite: a token the last request took, and a pair it took later
         words = [[others[3][2]], others[3][6:8]]
         params[4] = msgspec.structs.replace(params[4], bad_words_token_ids=words)
     python, cpp = run(cpp=False), run(cpp=True)
     assert cpp[:2] == python[:2]
-    if mode == "penalized":
+    if feature == "penalized":
         assert words[0][0] not in cpp[0][4] and cpp[0][4] != others[3]
     assert {"stop", "length"} <= set(cpp[1])
-    if mode != "constrained":  # constrained requests join when their grammar compiles: the blocks they get vary
+    if feature != "constrained":  # constrained requests join when their grammar compiles: the blocks they get vary
         assert all(torch.equal(a, b) for a, b in zip(cpp[2], python[2], strict=True))
     for got, expected, asked in zip(cpp[4], python[4], params, strict=True):
         assert (got is None) == (asked.logprobs is None)
@@ -273,8 +282,10 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
         assert 0 <= cpp[3].num_drafts - python[3].num_drafts <= len(prompts)
     else:
         assert cpp[3] == python[3]
-    if lookup:
-        assert cpp[3].num_drafts > 10 and 0 < cpp[3].num_accepted_tokens < cpp[3].num_draft_tokens
+    if lookup:  # penalties and grammars make fewer repeats to look up
+        assert cpp[3].num_drafts > (10 if feature in (mode, "logprobs") else 3)
+        assert 0 < cpp[3].num_accepted_tokens < cpp[3].num_draft_tokens
+        assert {feature} & {"sampled", "penalized"} <= verifying
     assert any(calls)  # the C++ calls ran (not only the fallback)
 
 

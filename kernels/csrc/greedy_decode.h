@@ -23,27 +23,32 @@
 
 namespace pagedserve {
 
-// Sampled rows instead of the argmax (null temperature: none): a row with temperature[m] > 0 draws its token by
-// sample.h's rule with its top_k, top_p and min_p at uniform[m * steps + i] for its i-th token of the call.
+// Sampled rows instead of the argmax (null temperature: none): a row with temperature[m] > 0 draws its tokens by
+// sample.h's rules with its top_k, top_p and min_p, reading its uniform draws draws[m * columns ..] in the order
+// the sampler's steps draw them (Sampler._random_sample): in a step where no row verifies a draft one for its
+// token; in one where some row does, one accept draw per token row of its own (its drafts and the token after
+// them), then one uniform draw per token row. drawn [M]: how many each row read.
 struct RowSampling {
   const float* temperature = nullptr;
   const int64_t* top_k = nullptr;
   const float* top_p = nullptr;
   const float* min_p = nullptr;
-  const double* uniform = nullptr;
+  const double* draws = nullptr;
+  int64_t columns = 0;
+  int64_t* drawn = nullptr;
 };
 
-// Rows with a grammar's mask (grammar_masks.h: no drafts then), penalties or a logit bias (penalties.h) take the
-// argmax or draw from their masked and processed scores; rows that
-// report logprobs (logprobs.h) get them for each token they take (its slot's column: out's); with adapters (null:
-// none) row m's token rows run with adapter slot adapters[m] (-1: the base model).
+// Rows with a grammar's mask (grammar_masks.h; no drafts for them), penalties or a logit bias (penalties.h) take
+// the argmax or draw from their masked and processed scores; rows that report logprobs (logprobs.h) get them for
+// each token they take (its slot's column: out's); with adapters (null: none) row m's token rows run with adapter
+// slot adapters[m] (-1: the base model).
 // M rows: tokens[m], the row's last token, at positions[m]; tables [M, max_blocks]; the row takes up to limits[m]
 // tokens and none after a step that gave it a token of its stop set stop_ids[stop_starts[m], stop_starts[m + 1]).
-// With prompt lookup (or a draft model) a step feeds each row its last token and its drafts (what its limit leaves
-// room for, and at most max_rows token rows in all) and keeps the drafts up to the first the argmax disagrees with,
-// then the argmax there: the tokens plain steps give (no drafts with sampled rows). out [M, out_cols]: the row's
-// tokens in order, -1 after its last; -2 where a sampled row had no token to draw (a NaN, or no finite logit),
-// which ends it. A step's rows are those still going, in row order.
+// With prompt lookup (or a draft model) a step feeds each row but a constrained one its last token and its drafts
+// (what its limit leaves room for, and at most max_rows token rows in all) and keeps the drafts up to the first the
+// argmax disagrees with (a sampled row's: verify_row rejects), then the token chosen there: the tokens plain steps
+// give. out [M, out_cols]: the row's tokens in order, -1 after its last; -2 where a sampled row had no token to
+// draw (a NaN, or no finite logit), which ends it. A step's rows are those still going, in row order.
 template <typename T>
 void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int64_t* positions,
                    const int64_t* tables, int64_t max_blocks, int64_t block_size, const int64_t* limits,
@@ -72,23 +77,31 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
   std::vector<SampleScratch> scratch(threads, SampleScratch(sampling.temperature ? model.vocab : 0));
   std::vector<std::vector<float>> exps(logprobs.num ? threads : 0, std::vector<float>(model.vocab));
   std::vector<int64_t> chosen(M);
-  // Row m's next token from a row of its logits: drawn (sampled rows), else the argmax, of its scores processed
-  // where it has penalties or a bias; -2 where a sampled row has none to draw.
-  auto choose = [&](int64_t m, const T* row, std::vector<float>& row_scores, SampleScratch& row_scratch) {
-    const bool sampled = sampling.temperature && sampling.temperature[m] > 0.f;
-    if (!sampled && !processes(penalties, m) && !masks(grammar, m)) return best_token(model, row, row_scores);
+  auto sampled = [&](int64_t m) { return sampling.temperature && sampling.temperature[m] > 0.f; };
+  if (sampling.temperature) std::fill(sampling.drawn, sampling.drawn + M, int64_t(0));
+  // Row m's i-th draw of this step (0 for a row that draws none).
+  auto draw = [&](int64_t m, int64_t i) { return sampled(m) ? sampling.draws[m * sampling.columns +
+                                                                             sampling.drawn[m] + i] : 0.0; };
+  // Row m's next token from a row of its logits: drawn (sampled rows: at uniform, verifying `draft` at accept where
+  // >= 0), else the argmax, of its scores processed where it has penalties or a bias; -2 where a sampled row has
+  // none to draw.
+  auto choose = [&](int64_t m, const T* row, std::vector<float>& row_scores, SampleScratch& row_scratch,
+                    int64_t draft, double accept, double uniform) {
+    if (!sampled(m) && !processes(penalties, m) && !masks(grammar, m)) return best_token(model, row, row_scores);
     score_row(model, row, row_scores.data());
     if (masks(grammar, m)) mask_row(grammar, m, row_scores.data(), model.vocab);
     if (processes(penalties, m)) penalize(penalties, m, counts[m], row_scores.data(), model.vocab);
-    if (!sampled) return argmax_row(row_scores.data(), model.vocab);
-    const int64_t token = sample_row(row_scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
-                                     sampling.top_p[m], sampling.min_p[m], sampling.uniform[m * steps + taken[m]],
-                                     row_scratch);
+    if (!sampled(m)) return argmax_row(row_scores.data(), model.vocab);
+    const int64_t token =
+        draft >= 0 ? verify_row(row_scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
+                                sampling.top_p[m], sampling.min_p[m], draft, accept, uniform, row_scratch)
+                   : sample_row(row_scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
+                                sampling.top_p[m], sampling.min_p[m], uniform, row_scratch);
     return token < 0 ? int64_t(-2) : token;
   };
   // Row m's token and its logprobs (where it reports them) from a row of its logits, with a thread's scratch.
-  auto take_token = [&](int64_t m, const T* row, int thread) {
-    const int64_t token = choose(m, row, scores[thread], scratch[thread]);
+  auto take_token = [&](int64_t m, const T* row, int thread, int64_t draft, double accept, double uniform) {
+    const int64_t token = choose(m, row, scores[thread], scratch[thread], draft, accept, uniform);
     if (token >= 0 && logprobs.reports(m)) {
       score_row(model, row, scores[thread].data());  // as they are: choose() may have processed them
       report_logprobs(logprobs, m, m * out_cols + taken[m], token, scores[thread].data(), model.vocab,
@@ -108,7 +121,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
     feeds.assign(A, 0), drafts.resize(A * std::max<int64_t>(k, 1));
     int64_t R = A;
     for (int64_t a = 0; a < A && k > 0; ++a) {
-      const int64_t m = seqs[a], room = std::min(limits[m] - taken[m] - 1, max_rows - R);
+      const int64_t m = seqs[a], room = masks(grammar, m) ? 0 : std::min(limits[m] - taken[m] - 1, max_rows - R);
       if (room > 0)
         R += feeds[a] = draft.model ? std::min(k, room)
                                     : lookup_drafts(history[m], std::min(k, room), lookup.min_n, lookup.max_n,
@@ -145,17 +158,23 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
 #endif
 #pragma omp for schedule(dynamic)
         for (int64_t a = 0; a < A; ++a)
-          chosen[a] = take_token(seqs[a], logits.data() + a * model.head_rows, thread);
+          chosen[a] = take_token(seqs[a], logits.data() + a * model.head_rows, thread, -1, 0.0, draw(seqs[a], 0));
       }
     }
     for (int64_t a = 0, r = 0; a < A; r += feeds[a] + 1, ++a) {
       const int64_t m = seqs[a];
       const int64_t* stops_begin = stop_ids + stop_starts[m];
       const int64_t* stops_end = stop_ids + stop_starts[m + 1];
+      // A step that verifies drafts reads this row's accept draws, then its uniform ones (see RowSampling).
+      const int64_t verifies = R > A, f = feeds[a];
       int64_t accepted = 0;
       for (;; ++accepted) {
+        const bool draft = accepted < f;
         const int64_t token =
-            k == 0 ? chosen[a] : take_token(m, logits.data() + (r + accepted) * model.head_rows, 0);
+            k == 0 ? chosen[a]
+                   : take_token(m, logits.data() + (r + accepted) * model.head_rows, 0,
+                                draft ? drafts[a * k + accepted] : -1, draft ? draw(m, accepted) : 0.0,
+                                draw(m, verifies * (f + 1) + accepted));
         if (token < 0) {
           out[m * out_cols + taken[m]] = -2;
           stopped[m] = 1;
@@ -168,6 +187,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
         stopped[m] = stopped[m] || std::find(stops_begin, stops_end, token) != stops_end;
         if (accepted == feeds[a] || token != drafts[a * k + accepted]) break;
       }
+      if (sampled(m)) sampling.drawn[m] += verifies ? 2 * (f + 1) : 1;
       if (feeds[a] > 0 && lookup.verified) {
         lookup.verified[(m * steps + s) * 2] = feeds[a];
         lookup.verified[(m * steps + s) * 2 + 1] = accepted;

@@ -94,10 +94,10 @@ void greedy_decode(const ModelArgs& model_args, uintptr_t tokens, uintptr_t posi
   }
   const pagedserve::PromptLookup drafts{lookup.at(0), lookup.at(1), lookup.at(2), in<int64_t>(history),
                                         in<int64_t>(history_starts), out<int64_t>(verified)};
-  // sampled: temperature, top_k, top_p, min_p, uniform (empty: every row argmax)
+  // sampled: temperature, top_k, top_p, min_p, draws [m, columns], columns, drawn (empty: every row argmax)
   const pagedserve::RowSampling sampling = sampled.empty() ? pagedserve::RowSampling{} : pagedserve::RowSampling{
       in<float>(sampled.at(0)), in<int64_t>(sampled.at(1)), in<float>(sampled.at(2)), in<float>(sampled.at(3)),
-      in<double>(sampled.at(4))};
+      in<double>(sampled.at(4)), int64_t(sampled.at(5)), out<int64_t>(sampled.at(6))};
   // penalized: presence, frequency, repetition, bias ids, starts and values, generated tokens and starts, prompt
   // tokens and starts, bad words' tokens, word starts and each row's first word (empty: no row processed)
   const pagedserve::RowPenalties penalties = penalized.empty() ? pagedserve::RowPenalties{} :
@@ -269,9 +269,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                               lora_slots, group);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("sample", [](uintptr_t logits, int64_t rows, int64_t vocab, uintptr_t temperature, uintptr_t top_k,
-                     uintptr_t top_p, uintptr_t min_p, uintptr_t uniform, uintptr_t tokens) {
+                     uintptr_t top_p, uintptr_t min_p, uintptr_t uniform, uintptr_t drafts, uintptr_t accept,
+                     uintptr_t tokens) {
     pagedserve::sample_rows(in<float>(logits), rows, vocab, in<float>(temperature), in<int64_t>(top_k),
-                            in<float>(top_p), in<float>(min_p), in<double>(uniform), out<int64_t>(tokens));
+                            in<float>(top_p), in<float>(min_p), in<double>(uniform), in<int64_t>(drafts),
+                            in<double>(accept), out<int64_t>(tokens));
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("log_softmax", [](uintptr_t scores, uintptr_t logprobs, int64_t rows, int64_t vocab) {
 #pragma omp parallel for schedule(static) if (rows > 1)

@@ -206,14 +206,15 @@ inline void keep_first_ties(float* w, int64_t n, float value, int64_t keep) {
     if (w[i] == value && keep-- <= 0) w[i] = 0.f;
 }
 
-// One row: its token, or -1 where no token has weight (every logit -inf, or a NaN). The distribution is
-// Sampler._distribution's: temperature, then top-k (logits below the k-th largest dropped; top_k <= 0 or >= vocab:
-// none), top-p (the fewest largest weights that reach top_p of the rest, ties in token order; 1: none),
-// then min-p (weights below min_p times the largest, which is e^0 = 1; 0: none).
-inline int64_t sample_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
-                          double uniform, SampleScratch& s) {
+// One row's distribution into s.w (each token's weight) and s.sums (per block of kSampleBlock): their total, or -1
+// where no token has weight (every logit -inf, or a NaN). It is Sampler._distribution's: temperature, then top-k
+// (logits below the k-th largest dropped; top_k <= 0 or >= vocab: none), top-p (the fewest largest weights that
+// reach top_p of the rest, ties in token order; 1: none), then min-p (weights below min_p times the largest, which
+// is e^0 = 1; 0: none).
+inline double row_weights(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
+                          SampleScratch& s) {
   const float max = max_or_nan(x, vocab);  // max(x) / t is max(x / t): t > 0
-  if (!std::isfinite(max)) return -1;
+  if (!std::isfinite(max)) return -1.0;
   const float kth = top_k > 0 && top_k < vocab ? kth_largest(x, vocab, top_k, s)
                                                : -std::numeric_limits<float>::infinity();
   const float inv_t = 1.f / temperature;
@@ -239,12 +240,18 @@ inline int64_t sample_row(const float* x, int64_t vocab, float temperature, int6
     floor = std::max(floor, boundary.value);
   }
   if (floor > 0.f) total = by_blocks([&](int64_t start, int64_t n) { return keep_from(w + start, n, floor); });
-  if (!(total > 0.0) || !std::isfinite(total)) return -1;
+  return total > 0.0 && std::isfinite(total) ? total : -1.0;
+}
+
+// The first token of row_weights' distribution (total > 0) whose running sum passes uniform x total.
+inline int64_t draw_token(const SampleScratch& s, int64_t vocab, double total, double uniform) {
+  const float* w = s.w.data();
+  const int64_t blocks = (vocab + kSampleBlock - 1) / kSampleBlock;
   // Strictly below the sum, so the token found has a weight above zero (u * sum can round up to the sum).
   const double point = std::min(uniform * total, std::nextafter(total, 0.0));
   double before = 0.0;
   int64_t b = 0;
-  for (; b + 1 < blocks && before + sums[b] <= point; ++b) before += sums[b];
+  for (; b + 1 < blocks && before + s.sums[b] <= point; ++b) before += s.sums[b];
   const int64_t start = b * kSampleBlock, end = std::min(start + kSampleBlock, vocab);
   int64_t last = -1;  // the block's last token with weight: where its own running sum falls short by rounding
   for (int64_t v = start; v < end; ++v) {
@@ -255,17 +262,48 @@ inline int64_t sample_row(const float* x, int64_t vocab, float temperature, int6
   return last;
 }
 
+// One row's token drawn at `uniform` from row_weights' distribution; -1 where it has none.
+inline int64_t sample_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
+                          double uniform, SampleScratch& s) {
+  const double total = row_weights(x, vocab, temperature, top_k, top_p, min_p, s);
+  return total < 0.0 ? -1 : draw_token(s, vocab, total, uniform);
+}
+
+// Speculative sampling of a one-hot draft (prompt lookup's), as Sampler._verify_drafts without draft_probs: the
+// draft is kept where accept < p(draft), else the token is drawn at `uniform` from p without the draft (the draft
+// kept where nothing else has weight); -1 where the row has no distribution. The tokens it gives follow p.
+inline int64_t verify_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
+                          int64_t draft, double accept, double uniform, SampleScratch& s) {
+  double total = row_weights(x, vocab, temperature, top_k, top_p, min_p, s);
+  if (total < 0.0) return -1;
+  if (draft < 0 || draft >= vocab) return draw_token(s, vocab, total, uniform);
+  if (accept * total < double(s.w[draft])) return draft;
+  // The residual: the draft's weight out, its block and the total summed again (subtracting could leave a
+  // rounding crumb where the draft held all the weight).
+  s.w[draft] = 0.f;
+  const int64_t b = draft / kSampleBlock, start = b * kSampleBlock, end = std::min(start + kSampleBlock, vocab);
+  s.sums[b] = 0.0;
+  for (int64_t v = start; v < end; ++v) s.sums[b] += s.w[v];
+  total = 0.0;
+  for (int64_t i = 0; i < (vocab + kSampleBlock - 1) / kSampleBlock; ++i) total += s.sums[i];
+  return total > 0.0 ? draw_token(s, vocab, total, uniform) : draft;
+}
+
 // logits [rows, vocab]; temperature, top_k, top_p, min_p, uniform [rows]; tokens [rows] (-1: see sample_row).
+// With drafts (null: none) a row whose drafts[r] >= 0 verifies it by verify_row at accept[r].
 inline void sample_rows(const float* logits, int64_t rows, int64_t vocab, const float* temperature,
                         const int64_t* top_k, const float* top_p, const float* min_p, const double* uniform,
-                        int64_t* tokens) {
+                        const int64_t* drafts, const double* accept, int64_t* tokens) {
 #pragma omp parallel
   {
     SampleScratch scratch(vocab);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r)
-      tokens[r] = sample_row(logits + r * vocab, vocab, temperature[r], top_k[r], top_p[r], min_p[r], uniform[r],
-                             scratch);
+      tokens[r] = drafts && drafts[r] >= 0
+                      ? verify_row(logits + r * vocab, vocab, temperature[r], top_k[r], top_p[r], min_p[r], drafts[r],
+                                   accept[r], uniform[r], scratch)
+                      : sample_row(logits + r * vocab, vocab, temperature[r], top_k[r], top_p[r], min_p[r], uniform[r],
+                                   scratch);
   }
 }
 

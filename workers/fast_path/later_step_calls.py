@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ipc import ModelRunnerOutput, SchedulerOutput
+from kernels.cpu_greedy_decode import draw_columns
 from kernels.cpu_row_options import SampledRows
 from workers.distributed import pp_send, tp_all_reduce
 from workers.fast_path.later_steps import LaterSteps, StepBatch, accepted_run
@@ -162,9 +163,10 @@ class LaterStepCalls:
         """Up to `count` steps of the active requests in one call of the model's greedy_decode (where it has one
         that takes them), drawing sampled requests' tokens as the sampler would (from logits masked by their
         grammar's fork, biased, penalized and banned as it processes them), reporting the logprobs it would, and
-        verifying the drafts the speculator would propose, which the kernel writes itself (prompt lookup's, or a
-        draft model's; sampled or penalized requests verify theirs in Python), the tokens taken into `steps`,
-        failures, logprobs and verifications into `output`; whether it ran."""
+        verifying the drafts the speculator would propose as the sampler verifies them, which the kernel writes
+        itself (prompt lookup's; a draft model's for plain greedy requests only: its drafts for the others are
+        processed and drawn as theirs, in Python), the tokens taken into `steps`, failures, logprobs and
+        verifications into `output`; whether it ran."""
         runner = self.runner
         greedy = getattr(runner.model, "greedy_decode", None)
         rows = steps.active()
@@ -179,18 +181,20 @@ class LaterStepCalls:
         if self._shares and (runner.parallel.pp_size > 1 or runner.speculator is not None):
             return False
         if runner.speculator is not None and runner.speculator.speculates(len(output.sampled_token_ids)):
-            if sampled or processed or grammars or (drafts := runner.speculator.kernel_drafts(
+            if (drafts := runner.speculator.kernel_drafts(
                     states, [state.token_ids + steps.tokens[i] for state, i in zip(states, rows)],
-                    steps.capacity[rows])) is None:
+                    steps.capacity[rows], not (sampled or processed or grammars))) is None:
                 return False
         limits = steps.limits(rows)
+        sampled_rows, seeded = self._sampled_rows(states, limits, count, drafts.k if drafts else 0) if sampled \
+            else (None, [])
         reports = [state.sampling_params.logprobs for state in states]
         run = greedy(np.array([steps.tokens[i][-1] for i in rows], dtype=np.int64), steps.context[rows] - 1,
-                     steps.table[rows], limits, [steps.stops[i] for i in rows], count, drafts,
-                     self._sampled_rows(states, limits, count) if sampled else None,
+                     steps.table[rows], limits, [steps.stops[i] for i in rows], count, drafts, sampled_rows,
                      penalized_rows(states, [steps.tokens[i] for i in rows]) if processed else None,
                      np.array([-1 if n is None else n for n in reports]) if any(n is not None for n in reports)
                      else None, self._adapter_slots(states), grammars.masks(rows) if grammars else None)
+        self._rewind(states, seeded, np.zeros(len(states), dtype=np.int64) if run is None else run.drawn)
         if run is None:
             return False
         for index, (i, row, failed) in enumerate(zip(rows, run.tokens, run.failed)):
@@ -223,25 +227,36 @@ class LaterStepCalls:
             return None
         return np.array(self.runner.lora_slots(states, np.ones(len(states), dtype=np.int64)), dtype=np.int64)
 
-    def _sampled_rows(self, states: list[CachedRequestState], limits: np.ndarray, count: int) -> SampledRows:
-        """The requests' sampling options and uniform draws for up to `count` steps, drawn as the sampler draws them
-        step by step: a seeded request's one per step it may take from its own generator, the others' from the
-        shared one (float32, as the sampler's). The driver draws them; one stage's other ranks get its draws (a sum
-        with their zeros), so every rank's call takes the same tokens."""
+    def _sampled_rows(self, states: list[CachedRequestState], limits: np.ndarray, count: int,
+                      k: int) -> tuple[SampledRows, list[tuple[int, torch.Tensor]]]:
+        """The requests' sampling options and uniform draws for up to `count` steps of up to k drafts: a seeded
+        request's from its own generator, in the order the sampler's steps would draw them (the kernel reads them so),
+        the others' from the shared one (float32, as the sampler's); and each seeded row's generator state before
+        its draws (for _rewind). The driver draws them; one stage's other ranks get its draws (a sum with their
+        zeros), so every rank's call takes the same tokens."""
         params = [state.sampling_params for state in states]
-        uniform = torch.zeros(len(states), count, dtype=torch.float64)
+        draws = torch.zeros(len(states), draw_columns(limits, count, k), dtype=torch.float64)
+        seeded = []
         if self.runner.parallel.is_driver:
-            uniform = torch.empty(len(states), count).uniform_(generator=self.runner.sampler.generator).double()
-            for row, (state, limit) in enumerate(zip(states, limits.tolist())):
+            draws.copy_(torch.empty(draws.shape).uniform_(generator=self.runner.sampler.generator))
+            for row, state in enumerate(states):
                 if state.generator is not None and not state.sampling_params.is_greedy:
-                    uniform[row, :min(count, limit)] = torch.empty(min(count, limit)).uniform_(
-                        generator=state.generator)
+                    seeded.append((row, state.generator.get_state()))
+                    draws[row] = torch.empty(draws.shape[1]).uniform_(generator=state.generator)
         if self._shares:
-            tp_all_reduce(uniform)
+            tp_all_reduce(draws)
         return SampledRows(np.array([0.0 if p.is_greedy else p.temperature for p in params], dtype=np.float32),
                            np.array([p.top_k for p in params], dtype=np.int64),
                            np.array([p.top_p for p in params], dtype=np.float32),
-                           np.array([p.min_p for p in params], dtype=np.float32), uniform.numpy())
+                           np.array([p.min_p for p in params], dtype=np.float32), draws.numpy()), seeded
+
+    @staticmethod
+    def _rewind(states: list[CachedRequestState], seeded: list[tuple[int, torch.Tensor]], drawn: np.ndarray) -> None:
+        """Each seeded row's generator as if it had drawn only what the call read (as the sampler's steps would)."""
+        for row, state in seeded:
+            generator = states[row].generator
+            generator.set_state(state)
+            torch.empty(int(drawn[row])).uniform_(generator=generator)
 
 
 def _add_logprobs(output: ModelRunnerOutput, req_id: str, ids: list[list[int]], values: list[list[float]],

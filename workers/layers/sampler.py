@@ -119,10 +119,14 @@ class Sampler:
         """Sampled tokens, and for draft rows whether the draft is accepted (greedy rows: if it is the argmax).
         greedy_tokens: each row's argmax; None where no row is greedy."""
         accepted = None
-        if meta.draft_token_ids is None and cpu_sampling.serves(logits):  # _distribution and _inverse_cdf in C++
+        drafts = meta.draft_token_ids
+        if meta.draft_probs is None and cpu_sampling.serves(logits):  # _distribution, _verify_drafts, _inverse_cdf
             temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
+            accept = None if drafts is None else self._draw(torch.Tensor.uniform_, (logits.shape[0],), meta)
             sampled = cpu_sampling.sample(logits, temperature, self._uniform(meta, logits.shape[0]), meta.top_k,
-                                          meta.top_p, meta.min_p)
+                                          meta.top_p, meta.min_p, drafts, accept)
+            if drafts is not None:
+                accepted = (drafts >= 0) & (sampled == drafts)
         else:
             probs = _distribution(logits, meta)
             if meta.draft_token_ids is not None:

@@ -70,12 +70,14 @@ class DraftModel(ProposerCaches):
             self._record(state.req_id, len(contexts[i]), drafts[i], probs[i])
         return drafts
 
-    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray
-                      ) -> DraftModelDrafts | None:
-        """Its drafts for greedy requests (all their tokens so far in `contexts`; the positions their blocks give in
-        `capacity`) as the target's greedy_decode() writes them in C++, where its model runs there (layers prepared by
-        a one-call step for its bound caches); resume() takes what its K/V holds after."""
-        greedy_model = getattr(self.model, "greedy_model", None)
+    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray,
+                      plain: bool) -> DraftModelDrafts | None:
+        """Its drafts for plain greedy requests (all their tokens so far in `contexts`; the positions their blocks
+        give in `capacity`) as the target's greedy_decode() writes them in C++, where its model runs there (layers
+        prepared by a one-call step for its bound caches); resume() takes what its K/V holds after. None for requests
+        that are not `plain` (their drafts are drawn from their processed distribution, whose q the verification
+        needs) or where its model runs elsewhere."""
+        greedy_model = getattr(self.model, "greedy_model", None) if plain else None
         model = greedy_model() if greedy_model is not None else None
         if model is None:
             return None
