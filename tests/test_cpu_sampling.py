@@ -63,6 +63,43 @@ def test_matches_the_torch_twin(vocab, filters, scale):
     assert clear > 0.98 * compared
 
 
+@pytest.mark.parametrize("filters, vocab", pairwise(["none", "top_p", "all"], [7, 257, 8256]))
+def test_draft_verification_matches_the_torch_twin(vocab, filters):
+    """One-hot drafts (each row's likeliest token, a random one, none) verified by the kernel as the torch path
+    verifies them (Sampler._verify_drafts, then _inverse_cdf over the residual): the same tokens at the same accept
+    and uniform draws, but where a draw is within rounding of the draft's probability or of a token boundary."""
+    generator = torch.Generator().manual_seed(vocab + 1)
+    logits = torch.randn(48, vocab, generator=generator) * 3.0
+    temperature = torch.rand(48, generator=generator) * 1.5 + 0.2
+    chosen = _filters(filters, 48, generator)
+    rows = torch.arange(48)
+    drafts = torch.where(rows % 3 == 0, logits.argmax(dim=-1), torch.randint(0, vocab, (48,), generator=generator))
+    drafts[rows % 3 == 2] = -1
+    meta = SamplingMetadata(temperature=temperature, top_k=chosen.get("top_k"), top_p=chosen.get("top_p"),
+                            min_p=chosen.get("min_p"), generators={}, banned_token_ids={}, num_logprobs={},
+                            draft_token_ids=drafts)
+    probs = _distribution(logits.clone(), meta)
+    draft_probs = probs.gather(1, drafts.clamp(min=0).unsqueeze(1)).squeeze(1).double()
+    clear = compared = kept = 0
+    for _ in range(10):
+        accept, uniform = torch.rand(48, generator=generator), torch.rand(48, generator=generator)
+        sampler, draws = Sampler(torch.Generator()), iter([accept, uniform])
+        sampler._draw = lambda fill, shape, meta: next(draws).reshape(shape).float()
+        accepted, residual = sampler._verify_drafts(probs, meta)
+        expected = torch.where(accepted, drafts, sampler._inverse_cdf(residual, meta))
+        tokens = cpu_sampling.sample(logits, temperature, uniform.double(), **chosen, drafts=drafts,
+                                     accept=accept.double())
+        cdf = residual.double().cumsum(dim=-1)
+        point = uniform.double().unsqueeze(1) * cdf[:, -1:]
+        clear_of_draft = ((accept.double() - draft_probs).abs() > 1e-6) | (drafts < 0)
+        away = clear_of_draft & (accepted | ((cdf - point).abs().min(dim=-1).values > 1e-6))
+        assert torch.equal(tokens[away], expected[away])
+        clear += int(away.sum())
+        compared += len(away)
+        kept += int(((tokens == drafts) & (drafts >= 0)).sum())
+    assert clear > 0.95 * compared and 0 < kept < 320  # some drafts kept, some rejected
+
+
 @pytest.mark.parametrize("uniform, expected", [(0.0, 1), (1.0 - 2 ** -24, 299)])
 def test_the_extreme_draws_land_on_the_first_and_last_tokens_with_weight(uniform, expected):
     """Tokens 1..299 have weight (the first block, a whole second and part of a third), the rest -inf."""
