@@ -14,6 +14,7 @@ Example:
     python benchmarks/spec_decode.py --requests 4 --batch 0
     python benchmarks/spec_decode.py --cutoff-sweep 1 2 4 8 16 32   # where disable_by_batch_size should cut in
     python benchmarks/spec_decode.py --method mtp   # DeepSeek-V3-shaped, its MTP layer drafting (k=--mtp-drafts)
+    python benchmarks/spec_decode.py --temperature 0.8 --top-p 0.95 --batch 0   # sampled requests (seeded)
 --method mtp: a small DeepSeek-V3-shaped model trained with its multi-token-prediction layer on the demo corpus
 (launch/train_mtp.py; trained into the benchmark cache on first use) continues the free workload with and without
 the layer's drafts, at batch 1 and --batch; the acceptance by draft position is the figure.
@@ -92,7 +93,8 @@ def since(before: SpecDecodingStats | None, after: SpecDecodingStats | None) -> 
 def compare(args: argparse.Namespace, texts: list[str], batch: int, spec: dict, label: str) -> None:
     """Print the speed-up of `spec` over no speculation on `texts` (all at once past batch 1, else one by one) and
     its acceptance figures."""
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0 if args.temperature else None,
+                            max_tokens=args.max_tokens, ignore_eos=True)
     engines = {name: LLM(str(args.model), dtype=args.dtype, in_process=True, speculative_config=config,
                          **bench_device.engine_args(args.device))
                for name, config in (("none", None), ("spec", spec))}
@@ -135,6 +137,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64, help="the batched runs' size (0: none)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled, seeded")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=3, help="turns each engine takes; the best counts")
     parser.add_argument("--cutoff-sweep", type=int, nargs="*", default=[], metavar="BATCH",
                         help="instead: each method at these batch sizes with disable_by_batch_size off (where "
@@ -154,7 +158,8 @@ def main() -> int:
     if args.method == "mtp":
         configs = {"mtp": {"method": "mtp", "num_speculative_tokens": args.mtp_drafts}}
     print(bench_device.describe(args.device))
-    print(f"{args.model.name}, greedy, {args.max_tokens} tokens per request; {configs}")
+    sampling = f"temperature {args.temperature}, top-p {args.top_p}" if args.temperature else "greedy"
+    print(f"{args.model.name}, {sampling}, {args.max_tokens} tokens per request; {configs}")
     if args.cutoff_sweep:
         for workload, method in (("edit", "ngram"), ("free", "ngram"), ("free", "draft")):
             for batch in args.cutoff_sweep:

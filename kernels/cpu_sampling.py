@@ -34,13 +34,14 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, top_k: torch.Tensor | None = None,
            top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None, drafts: torch.Tensor | None = None,
-           accept: torch.Tensor | None = None) -> torch.Tensor:
+           accept: torch.Tensor | None = None, draft_probs: torch.Tensor | None = None) -> torch.Tensor:
     """A token per row of logits [rows, vocab] (float32) at uniform[row] in [0, 1) (float64): drawn from
     softmax(logits / temperature) after top-k (<= 0: none), top-p (1: none) and min-p (0: none), per row (None: none
-    for any row). With drafts (int64 [rows], -1: none) a row verifies its one-hot draft as speculative sampling does:
-    kept where accept[row] < its probability, else drawn from the distribution without it (Sampler._verify_drafts'
-    rule; the tokens follow the distribution). Raises ValueError for a row where no token has weight (every logit
-    -inf, or a NaN)."""
+    for any row). With drafts (int64 [rows], -1: none) a row verifies its draft as speculative sampling does
+    (Sampler._verify_drafts' rule; the tokens follow the distribution p): drawn from draft_probs (q: [rows, vocab]
+    float32), kept where accept[row] x q(draft) < p(draft), else drawn from max(0, p - q); without draft_probs (a
+    one-hot guess) kept where accept[row] < p(draft), else drawn from p without it. Raises ValueError for a row
+    where no token has weight (every logit -inf, or a NaN)."""
     module = cpu_extension.required()
     rows, vocab = logits.shape
 
@@ -60,10 +61,15 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tenso
         raise ValueError("drafts need their accept draws")
     if drafts is not None:
         drafts, accept = per_row(drafts, -1, torch.int64), per_row(accept, 0.0, torch.float64)
+    if draft_probs is not None:
+        if drafts is None or draft_probs.shape != logits.shape:
+            raise ValueError("draft_probs need drafts, and a row of the vocabulary per row")
+        draft_probs = draft_probs.to(torch.float32).contiguous()
     tokens = torch.empty(rows, dtype=torch.int64)
     module.sample(logits.data_ptr(), rows, vocab, temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
                   min_p.data_ptr(), uniform.data_ptr(), 0 if drafts is None else drafts.data_ptr(),
-                  0 if accept is None else accept.data_ptr(), tokens.data_ptr())
+                  0 if accept is None else accept.data_ptr(), 0 if draft_probs is None else draft_probs.data_ptr(),
+                  tokens.data_ptr())
     if bool((tokens < 0).any()):
         bad = (tokens < 0).nonzero().flatten().tolist()
         raise ValueError(f"rows {bad} have no token to sample: every logit is -inf, or one is NaN")

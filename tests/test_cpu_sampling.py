@@ -63,11 +63,13 @@ def test_matches_the_torch_twin(vocab, filters, scale):
     assert clear > 0.98 * compared
 
 
-@pytest.mark.parametrize("filters, vocab", pairwise(["none", "top_p", "all"], [7, 257, 8256]))
-def test_draft_verification_matches_the_torch_twin(vocab, filters):
-    """One-hot drafts (each row's likeliest token, a random one, none) verified by the kernel as the torch path
-    verifies them (Sampler._verify_drafts, then _inverse_cdf over the residual): the same tokens at the same accept
-    and uniform draws, but where a draw is within rounding of the draft's probability or of a token boundary."""
+@pytest.mark.parametrize("filters, vocab, drawn_from", pairwise(["none", "top_p", "all"], [7, 257, 8256],
+                                                                ["one-hot", "q"]))
+def test_draft_verification_matches_the_torch_twin(vocab, filters, drawn_from):
+    """Drafts (each row's likeliest token, a random one, none), one-hot guesses or drawn from a draft model's q,
+    verified by the kernel as the torch path verifies them (Sampler._verify_drafts, then _inverse_cdf over the
+    residual): the same tokens at the same accept and uniform draws, but where a draw is within rounding of the
+    acceptance threshold or of a token boundary."""
     generator = torch.Generator().manual_seed(vocab + 1)
     logits = torch.randn(48, vocab, generator=generator) * 3.0
     temperature = torch.rand(48, generator=generator) * 1.5 + 0.2
@@ -75,11 +77,13 @@ def test_draft_verification_matches_the_torch_twin(vocab, filters):
     rows = torch.arange(48)
     drafts = torch.where(rows % 3 == 0, logits.argmax(dim=-1), torch.randint(0, vocab, (48,), generator=generator))
     drafts[rows % 3 == 2] = -1
+    q = torch.softmax(torch.randn(48, vocab, generator=generator) * 2.0, dim=-1) if drawn_from == "q" else None
     meta = SamplingMetadata(temperature=temperature, top_k=chosen.get("top_k"), top_p=chosen.get("top_p"),
                             min_p=chosen.get("min_p"), generators={}, banned_token_ids={}, num_logprobs={},
-                            draft_token_ids=drafts)
+                            draft_token_ids=drafts, draft_probs=q)
     probs = _distribution(logits.clone(), meta)
-    draft_probs = probs.gather(1, drafts.clamp(min=0).unsqueeze(1)).squeeze(1).double()
+    index = drafts.clamp(min=0).unsqueeze(1)
+    threshold = probs.gather(1, index).squeeze(1).double() / (1.0 if q is None else q.gather(1, index).squeeze(1))
     clear = compared = kept = 0
     for _ in range(10):
         accept, uniform = torch.rand(48, generator=generator), torch.rand(48, generator=generator)
@@ -88,10 +92,10 @@ def test_draft_verification_matches_the_torch_twin(vocab, filters):
         accepted, residual = sampler._verify_drafts(probs, meta)
         expected = torch.where(accepted, drafts, sampler._inverse_cdf(residual, meta))
         tokens = cpu_sampling.sample(logits, temperature, uniform.double(), **chosen, drafts=drafts,
-                                     accept=accept.double())
+                                     accept=accept.double(), draft_probs=q)
         cdf = residual.double().cumsum(dim=-1)
         point = uniform.double().unsqueeze(1) * cdf[:, -1:]
-        clear_of_draft = ((accept.double() - draft_probs).abs() > 1e-6) | (drafts < 0)
+        clear_of_draft = ((accept.double() - threshold).abs() > 1e-5) | (drafts < 0)
         away = clear_of_draft & (accepted | ((cdf - point).abs().min(dim=-1).values > 1e-6))
         assert torch.equal(tokens[away], expected[away])
         clear += int(away.sum())

@@ -94,7 +94,8 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
     if (!sampled(m)) return argmax_row(row_scores.data(), model.vocab);
     const int64_t token =
         draft >= 0 ? verify_row(row_scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
-                                sampling.top_p[m], sampling.min_p[m], draft, accept, uniform, row_scratch)
+                                sampling.top_p[m], sampling.min_p[m], draft, nullptr, accept, uniform,
+                                row_scratch)
                    : sample_row(row_scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
                                 sampling.top_p[m], sampling.min_p[m], uniform, row_scratch);
     return token < 0 ? int64_t(-2) : token;

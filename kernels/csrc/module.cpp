@@ -270,10 +270,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("sample", [](uintptr_t logits, int64_t rows, int64_t vocab, uintptr_t temperature, uintptr_t top_k,
                      uintptr_t top_p, uintptr_t min_p, uintptr_t uniform, uintptr_t drafts, uintptr_t accept,
-                     uintptr_t tokens) {
+                     uintptr_t draft_probs, uintptr_t tokens) {
     pagedserve::sample_rows(in<float>(logits), rows, vocab, in<float>(temperature), in<int64_t>(top_k),
                             in<float>(top_p), in<float>(min_p), in<double>(uniform), in<int64_t>(drafts),
-                            in<double>(accept), out<int64_t>(tokens));
+                            in<double>(accept), in<float>(draft_probs), out<int64_t>(tokens));
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("log_softmax", [](uintptr_t scores, uintptr_t logprobs, int64_t rows, int64_t vocab) {
 #pragma omp parallel for schedule(static) if (rows > 1)

@@ -269,31 +269,53 @@ inline int64_t sample_row(const float* x, int64_t vocab, float temperature, int6
   return total < 0.0 ? -1 : draw_token(s, vocab, total, uniform);
 }
 
-// Speculative sampling of a one-hot draft (prompt lookup's), as Sampler._verify_drafts without draft_probs: the
-// draft is kept where accept < p(draft), else the token is drawn at `uniform` from p without the draft (the draft
-// kept where nothing else has weight); -1 where the row has no distribution. The tokens it gives follow p.
+// As sample_row, also writing the distribution drawn from to q [vocab] (each weight over the total, float32 as the
+// sampler's probabilities): a draft model's q, which verify_row then takes.
+inline int64_t draft_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
+                         double uniform, float* q, SampleScratch& s) {
+  const double total = row_weights(x, vocab, temperature, top_k, top_p, min_p, s);
+  if (total < 0.0) return -1;
+  for (int64_t v = 0; v < vocab; ++v) q[v] = float(double(s.w[v]) / total);
+  return draw_token(s, vocab, total, uniform);
+}
+
+// Speculative sampling of a draft, as Sampler._verify_drafts: drawn from q [vocab] (a draft model's, draft_row's),
+// it is kept where accept x q(draft) < p(draft), else the token is drawn at `uniform` from max(0, p - q); with q
+// null (a one-hot guess: prompt lookup's) kept where accept < p(draft), else drawn from p without it. Where the
+// residual has no weight the draft is kept; -1 where the row has no distribution. The tokens it gives follow p.
 inline int64_t verify_row(const float* x, int64_t vocab, float temperature, int64_t top_k, float top_p, float min_p,
-                          int64_t draft, double accept, double uniform, SampleScratch& s) {
+                          int64_t draft, const float* q, double accept, double uniform, SampleScratch& s) {
   double total = row_weights(x, vocab, temperature, top_k, top_p, min_p, s);
   if (total < 0.0) return -1;
   if (draft < 0 || draft >= vocab) return draw_token(s, vocab, total, uniform);
-  if (accept * total < double(s.w[draft])) return draft;
-  // The residual: the draft's weight out, its block and the total summed again (subtracting could leave a
-  // rounding crumb where the draft held all the weight).
-  s.w[draft] = 0.f;
-  const int64_t b = draft / kSampleBlock, start = b * kSampleBlock, end = std::min(start + kSampleBlock, vocab);
-  s.sums[b] = 0.0;
-  for (int64_t v = start; v < end; ++v) s.sums[b] += s.w[v];
+  float* w = s.w.data();
+  if (accept * (q ? double(q[draft]) : 1.0) * total < double(w[draft])) return draft;
+  const int64_t blocks = (vocab + kSampleBlock - 1) / kSampleBlock;
+  if (q) {  // the residual max(0, p - q), in probabilities as the sampler's
+    for (int64_t v = 0; v < vocab; ++v) w[v] = std::max(0.f, float(double(w[v]) / total) - q[v]);
+  } else {
+    w[draft] = 0.f;
+  }
+  // The block sums and total again (subtracting could leave a rounding crumb where the draft held all the weight).
   total = 0.0;
-  for (int64_t i = 0; i < (vocab + kSampleBlock - 1) / kSampleBlock; ++i) total += s.sums[i];
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (!q && b != draft / kSampleBlock) {
+      total += s.sums[b];
+      continue;
+    }
+    s.sums[b] = 0.0;
+    for (int64_t v = b * kSampleBlock; v < std::min((b + 1) * kSampleBlock, vocab); ++v) s.sums[b] += w[v];
+    total += s.sums[b];
+  }
   return total > 0.0 ? draw_token(s, vocab, total, uniform) : draft;
 }
 
 // logits [rows, vocab]; temperature, top_k, top_p, min_p, uniform [rows]; tokens [rows] (-1: see sample_row).
-// With drafts (null: none) a row whose drafts[r] >= 0 verifies it by verify_row at accept[r].
+// With drafts (null: none) a row whose drafts[r] >= 0 verifies it by verify_row at accept[r], drawn from
+// q [rows, vocab] (null: one-hot guesses).
 inline void sample_rows(const float* logits, int64_t rows, int64_t vocab, const float* temperature,
                         const int64_t* top_k, const float* top_p, const float* min_p, const double* uniform,
-                        const int64_t* drafts, const double* accept, int64_t* tokens) {
+                        const int64_t* drafts, const double* accept, const float* q, int64_t* tokens) {
 #pragma omp parallel
   {
     SampleScratch scratch(vocab);
@@ -301,7 +323,7 @@ inline void sample_rows(const float* logits, int64_t rows, int64_t vocab, const 
     for (int64_t r = 0; r < rows; ++r)
       tokens[r] = drafts && drafts[r] >= 0
                       ? verify_row(logits + r * vocab, vocab, temperature[r], top_k[r], top_p[r], min_p[r], drafts[r],
-                                   accept[r], uniform[r], scratch)
+                                   q ? q + r * vocab : nullptr, accept[r], uniform[r], scratch)
                       : sample_row(logits + r * vocab, vocab, temperature[r], top_k[r], top_p[r], min_p[r], uniform[r],
                                    scratch);
   }

@@ -120,11 +120,11 @@ class Sampler:
         greedy_tokens: each row's argmax; None where no row is greedy."""
         accepted = None
         drafts = meta.draft_token_ids
-        if meta.draft_probs is None and cpu_sampling.serves(logits):  # _distribution, _verify_drafts, _inverse_cdf
+        if cpu_sampling.serves(logits):  # _distribution, _verify_drafts and _inverse_cdf in C++
             temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
             accept = None if drafts is None else self._draw(torch.Tensor.uniform_, (logits.shape[0],), meta)
             sampled = cpu_sampling.sample(logits, temperature, self._uniform(meta, logits.shape[0]), meta.top_k,
-                                          meta.top_p, meta.min_p, drafts, accept)
+                                          meta.top_p, meta.min_p, drafts, accept, meta.draft_probs)
             if drafts is not None:
                 accepted = (drafts >= 0) & (sampled == drafts)
         else:
