@@ -83,13 +83,14 @@ class PromptLookupDrafts:
 @dataclass(frozen=True)
 class DraftModelDrafts:
     """Drafts that greedy_decode() has a draft model with the target's vocabulary write, up to k per step, as
-    workers/spec_decode/draft_model.py drafts for greedy rows (its argmax, one token at a time): the draft model
-    (its caches over the target's block ids), of the target's dtype. history: each row's tokens, as
-    PromptLookupDrafts'; known: int64 [rows], how many of each row's positions the draft's K/V holds (at most its
-    last token's position), then updated in place to how many it was fed (those below the row's last token's
-    position hold its tokens). After the last step the kernel writes into next (int64 [rows, k]) the k drafts of
-    each row that goes on with k slots from its last token on (capacity: int64 [rows], the positions its blocks and
-    the model length give), -1 for the others."""
+    workers/spec_decode/draft_model.py drafts them (one token at a time, from its logits processed and drawn as the
+    target's): the draft model (its caches over the target's block ids), of the target's dtype. history: each row's
+    tokens, as PromptLookupDrafts'; known: int64 [rows], how many of each row's positions the draft's K/V holds (at
+    most its last token's position), then updated in place to how many it was fed (those below the row's last
+    token's position hold its tokens). After the last step the kernel writes into next (int64 [rows, k]) the k
+    drafts of each unconstrained row that goes on with k slots from its last token on (capacity: int64 [rows], the
+    positions its blocks and the model length give), -1 for the others; and into next_q (float32 [rows, k, the
+    target's vocab_size], needed where a row samples) the distributions a sampled row's were drawn from."""
 
     k: int
     model: GreedyModel
@@ -97,6 +98,7 @@ class DraftModelDrafts:
     known: np.ndarray
     capacity: np.ndarray
     next: np.ndarray
+    next_q: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -173,28 +175,25 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
     pointers: list[int] = []
     drawn = None
     if sampled is not None:
-        if draft_model is not None:
-            raise ValueError("a draft model drafts for greedy rows only (a sampled row's drafts are drawn from q)")
+        if draft_model is not None and drafts.next_q is None:
+            raise ValueError("a draft model's drafts for sampled rows need next_q")
         arrays = (np.ascontiguousarray(sampled.temperature, dtype=np.float32),
                   np.ascontiguousarray(sampled.top_k, dtype=np.int64),
                   np.ascontiguousarray(sampled.top_p, dtype=np.float32),
                   np.ascontiguousarray(sampled.min_p, dtype=np.float32),
                   np.ascontiguousarray(sampled.draws, dtype=np.float64))
-        if any(len(a) != rows for a in arrays) or arrays[4].shape != (rows, draw_columns(limits, steps, k)):
-            raise ValueError(f"sampled rows need one temperature, top_k, top_p and min_p per row, and [rows, "
-                             f"{draw_columns(limits, steps, k)}] uniform draws")
+        wide = draw_columns(limits, steps, k, draft_model is not None)
+        if any(len(a) != rows for a in arrays) or arrays[4].shape != (rows, wide):
+            raise ValueError(f"sampled rows need one temperature, top_k, top_p and min_p per row, and [rows, {wide}] "
+                             f"uniform draws")
         drawn = np.empty(rows, dtype=np.int64)
         pointers = [*(a.ctypes.data for a in arrays), arrays[4].shape[1], drawn.ctypes.data]
     processed: tuple[np.ndarray, ...] = ()
     if penalized is not None:
-        if draft_model is not None:
-            raise ValueError("a draft model drafts for unprocessed rows only")
         processed = penalized.arrays(rows)
     out = np.empty((rows, columns), dtype=np.int64)
     grammar: tuple[np.ndarray, ...] = ()
     if masks is not None:
-        if draft_model is not None:
-            raise ValueError("a draft model drafts for unconstrained rows only")
         grammar = masks.arrays(rows)
     reported, width = None, 0
     if logprobs is not None:
@@ -223,11 +222,13 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
     return GreedyRun(out, verified if drafts else None, (out == -2).any(axis=1), reported, drawn)
 
 
-def draw_columns(limits: np.ndarray, steps: int, k: int) -> int:
+def draw_columns(limits: np.ndarray, steps: int, k: int, drafted: bool = False) -> int:
     """The most uniform draws a sampled row reads in greedy_decode() for `steps` steps of up to k drafts each: one a
-    step without drafts, else an accept and a uniform draw for each of up to 1 + k token rows (a row takes a token a
-    step at least, so no more steps than its limit)."""
-    return max(1, min(int(np.max(limits, initial=0)), steps)) * (1 if k == 0 else 2 * (1 + k))
+    step without drafts, else an accept and a uniform draw for each of up to 1 + k token rows, and where a draft
+    model draws the drafts one for each, and k for the next call's (a row takes a token a step at least, so no more
+    steps than its limit)."""
+    per_step = 1 if k == 0 else 2 * (1 + k) + k * drafted
+    return max(1, min(int(np.max(limits, initial=0)), steps)) * per_step + k * drafted
 
 
 def _draft_model_args(drafts: DraftModelDrafts, target: GreedyModel, lengths: np.ndarray) -> tuple:
@@ -248,7 +249,15 @@ def _draft_model_args(drafts: DraftModelDrafts, target: GreedyModel, lengths: np
             raise ValueError(f"{name} must be a writable contiguous int64 array of shape {shape}")
     if not ((drafts.known >= 0) & (drafts.known < lengths)).all():
         raise ValueError("a row's draft K/V must be known up to its last token's position at most")
-    return draft.args(), drafts.capacity.ctypes.data, drafts.next.ctypes.data
+    next_q = drafts.next_q
+    if next_q is not None:
+        shape = (len(lengths), drafts.k, target.vocab_size)
+        if not (isinstance(next_q, np.ndarray) and next_q.dtype == np.float32 and next_q.flags.c_contiguous
+                and next_q.flags.writeable and next_q.shape == shape) or draft.vocab_size > target.vocab_size:
+            raise ValueError(f"next_q must be a writable contiguous float32 array of shape {shape}, over a draft "
+                             f"vocabulary within the target's")
+    return (draft.args(), drafts.capacity.ctypes.data, drafts.next.ctypes.data,
+            0 if next_q is None else next_q.ctypes.data)
 
 
 def _nothing() -> None:

@@ -11,6 +11,8 @@ in token order, where torch keeps any).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels import cpu_extension
@@ -42,21 +44,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tenso
     float32), kept where accept[row] x q(draft) < p(draft), else drawn from max(0, p - q); without draft_probs (a
     one-hot guess) kept where accept[row] < p(draft), else drawn from p without it. Raises ValueError for a row
     where no token has weight (every logit -inf, or a NaN)."""
-    module = cpu_extension.required()
-    rows, vocab = logits.shape
-
-    def per_row(values: torch.Tensor | None, neutral: float, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.full((rows,), neutral, dtype=dtype) if values is None else values.to(dtype).reshape(-1)
-        if out.shape != (rows,):
-            raise ValueError("sample() needs one value per row")
-        return out.contiguous()
-
-    logits = logits.contiguous()
-    temperature, uniform = per_row(temperature, 1.0, torch.float32), per_row(uniform, 0.0, torch.float64)
-    top_k, top_p, min_p = per_row(top_k, 0, torch.int64), per_row(top_p, 1.0, torch.float32), \
-        per_row(min_p, 0.0, torch.float32)
-    if not bool((temperature > 0).all()):
-        raise ValueError("sample() needs temperatures > 0")
+    logits, options, per_row = _rows(logits, temperature, uniform, top_k, top_p, min_p)
     if (drafts is None) != (accept is None):
         raise ValueError("drafts need their accept draws")
     if drafts is not None:
@@ -65,12 +53,45 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tenso
         if drafts is None or draft_probs.shape != logits.shape:
             raise ValueError("draft_probs need drafts, and a row of the vocabulary per row")
         draft_probs = draft_probs.to(torch.float32).contiguous()
-    tokens = torch.empty(rows, dtype=torch.int64)
-    module.sample(logits.data_ptr(), rows, vocab, temperature.data_ptr(), top_k.data_ptr(), top_p.data_ptr(),
-                  min_p.data_ptr(), uniform.data_ptr(), 0 if drafts is None else drafts.data_ptr(),
-                  0 if accept is None else accept.data_ptr(), 0 if draft_probs is None else draft_probs.data_ptr(),
-                  tokens.data_ptr())
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)
+    cpu_extension.required().sample(logits.data_ptr(), *logits.shape, *(t.data_ptr() for t in options),
+                                    0 if drafts is None else drafts.data_ptr(),
+                                    0 if accept is None else accept.data_ptr(),
+                                    0 if draft_probs is None else draft_probs.data_ptr(), tokens.data_ptr())
     if bool((tokens < 0).any()):
         bad = (tokens < 0).nonzero().flatten().tolist()
         raise ValueError(f"rows {bad} have no token to sample: every logit is -inf, or one is NaN")
     return tokens
+
+
+def draft(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, top_k: torch.Tensor | None = None,
+          top_p: torch.Tensor | None = None, min_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """As sample() without drafts, also giving the distribution each row's token was drawn from (q [rows, vocab]
+    float32: a draft model's, which verification takes); -1 for a row where no token has weight."""
+    logits, options, _ = _rows(logits, temperature, uniform, top_k, top_p, min_p)
+    tokens, q = torch.empty(logits.shape[0], dtype=torch.int64), torch.empty_like(logits)
+    cpu_extension.required().draft(logits.data_ptr(), *logits.shape, *(t.data_ptr() for t in options), q.data_ptr(),
+                                   tokens.data_ptr())
+    return tokens, q
+
+
+def _rows(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, top_k: torch.Tensor | None,
+          top_p: torch.Tensor | None, min_p: torch.Tensor | None
+          ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], Callable]:
+    """The logits contiguous, the kernel's per-row options (temperature, top_k, top_p, min_p, uniform, each
+    contiguous of its dtype) and the per_row() that made them; raises ValueError for a row's missing option or a
+    temperature <= 0."""
+    rows = logits.shape[0]
+
+    def per_row(values: torch.Tensor | None, neutral: float, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.full((rows,), neutral, dtype=dtype) if values is None else values.to(dtype).reshape(-1)
+        if out.shape != (rows,):
+            raise ValueError("sampling needs one value per row")
+        return out.contiguous()
+
+    temperature, uniform = per_row(temperature, 1.0, torch.float32), per_row(uniform, 0.0, torch.float64)
+    top_k, top_p, min_p = per_row(top_k, 0, torch.int64), per_row(top_p, 1.0, torch.float32), \
+        per_row(min_p, 0.0, torch.float32)
+    if not bool((temperature > 0).all()):
+        raise ValueError("sampling needs temperatures > 0")
+    return logits.contiguous(), (temperature, top_k, top_p, min_p, uniform), per_row

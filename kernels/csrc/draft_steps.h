@@ -15,14 +15,16 @@ namespace pagedserve {
 // Drafts from a smaller model with the same vocabulary instead of prompt lookup (null model: lookup). known[m]: how
 // many positions of row m its K/V caches were fed, updated in place; those below the row's last token's position
 // hold its tokens (drafts fed past its last accepted one are fed again from its last token on). With next [M, k]:
-// after the last step, the k drafts of each row that goes on and has k slots from its last token on (capacity[m]:
-// the positions its blocks and the model length give), the others' -1: what the next call's first step verifies.
+// after the last step, the k drafts of each unconstrained row that goes on and has k slots from its last token on
+// (capacity[m]: the positions its blocks and the model length give), the others' -1: what the next call's first
+// step verifies; a sampled row's the distributions they were drawn from in next_q [M, k, target's vocab].
 template <typename T>
 struct DraftModel {
   const GreedyModel<T>* model = nullptr;
   int64_t* known = nullptr;
   const int64_t* capacity = nullptr;
   int64_t* next = nullptr;
+  float* next_q = nullptr;
 };
 
 // A draft round of at most this many token rows runs on one thread: a draft model's products are too small to pay
@@ -30,17 +32,17 @@ struct DraftModel {
 constexpr int64_t kDraftOneThreadRows = 8;
 
 // want[a] drafts for each row a of seqs, into drafts[a * k ..]: the draft model first takes the tokens its K/V lacks
-// (history[m] from known[m] on, the last one's included: its logits give the first draft), then its own argmax, one
-// token at a time, every row of a round in one pass. known[m] then counts every position fed (the last draft is not).
-template <typename T>
+// (history[m] from known[m] on, the last one's included: its logits give the first draft), then the token
+// pick(a, j, logits) chooses from its logits for row a's j-th draft, one token at a time, every row of a round in
+// one pass. known[m] then counts every position fed (the last draft is not).
+template <typename T, typename Pick>
 void model_drafts(const DraftModel<T>& draft, const std::vector<std::vector<int64_t>>& history,
                   const std::vector<int64_t>& seqs, const std::vector<int64_t>& want, int64_t k,
-                  const int64_t* tables, int64_t max_blocks, int64_t block_size, int64_t* drafts) {
+                  const int64_t* tables, int64_t max_blocks, int64_t block_size, int64_t* drafts, Pick&& pick) {
   const GreedyModel<T>& d = *draft.model;
   const int64_t H = d.layers.front().hidden, A = int64_t(seqs.size());
   std::vector<int64_t> pos, slots, lens, table, owners, fed;
   std::vector<T> x, hidden, residual, last, logits;
-  std::vector<float> scores(d.logit_cap > 0.f ? d.vocab : 0);
   for (int64_t a = 0; a < A; ++a)  // at least the last token is fed: its logits give the first draft
     draft.known[seqs[a]] = std::min(draft.known[seqs[a]], int64_t(history[seqs[a]].size()) - 1);
   for (int64_t j = 0;; ++j) {
@@ -75,7 +77,7 @@ void model_drafts(const DraftModel<T>& draft, const std::vector<std::vector<int6
       std::copy(hidden.data() + (r - 1) * H, hidden.data() + r * H, last.data() + i * H);
     }
     products(last.data(), d.head, d.head_pairs, static_cast<const T*>(nullptr), logits.data(), n, d.head_rows, H);
-    for (int64_t i = 0; i < n; ++i) drafts[owners[i] * k + j] = best_token(d, logits.data() + i * d.head_rows, scores);
+    for (int64_t i = 0; i < n; ++i) drafts[owners[i] * k + j] = pick(owners[i], j, logits.data() + i * d.head_rows);
 #ifdef _OPENMP
     omp_set_num_threads(threads);
 #endif

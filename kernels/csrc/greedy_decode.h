@@ -25,9 +25,10 @@ namespace pagedserve {
 
 // Sampled rows instead of the argmax (null temperature: none): a row with temperature[m] > 0 draws its tokens by
 // sample.h's rules with its top_k, top_p and min_p, reading its uniform draws draws[m * columns ..] in the order
-// the sampler's steps draw them (Sampler._random_sample): in a step where no row verifies a draft one for its
-// token; in one where some row does, one accept draw per token row of its own (its drafts and the token after
-// them), then one uniform draw per token row. drawn [M]: how many each row read.
+// the sampler's steps draw them (Sampler.draft, then Sampler._random_sample): one per draft a draft model draws
+// for it; then in a step where no row verifies a draft one for its token; in one where some row does, one accept
+// draw per token row of its own (its drafts and the token after them), then one uniform draw per token row; after
+// the last step one per draft the draft model draws for the next call. drawn [M]: how many each row read.
 struct RowSampling {
   const float* temperature = nullptr;
   const int64_t* top_k = nullptr;
@@ -36,6 +37,15 @@ struct RowSampling {
   const double* draws = nullptr;
   int64_t columns = 0;
   int64_t* drawn = nullptr;
+};
+
+// What a sampled row's token is drawn with: its uniform draw, and the draft it verifies (-1: none), drawn from q
+// (null: a one-hot guess), with its accept draw.
+struct TokenDraws {
+  double uniform = 0.0;
+  int64_t draft = -1;
+  const float* q = nullptr;
+  double accept = 0.0;
 };
 
 // Rows with a grammar's mask (grammar_masks.h; no drafts for them), penalties or a logit bias (penalties.h) take
@@ -63,7 +73,8 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
   std::vector<std::vector<int64_t>> history(k > 0 ? M : 0);
   for (int64_t m = 0; m < int64_t(history.size()); ++m)
     history[m].assign(lookup.history + lookup.history_starts[m], lookup.history + lookup.history_starts[m + 1]);
-  std::vector<int64_t> last(tokens, tokens + M), taken(M, 0), seqs, feeds, drafts, pos, slots, table, lens, lora, fed;
+  std::vector<int64_t> last(tokens, tokens + M), taken(M, 0), seqs, feeds, wants, drafts, pos, slots, table, lens, lora,
+      fed;
   std::vector<char> stopped(M, 0);
   std::vector<T> x, hidden, residual, logits, local_logits;
   std::vector<PenaltyCounts> counts = penalty_counts(penalties, M, model.vocab);
@@ -82,32 +93,63 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
   // Row m's i-th draw of this step (0 for a row that draws none).
   auto draw = [&](int64_t m, int64_t i) { return sampled(m) ? sampling.draws[m * sampling.columns +
                                                                              sampling.drawn[m] + i] : 0.0; };
-  // Row m's next token from a row of its logits: drawn (sampled rows: at uniform, verifying `draft` at accept where
-  // >= 0), else the argmax, of its scores processed where it has penalties or a bias; -2 where a sampled row has
-  // none to draw.
+  // Row m's next token from a row of its logits: drawn (sampled rows, by `with`), else the argmax, of its scores
+  // processed where it has penalties or a bias; -2 where a sampled row has none to draw.
   auto choose = [&](int64_t m, const T* row, std::vector<float>& row_scores, SampleScratch& row_scratch,
-                    int64_t draft, double accept, double uniform) {
+                    const TokenDraws& with) {
     if (!sampled(m) && !processes(penalties, m) && !masks(grammar, m)) return best_token(model, row, row_scores);
     score_row(model, row, row_scores.data());
     if (masks(grammar, m)) mask_row(grammar, m, row_scores.data(), model.vocab);
     if (processes(penalties, m)) penalize(penalties, m, counts[m], row_scores.data(), model.vocab);
     if (!sampled(m)) return argmax_row(row_scores.data(), model.vocab);
     const int64_t token =
-        draft >= 0 ? verify_row(row_scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
-                                sampling.top_p[m], sampling.min_p[m], draft, nullptr, accept, uniform,
-                                row_scratch)
-                   : sample_row(row_scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
-                                sampling.top_p[m], sampling.min_p[m], uniform, row_scratch);
+        with.draft >= 0 ? verify_row(row_scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
+                                     sampling.top_p[m], sampling.min_p[m], with.draft, with.q, with.accept,
+                                     with.uniform, row_scratch)
+                        : sample_row(row_scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
+                                     sampling.top_p[m], sampling.min_p[m], with.uniform, row_scratch);
     return token < 0 ? int64_t(-2) : token;
   };
   // Row m's token and its logprobs (where it reports them) from a row of its logits, with a thread's scratch.
-  auto take_token = [&](int64_t m, const T* row, int thread, int64_t draft, double accept, double uniform) {
-    const int64_t token = choose(m, row, scores[thread], scratch[thread], draft, accept, uniform);
+  auto take_token = [&](int64_t m, const T* row, int thread, const TokenDraws& with) {
+    const int64_t token = choose(m, row, scores[thread], scratch[thread], with);
     if (token >= 0 && logprobs.reports(m)) {
       score_row(model, row, scores[thread].data());  // as they are: choose() may have processed them
       report_logprobs(logprobs, m, m * out_cols + taken[m], token, scores[thread].data(), model.vocab,
                       exps[thread].data());
     }
+    return token;
+  };
+  // The drafts' distributions this step (sampled rows with a draft model: [A, k, vocab]), and the draft model's
+  // scores and counts (each row's tokens and its drafts so far, where it has penalties).
+  std::vector<float> q, draft_scores(draft.model ? draft.model->vocab : 0);
+  std::vector<PenaltyCounts> draft_counts;
+  // Row m's (a-th of the round) j-th draft from the draft model's logits: processed and drawn as the target will
+  // (the distribution into q_rows[j], then its next draw), else their argmax.
+  auto pick_draft = [&](int64_t m, int64_t a, int64_t j, const T* row, float* q_rows) {
+    const GreedyModel<T>& d = *draft.model;
+    if (!sampled(m) && !processes(penalties, m)) return best_token(d, row, draft_scores);
+    score_row(d, row, draft_scores.data());
+    if (processes(penalties, m)) {
+      if (int64_t(draft_counts.size()) <= a) draft_counts.resize(a + 1);
+      if (j == 0) draft_counts[a] = counts[m];
+      penalize(penalties, m, draft_counts[a], draft_scores.data(), d.vocab);
+    }
+    int64_t token = -1;
+    if (sampled(m)) {
+      float* q_row = q_rows + j * model.vocab;
+      std::fill(q_row + d.vocab, q_row + model.vocab, 0.f);
+      token = draft_row(draft_scores.data(), d.vocab, sampling.temperature[m], sampling.top_k[m], sampling.top_p[m],
+                        sampling.min_p[m], draw(m, j), q_row, scratch[0]);
+      if (token < 0) {  // nothing to draw from (a NaN): the argmax, as a one-hot guess (the sampler's draft too)
+        token = argmax_row(draft_scores.data(), d.vocab);
+        std::fill(q_row, q_row + model.vocab, 0.f);
+        q_row[token] = 1.f;
+      }
+    } else {
+      token = argmax_row(draft_scores.data(), d.vocab);
+    }
+    if (processes(penalties, m)) count_token(draft_counts, a, token);
     return token;
   };
   for (int64_t s = 0; s < steps; ++s) {
@@ -119,16 +161,27 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
     }
     const int64_t A = int64_t(seqs.size());
     if (A == 0) break;
-    feeds.assign(A, 0), drafts.resize(A * std::max<int64_t>(k, 1));
+    feeds.assign(A, 0), wants.assign(A, 0), drafts.resize(A * std::max<int64_t>(k, 1));
     int64_t R = A;
     for (int64_t a = 0; a < A && k > 0; ++a) {
       const int64_t m = seqs[a], room = masks(grammar, m) ? 0 : std::min(limits[m] - taken[m] - 1, max_rows - R);
-      if (room > 0)
-        R += feeds[a] = draft.model ? std::min(k, room)
-                                    : lookup_drafts(history[m], std::min(k, room), lookup.min_n, lookup.max_n,
-                                                    drafts.data() + a * k);
+      // A draft model drafts k for a row with k slots ahead, as the Python steps do, of which the step feeds what
+      // the row has room for.
+      if (draft.model && !masks(grammar, m) && draft.capacity[m] - (positions[m] + taken[m]) >= k)
+        R += feeds[a] = std::min(wants[a] = k, std::max<int64_t>(room, 0));
+      else if (!draft.model && room > 0)
+        R += feeds[a] = lookup_drafts(history[m], std::min(k, room), lookup.min_n, lookup.max_n,
+                                      drafts.data() + a * k);
     }
-    if (draft.model) model_drafts(draft, history, seqs, feeds, k, tables, max_blocks, block_size, drafts.data());
+    if (draft.model) {
+      if (sampling.temperature) q.resize(A * k * model.vocab);
+      model_drafts(draft, history, seqs, wants, k, tables, max_blocks, block_size, drafts.data(),
+                   [&](int64_t a, int64_t j, const T* row) {
+                     return pick_draft(seqs[a], a, j, row, q.empty() ? nullptr : q.data() + a * k * model.vocab);
+                   });
+      for (int64_t a = 0; a < A; ++a)
+        if (sampled(seqs[a])) sampling.drawn[seqs[a]] += wants[a];
+    }
     pos.resize(R), slots.resize(R), lens.resize(R), lora.resize(R), fed.resize(R), table.resize(R * max_blocks);
     x.resize(R * H), hidden.resize(R * H), residual.resize(R * H), logits.resize(R * model.head_rows);
     for (int64_t a = 0, r = 0; a < A; ++a) {
@@ -159,7 +212,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
 #endif
 #pragma omp for schedule(dynamic)
         for (int64_t a = 0; a < A; ++a)
-          chosen[a] = take_token(seqs[a], logits.data() + a * model.head_rows, thread, -1, 0.0, draw(seqs[a], 0));
+          chosen[a] = take_token(seqs[a], logits.data() + a * model.head_rows, thread, {draw(seqs[a], 0)});
       }
     }
     for (int64_t a = 0, r = 0; a < A; r += feeds[a] + 1, ++a) {
@@ -171,11 +224,11 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
       int64_t accepted = 0;
       for (;; ++accepted) {
         const bool draft = accepted < f;
+        const TokenDraws with{draw(m, verifies * (f + 1) + accepted), draft ? drafts[a * k + accepted] : -1,
+                              draft && !q.empty() ? q.data() + (a * k + accepted) * model.vocab : nullptr,
+                              draft ? draw(m, accepted) : 0.0};
         const int64_t token =
-            k == 0 ? chosen[a]
-                   : take_token(m, logits.data() + (r + accepted) * model.head_rows, 0,
-                                draft ? drafts[a * k + accepted] : -1, draft ? draw(m, accepted) : 0.0,
-                                draw(m, verifies * (f + 1) + accepted));
+            k == 0 ? chosen[a] : take_token(m, logits.data() + (r + accepted) * model.head_rows, 0, with);
         if (token < 0) {
           out[m * out_cols + taken[m]] = -2;
           stopped[m] = 1;
@@ -199,10 +252,17 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
     std::fill(draft.next, draft.next + M * k, int64_t(-1));
     seqs.clear(), feeds.clear();
     for (int64_t m = 0; m < M; ++m)
-      if (!stopped[m] && taken[m] < limits[m] && draft.capacity[m] - (positions[m] + taken[m]) >= k)
+      if (!stopped[m] && !masks(grammar, m) && taken[m] < limits[m] &&
+          draft.capacity[m] - (positions[m] + taken[m]) >= k)
         seqs.push_back(m), feeds.push_back(k);
     drafts.resize(seqs.size() * k);
-    model_drafts(draft, history, seqs, feeds, k, tables, max_blocks, block_size, drafts.data());
+    model_drafts(draft, history, seqs, feeds, k, tables, max_blocks, block_size, drafts.data(),
+                 [&](int64_t a, int64_t j, const T* row) {
+                   return pick_draft(seqs[a], a, j, row, draft.next_q ? draft.next_q + seqs[a] * k * model.vocab
+                                                                       : nullptr);
+                 });
+    for (size_t a = 0; a < seqs.size(); ++a)
+      if (sampled(seqs[a])) sampling.drawn[seqs[a]] += k;
     for (size_t a = 0; a < seqs.size(); ++a)
       std::copy(drafts.data() + a * k, drafts.data() + (a + 1) * k, draft.next + seqs[a] * k);
   }

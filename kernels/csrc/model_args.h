@@ -154,6 +154,6 @@ pagedserve::GreedyModel<T> model_of(const ModelArgs& args) {
 
 // A draft model for greedy_decode(): the model, then where its drafts after the last step go with the rows'
 // capacities (pagedserve::DraftModel).
-using DraftArgs = std::tuple<ModelArgs, uintptr_t, uintptr_t>;
+using DraftArgs = std::tuple<ModelArgs, uintptr_t, uintptr_t, uintptr_t>;  // model, capacity, next, next q
 
 }  // namespace pagedserve::binding

@@ -90,7 +90,7 @@ void greedy_decode(const ModelArgs& model_args, uintptr_t tokens, uintptr_t posi
   if (draft) {
     draft_model = model_of<T>(std::get<0>(*draft));
     drafter = {&*draft_model, out<int64_t>(draft_known), in<int64_t>(std::get<1>(*draft)),
-               out<int64_t>(std::get<2>(*draft))};
+               out<int64_t>(std::get<2>(*draft)), out<float>(std::get<3>(*draft))};
   }
   const pagedserve::PromptLookup drafts{lookup.at(0), lookup.at(1), lookup.at(2), in<int64_t>(history),
                                         in<int64_t>(history_starts), out<int64_t>(verified)};
@@ -274,6 +274,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pagedserve::sample_rows(in<float>(logits), rows, vocab, in<float>(temperature), in<int64_t>(top_k),
                             in<float>(top_p), in<float>(min_p), in<double>(uniform), in<int64_t>(drafts),
                             in<double>(accept), in<float>(draft_probs), out<int64_t>(tokens));
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("draft", [](uintptr_t logits, int64_t rows, int64_t vocab, uintptr_t temperature, uintptr_t top_k,
+                    uintptr_t top_p, uintptr_t min_p, uintptr_t uniform, uintptr_t q, uintptr_t tokens) {
+    pagedserve::draft_rows(in<float>(logits), rows, vocab, in<float>(temperature), in<int64_t>(top_k),
+                           in<float>(top_p), in<float>(min_p), in<double>(uniform), out<float>(q),
+                           out<int64_t>(tokens));
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("log_softmax", [](uintptr_t scores, uintptr_t logprobs, int64_t rows, int64_t vocab) {
 #pragma omp parallel for schedule(static) if (rows > 1)

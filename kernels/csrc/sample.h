@@ -329,4 +329,19 @@ inline void sample_rows(const float* logits, int64_t rows, int64_t vocab, const 
   }
 }
 
+// logits [rows, vocab]; temperature, top_k, top_p, min_p, uniform [rows]: a draft per row by draft_row, its
+// distribution into q [rows, vocab]; tokens [rows] (-1: a row without any).
+inline void draft_rows(const float* logits, int64_t rows, int64_t vocab, const float* temperature,
+                       const int64_t* top_k, const float* top_p, const float* min_p, const double* uniform, float* q,
+                       int64_t* tokens) {
+#pragma omp parallel
+  {
+    SampleScratch scratch(vocab);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r)
+      tokens[r] = draft_row(logits + r * vocab, vocab, temperature[r], top_k[r], top_p[r], min_p[r], uniform[r],
+                            q + r * vocab, scratch);
+  }
+}
+
 }  // namespace pagedserve

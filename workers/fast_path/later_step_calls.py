@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ipc import ModelRunnerOutput, SchedulerOutput
-from kernels.cpu_greedy_decode import draw_columns
+from kernels.cpu_greedy_decode import DraftModelDrafts, draw_columns
 from kernels.cpu_row_options import SampledRows
 from workers.distributed import pp_send, tp_all_reduce
 from workers.fast_path.later_steps import LaterSteps, StepBatch, accepted_run
@@ -164,9 +164,8 @@ class LaterStepCalls:
         that takes them), drawing sampled requests' tokens as the sampler would (from logits masked by their
         grammar's fork, biased, penalized and banned as it processes them), reporting the logprobs it would, and
         verifying the drafts the speculator would propose as the sampler verifies them, which the kernel writes
-        itself (prompt lookup's; a draft model's for plain greedy requests only: its drafts for the others are
-        processed and drawn as theirs, in Python), the tokens taken into `steps`, failures, logprobs and
-        verifications into `output`; whether it ran."""
+        itself (prompt lookup's, or a draft model's processed and drawn as the target's), the tokens taken into
+        `steps`, failures, logprobs and verifications into `output`; whether it ran."""
         runner = self.runner
         greedy = getattr(runner.model, "greedy_decode", None)
         rows = steps.active()
@@ -183,11 +182,11 @@ class LaterStepCalls:
         if runner.speculator is not None and runner.speculator.speculates(len(output.sampled_token_ids)):
             if (drafts := runner.speculator.kernel_drafts(
                     states, [state.token_ids + steps.tokens[i] for state, i in zip(states, rows)],
-                    steps.capacity[rows], not (sampled or processed or grammars))) is None:
+                    steps.capacity[rows])) is None:
                 return False
         limits = steps.limits(rows)
-        sampled_rows, seeded = self._sampled_rows(states, limits, count, drafts.k if drafts else 0) if sampled \
-            else (None, [])
+        sampled_rows, seeded = self._sampled_rows(states, limits, draw_columns(
+            limits, count, drafts.k if drafts else 0, isinstance(drafts, DraftModelDrafts))) if sampled else (None, [])
         reports = [state.sampling_params.logprobs for state in states]
         run = greedy(np.array([steps.tokens[i][-1] for i in rows], dtype=np.int64), steps.context[rows] - 1,
                      steps.table[rows], limits, [steps.stops[i] for i in rows], count, drafts, sampled_rows,
@@ -227,15 +226,15 @@ class LaterStepCalls:
             return None
         return np.array(self.runner.lora_slots(states, np.ones(len(states), dtype=np.int64)), dtype=np.int64)
 
-    def _sampled_rows(self, states: list[CachedRequestState], limits: np.ndarray, count: int,
-                      k: int) -> tuple[SampledRows, list[tuple[int, torch.Tensor]]]:
-        """The requests' sampling options and uniform draws for up to `count` steps of up to k drafts: a seeded
-        request's from its own generator, in the order the sampler's steps would draw them (the kernel reads them so),
-        the others' from the shared one (float32, as the sampler's); and each seeded row's generator state before
-        its draws (for _rewind). The driver draws them; one stage's other ranks get its draws (a sum with their
-        zeros), so every rank's call takes the same tokens."""
+    def _sampled_rows(self, states: list[CachedRequestState], limits: np.ndarray, columns: int
+                      ) -> tuple[SampledRows, list[tuple[int, torch.Tensor]]]:
+        """The requests' sampling options and `columns` uniform draws each: a seeded request's from its own
+        generator, in the order the sampler's steps would draw them (the kernel reads them so), the others' from the
+        shared one (float32, as the sampler's); and each seeded row's generator state before its draws (for
+        _rewind). The driver draws them; one stage's other ranks get its draws (a sum with their zeros), so every
+        rank's call takes the same tokens."""
         params = [state.sampling_params for state in states]
-        draws = torch.zeros(len(states), draw_columns(limits, count, k), dtype=torch.float64)
+        draws = torch.zeros(len(states), columns, dtype=torch.float64)
         seeded = []
         if self.runner.parallel.is_driver:
             draws.copy_(torch.empty(draws.shape).uniform_(generator=self.runner.sampler.generator))

@@ -111,8 +111,17 @@ class Sampler:
         greedy_tokens = logits.argmax(dim=-1)
         if meta.all_greedy:
             return greedy_tokens, None
-        probs = _distribution(logits, meta)
-        return torch.where(meta.temperature == 0, greedy_tokens, self._inverse_cdf(probs, meta)), probs
+        if cpu_sampling.serves(logits):  # _distribution and _inverse_cdf in C++, as the C++ steps draw drafts
+            temperature = torch.where(meta.temperature == 0, 1.0, meta.temperature)
+            tokens, probs = cpu_sampling.draft(logits, temperature, self._uniform(meta, logits.shape[0]), meta.top_k,
+                                               meta.top_p, meta.min_p)
+            none = tokens < 0  # no distribution (a NaN): the argmax, as a one-hot guess
+            tokens = torch.where(none, greedy_tokens, tokens)
+            probs[none] = torch.nn.functional.one_hot(greedy_tokens[none], probs.shape[1]).float()
+        else:
+            probs = _distribution(logits, meta)
+            tokens = self._inverse_cdf(probs, meta)
+        return torch.where(meta.temperature == 0, greedy_tokens, tokens), probs
 
     def _random_sample(self, logits: torch.Tensor, meta: SamplingMetadata, greedy_tokens: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:

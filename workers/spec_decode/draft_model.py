@@ -54,8 +54,10 @@ class DraftModel(ProposerCaches):
         probs: list[list[torch.Tensor]] = [[] for _ in states]
         for i, (state, context) in enumerate(zip(states, contexts)):
             written = self.written.pop(state.req_id, None)
-            if written is not None and written[0] == len(context) and state.sampling_params.is_greedy:
+            if written is not None and written[0] == len(context):
                 drafts[i], counts[i] = written[1][:counts[i]], 0  # the kernel drafted after these tokens already
+                if (drawn_from := self.probs.get(state.req_id)) is not None:  # a sampled request's (resume())
+                    probs[i] = list(drawn_from[:len(drafts[i])])
         starts = [self._known(state.req_id, context) for state, context in zip(states, contexts)]
         active = [i for i, count in enumerate(counts) if count > 0]
         feeds = {i: (starts[i], contexts[i][starts[i]:]) for i in active}
@@ -70,30 +72,35 @@ class DraftModel(ProposerCaches):
             self._record(state.req_id, len(contexts[i]), drafts[i], probs[i])
         return drafts
 
-    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray,
-                      plain: bool) -> DraftModelDrafts | None:
-        """Its drafts for plain greedy requests (all their tokens so far in `contexts`; the positions their blocks
-        give in `capacity`) as the target's greedy_decode() writes them in C++, where its model runs there (layers
-        prepared by a one-call step for its bound caches); resume() takes what its K/V holds after. None for requests
-        that are not `plain` (their drafts are drawn from their processed distribution, whose q the verification
-        needs) or where its model runs elsewhere."""
-        greedy_model = getattr(self.model, "greedy_model", None) if plain else None
+    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray
+                      ) -> DraftModelDrafts | None:
+        """Its drafts (all the requests' tokens so far in `contexts`; the positions their blocks give in `capacity`)
+        as the target's greedy_decode() writes them in C++, where its model runs there (layers prepared by a one-call
+        step for its bound caches); resume() takes what its K/V holds after, and the distributions a sampled
+        request's next drafts were drawn from."""
+        greedy_model = getattr(self.model, "greedy_model", None)
         model = greedy_model() if greedy_model is not None else None
         if model is None:
             return None
         known = np.array([self._known(state.req_id, context) for state, context in zip(states, contexts)],
                          dtype=np.int64)
+        sampled = not all(state.sampling_params.is_greedy for state in states)
         return DraftModelDrafts(self.num_drafts, model, contexts, known, np.ascontiguousarray(capacity, dtype=np.int64),
-                                np.full((len(states), self.num_drafts), -1, dtype=np.int64))
+                                np.full((len(states), self.num_drafts), -1, dtype=np.int64),
+                                np.zeros((len(states), self.num_drafts, model.vocab_size), dtype=np.float32)
+                                if sampled else None)
 
     def resume(self, states: list[CachedRequestState], drafts: DraftModelDrafts, lengths: np.ndarray) -> None:
         """After greedy_decode() drafted for `states`, now `lengths` tokens long: its K/V holds each one's tokens
         below drafts.known and its last token, then the drafts it wrote after the last step but their last (propose()
-        hands those out without running again)."""
-        for state, fed, length, after in zip(states, drafts.known.tolist(), lengths.tolist(), drafts.next.tolist()):
+        hands those out without running again, with the distributions a sampled request's were drawn from)."""
+        for row, (state, fed, length, after) in enumerate(zip(states, drafts.known.tolist(), lengths.tolist(),
+                                                              drafts.next.tolist())):
             self.probs.pop(state.req_id, None)
             if after[0] >= 0:
                 self.fed[state.req_id], self.written[state.req_id] = (length, after[:-1]), (length, after)
+                if not state.sampling_params.is_greedy:
+                    self.probs[state.req_id] = torch.from_numpy(drafts.next_q[row].copy())
             else:
                 self.fed[state.req_id] = (min(fed, length - 1), [])
 

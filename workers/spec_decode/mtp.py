@@ -118,7 +118,7 @@ class MtpProposer(ProposerCaches):
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         return self.probs.get(req_id)
 
-    def kernel_drafts(self, states, contexts, capacity, plain) -> None:
+    def kernel_drafts(self, states, contexts, capacity) -> None:
         return None  # the C++ greedy steps return no hidden states to draft from
 
     def resume(self, states, drafts, lengths) -> None:

@@ -28,11 +28,10 @@ class Proposer(Protocol):
     def forget(self, req_id: str) -> None:
         """The request finished or lost its blocks."""
 
-    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray,
-                      plain: bool) -> KernelDrafts | None:
+    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray
+                      ) -> KernelDrafts | None:
         """What the target's greedy_decode() needs to draft for these requests itself, as propose() would
-        (`contexts`: all their tokens so far; `capacity`: the positions their blocks give; plain: whether each takes
-        the argmax of its logits as they are); None: it cannot."""
+        (`contexts`: all their tokens so far; `capacity`: the positions their blocks give); None: it cannot."""
 
     def resume(self, states: list[CachedRequestState], drafts: KernelDrafts, lengths: np.ndarray) -> None:
         """greedy_decode() drafted for `states` with `drafts`; they are `lengths` tokens long now."""
@@ -58,8 +57,8 @@ class PromptLookup:
     def forget(self, req_id: str) -> None:
         pass
 
-    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray,
-                      plain: bool) -> PromptLookupDrafts:
+    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray
+                      ) -> PromptLookupDrafts:
         config = self.config
         return PromptLookupDrafts(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
                                   contexts)
@@ -91,13 +90,12 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         return limit is None or batch_size <= limit
 
-    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray,
-                      plain: bool) -> KernelDrafts | None:
+    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray
+                      ) -> KernelDrafts | None:
         """What the greedy_decode() kernel needs to draft for these requests itself (all their tokens so far in
-        `contexts`, the positions their blocks give in `capacity`; plain: whether each takes the argmax of its
-        logits as they are): prompt lookup, or the draft model's weights and caches; None where it cannot. resume()
-        after."""
-        return self.proposer.kernel_drafts(states, contexts, capacity, plain)
+        `contexts`, the positions their blocks give in `capacity`): prompt lookup, or the draft model's weights and
+        caches; None where it cannot. resume() after."""
+        return self.proposer.kernel_drafts(states, contexts, capacity)
 
     def resume(self, states: list[CachedRequestState], drafts: KernelDrafts, lengths: np.ndarray) -> None:
         self.proposer.resume(states, drafts, lengths)
