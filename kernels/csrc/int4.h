@@ -1,6 +1,7 @@
 // 4-bit weights (kernels/quantized_matmul.py's storage: uint8 [N, K / 2], column 2j in the low nibble, a float32
 // scale and optional zero point per row or per group of columns) in the C++ layer. Each element becomes
-// (q - zero) * scale in float32 (zero 8 where none is given) rounded once to the model dtype, as dequantize() makes
+// (q - zero) * scale in float32 (zero 8 where none is given) rounded once to the dtype the op path's GEMM runs in
+// (kernels.cpu_features.matmul_dtype: bf16 on CPUs with native bf16 products, else float32), as dequantize() makes
 // the op path's weight, then multiplies as that dtype's weights do: bf16 rows against the weight's pairs copy by
 // gemv_pairs.h's dot products (converted in registers per column pair at one row, per tile into a buffer at more),
 // else a row dequantized at a time against every input row in float32 (any CPU).
@@ -17,7 +18,10 @@
 namespace pagedserve {
 
 template <typename T>
-inline float as_weight(float value) {  // rounded to T as the op path's dequantized weight is
+inline float as_weight(float value) {  // rounded as the op path's dequantized weight is
+#if !(defined(__AVX512BF16__) || defined(__AMX_BF16__))
+  if constexpr (std::is_same_v<T, uint16_t>) return value;  // its bf16 GEMMs run in float32 here
+#endif
   T stored;
   store(value, &stored);
   return widen(stored);
