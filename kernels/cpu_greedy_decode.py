@@ -149,8 +149,9 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
     the argmax agrees with, and the argmax after them: the same tokens. With `sampled` its rows with a temperature
     draw their tokens as the sampler does and verify drafts by its rule (prompt lookup's as one-hot guesses, a draft
     model's against the distribution q it drew each from, its logits processed as the target's); with `penalized`
-    from logits processed as it processes them (each verifying row counting the drafts before it). With `logprobs` (int64 [rows]: how many best tokens a row reports beside its own, -1: none) the
-    run's logprobs are those of each token a reporting row takes. With `adapters` (int64 [rows]: each row's adapter
+    from logits processed as it processes them (each verifying row counting the drafts before it). With `logprobs`
+    (int64 [rows]: how many best tokens a row reports beside its own, -1: none) the run's logprobs are those of
+    each token a reporting row takes. With `adapters` (int64 [rows]: each row's adapter
     slot, -1: none) the layers add each row's adapter deltas (the prepared layers' slots; a draft model's none).
     With `masks` its constrained rows take only tokens their grammar's mask allows."""
     model.check()

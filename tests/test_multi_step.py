@@ -229,7 +229,7 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
     elif drafter == "draft model":
         engine_args["speculative_config"] = {"method": "draft_model", "model": _near_draft(),
                                              "num_speculative_tokens": 3, "disable_by_batch_size": None}
-    if feature == "constrained":  # each request joins at the step it came in (not when its grammar compiled), in both runs
+    if feature == "constrained":  # each request joins at the step it came in (not when its grammar compiled)
         monkeypatch.setattr(StructuredOutputManager, "add", _add_compiled)
     calls, verifying = [], set()  # verifying: the kinds of request whose drafts a C++ call verified
     in_one_call = LaterStepCalls._in_one_call
