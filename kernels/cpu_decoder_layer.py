@@ -196,6 +196,20 @@ def decoder_layers_with_products(prepared: PreparedLayers,
     return normed, residual_out
 
 
+def final_norm(prepared: PreparedLayers, x: torch.Tensor) -> torch.Tensor:
+    """The stage's final norm of x [rows, hidden] (rows of the layers' output), as its C++ calls norm them."""
+    if prepared.final_norm is None:
+        raise ValueError("the stage was prepared without a final norm")
+    prepared.check(x)
+    if x.dim() != 2 or x.shape[1] != prepared.final_norm.shape[0]:
+        raise ValueError(f"the final norm takes [rows, {prepared.final_norm.shape[0]}] rows")
+    x = x.contiguous()
+    normed, copy = torch.empty_like(x), torch.empty_like(x)
+    prepared.module.final_norm(x.dtype == torch.bfloat16, prepared.stage_args, x.data_ptr(), 0, copy.data_ptr(),
+                               normed.data_ptr(), x.shape[0])
+    return normed
+
+
 def _checked(layers: Sequence[DecoderLayerWeights], caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
              dtype: torch.dtype, final_norm: torch.Tensor | None, final_norm_bias: torch.Tensor | None
              ) -> ModuleType:

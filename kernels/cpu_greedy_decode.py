@@ -13,6 +13,7 @@ import torch
 from kernels import cpu_gemv
 from kernels.cpu_decoder_layer import PreparedLayers, ShmGroup
 from kernels.cpu_layer_weights import pointer
+from kernels.cpu_mtp import MtpDrafts
 from kernels.cpu_row_options import GrammarMasks, PenalizedRows, SampledRows, flat_lists
 
 
@@ -136,7 +137,7 @@ class GreedyRun:
 
 def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray,
                   limits: np.ndarray, stops: Sequence[Collection[int]], steps: int,
-                  drafts: PromptLookupDrafts | DraftModelDrafts | None = None,
+                  drafts: PromptLookupDrafts | DraftModelDrafts | MtpDrafts | None = None,
                   sampled: SampledRows | None = None, penalized: PenalizedRows | None = None,
                   logprobs: np.ndarray | None = None, adapters: np.ndarray | None = None,
                   masks: GrammarMasks | None = None) -> GreedyRun:
@@ -144,16 +145,16 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
     embedding lookup, the layers with the final norm, the LM head by the GEMV kernel and the first argmax among its
     first vocab_size logits, as the model computes them, all in C++. Row m takes up to limits[m] tokens (its K/V
     slots come from its row of `table`, [rows, max_blocks] block ids) and none after a step that gave it a token of
-    stops[m]. With `drafts` a step also feeds each row but a constrained one its drafts (prompt lookup's, or a draft
-    model's: as many as its limit leaves room for, at most the model's max_rows token rows in all) and keeps those
-    the argmax agrees with, and the argmax after them: the same tokens. With `sampled` its rows with a temperature
-    draw their tokens as the sampler does and verify drafts by its rule (prompt lookup's as one-hot guesses, a draft
-    model's against the distribution q it drew each from, its logits processed as the target's); with `penalized`
-    from logits processed as it processes them (each verifying row counting the drafts before it). With `logprobs`
-    (int64 [rows]: how many best tokens a row reports beside its own, -1: none) the run's logprobs are those of
-    each token a reporting row takes. With `adapters` (int64 [rows]: each row's adapter
-    slot, -1: none) the layers add each row's adapter deltas (the prepared layers' slots; a draft model's none).
-    With `masks` its constrained rows take only tokens their grammar's mask allows."""
+    stops[m]. With `drafts` a step also feeds each row but a constrained one its drafts (prompt lookup's, a draft
+    model's or the MTP layer's: as many as its limit leaves room for, at most the model's max_rows token rows in all)
+    and keeps those the argmax agrees with, and the argmax after them: the same tokens. With `sampled` its rows with a
+    temperature draw their tokens as the sampler does and verify drafts by its rule (prompt lookup's as one-hot
+    guesses, a model's against the distribution q it drew each from, its logits processed as the target's); with
+    `penalized` from logits processed as it processes them (each verifying row counting the drafts before it). With
+    `logprobs` (int64 [rows]: how many best tokens a row reports beside its own, -1: none) the run's logprobs are
+    those of each token a reporting row takes. With `adapters` (int64 [rows]: each row's adapter slot, -1: none) the
+    layers add each row's adapter deltas (the prepared layers' slots; a draft model's none). With `masks` its
+    constrained rows take only tokens their grammar's mask allows."""
     model.check()
     rows = len(tokens)
     tokens, positions, limits = (np.ascontiguousarray(a, dtype=np.int64) for a in (tokens, positions, limits))
@@ -172,11 +173,13 @@ def greedy_decode(model: GreedyModel, tokens: np.ndarray, positions: np.ndarray,
     draft_model, known = None, np.zeros(1, dtype=np.int64)
     if isinstance(drafts, DraftModelDrafts):
         draft_model, known = _draft_model_args(drafts, model, np.diff(history_starts)), drafts.known
+    elif isinstance(drafts, MtpDrafts):
+        draft_model = drafts.args(model)
     columns = max(1, min(int(limits.max(initial=0)), steps * (1 + k)))
     pointers: list[int] = []
     drawn = None
     if sampled is not None:
-        if draft_model is not None and drafts.next_q is None:
+        if isinstance(drafts, DraftModelDrafts) and drafts.next_q is None:
             raise ValueError("a draft model's drafts for sampled rows need next_q")
         arrays = (np.ascontiguousarray(sampled.temperature, dtype=np.float32),
                   np.ascontiguousarray(sampled.top_k, dtype=np.int64),
@@ -258,7 +261,7 @@ def _draft_model_args(drafts: DraftModelDrafts, target: GreedyModel, lengths: np
             raise ValueError(f"next_q must be a writable contiguous float32 array of shape {shape}, over a draft "
                              f"vocabulary within the target's")
     return (draft.args(), drafts.capacity.ctypes.data, drafts.next.ctypes.data,
-            0 if next_q is None else next_q.ctypes.data)
+            0 if next_q is None else next_q.ctypes.data, None)
 
 
 def _nothing() -> None:

@@ -79,6 +79,25 @@ def tiny_model(arch: str) -> str:
 
 
 @functools.cache
+def tiny_mtp_model() -> str:
+    """The tiny DeepSeek-V3 with a random MTP layer (launch/mtp_layer.py) written beside its weights, cached on disk
+    beside tiny_model's (made again when the tiny model's config changes)."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from launch.mtp_layer import MTP_FILE, random_mtp_layer
+
+    source, folder = Path(tiny_model("deepseek_v3")), _MODEL_ROOT / "deepseek_v3-tiny-mtp"
+    config = (source / "config.json").read_text()
+    if not (folder / MTP_FILE).exists() or (folder / "config.json").read_text() != config:
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(source, folder)
+        random_mtp_layer(AutoConfig.from_pretrained(folder), seed=1).save_into(folder)
+    return str(folder)
+
+
+@functools.cache
 def tiny_llava() -> str:
     """The tiny random LLaVA-1.5 folder (launch/make_vision_model.py), cached on disk as tiny_model's are."""
     from launch.make_vision_model import make_llava

@@ -9,6 +9,7 @@
 #endif
 
 #include "greedy_model.h"
+#include "mtp_drafts.h"
 
 namespace pagedserve {
 
@@ -18,6 +19,8 @@ namespace pagedserve {
 // after the last step, the k drafts of each unconstrained row that goes on and has k slots from its last token on
 // (capacity[m]: the positions its blocks and the model length give), the others' -1: what the next call's first
 // step verifies; a sampled row's the distributions they were drawn from in next_q [M, k, target's vocab].
+// With mtp the model is DeepSeek-V3's multi-token-prediction layer (mtp_drafts.h), which drafts from the target's
+// hidden states: a row drafts where it has a seed, and nothing is written to next.
 template <typename T>
 struct DraftModel {
   const GreedyModel<T>* model = nullptr;
@@ -25,6 +28,7 @@ struct DraftModel {
   const int64_t* capacity = nullptr;
   int64_t* next = nullptr;
   float* next_q = nullptr;
+  const MtpLayer<T>* mtp = nullptr;
 };
 
 // A draft round of at most this many token rows runs on one thread: a draft model's products are too small to pay

@@ -74,7 +74,8 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
   for (int64_t m = 0; m < int64_t(history.size()); ++m)
     history[m].assign(lookup.history + lookup.history_starts[m], lookup.history + lookup.history_starts[m + 1]);
   std::vector<int64_t> last(tokens, tokens + M), taken(M, 0), seqs, feeds, wants, drafts, pos, slots, table, lens, lora,
-      fed;
+      fed, last_pos;
+  MtpScratch<T> mtp_scratch;
   std::vector<char> stopped(M, 0);
   std::vector<T> x, hidden, residual, logits, local_logits;
   std::vector<PenaltyCounts> counts = penalty_counts(penalties, M, model.vocab);
@@ -167,7 +168,8 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
       const int64_t m = seqs[a], room = masks(grammar, m) ? 0 : std::min(limits[m] - taken[m] - 1, max_rows - R);
       // A draft model drafts k for a row with k slots ahead, as the Python steps do, of which the step feeds what
       // the row has room for.
-      if (draft.model && !masks(grammar, m) && draft.capacity[m] - (positions[m] + taken[m]) >= k)
+      if (draft.model && !masks(grammar, m) && draft.capacity[m] - (positions[m] + taken[m]) >= k &&
+          (!draft.mtp || draft.mtp->seeded[m]))
         R += feeds[a] = std::min(wants[a] = k, std::max<int64_t>(room, 0));
       else if (!draft.model && room > 0)
         R += feeds[a] = lookup_drafts(history[m], std::min(k, room), lookup.min_n, lookup.max_n,
@@ -175,10 +177,17 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
     }
     if (draft.model) {
       if (sampling.temperature) q.resize(A * k * model.vocab);
-      model_drafts(draft, history, seqs, wants, k, tables, max_blocks, block_size, drafts.data(),
-                   [&](int64_t a, int64_t j, const T* row) {
-                     return pick_draft(seqs[a], a, j, row, q.empty() ? nullptr : q.data() + a * k * model.vocab);
-                   });
+      auto pick = [&](int64_t a, int64_t j, const T* row) {
+        return pick_draft(seqs[a], a, j, row, q.empty() ? nullptr : q.data() + a * k * model.vocab);
+      };
+      if (draft.mtp) {
+        last_pos.resize(A);
+        for (int64_t a = 0; a < A; ++a) last_pos[a] = positions[seqs[a]] + taken[seqs[a]];
+        mtp_drafts(*draft.model, *draft.mtp, seqs, wants, last_pos, k, tables, max_blocks, block_size, drafts.data(),
+                   mtp_scratch, pick);
+      } else {
+        model_drafts(draft, history, seqs, wants, k, tables, max_blocks, block_size, drafts.data(), pick);
+      }
       for (int64_t a = 0; a < A; ++a)
         if (sampled(seqs[a])) sampling.drawn[seqs[a]] += wants[a];
     }
@@ -215,8 +224,9 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
           chosen[a] = take_token(seqs[a], logits.data() + a * model.head_rows, thread, {draw(seqs[a], 0)});
       }
     }
+    if (draft.mtp) mtp_clear(mtp_scratch);
     for (int64_t a = 0, r = 0; a < A; r += feeds[a] + 1, ++a) {
-      const int64_t m = seqs[a];
+      const int64_t m = seqs[a], before = taken[m];
       const int64_t* stops_begin = stop_ids + stop_starts[m];
       const int64_t* stops_end = stop_ids + stop_starts[m + 1];
       // A step that verifies drafts reads this row's accept draws, then its uniform ones (see RowSampling).
@@ -242,11 +252,17 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
         if (accepted == feeds[a] || token != drafts[a * k + accepted]) break;
       }
       if (sampled(m)) sampling.drawn[m] += verifies ? 2 * (f + 1) : 1;
+      for (int64_t i = 0; draft.mtp && i < taken[m] - before; ++i) {  // the target's h_p with token p + 1
+        mtp_row(mtp_scratch, out[m * out_cols + before + i], hidden.data() + (r + i) * H, H,
+                positions[m] + before + i, tables + m * max_blocks, max_blocks, block_size);
+        mtp_scratch.owners.push_back(m);
+      }
       if (feeds[a] > 0 && lookup.verified) {
         lookup.verified[(m * steps + s) * 2] = feeds[a];
         lookup.verified[(m * steps + s) * 2 + 1] = accepted;
       }
     }
+    if (draft.mtp) mtp_observe(*draft.model, *draft.mtp, block_size, max_blocks, mtp_scratch);
   }
   if (draft.model && draft.next) {
     std::fill(draft.next, draft.next + M * k, int64_t(-1));

@@ -152,8 +152,23 @@ pagedserve::GreedyModel<T> model_of(const ModelArgs& args) {
           group ? std::optional(group_of(*group)) : std::nullopt};
 }
 
+// DeepSeek-V3's MTP layer's input (pagedserve::MtpInputs): the embedding, enorm's and hnorm's weights and eps,
+// eh_proj, its gemv_pairs.h copy (0: none), the hidden size.
+using MtpInputsArgs = std::tuple<uintptr_t, uintptr_t, uintptr_t, double, uintptr_t, uintptr_t, int64_t>;
+
+template <typename T>
+pagedserve::MtpInputs<T> mtp_inputs_of(const MtpInputsArgs& args) {
+  const auto& [embedding, enorm, hnorm, eps, eh_proj, eh_pairs, hidden] = args;
+  return {in<T>(embedding), {pagedserve::kRmsNorm, in<T>(enorm), nullptr, float(eps)},
+          {pagedserve::kRmsNorm, in<T>(hnorm), nullptr, float(eps)}, in<T>(eh_proj), in<uint16_t>(eh_pairs), hidden};
+}
+
+// The MTP layer as greedy_decode()'s drafter: its input, the rows' seeds and whether each has one
+// (pagedserve::MtpLayer).
+using MtpArgs = std::tuple<MtpInputsArgs, uintptr_t, uintptr_t>;
+
 // A draft model for greedy_decode(): the model, then where its drafts after the last step go with the rows'
-// capacities (pagedserve::DraftModel).
-using DraftArgs = std::tuple<ModelArgs, uintptr_t, uintptr_t, uintptr_t>;  // model, capacity, next, next q
+// capacities (pagedserve::DraftModel), and the MTP layer's parts where the model is one.
+using DraftArgs = std::tuple<ModelArgs, uintptr_t, uintptr_t, uintptr_t, std::optional<MtpArgs>>;
 
 }  // namespace pagedserve::binding

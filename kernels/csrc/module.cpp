@@ -86,11 +86,15 @@ void greedy_decode(const ModelArgs& model_args, uintptr_t tokens, uintptr_t posi
                    uintptr_t tokens_out, int64_t out_cols, int64_t m, int64_t steps) {
   const pagedserve::GreedyModel<T> model = model_of<T>(model_args);
   std::optional<pagedserve::GreedyModel<T>> draft_model;
+  std::optional<pagedserve::MtpLayer<T>> mtp;
   pagedserve::DraftModel<T> drafter{nullptr, out<int64_t>(draft_known)};
   if (draft) {
     draft_model = model_of<T>(std::get<0>(*draft));
+    if (const auto& layer = std::get<4>(*draft))
+      mtp = pagedserve::MtpLayer<T>{mtp_inputs_of<T>(std::get<0>(*layer)), out<T>(std::get<1>(*layer)),
+                                    out<int64_t>(std::get<2>(*layer))};
     drafter = {&*draft_model, out<int64_t>(draft_known), in<int64_t>(std::get<1>(*draft)),
-               out<int64_t>(std::get<2>(*draft)), out<float>(std::get<3>(*draft))};
+               out<int64_t>(std::get<2>(*draft)), out<float>(std::get<3>(*draft)), mtp ? &*mtp : nullptr};
   }
   const pagedserve::PromptLookup drafts{lookup.at(0), lookup.at(1), lookup.at(2), in<int64_t>(history),
                                         in<int64_t>(history_starts), out<int64_t>(verified)};
@@ -117,6 +121,13 @@ void greedy_decode(const ModelArgs& model_args, uintptr_t tokens, uintptr_t posi
                             block_size, in<int64_t>(limits), in<int64_t>(stop_ids), in<int64_t>(stop_starts), drafts,
                             drafter, sampling, penalties, grammar, reported, in<int64_t>(adapters), max_rows,
                             out<int64_t>(tokens_out), out_cols, m, steps);
+}
+
+// DeepSeek-V3's MTP layer's input rows (mtp_drafts.h), as its steps in Python compute them.
+template <typename T>
+void mtp_inputs(const MtpInputsArgs& args, uintptr_t tokens, uintptr_t hidden, int64_t rows, uintptr_t x) {
+  std::vector<T> joined;
+  pagedserve::mtp_inputs(mtp_inputs_of<T>(args), in<int64_t>(tokens), in<T>(hidden), rows, out<T>(x), joined);
 }
 
 // The phases of a layer between its products, for steps whose products run elsewhere (torch's GEMMs): each over
@@ -280,6 +291,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     pagedserve::draft_rows(in<float>(logits), rows, vocab, in<float>(temperature), in<int64_t>(top_k),
                            in<float>(top_p), in<float>(min_p), in<double>(uniform), out<float>(q),
                            out<int64_t>(tokens));
+  }, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("mtp_inputs", [](bool bf16, const MtpInputsArgs& args, uintptr_t tokens, uintptr_t hidden, int64_t rows,
+                         uintptr_t x) {
+    (bf16 ? mtp_inputs<uint16_t> : mtp_inputs<float>)(args, tokens, hidden, rows, x);
   }, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("log_softmax", [](uintptr_t scores, uintptr_t logprobs, int64_t rows, int64_t vocab) {
 #pragma omp parallel for schedule(static) if (rows > 1)

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from kernels import cpu_decoder_layer, cpu_gemv, cpu_greedy_decode, cpu_layer_weights, cpu_projections, cpu_row_options
+from kernels import (cpu_decoder_layer, cpu_gemv, cpu_greedy_decode, cpu_layer_weights, cpu_mtp, cpu_projections,
+                     cpu_row_options)
 from workers.distributed import parallel_state, tp_kernel_group
 from workers.layers.attention import Attention, AttentionMetadata, StepMetadata
 from workers.layers.norm import GemmaRMSNorm, RMSNorm
@@ -118,11 +119,12 @@ class FusedStage:
         return cpu_decoder_layer.decode_step(x, positions, metadata.slot_mapping, metadata.block_tables,
                                              metadata.query_start_loc, rows)
 
-    def fused_forward(self, x: torch.Tensor, residual: torch.Tensor | None, step: cpu_decoder_layer.DecodeStep
-                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The stage's layers on a step fused_step() gave: the final norm's output on the last stage, else
-        (out, residual), whose sum is the last layer's output. In one C++ call, or with torch's products between
-        C++ calls past the kernels' rows; the same results as the op path."""
+    def fused_forward(self, x: torch.Tensor, residual: torch.Tensor | None, step: cpu_decoder_layer.DecodeStep,
+                      sums: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The stage's layers on a step fused_step() gave: the final norm's output on the last stage (with `sums`:
+        and the sum it normed, the last layer's output), else (out, residual), whose sum is the last layer's output.
+        In one C++ call, or with torch's products between C++ calls past the kernels' rows; the same results as the
+        op path."""
         prepared = self.prepared_layers(x.dtype, prepare=True)
         if step.kernel_products:
             x, residual = cpu_decoder_layer.decoder_layers(prepared, x, residual, step, self._adapter_slots(len(x)),
@@ -130,7 +132,7 @@ class FusedStage:
         else:
             products = [self.layers[i].fused_products for i in self.stage_layers]
             x, residual = cpu_decoder_layer.decoder_layers_with_products(prepared, products, x, residual, step)
-        return (x, residual) if prepared.final_norm is None else x
+        return (x, residual) if prepared.final_norm is None or sums else x
 
     def forget_fused_layers(self) -> None:
         """Its layers changed what the C++ layer reads (an adapter's slots were made for a projection): describe
@@ -209,7 +211,8 @@ class FusedGreedyDecoding:
 
     def greedy_decode(self, tokens: np.ndarray, positions: np.ndarray, table: np.ndarray, limits: np.ndarray,
                       stops: list[set[int]], steps: int,
-                      drafts: cpu_greedy_decode.PromptLookupDrafts | cpu_greedy_decode.DraftModelDrafts | None = None,
+                      drafts: cpu_greedy_decode.PromptLookupDrafts | cpu_greedy_decode.DraftModelDrafts
+                      | cpu_mtp.MtpDrafts | None = None,
                       sampled: cpu_row_options.SampledRows | None = None,
                       penalized: cpu_row_options.PenalizedRows | None = None, logprobs: np.ndarray | None = None,
                       adapters: np.ndarray | None = None,

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ipc import ModelRunnerOutput, SchedulerOutput
 from kernels.cpu_greedy_decode import DraftModelDrafts, draw_columns
+from kernels.cpu_mtp import MtpDrafts
 from kernels.cpu_row_options import SampledRows
 from workers.distributed import pp_send, tp_all_reduce
 from workers.fast_path.later_steps import LaterSteps, StepBatch, accepted_run
@@ -164,12 +165,12 @@ class LaterStepCalls:
         that takes them), drawing sampled requests' tokens as the sampler would (from logits masked by their
         grammar's fork, biased, penalized and banned as it processes them), reporting the logprobs it would, and
         verifying the drafts the speculator would propose as the sampler verifies them, which the kernel writes
-        itself (prompt lookup's, or a draft model's processed and drawn as the target's), the tokens taken into
-        `steps`, failures, logprobs and verifications into `output`; whether it ran."""
+        itself (prompt lookup's, or a draft model's or the MTP layer's processed and drawn as the target's), the
+        tokens taken into `steps`, failures, logprobs and verifications into `output`; whether it ran."""
         runner = self.runner
         greedy = getattr(runner.model, "greedy_decode", None)
         rows = steps.active()
-        if greedy is None or not rows or runner._observes:  # the C++ steps return no hidden states
+        if greedy is None or not rows:
             return False
         drafts = None
         states = [steps.states[i] for i in rows]
@@ -184,9 +185,12 @@ class LaterStepCalls:
                     states, [state.token_ids + steps.tokens[i] for state, i in zip(states, rows)],
                     steps.capacity[rows])) is None:
                 return False
+        elif runner._observes:  # a proposer that reads hidden states (MTP) takes every step's, drafting or not
+            return False
         limits = steps.limits(rows)
+        drawn_drafts = isinstance(drafts, (DraftModelDrafts, MtpDrafts))
         sampled_rows, seeded = self._sampled_rows(states, limits, draw_columns(
-            limits, count, drafts.k if drafts else 0, isinstance(drafts, DraftModelDrafts))) if sampled else (None, [])
+            limits, count, drafts.k if drafts else 0, drawn_drafts)) if sampled else (None, [])
         reports = [state.sampling_params.logprobs for state in states]
         run = greedy(np.array([steps.tokens[i][-1] for i in rows], dtype=np.int64), steps.context[rows] - 1,
                      steps.table[rows], limits, [steps.stops[i] for i in rows], count, drafts, sampled_rows,

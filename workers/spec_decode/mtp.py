@@ -3,11 +3,14 @@ p it takes the target's h_p with token p + 1 and predicts token p + 2; further d
 place of the target's next hidden state (vLLM's reuse of one layer for k drafts)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from ipc import SpeculativeConfig
+from kernels import cpu_decoder_layer, cpu_gemv, cpu_mtp
+from kernels.cpu_greedy_decode import GreedyModel
 from workers.distributed import parallel_state, single_rank
 from workers.layers.linear import Linear
 from workers.layers.norm import RMSNorm
@@ -35,13 +38,13 @@ class SharedHead(nn.Module):
 
 class MtpStage(FusedStage):
     """The MTP layer's decoder layer as a stage of one layer, so that its steps run in the C++ decoder layer as the
-    target's do (the same results as the op path); no final norm: the head's own comes after."""
+    target's do (the same results as the op path), with the shared head's norm as its final norm."""
 
-    def __init__(self, layer: DeepseekV3DecoderLayer) -> None:
+    def __init__(self, layer: MtpLayer) -> None:
         self.layers, self.stage_layers = [layer], [0]
 
-    def final_norm_module(self) -> None:
-        return None
+    def final_norm_module(self) -> RMSNorm:
+        return self.layers[0].shared_head.norm
 
 
 class MtpLayer(DeepseekV3DecoderLayer):
@@ -59,15 +62,47 @@ class MtpLayer(DeepseekV3DecoderLayer):
 
     def forward(self, input_ids: torch.Tensor, previous_hidden: torch.Tensor, positions: torch.Tensor,
                 metadata) -> torch.Tensor:
-        """Its hidden states before the head's norm (what the next draft reads in place of the target's)."""
-        x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(previous_hidden)], dim=-1))
-        step = self.stage.fused_step(x, positions, metadata)
-        x, residual = super().forward(positions, x, None, metadata) if step is None \
-            else self.stage.fused_forward(x, None, step)
+        """Its hidden states before the head's norm (what the next draft reads in place of the target's). Where its
+        decoder layer runs in C++ with the kernels' products, its input rows do too, and its output is summed and
+        normed there: as a multi-step call's C++ steps draft (kernels.cpu_mtp), so both draft alike."""
+        step = self.stage.fused_step(previous_hidden, positions, metadata)
+        parts = self.kernel_parts(previous_hidden.dtype)
+        if step is not None and step.kernel_products and parts is not None:
+            x = cpu_mtp.mtp_inputs(parts, input_ids, previous_hidden)
+        else:
+            x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(input_ids)), self.hnorm(previous_hidden)],
+                                       dim=-1))
+        if step is not None:
+            return self.stage.fused_forward(x, None, step, sums=True)[1]
+        x, residual = super().forward(positions, x, None, metadata)
         return x + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.shared_head.head.compute_logits(self.shared_head.norm(hidden))
+        prepared = self.stage.prepared_layers(hidden.dtype) if self.stage.one_call_layers else None
+        normed = self.shared_head.norm(hidden) if prepared is None else cpu_decoder_layer.final_norm(prepared, hidden)
+        return self.shared_head.head.compute_logits(normed)
+
+    def kernel_parts(self, dtype: torch.dtype) -> cpu_mtp.MtpParts | None:
+        """Its input's parts as the C++ kernels take them, None where they do not (quantized, an adapter's)."""
+        embed, eh_proj = self.embed_tokens, self.eh_proj
+        if embed.weight_scale is not None or embed.lora is not None or eh_proj.weight_scale is not None \
+                or eh_proj.lora is not None \
+                or self.enorm.eps != self.hnorm.eps or eh_proj.bias is not None:
+            return None
+        parts = cpu_mtp.MtpParts(embed.weight, self.enorm.weight, self.hnorm.weight, self.enorm.eps, eh_proj.weight,
+                                 eh_proj.pairs_weight)
+        return parts if parts.takes(dtype) else None
+
+    def greedy_model(self, dtype: torch.dtype) -> GreedyModel | None:
+        """Its decoder layer (with the shared head's norm), embedding and shared head as a multi-step call's C++
+        steps take them, where its last steps prepared them for `dtype` (None: not so)."""
+        prepared = self.stage.prepared_layers(dtype) if self.stage.one_call_layers else None
+        head = self.shared_head.head
+        if prepared is None or head.weight_scale is not None or head.lora is not None or head.weight.dtype != dtype:
+            return None
+        return GreedyModel(prepared, self.embed_tokens.weight, head.weight, head.vocab_size,
+                           min(self.stage.product_rows, cpu_gemv.max_rows(dtype, head.weight, head.pairs_weight)),
+                           head.pairs_weight)
 
 
 class MtpModel(nn.Module):
@@ -118,11 +153,32 @@ class MtpProposer(ProposerCaches):
     def draft_probs(self, req_id: str) -> torch.Tensor | None:
         return self.probs.get(req_id)
 
-    def kernel_drafts(self, states, contexts, capacity) -> None:
-        return None  # the C++ greedy steps return no hidden states to draft from
+    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray
+                      ) -> cpu_mtp.MtpDrafts | None:
+        """Its drafts (all the requests' tokens so far in `contexts`; the positions their blocks give in `capacity`)
+        as the target's greedy_decode() writes them in C++, where the layer runs there (prepared by its steps in
+        Python for the bound caches): each request's first from its output after the target's last step."""
+        model, parts = self.model.greedy_model(self.dtype), self.model.kernel_parts(self.dtype)
+        if model is None or parts is None:
+            return None
+        seeds = torch.zeros(len(states), parts.embedding.shape[1], dtype=self.dtype)
+        seeded = np.zeros(len(states), dtype=np.int64)
+        for row, (state, context) in enumerate(zip(states, contexts)):
+            length, output = self.last.get(state.req_id, (-1, None))
+            if length == len(context):
+                seeds[row], seeded[row] = output, 1
+        return cpu_mtp.MtpDrafts(self.num_drafts, model, parts, contexts, seeds, seeded,
+                                 np.ascontiguousarray(capacity, dtype=np.int64))
 
-    def resume(self, states, drafts, lengths) -> None:
-        pass
+    def resume(self, states: list[CachedRequestState], drafts: cpu_mtp.MtpDrafts, lengths: np.ndarray) -> None:
+        """After greedy_decode() drafted for `states`, now `lengths` tokens long: each one's output after the
+        target's last step (its seed), from which propose() drafts next."""
+        for row, (state, length) in enumerate(zip(states, lengths.tolist())):
+            self.probs.pop(state.req_id, None)
+            if drafts.seeded[row]:
+                self.last[state.req_id] = (length, drafts.seeds[row].clone())
+            else:
+                self.last.pop(state.req_id, None)
 
     @torch.inference_mode()
     def observe(self, hidden: torch.Tensor, rows: StepRows, requests: dict[str, CachedRequestState],

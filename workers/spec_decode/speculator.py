@@ -8,6 +8,7 @@ import torch
 
 from ipc import SpeculativeConfig
 from kernels.cpu_greedy_decode import DraftModelDrafts, PromptLookupDrafts
+from kernels.cpu_mtp import MtpDrafts
 from workers.layers.sampler import Sampler
 from workers.request_state import CachedRequestState
 from workers.model_inputs import StepRows
@@ -15,7 +16,7 @@ from workers.spec_decode.draft_model import DraftModel
 from workers.spec_decode.mtp import MtpProposer
 from workers.spec_decode.ngram import ngram_draft
 
-KernelDrafts = PromptLookupDrafts | DraftModelDrafts
+KernelDrafts = PromptLookupDrafts | DraftModelDrafts | MtpDrafts
 
 
 class Proposer(Protocol):
@@ -93,8 +94,8 @@ class Speculator:
     def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray
                       ) -> KernelDrafts | None:
         """What the greedy_decode() kernel needs to draft for these requests itself (all their tokens so far in
-        `contexts`, the positions their blocks give in `capacity`): prompt lookup, or the draft model's weights and
-        caches; None where it cannot. resume() after."""
+        `contexts`, the positions their blocks give in `capacity`): prompt lookup, or the draft model's (or the MTP
+        layer's) weights and caches; None where it cannot. resume() after."""
         return self.proposer.kernel_drafts(states, contexts, capacity)
 
     def resume(self, states: list[CachedRequestState], drafts: KernelDrafts, lengths: np.ndarray) -> None:
