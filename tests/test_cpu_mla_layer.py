@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DeepseekV2Config, DeepseekV3Config
+from transformers import AutoConfig, DeepseekV2Config, DeepseekV3Config
 
 from frontend import LLM, SamplingParams
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv, cpu_greedy_decode
@@ -262,3 +262,22 @@ def test_mla_products_together_and_heads_split_over_threads_change_no_byte(case,
         assert torch.equal(a, b)
     assert_as_close_as_the_op_path(layer, layer_class, config, SEQS[seqs], "kernel", two, expected,
                                    rerouted_share=0.1 if case in MOE else 0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_output_does_not_depend_on_the_thread_count(dtype):
+    """The engine changes its thread count between steps (a busy neighbour): a step's bytes must not follow it. MLA's
+    pieces of rows are sized without it (a row's products may round differently among other rows: gemv.h's paths by
+    row count), so two decodes of the tiny DeepSeek-V3's layer give the same bytes on one thread as on two (in float32
+    on AVX2 CPUs they did not)."""
+    config = AutoConfig.from_pretrained(tiny_model("deepseek_v3"))
+    layer = make_layer(DeepseekV3DecoderLayer, config, dtype, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(run_both(layer, config, dtype, [(41, 1), (17, 1)], "kernel")[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -239,15 +239,23 @@ void mla_attend(const Mla<T>& A, int64_t heads, const float* cos_table, const fl
 #else
   const int64_t threads = 1;
 #endif
-  constexpr int64_t most_rows = 8;  // a pair group's: the heads' products read each weight tile once per piece
-  const int64_t piece = std::clamp<int64_t>((M + threads - 1) / threads, 1, most_rows);
-  const int64_t pieces = (M + piece - 1) / piece, head_parts = std::clamp<int64_t>(threads / pieces, 1, heads);
+  // Pieces of up to a pair group's rows (the heads' products read each weight tile once per piece), cut evenly
+  // whatever the thread count and the rows' order: a product of one row rounds differently from one of several
+  // (gemv.h's paths by row count), so a row must never sit alone in a piece but in a step of one row. Pieces sized by
+  // the threads made a row's output follow the thread count (which the engine changes beside a busy neighbour), and
+  // a remainder of one row its place in the step. Threads beyond the pieces split the heads, which computes every
+  // head alike.
+  constexpr int64_t most_rows = 8;
+  if (M == 0) return;
+  const int64_t pieces = (M + most_rows - 1) / most_rows;
+  const int64_t head_parts = std::clamp<int64_t>(threads / pieces, 1, heads);
 #pragma omp parallel for schedule(dynamic) if (pieces * head_parts > 1)
   for (int64_t item = 0; item < pieces * head_parts; ++item) {
-    const int64_t r0 = item / head_parts * piece, part = item % head_parts;
+    const int64_t piece = item / head_parts, part = item % head_parts;
+    const int64_t r0 = M * piece / pieces, r1 = M * (piece + 1) / pieces;
     const int64_t h0 = heads * part / head_parts, h1 = heads * (part + 1) / head_parts;
     mla_heads(A, heads, cos_table, sin_table, scale, q, q_stride, positions, latent, block_size, tables, max_blocks,
-              seq_lens, attn, r0, std::min(piece, M - r0), h0, h1 - h0, from);
+              seq_lens, attn, r0, r1 - r0, h0, h1 - h0, from);
   }
 }
 
