@@ -192,7 +192,8 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
     of their matchers. ", prompt lookup": the same requests verifying drafts (sampled ones by the speculative rule at
     the uniform draws the sampler's steps would read, penalized ones counting the drafts before each, constrained
     ones with none); ", draft model": a draft model's drafts processed and drawn as the target's, verified against
-    the distributions they were drawn from. Gemma 2: its embedding scale and soft-capped logits in C++ too."""
+    the distributions they were drawn from; ", mtp": the tiny DeepSeek-V3's MTP layer's, from the target's hidden
+    states after each step. Gemma 2: its embedding scale and soft-capped logits in C++ too."""
     drafter = next((d for d in ("prompt lookup", "draft model", "mtp") if mode.endswith(d)), None)
     feature, lookup = mode.removesuffix(drafter or "").removesuffix(", ") or "plain", drafter is not None
     prompts = [p + p[:12] for p in random_prompts([5, 40, 17, 70, 9], vocab=1000, seed=6)]  # something to look up
@@ -254,7 +255,8 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
         monkeypatch.setattr(LaterStepCalls, "_in_one_call",
                             counted if cpp else lambda self, steps, count, output, grammars: False)
         # No time budget: both runs make the same calls, so their caches hold the same blocks.
-        llm = LLM(tiny_mtp_model() if drafter == "mtp" else tiny_model(arch), num_scheduler_steps=8, multi_step_budget_ms=None, **{**ENGINE, **engine_args})
+        llm = LLM(tiny_mtp_model() if drafter == "mtp" else tiny_model(arch), num_scheduler_steps=8,
+                  multi_step_budget_ms=None, **{**ENGINE, **engine_args})
         try:
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             assert_all_blocks_free(llm)

@@ -112,7 +112,8 @@ void mtp_drafts(const GreedyModel<T>& model, const MtpLayer<T>& mtp, const std::
     s.logits.resize(n * model.head_rows);
     products(s.normed.data(), model.head, model.head_pairs, static_cast<const T*>(nullptr), s.logits.data(), n,
              model.head_rows, H);
-    for (int64_t i = 0; i < n; ++i) drafts[owners[i] * k + j] = pick(owners[i], j, s.logits.data() + i * model.head_rows);
+    for (int64_t i = 0; i < n; ++i)
+      drafts[owners[i] * k + j] = pick(owners[i], j, s.logits.data() + i * model.head_rows);
     std::vector<int64_t> kept;
     std::vector<T> kept_outputs;
     for (int64_t i = 0; i < n; ++i)
