@@ -71,7 +71,8 @@ class MtpDrafts:
     seed (seeds and seeded are updated in place). model: the layer's decoder layer prepared with the shared head's
     norm as its final norm, the embedding and the shared head; capacity: int64 [rows], the positions each row's
     blocks and the model length give (a row drafts with k slots from its last token on). history: each row's tokens
-    (as PromptLookupDrafts')."""
+    (as PromptLookupDrafts'). drafting False: the steps verify no drafts, but the layer still takes their hidden
+    states (as the Python steps of a batch past speculation's cut-off)."""
 
     k: int
     model: GreedyModel
@@ -80,6 +81,7 @@ class MtpDrafts:
     seeds: torch.Tensor
     seeded: np.ndarray
     capacity: np.ndarray
+    drafting: bool = True
 
     def args(self, target: GreedyModel) -> tuple:
         """module.cpp's DraftArgs, once the layer is found to fit the target's steps."""
@@ -98,4 +100,4 @@ class MtpDrafts:
                     and array.flags.writeable and array.shape == (rows,)):
                 raise ValueError(f"{name} must be a writable contiguous int64 array of shape ({rows},)")
         return (model.args(), self.capacity.ctypes.data, 0, 0,
-                (self.parts.args(), self.seeds.data_ptr(), self.seeded.ctypes.data))
+                (self.parts.args(), self.seeds.data_ptr(), self.seeded.ctypes.data, self.drafting))

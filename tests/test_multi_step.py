@@ -19,6 +19,7 @@ from ipc.lora import LoRARequest
 from kernels.cpu_row_options import SampledRows
 from launch.make_model import make_model
 from workers.fast_path.later_step_calls import LaterStepCalls
+from workers.spec_decode.mtp import MtpProposer
 
 ENGINE = {"dtype": "float32", "in_process": True, "block_size": 8, "max_model_len": 96}
 
@@ -232,12 +233,16 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
     elif drafter == "draft model":
         engine_args["speculative_config"] = {"method": "draft_model", "model": _near_draft(),
                                              "num_speculative_tokens": 3, "disable_by_batch_size": None}
-    elif drafter == "mtp":
+    elif drafter == "mtp":  # plain: drafting once two requests are left, the layer taking every step before too
         engine_args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 3,
-                                             "disable_by_batch_size": None}
+                                             "disable_by_batch_size": 2 if feature == "plain" else None}
     if feature == "constrained":  # each request joins at the step it came in (not when its grammar compiled)
         monkeypatch.setattr(StructuredOutputManager, "add", _add_compiled)
     calls, verifying = [], set()  # verifying: the kinds of request whose drafts a C++ call verified
+    observed = []  # C++ calls past the cut-off that fed the MTP layer all the same
+    observer = MtpProposer.kernel_observer
+    monkeypatch.setattr(MtpProposer, "kernel_observer",
+                        lambda self, *args: observed.append(observer(self, *args)) or observed[-1])
     in_one_call = LaterStepCalls._in_one_call
 
     def counted(self, steps, count, output, grammars):
@@ -294,6 +299,7 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
             and cpp[3].num_accepted_tokens < cpp[3].num_draft_tokens
         assert {"any", feature} & {"any", "sampled", "penalized"} <= verifying
     assert any(calls)  # the C++ calls ran (not only the fallback)
+    assert any(layer is not None for layer in observed) == (drafter == "mtp" and feature == "plain")
 
 
 def _request(params: SamplingParams, prompt_len: int = 10, outputs: int = 0) -> Request:

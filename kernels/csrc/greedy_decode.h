@@ -169,7 +169,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
       // A draft model drafts k for a row with k slots ahead, as the Python steps do, of which the step feeds what
       // the row has room for.
       if (draft.model && !masks(grammar, m) && draft.capacity[m] - (positions[m] + taken[m]) >= k &&
-          (!draft.mtp || draft.mtp->seeded[m]))
+          (!draft.mtp || (draft.mtp->drafting && draft.mtp->seeded[m])))
         R += feeds[a] = std::min(wants[a] = k, std::max<int64_t>(room, 0));
       else if (!draft.model && room > 0)
         R += feeds[a] = lookup_drafts(history[m], std::min(k, room), lookup.min_n, lookup.max_n,

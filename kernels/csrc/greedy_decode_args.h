@@ -29,7 +29,7 @@ void greedy_decode(const ModelArgs& model_args, uintptr_t tokens, uintptr_t posi
     draft_model = model_of<T>(std::get<0>(*draft));
     if (const auto& layer = std::get<4>(*draft))
       mtp = pagedserve::MtpLayer<T>{mtp_inputs_of<T>(std::get<0>(*layer)), out<T>(std::get<1>(*layer)),
-                                    out<int64_t>(std::get<2>(*layer))};
+                                    out<int64_t>(std::get<2>(*layer)), std::get<3>(*layer)};
     drafter = {&*draft_model, out<int64_t>(draft_known), in<int64_t>(std::get<1>(*draft)),
                out<int64_t>(std::get<2>(*draft)), out<float>(std::get<3>(*draft)), mtp ? &*mtp : nullptr};
   }

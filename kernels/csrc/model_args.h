@@ -163,9 +163,9 @@ pagedserve::MtpInputs<T> mtp_inputs_of(const MtpInputsArgs& args) {
           {pagedserve::kRmsNorm, in<T>(hnorm), nullptr, float(eps)}, in<T>(eh_proj), in<uint16_t>(eh_pairs), hidden};
 }
 
-// The MTP layer as greedy_decode()'s drafter: its input, the rows' seeds and whether each has one
-// (pagedserve::MtpLayer).
-using MtpArgs = std::tuple<MtpInputsArgs, uintptr_t, uintptr_t>;
+// The MTP layer as greedy_decode()'s drafter: its input, the rows' seeds, whether each has one, and whether it
+// drafts (pagedserve::MtpLayer).
+using MtpArgs = std::tuple<MtpInputsArgs, uintptr_t, uintptr_t, bool>;
 
 // A draft model for greedy_decode(): the model, then where its drafts after the last step go with the rows'
 // capacities (pagedserve::DraftModel), and the MTP layer's parts where the model is one.

@@ -36,12 +36,14 @@ void mtp_inputs(const MtpInputs<T>& in, const int64_t* tokens, const T* hidden, 
 // The layer as a draft model (draft_steps.h's DraftModel::mtp): its decoder layer with the shared head's norm as
 // the final norm and the shared head (a GreedyModel), its inputs, and per row seeds[m] [hidden], the layer's output
 // at the position before the row's last token's where seeded[m] (what the first draft's logits come from; the
-// steps keep both up to date).
+// steps keep both up to date). Without drafting the steps verify no drafts but the layer still takes each step's
+// hidden states (a batch past speculation's cut-off: the Python steps observe every step too).
 template <typename T>
 struct MtpLayer {
   MtpInputs<T> inputs;
   T* seeds = nullptr;
   int64_t* seeded = nullptr;
+  bool drafting = true;
 };
 
 template <typename T>

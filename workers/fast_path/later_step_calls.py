@@ -180,13 +180,12 @@ class LaterStepCalls:
         # (the TP ranks gather each step's logits), the driver's draws for sampled rows, and no drafts.
         if self._shares and (runner.parallel.pp_size > 1 or runner.speculator is not None):
             return False
-        if runner.speculator is not None and runner.speculator.speculates(len(output.sampled_token_ids)):
+        drafting = runner.speculator is not None and runner.speculator.speculates(len(output.sampled_token_ids))
+        if drafting or runner._observes:  # a proposer that reads hidden states (MTP) takes every step's, drafting or not
             if (drafts := runner.speculator.kernel_drafts(
                     states, [state.token_ids + steps.tokens[i] for state, i in zip(states, rows)],
-                    steps.capacity[rows])) is None:
+                    steps.capacity[rows], drafting)) is None:
                 return False
-        elif runner._observes:  # a proposer that reads hidden states (MTP) takes every step's, drafting or not
-            return False
         limits = steps.limits(rows)
         drawn_drafts = isinstance(drafts, (DraftModelDrafts, MtpDrafts))
         sampled_rows, seeded = self._sampled_rows(states, limits, draw_columns(

@@ -158,6 +158,15 @@ class MtpProposer(ProposerCaches):
         """Its drafts (all the requests' tokens so far in `contexts`; the positions their blocks give in `capacity`)
         as the target's greedy_decode() writes them in C++, where the layer runs there (prepared by its steps in
         Python for the bound caches): each request's first from its output after the target's last step."""
+        return self._kernel_layer(states, contexts, capacity, drafting=True)
+
+    def kernel_observer(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray
+                        ) -> cpu_mtp.MtpDrafts | None:
+        """As kernel_drafts(), for steps that verify no drafts: the layer only takes their hidden states."""
+        return self._kernel_layer(states, contexts, capacity, drafting=False)
+
+    def _kernel_layer(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray,
+                      drafting: bool) -> cpu_mtp.MtpDrafts | None:
         model, parts = self.model.greedy_model(self.dtype), self.model.kernel_parts(self.dtype)
         if model is None or parts is None:
             return None
@@ -168,7 +177,7 @@ class MtpProposer(ProposerCaches):
             if length == len(context):
                 seeds[row], seeded[row] = output, 1
         return cpu_mtp.MtpDrafts(self.num_drafts, model, parts, contexts, seeds, seeded,
-                                 np.ascontiguousarray(capacity, dtype=np.int64))
+                                 np.ascontiguousarray(capacity, dtype=np.int64), drafting)
 
     def resume(self, states: list[CachedRequestState], drafts: cpu_mtp.MtpDrafts, lengths: np.ndarray) -> None:
         """After greedy_decode() drafted for `states`, now `lengths` tokens long: each one's output after the

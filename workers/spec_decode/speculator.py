@@ -38,6 +38,8 @@ class Proposer(Protocol):
         """greedy_decode() drafted for `states` with `drafts`; they are `lengths` tokens long now."""
 
     reads_hidden_states: bool  # observe() takes each step's final hidden states (a proposer of the target's layers)
+    # A proposer that reads them also has kernel_observer(states, contexts, capacity): kernel_drafts() for steps that
+    # verify no drafts, which greedy_decode() still feeds it.
 
 
 class PromptLookup:
@@ -91,12 +93,15 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         return limit is None or batch_size <= limit
 
-    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray
-                      ) -> KernelDrafts | None:
+    def kernel_drafts(self, states: list[CachedRequestState], contexts: list[list[int]], capacity: np.ndarray,
+                      drafting: bool = True) -> KernelDrafts | None:
         """What the greedy_decode() kernel needs to draft for these requests itself (all their tokens so far in
         `contexts`, the positions their blocks give in `capacity`): prompt lookup, or the draft model's (or the MTP
-        layer's) weights and caches; None where it cannot. resume() after."""
-        return self.proposer.kernel_drafts(states, contexts, capacity)
+        layer's) weights and caches; None where it cannot. resume() after. drafting False (a batch past the
+        cut-off): what a proposer that reads hidden states needs to take the steps' all the same."""
+        if drafting:
+            return self.proposer.kernel_drafts(states, contexts, capacity)
+        return self.proposer.kernel_observer(states, contexts, capacity)
 
     def resume(self, states: list[CachedRequestState], drafts: KernelDrafts, lengths: np.ndarray) -> None:
         self.proposer.resume(states, drafts, lengths)
