@@ -233,9 +233,9 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
     elif drafter == "draft model":
         engine_args["speculative_config"] = {"method": "draft_model", "model": _near_draft(),
                                              "num_speculative_tokens": 3, "disable_by_batch_size": None}
-    elif drafter == "mtp":  # plain: drafting once two requests are left, the layer taking every step before too
+    elif drafter == "mtp":  # drafting once two requests are left (penalized: always), the layer fed every step
         engine_args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 3,
-                                             "disable_by_batch_size": 2 if feature == "plain" else None}
+                                             "disable_by_batch_size": None if feature == "penalized" else 2}
     if feature == "constrained":  # each request joins at the step it came in (not when its grammar compiled)
         monkeypatch.setattr(StructuredOutputManager, "add", _add_compiled)
     calls, verifying = [], set()  # verifying: the kinds of request whose drafts a C++ call verified
@@ -299,7 +299,7 @@ def test_later_steps_in_one_cpp_call_equal_python_steps(monkeypatch, dtype, arch
             and cpp[3].num_accepted_tokens < cpp[3].num_draft_tokens
         assert {"any", feature} & {"any", "sampled", "penalized"} <= verifying
     assert any(calls)  # the C++ calls ran (not only the fallback)
-    assert any(layer is not None for layer in observed) == (drafter == "mtp" and feature == "plain")
+    assert any(layer is not None for layer in observed) == (drafter == "mtp" and feature != "penalized")
 
 
 def _request(params: SamplingParams, prompt_len: int = 10, outputs: int = 0) -> Request:
