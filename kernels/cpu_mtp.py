@@ -70,22 +70,26 @@ class MtpDrafts:
     takes every row's hidden states with the tokens then known after them, and the row's last output becomes its
     seed (seeds and seeded are updated in place). model: the layer's decoder layer prepared with the shared head's
     norm as its final norm, the embedding and the shared head; capacity: int64 [rows], the positions each row's
-    blocks and the model length give (a row drafts with k slots from its last token on). history: each row's tokens
-    (as PromptLookupDrafts'). drafting False: the steps verify no drafts, but the layer still takes their hidden
-    states (as the Python steps of a batch past speculation's cut-off)."""
+    blocks and the model length give (a row drafts with k slots from its last token on). drafting False: the steps
+    verify no drafts, but the layer still takes their hidden states (as the Python steps of a batch past
+    speculation's cut-off)."""
 
     k: int
     model: GreedyModel
     parts: MtpParts
-    history: Sequence[Sequence[int]]
     seeds: torch.Tensor
     seeded: np.ndarray
     capacity: np.ndarray
     drafting: bool = True
 
+    @property
+    def history(self) -> Sequence[Sequence[int]]:
+        """No row's tokens (PromptLookupDrafts' history): the layer drafts from hidden states, not from them."""
+        return [()] * len(self.seeded)
+
     def args(self, target: GreedyModel) -> tuple:
         """module.cpp's DraftArgs, once the layer is found to fit the target's steps."""
-        model, rows, dtype = self.model, len(self.history), target.prepared.dtype
+        model, rows, dtype = self.model, len(self.seeded), target.prepared.dtype
         model.check()
         if model.prepared.dtype != dtype or not self.parts.takes(dtype):
             raise TypeError(f"the MTP layer must be prepared for the target's {dtype}")

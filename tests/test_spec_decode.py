@@ -86,7 +86,7 @@ def oracle(monkeypatch):
             return drafts
         monkeypatch.setattr(Speculator, "propose", propose)
         # the C++ greedy steps would draft their own
-        monkeypatch.setattr(Speculator, "kernel_drafts", lambda self, states, contexts, capacity: None)
+        monkeypatch.setattr(Speculator, "kernel_drafts", lambda self, states, contexts, capacity, drafting=True: None)
     return install
 
 

@@ -181,7 +181,7 @@ class LaterStepCalls:
         if self._shares and (runner.parallel.pp_size > 1 or runner.speculator is not None):
             return False
         drafting = runner.speculator is not None and runner.speculator.speculates(len(output.sampled_token_ids))
-        if drafting or runner._observes:  # a proposer that reads hidden states (MTP) takes every step's, drafting or not
+        if drafting or runner._observes:  # a proposer that reads hidden states (MTP) takes every step's all the same
             if (drafts := runner.speculator.kernel_drafts(
                     states, [state.token_ids + steps.tokens[i] for state, i in zip(states, rows)],
                     steps.capacity[rows], drafting)) is None:

@@ -176,7 +176,7 @@ class MtpProposer(ProposerCaches):
             length, output = self.last.get(state.req_id, (-1, None))
             if length == len(context):
                 seeds[row], seeded[row] = output, 1
-        return cpu_mtp.MtpDrafts(self.num_drafts, model, parts, contexts, seeds, seeded,
+        return cpu_mtp.MtpDrafts(self.num_drafts, model, parts, seeds, seeded,
                                  np.ascontiguousarray(capacity, dtype=np.int64), drafting)
 
     def resume(self, states: list[CachedRequestState], drafts: cpu_mtp.MtpDrafts, lengths: np.ndarray) -> None:
