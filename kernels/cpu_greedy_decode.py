@@ -18,16 +18,36 @@ from kernels.cpu_row_options import GrammarMasks, PenalizedRows, SampledRows, fl
 
 
 @dataclass(frozen=True)
+class PipelinePlace:
+    """A pipeline stage's place among the ranks as greedy_decode() takes it: the shared memory of every rank's group
+    (rank = stage * tp_size + TP rank), this stage, how many there are and the TP size."""
+
+    world: ShmGroup
+    stage: int
+    stages: int
+    tp_size: int
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+
+@dataclass(frozen=True)
 class GreedyModel:
     """A model as greedy_decode() takes it: its layers prepared with the final norm, its embedding and LM head of
     the layers' dtype (rows past vocab_size ignored), the head's kernels.cpu_gemv.pair_weight copy where kept, the
     scale each embedding row is multiplied by (rounded to the dtype first; 0: none, Gemma's sqrt(hidden)), the
     logits' tanh soft cap (0: none, Gemma 2's) and a table of learned positions added to each row (OPT's). max_rows:
-    the most token rows of a step its kernels' products take."""
+    the most token rows of a step its kernels' products take. Over pipeline stages (pipeline) the first stage has the
+    embedding (None on the others), the last one the final norm and the head (None on the others; vocab_size 0)."""
 
     prepared: PreparedLayers
-    embedding: torch.Tensor
-    head: torch.Tensor
+    embedding: torch.Tensor | None
+    head: torch.Tensor | None
     vocab_size: int
     max_rows: int
     head_pairs: torch.Tensor | None = None
@@ -40,22 +60,28 @@ class GreedyModel:
     # gathered over it, so every rank takes the same tokens.
     group: ShmGroup | None = None
     vocab_start: int = 0
+    pipeline: PipelinePlace | None = None
 
     def check(self) -> None:
-        """Layers prepared with the final norm, embedding and head, all of one dtype; the head's pairs copy, if
-        given, fits it."""
-        prepared, dtype = self.prepared, self.prepared.dtype
-        if prepared.final_norm is None:
-            raise ValueError("greedy decoding needs the last stage's final norm")
-        tensors = [("embedding", self.embedding), ("head", self.head)]
+        """Layers prepared with the final norm, embedding and head (those of this pipeline stage), all of one dtype;
+        the head's pairs copy, if given, fits it."""
+        prepared, dtype, place = self.prepared, self.prepared.dtype, self.pipeline
+        first, last = place is None or place.first, place is None or place.last
+        if (prepared.final_norm is None) == last or (self.embedding is None) == first or (self.head is None) == last:
+            raise ValueError("greedy decoding needs the embedding on the first stage, the final norm and head on the "
+                             "last one, and no others")
+        tensors = [(name, tensor) for name, tensor in (("embedding", self.embedding), ("head", self.head))
+                   if tensor is not None]
         if self.position_table is not None:
-            if self.position_table.shape[1:] != self.embedding.shape[1:] or self.position_offset < 0:
+            if self.embedding is None or self.position_table.shape[1:] != self.embedding.shape[1:] or \
+                    self.position_offset < 0:
                 raise ValueError("the position table must be [positions, hidden] with a non-negative offset")
             tensors.append(("position table", self.position_table))
         for name, tensor in tensors:
             if tensor.dtype != dtype or tensor.device.type != "cpu" or tensor.dim() != 2 or not tensor.is_contiguous():
                 raise ValueError(f"the {name} must be a contiguous CPU matrix of the layers' dtype {dtype}")
-        if self.group is not None and self.embedding.shape[0] != self.head.shape[0]:
+        if self.group is not None and self.embedding is not None and self.head is not None and \
+                self.embedding.shape[0] != self.head.shape[0]:
             raise ValueError("under tensor parallelism the embedding and the head hold the same vocabulary rows")
         if self.head_pairs is not None and not (dtype == torch.bfloat16 and cpu_gemv.pairs_serve(self.head)
                                                 and cpu_gemv.fits_pairs(self.head, self.head_pairs)):
@@ -64,10 +90,12 @@ class GreedyModel:
 
     def args(self) -> tuple:
         """module.cpp's ModelArgs."""
-        return (self.prepared.stage_args, self.embedding.data_ptr(), self.head.data_ptr(), self.head.shape[0],
-                self.vocab_size, pointer(self.head_pairs), self.embed_scale, self.logit_cap,
-                pointer(self.position_table), self.position_offset, self.embedding.shape[0], self.vocab_start,
-                self.group)
+        place, table = self.pipeline, self.embedding if self.embedding is not None else self.head
+        return (self.prepared.stage_args, pointer(self.embedding), pointer(self.head),
+                0 if self.head is None else self.head.shape[0], self.vocab_size, pointer(self.head_pairs),
+                self.embed_scale, self.logit_cap, pointer(self.position_table), self.position_offset,
+                0 if table is None else table.shape[0], self.vocab_start, self.group,
+                None if place is None else (place.world, place.stage, place.stages, place.tp_size))
 
 
 @dataclass(frozen=True)

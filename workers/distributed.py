@@ -38,6 +38,9 @@ class ParallelState:
     # This rank and the same TP rank of the previous / next pipeline stage (pp_recv / pp_send), where there is one.
     pp_prev: dist.ProcessGroup | None = None
     pp_next: dist.ProcessGroup | None = None
+    # Over pipeline stages on CPU: every rank's group in shared memory, where they all share this host's (the C++
+    # multi-step calls hand hidden states and tokens over it), else None.
+    world_comm: ShmCommunicator | None = None
 
     @property
     def rank(self) -> int:
@@ -101,8 +104,12 @@ def init_distributed(host: str, port: int, tp_rank: int, tp_size: int, pp_rank: 
     tp_comm = None
     if backend == "gloo" and tp_size > 1:  # a gloo message costs milliseconds, a shared-memory round microseconds
         tp_comm = connect_shm(groups[pp_rank], tp_rank, tp_size, f"pagedserve-{host}-{port}-stage{pp_rank}")
+    world_comm = None
+    if backend == "gloo" and pp_size > 1:
+        world_comm = connect_shm(dist.group.WORLD, rank, tp_size * pp_size, f"pagedserve-{host}-{port}-world")
     _state = ParallelState(tp_rank, tp_size, pp_rank, pp_size, groups[pp_rank], tp_comm, expert_parallel,
-                           pp_prev=links.get((pp_rank - 1, tp_rank)), pp_next=links.get((pp_rank, tp_rank)))
+                           pp_prev=links.get((pp_rank - 1, tp_rank)), pp_next=links.get((pp_rank, tp_rank)),
+                           world_comm=world_comm)
     return _state
 
 
@@ -118,8 +125,9 @@ def shutdown_distributed() -> None:
     frees the tensors of a collective that already returned only after the interpreter began finalizing, and
     the GIL it must take for that ends the thread inside a destructor."""
     global _state
-    if _state.tp_comm is not None:
-        _state.tp_comm.close()
+    for comm in (_state.tp_comm, _state.world_comm):
+        if comm is not None:
+            comm.close()
     _state = ParallelState()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -137,6 +145,18 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
 def tp_kernel_group() -> ShmGroup | None:
     """This stage's TP group as the C++ layer reduces over it (its shared memory), None at one rank or over gloo."""
     return None if _state.tp_comm is None else _state.tp_comm.kernel_group
+
+
+def pipeline_kernel_group() -> ShmGroup | None:
+    """Every rank's group as the C++ steps hand over it between pipeline stages (its shared memory), None at one
+    stage or where the ranks do not all share this host's memory."""
+    return None if _state.world_comm is None else _state.world_comm.kernel_group
+
+
+def pipeline_agrees(ready: bool) -> bool:
+    """Whether every rank of the pipeline is ready (each says so; over the world's shared memory, so only where
+    pipeline_kernel_group() is not None)."""
+    return not _state.world_comm.all_reduce(torch.tensor([0 if ready else 1], dtype=torch.int64)).item()
 
 
 def tp_all_reduce_max(x: torch.Tensor) -> torch.Tensor:

@@ -192,7 +192,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
         if (sampled(seqs[a])) sampling.drawn[seqs[a]] += wants[a];
     }
     pos.resize(R), slots.resize(R), lens.resize(R), lora.resize(R), fed.resize(R), table.resize(R * max_blocks);
-    x.resize(R * H), hidden.resize(R * H), residual.resize(R * H), logits.resize(R * model.head_rows);
+    hidden.resize(R * H), residual.resize(R * H), logits.resize(R * model.head_rows);
     for (int64_t a = 0, r = 0; a < A; ++a) {
       const int64_t m = seqs[a];
       const int64_t* row_table = tables + m * max_blocks;
@@ -204,14 +204,17 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
         lora[r] = adapters ? adapters[m] : -1;
       }
     }
-    embed(model, fed.data(), pos.data(), R, H, x.data());
-    stage_layers(model.layers, model.caches, model.final_norm, x.data(),
-                 static_cast<const T*>(nullptr), hidden.data(), residual.data(), pos.data(), slots.data(), block_size,
-                 table.data(), max_blocks, lens.data(), R, adapters ? lora.data() : nullptr, model.tp());
-    head_logits(model, hidden.data(), R, H, logits.data(), local_logits);
+    forward_rows(model, fed.data(), pos.data(), R, H, x, hidden.data(), residual.data(),
+                 [&](const T* in, const T* in_residual) {
+                   stage_layers(model.layers, model.caches, model.final_norm, in, in_residual, hidden.data(),
+                                residual.data(), pos.data(), slots.data(), block_size, table.data(), max_blocks,
+                                lens.data(), R, adapters ? lora.data() : nullptr, model.tp());
+                 });
+    if (model.has_head()) head_logits(model, hidden.data(), R, H, logits.data(), local_logits);
     // Without drafts each row has one row of logits: every row's token is chosen over the threads (processing and
-    // sampling a vocabulary is serial work per row), then taken in order below.
-    if (k == 0) {
+    // sampling a vocabulary is serial work per row), then taken in order below; over pipeline stages (no drafts)
+    // the last stage chooses them and the driver's reach every rank.
+    if (k == 0 && model.has_head()) {
 #pragma omp parallel if (A > 1)
       {
 #ifdef _OPENMP
@@ -224,6 +227,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
           chosen[a] = take_token(seqs[a], logits.data() + a * model.head_rows, thread, {draw(seqs[a], 0)});
       }
     }
+    if (model.pipeline) broadcast(model.pipeline->world, chosen.data(), A, model.pipeline->driver());
     if (draft.mtp) mtp_clear(mtp_scratch);
     for (int64_t a = 0, r = 0; a < A; r += feeds[a] + 1, ++a) {
       const int64_t m = seqs[a], before = taken[m];

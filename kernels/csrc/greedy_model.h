@@ -1,6 +1,7 @@
 // A whole model as the C++ steps run it (greedy_decode.h): its layers, embedding (scaled, or with learned positions
 // added), final norm and LM head, and how a row of its logits becomes a token by the argmax.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -10,6 +11,18 @@
 #include "decoder_layer.h"
 
 namespace pagedserve {
+
+// A pipeline stage's place among the ranks for the C++ steps: the group of every rank (rank = stage * tp_size + TP
+// rank), this stage and how many there are. The first stage embeds, the last one norms and computes the logits, and
+// the driver (the last stage's first rank) shares its tokens.
+struct PipelinePlace {
+  ShmGroup world;
+  int64_t stage = 0, stages = 1, tp_size = 1;
+
+  bool first() const { return stage == 0; }
+  bool last() const { return stage == stages - 1; }
+  int64_t driver() const { return (stages - 1) * tp_size; }
+};
 
 template <typename T>
 struct GreedyModel {
@@ -28,8 +41,10 @@ struct GreedyModel {
   // vocab_start + table_rows) of the vocabulary, and head_rows = size * table_rows logits are gathered from the ranks.
   int64_t table_rows = 0, vocab_start = 0;
   std::optional<ShmGroup> group;
+  std::optional<PipelinePlace> pipeline;  // over pipeline stages: this one (its embedding or head null where absent)
 
   const ShmGroup* tp() const { return group ? &*group : nullptr; }
+  bool has_head() const { return !pipeline || pipeline->last(); }
 };
 
 // The embeddings of R tokens into x [R, H], each at its position: the table's rows (under tensor parallelism this
@@ -53,6 +68,30 @@ void embed(const GreedyModel<T>& model, const int64_t* tokens, const int64_t* po
     } else if (model.embed_scale > 0.f) {
       for (int64_t d = 0; d < H; ++d) store(widen(row[d]) * model.embed_scale, row + d);
     }
+  }
+}
+
+// One step's forward pass of R token rows (fed, at positions) into hidden [R, H]: `layers(x, residual)` runs this
+// stage's layers into hidden (the final norm's output on the last stage) and residual. Over pipeline stages every
+// rank takes part in each stage's hand-off, in stage order: stage s's first rank publishes [hidden | residual] and
+// stage s + 1 runs its layers from them, in x.
+template <typename T, typename Layers>
+void forward_rows(const GreedyModel<T>& model, const int64_t* fed, const int64_t* positions, int64_t R, int64_t H,
+                  std::vector<T>& x, T* hidden, T* residual, const Layers& layers) {
+  x.resize((model.pipeline ? 2 : 1) * R * H);
+  if (!model.pipeline || model.pipeline->first()) {
+    embed(model, fed, positions, R, H, x.data());
+    layers(x.data(), static_cast<const T*>(nullptr));
+  }
+  if (!model.pipeline) return;
+  const PipelinePlace& place = *model.pipeline;
+  for (int64_t s = 0; s + 1 < place.stages; ++s) {
+    if (place.stage == s) {
+      std::copy(hidden, hidden + R * H, x.data());
+      std::copy(residual, residual + R * H, x.data() + R * H);
+    }
+    broadcast(place.world, x.data(), 2 * R * H, s * place.tp_size);
+    if (place.stage == s + 1) layers(x.data(), x.data() + R * H);
   }
 }
 

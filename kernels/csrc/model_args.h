@@ -131,25 +131,40 @@ inline pagedserve::ShmGroup group_of(const GroupArgs& args) {
           reinterpret_cast<int64_t*>(round), fifos, rank, size, spin_ns};
 }
 
+// A pipeline stage's place (pagedserve::PipelinePlace): the group of every rank, this stage, the stages, the TP size.
+using PipelineArgs = std::tuple<GroupArgs, int64_t, int64_t, int64_t>;
+
 // A whole model for greedy_decode(): its stage (with the final norm), then its embedding table and LM head
 // [head_rows, hidden] of the model dtype, the vocabulary size, the head's gemv_pairs.h copy (0: none), the
-// embedding scale and the logits' soft cap (0: none), the learned position table (0: none) and its row offset
-// (pagedserve::GreedyModel).
+// embedding scale and the logits' soft cap (0: none), the learned position table (0: none) and its row offset, the
+// rows of the vocabulary this rank's embedding and head hold and the first one, its TP group, and over pipeline
+// stages its place (the embedding 0 off the first stage, the head 0 off the last) (pagedserve::GreedyModel).
 using ModelArgs = std::tuple<StageArgs, uintptr_t, uintptr_t, int64_t, int64_t, uintptr_t, double, double, uintptr_t,
-                             int64_t, int64_t, int64_t, std::optional<GroupArgs>>;
+                             int64_t, int64_t, int64_t, std::optional<GroupArgs>, std::optional<PipelineArgs>>;
 
 template <typename T>
 pagedserve::GreedyModel<T> model_of(const ModelArgs& args) {
   const auto& [stage_args, embedding, head, head_rows, vocab, head_pairs, embed_scale, logit_cap, positions,
-               position_offset, table_rows, vocab_start, group] = args;
-  if (group && head_rows != table_rows)
+               position_offset, table_rows, vocab_start, group, pipeline] = args;
+  if (group && head && head_rows != table_rows)
     throw std::invalid_argument("under tensor parallelism the embedding and the head hold the same vocabulary rows");
+  std::optional<pagedserve::PipelinePlace> place;
+  if (pipeline) {
+    const auto& [world, stage, stages, tp_size] = *pipeline;
+    place = pagedserve::PipelinePlace{group_of(world), stage, stages, tp_size};
+    if (stages < 2 || stage < 0 || stage >= stages || place->world.size != stages * tp_size ||
+        !embedding != (stage > 0) || !head != (stage < stages - 1))
+      throw std::invalid_argument("pipeline stages: 2 or more over every rank, the embedding on the first and the "
+                                  "head on the last");
+  } else if (!embedding || !head) {
+    throw std::invalid_argument("a model in one stage has its embedding and head");
+  }
   Stage<T> stage = stage_of<T>(stage_args);
   const int64_t ranks = group ? std::get<6>(*group) : 1;
   return {std::move(stage.layers), std::move(stage.caches), stage.final_norm,
           in<T>(embedding), in<T>(head), head_rows * ranks, vocab, in<uint16_t>(head_pairs), float(embed_scale),
           float(logit_cap), in<T>(positions), position_offset, table_rows, vocab_start,
-          group ? std::optional(group_of(*group)) : std::nullopt};
+          group ? std::optional(group_of(*group)) : std::nullopt, place};
 }
 
 // DeepSeek-V3's MTP layer's input (pagedserve::MtpInputs): the embedding, enorm's and hnorm's weights and eps,

@@ -96,6 +96,19 @@ void all_reduce(const ShmGroup& g, T* x, int64_t n) {
   }
 }
 
+// x [n] of rank src copied to every other rank's x (the others publish nothing), in pieces of a slot: a pipeline
+// stage's hand-off to the next, or the driver's tokens to every rank.
+template <typename T>
+void broadcast(const ShmGroup& g, T* x, int64_t n, int64_t src) {
+  const int64_t piece = g.slot_bytes / int64_t(sizeof(T));
+  for (int64_t start = 0; start < n; start += piece) {
+    const int64_t count = std::min(piece, n - start);
+    tp_detail::exchange(g, x + start, g.rank == src ? count : 0);
+    if (g.rank != src)
+      std::memcpy(x + start, g.slots + (((*g.round - 1) % 2) * g.size + src) * g.slot_bytes, count * sizeof(T));
+  }
+}
+
 // x [rows, width], this rank's columns, beside every other rank's in out [rows, size * width] (rank r's at columns
 // r * width): the vocabulary-parallel LM head's logits, whole on every rank. In pieces of whole rows that fit a slot.
 template <typename T>

@@ -12,7 +12,7 @@ from torch import nn
 
 from kernels import (cpu_decoder_layer, cpu_gemv, cpu_greedy_decode, cpu_layer_weights, cpu_mtp, cpu_projections,
                      cpu_row_options)
-from workers.distributed import parallel_state, tp_kernel_group
+from workers.distributed import parallel_state, pipeline_kernel_group, tp_kernel_group
 from workers.layers.attention import Attention, AttentionMetadata, StepMetadata
 from workers.layers.norm import GemmaRMSNorm, RMSNorm
 from workers.layers.rotary import RotaryEmbedding
@@ -229,24 +229,35 @@ class FusedGreedyDecoding:
                                                penalized, logprobs, adapters, masks)
 
     def greedy_model(self) -> cpu_greedy_decode.GreedyModel | None:
-        """The model as greedy_decode() takes it; None for changed logits, pipeline stages, tensor parallelism
-        where the C++ layers do not reduce over the group themselves, an adapter's own LM head or embeddings
-        (modules_to_save), a quantized table or head, or layers not in C++ or not prepared for the bound caches (a
-        one-call step prepares them)."""
-        stage, embedding, head = self.fused_parts()
-        if not (type(self).compute_logits is type(self).fused_compute_logits and isinstance(stage, FusedStage)
-                and stage.reduces_in_kernels
-                and embedding is not None
-                and head is not None and stage.one_call_layers
-                and embedding.lora is None and head.lora is None and embedding.weight_scale is None
-                and head.weight_scale is None and head.weight.dtype == embedding.weight.dtype):
+        """The model (this pipeline stage of it) as greedy_decode() takes it; None for changed logits, tensor
+        parallelism where the C++ layers do not reduce over the group themselves, pipeline stages whose ranks do not
+        all share this host's memory, an adapter's own LM head or embeddings (modules_to_save), a quantized table or
+        head, or layers not in C++ or not prepared for the bound caches (a one-call step prepares them)."""
+        parts = self.fused_parts()
+        if parts is None or type(self).compute_logits is not type(self).fused_compute_logits:
             return None
-        prepared = stage.prepared_layers(embedding.weight.dtype)
+        stage, embedding, head = parts
+        state, world = parallel_state(), pipeline_kernel_group()
+        tables = [table for table in (embedding, head) if table is not None]
+        if not (isinstance(stage, FusedStage) and stage.reduces_in_kernels and stage.one_call_layers
+                and (state.pp_size == 1 or world is not None)
+                and (embedding is not None) == state.is_first_stage and (head is not None) == state.is_last_stage
+                and all(table.lora is None and table.weight_scale is None for table in tables)
+                and len({table.weight.dtype for table in tables}) <= 1):
+            return None
+        # A stage with neither table reads the dtype its layers were last prepared for.
+        dtype = tables[0].weight.dtype if tables else getattr(stage._prepared_layers, "dtype", None)
+        prepared = None if dtype is None else stage.prepared_layers(dtype)
         if prepared is None:
             return None
-        dtype, positions = embedding.weight.dtype, self.fused_positions()
+        positions, rows = self.fused_positions(), stage.product_rows
+        if head is not None:
+            rows = min(rows, cpu_gemv.max_rows(dtype, head.weight, head.pairs_weight))
         return cpu_greedy_decode.GreedyModel(
-            prepared, embedding.weight, head.weight, head.vocab_size,
-            min(stage.product_rows, cpu_gemv.max_rows(dtype, head.weight, head.pairs_weight)), head.pairs_weight,
+            prepared, None if embedding is None else embedding.weight, None if head is None else head.weight,
+            0 if head is None else head.vocab_size, rows, None if head is None else head.pairs_weight,
             float(torch.tensor(self.embed_scale).to(dtype)) if self.embed_scale else 0.0,
-            float(self.logit_cap or 0.0), *(positions or (None, 0)), stage.kernel_group(), embedding.start)
+            float(self.logit_cap or 0.0), *(positions or (None, 0)), stage.kernel_group(),
+            tables[0].start if tables else 0,
+            None if world is None else cpu_greedy_decode.PipelinePlace(world, state.pp_rank, state.pp_size,
+                                                                       state.tp_size))

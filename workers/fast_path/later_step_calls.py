@@ -1,7 +1,7 @@
 """A multi-step call's steps after its first (core/multi_step.py decides how many): in one C++ call of the model's
 greedy_decode where it takes the requests, else one forward pass and sampler step at a time; both give the tokens
-of one call per step. Over several ranks (tensor and pipeline parallel) every rank runs the steps in lockstep: the
-ranks of one stage each in the same C++ call (the group's sums and gathers inside it), else each stage hands its
+of one call per step. Over several ranks (tensor and pipeline parallel) every rank runs the steps in lockstep: each
+in the same C++ call (the TP group's sums and gathers and the stages' hand-offs inside it), else each stage hands its
 hidden states to the next as in any step, and the driver's tokens reach every rank after each."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from ipc import ModelRunnerOutput, SchedulerOutput
 from kernels.cpu_greedy_decode import DraftModelDrafts, draw_columns
 from kernels.cpu_mtp import MtpDrafts
 from kernels.cpu_row_options import SampledRows
-from workers.distributed import pp_send, tp_all_reduce
+from workers.distributed import pipeline_agrees, pipeline_kernel_group, pp_send, tp_all_reduce
 from workers.fast_path.later_steps import LaterSteps, StepBatch, accepted_run
 from workers.model_inputs import ModelInputs
 from workers.request_state import CachedRequestState
@@ -91,9 +91,9 @@ class LaterStepCalls:
         more token (the argmax, or sampled as in any step, over the call's tokens so far) are appended to `output`,
         with the verification; a constrained request's tokens under the mask of its grammar's fork. Ends early once
         no request can go on (workers.fast_path.later_steps). The drafts proposed after the last step go with the
-        output. Over several ranks (no drafts then) every rank runs it: one stage's ranks all in the same C++ call
-        where it takes the requests, else a stage before the last hands its hidden states on, and the driver's
-        tokens of each step are shared with the others."""
+        output. Over several ranks (no drafts then) every rank runs it: all in the same C++ call where it takes the
+        requests, else a stage before the last hands its hidden states on, and the driver's tokens of each step are
+        shared with the others."""
         runner = self.runner
         tensors = runner.tensors
         driver, shares, last_stage = runner.parallel.is_driver, self._shares, runner.parallel.is_last_stage
@@ -175,10 +175,15 @@ class LaterStepCalls:
         drafts = None
         states = [steps.states[i] for i in rows]
         sampled = not all(state.sampling_params.is_greedy for state in states)
-        processed = not all(state.sampling_params.logits_as_they_are for state in states)
-        # Over several ranks every rank makes the same call, which must take the same tokens at each: one stage
-        # (the TP ranks gather each step's logits), the driver's draws for sampled rows, and no drafts.
-        if self._shares and (runner.parallel.pp_size > 1 or runner.speculator is not None):
+        # Off the last stage no logits: the driver's tokens reach this rank each step.
+        last_stage = runner.parallel.is_last_stage
+        processed = last_stage and not all(state.sampling_params.logits_as_they_are for state in states)
+        # Over several ranks every rank makes the same call, which must take the same tokens at each (the TP ranks
+        # gather each step's logits, the driver's draws for sampled rows, no drafts) and all ranks of the stages
+        # must make it.
+        if self._shares and runner.speculator is not None:
+            return False
+        if runner.parallel.pp_size > 1 and not self._stages_ready(len(rows)):
             return False
         drafting = runner.speculator is not None and runner.speculator.speculates(len(output.sampled_token_ids))
         if drafting or runner._observes:  # a proposer that reads hidden states (MTP) takes every step's all the same
@@ -190,7 +195,7 @@ class LaterStepCalls:
         drawn_drafts = isinstance(drafts, (DraftModelDrafts, MtpDrafts))
         sampled_rows, seeded = self._sampled_rows(states, limits, draw_columns(
             limits, count, drafts.k if drafts else 0, drawn_drafts)) if sampled else (None, [])
-        reports = [state.sampling_params.logprobs for state in states]
+        reports = [state.sampling_params.logprobs if last_stage else None for state in states]
         run = greedy(np.array([steps.tokens[i][-1] for i in rows], dtype=np.int64), steps.context[rows] - 1,
                      steps.table[rows], limits, [steps.stops[i] for i in rows], count, drafts, sampled_rows,
                      penalized_rows(states, [steps.tokens[i] for i in rows]) if processed else None,
@@ -215,6 +220,14 @@ class LaterStepCalls:
                 if len(checks):
                     output.verified.setdefault(steps.states[i].req_id, []).extend(map(tuple, checks.tolist()))
         return True
+
+    def _stages_ready(self, rows: int) -> bool:
+        """Whether every pipeline stage's rank takes `rows` rows in its greedy_decode (a collective of them all, where
+        they share this host's memory; else none: the Python steps)."""
+        if pipeline_kernel_group() is None:
+            return False
+        model = self.runner.model.greedy_model()
+        return pipeline_agrees(model is not None and rows <= model.max_rows)
 
     def _observe(self, hidden: torch.Tensor, states: list[CachedRequestState], batch: StepBatch,
                  output: ModelRunnerOutput) -> None:

@@ -154,5 +154,5 @@ class GPTNeoXForCausalLM(FusedGreedyDecoding, nn.Module):
 
     fused_compute_logits = compute_logits
 
-    def fused_parts(self) -> tuple[FusedStage, nn.Module | None, nn.Module | None]:
+    def fused_parts(self) -> tuple[FusedStage, nn.Module | None, nn.Module | None] | None:
         return self.gpt_neox, self.gpt_neox.embed_in, self.lm_head

@@ -235,5 +235,5 @@ class LlamaForCausalLM(FusedGreedyDecoding, nn.Module):
 
     fused_compute_logits = compute_logits
 
-    def fused_parts(self) -> tuple[FusedStage, nn.Module | None, nn.Module | None]:
+    def fused_parts(self) -> tuple[FusedStage, nn.Module | None, nn.Module | None] | None:
         return self.model, self.model.embed_tokens, self.lm_head

@@ -184,5 +184,5 @@ class LlavaForConditionalGeneration(FusedGreedyDecoding, nn.Module):
 
     fused_compute_logits = compute_logits
 
-    def fused_parts(self) -> tuple[FusedStage, nn.Module | None, nn.Module | None]:
+    def fused_parts(self) -> tuple[FusedStage, nn.Module | None, nn.Module | None] | None:
         return self.language_model.fused_parts()

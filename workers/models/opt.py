@@ -98,6 +98,7 @@ class OPTDecoder(FusedStage, nn.Module):
         state = parallel_state()
         hidden, proj_dim = config.hidden_size, config.word_embed_proj_dim
         self.is_last_stage = state.is_last_stage
+        self.projected = proj_dim != hidden  # project_in and project_out, which the C++ steps do not compute
         self.embed_tokens = self.embed_positions = self.project_in = None
         if state.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, proj_dim)
@@ -173,11 +174,11 @@ class OPTForCausalLM(FusedGreedyDecoding, nn.Module):
 
     fused_compute_logits = compute_logits
 
-    def fused_parts(self) -> tuple[FusedStage, nn.Module | None, nn.Module | None]:
-        """The decoder, its embedding and head; no embedding where it projects in or out (the C++ steps do not)."""
+    def fused_parts(self) -> tuple[FusedStage, nn.Module | None, nn.Module | None] | None:
+        """The decoder, its embedding and head; None where it projects in and out (the C++ steps do not)."""
         decoder = self.model.decoder
-        projected = decoder.project_in is not None or decoder.project_out is not None
-        return decoder, None if projected else decoder.embed_tokens, self.lm_head
+        return None if decoder.projected else (decoder, decoder.embed_tokens, self.lm_head)
 
     def fused_positions(self) -> tuple[torch.Tensor, int] | None:
-        return self.model.decoder.embed_positions.weight, _POSITION_OFFSET
+        positions = self.model.decoder.embed_positions  # the first stage's
+        return None if positions is None else (positions.weight, _POSITION_OFFSET)
