@@ -1,7 +1,8 @@
 """A multi-step call's later steps over pipeline stages in one C++ call at every rank (no Ray: gloo ranks forked from
 one driver): the first stage embeds, each stage hands the next its hidden states and residual over the world's shared
 memory, the last one computes the logits and the driver's tokens reach every rank; the tokens of a whole model's
-steps at one rank, on every rank."""
+steps at one rank, on every rank. With drafts the driver alone proposes (prompt lookup over a history only it
+holds) and verifies them, and every rank feeds them."""
 from __future__ import annotations
 
 import copy
@@ -14,6 +15,7 @@ import torch
 
 from forked_ranks import HOST, drive, run_driver
 from kernels import cpu_extension
+from kernels.cpu_greedy_decode import PromptLookupDrafts
 from test_cpu_decoder_layer import BLOCK_SIZE, CASES
 from workers.distributed import (init_distributed, parallel_state, pipeline_kernel_group, shutdown_distributed,
                                  single_rank)
@@ -36,8 +38,8 @@ def _rank_main(rank: int, world: int, port: int, run: int) -> None:
     try:
         assert pipeline_kernel_group() is not None, "ranks on one host should hand over in shared memory"
         with torch.inference_mode():
-            for dtype in (torch.float32, torch.bfloat16):
-                _check_steps(dtype)
+            for dtype, k in ((torch.float32, 0), (torch.bfloat16, 0), (torch.float32, 3)):
+                _check_steps(dtype, k)
     finally:
         shutdown_distributed()
 
@@ -64,9 +66,11 @@ def _bind_caches(model: LlamaForCausalLM, config, dtype: torch.dtype, blocks: in
             for _ in range(2))
 
 
-def _check_steps(dtype: torch.dtype) -> None:
+def _check_steps(dtype: torch.dtype, k: int) -> None:
     """The whole model's steps at one rank (forward, logits, argmax in Python) from a token at position 0 per row,
-    each row in its own blocks; then this stage's greedy_decode call over the stages: the same tokens."""
+    each row in its own blocks; then this stage's greedy_decode call over the stages: the same tokens. With k > 0 the
+    driver looks up drafts in a history that holds each row's greedy tokens after its first (the others: none), so
+    it drafts the argmax's tokens and the steps accept some."""
     config = copy.deepcopy(CASES["llama head_dim 64"][1])
     config.num_hidden_layers, config.vocab_size, config.tie_word_embeddings = 4, 61, False
     blocks = -(-STEPS // BLOCK_SIZE)
@@ -91,10 +95,16 @@ def _check_steps(dtype: torch.dtype) -> None:
     assert greedy is not None and greedy.pipeline is not None, "a stage's later steps should take the C++ call"
     assert (greedy.embedding is None, greedy.head is None) == (parallel_state().pp_rank > 0,
                                                                parallel_state().pp_rank < STAGES - 1)
+    rows = [list(row) for row in zip(*expected)]
+    driver = parallel_state().is_driver
+    drafts = PromptLookupDrafts(k, 1, 1, [[int(t), *row, int(t)] if driver else [] for t, row in zip(first, rows)]) \
+        if k else None
     run = model.greedy_decode(first.numpy(), np.zeros(ROWS, dtype=np.int64), table.numpy(),
-                              np.full(ROWS, STEPS, dtype=np.int64), [set()] * ROWS, STEPS)
+                              np.full(ROWS, STEPS, dtype=np.int64), [set()] * ROWS, STEPS, drafts)
     assert run is not None
-    assert run.tokens[:, :STEPS].tolist() == [list(row) for row in zip(*expected)], (dtype, parallel_state().pp_rank)
+    assert run.tokens[:, :STEPS].tolist() == rows, (dtype, k, parallel_state().pp_rank)
+    if k and driver:
+        assert run.verified[..., 1].max() > 0, "the driver's drafts should be accepted"
 
 
 if __name__ == "__main__":

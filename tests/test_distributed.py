@@ -387,3 +387,39 @@ def test_speculative_decoding_under_tp_and_pp_equals_one_rank(cluster, method):
     assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens, stats
     if method == "ngram":
         assert stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), pytest.param(1, 2, marks=SLOW)])
+def test_speculative_multi_step_calls_over_ranks_equal_one_rank(cluster, tp, pp):
+    """A call's later steps verify prompt-lookup drafts inside the one C++ call at every rank: the driver drafts and
+    chooses, the other ranks take its tokens. Greedy and seeded sampled requests get one rank's tokens and the same
+    drafts accepted, in fewer engine steps than steps."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+            "disable_by_batch_size": None}
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)]
+    prompts = [{"prompt_token_ids": p * 8} for p in random_prompts([3, 4, 5], vocab=1000, seed=2)]
+    engine = {"dtype": "float32", "block_size": 8, "max_model_len": 256, "num_scheduler_steps": 8,
+              "multi_step_budget_ms": None, "speculative_config": spec}
+    (expected, expected_stats, _), (outputs, stats, calls) = (
+        _counted_completions(prompts, params, **engine),
+        _counted_completions(prompts, params, tensor_parallel_size=tp, pipeline_parallel_size=pp, **engine))
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    got, want = stats.spec_decoding, expected_stats.spec_decoding
+    assert 0 < got.num_accepted_tokens < got.num_draft_tokens, got
+    assert (got.num_draft_tokens, got.num_accepted_tokens) == (want.num_draft_tokens, want.num_accepted_tokens)
+    assert calls < max(len(o.token_ids) for o in outputs) / 2, calls
+
+
+def _counted_completions(prompts: list[dict], params: list[SamplingParams],
+                         **engine_args) -> tuple[list, SchedulerStats, int]:
+    """_completions, and how many engine steps (calls) they took."""
+    llm = LLM(model_dir("llama-kv1"), in_process=True, **engine_args)
+    calls, step = [], llm.client.engine.step
+    llm.client.engine.step = lambda: calls.append(1) or step()
+    try:
+        outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return outputs, llm.get_stats(), len(calls)
+    finally:
+        llm.shutdown()

@@ -153,10 +153,15 @@ def pipeline_kernel_group() -> ShmGroup | None:
     return None if _state.world_comm is None else _state.world_comm.kernel_group
 
 
-def pipeline_agrees(ready: bool) -> bool:
-    """Whether every rank of the pipeline is ready (each says so; over the world's shared memory, so only where
-    pipeline_kernel_group() is not None)."""
-    return not _state.world_comm.all_reduce(torch.tensor([0 if ready else 1], dtype=torch.int64)).item()
+def ranks_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over every rank of the engine (each stage's TP ranks), in place: shared memory where they all share this
+    host's, else gloo."""
+    if _state.pp_size == 1:
+        return tp_all_reduce(x)
+    if _state.world_comm is not None:
+        return _state.world_comm.all_reduce(x)
+    dist.all_reduce(x)
+    return x
 
 
 def tp_all_reduce_max(x: torch.Tensor) -> torch.Tensor:

@@ -84,12 +84,11 @@ class ModelRunner(RunnerCaches):
     def multi_steps(self) -> int:
         """The most decode steps one call runs (core/multi_step.py): on the CPU (CUDA graphs and decode ahead take
         that cost off the GPU's path); over several ranks (tensor and pipeline parallel) every rank runs them
-        (workers.fast_path.later_step_calls), without drafts. With speculative decoding, each step verifies the drafts
-        proposed after the one before (a proposer that reads hidden states reads each later step's).
-        Experts split over data-parallel engines: one forward pass per call, which every engine matches."""
-        parallel = self.parallel
-        if (self.device.type != "cpu" or self.decode_graphs is not None or parallel.experts is not None
-                or (parallel.tp_size * parallel.pp_size > 1 and self.speculator is not None)):
+        (workers.fast_path.later_step_calls). With speculative decoding, each step verifies the drafts proposed after
+        the one before (a proposer that reads hidden states reads each later step's; over several ranks only in the
+        C++ call, whose driver drafts for every rank). Experts split over data-parallel engines: one forward pass
+        per call, which every engine matches."""
+        if self.device.type != "cpu" or self.decode_graphs is not None or self.parallel.experts is not None:
             return 1
         return self.config.num_scheduler_steps
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #ifdef _OPENMP
@@ -14,6 +15,7 @@
 
 #include "decoder_layer.h"
 #include "draft_steps.h"
+#include "driver_steps.h"
 #include "grammar_masks.h"
 #include "greedy_model.h"
 #include "logprobs.h"
@@ -22,31 +24,6 @@
 #include "sample.h"
 
 namespace pagedserve {
-
-// Sampled rows instead of the argmax (null temperature: none): a row with temperature[m] > 0 draws its tokens by
-// sample.h's rules with its top_k, top_p and min_p, reading its uniform draws draws[m * columns ..] in the order
-// the sampler's steps draw them (Sampler.draft, then Sampler._random_sample): one per draft a draft model draws
-// for it; then in a step where no row verifies a draft one for its token; in one where some row does, one accept
-// draw per token row of its own (its drafts and the token after them), then one uniform draw per token row; after
-// the last step one per draft the draft model draws for the next call. drawn [M]: how many each row read.
-struct RowSampling {
-  const float* temperature = nullptr;
-  const int64_t* top_k = nullptr;
-  const float* top_p = nullptr;
-  const float* min_p = nullptr;
-  const double* draws = nullptr;
-  int64_t columns = 0;
-  int64_t* drawn = nullptr;
-};
-
-// What a sampled row's token is drawn with: its uniform draw, and the draft it verifies (-1: none), drawn from q
-// (null: a one-hot guess), with its accept draw.
-struct TokenDraws {
-  double uniform = 0.0;
-  int64_t draft = -1;
-  const float* q = nullptr;
-  double accept = 0.0;
-};
 
 // Rows with a grammar's mask (grammar_masks.h; no drafts for them), penalties or a logit bias (penalties.h) take
 // the argmax or draw from their masked and processed scores; rows that report logprobs (logprobs.h) get them for
@@ -74,7 +51,8 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
   for (int64_t m = 0; m < int64_t(history.size()); ++m)
     history[m].assign(lookup.history + lookup.history_starts[m], lookup.history + lookup.history_starts[m + 1]);
   std::vector<int64_t> last(tokens, tokens + M), taken(M, 0), seqs, feeds, wants, drafts, pos, slots, table, lens, lora,
-      fed, last_pos;
+      fed, last_pos, before, packed;
+  const StepFollowers followers = model.followers(k > 0);
   MtpScratch<T> mtp_scratch;
   std::vector<char> stopped(M, 0);
   std::vector<T> x, hidden, residual, logits, local_logits;
@@ -110,6 +88,21 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
                         : sample_row(row_scores.data(), model.vocab, sampling.temperature[m], sampling.top_k[m],
                                      sampling.top_p[m], sampling.min_p[m], with.uniform, row_scratch);
     return token < 0 ? int64_t(-2) : token;
+  };
+  // Row m takes `token` (-2: its sampling failed, which ends it); whether it took one.
+  auto take = [&](int64_t m, int64_t token) {
+    if (token < 0) {
+      out[m * out_cols + taken[m]] = -2;
+      stopped[m] = 1;
+      return false;
+    }
+    out[m * out_cols + taken[m]] = token;
+    last[m] = token, ++taken[m];
+    count_token(counts, m, token);
+    if (k > 0) history[m].push_back(token);
+    stopped[m] = stopped[m] || std::find(stop_ids + stop_starts[m], stop_ids + stop_starts[m + 1], token) !=
+                                   stop_ids + stop_starts[m + 1];
+    return true;
   };
   // Row m's token and its logprobs (where it reports them) from a row of its logits, with a thread's scratch.
   auto take_token = [&](int64_t m, const T* row, int thread, const TokenDraws& with) {
@@ -164,7 +157,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
     if (A == 0) break;
     feeds.assign(A, 0), wants.assign(A, 0), drafts.resize(A * std::max<int64_t>(k, 1));
     int64_t R = A;
-    for (int64_t a = 0; a < A && k > 0; ++a) {
+    for (int64_t a = 0; a < A && k > 0 && followers.leads(); ++a) {
       const int64_t m = seqs[a], room = masks(grammar, m) ? 0 : std::min(limits[m] - taken[m] - 1, max_rows - R);
       // A draft model drafts k for a row with k slots ahead, as the Python steps do, of which the step feeds what
       // the row has room for.
@@ -175,7 +168,7 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
         R += feeds[a] = lookup_drafts(history[m], std::min(k, room), lookup.min_n, lookup.max_n,
                                       drafts.data() + a * k);
     }
-    if (draft.model) {
+    if (draft.model && followers.leads()) {
       if (sampling.temperature) q.resize(A * k * model.vocab);
       auto pick = [&](int64_t a, int64_t j, const T* row) {
         return pick_draft(seqs[a], a, j, row, q.empty() ? nullptr : q.data() + a * k * model.vocab);
@@ -190,6 +183,10 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
       }
       for (int64_t a = 0; a < A; ++a)
         if (sampled(seqs[a])) sampling.drawn[seqs[a]] += wants[a];
+    }
+    if (followers.group && k > 0) {
+      share_drafts(followers, k, feeds, drafts, packed);
+      R = A + std::accumulate(feeds.begin(), feeds.end(), int64_t(0));
     }
     pos.resize(R), slots.resize(R), lens.resize(R), lora.resize(R), fed.resize(R), table.resize(R * max_blocks);
     hidden.resize(R * H), residual.resize(R * H), logits.resize(R * model.head_rows);
@@ -212,9 +209,9 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
                  });
     if (model.has_head()) head_logits(model, hidden.data(), R, H, logits.data(), local_logits);
     // Without drafts each row has one row of logits: every row's token is chosen over the threads (processing and
-    // sampling a vocabulary is serial work per row), then taken in order below; over pipeline stages (no drafts)
-    // the last stage chooses them and the driver's reach every rank.
-    if (k == 0 && model.has_head()) {
+    // sampling a vocabulary is serial work per row), then taken in order below (by the driver alone where the
+    // others follow it: driver_steps.h).
+    if (k == 0 && model.has_head() && followers.leads()) {
 #pragma omp parallel if (A > 1)
       {
 #ifdef _OPENMP
@@ -227,12 +224,11 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
           chosen[a] = take_token(seqs[a], logits.data() + a * model.head_rows, thread, {draw(seqs[a], 0)});
       }
     }
-    if (model.pipeline) broadcast(model.pipeline->world, chosen.data(), A, model.pipeline->driver());
     if (draft.mtp) mtp_clear(mtp_scratch);
-    for (int64_t a = 0, r = 0; a < A; r += feeds[a] + 1, ++a) {
-      const int64_t m = seqs[a], before = taken[m];
-      const int64_t* stops_begin = stop_ids + stop_starts[m];
-      const int64_t* stops_end = stop_ids + stop_starts[m + 1];
+    before.resize(A);
+    for (int64_t a = 0; a < A; ++a) before[a] = taken[seqs[a]];
+    for (int64_t a = 0, r = 0; a < A && followers.leads(); r += feeds[a] + 1, ++a) {
+      const int64_t m = seqs[a];
       // A step that verifies drafts reads this row's accept draws, then its uniform ones (see RowSampling).
       const int64_t verifies = R > A, f = feeds[a];
       int64_t accepted = 0;
@@ -243,22 +239,12 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
                               draft ? draw(m, accepted) : 0.0};
         const int64_t token =
             k == 0 ? chosen[a] : take_token(m, logits.data() + (r + accepted) * model.head_rows, 0, with);
-        if (token < 0) {
-          out[m * out_cols + taken[m]] = -2;
-          stopped[m] = 1;
-          break;
-        }
-        out[m * out_cols + taken[m]] = token;
-        last[m] = token, ++taken[m];
-        count_token(counts, m, token);
-        if (k > 0) history[m].push_back(token);
-        stopped[m] = stopped[m] || std::find(stops_begin, stops_end, token) != stops_end;
-        if (accepted == feeds[a] || token != drafts[a * k + accepted]) break;
+        if (!take(m, token) || accepted == feeds[a] || token != drafts[a * k + accepted]) break;
       }
       if (sampled(m)) sampling.drawn[m] += verifies ? 2 * (f + 1) : 1;
-      for (int64_t i = 0; draft.mtp && i < taken[m] - before; ++i) {  // the target's h_p with token p + 1
-        mtp_row(mtp_scratch, out[m * out_cols + before + i], hidden.data() + (r + i) * H, H,
-                positions[m] + before + i, tables + m * max_blocks, max_blocks, block_size);
+      for (int64_t i = 0; draft.mtp && i < taken[m] - before[a]; ++i) {  // the target's h_p with token p + 1
+        mtp_row(mtp_scratch, out[m * out_cols + before[a] + i], hidden.data() + (r + i) * H, H,
+                positions[m] + before[a] + i, tables + m * max_blocks, max_blocks, block_size);
         mtp_scratch.owners.push_back(m);
       }
       if (feeds[a] > 0 && lookup.verified) {
@@ -267,6 +253,12 @@ void greedy_decode(const GreedyModel<T>& model, const int64_t* tokens, const int
       }
     }
     if (draft.mtp) mtp_observe(*draft.model, *draft.mtp, block_size, max_blocks, mtp_scratch);
+    if (followers.group) {  // each row's tokens (up to k + 1, and a failure) as the driver took them
+      share_taken(followers, seqs, before, k + 2, out, out_cols, packed);
+      for (int64_t a = 0; a < A && !followers.leads(); ++a)
+        for (int64_t j = 0; j < k + 2 && packed[a * (k + 2) + j] != -1 && take(seqs[a], packed[a * (k + 2) + j]);)
+          ++j;
+    }
   }
   if (draft.model && draft.next) {
     std::fill(draft.next, draft.next + M * k, int64_t(-1));

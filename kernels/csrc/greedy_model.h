@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "decoder_layer.h"
+#include "driver_steps.h"
 
 namespace pagedserve {
 
@@ -45,6 +46,12 @@ struct GreedyModel {
 
   const ShmGroup* tp() const { return group ? &*group : nullptr; }
   bool has_head() const { return !pipeline || pipeline->last(); }
+  // The ranks that follow the driver's drafts and tokens (driver_steps.h): every pipeline rank, or a TP group's
+  // ranks with drafts; none where each rank chooses alike.
+  StepFollowers followers(bool drafts) const {
+    if (pipeline) return {&pipeline->world, pipeline->driver()};
+    return drafts && group ? StepFollowers{&*group, 0} : StepFollowers{};
+  }
 };
 
 // The embeddings of R tokens into x [R, H], each at its position: the table's rows (under tensor parallelism this

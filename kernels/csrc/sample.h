@@ -151,4 +151,29 @@ inline void draft_rows(const float* logits, int64_t rows, int64_t vocab, const f
   }
 }
 
+// Sampled rows instead of the argmax (null temperature: none): a row with temperature[m] > 0 draws its tokens by
+// sample.h's rules with its top_k, top_p and min_p, reading its uniform draws draws[m * columns ..] in the order
+// the sampler's steps draw them (Sampler.draft, then Sampler._random_sample): one per draft a draft model draws
+// for it; then in a step where no row verifies a draft one for its token; in one where some row does, one accept
+// draw per token row of its own (its drafts and the token after them), then one uniform draw per token row; after
+// the last step one per draft the draft model draws for the next call. drawn [M]: how many each row read.
+struct RowSampling {
+  const float* temperature = nullptr;
+  const int64_t* top_k = nullptr;
+  const float* top_p = nullptr;
+  const float* min_p = nullptr;
+  const double* draws = nullptr;
+  int64_t columns = 0;
+  int64_t* drawn = nullptr;
+};
+
+// What a sampled row's token is drawn with: its uniform draw, and the draft it verifies (-1: none), drawn from q
+// (null: a one-hot guess), with its accept draw.
+struct TokenDraws {
+  double uniform = 0.0;
+  int64_t draft = -1;
+  const float* q = nullptr;
+  double accept = 0.0;
+};
+
 }  // namespace pagedserve

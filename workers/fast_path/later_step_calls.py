@@ -9,13 +9,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ipc import ModelRunnerOutput, SchedulerOutput
-from kernels.cpu_greedy_decode import DraftModelDrafts, draw_columns
+from kernels.cpu_greedy_decode import DraftModelDrafts, PromptLookupDrafts, draw_columns
 from kernels.cpu_mtp import MtpDrafts
 from kernels.cpu_row_options import SampledRows
-from workers.distributed import pipeline_agrees, pipeline_kernel_group, pp_send, tp_all_reduce
+from workers.distributed import pipeline_kernel_group, pp_send, ranks_all_reduce, tp_all_reduce
 from workers.fast_path.later_steps import LaterSteps, StepBatch, accepted_run
 from workers.model_inputs import ModelInputs
 from workers.request_state import CachedRequestState
@@ -42,8 +41,10 @@ class LaterStepCalls:
         goes = num_steps > 1 and not output.failed
         self._share_start(goes, num_steps)
         if goes:
-            if self._shares:
-                self._shared([output.sampled_token_ids[state.req_id][-1] for state in states], len(states))
+            if self._shares:  # how many tokens each took (drafts accepted, and one more), then the tokens
+                taken = [output.sampled_token_ids[state.req_id] for state in states]
+                self._shared([len(tokens) for tokens in taken], len(states))
+                self._shared([token for tokens in taken for token in tokens], sum(map(len, taken)))
             self.run(output, states, num_steps, CallGrammars(grammars or {}, [state.req_id for state in states],
                                                              [output.sampled_token_ids[s.req_id] for s in states],
                                                              scheduled.grammar_bitmask.words_per_row
@@ -61,7 +62,9 @@ class LaterStepCalls:
         (when none fails)."""
         if num_steps > 1 and self._shared(None, 1)[0]:
             states = [group.state for group in inputs.sample_groups]
-            first = {state.req_id: [token] for state, token in zip(states, self._shared(None, len(states)))}
+            counts = self._shared(None, len(states))
+            tokens, ends = self._shared(None, sum(counts)), np.cumsum(counts).tolist()
+            first = {state.req_id: tokens[end - count:end] for state, count, end in zip(states, counts, ends)}
             self.run(ModelRunnerOutput(sampled_token_ids=first), states, num_steps, CallGrammars({}, [], [], 0))
 
     @property
@@ -75,14 +78,10 @@ class LaterStepCalls:
             self._shared([int(goes)], 1)
 
     def _shared(self, tokens: list[int] | None, count: int) -> list[int]:
-        """The driver's tokens (None on the other ranks: `count` of them) on every rank. In one stage: its values
-        summed with the others' zeros (shared memory); over stages: broadcast from it over every rank (gloo)."""
+        """The driver's tokens (None on the other ranks: `count` of them) on every rank: its values summed with the
+        others' zeros."""
         values = torch.zeros(count, dtype=torch.int64) if tokens is None else torch.tensor(tokens, dtype=torch.int64)
-        parallel = self.runner.parallel
-        if parallel.pp_size == 1:
-            return tp_all_reduce(values).tolist()
-        dist.broadcast(values, src=(parallel.pp_size - 1) * parallel.tp_size)
-        return values.tolist()
+        return ranks_all_reduce(values).tolist()
 
     def run(self, output: ModelRunnerOutput, states: list[CachedRequestState], num_steps: int,
             grammars: CallGrammars) -> None:
@@ -109,7 +108,8 @@ class LaterStepCalls:
             rows = steps.active()
             if not rows:
                 break
-            proposed = runner.propose(output, [states[i] for i in steps.with_room(rows, draft_ahead)])
+            # Over several ranks the Python steps feed no drafts (the driver alone proposes them).
+            proposed = {} if shares else runner.propose(output, [states[i] for i in steps.with_room(rows, draft_ahead)])
             batch = steps.batch(rows, {i: proposed[states[i].req_id] for i in rows if states[i].req_id in proposed})
             metadata = tensors.attention_metadata(batch.slot_mapping, batch.block_table, batch.query_start_loc,
                                                   batch.seq_lens, batch.num_decodes)
@@ -172,30 +172,32 @@ class LaterStepCalls:
         rows = steps.active()
         if greedy is None or not rows:
             return False
+        runner, parallel = self.runner, self.runner.parallel
+        states, speculator = [steps.states[i] for i in rows], runner.speculator
+        drafting = speculator is not None and speculator.speculates(len(output.sampled_token_ids))
         drafts = None
-        states = [steps.states[i] for i in rows]
-        sampled = not all(state.sampling_params.is_greedy for state in states)
-        # Off the last stage no logits: the driver's tokens reach this rank each step.
-        last_stage = runner.parallel.is_last_stage
-        processed = last_stage and not all(state.sampling_params.logits_as_they_are for state in states)
-        # Over several ranks every rank makes the same call, which must take the same tokens at each (the TP ranks
-        # gather each step's logits, the driver's draws for sampled rows, no drafts) and all ranks of the stages
-        # must make it.
-        if self._shares and runner.speculator is not None:
-            return False
-        if runner.parallel.pp_size > 1 and not self._stages_ready(len(rows)):
-            return False
-        drafting = runner.speculator is not None and runner.speculator.speculates(len(output.sampled_token_ids))
         if drafting or runner._observes:  # a proposer that reads hidden states (MTP) takes every step's all the same
-            if (drafts := runner.speculator.kernel_drafts(
-                    states, [state.token_ids + steps.tokens[i] for state, i in zip(states, rows)],
-                    steps.capacity[rows], drafting)) is None:
-                return False
+            drafts = speculator.kernel_drafts(states, [state.token_ids + steps.tokens[i] for state, i in
+                                                       zip(states, rows)], steps.capacity[rows], drafting)
+        ready = drafts is not None or not (drafting or runner._observes)
+        # Over pipeline stages, or with drafts over several ranks, the driver alone drafts and chooses and the others
+        # follow it in the call (kernels/csrc/driver_steps.h): every rank must make it, the driver's drafts' k known.
+        follows = self._shares and (parallel.pp_size > 1 or runner.config.speculative_config is not None)
+        if follows:
+            ready, k = self._ranks_ready(len(rows), ready and not runner._observes,
+                                         drafts.k if drafting and drafts is not None else 0)
+            if ready and k and drafts is None:  # the driver's drafts reach this rank in the call
+                drafts = PromptLookupDrafts(k, 1, 1, [[] for _ in rows])
+        if not ready:
+            return False
+        chooses = not follows or parallel.is_driver
+        sampled = chooses and not all(state.sampling_params.is_greedy for state in states)
+        processed = chooses and not all(state.sampling_params.logits_as_they_are for state in states)
         limits = steps.limits(rows)
         drawn_drafts = isinstance(drafts, (DraftModelDrafts, MtpDrafts))
         sampled_rows, seeded = self._sampled_rows(states, limits, draw_columns(
-            limits, count, drafts.k if drafts else 0, drawn_drafts)) if sampled else (None, [])
-        reports = [state.sampling_params.logprobs if last_stage else None for state in states]
+            limits, count, drafts.k if drafts else 0, drawn_drafts), follows) if sampled else (None, [])
+        reports = [state.sampling_params.logprobs if chooses else None for state in states]
         run = greedy(np.array([steps.tokens[i][-1] for i in rows], dtype=np.int64), steps.context[rows] - 1,
                      steps.table[rows], limits, [steps.stops[i] for i in rows], count, drafts, sampled_rows,
                      penalized_rows(states, [steps.tokens[i] for i in rows]) if processed else None,
@@ -212,8 +214,8 @@ class LaterStepCalls:
             if failed:
                 output.failed[steps.states[i].req_id] = "no token to sample: every logit is -inf, or one is NaN"
                 steps.stop(i)
-        if drafts is not None:
-            runner.speculator.resume(states, drafts, steps.context[rows])
+        if drafts is not None and speculator is not None:
+            speculator.resume(states, drafts, steps.context[rows])
         if run.verified is not None:
             for i, checks in zip(rows, run.verified):
                 checks = checks[checks[:, 0] >= 0]
@@ -221,13 +223,16 @@ class LaterStepCalls:
                     output.verified.setdefault(steps.states[i].req_id, []).extend(map(tuple, checks.tolist()))
         return True
 
-    def _stages_ready(self, rows: int) -> bool:
-        """Whether every pipeline stage's rank takes `rows` rows in its greedy_decode (a collective of them all, where
-        they share this host's memory; else none: the Python steps)."""
-        if pipeline_kernel_group() is None:
-            return False
+    def _ranks_ready(self, rows: int, ready: bool, k: int) -> tuple[bool, int]:
+        """Whether every rank is ready (this one says `ready`) to take `rows` rows in its greedy_decode, and the
+        driver's drafts' k (0: none; `k` on the driver): a sum over every rank. Pipeline stages whose ranks do not
+        all share this host's memory take the Python steps (every rank knows, with no exchange)."""
+        if self.runner.parallel.pp_size > 1 and pipeline_kernel_group() is None:
+            return False, 0
         model = self.runner.model.greedy_model()
-        return pipeline_agrees(model is not None and rows <= model.max_rows)
+        ready = ready and model is not None and rows <= model.max_rows
+        not_ready, k = ranks_all_reduce(torch.tensor([0 if ready else 1, k], dtype=torch.int64)).tolist()
+        return not_ready == 0, k
 
     def _observe(self, hidden: torch.Tensor, states: list[CachedRequestState], batch: StepBatch,
                  output: ModelRunnerOutput) -> None:
@@ -242,13 +247,13 @@ class LaterStepCalls:
             return None
         return np.array(self.runner.lora_slots(states, np.ones(len(states), dtype=np.int64)), dtype=np.int64)
 
-    def _sampled_rows(self, states: list[CachedRequestState], limits: np.ndarray, columns: int
+    def _sampled_rows(self, states: list[CachedRequestState], limits: np.ndarray, columns: int, follows: bool
                       ) -> tuple[SampledRows, list[tuple[int, torch.Tensor]]]:
         """The requests' sampling options and `columns` uniform draws each: a seeded request's from its own
         generator, in the order the sampler's steps would draw them (the kernel reads them so), the others' from the
         shared one (float32, as the sampler's); and each seeded row's generator state before its draws (for
-        _rewind). The driver draws them; one stage's other ranks get its draws (a sum with their zeros), so every
-        rank's call takes the same tokens."""
+        _rewind). The driver draws them; where the other ranks choose too (one stage's, without drafts: not
+        `follows`) they get its draws (a sum with their zeros), so every rank's call takes the same tokens."""
         params = [state.sampling_params for state in states]
         draws = torch.zeros(len(states), columns, dtype=torch.float64)
         seeded = []
@@ -258,7 +263,7 @@ class LaterStepCalls:
                 if state.generator is not None and not state.sampling_params.is_greedy:
                     seeded.append((row, state.generator.get_state()))
                     draws[row] = torch.empty(draws.shape[1]).uniform_(generator=state.generator)
-        if self._shares:
+        if self._shares and not follows:
             tp_all_reduce(draws)
         return SampledRows(np.array([0.0 if p.is_greedy else p.temperature for p in params], dtype=np.float32),
                            np.array([p.top_k for p in params], dtype=np.int64),
