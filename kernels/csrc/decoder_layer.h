@@ -139,7 +139,7 @@ void attend(const DecoderLayer<T>& L, T* qkv, const int64_t* positions, const in
   // Where head h's q, k and v start in a row.
   const int64_t q_step = L.qkv_per_head ? 3 * D : D, k_at = L.qkv_per_head ? D : q_size;
   const int64_t v_at = L.qkv_per_head ? 2 * D : q_size + kv_size;
-  std::vector<T> q(M * q_size);
+  Scratch<T> q(M * q_size);
 #pragma omp parallel for if (M * qkv_size >= kParallelMinElements)
   for (int64_t m = 0; m < M; ++m) {
     T* row = qkv + m * qkv_size;
@@ -221,7 +221,7 @@ template <typename T>
 void dense_mlp(const DecoderLayer<T>& L, const T* normed, T* out, int64_t M, const int64_t* lora_slots,
                const ShmGroup* tp = nullptr) {
   const int64_t H = L.hidden, I = L.intermediate, width = gated(L.activation) ? 2 * I : I;
-  std::vector<T> h(M * width), act(M * I);
+  Scratch<T> h(M * width), act(M * I);
   project(L.gate_up, normed, L.gate_up_bias, h.data(), M, width, H, lora_slots);
   activate_rows(L, h.data(), act.data(), M);
   project(L.down, act.data(), tp ? nullptr : L.down_bias, out, M, H, I, lora_slots);
@@ -251,22 +251,22 @@ void decoder_layer(const DecoderLayer<T>& L, const T* x, const T* residual, T* o
                    const int64_t* tables, int64_t max_blocks, const int64_t* seq_lens, int64_t M,
                    const int64_t* lora_slots, const ShmGroup* tp = nullptr) {
   const int64_t H = L.hidden, attn_size = attn_width(L);
-  std::vector<T> normed(M * H), attn(M * attn_size);
+  Scratch<T> normed(M * H), attn(M * attn_size);
   before_attention(L, x, residual, residual_out, normed.data(), M);
   if (L.mla.lora) {
     mla_layer_attention(L, normed.data(), positions, slots, cache, block_size, tables, max_blocks, seq_lens,
                         attn.data(), M, lora_slots);
   } else {
-    std::vector<T> qkv(M * qkv_width(L));
+    Scratch<T> qkv(M * qkv_width(L));
     project(L.qkv, normed.data(), L.qkv_bias, qkv.data(), M, qkv_width(L), H, lora_slots);
     attend(L, qkv.data(), positions, slots, cache, block_size, tables, max_blocks, seq_lens, attn.data(), M);
   }
-  std::vector<T> o(M * H);
+  Scratch<T> o(M * H);
   project(L.o, attn.data(), tp ? nullptr : L.o_bias, o.data(), M, H, attn_size, lora_slots);
   if (tp) reduce_rows(*tp, o.data(), L.o_bias, M, H);
   after_attention(L, o.data(), residual_out, normed.data(), M);
   if (L.experts.count) {
-    std::vector<T> shared(L.gate_up.weight ? M * H : 0);  // a shared expert's output
+    Scratch<T> shared(L.gate_up.weight ? M * H : 0);  // a shared expert's output
     const SharedExpert<T> joined = joined_shared_expert(L, shared.data(), lora_slots);
     mixture_of_experts(L.experts, normed.data(), out, M, H, joined);
     if (tp) all_reduce(*tp, out, M * H);  // each rank's experts hold a slice of every expert's MLP

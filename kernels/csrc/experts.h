@@ -179,7 +179,7 @@ void run_experts(const Experts<T>& E, const ExpertGroups& g, const T* x, T* y, i
     if (E.gate_up_pairs && E.down_pairs) {
       const int64_t S = shared.gate_up ? shared.inter : 0, up_elems = (2 * I + 31) / 32 * ((H + 1) / 2) * 64;
       const int64_t down_elems = (H + 31) / 32 * ((I + 1) / 2) * 64;  // an expert's pairs copies' sizes
-      std::vector<T> xs(P * H), h(P * 2 * I + M * 2 * S), act(P * I + M * S);
+      Scratch<T> xs(P * H), h(P * 2 * I + M * 2 * S), act(P * I + M * S);
 #pragma omp parallel for if (P * H >= kParallelMinElements)
       for (int64_t p = 0; p < P; ++p) std::copy(x + g.pairs[p] / K * H, x + (g.pairs[p] / K + 1) * H, &xs[p * H]);
       std::vector<ExpertProduct> up, down;
@@ -205,7 +205,7 @@ void run_experts(const Experts<T>& E, const ExpertGroups& g, const T* x, T* y, i
 #endif
   auto run = [&](size_t i) {
     const int64_t e = g.active[i], first = g.starts[i], n = g.starts[i + 1] - first;
-    std::vector<T> xs(n * H), h(n * 2 * I), act(n * I);
+    Scratch<T> xs(n * H), h(n * 2 * I), act(n * I);
     for (int64_t r = 0; r < n; ++r) {
       const int64_t row = g.pairs[first + r] / K;
       std::copy(x + row * H, x + (row + 1) * H, xs.data() + r * H);
@@ -240,7 +240,7 @@ void mixture_of_experts(const Experts<T>& E, const T* x, T* out, int64_t M, int6
     route(E, logits.data(), M, ids.data(), weights.data());
   }
   const ExpertGroups g = group_by_expert(ids.data(), E.count, M * K);
-  std::vector<T> y(g.pairs.size() * H);  // each pair's expert output, in pairs' order
+  Scratch<T> y(int64_t(g.pairs.size()) * H);  // each pair's expert output, in pairs' order
   run_experts(E, g, x, y.data(), M, H, shared);
   // Each pair's slot in y, then every row's sum over its pairs in expert order.
   std::vector<int64_t> slot(M * K);
