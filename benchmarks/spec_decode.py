@@ -15,6 +15,7 @@ Example:
     python benchmarks/spec_decode.py --cutoff-sweep 1 2 4 8 16 32   # where disable_by_batch_size should cut in
     python benchmarks/spec_decode.py --method mtp   # DeepSeek-V3-shaped, its MTP layer drafting (k=--mtp-drafts)
     python benchmarks/spec_decode.py --temperature 0.8 --top-p 0.95 --batch 0   # sampled requests (seeded)
+    python benchmarks/spec_decode.py --tp 2 --requests 4 --batch 0   # both engines over two ranks (or --pp 2)
 --method mtp: a small DeepSeek-V3-shaped model trained with its multi-token-prediction layer on the demo corpus
 (launch/train_mtp.py; trained into the benchmark cache on first use) continues the free workload with and without
 the layer's drafts, at batch 1 and --batch; the acceptance by draft position is the figure.
@@ -96,6 +97,7 @@ def compare(args: argparse.Namespace, texts: list[str], batch: int, spec: dict, 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=0 if args.temperature else None,
                             max_tokens=args.max_tokens, ignore_eos=True)
     engines = {name: LLM(str(args.model), dtype=args.dtype, in_process=True, speculative_config=config,
+                         tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
                          **bench_device.engine_args(args.device))
                for name, config in (("none", None), ("spec", spec))}
     for llm in engines.values():
@@ -144,6 +146,8 @@ def main() -> int:
                         help="instead: each method at these batch sizes with disable_by_batch_size off (where "
                              "speculation stops paying)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--tp", type=int, default=1, help="both engines' tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="both engines' pipeline-parallel size")
     parser.add_argument("--method", choices=("ngram-draft", "mtp"), default="ngram-draft",
                         help="prompt lookup and the draft model on the demo (default), or MTP (see above)")
     parser.add_argument("--mtp-drafts", type=int, default=2)
@@ -152,6 +156,10 @@ def main() -> int:
     if args.method == "mtp":
         args.model = train_mtp.ensure_mtp_model(args.mtp_steps)
     args.device = bench_device.resolve(args.device)
+    if args.tp * args.pp > 1:  # both engines' ranks up at once: a Ray CPU each, whatever the machine has
+        import ray
+        ray.init(address="local", num_cpus=2 * args.tp * args.pp, include_dashboard=False,
+                 _node_ip_address="127.0.0.1")
     warnings.filterwarnings("ignore")
     code = held_out_code(args.model, max(args.requests, args.batch, *args.cutoff_sweep), lines=12)
     configs = {"ngram": json.loads(args.ngram_config), "draft": json.loads(args.draft_config)}

@@ -6,9 +6,6 @@ calls on.
 Both engines stay up side by side and take turns each round, so machine drift hits both alike; the figure is the
 median over rounds of each engine's rate, and of their ratio (two ranks / one: 1.0 is the same speed from the same
 CPUs, which is what the fast path over several ranks aims at).
-
---ngram K: both engines speculate with prompt lookup (K drafts, every batch size); the prompts repeat a short
-pattern and the random model's greedy output falls into loops, so drafts are proposed and some accepted.
 """
 from __future__ import annotations
 
@@ -29,14 +26,12 @@ from ipc import EngineConfig, EngineCoreRequest, SamplingParams  # noqa: E402
 from launch.make_model import make_model  # noqa: E402
 
 
-def output_tokens_per_s(engine: EngineCore, batch: int, prompt_len: int, output_len: int, tag: str,
-                        period: int = 900) -> float:
-    """`batch` requests decoded to `output_len` tokens each; tokens/s from the first token on. Each prompt repeats a
-    pattern of `period` tokens."""
+def output_tokens_per_s(engine: EngineCore, batch: int, prompt_len: int, output_len: int, tag: str) -> float:
+    """`batch` requests decoded to `output_len` tokens each; tokens/s from the first token on."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i in range(batch):
-        prompt = [(7 * i + j % period) % 900 + 3 for j in range(prompt_len)]
-        engine.add_request(EngineCoreRequest(request_id=f"{tag}-{i}", sampling_params=params, prompt_token_ids=prompt))
+        engine.add_request(EngineCoreRequest(request_id=f"{tag}-{i}", sampling_params=params,
+                                             prompt_token_ids=[(7 * i + j) % 900 + 3 for j in range(prompt_len)]))
     num_tokens = sum(len(output.new_token_ids) for output in engine.step())
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -53,23 +48,19 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--pp", action="store_true", help="two pipeline stages instead of two tensor-parallel ranks")
-    parser.add_argument("--ngram", type=int, default=0, metavar="K", help="speculate with prompt lookup, K drafts")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # HF transformers 5.x's notices
     model = str(make_model(Path.home() / ".cache" / "pagedserve" / "bench-models" / f"{args.arch}-{args.size}",
                            arch=args.arch, size=args.size))
-    spec = {"method": "ngram", "num_speculative_tokens": args.ngram, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-            "disable_by_batch_size": None} if args.ngram else None
-    base = EngineConfig(model=model, dtype="bfloat16", max_model_len=512, num_kv_blocks=1024,
-                        speculative_config=spec)
+    base = EngineConfig(model=model, dtype="bfloat16", max_model_len=512, num_kv_blocks=1024)
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1")
     label, layout = ("pp=2", {"pipeline_parallel_size": 2}) if args.pp else ("tp=2", {"tensor_parallel_size": 2})
     engines = {"tp=1": EngineCore(base), label: EngineCore(msgspec.structs.replace(base, **layout))}
-    compare_in_turns(engines, args.batches, args.rounds, args.prompt_len, args.output_len, 8 if args.ngram else 900)
+    compare_in_turns(engines, args.batches, args.rounds, args.prompt_len, args.output_len)
 
 
 def compare_in_turns(engines: dict[str, EngineCore], batches: list[int], rounds: int, prompt_len: int,
-                     output_len: int, period: int = 900) -> None:
+                     output_len: int) -> None:
     """Two engines' output tokens/s at each batch, taking turns each round, and the second's over the first's (the
     medians over rounds); shuts the engines and Ray down after."""
     try:
@@ -77,17 +68,12 @@ def compare_in_turns(engines: dict[str, EngineCore], batches: list[int], rounds:
             rates: dict[str, list[float]] = {name: [] for name in engines}
             for round_ in range(rounds):
                 for name, engine in engines.items():
-                    rates[name].append(output_tokens_per_s(engine, batch, prompt_len, output_len, f"{batch}-{round_}",
-                                                           period))
+                    rates[name].append(output_tokens_per_s(engine, batch, prompt_len, output_len, f"{batch}-{round_}"))
             first, second = rates.values()
             medians = "; ".join(f"{name} {statistics.median(r):.1f} tok/s" for name, r in rates.items())
             ratio = statistics.median(b / a for a, b in zip(first, second))
             print(f"batch {batch}: {medians}; {' / '.join(reversed(rates))} {ratio:.2f}x (median of {rounds} rounds)",
                   flush=True)
-        for name, engine in engines.items():
-            spec = engine.get_stats().spec_decoding
-            if spec is not None:
-                print(f"{name}: {spec.num_accepted_tokens} of {spec.num_draft_tokens} drafts accepted", flush=True)
     finally:
         for engine in engines.values():
             engine.shutdown()

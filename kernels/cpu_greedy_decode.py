@@ -265,12 +265,12 @@ def draw_columns(limits: np.ndarray, steps: int, k: int, drafted: bool = False) 
 
 def _draft_model_args(drafts: DraftModelDrafts, target: GreedyModel, lengths: np.ndarray) -> tuple:
     """The draft model as the kernel takes it (module.cpp's DraftArgs), once it is found to fit the target's steps
-    (its tokens index the target's embedding; lengths: each row's history length)."""
+    (its tokens within the target's vocabulary; lengths: each row's history length)."""
     draft = drafts.model
     draft.check()
     if draft.prepared.dtype != target.prepared.dtype:
         raise TypeError(f"the draft was prepared for {draft.prepared.dtype}, not the target's {target.prepared.dtype}")
-    if draft.vocab_size > target.embedding.shape[0]:
+    if draft.vocab_size > target.vocab_size:  # the driver's stage has the head (its embedding may be elsewhere)
         raise ValueError("the draft's vocabulary must be the target's")
     if draft.prepared.block_size != target.prepared.block_size:
         raise ValueError("the draft's caches must have the target's block size (they share its block table)")

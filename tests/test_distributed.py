@@ -389,13 +389,16 @@ def test_speculative_decoding_under_tp_and_pp_equals_one_rank(cluster, method):
         assert stats.num_accepted_tokens < stats.num_draft_tokens
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), pytest.param(1, 2, marks=SLOW)])
-def test_speculative_multi_step_calls_over_ranks_equal_one_rank(cluster, tp, pp):
-    """A call's later steps verify prompt-lookup drafts inside the one C++ call at every rank: the driver drafts and
-    chooses, the other ranks take its tokens. Greedy and seeded sampled requests get one rank's tokens and the same
-    drafts accepted, in fewer engine steps than steps."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
-            "disable_by_batch_size": None}
+@pytest.mark.parametrize("method, tp, pp", [("ngram", 2, 1), ("ngram", 1, 2), ("draft_model", 2, 1),
+                                             ("draft_model", 1, 2)])
+def test_speculative_multi_step_calls_over_ranks_equal_one_rank(cluster, method, tp, pp):
+    """A call's later steps verify drafts inside the one C++ call at every rank: the driver drafts (prompt lookup, or
+    the draft model it holds whole: here the target itself) and chooses, the other ranks take its tokens. Greedy and
+    seeded sampled requests get one rank's tokens and the same drafts drafted and accepted, in fewer engine steps
+    than steps."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2} \
+        if method == "ngram" else {"method": method, "model": model_dir("llama-kv1"), "num_speculative_tokens": 3}
+    spec["disable_by_batch_size"] = None
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)]
@@ -407,7 +410,7 @@ def test_speculative_multi_step_calls_over_ranks_equal_one_rank(cluster, tp, pp)
         _counted_completions(prompts, params, tensor_parallel_size=tp, pipeline_parallel_size=pp, **engine))
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     got, want = stats.spec_decoding, expected_stats.spec_decoding
-    assert 0 < got.num_accepted_tokens < got.num_draft_tokens, got
+    assert 0 < got.num_accepted_tokens <= got.num_draft_tokens, got
     assert (got.num_draft_tokens, got.num_accepted_tokens) == (want.num_draft_tokens, want.num_accepted_tokens)
     assert calls < max(len(o.token_ids) for o in outputs) / 2, calls
 

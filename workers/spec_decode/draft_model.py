@@ -79,7 +79,8 @@ class DraftModel(ProposerCaches):
         step for its bound caches); resume() takes what its K/V holds after, and the distributions a sampled
         request's next drafts were drawn from."""
         greedy_model = getattr(self.model, "greedy_model", None)
-        model = greedy_model() if greedy_model is not None else None
+        with single_rank():  # the whole draft, not this rank's stage or shard
+            model = greedy_model() if greedy_model is not None else None
         if model is None:
             return None
         known = np.array([self._known(state.req_id, context) for state, context in zip(states, contexts)],
