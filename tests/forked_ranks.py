@@ -9,10 +9,14 @@ import signal
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from workers.distributed import free_port
+import pytest
+import torch
+
+from kernels import cpu_extension
+from workers.distributed import free_port, init_distributed, shutdown_distributed
 from workers.shm_communicator import SHM_DIR
 
 HOST = "127.0.0.1"
@@ -33,6 +37,25 @@ def run_driver(script: str, args: list[str], timeout: float) -> None:
             os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
     assert driver.returncode == 0, f"{driver.returncode} runs failed:\n{errors[-4000:]}"
+
+
+def run_kernel_driver(script: str, timeout: float) -> None:
+    """run_driver of a script whose ranks call the C++ kernels: fails at once where the extension did not build."""
+    if cpu_extension.load() is None:
+        pytest.fail("the extension did not build")
+    run_driver(script, [], timeout)
+
+
+@contextlib.contextmanager
+def kernel_rank(port: int, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> Iterator[None]:
+    """A forked rank's CPU distributed state (one thread, no autograd) for the body, shut down after it."""
+    torch.set_num_threads(1)
+    init_distributed(HOST, port, tp_rank, tp_size, pp_rank, pp_size, torch.device("cpu"))
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        shutdown_distributed()
 
 
 def drive(tp_size: int, repeats: int, rank_main: RankMain) -> int:

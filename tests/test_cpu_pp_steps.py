@@ -10,15 +10,13 @@ import sys
 import zlib
 
 import numpy as np
-import pytest
 import torch
 
-from forked_ranks import HOST, drive, run_driver
+from forked_ranks import drive, kernel_rank, run_kernel_driver
 from kernels import cpu_extension
 from kernels.cpu_greedy_decode import PromptLookupDrafts
 from test_cpu_decoder_layer import BLOCK_SIZE, CASES
-from workers.distributed import (init_distributed, parallel_state, pipeline_kernel_group, shutdown_distributed,
-                                 single_rank)
+from workers.distributed import parallel_state, pipeline_kernel_group, single_rank
 from workers.layers.attention import AttentionMetadata
 from workers.models.llama import LlamaForCausalLM, head_dim_of
 
@@ -27,25 +25,18 @@ ROWS, STEPS = 3, 6
 
 
 def test_pipeline_stages_take_the_steps_of_one_rank() -> None:
-    if cpu_extension.load() is None:
-        pytest.fail("the extension did not build")
-    run_driver(__file__, [], timeout=240)
+    run_kernel_driver(__file__, timeout=240)
 
 
 def _rank_main(rank: int, world: int, port: int, run: int) -> None:
-    torch.set_num_threads(1)
-    init_distributed(HOST, port, 0, 1, rank, world, torch.device("cpu"))
-    try:
+    with kernel_rank(port, 0, 1, rank, world):
         assert pipeline_kernel_group() is not None, "ranks on one host should hand over in shared memory"
-        with torch.inference_mode():
-            for dtype, k in ((torch.float32, 0), (torch.bfloat16, 0), (torch.float32, 3)):
-                _check_steps(dtype, k)
-    finally:
-        shutdown_distributed()
+        for dtype, k in ((torch.float32, 0), (torch.bfloat16, 0), (torch.float32, 3)):
+            _check_steps(dtype, k)
 
 
-def _model(config, dtype: torch.dtype) -> LlamaForCausalLM:
-    """This rank's stage of the model, each parameter from a seed of its name (the same values in every layout)."""
+def seeded_llama(config, dtype: torch.dtype) -> LlamaForCausalLM:
+    """This rank's stage of the model (its share of it under tp), each parameter from a seed of its name (the same values in every layout)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -77,7 +68,7 @@ def _check_steps(dtype: torch.dtype, k: int) -> None:
     table = torch.arange(ROWS * blocks).view(ROWS, blocks)
     first = torch.tensor([3, 40, 60])
     with single_rank():
-        whole = _model(config, dtype)
+        whole = seeded_llama(config, dtype)
         _bind_caches(whole, config, dtype, ROWS * blocks)
         tokens, expected = first, []
         for position in range(STEPS):
@@ -88,7 +79,7 @@ def _check_steps(dtype: torch.dtype, k: int) -> None:
                 num_decodes=ROWS)
             tokens = whole.compute_logits(whole(tokens, positions, metadata)).argmax(dim=-1)
             expected.append(tokens.tolist())
-    model = _model(config, dtype)
+    model = seeded_llama(config, dtype)
     _bind_caches(model, config, dtype, ROWS * blocks)
     model.model.prepared_layers(dtype, prepare=True)
     greedy = model.greedy_model()

@@ -12,19 +12,19 @@ import math
 import sys
 
 import numpy as np
-import pytest
 import torch
 from transformers import DeepseekV2Config, DeepseekV3Config
 
-from forked_ranks import HOST, drive, run_driver
+from forked_ranks import drive, kernel_rank, run_kernel_driver
 from kernels import cpu_decoder_layer, cpu_extension, cpu_gemv
 from test_cpu_decoder_layer import BLOCK_SIZE, CASES, SEQS, make_layer, step_batch, with_pairs
 from test_cpu_mla_layer import YARN
-from workers.distributed import init_distributed, shutdown_distributed, tp_all_reduce, tp_kernel_group
+from test_cpu_pp_steps import seeded_llama
+from workers.distributed import tp_all_reduce, tp_kernel_group
 from workers.layers.attention import AttentionMetadata
 from workers.models.deepseek_v2 import DeepseekV2DecoderLayer
 from workers.models.deepseek_v3 import DeepseekV3DecoderLayer
-from workers.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, head_dim_of
+from workers.models.llama import LlamaDecoderLayer, LlamaModel, head_dim_of
 
 # Families' forms with what a shard changes: GQA heads split, q/k/v biases (column-parallel), o and down biases
 # added after the sum (OPT, GPT-NeoX), a parallel residual (two sums joined), sandwich norms, a slice of every
@@ -48,28 +48,21 @@ STEPS = ["three decodes", "mixed"]
 
 
 def test_layers_reduce_in_cpp_as_the_linear_layers_do() -> None:
-    if cpu_extension.load() is None:
-        pytest.fail("the extension did not build")
-    run_driver(__file__, [], timeout=240)
+    run_kernel_driver(__file__, timeout=240)
 
 
 def _rank_main(rank: int, tp_size: int, port: int, run: int) -> None:
-    torch.set_num_threads(1)
-    init_distributed(HOST, port, rank, tp_size, 0, 1, torch.device("cpu"))
-    try:
+    with kernel_rank(port, rank, tp_size, 0, 1):
         group = tp_kernel_group()
         assert group is not None and group.rank == rank and group.size == tp_size
         forms = [(torch.float32, False), (torch.bfloat16, False)] + [(torch.bfloat16, True)] * cpu_gemv.pairs_cpu()
-        with torch.inference_mode():
-            for case in FAMILIES:
-                for dtype, paired in forms:
-                    for seqs in STEPS:
-                        _check_layers(case, dtype, paired, SEQS[seqs], group)
-            _check_llama_stage_takes_it()
-            for dtype in (torch.float32, torch.bfloat16):
-                _check_greedy_steps_in_one_call(dtype)
-    finally:
-        shutdown_distributed()
+        for case in FAMILIES:
+            for dtype, paired in forms:
+                for seqs in STEPS:
+                    _check_layers(case, dtype, paired, SEQS[seqs], group)
+        _check_llama_stage_takes_it()
+        for dtype in (torch.float32, torch.bfloat16):
+            _check_greedy_steps_in_one_call(dtype)
 
 
 def _check_layers(case: str, dtype: torch.dtype, paired: bool, seqs: list[tuple[int, int]],
@@ -139,15 +132,7 @@ def _check_greedy_steps_in_one_call(dtype: torch.dtype, rows: int = 3, steps: in
     driver's argmax shared as the engine shares it) and in one greedy_decode call, the same tokens on every rank."""
     config = copy.deepcopy(CASES["llama head_dim 64"][1])
     config.num_hidden_layers, config.vocab_size, config.tie_word_embeddings = 2, 61, False  # rows padded at rank 1
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    generator = torch.Generator().manual_seed(5)
-    for name, param in model.named_parameters():
-        param.data.copy_((1.0 if "norm" in name else 0.0) + 0.3 * torch.randn(param.shape, generator=generator))
+    model = seeded_llama(config, dtype)
     blocks = -(-steps // BLOCK_SIZE)
     table = torch.arange(rows * blocks).view(rows, blocks)
     first = torch.tensor([3, 40, 60])  # on each rank's rows of the vocabulary, and the last real one
