@@ -172,7 +172,7 @@ class LaterStepCalls:
         rows = steps.active()
         if greedy is None or not rows:
             return False
-        runner, parallel = self.runner, self.runner.parallel
+        parallel = runner.parallel
         states, speculator = [steps.states[i] for i in rows], runner.speculator
         drafting = speculator is not None and speculator.speculates(len(output.sampled_token_ids))
         drafts = None
