@@ -3,7 +3,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
+
+import pytest
+from torch.utils import cpp_extension
 
 from kernels import cpu_extension
 
@@ -66,3 +70,19 @@ def test_no_pairs_conversion_is_left_out_of_line(cpu_kernels_built):
     symbols = subprocess.run(["nm", "--demangle", str(library)], capture_output=True, text=True, check=True).stdout
     assert "pagedserve::" in symbols  # the kernels' own functions are listed
     assert [line for line in symbols.splitlines() if "Pairs::operator()" in line] == []
+
+
+# The kernels build with -march=native, so each machine compiles only its own side of the sources' #if blocks; these
+# levels reach every side: AVX2 alone, AVX-512 without BF16 (Skylake-X, Cascade Lake), and BF16 with AMX.
+INSTRUCTION_SETS = ["haswell", "skylake-avx512", "sapphirerapids"]
+
+
+@pytest.mark.parametrize("march", INSTRUCTION_SETS)
+def test_the_kernels_compile_for_every_instruction_set_level(march):
+    """A name declared under one #if and used under a wider one breaks the build only on the CPUs in between: the
+    sources must parse (g++ -fsyntax-only, with the build's includes) at each level."""
+    includes = [f"-I{path}" for path in (*cpp_extension.include_paths(), sysconfig.get_paths()["include"],
+                                         cpu_extension.SOURCE_DIR)]
+    result = subprocess.run(["g++", "-std=c++20", "-fsyntax-only", f"-march={march}", "-fopenmp", *includes,
+                             str(cpu_extension.SOURCE_DIR / "module.cpp")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]

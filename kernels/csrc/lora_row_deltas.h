@@ -5,7 +5,6 @@
 #include <utility>
 #include <vector>
 
-#include "gemv_pairs.h"
 #include "lora.h"
 
 namespace pagedserve {
@@ -49,7 +48,7 @@ class RowDeltas {
       const int64_t first = shrunk_at_[m];
       int64_t end = first + 1;  // rows_[first..end): adapted rows of m's slot within this item
       while (end < int64_t(rows_.size()) && rows_[end] < m0 + count_rows && slots_[rows_[end]] == slots_[m]) ++end;
-      prefetch(slots_[m], n0 + count);
+      prefetch(slots_[m], n0 + count, count);
       int64_t part = 0;
       for (int64_t c0 = n0; c0 < n0 + count;) {
         while (L_.offsets && c0 >= L_.offsets[part + 1]) ++part;
@@ -67,16 +66,17 @@ class RowDeltas {
  private:
   void shrink(int64_t i) const { shrink_item(L_, x_, rows_.data(), i, K_, slots_, shrunk_.data()); }
 
-  // Slot s's bt columns of the item after this one (gemv_pairs hands each thread consecutive tiles), while this
-  // item's products run: each of the rank rows it reads lies a row of N outputs from the next, a stride the hardware
-  // prefetchers do not follow, and the adapters' rows leave the caches as the layers' weights stream through.
-  void prefetch(int64_t s, int64_t from) const {
+  // Slot s's bt columns of the item after this one (`width` outputs from `from`: gemv_pairs hands each thread
+  // consecutive tiles of one width), while this item's products run: each of the rank rows it reads lies a row of N
+  // outputs from the next, a stride the hardware prefetchers do not follow, and the adapters' rows leave the caches
+  // as the layers' weights stream through.
+  void prefetch(int64_t s, int64_t from, int64_t width) const {
     if (from >= N_) return;
     int64_t part = 0;
     while (L_.offsets && from >= L_.offsets[part + 1]) ++part;
     const int64_t rank = L_.width / L_.parts;
     const C* bt = static_cast<const C*>(L_.bt) + (s * L_.width + part * rank) * N_ + from;
-    const int64_t last = std::min<int64_t>(kPairTileRows, N_ - from) - 1;
+    const int64_t last = std::min(width, N_ - from) - 1;
     for (int64_t j = 0; j < rank; ++j) {
       _mm_prefetch(reinterpret_cast<const char*>(bt + j * N_), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(bt + j * N_ + last), _MM_HINT_T0);
